@@ -1,0 +1,89 @@
+"""Shared helpers for the benchmark scripts in bench/: timing, ceilings, environment and result files.
+
+Every benchmark times with CUDA events through ``triton.testing.do_bench`` (warm-up excluded), reports the
+median with the 10th and 90th percentiles, re-measures the two ceilings of the GPU in the same run
+(device-to-device copy bandwidth and cuBLAS fp16 matmul rate) and writes ``bench/results/<name>.json`` plus a
+Markdown table next to it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(os.environ.get("FUSEINFER_BENCH_DIR", Path(__file__).resolve().parent / "results"))
+
+
+def bench_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> dict:
+    """Times ``fn`` with CUDA events; returns median, p10 and p90 in milliseconds."""
+    from triton.testing import do_bench
+
+    p50, p10, p90 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.1, 0.9], return_mode="median")
+    return {"median_ms": p50, "p10_ms": p10, "p90_ms": p90}
+
+
+def measure_ceilings() -> dict:
+    """Measured copy bandwidth (bytes read + written per second) and cuBLAS fp16 matmul TFLOP/s."""
+    n = 1 << 28  # 256 Mi fp16 elements = 512 MiB per buffer, far beyond L2
+    src = torch.randn(n, device="cuda", dtype=torch.float16)
+    dst = torch.empty_like(src)
+    copy = bench_ms(lambda: dst.copy_(src))
+    copy_gbs = 2 * src.numel() * src.element_size() / (copy["median_ms"] * 1e-3) / 1e9  # read + write
+    del src, dst
+    m = 8192
+    a = torch.randn(m, m, device="cuda", dtype=torch.float16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.float16)
+    mm = bench_ms(lambda: a @ b)
+    tflops = 2 * m**3 / (mm["median_ms"] * 1e-3) / 1e12
+    return {"copy_GBps": copy_gbs, "matmul_fp16_TFLOPs": tflops}
+
+
+def environment() -> dict:
+    """GPU name, driver, CUDA, torch, transformers and fuseinfer versions."""
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    try:
+        import fuseinfer
+
+        env["fuseinfer"] = fuseinfer.__version__
+        env["fuseinfer_cuda_ext"] = fuseinfer.cuda_extension_available()
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        try:
+            env["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, check=True,
+            ).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            env["driver"] = "unknown"
+    return env
+
+
+def write_results(name: str, settings: dict, ceilings: dict, rows: list[dict], columns: list[str]) -> Path:
+    """Writes results/<name>.json and results/<name>.md; returns the JSON path."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps({"name": name, "environment": env, "settings": settings,
+                                "ceilings": ceilings, "rows": rows}, indent=2))
+    lines = [f"# {name}", "", f"GPU: {env.get('gpu')}, driver {env.get('driver')}, CUDA {env.get('cuda')}, "
+             f"torch {env.get('torch')}, transformers {env.get('transformers')}", "",
+             f"Ceilings measured in this run: copy {ceilings['copy_GBps']:.0f} GB/s, "
+             f"cuBLAS fp16 {ceilings['matmul_fp16_TFLOPs']:.0f} TFLOP/s. Settings: {json.dumps(settings)}", "",
+             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [f"{row[c]:.4g}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    (RESULTS_DIR / f"{name}.md").write_text("\n".join(lines) + "\n")
+    return path

@@ -1,0 +1,743 @@
+// Causal attention over a KV cache with per-row key masks: fuseinfer::attention_cuda (see fuseinfer.h).
+//
+// Two kernels families, chosen by attention_cuda:
+//
+//  * Prefill (fp16/bf16, Sq > 16): FlashAttention-2-style forward. One thread block owns BM = 16 * WARPS query
+//    rows of one (batch, head); each warp owns 16 rows and keeps its Q fragments in registers. The block walks
+//    the key axis in tiles of BN keys up to the causal limit of its last query (tiles past it are never
+//    touched), double-buffering K/V tiles in XOR-swizzled shared memory with cp.async. S = Q K^T and O += P V
+//    run on tensor cores (mma.sync m16n8k16, ldmatrix / ldmatrix.trans, fp32 accumulators); the softmax is
+//    online in the exp2 domain with fp32 row max / row sum. Causal, key_mask and tail masking are applied per
+//    element only in tiles that need them; a warp skips tiles that lie wholly above its diagonal.
+//
+//  * Split-KV (flash-decoding; every dtype when Sq <= 16, and the simple fp32 path for any Sq): grid over
+//    (batch * head, split, query chunk of QB queries). Each block runs an online softmax over its slice of the
+//    keys with 16-byte loads (G = D / VEC threads share one key row), merges its lanes and warps, and writes
+//    either the final output (one split) or a partial (max, sum, unnormalised acc) to fp32 scratch that
+//    combine_kernel merges. The number of splits is picked so that the grid fills the SMs.
+//
+// Semantics shared by both: query i of row b attends key j iff key_mask[b, j] && j <= q_start[b] + i
+// (q_start defaults to Skv - Sq); a query with no admissible key gets exactly 0. Scores are q.k * scale,
+// softmax in fp32; output (B, Sq, H, D) contiguous in q's dtype. Rows of K/V past the causal limit of a block
+// are never read (they may be unwritten cache slots).
+
+#include "fuseinfer.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace fuseinfer {
+namespace {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Everything both kernel families need; strides in elements.
+struct AttnParams {
+  const void* q;          // (B, H, Sq, D)
+  const void* k;          // (B, H, Skv, D)
+  const void* v;          // (B, H, Skv, D)
+  void* out;              // (B, Sq, H, D) contiguous
+  const bool* key_mask;   // (B, Skv) or nullptr
+  const int* q_start;     // (B,) or nullptr
+  int64_t q_sb, q_sh, q_ss;
+  int64_t k_sb, k_sh, k_ss;
+  int64_t v_sb, v_sh, v_ss;
+  int64_t m_sb, m_ss;     // key_mask strides
+  int64_t qs_s;           // q_start stride
+  int B, H, Sq, Skv;
+  float scale_log2;       // scale * log2(e): scores live in the exp2 domain
+};
+
+// ------------------------------------------------------------------------------------------------------------
+// Small device helpers
+// ------------------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float ex2(float x) {  // 2^x; ex2.approx(-inf) = +0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(float x) { return x; }
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+
+// Two floats -> one 32-bit register of two 16-bit values (x in the low half).
+template <typename T> __device__ __forceinline__ uint32_t pack2(float x, float y);
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float x, float y) {
+  __half2 h = __floats2half2_rn(x, y);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float x, float y) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// 16 loaded bytes -> 16 / sizeof(T) floats.
+__device__ __forceinline__ void unpack16(const uint4& r, const __half*, float* f) {
+  const __half2* h = reinterpret_cast<const __half2*>(&r);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 t = __half22float2(h[j]);
+    f[2 * j] = t.x;
+    f[2 * j + 1] = t.y;
+  }
+}
+__device__ __forceinline__ void unpack16(const uint4& r, const __nv_bfloat16*, float* f) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 t = __bfloat1622float2(h[j]);
+    f[2 * j] = t.x;
+    f[2 * j + 1] = t.y;
+  }
+}
+__device__ __forceinline__ void unpack16(const uint4& r, const float*, float* f) {
+  f[0] = __uint_as_float(r.x);
+  f[1] = __uint_as_float(r.y);
+  f[2] = __uint_as_float(r.z);
+  f[3] = __uint_as_float(r.w);
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared async copy; writes zeros (and reads nothing) when !valid.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// c (16x8 fp32) += a (16x16, row) * b (16x8, col).
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                                         const __half*) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                                         const __nv_bfloat16*) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Element offset of (row, 16-byte chunk) in a swizzled shared tile with D columns: chunk ^= row % 8, which
+// makes every ldmatrix phase (8 rows, same logical chunk) hit 8 distinct bank groups.
+template <int D>
+__device__ __forceinline__ int swz(int row, int chunk) {
+  return row * D + ((chunk ^ (row & 7)) << 3);
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Prefill: FlashAttention-2 forward on mma.sync
+// ------------------------------------------------------------------------------------------------------------
+
+// ROWS x D tile of a (rows, D) matrix with row stride `stride` -> swizzled shared memory; rows >= row_end are
+// zero-filled and not read.
+template <typename T, int D, int ROWS, int NT>
+__device__ __forceinline__ void load_tile(T* s, const T* g, int64_t stride, int row0, int row_end, int tid) {
+  constexpr int CH = D / 8;  // 16-byte chunks per row
+  static_assert((ROWS * CH) % NT == 0, "tile must split evenly over the threads");
+#pragma unroll
+  for (int it = 0; it < ROWS * CH / NT; ++it) {
+    const int i = it * NT + tid;
+    const int r = i / CH, ch = i % CH;
+    const bool valid = row0 + r < row_end;
+    const T* src = g + (valid ? (row0 + r) * stride + ch * 8 : 0);
+    cp_async16(smem_addr(s + swz<D>(r, ch)), src, valid);
+  }
+}
+
+// grid (B * H, ceil(Sq / BM)), block 32 * WARPS, dynamic smem 2 stages x (K, V) x BN x D.
+template <typename T, int D, int WARPS, int BN, int MIN_BLOCKS>
+__global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) prefill_kernel(const AttnParams p) {
+  constexpr int NT = 32 * WARPS;
+  constexpr int BM = 16 * WARPS;   // query rows per block, 16 per warp
+  constexpr int NTILE = BN / 8;    // n8 tiles of S per warp
+  constexpr int KSTEP = D / 16;    // k16 steps of Q K^T
+  constexpr int STAGE = 2 * BN * D;  // elements of one K + V stage
+  static_assert(D % 64 == 0 && BN % 32 == 0 && BM <= 2 * BN, "Q tile must fit in one K/V stage");
+  static_assert(BN / 32 <= WARPS, "one mask word per warp");
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* smem = reinterpret_cast<T*>(smem_raw);  // [stage][K | V][BN][D], Q aliased on stage 1 at start
+  __shared__ uint32_t s_mbits[2][BN / 32];    // key_mask bits of the tile in each stage
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
+  const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;  // heaviest (last) query blocks launch first
+  const int Sq = p.Sq, Skv = p.Skv;
+  const int qs = p.q_start ? p.q_start[b * p.qs_s] : Skv - Sq;
+  const int last_q = min(m0 + BM, Sq) - 1;
+  const int n_end = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(Skv, int64_t(qs) + last_q + 1)));
+  const int n_tiles = (n_end + BN - 1) / BN;
+  const bool has_mask = p.key_mask != nullptr;
+
+  const T* qg = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh;
+  const T* kg = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh;
+  const T* vg = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh;
+  const bool* mrow = has_mask ? p.key_mask + b * p.m_sb : nullptr;
+  auto mask_at = [&](int key) -> bool { return key < n_end && mrow[key * p.m_ss]; };
+
+  // Prologue: Q tile (BM x D) into stage 1, K/V tile 0 into stage 0, key_mask bits of tile 0.
+  load_tile<T, D, BM, NT>(smem + STAGE, qg, p.q_ss, m0, Sq, tid);
+  if (n_tiles > 0) {
+    load_tile<T, D, BN, NT>(smem, kg, p.k_ss, 0, n_end, tid);
+    load_tile<T, D, BN, NT>(smem + BN * D, vg, p.v_ss, 0, n_end, tid);
+  }
+  cp_async_commit();
+  bool mask_next = false;  // warps < BN/32: this lane's key_mask bit of the tile after the next one
+  if (has_mask && warp < BN / 32) {
+    const unsigned bits = __ballot_sync(kFullMask, mask_at(warp * 32 + lane));
+    if (lane == 0) s_mbits[0][warp] = bits;
+    mask_next = mask_at(BN + warp * 32 + lane);
+  }
+  cp_async_wait_all();
+  __syncthreads();
+
+  // Q fragments (A operand) of this warp's 16 rows: qf[kk] covers columns 16kk..16kk+15.
+  uint32_t qf[KSTEP][4];
+  {
+    const int r = warp * 16 + (lane & 15);
+#pragma unroll
+    for (int kk = 0; kk < KSTEP; ++kk)
+      ldmatrix_x4(qf[kk], smem_addr(smem + STAGE + swz<D>(r, kk * 2 + (lane >> 4))));
+  }
+
+  // Accumulator layout (m16n8 C fragment): element e of tile t sits at row lane/4 + 8*(e/2),
+  // column 8t + 2*(lane%4) + e%2. Thread rows r = 0, 1 are query rows qrow[r].
+  float o[D / 8][4];
+#pragma unroll
+  for (int t = 0; t < D / 8; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};  // running max of scaled scores (log2 domain)
+  float row_sum[2] = {0.f, 0.f};              // this thread's share of the running sum
+  const int warp_q0 = m0 + warp * 16;
+  int lim[2];  // last admissible key of each thread row (causal and Skv / n_end bound)
+#pragma unroll
+  for (int r = 0; r < 2; ++r) lim[r] = min(qs + warp_q0 + (lane >> 2) + 8 * r, n_end - 1);
+
+  const uint32_t xr = lane & 7;  // swizzle key of every ldmatrix row this lane addresses
+  for (int t = 0; t < n_tiles; ++t) {
+    cp_async_wait_all();
+    __syncthreads();  // tile t is in stage t&1; everyone is done with stage (t+1)&1
+    if (t + 1 < n_tiles) {
+      T* st = smem + ((t + 1) & 1) * STAGE;
+      load_tile<T, D, BN, NT>(st, kg, p.k_ss, (t + 1) * BN, n_end, tid);
+      load_tile<T, D, BN, NT>(st + BN * D, vg, p.v_ss, (t + 1) * BN, n_end, tid);
+      cp_async_commit();
+      if (has_mask && warp < BN / 32) {
+        const unsigned bits = __ballot_sync(kFullMask, mask_next);
+        if (lane == 0) s_mbits[(t + 1) & 1][warp] = bits;
+        mask_next = mask_at((t + 2) * BN + warp * 32 + lane);
+      }
+    }
+    const int n0 = t * BN;
+    if (qs + warp_q0 + 15 < n0) continue;  // whole tile above this warp's diagonal
+
+    const T* sk = smem + (t & 1) * STAGE;
+    const T* sv = sk + BN * D;
+
+    // S (16 x BN) = Q K^T. ldmatrix.x4 on K rows gives B fragments of two n8 tiles:
+    // matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15).
+    float s[NTILE][4];
+#pragma unroll
+    for (int j = 0; j < NTILE; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    {
+      const int kr = (lane & 7) + ((lane >> 4) << 3);  // K row within a 16-row pair of n tiles
+      const int kc = (lane >> 3) & 1;                  // +0 / +8 columns
+#pragma unroll
+      for (int kk = 0; kk < KSTEP; ++kk) {
+#pragma unroll
+        for (int j2 = 0; j2 < NTILE / 2; ++j2) {
+          uint32_t bf[4];
+          ldmatrix_x4(bf, smem_addr(sk + (j2 * 16 + kr) * D + (((kk * 2 + kc) ^ xr) << 3)));
+          mma16816(s[2 * j2], qf[kk], bf[0], bf[1], sk);
+          mma16816(s[2 * j2 + 1], qf[kk], bf[2], bf[3], sk);
+        }
+      }
+    }
+
+    // Scale into the log2 domain and mask (-inf) where the tile needs it.
+    const bool need_mask = has_mask || n0 + BN - 1 > qs + warp_q0 || n0 + BN > n_end;
+    if (need_mask) {
+      uint32_t mw[BN / 32];
+#pragma unroll
+      for (int w = 0; w < BN / 32; ++w) mw[w] = has_mask ? s_mbits[t & 1][w] : kFullMask;
+#pragma unroll
+      for (int j = 0; j < NTILE; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = j * 8 + 2 * (lane & 3) + (e & 1);  // column within the tile
+          const bool ok = n0 + c <= lim[e >> 1] && ((mw[c >> 5] >> (c & 31)) & 1u);
+          s[j][e] = ok ? s[j][e] * p.scale_log2 : -INFINITY;
+        }
+    } else {
+#pragma unroll
+      for (int j = 0; j < NTILE; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] *= p.scale_log2;
+    }
+
+    // Online softmax: new row max over the 4 lanes of a row, rescale O and the sum, P = 2^(S - max).
+    float mx[2] = {row_max[0], row_max[1]};
+#pragma unroll
+    for (int j = 0; j < NTILE; ++j) {
+      mx[0] = fmaxf(mx[0], fmaxf(s[j][0], s[j][1]));
+      mx[1] = fmaxf(mx[1], fmaxf(s[j][2], s[j][3]));
+    }
+    float base[2], corr[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFullMask, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFullMask, mx[r], 2));
+      base[r] = mx[r] == -INFINITY ? 0.f : mx[r];  // fully masked so far: keep P = 0, avoid inf - inf
+      corr[r] = ex2(row_max[r] - base[r]);
+      row_max[r] = mx[r];
+      row_sum[r] *= corr[r];
+    }
+#pragma unroll
+    for (int j = 0; j < NTILE; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[j][e] = ex2(s[j][e] - base[e >> 1]);
+        row_sum[e >> 1] += s[j][e];
+      }
+#pragma unroll
+    for (int d = 0; d < D / 8; ++d)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[d][e] *= corr[e >> 1];
+
+    // O (16 x D) += P (16 x BN) V (BN x D). P's A fragment for keys 16kk..16kk+15 is S tiles 2kk, 2kk+1
+    // repacked; ldmatrix.x4.trans on V rows gives B fragments of two n8 (head-dim) tiles:
+    // matrices (key 0-7, d 0-7), (key 8-15, d 0-7), (key 0-7, d 8-15), (key 8-15, d 8-15).
+    {
+      const int vr = (lane & 7) + (((lane >> 3) & 1) << 3);  // V row (key) within 16
+      const int vc = lane >> 4;                              // +0 / +8 columns
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        const uint32_t pa[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                                pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+        for (int d2 = 0; d2 < D / 16; ++d2) {
+          uint32_t bf[4];
+          ldmatrix_x4_trans(bf, smem_addr(sv + (kk * 16 + vr) * D + (((d2 * 2 + vc) ^ xr) << 3)));
+          mma16816(o[2 * d2], pa, bf[0], bf[1], sv);
+          mma16816(o[2 * d2 + 1], pa, bf[2], bf[3], sv);
+        }
+      }
+    }
+  }
+
+  // Normalise and store to out (B, Sq, H, D); rows with no admissible key have sum 0 and store 0.
+  T* out = static_cast<T*>(p.out);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = row_sum[r];
+    l += __shfl_xor_sync(kFullMask, l, 1);
+    l += __shfl_xor_sync(kFullMask, l, 2);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int qrow = warp_q0 + (lane >> 2) + 8 * r;
+    if (qrow >= Sq) continue;
+    T* orow = out + ((int64_t(b) * Sq + qrow) * p.H + h) * D + 2 * (lane & 3);
+#pragma unroll
+    for (int d = 0; d < D / 8; ++d)
+      *reinterpret_cast<uint32_t*>(orow + d * 8) = pack2<T>(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Split-KV (flash-decoding)
+// ------------------------------------------------------------------------------------------------------------
+
+constexpr int kSplitThreads = 128;
+
+template <typename T, int D, int QB>
+struct SplitCfg {
+  static constexpr int VEC = 16 / sizeof(T);       // elements per 16-byte load
+  static constexpr int G = D / VEC;                // threads sharing one key row
+  static constexpr int KPS = kSplitThreads / G;    // keys per block step
+  static constexpr int U = QB >= 8 ? 2 : 4;        // key rows in flight per thread
+  static constexpr int KPI = KPS * U;              // keys per block iteration
+  static constexpr int MIN_BLOCKS = QB == 1 ? 6 : (QB == 2 ? 4 : (QB == 4 ? 3 : 2));  // resident blocks / SM
+  static_assert(G <= 32 && 32 % G == 0, "a key row must be read by a power-of-two part of a warp");
+};
+
+// grid (B * H, splits, ceil(Sq / QB)), block kSplitThreads. Block (bh, split, z) handles queries
+// z*QB .. z*QB+QB-1 over keys [split * kps, (split + 1) * kps) of [0, key_end), where key_end is the causal
+// limit of its last query and kps = round_up(ceil(key_end / splits), KPI). splits == 1: writes out;
+// else writes part_acc (B*H, Sq, splits, D) and part_ml (B*H, Sq, splits) = (max, sum).
+template <typename T, int D, int QB>
+__global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
+    split_kv_kernel(const AttnParams p, float* __restrict__ part_acc, float2* __restrict__ part_ml) {
+  using Cfg = SplitCfg<T, D, QB>;
+  constexpr int VEC = Cfg::VEC, G = Cfg::G, KPS = Cfg::KPS, U = Cfg::U, KPI = Cfg::KPI;
+  constexpr int NW = kSplitThreads / 32;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int grp = tid / G, c = tid % G;  // key slot within a step, 16-byte chunk of the row
+  const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
+  const int split = blockIdx.y, splits = gridDim.y;
+  const int q0 = blockIdx.z * QB, nq = min(QB, p.Sq - q0);
+  const int qs = p.q_start ? p.q_start[b * p.qs_s] : p.Skv - p.Sq;
+  const int key_end =
+      static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(p.Skv, int64_t(qs) + q0 + nq)));
+  const int kps = ((key_end + splits - 1) / splits + KPI - 1) / KPI * KPI;
+  const int kb0 = split * kps, kb1 = min(kb0 + kps, key_end);
+
+  // This thread's slice of each query, pre-scaled into the log2 domain; missing queries are 0.
+  float qf[QB][VEC];
+  {
+    const T* qg = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + c * VEC;
+#pragma unroll
+    for (int i = 0; i < QB; ++i)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) qf[i][e] = i < nq ? to_f(qg[(q0 + i) * p.q_ss + e]) * p.scale_log2 : 0.f;
+  }
+  float m[QB], l[QB], acc[QB][VEC];  // per query: running max, sum, this thread's D-slice of P V
+#pragma unroll
+  for (int i = 0; i < QB; ++i) {
+    m[i] = -INFINITY;
+    l[i] = 0.f;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) acc[i][e] = 0.f;
+  }
+
+  const T* kg = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + c * VEC;
+  const T* vg = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + c * VEC;
+  const bool* mrow = p.key_mask ? p.key_mask + b * p.m_sb : nullptr;
+  for (int kb = kb0; kb < kb1; kb += KPI) {
+    // Issue every load of the iteration first: U key rows (K and V) and their mask bytes.
+    uint4 kr[U], vr[U];
+    bool ok[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int key = kb + u * KPS + grp;
+      const bool in = key < kb1;
+      kr[u] = in ? __ldg(reinterpret_cast<const uint4*>(kg + key * p.k_ss)) : make_uint4(0, 0, 0, 0);
+      vr[u] = in ? __ldg(reinterpret_cast<const uint4*>(vg + key * p.v_ss)) : make_uint4(0, 0, 0, 0);
+      ok[u] = in && (mrow == nullptr || mrow[key * p.m_ss]);
+    }
+    // Scores of the U keys for every query (G-lane reduction), -inf where not admissible.
+    float sc[U][QB];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float kf[VEC];
+      unpack16(kr[u], static_cast<const T*>(nullptr), kf);
+      const int key = kb + u * KPS + grp;
+#pragma unroll
+      for (int i = 0; i < QB; ++i) {
+        float s = 0.f;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) s = fmaf(qf[i][e], kf[e], s);
+#pragma unroll
+        for (int off = G / 2; off > 0; off >>= 1) s += __shfl_xor_sync(kFullMask, s, off);
+        sc[u][i] = ok[u] && key <= qs + q0 + i ? s : -INFINITY;
+      }
+    }
+    // Online update: new max over the U keys, rescale, then P V one key row at a time.
+    float base[QB];  // exponent base; 0 while a query has nothing admissible (keeps P = 0, avoids inf - inf)
+#pragma unroll
+    for (int i = 0; i < QB; ++i) {
+      float mx = m[i];
+#pragma unroll
+      for (int u = 0; u < U; ++u) mx = fmaxf(mx, sc[u][i]);
+      base[i] = mx == -INFINITY ? 0.f : mx;
+      const float corr = ex2(m[i] - base[i]);
+      m[i] = mx;
+      l[i] *= corr;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[i][e] *= corr;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float vf[VEC];
+      unpack16(vr[u], static_cast<const T*>(nullptr), vf);
+#pragma unroll
+      for (int i = 0; i < QB; ++i) {
+        const float pu = ex2(sc[u][i] - base[i]);
+        l[i] += pu;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[i][e] = fmaf(pu, vf[e], acc[i][e]);
+      }
+    }
+  }
+
+  // Merge the key slots of a warp (lanes with equal c), then the warps through shared memory.
+#pragma unroll
+  for (int off = G; off < 32; off <<= 1)
+#pragma unroll
+    for (int i = 0; i < QB; ++i) {
+      const float mo = __shfl_xor_sync(kFullMask, m[i], off);
+      const float lo = __shfl_xor_sync(kFullMask, l[i], off);
+      const float mn = fmaxf(m[i], mo);
+      const float ca = mn == -INFINITY ? 0.f : ex2(m[i] - mn);
+      const float cb = mn == -INFINITY ? 0.f : ex2(mo - mn);
+      m[i] = mn;
+      l[i] = l[i] * ca + lo * cb;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[i][e] = acc[i][e] * ca + __shfl_xor_sync(kFullMask, acc[i][e], off) * cb;
+    }
+  __shared__ float s_acc[NW][QB][D];
+  __shared__ float s_m[NW][QB], s_l[NW][QB];
+  if (lane < G) {
+#pragma unroll
+    for (int i = 0; i < QB; ++i) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) s_acc[warp][i][c * VEC + e] = acc[i][e];
+      if (lane == 0) {
+        s_m[warp][i] = m[i];
+        s_l[warp][i] = l[i];
+      }
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < nq * D; idx += kSplitThreads) {
+    const int i = idx / D, d = idx % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, s_m[w][i]);
+    float a = 0.f, sum = 0.f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float cw = ex2(s_m[w][i] - mx);
+        sum += cw * s_l[w][i];
+        a += cw * s_acc[w][i][d];
+      }
+    }
+    if (splits == 1) {
+      T* out = static_cast<T*>(p.out);
+      out[((int64_t(b) * p.Sq + q0 + i) * p.H + h) * D + d] = from_f<T>(sum > 0.f ? a / sum : 0.f);
+    } else {
+      const int64_t row = (int64_t(bh) * p.Sq + q0 + i) * splits + split;
+      part_acc[row * D + d] = a;
+      if (d == 0) part_ml[row] = make_float2(mx, sum);
+    }
+  }
+}
+
+// Merges the splits of each (b, h, query): grid ceil(B*H*Sq / blockDim.y), block (D, 256 / D).
+template <typename T>
+__global__ void __launch_bounds__(256) combine_kernel(const float* __restrict__ part_acc,
+                                                      const float2* __restrict__ part_ml, T* __restrict__ out,
+                                                      int rows, int H, int Sq, int D, int splits) {
+  const int row = blockIdx.x * blockDim.y + threadIdx.y;  // (b * H + h) * Sq + qi
+  if (row >= rows) return;
+  const int d = threadIdx.x;
+  const float2* ml = part_ml + int64_t(row) * splits;
+  const float* pa = part_acc + int64_t(row) * splits * D + d;
+  float mx = -INFINITY;
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, ml[s].x);
+  float a = 0.f, sum = 0.f;
+  if (mx != -INFINITY) {
+    for (int s = 0; s < splits; ++s) {
+      const float cw = ex2(ml[s].x - mx);
+      sum += cw * ml[s].y;
+      a += cw * pa[int64_t(s) * D];
+    }
+  }
+  const int bh = row / Sq, qi = row % Sq, b = bh / H, h = bh % H;
+  out[((int64_t(b) * Sq + qi) * H + h) * D + d] = from_f<T>(sum > 0.f ? a / sum : 0.f);
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Host side
+// ------------------------------------------------------------------------------------------------------------
+
+template <typename T, int D, int WARPS, int BN, int MIN_BLOCKS>
+void run_prefill(const AttnParams& p, cudaStream_t stream) {
+  constexpr int BM = 16 * WARPS;
+  const int smem = 4 * BN * D * static_cast<int>(sizeof(T));
+  auto kernel = prefill_kernel<T, D, WARPS, BN, MIN_BLOCKS>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const dim3 grid(p.B * p.H, (p.Sq + BM - 1) / BM);
+  kernel<<<grid, 32 * WARPS, smem, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void prefill(const AttnParams& p, int D, cudaStream_t stream) {
+  if (D == 64)
+    run_prefill<T, 64, 8, 64, 2>(p, stream);
+  else
+    run_prefill<T, 128, 8, 64, 1>(p, stream);
+}
+
+template <typename T, int D, int QB>
+void run_split_kv(const AttnParams& p, const at::Tensor& q, cudaStream_t stream) {
+  using Cfg = SplitCfg<T, D, QB>;
+  const int qchunks = (p.Sq + QB - 1) / QB;
+  const int64_t base = int64_t(p.B) * p.H * qchunks;
+  // Enough blocks for ~MIN_BLOCKS resident per SM, at least one full iteration (KPI keys) per split.
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t want = (int64_t(sms) * Cfg::MIN_BLOCKS + base - 1) / base;
+  const int64_t max_splits = std::min<int64_t>(128, (p.Skv + Cfg::KPI - 1) / Cfg::KPI);
+  const int splits = static_cast<int>(std::max<int64_t>(1, std::min(want, max_splits)));
+
+  at::Tensor part_acc, part_ml;
+  if (splits > 1) {
+    const int64_t rows = int64_t(p.B) * p.H * p.Sq;
+    part_acc = at::empty({rows, splits, D}, q.options().dtype(at::kFloat));
+    part_ml = at::empty({rows, splits, 2}, q.options().dtype(at::kFloat));
+  }
+  float* acc_ptr = splits > 1 ? part_acc.data_ptr<float>() : nullptr;
+  float2* ml_ptr = splits > 1 ? reinterpret_cast<float2*>(part_ml.data_ptr<float>()) : nullptr;
+  split_kv_kernel<T, D, QB><<<dim3(p.B * p.H, splits, qchunks), kSplitThreads, 0, stream>>>(p, acc_ptr, ml_ptr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (splits > 1) {
+    const int rows = p.B * p.H * p.Sq;
+    const dim3 block(D, 256 / D);
+    combine_kernel<T><<<(rows + block.y - 1) / block.y, block, 0, stream>>>(
+        acc_ptr, ml_ptr, static_cast<T*>(p.out), rows, p.H, p.Sq, D, splits);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+template <typename T, int D>
+void split_kv_d(const AttnParams& p, const at::Tensor& q, cudaStream_t stream) {
+  if (p.Sq == 1)
+    run_split_kv<T, D, 1>(p, q, stream);
+  else if (p.Sq == 2)
+    run_split_kv<T, D, 2>(p, q, stream);
+  else if (p.Sq <= 4)
+    run_split_kv<T, D, 4>(p, q, stream);
+  else
+    run_split_kv<T, D, 8>(p, q, stream);
+}
+
+template <typename T>
+void split_kv(const AttnParams& p, const at::Tensor& q, int D, cudaStream_t stream) {
+  if (D == 64)
+    split_kv_d<T, 64>(p, q, stream);
+  else
+    split_kv_d<T, 128>(p, q, stream);
+}
+
+// t itself when its base and its strides over the first three dims allow 16-byte accesses, else an aligned
+// contiguous copy (on the current stream, from PyTorch's allocator: graph-capturable).
+at::Tensor aligned16(const at::Tensor& t) {
+  const int64_t vec = 16 / t.element_size();
+  bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int d = 0; d < 3; ++d) ok = ok && (t.size(d) == 1 || t.stride(d) % vec == 0);
+  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+}  // namespace
+
+at::Tensor attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                          const c10::optional<at::Tensor>& key_mask, const c10::optional<at::Tensor>& q_start,
+                          double scale) {
+  TORCH_CHECK(q_in.is_cuda() && k_in.is_cuda() && v_in.is_cuda(), "attention_cuda: q, k, v must be CUDA tensors");
+  TORCH_CHECK(q_in.dim() == 4 && k_in.dim() == 4 && v_in.dim() == 4,
+              "attention_cuda: q, k, v must be 4-D (B, H, S, D)");
+  TORCH_CHECK(k_in.device() == q_in.device() && v_in.device() == q_in.device(),
+              "attention_cuda: q, k, v must be on one device");
+  const auto dtype = q_in.scalar_type();
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat,
+              "attention_cuda: dtype must be float16, bfloat16 or float32, got ", dtype);
+  TORCH_CHECK(k_in.scalar_type() == dtype && v_in.scalar_type() == dtype,
+              "attention_cuda: q, k, v must share one dtype");
+  const int64_t B = q_in.size(0), H = q_in.size(1), Sq = q_in.size(2), D = q_in.size(3), Skv = k_in.size(2);
+  TORCH_CHECK(k_in.size(0) == B && k_in.size(1) == H && k_in.size(3) == D && v_in.sizes() == k_in.sizes(),
+              "attention_cuda: k and v must be (B, H, Skv, D) matching q ", q_in.sizes(), ", got k ",
+              k_in.sizes(), " and v ", v_in.sizes());
+  TORCH_CHECK(D == 64 || D == 128, "attention_cuda: head dim must be 64 or 128 (got ", D,
+              "); use the reference implementation for other head dims");
+  TORCH_CHECK(q_in.stride(3) == 1 && k_in.stride(3) == 1 && v_in.stride(3) == 1,
+              "attention_cuda: the last dim of q, k, v must be contiguous (stride 1)");
+  TORCH_CHECK(B * H <= INT32_MAX && Sq <= INT32_MAX && Skv <= INT32_MAX, "attention_cuda: sizes too large");
+  TORCH_CHECK(std::isfinite(scale), "attention_cuda: scale must be finite");
+
+  const at::cuda::CUDAGuard guard(q_in.device());
+  at::Tensor out = at::empty({B, Sq, H, D}, q_in.options());
+  if (out.numel() == 0) return out;
+  if (Skv == 0) return out.zero_();
+
+  AttnParams p{};
+  at::Tensor mask;
+  if (key_mask.has_value() && key_mask->defined()) {
+    mask = *key_mask;
+    TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == B && mask.size(1) == Skv,
+                "attention_cuda: key_mask must be a (B, Skv) = (", B, ", ", Skv, ") bool tensor, got ",
+                mask.scalar_type(), " ", mask.sizes());
+    TORCH_CHECK(mask.device() == q_in.device(), "attention_cuda: key_mask must be on q's device");
+    p.key_mask = mask.data_ptr<bool>();
+    p.m_sb = mask.stride(0);
+    p.m_ss = mask.stride(1);
+  }
+  at::Tensor qstart;
+  if (q_start.has_value() && q_start->defined()) {
+    qstart = *q_start;
+    TORCH_CHECK(qstart.scalar_type() == at::kInt && qstart.dim() == 1 && qstart.size(0) == B,
+                "attention_cuda: q_start must be a (B,) = (", B, ",) int32 tensor, got ", qstart.scalar_type(),
+                " ", qstart.sizes());
+    TORCH_CHECK(qstart.device() == q_in.device(), "attention_cuda: q_start must be on q's device");
+    p.q_start = qstart.data_ptr<int>();
+    p.qs_s = qstart.stride(0);
+  }
+
+  // 16-byte loads: K/V always, Q too on the cp.async (prefill) path.
+  const bool use_prefill = dtype != at::kFloat && Sq > 16;
+  const at::Tensor q = use_prefill ? aligned16(q_in) : q_in;
+  const at::Tensor k = aligned16(k_in), v = aligned16(v_in);
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.out = out.data_ptr();
+  p.q_sb = q.stride(0), p.q_sh = q.stride(1), p.q_ss = q.stride(2);
+  p.k_sb = k.stride(0), p.k_sh = k.stride(1), p.k_ss = k.stride(2);
+  p.v_sb = v.stride(0), p.v_sh = v.stride(1), p.v_ss = v.stride(2);
+  p.B = static_cast<int>(B), p.H = static_cast<int>(H), p.Sq = static_cast<int>(Sq), p.Skv = static_cast<int>(Skv);
+  p.scale_log2 = static_cast<float>(scale) * kLog2e;
+
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int d = static_cast<int>(D);
+  if (use_prefill) {
+    if (dtype == at::kHalf)
+      prefill<__half>(p, d, stream);
+    else
+      prefill<__nv_bfloat16>(p, d, stream);
+  } else if (dtype == at::kHalf) {
+    split_kv<__half>(p, q, d, stream);
+  } else if (dtype == at::kBFloat16) {
+    split_kv<__nv_bfloat16>(p, q, d, stream);
+  } else {
+    split_kv<float>(p, q, d, stream);
+  }
+  return out;
+}
+
+}  // namespace fuseinfer

@@ -1,0 +1,36 @@
+// fuseinfer CUDA extension: declarations shared by the kernels and the Python bindings.
+//
+// Every function here is called from Python through fuseinfer._C (see bindings.cpp) by the CUDA
+// implementation of a torch.library custom op in fuseinfer/ops/. The Python side has already checked
+// device, dtype and shapes; kernels still TORCH_CHECK what they rely on (contiguity, alignment).
+#pragma once
+#include <torch/extension.h>
+#include <tuple>
+
+namespace fuseinfer {
+
+// y = LayerNorm(s) * weight + bias, where s = x + residual rounded to x's dtype (s = x when residual is
+// undefined). Statistics in fp32. x, residual: (..., N) contiguous, same dtype (fp16/bf16/fp32);
+// weight, bias: (N,) or undefined. Returns (y, s); s is an empty tensor when store_sum is false.
+std::tuple<at::Tensor, at::Tensor> add_layer_norm_cuda(
+    const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+    double eps, bool store_sum);
+
+// y = act(x @ w^T + bias + residual). x: (M, K), w: (N, K), bias: (N,), residual: (M, N);
+// activation is "none" or "relu" (relu only without residual). Same dtype throughout.
+at::Tensor linear_epilogue_cuda(
+    const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+    const c10::optional<at::Tensor>& residual, const std::string& activation);
+
+// Causal attention over a KV cache with per-row key masks.
+// q: (B, H, Sq, D); k, v: (B, H, Skv, D); last dim contiguous, other strides arbitrary.
+// key_mask: (B, Skv) bool, true = real token (undefined: all real).
+// q_start: (B,) int32, key index of query 0 (undefined: Skv - Sq for every row).
+// Query i of row b attends key j iff key_mask[b, j] and j <= q_start[b] + i; a query with no key
+// gets 0. Returns (B, Sq, H, D) contiguous, q's dtype.
+at::Tensor attention_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const c10::optional<at::Tensor>& key_mask, const c10::optional<at::Tensor>& q_start, double scale);
+
+}  // namespace fuseinfer

@@ -1,0 +1,79 @@
+"""Causal attention over a KV cache with per-row key masks (FlashAttention-style on CUDA).
+
+One op serves prefill and decode: queries ``q`` (B, H, Sq, D) attend keys ``k``/values ``v`` (B, H, Skv, D)
+that may come from a cache. Masking is described per row instead of by a (B, 1, Sq, Skv) tensor:
+
+* ``key_mask`` (B, Skv) bool, True for real tokens (None: all real) — left padding, static-cache slack;
+* ``q_start`` (B,) int32, the key index of query 0 (None: ``Skv - Sq``, bottom-right-aligned causal).
+
+Query ``i`` of row ``b`` attends key ``j`` iff ``key_mask[b, j] and j <= q_start[b] + i``; a query with no
+such key returns 0 (never NaN, so padded positions cannot poison later layers). ``q`` is not pre-scaled:
+``scale`` multiplies ``q @ k.T``. The output is (B, Sq, H, D), the layout OPT's out_proj reads.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._ext import extension
+
+KERNEL_HEAD_DIMS = (64, 128)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def allowed_mask(key_mask, q_start, b: int, sq: int, skv: int, device) -> torch.Tensor:
+    """(B, 1, Sq, Skv) bool: which key each query may attend, from the per-row description."""
+    if q_start is None:
+        q_start = torch.full((b,), skv - sq, dtype=torch.int32, device=device)
+    qpos = q_start.view(b, 1, 1, 1) + torch.arange(sq, device=device).view(1, 1, sq, 1)  # (B, 1, Sq, 1)
+    allowed = torch.arange(skv, device=device).view(1, 1, 1, skv) <= qpos  # (B, 1, Sq, Skv)
+    if key_mask is not None:
+        allowed = allowed & key_mask.view(b, 1, 1, skv)
+    return allowed
+
+
+def attention_ref(q, k, v, key_mask, q_start, scale: float) -> torch.Tensor:
+    """Pure-PyTorch reference in fp32: softmax(scale * q k^T, masked) v -> (B, Sq, H, D) in q's dtype."""
+    b, _, sq, _ = q.shape
+    skv = k.shape[2]
+    allowed = allowed_mask(key_mask, q_start, b, sq, skv, q.device)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # (B, H, Sq, Skv)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no key: all -inf -> NaN -> 0
+    out = torch.matmul(probs, v.float())  # (B, H, Sq, D)
+    return out.transpose(1, 2).contiguous().to(q.dtype)
+
+
+@torch.library.custom_op("fuseinfer::attention", mutates_args=())
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+    q_start: torch.Tensor | None, scale: float,
+) -> torch.Tensor:
+    return attention_ref(q, k, v, key_mask, q_start, scale)
+
+
+def kernel_supports(q: torch.Tensor) -> bool:
+    """Whether the CUDA kernel handles this query tensor (else the op runs the reference)."""
+    return q.dtype in KERNEL_DTYPES and q.shape[-1] in KERNEL_HEAD_DIMS
+
+
+@_attention.register_kernel("cuda")
+def _attention_cuda(q, k, v, key_mask, q_start, scale):
+    ext = extension()
+    if ext is None or not kernel_supports(q):
+        return attention_ref(q, k, v, key_mask, q_start, scale)
+    return ext.attention(q, k, v, key_mask, q_start, scale)
+
+
+@_attention.register_fake
+def _(q, k, v, key_mask, q_start, scale):
+    b, h, sq, d = q.shape
+    return q.new_empty(b, sq, h, d)
+
+
+def attention(q, k, v, key_mask=None, q_start=None, scale: float | None = None) -> torch.Tensor:
+    """Masked causal attention; see the module docstring. Returns (B, Sq, H, D)."""
+    if q.dim() != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"expected q (B,H,Sq,D) and k, v (B,H,Skv,D); got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return torch.ops.fuseinfer.attention(q, k, v, key_mask, q_start, scale)

@@ -1,0 +1,49 @@
+"""Residual add + LayerNorm, fused: ``s = x + residual; y = LayerNorm(s)``, returning ``(y, s)``.
+
+Serves both OPT layouts: pre-LN blocks normalise the residual stream (``residual=None``), post-LN blocks
+(opt-350m) normalise ``residual + sublayer_out`` in one pass. The sum is rounded to the input dtype before
+normalising, exactly like eager PyTorch's ``layer_norm(residual + x)``; statistics are fp32.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._ext import extension
+
+
+def add_layer_norm_ref(x, residual, weight, bias, eps: float, store_sum: bool):
+    """Pure-PyTorch reference. x, residual: (..., N); weight, bias: (N,) or None -> (y, s)."""
+    s = x if residual is None else x + residual
+    y = torch.nn.functional.layer_norm(s, (s.shape[-1],), weight, bias, eps)
+    return y, (s if store_sum else x.new_empty(0))
+
+
+@torch.library.custom_op("fuseinfer::add_layer_norm", mutates_args=())
+def _add_layer_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, bias: torch.Tensor | None,
+    eps: float, store_sum: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    y, s = add_layer_norm_ref(x, residual, weight, bias, eps, store_sum)
+    # custom ops may not return their inputs: s is x itself when there is no residual
+    return y, (s.clone() if s is x else s)
+
+
+@_add_layer_norm.register_kernel("cuda")
+def _add_layer_norm_cuda(x, residual, weight, bias, eps, store_sum):
+    ext = extension()
+    if ext is None:
+        y, s = add_layer_norm_ref(x, residual, weight, bias, eps, store_sum)
+        return y, (s.clone() if s is x else s)
+    x = x.contiguous()
+    residual = None if residual is None else residual.contiguous()
+    return ext.add_layer_norm(x, residual, weight, bias, eps, store_sum)
+
+
+@_add_layer_norm.register_fake
+def _(x, residual, weight, bias, eps, store_sum):
+    return torch.empty_like(x), (torch.empty_like(x) if store_sum else x.new_empty(0))
+
+
+def add_layer_norm(x, residual=None, weight=None, bias=None, eps: float = 1e-5, store_sum: bool = False):
+    """Fused residual add + LayerNorm over the last dim. Returns ``(y, s)``; ``s`` is empty unless store_sum."""
+    return torch.ops.fuseinfer.add_layer_norm(x, residual, weight, bias, eps, store_sum)

@@ -1,0 +1,61 @@
+"""Linear layer with a fused epilogue: ``y = act(x @ w.T + bias + residual)``.
+
+OPT uses three forms: bias (the fused q/k/v projection), bias + ReLU (fc1) and bias + residual add
+(out_proj and fc2 in pre-LN blocks). On CUDA the matmul runs in cuBLASLt with the epilogue applied to the
+accumulator before the single store, so the bias, activation and residual cost no extra pass over memory.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._ext import extension
+
+ACTIVATIONS = ("none", "relu")
+
+
+def linear_epilogue_ref(x, weight, bias, residual, activation: str):
+    """Pure-PyTorch reference. x: (..., K), weight: (N, K), bias: (N,), residual: (..., N) -> (..., N)."""
+    y = torch.nn.functional.linear(x, weight, bias)
+    if residual is not None:
+        y = y + residual
+    return torch.relu(y) if activation == "relu" else y
+
+
+def _check(x, weight, residual, activation):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if activation != "none" and residual is not None:
+        raise ValueError("an activation and a residual cannot be fused into one linear")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x has {x.shape[-1]} features but weight expects {weight.shape[1]}")
+
+
+@torch.library.custom_op("fuseinfer::linear_epilogue", mutates_args=())
+def _linear_epilogue(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+    activation: str,
+) -> torch.Tensor:
+    return linear_epilogue_ref(x, weight, bias, residual, activation)
+
+
+@_linear_epilogue.register_kernel("cuda")
+def _linear_epilogue_cuda(x, weight, bias, residual, activation):
+    ext = extension()
+    if ext is None:
+        return linear_epilogue_ref(x, weight, bias, residual, activation)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
+    r2 = None if residual is None else residual.reshape(-1, weight.shape[0]).contiguous()  # (M, N)
+    y = ext.linear_epilogue(x2, weight.contiguous(), bias, r2, activation)  # (M, N)
+    return y.view(*lead, weight.shape[0])
+
+
+@_linear_epilogue.register_fake
+def _(x, weight, bias, residual, activation):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def linear_epilogue(x, weight, bias=None, residual=None, activation: str = "none"):
+    """``act(x @ weight.T + bias + residual)`` in one kernel where the CUDA extension is built."""
+    _check(x, weight, residual, activation)
+    return torch.ops.fuseinfer.linear_epilogue(x, weight, bias, residual, activation)

@@ -1,0 +1,61 @@
+"""Symmetric int8 quantisation: per-token (activations) and per-channel (weights).
+
+``q = round(x / scale)`` clamped to [-127, 127] with ``scale = amax(|x|) / 127`` taken over ``dim``
+(kept as a size-1 dim, fp32). Per-token quantisation of activations (M, K) reduces over K (``dim=-1``);
+per-channel quantisation of an nn.Linear weight (N, K), one scale per output channel, also reduces over K.
+"""
+from __future__ import annotations
+
+import torch
+
+QMAX = 127.0
+
+
+def quantize_int8_ref(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: x (...) -> (q int8 like x, scale fp32 with ``dim`` of size 1)."""
+    amax = x.detach().float().abs().amax(dim=dim, keepdim=True)
+    scale = (amax / QMAX).clamp_min(torch.finfo(torch.float32).tiny)  # all-zero rows: q = 0, no 0/0
+    q = torch.round(x.float() / scale).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8_ref(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reference: q * scale in fp32, cast to ``dtype``."""
+    return (q.float() * scale).to(dtype)
+
+
+@torch.library.custom_op("fuseinfer::quantize_int8", mutates_args=())
+def _quantize_int8(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_int8_ref(x, dim)
+
+
+@_quantize_int8.register_fake
+def _(x, dim):
+    shape = list(x.shape)
+    shape[dim] = 1
+    return torch.empty_like(x, dtype=torch.int8), x.new_empty(shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("fuseinfer::dequantize_int8", mutates_args=())
+def _dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_int8_ref(q, scale, dtype)
+
+
+@_dequantize_int8.register_fake
+def _(q, scale, dtype):
+    return torch.empty_like(q, dtype=dtype)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations (..., K) -> int8 (..., K) and fp32 scales (..., 1)."""
+    return torch.ops.fuseinfer.quantize_int8(x, -1)
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """nn.Linear weight (N, K) -> int8 (N, K) and one fp32 scale per output channel (N, 1)."""
+    return torch.ops.fuseinfer.quantize_int8(weight, -1)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """int8 values and their scales -> ``dtype``."""
+    return torch.ops.fuseinfer.dequantize_int8(q, scale, dtype)

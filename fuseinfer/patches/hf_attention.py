@@ -1,0 +1,70 @@
+"""The ``"fuseinfer"`` attention implementation for Hugging Face transformers.
+
+Registered with both ``AttentionInterface`` (the attention call) and ``AttentionMaskInterface`` (the mask
+builder): without the mask registration transformers builds no mask for an unknown implementation and padding
+would be silently ignored. The mask builder returns a compact per-row description, :class:`MaskInfo`, instead of
+a (B, 1, Sq, Skv) tensor; patterns it cannot describe (packed sequences, custom or/and masks) fall back to
+sdpa's boolean mask, and the attention call then runs SDPA with it.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import (
+    AttentionMaskInterface,
+    causal_mask_function,
+    prepare_padding_mask,
+    sdpa_mask,
+)
+
+from ..ops import attention
+
+NAME = "fuseinfer"
+
+
+class MaskInfo(NamedTuple):
+    """Per-row mask: ``key_mask`` (B, Skv) bool or None, ``q_start`` (B,) int32 or None (see ops.attention)."""
+
+    key_mask: torch.Tensor | None
+    q_start: torch.Tensor | None
+
+
+def fuseinfer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+                   mask_function=causal_mask_function, attention_mask=None, device="cpu", **kwargs):
+    """Mask builder: a :class:`MaskInfo` for causal masks with padding, else sdpa's 4D boolean mask."""
+    if mask_function is not causal_mask_function:
+        kwargs.pop("allow_is_causal_skip", None)
+        return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                         allow_is_causal_skip=False, device=device, **kwargs)
+    key_mask = prepare_padding_mask(attention_mask, kv_length, kv_offset)  # (B, >= kv_offset + Skv) or None
+    if key_mask is not None:
+        key_mask = key_mask[:, kv_offset:kv_offset + kv_length]  # (B, Skv) bool
+        if not torch.compiler.is_compiling() and bool(key_mask.all()):
+            key_mask = None
+        else:
+            key_mask = key_mask.contiguous()
+    first = q_offset - kv_offset  # key index of the first query; a tensor for static caches
+    if isinstance(first, int) and first == kv_length - q_length:
+        q_start = None
+    else:
+        q_start = torch.as_tensor(first, device=device).to(torch.int32).reshape(-1).expand(batch_size)
+        q_start = q_start.contiguous()
+    return MaskInfo(key_mask, q_start)
+
+
+def fuseinfer_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query (B, H, Sq, D), key/value (B, H, Skv, D) -> ((B, Sq, H, D), None)."""
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if isinstance(attention_mask, MaskInfo):
+        return attention(query, key, value, attention_mask.key_mask, attention_mask.q_start, scale), None
+    if attention_mask is None:  # called without a mask: OPT is causal
+        return attention(query, key, value, None, None, scale), None
+    # a prepared 4D mask (user-supplied, or a pattern MaskInfo cannot express)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(NAME, fuseinfer_attention_forward)
+AttentionMaskInterface.register(NAME, fuseinfer_mask)

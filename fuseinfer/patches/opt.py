@@ -1,0 +1,199 @@
+"""Patch rules for Hugging Face OPT (facebook/opt-125m ... opt-66b, pre-LN and the post-LN opt-350m).
+
+Swaps, by changing the class of the existing modules to subclasses (so ``isinstance``-based output capture,
+hooks and parameters stay as they are):
+
+* ``OPTDecoderLayer`` -> :class:`FusedOPTDecoderLayer`: residual add fused into the LayerNorm (post-LN) or into
+  the out_proj/fc2 GEMM epilogue (pre-LN, which then normalises the stream with the fused LN kernel);
+  fc1 + bias + ReLU as one GEMM;
+* ``OPTAttention`` -> :class:`FusedOPTAttention`: q/k/v as one GEMM (q/k/v weights become views of one
+  (3E, E) buffer, so no memory is added), unscaled q with the scale applied inside the attention kernel,
+  out_proj + bias (+ residual) fused;
+* the decoder's final ``LayerNorm`` -> :class:`FusedLayerNorm`;
+* ``config._attn_implementation`` -> ``"fuseinfer"``.
+
+In training mode the fused modules call the original forward (dropout is not fused).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.opt.modeling_opt import OPTAttention, OPTDecoder, OPTDecoderLayer
+
+from .._ext import backend_for
+from ..ops import add_layer_norm, linear_epilogue
+from ..ops.attention import kernel_supports
+from ..patching import PatchConfig, PatchReport, Swap
+from . import hf_attention
+
+
+class FusedLayerNorm(nn.LayerNorm):
+    """nn.LayerNorm running the fused LayerNorm kernel."""
+
+    def forward(self, x):
+        if self.training:
+            return super().forward(x)
+        return add_layer_norm(x, None, self.weight, self.bias, self.eps)[0]
+
+
+def _norm(ln: nn.LayerNorm, x, residual, fused: bool):
+    """LayerNorm(x + residual) with ``ln``'s parameters; one kernel when ``fused``."""
+    if fused:
+        return add_layer_norm(x, residual, ln.weight, ln.bias, ln.eps)[0]
+    return ln(x if residual is None else residual + x)
+
+
+class FusedOPTAttention(OPTAttention):
+    """OPTAttention with a fused q/k/v GEMM, the scale folded into attention and a fused out_proj epilogue."""
+
+    _fuseinfer_ops: frozenset = frozenset()
+
+    def forward(self, hidden_states, past_key_values=None, attention_mask=None, output_attentions=False,
+                residual=None, **kwargs):
+        if self.training:
+            out, weights = super().forward(hidden_states, past_key_values, attention_mask, output_attentions,
+                                           **kwargs)
+            return (out if residual is None else residual + out), weights
+        ops = self._fuseinfer_ops
+        bsz, tgt_len, _ = hidden_states.shape
+        if "qkv" in ops:
+            qkv = linear_epilogue(hidden_states, self.qkv_weight, self.qkv_bias)  # (B, S, 3E)
+            q, k, v = qkv.view(bsz, tgt_len, 3, self.num_heads, self.head_dim).unbind(2)  # 3 x (B, S, H, D)
+        else:
+            q, k, v = (proj(hidden_states).view(bsz, tgt_len, self.num_heads, self.head_dim)
+                       for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)  # (B, H, Skv, D)
+        impl = self.config._attn_implementation
+        if impl == hf_attention.NAME:
+            attn_fn, scaling = hf_attention.fuseinfer_attention_forward, self.scaling
+        else:  # keep OPT's order of operations: scale q first, attention with scaling=1
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+            from transformers.models.opt.modeling_opt import eager_attention_forward
+
+            attn_fn, scaling, q = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward), 1.0, \
+                q * self.scaling
+        attn, weights = attn_fn(self, q, k, v, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
+        attn = attn.reshape(bsz, tgt_len, -1)  # (B, S, E)
+        if "linear" in ops:
+            return linear_epilogue(attn, self.out_proj.weight, self.out_proj.bias, residual), weights
+        out = self.out_proj(attn)
+        return (out if residual is None else residual + out), weights
+
+
+class FusedOPTDecoderLayer(OPTDecoderLayer):
+    """OPTDecoderLayer whose residual adds, LayerNorms and MLP run as fused ops."""
+
+    _fuseinfer_ops: frozenset = frozenset()
+
+    def _mlp(self, x, residual):
+        """fc2(act(fc1(x))) + residual; x: (..., E)."""
+        if "linear" in self._fuseinfer_ops:
+            relu = self.activation_fn.__class__.__name__ == "ReLU"
+            h = linear_epilogue(x, self.fc1.weight, self.fc1.bias, activation="relu" if relu else "none")
+            h = h if relu else self.activation_fn(h)
+            return linear_epilogue(h, self.fc2.weight, self.fc2.bias, residual)
+        out = self.fc2(self.activation_fn(self.fc1(x)))
+        return out if residual is None else residual + out
+
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=False,
+                position_ids=None, **kwargs):
+        if self.training:
+            return super().forward(hidden_states, attention_mask, past_key_values, use_cache, position_ids,
+                                   **kwargs)
+        ln = "layer_norm" in self._fuseinfer_ops
+        h = hidden_states  # (B, S, E)
+        attn_kwargs = dict(past_key_values=past_key_values, position_ids=position_ids,
+                           attention_mask=attention_mask, **kwargs)
+        if self.do_layer_norm_before:  # pre-LN: the residual add rides in the out_proj / fc2 epilogue
+            x = _norm(self.self_attn_layer_norm, h, None, ln)
+            if isinstance(self.self_attn, FusedOPTAttention):
+                h = self.self_attn(x, residual=h, **attn_kwargs)[0]
+            else:  # attention left unpatched by the config's filter_fn
+                h = h + self.self_attn(x, **attn_kwargs)[0]
+            return self._mlp(_norm(self.final_layer_norm, h, None, ln), residual=h)
+        # post-LN (opt-350m): the residual add rides in the LayerNorm
+        a = self.self_attn(h, **attn_kwargs)[0]
+        h = _norm(self.self_attn_layer_norm, a, h, ln)
+        return _norm(self.final_layer_norm, self._mlp(h, None), h, ln)
+
+
+class OPTFamily:
+    """Patch and unpatch rules for OPT models."""
+
+    architectures = ("OPTForCausalLM", "OPTModel", "OPTForSequenceClassification", "OPTForQuestionAnswering")
+
+    def patch(self, model: nn.Module, config: PatchConfig, report: PatchReport) -> dict:
+        ops = frozenset(config.ops)
+        state = {"classes": [], "qkv": [], "attn_impl": None}
+        layer_ops = ops & {"layer_norm", "linear"}
+        attn_ops = ops & {"qkv", "linear", "attention"}
+        for name, module in model.named_modules():
+            if type(module) is OPTDecoderLayer and layer_ops and config.selects(module, name):
+                self._swap(module, name, FusedOPTDecoderLayer, layer_ops, state, report)
+            elif type(module) is OPTAttention and attn_ops and config.selects(module, name):
+                if "qkv" in ops:
+                    self._fuse_qkv(module, state)
+                self._swap(module, name, FusedOPTAttention, attn_ops, state, report)
+            elif isinstance(module, OPTDecoder) and type(module.final_layer_norm) is nn.LayerNorm \
+                    and "layer_norm" in ops and config.selects(module.final_layer_norm, f"{name}.final_layer_norm"):
+                self._swap(module.final_layer_norm, f"{name}.final_layer_norm".lstrip("."), FusedLayerNorm,
+                           {"layer_norm"}, state, report)
+        if "attention" in ops:
+            before = model.config._attn_implementation
+            if model.training:
+                report.skipped.append(("attention", "model is in training mode; call model.eval() first"))
+            else:
+                model.config._attn_implementation = hf_attention.NAME
+                state["attn_impl"] = before
+                report.attn_implementation = (before, hf_attention.NAME)
+        if not report.swaps:
+            report.skipped.append(("all modules", "no OPT module matched the config's ops and filter_fn"))
+        return state
+
+    @staticmethod
+    def _swap(module, name, cls, ops, state, report):
+        state["classes"].append((module, type(module)))
+        report.swaps.append(Swap(name, type(module).__name__, cls.__name__, _backends(module, ops)))
+        module.__class__ = cls
+        module._fuseinfer_ops = frozenset(ops)
+
+    @staticmethod
+    def _fuse_qkv(attn: OPTAttention, state):
+        """Concatenate q/k/v weights into one (3E, E) buffer and make the projections' weights views of it."""
+        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+        weight = torch.cat([p.weight.detach() for p in projs])  # (3E, E)
+        bias = torch.cat([p.bias.detach() for p in projs]) if attn.enable_bias else None  # (3E,)
+        attn.register_buffer("qkv_weight", weight, persistent=False)
+        attn.register_buffer("qkv_bias", bias, persistent=False)
+        e = attn.embed_dim
+        for i, p in enumerate(projs):
+            p.weight = nn.Parameter(weight[i * e:(i + 1) * e], requires_grad=p.weight.requires_grad)
+            if bias is not None:
+                p.bias = nn.Parameter(bias[i * e:(i + 1) * e], requires_grad=p.bias.requires_grad)
+        state["qkv"].append(attn)
+
+    def unpatch(self, model: nn.Module, state: dict) -> None:
+        for attn in state["qkv"]:
+            for p in (attn.q_proj, attn.k_proj, attn.v_proj):
+                p.weight = nn.Parameter(p.weight.detach().clone(), requires_grad=p.weight.requires_grad)
+                if p.bias is not None:
+                    p.bias = nn.Parameter(p.bias.detach().clone(), requires_grad=p.bias.requires_grad)
+            del attn.qkv_weight, attn.qkv_bias
+        for module, cls in state["classes"]:
+            module.__class__ = cls
+            del module._fuseinfer_ops
+        if state["attn_impl"] is not None:
+            model.config._attn_implementation = state["attn_impl"]
+
+
+def _backends(module: nn.Module, ops) -> dict[str, str]:
+    """op -> 'cuda' | 'reference' for a module's parameters."""
+    p = next(module.parameters())
+    out = {op: backend_for(p) for op in sorted(ops)}
+    if "attention" in out and out["attention"] == "cuda":
+        head_dim = getattr(module, "head_dim", 0)
+        if not kernel_supports(p.new_empty(1, 1, 1, head_dim)):
+            out["attention"] = f"reference (no kernel for {p.dtype}, head dim {head_dim})"
+    return out

@@ -1,0 +1,148 @@
+"""The patch engine: ``patch(model, config)`` swaps modules in place and returns a report; ``unpatch`` undoes it.
+
+Model families live in ``fuseinfer/patches/`` (one file each, registered by ``model_type``). The engine checks
+the input before anything is touched, so a refused model is left exactly as it was, keeps the state needed to
+undo the patch on the model itself, and renders the report.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ._ext import extension_status
+from .errors import FuseInferError
+
+OPS = ("layer_norm", "linear", "qkv", "attention")
+STATE_ATTR = "_fuseinfer_state"
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class PatchConfig:
+    """What to patch.
+
+    ops: which fusions to apply, any of ``OPS``:
+      ``layer_norm`` (residual add + LayerNorm), ``linear`` (GEMM with bias / ReLU / residual epilogues),
+      ``qkv`` (q, k, v projections as one GEMM), ``attention`` (the ``"fuseinfer"`` attention implementation).
+    filter_fn: ``(module, qualified_name) -> bool``, called for each candidate module (decoder layers and
+      norms); only those for which it returns True are swapped (torchao's ``filter_fn`` idea).
+    """
+
+    ops: tuple[str, ...] = OPS
+    filter_fn: Callable[[nn.Module, str], bool] | None = None
+
+    def __post_init__(self):
+        if isinstance(self.ops, str):
+            object.__setattr__(self, "ops", (self.ops,))
+        unknown = [op for op in self.ops if op not in OPS]
+        if unknown:
+            raise FuseInferError(f"unknown op name(s) {unknown} in PatchConfig.ops; choose from {list(OPS)}")
+
+    def selects(self, module: nn.Module, name: str) -> bool:
+        return self.filter_fn is None or bool(self.filter_fn(module, name))
+
+
+@dataclass
+class Swap:
+    """One module swapped: its name, the class it became, and the backend each of its ops runs on."""
+
+    name: str
+    old_class: str
+    new_class: str
+    ops: dict[str, str]  # op -> "cuda" | "reference"
+
+
+@dataclass
+class PatchReport:
+    """What ``patch`` did: the swaps, what it skipped and why, and where the kernels run."""
+
+    model_type: str
+    swaps: list[Swap] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (name or op, reason)
+    attn_implementation: tuple[str, str] | None = None  # (before, after)
+    extension: str = field(default_factory=extension_status)
+
+    @property
+    def backends(self) -> dict[str, set[str]]:
+        """op -> the set of backends it runs on across all swaps."""
+        out: dict[str, set[str]] = {}
+        for swap in self.swaps:
+            for op, backend in swap.ops.items():
+                out.setdefault(op, set()).add(backend)
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"fuseinfer patch report ({self.model_type}; CUDA extension: {self.extension})"]
+        if self.attn_implementation:
+            lines.append(f"  attention implementation: {self.attn_implementation[0]!r} -> "
+                         f"{self.attn_implementation[1]!r}")
+        lines.append(f"  swapped {len(self.swaps)} module(s):")
+        width = max((len(s.name) for s in self.swaps), default=0)
+        for s in self.swaps:
+            ops = ", ".join(f"{op}={backend}" for op, backend in s.ops.items())
+            lines.append(f"    {s.name:<{width}}  {s.old_class} -> {s.new_class}  [{ops}]")
+        for what, why in self.skipped:
+            lines.append(f"  skipped {what}: {why}")
+        return "\n".join(lines)
+
+
+def _family_for(model: nn.Module):
+    from .patches import FAMILIES
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in FAMILIES:
+        supported = ", ".join(f"{k} ({', '.join(f.architectures)})" for k, f in FAMILIES.items())
+        raise FuseInferError(
+            f"fuseinfer cannot patch {type(model).__name__} (model_type={model_type!r}); "
+            f"supported: {supported}")
+    return model_type, FAMILIES[model_type]
+
+
+def _check_tensors(model: nn.Module) -> None:
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_meta:
+            raise FuseInferError(
+                f"{name} is on the meta device: load real weights before patching "
+                "(e.g. from_pretrained without init_empty_weights, or model.to_empty() then load a state_dict)")
+    for name, p in model.named_parameters():
+        if p.dtype not in SUPPORTED_DTYPES:
+            raise FuseInferError(f"{name} has dtype {p.dtype}; fuseinfer patches fp16, bf16 and fp32 models: "
+                                 "load the model with dtype=torch.float16 (or bfloat16 / float32)")
+
+
+def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
+    """Swap ``model``'s modules for fused ones in place; returns a :class:`PatchReport`.
+
+    Raises :class:`FuseInferError` (leaving the model untouched) for an unsupported model, a model on the
+    meta device, an unsupported dtype or an already patched model.
+    """
+    if not isinstance(model, nn.Module):
+        raise FuseInferError(f"fuseinfer.patch takes a torch.nn.Module, got {type(model).__name__}")
+    config = config or PatchConfig()
+    model_type, family = _family_for(model)
+    if hasattr(model, STATE_ATTR):
+        raise FuseInferError("this model is already patched; call fuseinfer.unpatch(model) before patching again")
+    _check_tensors(model)
+    report = PatchReport(model_type=model_type)
+    state = family.patch(model, config, report)
+    object.__setattr__(model, STATE_ATTR, (family, state, report))
+    return report
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Restore the model ``patch`` changed: module classes, parameters and buffers bit for bit."""
+    if not hasattr(model, STATE_ATTR):
+        raise FuseInferError("this model is not patched by fuseinfer (nothing to unpatch)")
+    family, state, _ = getattr(model, STATE_ATTR)
+    family.unpatch(model, state)
+    object.__delattr__(model, STATE_ATTR)
+    return model
+
+
+def patch_report(model: nn.Module) -> PatchReport | None:
+    """The report of the patch currently applied to ``model``, or None."""
+    state = getattr(model, STATE_ATTR, None)
+    return state[2] if state else None

@@ -1,0 +1,68 @@
+"""Build script: installs the fuseinfer package and, when it can, the CUDA extension ``fuseinfer._C``.
+
+Build knobs (environment variables):
+  FUSEINFER_BUILD_CUDA   auto (default): build the extension when torch has CUDA and nvcc is found, else
+                         install pure Python; 1: build it or fail; 0: never build it.
+  FUSEINFER_CUDA_ARCH    compute capabilities to compile for, ';'-separated (default "9.0", the H100/H200;
+                         "9.0a" enables sm_90a-only instructions). Sets TORCH_CUDA_ARCH_LIST for the build.
+  MAX_JOBS               parallel compile jobs (torch's own knob; default: torch's choice).
+
+torch must be importable at build time for the extension, so build it with
+``pip install --no-build-isolation -e .``; under build isolation torch is absent and the install is pure Python.
+"""
+import glob
+import os
+import shutil
+
+from setuptools import find_packages, setup
+
+MODE = os.environ.get("FUSEINFER_BUILD_CUDA", "auto").lower()
+if MODE not in ("auto", "0", "1"):
+    raise SystemExit(f"FUSEINFER_BUILD_CUDA must be auto, 0 or 1, got {MODE!r}")
+
+
+def cuda_extension():
+    """The CUDAExtension to build, or None with the reason printed."""
+    if MODE == "0":
+        return None
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    except ImportError:
+        reason = "torch is not importable at build time (use pip install --no-build-isolation)"
+    else:
+        if torch.version.cuda is None:
+            reason = f"torch {torch.__version__} is a CPU build"
+        elif CUDA_HOME is None and shutil.which("nvcc") is None:
+            reason = "nvcc not found (set CUDA_HOME)"
+        else:
+            os.environ.setdefault("TORCH_CUDA_ARCH_LIST", os.environ.get("FUSEINFER_CUDA_ARCH", "9.0"))
+            nvcc_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo",
+                          "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+                          "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"]
+            ext = CUDAExtension(
+                "fuseinfer._C",
+                sources=sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*.cu")),
+                include_dirs=[os.path.abspath("csrc")],
+                extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc_flags},
+                libraries=["cublasLt"],
+            )
+            return ext, BuildExtension
+    if MODE == "1":
+        raise SystemExit(f"FUSEINFER_BUILD_CUDA=1 but the CUDA extension cannot be built: {reason}")
+    print(f"fuseinfer: installing pure Python, no CUDA extension: {reason}")
+    return None
+
+
+built = cuda_extension()
+setup(
+    name="fuseinfer",
+    version="0.1.0",
+    description="Fused CUDA ops for Hugging Face OPT inference: patch, measure, export",
+    packages=find_packages(include=["fuseinfer", "fuseinfer.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.11", "transformers>=5.17,<5.24", "safetensors", "rich", "numpy"],
+    extras_require={"test": ["pytest>=8", "matplotlib"], "plot": ["matplotlib"]},
+    ext_modules=[built[0]] if built else [],
+    cmdclass={"build_ext": built[1]} if built else {},
+)

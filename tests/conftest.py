@@ -1,0 +1,58 @@
+"""Shared fixtures: where the shared assets live, tiny OPT models, and the visible skip of GPU tests."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("FUSEINFER_SHARED", REPO.parent / "shared"))
+TINY_MODEL = SHARED / "models" / "opt-wt2-tiny"
+WIKITEXT = SHARED / "data" / "wikitext-2-raw"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run tools/gpu_check.sh on the device)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    if not (TINY_MODEL / "config.json").exists():
+        pytest.skip(f"shared model not found at {TINY_MODEL}; set FUSEINFER_SHARED to the shared/ folder")
+    return TINY_MODEL
+
+
+def random_opt(seed: int = 0, dtype=torch.float32, device="cpu", **overrides):
+    """A small randomly initialised OPTForCausalLM in eval mode; ``overrides`` go to OPTConfig."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    kwargs = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4,
+                  max_position_embeddings=256, word_embed_proj_dim=None, pad_token_id=1, dropout=0.0)
+    kwargs.update(overrides)
+    if kwargs["word_embed_proj_dim"] is None:
+        kwargs["word_embed_proj_dim"] = kwargs["hidden_size"]
+    torch.manual_seed(seed)
+    cfg = OPTConfig(**kwargs)
+    model = OPTForCausalLM(cfg).eval()
+    with torch.no_grad():  # OPT's init leaves LayerNorms at (1, 0); perturb them so they are exercised
+        for name, p in model.named_parameters():
+            if "layer_norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.to(device=device, dtype=dtype)
+
+
+# The OPT layouts every patch test runs on: name -> OPTConfig overrides
+VARIANTS = {
+    "pre_ln": {},
+    "post_ln_project_in_out": dict(do_layer_norm_before=False, word_embed_proj_dim=32),  # the opt-350m shape
+    "odd_hidden96_3heads": dict(hidden_size=96, num_attention_heads=3, ffn_dim=200),
+    "no_bias": dict(enable_bias=False),
+    "no_final_ln": dict(_remove_final_layer_norm=True),
+}

@@ -1,0 +1,184 @@
+"""CUDA kernels and the patched model on the GPU. Marked ``gpu``: skipped (and reported as skipped) without one.
+
+Low-precision rule (flash-attention's): |ours - ref_fp32| <= 2 * |torch_lowprec - ref_fp32| (max over the
+tensor, plus a tiny absolute slack for exact-zero cases), where ref_fp32 runs the reference on the same
+inputs upcast to fp32 and torch_lowprec is plain PyTorch in the low-precision dtype.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_opt
+
+import fuseinfer
+from fuseinfer import ops
+from fuseinfer.ops.attention import allowed_mask
+
+pytestmark = pytest.mark.gpu
+LOWP = [torch.float16, torch.bfloat16]
+
+
+def assert_lowp_close(ours, torch_lowp, ref32, what=""):
+    ours_err = (ours.float() - ref32).abs().max().item()
+    torch_err = (torch_lowp.float() - ref32).abs().max().item()
+    assert ours_err <= 2 * torch_err + 1e-6, f"{what}: ours {ours_err:.3g} vs torch {torch_err:.3g}"
+
+
+def test_extension_is_built():
+    assert fuseinfer.cuda_extension_available(), fuseinfer.extension_status()
+
+
+# ---- residual add + LayerNorm ----
+
+LN_SHAPES = [(113, 123), (3, 5, 96), (64, 2048), (7, 4097), (2, 16384)]
+
+
+@pytest.mark.parametrize("shape", LN_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, *LOWP])
+@pytest.mark.parametrize("residual,affine", [(True, True), (False, True), (True, False)])
+def test_add_layer_norm_kernel(shape, dtype, residual, affine):
+    n = shape[-1]
+    x = torch.randn(shape, device="cuda", dtype=dtype)
+    r = torch.randn(shape, device="cuda", dtype=dtype) if residual else None
+    w = torch.randn(n, device="cuda", dtype=dtype) if affine else None
+    b = torch.randn(n, device="cuda", dtype=dtype) if affine else None
+    y, s = ops.add_layer_norm(x, r, w, b, 1e-5, store_sum=True)
+    torch.testing.assert_close(s, x if r is None else x + r, rtol=0, atol=0)  # one rounding, like torch
+    up = lambda t: None if t is None else t.float()  # noqa: E731
+    ref32 = ops.add_layer_norm_ref(up(x), up(r), up(w), up(b), 1e-5, False)[0]
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, ref32, rtol=1e-5, atol=1e-5)
+    else:
+        assert_lowp_close(y, ops.add_layer_norm_ref(x, r, w, b, 1e-5, False)[0], ref32, "layer_norm")
+    assert ops.add_layer_norm(x, r, w, b, 1e-5, store_sum=False)[1].numel() == 0
+
+
+# ---- GEMM with fused epilogues ----
+
+@pytest.mark.parametrize("mnk", [(1, 2048, 2048), (7, 123, 96), (113, 6144, 2048), (2048, 8192, 2048),
+                                 (32, 2048, 8192)])
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("epilogue", ["bias", "bias_relu", "bias_residual", "none"])
+def test_linear_epilogue_kernel(mnk, dtype, epilogue):
+    m, n, k = mnk
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype) * k ** -0.5
+    b = torch.randn(n, device="cuda", dtype=dtype) if epilogue != "none" else None
+    r = torch.randn(m, n, device="cuda", dtype=dtype) if epilogue == "bias_residual" else None
+    act = "relu" if epilogue == "bias_relu" else "none"
+    ours = ops.linear_epilogue(x, w, b, r, act)
+    up = lambda t: None if t is None else t.float()  # noqa: E731
+    ref32 = ops.linear_epilogue_ref(x.float(), w.float(), up(b), up(r), act)
+    assert_lowp_close(ours, ops.linear_epilogue_ref(x, w, b, r, act), ref32, f"linear {mnk} {epilogue}")
+
+
+# ---- attention ----
+
+def _attn_case(b, h, sq, skv, d, dtype, pads=None, q_start=None, strided_q=False):
+    if strided_q:  # q as a view into a fused (B, S, 3, H, D) projection, like the patched OPT produces
+        qkv = torch.randn(b, sq, 3, h, d, device="cuda", dtype=dtype)
+        q = qkv[:, :, 0].transpose(1, 2)
+    else:
+        q = torch.randn(b, h, sq, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(b, h, skv, d, device="cuda", dtype=dtype) for _ in range(2))
+    key_mask = None
+    if pads is not None:
+        key_mask = torch.arange(skv, device="cuda")[None] >= torch.tensor(pads, device="cuda")[:, None]
+    qs = None if q_start is None else torch.full((b,), q_start, device="cuda", dtype=torch.int32)
+    return q, k, v, key_mask, qs
+
+
+ATTN_CASES = {
+    "prefill_113_pad": dict(b=3, h=4, sq=113, skv=113, pads=[0, 5, 100]),
+    "prefill_2048": dict(b=2, h=8, sq=2048, skv=2048),
+    "prefill_2048_pad_strided": dict(b=2, h=4, sq=2048, skv=2048, pads=[0, 1000], strided_q=True),
+    "chunk_16_after_cache": dict(b=2, h=4, sq=16, skv=700, pads=[3, 0]),
+    "decode_1_ctx_8192": dict(b=8, h=8, sq=1, skv=8192),
+    "decode_1_pad": dict(b=3, h=4, sq=1, skv=333, pads=[0, 17, 300]),
+    "decode_4_static_cache": dict(b=2, h=4, sq=4, skv=1024, q_start=500, pads=[0, 9]),
+    "empty_rows": dict(b=2, h=2, sq=64, skv=64, pads=[40, 0]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ATTN_CASES))
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", LOWP)
+def test_attention_kernel(case, d, dtype):
+    q, k, v, key_mask, q_start = _attn_case(d=d, dtype=dtype, **ATTN_CASES[case])
+    b, h, sq, _ = q.shape
+    scale = d ** -0.5
+    ours = ops.attention(q, k, v, key_mask, q_start, scale)  # (B, Sq, H, D)
+    assert ours.shape == (b, sq, h, d) and ours.is_contiguous()
+    ref32 = ops.attention_ref(q.float(), k.float(), v.float(), key_mask, q_start, scale)
+    allowed = allowed_mask(key_mask, q_start, b, sq, k.shape[2], q.device)  # (B, 1, Sq, Skv)
+    has_key = allowed.any(-1).view(b, sq)  # (B, Sq)
+    assert ours[~has_key].abs().max().item() == 0 if (~has_key).any() else True
+    torch_lowp = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    torch_lowp = torch_lowp.transpose(1, 2)
+    assert_lowp_close(ours[has_key], torch_lowp[has_key], ref32[has_key], case)
+
+
+# ---- custom-op registrations on CUDA ----
+
+def _opcheck_cases():
+    dev = dict(device="cuda", dtype=torch.float16)
+    return {
+        "add_layer_norm": (torch.ops.fuseinfer.add_layer_norm.default,
+                           (torch.randn(5, 123, **dev), torch.randn(5, 123, **dev), torch.randn(123, **dev),
+                            torch.randn(123, **dev), 1e-5, True)),
+        "linear_epilogue": (torch.ops.fuseinfer.linear_epilogue.default,
+                            (torch.randn(7, 96, **dev), torch.randn(128, 96, **dev), torch.randn(128, **dev),
+                             None, "relu")),
+        "attention": (torch.ops.fuseinfer.attention.default,
+                      (*_attn_case(2, 4, 9, 9, 64, torch.float16, pads=[0, 3])[:4], None, 0.125)),
+    }
+
+
+@pytest.mark.parametrize("name", ["add_layer_norm", "linear_epilogue", "attention"])
+def test_opcheck_cuda(name):
+    op, args = _opcheck_cases()[name]
+    torch.library.opcheck(op, args)
+
+
+# ---- the patched model on CUDA ----
+
+@pytest.mark.parametrize("variant", [{}, dict(do_layer_norm_before=False, word_embed_proj_dim=256)])
+def test_patched_opt_fp16_logits_on_cuda(variant):
+    cfg = dict(hidden_size=512, num_attention_heads=8, ffn_dim=2048, num_hidden_layers=4, vocab_size=4096,
+               max_position_embeddings=1024, **variant)
+    model32 = random_opt(device="cuda", **cfg)
+    ids = torch.randint(3, 4096, (3, 257), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :100] = 0  # left padding in row 1
+    with torch.no_grad():
+        ref32 = model32(input_ids=ids, attention_mask=mask).logits
+        model16 = model32.half()
+        torch16 = model16(input_ids=ids, attention_mask=mask).logits
+        report = fuseinfer.patch(model16)
+        ours = model16(input_ids=ids, attention_mask=mask).logits
+    assert report.backends == {op: {"cuda"} for op in fuseinfer.OPS}, str(report)
+    real = mask.bool()
+    assert_lowp_close(ours[real], torch16[real], ref32[real], "patched opt fp16")
+
+
+def test_greedy_generation_fp16_tiny_model_identical(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float16).cuda().eval()
+    ids = torch.tensor([[2, 133, 2064, 16, 10, 1539, 6, 5, 1440, 9]], device="cuda") % 8192
+    kwargs = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    ref = model.generate(ids, **kwargs)
+    fuseinfer.patch(model)
+    assert torch.equal(model.generate(ids, **kwargs), ref)
+
+
+def test_patched_model_under_cuda_graphs_and_compile():
+    model = random_opt(device="cuda", dtype=torch.float16, hidden_size=256, ffn_dim=1024)
+    ids = torch.randint(3, 512, (2, 64), device="cuda")
+    with torch.no_grad():
+        fuseinfer.patch(model)
+        eager = model(input_ids=ids).logits
+        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+        for _ in range(3):  # warm-up, record, replay
+            out = compiled(input_ids=ids).logits
+    torch.testing.assert_close(out, eager, rtol=2e-3, atol=2e-3)

@@ -1,0 +1,140 @@
+"""The fused ops on CPU: references against independent formulas, the custom-op registrations (opcheck),
+and int8 quantisation accuracy (SQNR floor). The CUDA kernels are tested in test_gpu.py."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fuseinfer import ops
+from fuseinfer.ops.attention import allowed_mask
+
+
+def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantisation-noise ratio in dB."""
+    return 10 * math.log10(ref.float().pow(2).sum().item() / (ref.float() - approx.float()).pow(2).sum().item())
+
+
+@pytest.mark.parametrize("n", [123, 256])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_layer_norm_ref_matches_formula(n, with_residual):
+    x, r = torch.randn(7, 5, n, dtype=torch.float64), torch.randn(7, 5, n, dtype=torch.float64)
+    w, b = torch.randn(n, dtype=torch.float64), torch.randn(n, dtype=torch.float64)
+    s = x + r if with_residual else x
+    expected = (s - s.mean(-1, keepdim=True)) / torch.sqrt(s.var(-1, unbiased=False, keepdim=True) + 1e-5) * w + b
+    y, s_out = ops.add_layer_norm(x, r if with_residual else None, w, b, 1e-5, store_sum=True)
+    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close(s_out, s)
+    assert ops.add_layer_norm(x, r, w, b, 1e-5, store_sum=False)[1].numel() == 0
+
+
+@pytest.mark.parametrize("activation,residual", [("none", False), ("relu", False), ("none", True)])
+def test_linear_epilogue_ref_matches_formula(activation, residual):
+    x, w, b = torch.randn(3, 113, 96, dtype=torch.float64), torch.randn(123, 96, dtype=torch.float64), \
+        torch.randn(123, dtype=torch.float64)
+    r = torch.randn(3, 113, 123, dtype=torch.float64) if residual else None
+    expected = x @ w.T + b + (r if residual else 0)
+    expected = expected.clamp_min(0) if activation == "relu" else expected
+    torch.testing.assert_close(ops.linear_epilogue(x, w, b, r, activation), expected)
+
+
+def test_linear_epilogue_rejects_bad_input():
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        ops.linear_epilogue(x, w, activation="gelu")
+    with pytest.raises(ValueError, match="cannot be fused"):
+        ops.linear_epilogue(x, w, residual=torch.randn(4, 6), activation="relu")
+    with pytest.raises(ValueError, match="features"):
+        ops.linear_epilogue(torch.randn(4, 7), w)
+
+
+def _attention_inputs(b=3, h=4, sq=113, skv=113, d=64, dtype=torch.float32):
+    q, k, v = (torch.randn(b, h, s, d, dtype=dtype) for s in (sq, skv, skv))
+    return q, k, v
+
+
+def test_attention_ref_matches_sdpa_causal():
+    q, k, v = _attention_inputs()
+    out = ops.attention(q, k, v, scale=0.125)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125)
+    torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_ref_left_padding_and_decode_offsets():
+    b, sq, skv = 3, 4, 50
+    q, k, v = _attention_inputs(b=b, sq=sq, skv=skv)
+    pads = torch.tensor([0, 7, 20])
+    key_mask = torch.arange(skv)[None, :] >= pads[:, None]  # (B, Skv): left padding
+    q_start = torch.tensor([30, 30, 30], dtype=torch.int32)  # a static cache filled to 34 of 50 slots
+    out = ops.attention(q, k, v, key_mask, q_start, 0.125)
+    for i in range(b):
+        for t in range(sq):
+            keys = slice(int(pads[i]), 30 + t + 1)
+            p = torch.softmax(torch.einsum("hd,hnd->hn", q[i, :, t], k[i, :, keys]) * 0.125, -1)  # (H, n)
+            expected = torch.einsum("hn,hnd->hd", p, v[i, :, keys])  # (H, D)
+            torch.testing.assert_close(out[i, t], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_query_without_keys_gives_zero_not_nan():
+    q, k, v = _attention_inputs(b=2, sq=5, skv=5)
+    key_mask = torch.tensor([[False, False, True, True, True], [True] * 5])
+    out = ops.attention(q, k, v, key_mask)
+    assert torch.isfinite(out).all()
+    assert out[0, :2].abs().max() == 0  # queries 0 and 1 of row 0 see only padding
+    assert out[0, 2:].abs().min() > 0
+
+
+def test_allowed_mask_default_is_bottom_right_causal():
+    m = allowed_mask(None, None, 1, 2, 4, "cpu")[0, 0]
+    assert m.tolist() == [[True, True, True, False], [True, True, True, True]]
+
+
+def test_attention_rejects_mismatched_shapes():
+    q, k, v = _attention_inputs()
+    with pytest.raises(ValueError, match=r"expected q \(B,H,Sq,D\)"):
+        ops.attention(q, k[:, :, :, :32], v)
+
+
+@pytest.mark.parametrize("shape", [(113, 123), (4, 9, 256)])
+def test_int8_quantisation_sqnr_and_bounds(shape):
+    x = torch.randn(*shape)
+    q, scale = ops.quantize_per_token(x)
+    assert q.dtype == torch.int8 and scale.shape == (*shape[:-1], 1) and scale.dtype == torch.float32
+    deq = ops.dequantize(q, scale, torch.float32)
+    assert (deq - x).abs().le(scale / 2 + 1e-6).all()  # round-to-nearest: at most half a step off
+    assert sqnr_db(x, deq) > 35.0  # int8 absmax on Gaussian rows gives about 38-40 dB
+    assert q.abs().amax(-1).eq(127).all()  # the absmax element of every row maps to +-127
+
+
+def test_int8_per_channel_weight_and_zero_rows():
+    w = torch.randn(64, 96)
+    w[3] = 0
+    q, scale = ops.quantize_per_channel(w)
+    assert scale.shape == (64, 1) and q[3].eq(0).all()
+    assert sqnr_db(w, ops.dequantize(q, scale, torch.float32)) > 35.0
+
+
+OPCHECK_CASES = {
+    "add_layer_norm": lambda: (torch.ops.fuseinfer.add_layer_norm.default,
+                               (torch.randn(5, 123), torch.randn(5, 123), torch.randn(123), torch.randn(123),
+                                1e-5, True)),
+    "add_layer_norm_no_residual": lambda: (torch.ops.fuseinfer.add_layer_norm.default,
+                                           (torch.randn(2, 3, 96), None, None, None, 1e-5, True)),
+    "linear_epilogue": lambda: (torch.ops.fuseinfer.linear_epilogue.default,
+                                (torch.randn(2, 7, 96), torch.randn(123, 96), torch.randn(123),
+                                 torch.randn(2, 7, 123), "none")),
+    "attention": lambda: (torch.ops.fuseinfer.attention.default,
+                          (*_attention_inputs(b=2, sq=3, skv=9, d=32), torch.ones(2, 9, dtype=torch.bool),
+                           torch.tensor([6, 6], dtype=torch.int32), 0.2)),
+    "quantize_int8": lambda: (torch.ops.fuseinfer.quantize_int8.default, (torch.randn(7, 123), -1)),
+    "dequantize_int8": lambda: (torch.ops.fuseinfer.dequantize_int8.default,
+                                (torch.randint(-127, 128, (7, 123), dtype=torch.int8), torch.rand(7, 1),
+                                 torch.float16)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OPCHECK_CASES))
+def test_opcheck_cpu(case):
+    op, args = OPCHECK_CASES[case]()
+    torch.library.opcheck(op, args)

@@ -1,0 +1,251 @@
+"""The patch engine on CPU: every OPT layout, patched vs unpatched logits, generation, padding, unpatch,
+save/load, torch.compile, config and filter options, and the errors for bad input."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import VARIANTS, random_opt
+
+import fuseinfer
+from fuseinfer import FuseInferError, PatchConfig
+
+SEQ = 113  # odd on purpose
+
+
+def _ids(model, batch=2, seq=SEQ, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, model.config.vocab_size, (batch, seq), generator=g)
+
+
+@torch.no_grad()
+def _logits(model, ids, mask=None):
+    return model(input_ids=ids, attention_mask=mask).logits
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_fp32_logits_match(variant):
+    model = random_opt(**VARIANTS[variant])
+    ids = _ids(model)
+    ref = _logits(model, ids)
+    report = fuseinfer.patch(model)
+    out = _logits(model, ids)
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert report.swaps and set(report.backends) == set(fuseinfer.OPS)
+
+
+def test_fp32_logits_match_trained_model(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    ids = _ids(model, seq=256)
+    ref = _logits(model, ids)
+    fuseinfer.patch(model)
+    assert (_logits(model, ids) - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("variant", ["pre_ln", "post_ln_project_in_out"])
+def test_bf16_error_within_twice_torch_bf16_error(variant):
+    model32 = random_opt(**VARIANTS[variant])
+    ids = _ids(model32)
+    ref = _logits(model32, ids)  # fp32 reference
+    model16 = copy.deepcopy(model32).to(torch.bfloat16)
+    torch_err = (_logits(model16, ids).float() - ref).abs().max()
+    fuseinfer.patch(model16)
+    ours_err = (_logits(model16, ids).float() - ref).abs().max()
+    assert ours_err <= 2 * torch_err, (ours_err, torch_err)
+
+
+def test_greedy_generate_32_tokens_identical(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    ids = _ids(model, batch=1, seq=20)
+    kwargs = dict(max_new_tokens=32, do_sample=False, min_new_tokens=32)
+    ref = model.generate(ids, **kwargs)
+    fuseinfer.patch(model)
+    assert torch.equal(model.generate(ids, **kwargs), ref)
+
+
+@pytest.mark.parametrize("variant", ["pre_ln", "post_ln_project_in_out"])
+def test_left_padded_batch_matches_each_prompt_alone(variant):
+    model = random_opt(**VARIANTS[variant])
+    fuseinfer.patch(model)
+    lengths = [SEQ, 40, 7]
+    prompts = [_ids(model, batch=1, seq=n, seed=n)[0] for n in lengths]
+    ids = torch.full((3, SEQ), model.config.pad_token_id)
+    mask = torch.zeros(3, SEQ, dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding
+        ids[i, SEQ - len(p):], mask[i, SEQ - len(p):] = p, 1
+    batched = _logits(model, ids, mask)
+    assert torch.isfinite(batched).all()
+    for i, p in enumerate(prompts):
+        alone = _logits(model, p[None])[0]
+        got = batched[i, SEQ - len(p):]
+        assert (got - alone).abs().max() <= 1e-5 * alone.abs().max(), i
+
+
+def test_left_padded_batch_generate_matches_unpatched(tiny_model_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model_path, padding_side="left")
+    enc = tok(["The tower", "In 1990 , the band released their second album", "He"], return_tensors="pt",
+              padding=True)
+    kwargs = dict(max_new_tokens=16, do_sample=False, min_new_tokens=16)
+    ref = model.generate(**enc, **kwargs)
+    fuseinfer.patch(model)
+    assert torch.equal(model.generate(**enc, **kwargs), ref)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_unpatch_restores_classes_and_state_dict_bit_for_bit(variant):
+    model = random_opt(**VARIANTS[variant])
+    classes = {name: type(m) for name, m in model.named_modules()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    impl = model.config._attn_implementation
+    fuseinfer.patch(model)
+    assert fuseinfer.patch_report(model) is not None
+    fuseinfer.unpatch(model)
+    assert {name: type(m) for name, m in model.named_modules()} == classes
+    after = model.state_dict()
+    assert after.keys() == state.keys()
+    assert all(torch.equal(after[k], state[k]) and after[k].dtype == state[k].dtype for k in state)
+    assert model.config._attn_implementation == impl
+    assert not any(hasattr(m, "qkv_weight") or hasattr(m, "_fuseinfer_ops") for m in model.modules())
+    assert fuseinfer.patch_report(model) is None
+    fuseinfer.patch(model)  # patchable again after unpatch
+
+
+def test_save_pretrained_loads_in_plain_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = random_opt(**VARIANTS["post_ln_project_in_out"])
+    ids = _ids(model)
+    fuseinfer.patch(model)
+    expected = _logits(model, ids)
+    model.save_pretrained(tmp_path)
+    fuseinfer.unpatch(model)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config._attn_implementation != "fuseinfer"
+    torch.testing.assert_close(_logits(loaded, ids), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_compile_of_patched_model():
+    model = random_opt()
+    ids = _ids(model)
+    ref = _logits(model, ids)
+    fuseinfer.patch(model)
+    compiled = torch.compile(model, fullgraph=True)
+    out = _logits(compiled, ids)
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("op", fuseinfer.OPS)
+def test_each_op_alone(op):
+    model = random_opt(**VARIANTS["post_ln_project_in_out"])
+    ids = _ids(model)
+    ref = _logits(model, ids)
+    report = fuseinfer.patch(model, PatchConfig(ops=(op,)))
+    assert set(report.backends) == {op}
+    assert (_logits(model, ids) - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_filter_fn_patches_only_selected_modules():
+    model = random_opt(num_hidden_layers=3)
+    ids = _ids(model)
+    ref = _logits(model, ids)
+    report = fuseinfer.patch(model, PatchConfig(filter_fn=lambda m, name: ".layers.1" in name))
+    assert {s.name for s in report.swaps} == {"model.decoder.layers.1", "model.decoder.layers.1.self_attn"}
+    assert type(model.model.decoder.layers[0]).__name__ == "OPTDecoderLayer"
+    assert (_logits(model, ids) - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_fused_layer_without_fused_attention():
+    model = random_opt()
+    ids = _ids(model)
+    ref = _logits(model, ids)
+    fuseinfer.patch(model, PatchConfig(filter_fn=lambda m, name: not name.endswith("self_attn")))
+    assert (_logits(model, ids) - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_output_hidden_states_and_report_text():
+    model = random_opt()
+    ids = _ids(model)
+    ref = model(input_ids=ids, output_hidden_states=True).hidden_states
+    report = fuseinfer.patch(model)
+    out = model(input_ids=ids, output_hidden_states=True).hidden_states
+    assert len(out) == len(ref)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    text = str(report)
+    assert "FusedOPTDecoderLayer" in text and "attention implementation: 'sdpa' -> 'fuseinfer'" in text
+    assert "reference" in text  # no CUDA here: every op names the reference backend
+
+
+def test_qkv_fusion_adds_no_parameter_memory():
+    model = random_opt()
+    before = sum(p.numel() for p in model.parameters())
+    fuseinfer.patch(model)
+    attn = model.model.decoder.layers[0].self_attn
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()
+    assert sum(p.numel() for p in model.parameters()) == before
+
+
+def test_training_mode_falls_back_to_the_original_forward():
+    model = random_opt()
+    ids = _ids(model)
+    ref = _logits(model, ids)
+    fuseinfer.patch(model)
+    model.train()  # dropout is 0 in these configs, so the original forward must give the same logits
+    assert (_logits(model, ids) - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+# ---- bad input: one clear error, model untouched ----
+
+def _snapshot(model):
+    return {n: type(m) for n, m in model.named_modules()}, model.config._attn_implementation
+
+
+def test_non_opt_model_is_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    before = _snapshot(model)
+    with pytest.raises(FuseInferError, match=r"cannot patch GPT2LMHeadModel.*supported: opt \(OPTForCausalLM"):
+        fuseinfer.patch(model)
+    assert _snapshot(model) == before
+    with pytest.raises(FuseInferError, match="torch.nn.Module"):
+        fuseinfer.patch("facebook/opt-125m")
+
+
+def test_meta_device_model_is_refused():
+    with torch.device("meta"):
+        model = random_opt(device="meta")
+    before = _snapshot(model)
+    with pytest.raises(FuseInferError, match="meta device: load real weights"):
+        fuseinfer.patch(model)
+    assert _snapshot(model) == before
+
+
+def test_unknown_op_name_is_refused():
+    with pytest.raises(FuseInferError, match=r"unknown op name\(s\) \['flash'\].*choose from"):
+        PatchConfig(ops=("flash",))
+
+
+def test_double_patch_and_unpatched_unpatch_are_refused():
+    model = random_opt()
+    with pytest.raises(FuseInferError, match="not patched"):
+        fuseinfer.unpatch(model)
+    fuseinfer.patch(model)
+    before = _snapshot(model)
+    with pytest.raises(FuseInferError, match="already patched"):
+        fuseinfer.patch(model)
+    assert _snapshot(model) == before
+
+
+def test_unsupported_dtype_is_refused():
+    model = random_opt().to(torch.float64)
+    with pytest.raises(FuseInferError, match="float64.*dtype=torch.float16"):
+        fuseinfer.patch(model)

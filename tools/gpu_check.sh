@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (through the device tool) that builds the extension, tests and benchmarks.
+#
+#   bash tools/gpu_check.sh [stage ...]     stages: build test sanitize bench eval (default: build test sanitize)
+#
+# Needs the shared assets copied to .gpu_assets/ (git-ignored; tools/stage_gpu_assets.sh does it) and named in
+# the device call's `carry`. Logs and results go to $OUT (default /tmp/fuseinfer-gpu), one file per stage.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/fuseinfer-gpu}
+mkdir -p "$OUT"
+export FUSEINFER_SHARED=${FUSEINFER_SHARED:-$PWD/.gpu_assets}
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} FUSEINFER_BUILD_CUDA=1
+export FUSEINFER_BENCH_DIR=${FUSEINFER_BENCH_DIR:-$OUT/bench}
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(build test sanitize)
+status=0
+
+run() {  # run NAME CMD...: logs to $OUT/NAME.log, remembers failure
+  local name=$1; shift
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc after $((SECONDS - t0)) s"
+  [ "$rc" -eq 0 ] || status=1
+  return "$rc"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)'
+
+for stage in "${stages[@]}"; do
+  case $stage in
+    build) run build python3 -m pip install --no-deps --no-build-isolation --no-index -e . || exit 1 ;;
+    test)
+      run pytest python3 -m pytest -q -ra -p no:cacheprovider tests
+      run compare_logits python3 tools/compare_logits.py --shape opt-1.3b --dtype fp16 --seq 512 ;;
+    sanitize)
+      run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/kernel_smoke.py
+      run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/kernel_smoke.py ;;
+    bench)
+      for b in bench/bench_layernorm.py bench/bench_linear.py bench/bench_attention.py; do
+        [ -f "$b" ] && run "$(basename "$b" .py)" python3 "$b" ${BENCH_ARGS:-}
+      done ;;
+    eval)
+      run eval python3 -m fuseinfer.eval --model random:opt-1.3b --dtype fp16 --backends eager,compile,fuseinfer \
+        --skip-ppl --output "$OUT/eval_opt-1.3b_fp16.json" --markdown "$OUT/eval_opt-1.3b_fp16.md" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
+echo "gpu_check: $([ $status -eq 0 ] && echo PASS || echo FAIL) (stages: ${stages[*]})"
+exit $status
