@@ -1,6 +1,6 @@
 // Causal attention over a KV cache with per-row key masks: fuseinfer::attention_cuda (see fuseinfer.h).
 //
-// Two kernels families, chosen by attention_cuda:
+// Two kernel families, chosen by attention_cuda:
 //
 //  * Prefill (fp16/bf16, Sq > 16): FlashAttention-2-style forward. One thread block owns BM = 16 * WARPS query
 //    rows of one (batch, head); each warp owns 16 rows and keeps its Q fragments in registers. The block walks
@@ -600,10 +600,12 @@ template <typename T, int D, int QB>
 void run_split_kv(const AttnParams& p, const at::Tensor& q, cudaStream_t stream) {
   using Cfg = SplitCfg<T, D, QB>;
   const int qchunks = (p.Sq + QB - 1) / QB;
+  TORCH_CHECK(qchunks <= 65535, "attention_cuda: Sq = ", p.Sq, " is too long for the split-KV path");
   const int64_t base = int64_t(p.B) * p.H * qchunks;
-  // Enough blocks for ~MIN_BLOCKS resident per SM, at least one full iteration (KPI keys) per split.
+  // As many splits as fit in one wave of resident blocks (launch bounds guarantee MIN_BLOCKS per SM; a
+  // partial second wave would idle most SMs), at least one full iteration (KPI keys) per split.
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t want = (int64_t(sms) * Cfg::MIN_BLOCKS + base - 1) / base;
+  const int64_t want = int64_t(sms) * Cfg::MIN_BLOCKS / base;
   const int64_t max_splits = std::min<int64_t>(128, (p.Skv + Cfg::KPI - 1) / Cfg::KPI);
   const int splits = static_cast<int>(std::max<int64_t>(1, std::min(want, max_splits)));
 

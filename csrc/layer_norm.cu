@@ -7,7 +7,9 @@
 // Work split (chosen on the host from the row length, see pick_config):
 //   * a row of at most 32 * VPT vectors: one warp per row, 4 rows per 128-thread block, shuffle reductions;
 //   * a longer row: one block of 32 * WPR threads per row, shuffle + shared-memory reductions.
-// VPT (vectors per thread) is a template parameter so the row lives in a fixed-size register array.
+// VPT (vectors per thread) is a template parameter so the row lives in a fixed-size register array (kept in
+// the input dtype, widened to fp32 on the fly in each pass). All loads of a row (x, residual, weight, bias) are
+// issued before the first store or reduction, so each thread has all of them in flight at once.
 // A "vector" is 16 bytes (8 fp16/bf16 or 4 fp32) when N is a multiple of that and every pointer is 16-byte
 // aligned; otherwise the scalar instantiation (vector = 1 element) serves any N and any alignment.
 // Thread t of a row holds vectors t, t + T, t + 2T, ... (T = threads per row), so each load instruction of a
@@ -26,13 +28,31 @@ namespace fuseinfer {
 namespace {
 
 constexpr int kMaxN = 16384;             // largest supported hidden size
-constexpr int kMaxElemsPerThread = 32;   // fp32 registers holding the row, per thread (vector paths)
+constexpr int kMaxElemsPerThread = 32;   // row elements per thread on the vector paths (4 x 8 or 8 x 4)
 constexpr int kMaxScalarPerThread = 16;  // same for the scalar path: 1024 threads * 16 = kMaxN
 constexpr int kWarpRowsPerBlock = 4;     // rows per block in the warp-per-row layout
 
+// VEC elements of T moved as one load/store (16 bytes for the vector paths, one element for the scalar path).
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack {
+  T v[VEC];
+};
+
+// fp32 <-> T for one element and for a pair (the pair forms use one instruction for two 16-bit values).
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) {
+  return __uint_as_float(static_cast<unsigned>(__bfloat16_as_ushort(v)) << 16);
+}
+__device__ __forceinline__ float2 to_float2(const float* v) { return make_float2(v[0], v[1]); }
+__device__ __forceinline__ float2 to_float2(const __half* v) {
+  return __half22float2(*reinterpret_cast<const __half2*>(v));
+}
+// bf16 -> fp32 is exact: a bf16 is the top half of an fp32, so a pair widens with one shift and one mask.
+__device__ __forceinline__ float2 to_float2(const __nv_bfloat16* v) {
+  const unsigned u = *reinterpret_cast<const unsigned*>(v);
+  return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+}
 
 template <typename T> __device__ __forceinline__ T from_float(float v);
 template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
@@ -40,12 +60,42 @@ template <> __device__ __forceinline__ __half from_float<__half>(float v) { retu
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
+__device__ __forceinline__ void from_float2(float* out, float lo, float hi) { out[0] = lo; out[1] = hi; }
+__device__ __forceinline__ void from_float2(__half* out, float lo, float hi) {
+  *reinterpret_cast<__half2*>(out) = __floats2half2_rn(lo, hi);
+}
+__device__ __forceinline__ void from_float2(__nv_bfloat16* out, float lo, float hi) {
+  *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(lo, hi);
+}
 
-// VEC elements of T moved as one load/store (16 bytes for the vector paths, one element for the scalar path).
+// Pack -> fp32 array and back (round to nearest even), pairwise where VEC is even.
 template <typename T, int VEC>
-struct alignas(sizeof(T) * VEC) Pack {
-  T v[VEC];
-};
+__device__ __forceinline__ void widen(const Pack<T, VEC>& in, float (&out)[VEC]) {
+  if constexpr (VEC % 2 == 0) {
+#pragma unroll
+    for (int j = 0; j < VEC; j += 2) {
+      const float2 f = to_float2(&in.v[j]);
+      out[j] = f.x;
+      out[j + 1] = f.y;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out[j] = to_float(in.v[j]);
+  }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> narrow(const float (&in)[VEC]) {
+  Pack<T, VEC> out;
+  if constexpr (VEC % 2 == 0) {
+#pragma unroll
+    for (int j = 0; j < VEC; j += 2) from_float2(&out.v[j], in[j], in[j + 1]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out.v[j] = from_float<T>(in[j]);
+  }
+  return out;
+}
 
 struct Params {
   const void* x;         // (rows, n)
@@ -92,14 +142,14 @@ __device__ __forceinline__ Pack<T, VEC> load(const Pack<T, VEC>* ptr) {
 }
 
 // Scalar path may need 1024 threads per row (16 elements each for N = 16384); the vector paths need at most
-// 512 (4096 16-byte vectors / 8 per thread), which leaves them 128 registers per thread.
+// 512 (4096 16-byte vectors / 8 per thread), which leaves them up to 128 registers per thread.
 template <int VEC>
 constexpr int max_threads() { return VEC == 1 ? 1024 : 512; }
 
 // grid: warp-per-row layout: ceil(rows / blockDim.y) blocks of (32, kWarpRowsPerBlock);
 //       block-per-row layout: rows blocks of (32 * WPR, 1).
 template <typename T, int VEC, int VPT>
-__global__ void __launch_bounds__(max_threads<VEC>()) add_layer_norm_kernel(const Params p) {
+__global__ void __launch_bounds__(max_threads<VEC>(), 1) add_layer_norm_kernel(const Params p) {
   using P = Pack<T, VEC>;
   __shared__ float scratch_mean[32];
   __shared__ float scratch_var[32];
@@ -138,8 +188,29 @@ __global__ void __launch_bounds__(max_threads<VEC>()) add_layer_norm_kernel(cons
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       if (tid + i * tpr < nv) {
+        float fa[VEC], fb[VEC];
+        widen(a[i], fa);
+        widen(b[i], fb);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) a[i].v[j] = from_float<T>(to_float(a[i].v[j]) + to_float(b[i].v[j]));
+        for (int j = 0; j < VEC; ++j) fa[j] += fb[j];
+        a[i] = narrow<T, VEC>(fa);
+      }
+    }
+  }
+
+  // weight and bias are shared by all rows (L1/L2 hits). On the vector paths, where their packs take at most 16
+  // registers each, they are loaded now, so their latency hides behind the reductions instead of being paid
+  // per vector at the end (the scalar path's 1024-thread blocks leave no registers for that).
+  constexpr bool kPrefetchAffine = VEC > 1 && sizeof(P) * VPT <= 64;
+  const P* __restrict__ w = reinterpret_cast<const P*>(p.weight);
+  const P* __restrict__ bias = reinterpret_cast<const P*>(p.bias);
+  P wv[VPT], bv[VPT];
+  if constexpr (kPrefetchAffine) {
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      if (tid + i * tpr < nv) {
+        if (w) wv[i] = load(w + tid + i * tpr);
+        if (bias) bv[i] = load(bias + tid + i * tpr);
       }
     }
   }
@@ -148,8 +219,10 @@ __global__ void __launch_bounds__(max_threads<VEC>()) add_layer_norm_kernel(cons
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     if (s_out && tid + i * tpr < nv) s_out[tid + i * tpr] = a[i];
+    float f[VEC];
+    widen(a[i], f);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) local += to_float(a[i].v[j]);
+    for (int j = 0; j < VEC; ++j) local += f[j];
   }
   const float inv_n = 1.f / static_cast<float>(p.n);
   const float mean = row_sum(local, scratch_mean) * inv_n;
@@ -159,41 +232,37 @@ __global__ void __launch_bounds__(max_threads<VEC>()) add_layer_norm_kernel(cons
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     if (tid + i * tpr < nv) {
+      float f[VEC];
+      widen(a[i], f);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float d = to_float(a[i].v[j]) - mean;
-        local += d * d;
-      }
+      for (int j = 0; j < VEC; ++j) local += (f[j] - mean) * (f[j] - mean);
     }
   }
   const float rstd = rsqrtf(row_sum(local, scratch_var) * inv_n + p.eps);
 
-  // y = (s - mean) * rstd * w + b. weight and bias are shared by all rows, so they mostly hit L1/L2.
-  const P* __restrict__ w = reinterpret_cast<const P*>(p.weight);
-  const P* __restrict__ bias = reinterpret_cast<const P*>(p.bias);
-  P wv[VPT], bv[VPT];
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    const int idx = tid + i * tpr;
-    if (idx < nv) {
-      if (w) wv[i] = load(w + idx);
-      if (bias) bv[i] = load(bias + idx);
-    }
-  }
+  // y = (s - mean) * rstd * w + b
   P* __restrict__ y = reinterpret_cast<P*>(p.y) + base;
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int idx = tid + i * tpr;
     if (idx < nv) {
-      P out;
+      float f[VEC];
+      widen(a[i], f);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        float o = (to_float(a[i].v[j]) - mean) * rstd;
-        if (w) o *= to_float(wv[i].v[j]);
-        if (bias) o += to_float(bv[i].v[j]);
-        out.v[j] = from_float<T>(o);
+      for (int j = 0; j < VEC; ++j) f[j] = (f[j] - mean) * rstd;
+      if (w) {
+        float fw[VEC];
+        widen(kPrefetchAffine ? wv[i] : load(w + idx), fw);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) f[j] *= fw[j];
       }
-      y[idx] = out;
+      if (bias) {
+        float fb[VEC];
+        widen(kPrefetchAffine ? bv[i] : load(bias + idx), fb);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) f[j] += fb[j];
+      }
+      y[idx] = narrow<T, VEC>(f);
     }
   }
 }

@@ -5,11 +5,12 @@
 """
 from ._ext import cuda_extension_available, extension_status
 from .errors import FuseInferError
-from .patching import OPS, PatchConfig, PatchReport, patch, patch_report, unpatch
+from .patching import OPS, PatchConfig, PatchReport, patch, patch_report, patch_state, unpatch
+from .runtime import generate
 
 __version__ = "0.1.0"
 
 __all__ = [
     "OPS", "FuseInferError", "PatchConfig", "PatchReport", "cuda_extension_available", "extension_status",
-    "patch", "patch_report", "unpatch", "__version__",
+    "generate", "patch", "patch_report", "patch_state", "unpatch", "__version__",
 ]

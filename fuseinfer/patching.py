@@ -7,7 +7,8 @@ undo the patch on the model itself, and renders the report.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from types import MethodType
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -89,6 +90,13 @@ class PatchReport:
         return "\n".join(lines)
 
 
+class PatchState(NamedTuple):
+    family: object  # the family's rules object (fuseinfer/patches/<family>.py)
+    state: dict  # what the family needs to undo its swaps
+    report: PatchReport
+    config: PatchConfig
+
+
 def _family_for(model: nn.Module):
     from .patches import FAMILIES
 
@@ -128,7 +136,11 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
     _check_tensors(model)
     report = PatchReport(model_type=model_type)
     state = family.patch(model, config, report)
-    object.__setattr__(model, STATE_ATTR, (family, state, report))
+    object.__setattr__(model, STATE_ATTR, PatchState(family, state, report, config))
+    if hasattr(model, "generate"):
+        from .runtime import patched_generate
+
+        object.__setattr__(model, "generate", MethodType(patched_generate, model))
     return report
 
 
@@ -136,13 +148,22 @@ def unpatch(model: nn.Module) -> nn.Module:
     """Restore the model ``patch`` changed: module classes, parameters and buffers bit for bit."""
     if not hasattr(model, STATE_ATTR):
         raise FuseInferError("this model is not patched by fuseinfer (nothing to unpatch)")
-    family, state, _ = getattr(model, STATE_ATTR)
-    family.unpatch(model, state)
+    patched = getattr(model, STATE_ATTR)
+    from .runtime import release
+
+    release(model)
+    model.__dict__.pop("generate", None)
+    patched.family.unpatch(model, patched.state)
     object.__delattr__(model, STATE_ATTR)
     return model
 
 
+def patch_state(model: nn.Module) -> PatchState | None:
+    """What ``patch`` recorded on ``model`` (family, undo state, report, config), or None if unpatched."""
+    return getattr(model, STATE_ATTR, None)
+
+
 def patch_report(model: nn.Module) -> PatchReport | None:
     """The report of the patch currently applied to ``model``, or None."""
-    state = getattr(model, STATE_ATTR, None)
-    return state[2] if state else None
+    state = patch_state(model)
+    return state.report if state else None

@@ -124,6 +124,13 @@ class OPTFamily:
 
     architectures = ("OPTForCausalLM", "OPTModel", "OPTForSequenceClassification", "OPTForQuestionAnswering")
 
+    @staticmethod
+    def decode_forward(model: nn.Module):
+        """The fast-decode forward for ``model``, or None with the reason it cannot take that path."""
+        if type(model).__name__ != "OPTForCausalLM":
+            return None, f"fast decode needs an OPTForCausalLM, got {type(model).__name__}"
+        return forward_last_logits, None
+
     def patch(self, model: nn.Module, config: PatchConfig, report: PatchReport) -> dict:
         ops = frozenset(config.ops)
         state = {"classes": [], "qkv": [], "attn_impl": None}
@@ -197,3 +204,25 @@ def _backends(module: nn.Module, ops) -> dict[str, str]:
         if not kernel_supports(p.new_empty(1, 1, 1, head_dim)):
             out["attention"] = f"reference (no kernel for {p.dtype}, head dim {head_dim})"
     return out
+
+
+def forward_last_logits(model: nn.Module, tokens, positions, cache, q_start) -> torch.Tensor:
+    """The fast-decode forward of a patched OPTForCausalLM over a :class:`~fuseinfer.runtime.StaticKVCache`.
+
+    tokens, positions: (B, S) int64 (OPT positions, -1 on padding); writes k/v to ``cache.write_idx``;
+    q_start: (B,) int32 slot of tokens[:, 0]. Returns fp32 logits of the last position, (B, V).
+    """
+    dec = model.model.decoder
+    h = dec.embed_tokens(tokens)  # (B, S, E_word)
+    if dec.project_in is not None:
+        h = dec.project_in(h)
+    h = h + dec.embed_positions(None, 0, position_ids=positions)  # (B, S, E)
+    mask = hf_attention.MaskInfo(cache.key_mask, q_start)
+    for layer in dec.layers:
+        h = layer(h, attention_mask=mask, past_key_values=cache)
+    h = h[:, -1:]  # (B, 1, E)
+    if dec.final_layer_norm is not None:
+        h = dec.final_layer_norm(h)
+    if dec.project_out is not None:
+        h = dec.project_out(h)
+    return model.lm_head(h)[:, -1].float()  # (B, V)

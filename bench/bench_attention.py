@@ -1,0 +1,184 @@
+"""Benchmark of fuseinfer's attention kernel (fuseinfer._C.attention) against PyTorch's SDPA backends.
+
+Prefill rows: causal self-attention, q = k = v length S, fp16, reported in TFLOP/s with the causal count
+4 * B * H * S^2 * D / 2 (two GEMMs of 2*S*S*D FLOPs each, half of them above the diagonal skipped).
+Decode rows: one query over a KV cache of `ctx` keys, reported in GB/s of (K + V + q + out) bytes and as a
+percentage of the device-to-device copy ceiling measured in the same run.
+
+Baselines: torch.nn.functional.scaled_dot_product_attention under each available SDPA backend (flash,
+efficient, cudnn; a backend that rejects the inputs is recorded as unavailable) and torch.compile of the eager
+math (softmax(q k^T * scale) v). Every implementation is checked against the eager math in fp32 before it is
+timed; a wrong result aborts the run, so no speed is ever reported for a wrong kernel.
+
+    python bench/bench_attention.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import bench_ms, measure_ceilings, write_results  # noqa: E402
+
+SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+                 "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+DTYPE = torch.float16
+MAX_ERR = 2e-2  # |impl - fp32 math| on unit-variance random inputs; fp16 kernels land near 1e-3
+SCORE_BYTES_LIMIT = 12 << 30  # skip torch.compile(math) when its fp32 score matrix would exceed this
+
+
+def math_attention(q, k, v, scale: float, causal: bool):
+    """Eager math, (B, H, Sq, D) -> (B, H, Sq, D); causal is bottom-right aligned like fuseinfer's default."""
+    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if causal:
+        sq, skv = q.shape[2], k.shape[2]
+        keep = torch.ones(sq, skv, dtype=torch.bool, device=q.device).tril(skv - sq)
+        s = s.masked_fill(~keep, float("-inf"))
+    return torch.matmul(s.softmax(-1).to(q.dtype), v)
+
+
+def implementations(q, k, v, scale: float, causal: bool, ext) -> dict:
+    """name -> (callable returning (B, Sq, H, D), context manager factory or None)."""
+    torch.compiler.reset()  # a fresh compile per shape, never the recompile limit's silent eager fallback
+    compiled_math = torch.compile(math_attention, dynamic=False)
+    impls = {"fuseinfer": (lambda: ext.attention(q, k, v, None, None, scale), None)}
+    for name, backend in SDPA_BACKENDS.items():
+        impls[name] = (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale).transpose(1, 2),
+                       lambda backend=backend: sdpa_kernel(backend))
+    b, h, sq, _ = q.shape
+    if b * h * sq * k.shape[2] * 4 <= SCORE_BYTES_LIMIT:
+        impls["compile_math"] = (lambda: compiled_math(q, k, v, scale, causal).transpose(1, 2), None)
+    return impls
+
+
+def run_config(mode: str, b: int, h: int, sq: int, skv: int, d: int, ext, ceilings: dict, timing: dict) -> list[dict]:
+    torch.manual_seed(0)
+    q = torch.randn(b, h, sq, d, device="cuda", dtype=DTYPE)
+    k = torch.randn(b, h, skv, d, device="cuda", dtype=DTYPE)
+    v = torch.randn(b, h, skv, d, device="cuda", dtype=DTYPE)
+    scale = d ** -0.5
+    causal = mode == "prefill"  # decode: one query sees every key (fuseinfer's default q_start = Skv - 1)
+    ref = math_attention(q.float(), k.float(), v.float(), scale, causal).transpose(1, 2)  # (B, Sq, H, D)
+
+    if mode == "prefill":
+        work = 4 * b * h * sq * skv * d / 2
+    else:
+        work = (2 * b * h * skv * d + 2 * b * h * sq * d) * q.element_size()  # K + V read, q read, out written
+    base = dict(mode=mode, B=b, H=h, Sq=sq, Skv=skv, D=d)
+    rows = []
+    for name, (fn, ctx) in implementations(q, k, v, scale, causal, ext).items():
+        try:
+            with ctx() if ctx else _null():
+                out = fn()
+                torch.cuda.synchronize()
+                err = (out.float() - ref).abs().max().item()
+                if not err <= MAX_ERR:  # also catches NaN
+                    if name == "fuseinfer":
+                        raise AssertionError(f"{name} {base}: max abs error {err:.3g} > {MAX_ERR}")
+                    rows.append({**base, "impl": name, "max_abs_err": err, "note": "wrong result, not timed"})
+                    continue
+                t = bench_ms(fn, **timing)
+        except RuntimeError as exc:  # backend unavailable for these inputs / this GPU
+            if name == "fuseinfer":
+                raise
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            rows.append({**base, "impl": name, "note": f"unavailable: {first_line[:120]}"})
+            continue
+        sec = t["median_ms"] * 1e-3
+        row = {**base, "impl": name, **t, "max_abs_err": err}
+        if mode == "prefill":
+            row["TFLOPs"] = work / sec / 1e12
+        else:
+            row["GBps"] = work / sec / 1e9
+            row["pct_copy"] = 100.0 * row["GBps"] / ceilings["copy_GBps"]
+        rows.append(row)
+        print(f"{mode:7s} B={b:<2d} H={h} Sq={sq:<5d} Skv={skv:<5d} D={d:<3d} {name:15s} "
+              f"{t['median_ms']:8.4f} ms  " + (f"{row['TFLOPs']:7.1f} TFLOP/s" if mode == "prefill" else
+                                              f"{row['GBps']:7.0f} GB/s ({row['pct_copy']:.0f}% of copy)"),
+              flush=True)
+    timed = [r for r in rows if "median_ms" in r and r["impl"].startswith("sdpa")]
+    best = min((r["median_ms"] for r in timed), default=None)
+    for r in rows:
+        if best is not None and "median_ms" in r:
+            r["speedup_vs_best_sdpa"] = best / r["median_ms"]
+    del q, k, v, ref
+    torch.cuda.empty_cache()
+    return rows
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def check_semantics(ext) -> None:
+    """Masked, offset and strided cases against the fp32 reference of the op, before any timing."""
+    from fuseinfer.ops.attention import attention_ref
+
+    torch.manual_seed(1)
+    for d in (64, 128):
+        for sq, skv, q_start in ((113, 113, None), (1, 4096, None), (4, 1024, 500), (16, 700, None)):
+            b, h = 3, 4
+            qkv = torch.randn(b, sq, 3, h, d, device="cuda", dtype=DTYPE)
+            q = qkv[:, :, 0].transpose(1, 2)  # strided view, as the patched model passes it
+            k = torch.randn(b, h, skv, d, device="cuda", dtype=DTYPE)
+            v = torch.randn(b, h, skv, d, device="cuda", dtype=DTYPE)
+            pads = torch.tensor([0, 7, skv], device="cuda")  # row 2 fully padded: output must be exactly 0
+            key_mask = torch.arange(skv, device="cuda")[None] >= pads[:, None]
+            qs = None if q_start is None else torch.full((b,), q_start, device="cuda", dtype=torch.int32)
+            out = ext.attention(q, k, v, key_mask, qs, d ** -0.5)
+            ref = attention_ref(q.float(), k.float(), v.float(), key_mask, qs, d ** -0.5)
+            err = (out.float() - ref).abs().max().item()
+            assert err <= MAX_ERR, f"semantics check d={d} sq={sq} skv={skv}: max abs error {err:.3g}"
+            assert out[2].abs().max().item() == 0, "fully masked row must give exactly 0"
+    print("semantics check passed (strided q, key_mask, q_start, fully masked row)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="few configs, short timing")
+    args = parser.parse_args()
+
+    import fuseinfer
+    if not fuseinfer.cuda_extension_available():
+        raise SystemExit(f"bench_attention: the CUDA extension is unavailable: {fuseinfer.extension_status()}")
+    import fuseinfer._C as ext
+
+    timing = dict(warmup_ms=10, rep_ms=40) if args.quick else dict(warmup_ms=25, rep_ms=100)
+    if args.quick:
+        prefill = [(4, 32, 2048, 64), (4, 16, 2048, 128)]
+        decode = [(8, 32, ctx, 64) for ctx in (512, 4096)]
+    else:
+        prefill = [(b, 32 if d == 64 else 16, s, d) for d in (64, 128)
+                   for b, s in ((8, 512), (4, 2048), (8, 2048), (4, 4096))]
+        decode = [(b, 32, ctx, 64) for b in (1, 8, 32) for ctx in (512, 2048, 4096, 8192)]
+
+    check_semantics(ext)
+    ceilings = measure_ceilings()
+    print(f"ceilings: copy {ceilings['copy_GBps']:.0f} GB/s, cuBLAS fp16 {ceilings['matmul_fp16_TFLOPs']:.0f} TFLOP/s")
+    rows = []
+    for b, h, s, d in prefill:
+        rows += run_config("prefill", b, h, s, s, d, ext, ceilings, timing)
+    for b, h, ctx, d in decode:
+        rows += run_config("decode", b, h, 1, ctx, d, ext, ceilings, timing)
+
+    settings = dict(quick=args.quick, dtype=str(DTYPE), causal_prefill=True, decode_sq=1, **timing,
+                    flops="prefill: 4*B*H*S^2*D/2 (causal)", bytes="decode: K+V read + q read + out written")
+    columns = ["mode", "B", "H", "Sq", "Skv", "D", "impl", "median_ms", "p10_ms", "p90_ms", "TFLOPs", "GBps",
+               "pct_copy", "speedup_vs_best_sdpa", "max_abs_err", "note"]
+    path = write_results("attention", settings, ceilings, rows, columns)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

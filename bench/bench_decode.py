@@ -1,0 +1,108 @@
+"""Decode latency of fuseinfer's fast path (static cache + CUDA graphs) vs transformers' generate.
+
+For random-weight OPT (default opt-1.3b, fp16) at each batch size, with a prompt of --context tokens:
+ms/token = (T(generate 1 + N new tokens) - T(generate 1 new token)) / N, median of --repeats runs after a
+warm-up (which also absorbs torch.compile's compile time), so prefill cancels out. Compared: eager HF generate,
+HF generate(cache_implementation="static") (which torch.compiles its decode step), and fuseinfer.generate.
+Derived: floor = weight bytes / measured copy bandwidth; achieved GB/s = (weight bytes + KV bytes read per
+token) / ms-per-token, with the KV cache at the mean context of the timed tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import measure_ceilings, write_results  # noqa: E402
+
+import fuseinfer  # noqa: E402
+from fuseinfer.eval.models import load_config, load_model, model_stats, resolve_model  # noqa: E402
+
+
+def time_generate(fn, repeats: int) -> float:
+    """Median wall time of fn() in ms (synchronised)."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def ms_per_token(gen, ids, new_tokens: int, repeats: int) -> float:
+    for n in (1, 1 + new_tokens):  # warm-up both lengths (compiles, captures graphs)
+        gen(ids, n)
+    t_long = time_generate(lambda: gen(ids, 1 + new_tokens), repeats)
+    t_short = time_generate(lambda: gen(ids, 1), repeats)
+    return (t_long - t_short) / new_tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="random:opt-1.3b")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--backends", default="eager,hf_static_compile,fuseinfer")
+    ap.add_argument("--quick", action="store_true", help="batch 1 only, 64 tokens, 3 repeats")
+    args = ap.parse_args()
+    if args.quick:
+        args.batches, args.new_tokens, args.repeats = "1", 64, 3
+    ceilings = measure_ceilings()
+    source = resolve_model(args.model)
+    base = load_model(source, load_config(source), torch.float16, torch.device("cuda"), seed=0)
+    base.generation_config.eos_token_id = None  # random weights: never stop early
+    stats = model_stats(base)
+    weight_bytes = stats.weight_bytes_per_token
+    floor_ms = weight_bytes / (ceilings["copy_GBps"] * 1e9) * 1e3
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        ids = torch.randint(3, base.config.vocab_size, (batch, args.context), device="cuda")
+        mean_ctx = args.context + args.new_tokens / 2
+        kv_bytes = 2 * stats.layers * batch * mean_ctx * stats.hidden * stats.element_size
+        row = {"batch": batch, "context": args.context, "floor_ms": floor_ms}
+        for name in args.backends.split(","):
+            model = copy.deepcopy(base)
+            if name == "eager":
+                gen = lambda x, n: model.generate(x, max_new_tokens=n, do_sample=False)  # noqa
+            elif name == "hf_static_compile":
+                gen = lambda x, n: model.generate(x, max_new_tokens=n, do_sample=False,  # noqa
+                                                  cache_implementation="static")
+            else:
+                fuseinfer.patch(model)
+                gen = lambda x, n: fuseinfer.generate(model, x, max_new_tokens=n)  # noqa: E731
+            with torch.no_grad():
+                ms = ms_per_token(gen, ids, args.new_tokens, args.repeats)
+            row[f"{name}_ms"] = ms
+            row[f"{name}_GBps"] = (weight_bytes + kv_bytes) / (ms * 1e-3) / 1e9
+            print(f"batch {batch}: {name} {ms:.3f} ms/token", flush=True)
+            del model, gen
+            gc.collect()
+            torch.cuda.empty_cache()
+        if "fuseinfer_ms" in row:
+            row["fuseinfer_pct_copy"] = 100 * row["fuseinfer_GBps"] / ceilings["copy_GBps"]
+            row["fuseinfer_over_floor"] = row["fuseinfer_ms"] / floor_ms
+            row["fuseinfer_tok_s"] = batch * 1e3 / row["fuseinfer_ms"]
+            for other in ("eager", "hf_static_compile"):
+                if f"{other}_ms" in row:
+                    row[f"speedup_vs_{other}"] = row[f"{other}_ms"] / row["fuseinfer_ms"]
+        rows.append(row)
+    cols = ["batch", "context", "floor_ms", *[c for c in rows[0] if c.endswith("_ms") and c != "floor_ms"],
+            *[c for c in ("fuseinfer_over_floor", "fuseinfer_GBps", "fuseinfer_pct_copy", "fuseinfer_tok_s",
+                          "speedup_vs_eager", "speedup_vs_hf_static_compile") if c in rows[0]]]
+    settings = {**vars(args), "dtype": "fp16", "weight_bytes": weight_bytes,
+                "timing": "(T(1+N new) - T(1 new)) / N, wall clock around synchronised generate, median"}
+    print(write_results("decode", settings, ceilings, rows, cols).with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Fused residual add + LayerNorm (fuseinfer._C.add_layer_norm) against eager PyTorch and torch.compile.
+
+Three forms of the op, fp16, hidden sizes 2048 / 4096 / 8192, activation sizes from ~1 MB (working set inside
+the 50 MB L2) to 256 MB (HBM):
+  ln          y = LayerNorm(x)                      (pre-LN blocks: the residual add sits in the GEMM epilogue)
+  add_ln      y = LayerNorm(x + r)                  (post-LN blocks)
+  add_ln_sum  s = x + r; y = LayerNorm(s); returns (y, s)  (pre-LN with the residual add fused here)
+Bytes moved = element size * rows * N * (tensors read + tensors written) + weight and bias; GB/s is that over
+our median time and "% copy" compares it with the device-to-device copy bandwidth measured in the same run.
+Note: common.bench_ms (triton's do_bench) zeroes a 256 MB buffer before every timed call, so even the rows
+whose working set fits in L2 start from a cold cache; "L2" / "HBM" in the table labels the working set.
+
+Every row first checks ours against eager (s bit-exact, y within 2x eager's error against an fp32 reference).
+torch.compile gets one compile per (form, N) with the row count marked dynamic (Triton still autotunes per
+size). Usage: python bench/bench_layernorm.py [--quick]  -> bench/results/layernorm.json and .md
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import bench_ms, measure_ceilings, write_results  # noqa: E402
+
+import fuseinfer._C as C  # noqa: E402
+
+EPS = 1e-5
+DTYPE = torch.float16
+FORMS = {  # name: (has residual, store_sum)
+    "ln": (False, False),
+    "add_ln": (True, False),
+    "add_ln_sum": (True, True),
+}
+COLUMNS = ["form", "N", "rows", "size MB", "where", "ours ms", "eager ms", "compile ms", "ours GB/s",
+           "% copy", "x eager", "x compile"]
+
+
+def eager_fn(has_residual: bool, store_sum: bool):
+    """The unfused PyTorch expression of one form."""
+    def fn(x, r, w, b):
+        s = x + r if has_residual else x
+        y = F.layer_norm(s, (s.shape[-1],), w, b, EPS)
+        return (y, s) if store_sum else y
+    return fn
+
+
+def bytes_moved(rows: int, n: int, has_residual: bool, store_sum: bool) -> int:
+    """Bytes read + written: x (+ r) read, y (+ s) written, weight and bias read once."""
+    tensors = 1 + has_residual + 1 + store_sum
+    return DTYPE.itemsize * (rows * n * tensors + 2 * n)
+
+
+def check(x, r, w, b, has_residual, store_sum, eager):
+    """ours vs eager: s bit-exact, y no further from the fp32 reference than 2x eager (+ slack)."""
+    y, s = C.add_layer_norm(x, r if has_residual else None, w, b, EPS, store_sum)
+    s_ref = x + r if has_residual else x
+    if store_sum:
+        assert torch.equal(s, s_ref), "sum differs from eager x + r"
+    else:
+        assert s.numel() == 0
+    ref32 = F.layer_norm(s_ref.float(), (x.shape[-1],), w.float(), b.float(), EPS)
+    y_eager = eager(x, r, w, b)
+    y_eager = y_eager[0] if store_sum else y_eager
+    ours_err = (y.float() - ref32).abs().max().item()
+    eager_err = (y_eager.float() - ref32).abs().max().item()
+    assert ours_err <= 2 * eager_err + 1e-6, f"ours err {ours_err:.3g} vs eager {eager_err:.3g}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer sizes (1, 16, 256 MB) and only N = 4096")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    hidden = [4096] if args.quick else [2048, 4096, 8192]
+    sizes_mb = [1, 16, 256] if args.quick else [1, 4, 16, 64, 256]  # one activation tensor, in MiB
+    l2_bytes = torch.cuda.get_device_properties().L2_cache_size
+    ceilings = measure_ceilings()
+    rows_out = []
+    with torch.no_grad():
+        for form, (has_residual, store_sum) in FORMS.items():
+            eager = eager_fn(has_residual, store_sum)
+            for n in hidden:
+                torch._dynamo.reset()
+                compiled = torch.compile(eager)
+                w = torch.randn(n, device="cuda", dtype=DTYPE)
+                b = torch.randn(n, device="cuda", dtype=DTYPE)
+                for size_mb in sizes_mb:
+                    rows = max(1, size_mb * 2**20 // (n * DTYPE.itemsize))
+                    x = torch.randn(rows, n, device="cuda", dtype=DTYPE)
+                    r = torch.randn(rows, n, device="cuda", dtype=DTYPE)
+                    torch._dynamo.mark_dynamic(x, 0)
+                    torch._dynamo.mark_dynamic(r, 0)
+                    check(x, r, w, b, has_residual, store_sum, eager)
+                    r_arg = r if has_residual else None
+                    ours = bench_ms(lambda: C.add_layer_norm(x, r_arg, w, b, EPS, store_sum))
+                    ref = bench_ms(lambda: eager(x, r, w, b))
+                    compiled(x, r, w, b)  # compile / autotune outside the timing
+                    comp = bench_ms(lambda: compiled(x, r, w, b))
+                    moved = bytes_moved(rows, n, has_residual, store_sum)
+                    gbs = moved / (ours["median_ms"] * 1e-3) / 1e9
+                    rows_out.append({
+                        "form": form, "N": n, "rows": rows, "size MB": size_mb,
+                        "where": "L2" if moved <= l2_bytes else "HBM",
+                        "ours ms": ours["median_ms"], "eager ms": ref["median_ms"], "compile ms": comp["median_ms"],
+                        "ours GB/s": gbs, "% copy": 100 * gbs / ceilings["copy_GBps"],
+                        "x eager": ref["median_ms"] / ours["median_ms"],
+                        "x compile": comp["median_ms"] / ours["median_ms"],
+                        "ours": ours, "eager": ref, "compile": comp, "bytes": moved,
+                    })
+                    print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                     for k, v in rows_out[-1].items() if k in COLUMNS), flush=True)
+    settings = {"dtype": str(DTYPE), "eps": EPS, "hidden": hidden, "sizes_MiB": sizes_mb, "quick": args.quick,
+                "L2_bytes": l2_bytes, "note": "L2 flushed before every timed call (triton do_bench)"}
+    path = write_results("layernorm", settings, ceilings, rows_out, COLUMNS)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

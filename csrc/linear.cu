@@ -1,0 +1,453 @@
+// Linear layer with a fused epilogue: y = act(x @ w^T + bias + residual), one store of y.
+//
+// Two paths, chosen by the number of tokens M:
+//   * M > kSkinnyMaxM (prefill), or any fp32 / unaligned input: cuBLASLt. Row-major y (M, N) is the
+//     column-major matrix y^T (N x M, ld N), so we ask for y^T = w . x^T: A = w as a column-major K x N matrix
+//     (ld K) with transa = T, B = x as a column-major K x M matrix (ld K), C = residual and D = y as N x M
+//     (ld N). The bias (length N = rows of D) and ReLU run in the BIAS / RELU_BIAS epilogues, the residual as
+//     beta = 1 with C = residual (C != D). Everything accumulates in fp32 (CUBLAS_COMPUTE_32F; no TF32 for fp32
+//     inputs, PyTorch's default). The heuristic's choice is cached per problem (shape, dtype, epilogue,
+//     residual, pointer alignments, device, workspace size).
+//   * fp16/bf16 with M <= kSkinnyMaxM (decode): a weight-streaming tensor-core kernel (skinny_linear_kernel).
+//     Reading w once is the whole cost, so every block streams a 16-row slab of w with 16-byte loads, its warps
+//     splitting K, and multiplies it by all M tokens of x with mma.sync m16n8k16 (fp32 accumulate); the warps'
+//     partial sums meet in shared memory and the epilogue (bias, residual, ReLU) runs before the single store.
+// Both paths allocate nothing but y (cuBLASLt's workspace is PyTorch's cached per-stream one) and never sync
+// the host, so they can be captured in a CUDA graph.
+#include "fuseinfer.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <type_traits>
+
+namespace fuseinfer {
+namespace {
+
+#define FUSEINFER_CUBLASLT_CHECK(expr)                                                                  \
+  do {                                                                                                  \
+    const cublasStatus_t status_ = (expr);                                                             \
+    TORCH_CHECK(status_ == CUBLAS_STATUS_SUCCESS, "linear_epilogue: ", #expr, " failed with status ", \
+                static_cast<int>(status_), " (", cublasLtGetStatusString(status_), ")");              \
+  } while (0)
+
+// ------------------------------------------------------------------------------------------------------------
+// Skinny path (decode): y (M, N) for M <= 16 tokens.
+// ------------------------------------------------------------------------------------------------------------
+
+constexpr int kSkinnyMaxM = 16;     // tokens served by the skinny kernel (one or two n-tiles of 8)
+constexpr int kSkinnyRows = 16;     // rows of w (outputs) per block = the mma's m
+constexpr int kSkinnyMaxWarps = 16;
+
+// k-steps of 32 per k-block (the unit a warp loads at once): 4 for one n-tile, 2 for two, so that two
+// k-blocks of fragments (the one being multiplied and the one in flight) fit in 128 registers.
+template <int NT>
+constexpr int skinny_unroll() { return NT == 1 ? 4 : 2; }
+
+struct SkinnyParams {
+  const void* x;         // (M, K)
+  const void* w;         // (N, K)
+  const void* bias;      // (N,) or null
+  const void* residual;  // (M, N) or null
+  void* y;               // (M, N)
+  int m, n, k;
+  bool relu;
+};
+
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// c += a (16x16, row) * b (16x8, col), fp32 accumulate.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, __half>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+#else
+  __trap();  // the host only picks this path on sm_80+
+#endif
+}
+
+// The 16-byte chunks of one k-block (U k-steps of 32) that a lane feeds to its mmas: rows g and g + 8 of the
+// block's w slab and token g of each n-tile of x.
+template <int NT, int U>
+struct SkinnyFrag {
+  uint4 w_lo[U], w_hi[U], x[U][NT];
+};
+
+// Loads a k-block; c0 is the lane's chunk index for its first k-step (k-block start / 8 + t). TAIL: the block
+// crosses K; chunks past the end are read at a clamped (valid) index and zeroed in both operands, so they add
+// nothing. Loads are unconditional so that all of them can be in flight together.
+template <int NT, int U, bool TAIL>
+__device__ __forceinline__ void skinny_load(SkinnyFrag<NT, U>& f, const uint4* w_lo, const uint4* w_hi,
+                                            const uint4* const (&xs)[NT], int c0, int chunks) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int c = TAIL ? min(c0 + 4 * u, chunks - 1) : c0 + 4 * u;
+    f.w_lo[u] = __ldg(w_lo + c);
+    f.w_hi[u] = __ldg(w_hi + c);
+#pragma unroll
+    for (int j = 0; j < NT; ++j) f.x[u][j] = __ldg(xs[j] + c);
+  }
+  if (TAIL) {
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (c0 + 4 * u >= chunks) {
+        f.w_lo[u] = f.w_hi[u] = zero;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) f.x[u][j] = zero;
+      }
+    }
+  }
+}
+
+template <typename T, int NT, int U>
+__device__ __forceinline__ void skinny_mma(float (&acc)[NT][4], const SkinnyFrag<NT, U>& f) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      mma_16816<T>(acc[j], f.w_lo[u].x, f.w_hi[u].x, f.w_lo[u].y, f.w_hi[u].y, f.x[u][j].x, f.x[u][j].y);
+      mma_16816<T>(acc[j], f.w_lo[u].z, f.w_hi[u].z, f.w_lo[u].w, f.w_hi[u].w, f.x[u][j].z, f.x[u][j].w);
+    }
+  }
+}
+
+// grid: ceil(N / 16) blocks of 32 * W threads (W <= 16 warps). Block b computes y[:, 16b : 16b + 16].
+// Lane (g = lane / 4, t = lane % 4) of a warp loads, per k-step of 32 at k0, the 16-byte chunks
+//   w[16b + g][k0 + 8t : +8], w[16b + g + 8][k0 + 8t : +8] and x[8j + g][k0 + 8t : +8] for n-tile j.
+// The order of k inside an mma is free (the same permutation on both operands), so those chunks are the
+// mma fragments as they are: mma 1 takes k0 + 8t + {0..3}, mma 2 takes k0 + 8t + {4..7}, i.e.
+//   A = {w_lo.x, w_hi.x, w_lo.y, w_hi.y}, B = {x.x, x.y} and A = {w_lo.z, w_hi.z, w_lo.w, w_hi.w}, B = {x.z, x.w}
+// (A rows g / g + 8 and "columns" 2t, 2t + 1 / 2t + 8, 2t + 9; B column g and rows 2t, 2t + 1 / 2t + 8, 2t + 9).
+// Warp v handles the full k-blocks (32 U elements of K) with index v, v + W, v + 2W, ..., loading block i + W
+// while multiplying block i; one warp also takes the partial last block when 32 U does not divide K
+// (K % 8 == 0, so a chunk is either inside K or past it).
+// Rows >= N and tokens >= M read the last valid row instead: an mma output (i, j) depends only on row i of A
+// and column j of B, so those reads only feed accumulators that are never stored.
+template <typename T, int NT>
+__global__ void __launch_bounds__(32 * kSkinnyMaxWarps) skinny_linear_kernel(const SkinnyParams p) {
+  constexpr int U = skinny_unroll<NT>();
+  constexpr int kChunksPerBlock = 4 * U;  // 16-byte chunks per row in a k-block
+  constexpr int kTokens = 8 * NT;
+  __shared__ float partial[kSkinnyMaxWarps][kSkinnyRows][kTokens + 1];  // +1: fewer bank conflicts
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int warps = blockDim.x >> 5;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int n0 = blockIdx.x * kSkinnyRows;
+  const int chunks = p.k / 8;  // 16-byte chunks per row
+
+  const uint4* w = reinterpret_cast<const uint4*>(p.w);
+  const uint4* w_lo = w + static_cast<int64_t>(min(n0 + g, p.n - 1)) * chunks;
+  const uint4* w_hi = w + static_cast<int64_t>(min(n0 + g + 8, p.n - 1)) * chunks;
+  const uint4* xs[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    xs[j] = reinterpret_cast<const uint4*>(p.x) + static_cast<int64_t>(min(8 * j + g, p.m - 1)) * chunks;
+  }
+
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+
+  const int full_blocks = chunks / kChunksPerBlock;
+  if (warp < full_blocks) {
+    SkinnyFrag<NT, U> cur;
+    skinny_load<NT, U, false>(cur, w_lo, w_hi, xs, warp * kChunksPerBlock + t, chunks);
+    for (int kb = warp + warps; kb < full_blocks; kb += warps) {
+      SkinnyFrag<NT, U> next;
+      skinny_load<NT, U, false>(next, w_lo, w_hi, xs, kb * kChunksPerBlock + t, chunks);
+      skinny_mma<T>(acc, cur);
+      cur = next;
+    }
+    skinny_mma<T>(acc, cur);
+  }
+  if (chunks % kChunksPerBlock != 0 && warp == full_blocks % warps) {
+    SkinnyFrag<NT, U> tail;
+    skinny_load<NT, U, true>(tail, w_lo, w_hi, xs, full_blocks * kChunksPerBlock + t, chunks);
+    skinny_mma<T>(acc, tail);
+  }
+
+  // Accumulator fragment: acc[j] = {(g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)} as (row, token - 8j).
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    partial[warp][g][8 * j + 2 * t] = acc[j][0];
+    partial[warp][g][8 * j + 2 * t + 1] = acc[j][1];
+    partial[warp][g + 8][8 * j + 2 * t] = acc[j][2];
+    partial[warp][g + 8][8 * j + 2 * t + 1] = acc[j][3];
+  }
+  __syncthreads();
+
+  // Epilogue: thread o sums output (row o % 16, token o / 16) over the warps; 16 consecutive threads store
+  // 16 consecutive outputs of one token.
+  const T* bias = static_cast<const T*>(p.bias);
+  const T* residual = static_cast<const T*>(p.residual);
+  T* y = static_cast<T*>(p.y);
+  for (int o = threadIdx.x; o < kSkinnyRows * kTokens; o += blockDim.x) {
+    const int row = o % kSkinnyRows;
+    const int token = o / kSkinnyRows;
+    const int n = n0 + row;
+    if (token >= p.m || n >= p.n) continue;
+    float s = 0.f;
+    for (int v = 0; v < warps; ++v) s += partial[v][row][token];
+    const int64_t idx = static_cast<int64_t>(token) * p.n + n;
+    if (bias) s += to_float(bias[n]);
+    if (residual) s += to_float(residual[idx]);
+    if (p.relu && s < 0.f) s = 0.f;  // NaN passes through, like torch.relu
+    y[idx] = from_float<T>(s);
+  }
+}
+
+template <typename T, int NT>
+void launch_skinny(const SkinnyParams& p, cudaStream_t stream) {
+  const int blocks = (p.n + kSkinnyRows - 1) / kSkinnyRows;
+  // Enough warps per block to keep every SM's memory pipe busy: 16 while the grid is under two blocks per SM,
+  // else 8; never more warps than k-blocks.
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int k_blocks = (p.k + 32 * skinny_unroll<NT>() - 1) / (32 * skinny_unroll<NT>());
+  const int warps = std::max(1, std::min(blocks < 2 * sms ? kSkinnyMaxWarps : 8, k_blocks));
+  skinny_linear_kernel<T, NT><<<blocks, 32 * warps, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void launch_skinny(const SkinnyParams& p, cudaStream_t stream) {
+  if (p.m <= 8) {
+    launch_skinny<T, 1>(p, stream);
+  } else {
+    launch_skinny<T, 2>(p, stream);
+  }
+}
+
+bool skinny_supported(const at::Tensor& x, const at::Tensor& w, int64_t m) {
+  const auto dtype = x.scalar_type();
+  return m <= kSkinnyMaxM && (dtype == at::kHalf || dtype == at::kBFloat16) && x.size(1) % 8 == 0 &&
+         reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0 &&
+         at::cuda::getCurrentDeviceProperties()->major >= 8;
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// cuBLASLt path.
+// ------------------------------------------------------------------------------------------------------------
+
+struct MatmulDesc {
+  cublasLtMatmulDesc_t desc = nullptr;
+  ~MatmulDesc() { if (desc) cublasLtMatmulDescDestroy(desc); }
+};
+struct Layout {
+  cublasLtMatrixLayout_t desc = nullptr;
+  ~Layout() { if (desc) cublasLtMatrixLayoutDestroy(desc); }
+};
+struct Preference {
+  cublasLtMatmulPreference_t desc = nullptr;
+  ~Preference() { if (desc) cublasLtMatmulPreferenceDestroy(desc); }
+};
+
+// Largest power of two (<= 256, cuBLASLt's default assumption) that divides the address.
+uint32_t alignment_of(const void* ptr) {
+  const auto addr = reinterpret_cast<uintptr_t>(ptr);
+  uint32_t align = 256;
+  while (align > 1 && addr % align != 0) align /= 2;
+  return align;
+}
+
+// (m, n, k, data type, epilogue, has residual, alignment of A, B, C, D, device, workspace size)
+using AlgoKey = std::array<int64_t, 12>;
+
+std::mutex& algo_cache_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+std::map<AlgoKey, cublasLtMatmulAlgo_t>& algo_cache() {
+  static std::map<AlgoKey, cublasLtMatmulAlgo_t> cache;
+  return cache;
+}
+
+void cublaslt_linear(const at::Tensor& x, const at::Tensor& w, const void* bias, const at::Tensor* residual,
+                     bool relu, at::Tensor& y) {
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  const auto dtype = x.scalar_type();
+  const cudaDataType_t data_type =
+      dtype == at::kHalf ? CUDA_R_16F : dtype == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_32F;
+  const cublasComputeType_t compute_type = CUBLAS_COMPUTE_32F;
+  const cublasLtEpilogue_t epilogue =
+      bias ? (relu ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_BIAS)
+           : (relu ? CUBLASLT_EPILOGUE_RELU : CUBLASLT_EPILOGUE_DEFAULT);
+  const void* c_ptr = residual ? residual->data_ptr() : y.data_ptr();
+  const float alpha = 1.f;
+  const float beta = residual ? 1.f : 0.f;
+
+  MatmulDesc op;
+  FUSEINFER_CUBLASLT_CHECK(cublasLtMatmulDescCreate(&op.desc, compute_type, CUDA_R_32F));
+  const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
+  FUSEINFER_CUBLASLT_CHECK(
+      cublasLtMatmulDescSetAttribute(op.desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
+  FUSEINFER_CUBLASLT_CHECK(
+      cublasLtMatmulDescSetAttribute(op.desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
+  FUSEINFER_CUBLASLT_CHECK(
+      cublasLtMatmulDescSetAttribute(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+  if (bias) {
+    FUSEINFER_CUBLASLT_CHECK(
+        cublasLtMatmulDescSetAttribute(op.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  }
+
+  // Column-major views: A = w (K x N, ld K), B = x (K x M, ld K), C = residual and D = y (N x M, ld N).
+  Layout a, b, c, d;
+  FUSEINFER_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&a.desc, data_type, k, n, k));
+  FUSEINFER_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&b.desc, data_type, k, m, k));
+  FUSEINFER_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&c.desc, data_type, n, m, n));
+  FUSEINFER_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&d.desc, data_type, n, m, n));
+
+  const cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
+  void* workspace = at::cuda::getCUDABlasLtWorkspace();
+  const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
+  const uint32_t align_a = alignment_of(w.data_ptr()), align_b = alignment_of(x.data_ptr()),
+                 align_c = alignment_of(c_ptr), align_d = alignment_of(y.data_ptr());
+
+  const AlgoKey key = {m, n, k, static_cast<int64_t>(data_type), static_cast<int64_t>(epilogue),
+                       residual != nullptr, align_a, align_b, align_c, align_d, x.get_device(),
+                       static_cast<int64_t>(workspace_size)};
+  cublasLtMatmulAlgo_t algo;
+  bool cached = false;
+  {
+    const std::lock_guard<std::mutex> lock(algo_cache_mutex());
+    const auto it = algo_cache().find(key);
+    if (it != algo_cache().end()) {
+      algo = it->second;
+      cached = true;
+    }
+  }
+  if (!cached) {
+    Preference pref;
+    FUSEINFER_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&pref.desc));
+    FUSEINFER_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        pref.desc, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_size, sizeof(workspace_size)));
+    FUSEINFER_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
+    FUSEINFER_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
+    FUSEINFER_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
+    FUSEINFER_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d)));
+    cublasLtMatmulHeuristicResult_t result = {};
+    int found = 0;
+    FUSEINFER_CUBLASLT_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, op.desc, a.desc, b.desc, c.desc, d.desc,
+                                                            pref.desc, 1, &result, &found));
+    TORCH_CHECK(found > 0, "linear_epilogue: cuBLASLt has no algorithm for M=", m, " N=", n, " K=", k,
+                " dtype ", dtype);
+    algo = result.algo;
+    const std::lock_guard<std::mutex> lock(algo_cache_mutex());
+    algo_cache().emplace(key, algo);
+  }
+
+  FUSEINFER_CUBLASLT_CHECK(cublasLtMatmul(handle, op.desc, &alpha, w.data_ptr(), a.desc, x.data_ptr(), b.desc,
+                                          &beta, c_ptr, c.desc, y.data_ptr(), d.desc, &algo, workspace,
+                                          workspace_size, at::cuda::getCurrentCUDAStream()));
+}
+
+const at::Tensor* defined_or_null(const c10::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? &*t : nullptr;
+}
+
+}  // namespace
+
+at::Tensor linear_epilogue_cuda(
+    const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+    const c10::optional<at::Tensor>& residual, const std::string& activation) {
+  TORCH_CHECK(activation == "none" || activation == "relu",
+              "linear_epilogue: activation must be 'none' or 'relu', got '", activation, "'");
+  const bool relu = activation == "relu";
+  const at::Tensor* b = defined_or_null(bias);
+  const at::Tensor* r = defined_or_null(residual);
+  TORCH_CHECK(!(relu && r), "linear_epilogue: relu cannot be combined with a residual");
+  TORCH_CHECK(x.is_cuda() && w.device() == x.device(), "linear_epilogue: x and w must be on one CUDA device");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "linear_epilogue: x must be (M, K) and w (N, K), got ", x.sizes(), " and ", w.sizes());
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat,
+              "linear_epilogue: dtype must be float16, bfloat16 or float32, got ", dtype);
+  TORCH_CHECK(w.scalar_type() == dtype, "linear_epilogue: w must have x's dtype");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "linear_epilogue: x and w must be contiguous");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  if (b) {
+    TORCH_CHECK(b->device() == x.device() && b->scalar_type() == dtype, "linear_epilogue: bias must match x");
+    TORCH_CHECK(b->dim() == 1 && b->size(0) == n && b->is_contiguous(), "linear_epilogue: bias must be (N,)");
+  }
+  if (r) {
+    TORCH_CHECK(r->device() == x.device() && r->scalar_type() == dtype, "linear_epilogue: residual must match x");
+    TORCH_CHECK(r->dim() == 2 && r->size(0) == m && r->size(1) == n && r->is_contiguous(),
+                "linear_epilogue: residual must be contiguous (M, N)");
+  }
+
+  const at::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  if (k == 0) {  // empty product: only the epilogue remains
+    y.zero_();
+    if (b) y.add_(*b);
+    if (r) y.add_(*r);
+    return relu ? y.relu_() : y;
+  }
+  TORCH_CHECK(m <= INT32_MAX && n <= INT32_MAX && k <= INT32_MAX, "linear_epilogue: dimension too large");
+
+  if (skinny_supported(x, w, m)) {
+    SkinnyParams p;
+    p.x = x.data_ptr();
+    p.w = w.data_ptr();
+    p.bias = b ? b->data_ptr() : nullptr;
+    p.residual = r ? r->data_ptr() : nullptr;
+    p.y = y.data_ptr();
+    p.m = static_cast<int>(m);
+    p.n = static_cast<int>(n);
+    p.k = static_cast<int>(k);
+    p.relu = relu;
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    if (dtype == at::kHalf) {
+      launch_skinny<__half>(p, stream);
+    } else {
+      launch_skinny<__nv_bfloat16>(p, stream);
+    }
+    return y;
+  }
+
+  // cuBLASLt's alignment preferences cover A, B, C and D but not the bias, whose kernels may assume 16 bytes:
+  // a bias sliced out of a larger buffer gets an aligned copy (N elements, negligible).
+  at::Tensor bias_aligned;
+  if (b) bias_aligned = reinterpret_cast<uintptr_t>(b->data_ptr()) % 16 == 0 ? *b : b->clone();
+  cublaslt_linear(x, w, b ? bias_aligned.data_ptr() : nullptr, r, relu, y);
+  return y;
+}
+
+}  // namespace fuseinfer

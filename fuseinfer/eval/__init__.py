@@ -1,0 +1,17 @@
+"""``python -m fuseinfer.eval``: what patching buys on a model and GPU, with numbers to trust.
+
+For each backend (``eager``, ``compile``, ``fuseinfer``; see :data:`BACKENDS`) on the same model: WikiText-2
+perplexity (GPTQ protocol, or sliding window with ``--stride``), prefill latency, decode ms/token and tokens/s,
+peak GPU memory, and derived figures (prefill TFLOP/s, decode GB/s against the measured copy bandwidth,
+speedups over eager). Library use::
+
+    from fuseinfer.eval import Settings, run
+    results = run(Settings(model="opt-125m"), ConsoleUI())
+"""
+from .backends import BACKENDS, Backend
+from .cli import main
+from .errors import EvalError
+from .runner import Settings, run
+from .ui import ConsoleUI
+
+__all__ = ["BACKENDS", "Backend", "ConsoleUI", "EvalError", "Settings", "main", "run"]

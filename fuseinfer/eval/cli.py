@@ -1,0 +1,90 @@
+"""Command line of ``python -m fuseinfer.eval``: parse flags, run, print and write the results.
+
+Exit codes: 0 success (a backend that could not run is reported in its row), 2 bad usage, unknown model or
+backend, missing data or device -- always as one line on stderr, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+
+from .backends import BACKENDS
+from .errors import EvalError
+from .models import SHORT_NAMES
+from .report import print_table, write_json, write_markdown, write_plot
+from .runner import DEFAULT_BACKENDS, DTYPES, LATENCY_DEFAULTS, Settings, run
+from .ui import ConsoleUI
+
+EXAMPLE = "python -m fuseinfer.eval --model opt-1.3b --backends eager,compile,fuseinfer --dtype fp16"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (and exit code 2, as argparse)."""
+
+    def error(self, message):
+        raise EvalError(f"{message} (see --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m fuseinfer.eval",
+                description="What fuseinfer.patch buys on your model and GPU: perplexity on WikiText-2, prefill "
+                            "and decode latency, throughput and peak memory for each backend.",
+                epilog=f"example: {EXAMPLE}")
+    p.add_argument("--model", required=True,
+                   help=f"short name ({', '.join(SHORT_NAMES)}), hub id, local directory, or random:<name> "
+                        "(the real config with random weights: latency and memory only)")
+    p.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
+                   help=f"comma-separated, from: {', '.join(BACKENDS)} (default: %(default)s)")
+    p.add_argument("--dtype", choices=list(DTYPES), help="default: fp16 on cuda, fp32 on cpu")
+    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when a GPU is visible)")
+    p.add_argument("--batch-size", type=int, default=1)
+    gpu, cpu = LATENCY_DEFAULTS["cuda"], LATENCY_DEFAULTS["cpu"]
+    for flag, key, text in (("--prompt-len", "prompt_len", "prompt tokens (random ids) for latency"),
+                            ("--gen-len", "gen_len", "greedy decode steps timed after each prefill"),
+                            ("--warmup", "warmup", "untimed generations before timing (after the first calls)"),
+                            ("--repeats", "repeats", "timed prefills, and timed generations")):
+        p.add_argument(flag, type=int, help=f"{text} (default: {gpu[key]} on cuda, {cpu[key]} on cpu)")
+    p.add_argument("--seq-len", type=int, help="perplexity window (default: the model's max positions)")
+    p.add_argument("--stride", type=int, help="sliding-window perplexity with this stride (default: GPTQ windows)")
+    p.add_argument("--max-windows", type=int, help="score at most this many windows")
+    p.add_argument("--data-dir", help="folder with wiki.test.raw (default: $FUSEINFER_DATA_DIR, else datasets)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt and of random: weights")
+    p.add_argument("--skip-ppl", action="store_true", help="no perplexity")
+    p.add_argument("--skip-latency", action="store_true", help="no prefill / decode timing")
+    p.add_argument("--output", help="write all results and settings as JSON here")
+    p.add_argument("--markdown", help="write the table with settings and environment as Markdown here")
+    p.add_argument("--plot", help="write a PNG of latency and memory per backend here")
+    p.add_argument("--debug", action="store_true", help="raise a backend's error instead of reporting it")
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    return Settings(model=args.model, backends=tuple(args.backends.split(",")), dtype=args.dtype,
+                    device=args.device, batch_size=args.batch_size, prompt_len=args.prompt_len,
+                    gen_len=args.gen_len, warmup=args.warmup, repeats=args.repeats, seq_len=args.seq_len,
+                    stride=args.stride, max_windows=args.max_windows, data_dir=args.data_dir, seed=args.seed,
+                    skip_ppl=args.skip_ppl, skip_latency=args.skip_latency, debug=args.debug)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit code."""
+    from huggingface_hub.utils import logging as hub_logging
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress bars say what is loading
+    hub_logging.set_verbosity_error()  # a failed download ends in one message, not one per retry
+    try:
+        args = build_parser().parse_args(argv)
+        results = run(settings_from_args(args), ConsoleUI())
+    except EvalError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    console = Console()
+    print_table(results, console if console.is_terminal else Console(width=160))
+    for path, write in ((args.output, write_json), (args.markdown, write_markdown), (args.plot, write_plot)):
+        if path:
+            write(results, path)
+            print(f"wrote {path}", file=sys.stderr)
+    return 0

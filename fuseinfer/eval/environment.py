@@ -1,0 +1,40 @@
+"""The software and hardware a run used, recorded with its results."""
+from __future__ import annotations
+
+import platform
+import subprocess
+
+import torch
+
+import fuseinfer
+
+
+def _driver_version() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.strip().splitlines()[0] if out.strip() else None
+
+
+def environment(device: torch.device) -> dict:
+    """Python, platform, torch / CUDA / transformers / fuseinfer versions, the extension's status and the GPU."""
+    import transformers
+
+    env = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "fuseinfer": fuseinfer.__version__,
+        "fuseinfer_extension": fuseinfer.extension_status(),
+        "cpu_threads": torch.get_num_threads(),
+        "gpu": None, "gpu_capability": None, "gpu_memory_mib": None, "driver": None,
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=props.name, gpu_capability=f"{props.major}.{props.minor}",
+                   gpu_memory_mib=props.total_memory // 2**20, driver=_driver_version())
+    return env

@@ -1,0 +1,102 @@
+"""Timing and memory: CUDA events on GPU, ``time.perf_counter`` on CPU; peak memory from the caching allocator.
+
+All times are milliseconds. A series is summarised as its median with the 10th and 90th percentiles.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from typing import Callable
+
+import torch
+
+MIB = 2**20
+
+
+class StepClock:
+    """Marks instants in a stream of work; ``intervals()`` returns the ms between consecutive marks.
+
+    On CUDA each mark records an event on the current stream (no host sync between marks, so the launches of a
+    step overlap the GPU work of the previous one, as in real generation); on CPU it reads ``perf_counter``.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
+def time_call(fn: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds one call of ``fn`` takes on ``device`` (all its queued work included)."""
+    synchronize(device)
+    clock = StepClock(device)
+    clock.mark()
+    fn()
+    clock.mark()
+    return clock.intervals()[0]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def summarize(times_ms: list[float]) -> dict:
+    """{"median", "p10", "p90", "n"} of a series of milliseconds."""
+    q = torch.tensor(times_ms, dtype=torch.float64).quantile(torch.tensor([0.5, 0.1, 0.9], dtype=torch.float64))
+    return {"median": q[0].item(), "p10": q[1].item(), "p90": q[2].item(), "n": len(times_ms)}
+
+
+def _copy_ms(device: torch.device, nbytes: int, repeats: int) -> float:
+    """Median ms of copying ``nbytes`` from one device buffer to another."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    return summarize([time_call(lambda: dst.copy_(src), device) for _ in range(repeats)])["median"]
+
+
+def copy_bandwidth_gbps(device: torch.device, nbytes: int = 512 * MIB, repeats: int = 10) -> float | None:
+    """Device-to-device copy bandwidth in GB/s counting bytes read + written (2 x 512 MiB per copy), or None on CPU."""
+    if device.type != "cuda":
+        return None
+    ms = _copy_ms(device, nbytes, repeats)
+    free_memory(device)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def free_memory(device: torch.device) -> None:
+    """Drop unreachable tensors and return cached blocks, so the next backend starts from a clean allocator."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> dict | None:
+    """{"max_allocated_mib", "max_reserved_mib"} since the last :func:`reset_peak`; None on CPU."""
+    if device.type != "cuda":
+        return None
+    return {"max_allocated_mib": torch.cuda.max_memory_allocated(device) / MIB,
+            "max_reserved_mib": torch.cuda.max_memory_reserved(device) / MIB}
+
+
+def allocated_mib(device: torch.device) -> float | None:
+    return torch.cuda.memory_allocated(device) / MIB if device.type == "cuda" else None

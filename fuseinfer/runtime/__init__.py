@@ -1,0 +1,6 @@
+"""Fast decode runtime: static KV cache + CUDA-graph replay of the decode step for patched models."""
+from .cache import StaticKVCache
+from .decode import generate, release
+from .hf_generate import patched_generate
+
+__all__ = ["StaticKVCache", "generate", "patched_generate", "release"]

@@ -1,0 +1,32 @@
+"""A static KV cache laid out for fuseinfer's attention op.
+
+Per layer, keys and values live in preallocated (B, H, capacity, D) buffers. Rows are left-padded to a
+common length, so every row writes the same slots at each step and the whole cache is described to the
+attention op by a (B, capacity) key mask (False for padding) and the write position (``q_start``). The object
+has the one method the patched attention calls, ``update(k, v, layer_idx)``, so it plugs into the patched
+decoder layers unchanged.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class StaticKVCache:
+    def __init__(self, num_layers: int, batch: int, heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (batch, heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.key_mask = torch.zeros(batch, capacity, dtype=torch.bool, device=device)  # (B, T)
+        self.write_idx = torch.zeros(1, dtype=torch.long, device=device)  # (S,) slots the next update writes
+        self.capacity = capacity
+        self.batch = batch
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int):
+        """k, v: (B, H, S, D) -> the layer's whole (B, H, T, D) buffers, with k, v written in place."""
+        self.keys[layer_idx].index_copy_(2, self.write_idx, k)
+        self.values[layer_idx].index_copy_(2, self.write_idx, v)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)

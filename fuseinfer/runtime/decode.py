@@ -1,0 +1,235 @@
+"""Fast decode for patched models: a static KV cache and the whole decode step replayed as a CUDA graph.
+
+``generate(model, input_ids, ...)`` runs the prompt once (eager), then each new token with one replay of a
+graph captured per batch-size bucket (1, 2, 4, 8, ...): all layers, the LM head, the next-token choice
+(greedy or sampling), the EOS bookkeeping and the advance of every position counter happen inside the graph,
+so the host only launches replays and looks at the stop flag every ``STOP_CHECK_EVERY`` tokens. On CPU, or
+with FUSEINFER_CUDA_GRAPHS=0, the same step runs eagerly over the same static cache.
+
+Sessions (cache + graph, one per bucket) stay on the model between calls, so repeated calls reuse them and
+allocate nothing; ``release(model)`` (or ``fuseinfer.unpatch``) frees them.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import FuseInferError
+from ..patching import OPS, patch_state
+from .cache import StaticKVCache
+
+logger = logging.getLogger("fuseinfer")
+SESSIONS_ATTR = "_fuseinfer_sessions"
+STOP_CHECK_EVERY = 16
+CAPACITY_ROUND = 128
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Next-token rule: greedy, or sampling after temperature, top-k and top-p (transformers' order)."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (B, V) fp32 -> token ids (B,)."""
+        if not self.do_sample:
+            return logits.argmax(-1)
+        logits = logits / self.temperature
+        if self.top_k:
+            kth = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p is not None and self.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, dim=-1)  # ascending, like TopPLogitsWarper
+            cum = sorted_logits.softmax(-1).cumsum(-1)
+            drop = cum <= 1 - self.top_p
+            drop[:, -1] = False  # keep at least the most likely token
+            logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+        probs = logits.softmax(-1)
+        # Exponential race: argmax(p / E), E ~ Exp(1), samples from p and is CUDA-graph safe
+        return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+
+
+class _Session:
+    """Static cache, step buffers and (on CUDA) the captured decode graph for one batch bucket."""
+
+    def __init__(self, model, forward, bucket: int, capacity: int, sampling: Sampling, max_new: int,
+                 eos: torch.Tensor, pad: int):
+        cfg, p = model.config, next(model.parameters())
+        heads = cfg.num_attention_heads
+        self.model, self.forward, self.bucket, self.capacity = model, forward, bucket, capacity
+        self.sampling, self.max_new, self.pad = sampling, max_new, pad
+        dev = p.device
+        self.cache = StaticKVCache(cfg.num_hidden_layers, bucket, heads, cfg.hidden_size // heads, capacity,
+                                   p.dtype, dev)
+        self.eos = eos.to(dev)  # (n_eos,) int64, may be empty
+        self.tokens = torch.zeros(bucket, 1, dtype=torch.long, device=dev)  # (B, 1) next input
+        self.positions = torch.zeros(bucket, 1, dtype=torch.long, device=dev)  # (B, 1) its OPT position
+        self.q_start = torch.zeros(bucket, dtype=torch.int32, device=dev)  # (B,) its cache slot
+        self.decode_idx = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) same slot, for index_copy_
+        self.step = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) index into out
+        self.unfinished = torch.ones(bucket, dtype=torch.bool, device=dev)  # (B,)
+        self.out = torch.full((bucket, max_new), pad, dtype=torch.long, device=dev)  # (B, max_new)
+        self.alive = torch.ones(max_new, dtype=torch.bool, device=dev)  # any row unfinished after step i
+        self.batch = bucket  # real rows of the current call (set by begin)
+        self.graph = None
+        if dev.type == "cuda" and os.environ.get("FUSEINFER_CUDA_GRAPHS", "1") != "0":
+            self._capture()
+
+    def fits(self, capacity: int, sampling: Sampling, max_new: int, eos: torch.Tensor, pad: int) -> bool:
+        return (self.capacity >= capacity and self.sampling == sampling and self.max_new >= max_new
+                and self.pad == pad and torch.equal(self.eos.cpu(), eos))
+
+    def _emit(self, logits: torch.Tensor) -> None:
+        """Choose the next tokens from logits (B, V), record them and the stop state at ``step``."""
+        nxt = self.sampling.choose(logits)  # (B,)
+        nxt = torch.where(self.unfinished, nxt, self.pad)
+        if self.eos.numel():
+            self.unfinished &= ~(nxt[:, None] == self.eos[None]).any(-1)
+        self.out.index_copy_(1, self.step, nxt[:, None])
+        self.alive.index_copy_(0, self.step, self.unfinished.any()[None])
+        self.tokens.copy_(nxt[:, None])
+
+    def _decode_step(self) -> None:
+        """One token for every row; advances all counters (everything here is captured in the graph)."""
+        self.cache.write_idx = self.decode_idx
+        logits = self.forward(self.model, self.tokens, self.positions, self.cache, self.q_start)
+        self._emit(logits)
+        self.positions += 1
+        self.q_start += 1
+        self.decode_idx += 1
+        self.step += 1
+
+    def _capture(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the graph (allocator, cuBLAS handles, kernels)
+            for _ in range(2):
+                self.step.zero_()  # keep the writes inside out[:, 0], whatever max_new is
+                self._decode_step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.step.zero_()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._decode_step()
+
+    def begin(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Prefill left-padded input_ids, mask (B, P) into the cache; returns the first new tokens (B, 1)."""
+        b, p = input_ids.shape
+        dev = self.tokens.device
+        ids = torch.full((self.bucket, p), self.pad, dtype=torch.long, device=dev)
+        ids[:b] = input_ids
+        key_mask = self.cache.key_mask
+        key_mask.zero_()
+        key_mask[:b, :p] = mask.bool()
+        key_mask[:b, p:] = True  # generated slots; the causal bound hides those not written yet
+        pos = torch.full((self.bucket, p), -1, dtype=torch.long, device=dev)
+        pos[:b] = mask.long().cumsum(1) * mask - 1  # (B, P), -1 on padding, as OPT does
+        self.unfinished.fill_(True)
+        self.unfinished[b:] = False
+        self.out.fill_(self.pad)
+        self.alive.fill_(True)
+        self.step.zero_()
+        self.cache.write_idx = torch.arange(p, device=dev)  # prefill writes slots [0, P) in one eager pass
+        self.q_start.zero_()
+        self._emit(self.forward(self.model, ids, pos, self.cache, self.q_start))
+        # decode: the first input sits at slot P with position = number of real prompt tokens
+        self.positions[:b, 0] = mask.long().sum(1)
+        self.positions[b:] = 0
+        self.q_start.fill_(p)
+        self.decode_idx.fill_(p)
+        self.step.fill_(1)
+        self.batch = b
+        return self.tokens[:b]
+
+    def advance(self) -> torch.Tensor:
+        """One decode step for every row (a graph replay on CUDA); returns the new tokens (B, 1)."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._decode_step()
+        return self.tokens[:self.batch]
+
+    def run(self, input_ids: torch.Tensor, mask: torch.Tensor, max_new: int) -> torch.Tensor:
+        """input_ids, mask: (B, P) left-padded -> generated tokens (B, n <= max_new)."""
+        self.begin(input_ids, mask)
+        for i in range(1, max_new):
+            if i % STOP_CHECK_EVERY == 0 and not bool(self.alive[i - 1]):
+                break
+            self.advance()
+        alive = self.alive[:max_new].cpu()
+        n = int(alive.logical_not().nonzero()[0]) + 1 if not alive.all() else max_new
+        return self.out[:self.batch, :n]
+
+
+def _bucket(batch: int) -> int:
+    return 1 << (batch - 1).bit_length()
+
+
+def _eos_tensor(eos) -> torch.Tensor:
+    if eos is None:
+        return torch.empty(0, dtype=torch.long)
+    return torch.tensor([eos] if isinstance(eos, int) else list(eos), dtype=torch.long)
+
+
+@torch.no_grad()
+def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
+             do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+             top_p: float | None = None, eos_token_id=None, pad_token_id: int | None = None) -> torch.Tensor:
+    """Generate with the static cache and CUDA-graph decode; returns (B, P + n) token ids like HF generate.
+
+    ``model`` must be patched with all ops. Prompts must be left-padded (or not padded). Generation stops
+    after ``max_new_tokens`` or once every row has produced an EOS (rows that finished get ``pad_token_id``).
+    """
+    state = patch_state(model)
+    if state is None or set(state.config.ops) != set(OPS) or state.config.filter_fn is not None:
+        raise FuseInferError("fuseinfer.generate needs a model patched with every op and no filter_fn: "
+                             "call fuseinfer.patch(model) first")
+    forward, why = state.family.decode_forward(model)
+    if forward is None:
+        raise FuseInferError(why)
+    if input_ids.dim() != 2:
+        raise FuseInferError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    if mask.shape != input_ids.shape:
+        raise FuseInferError(f"attention_mask shape {tuple(mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+    if not bool(mask[:, -1].all()):
+        raise FuseInferError("fuseinfer.generate needs left padding: set tokenizer.padding_side = 'left'")
+    b, p = input_ids.shape
+    limit = model.config.max_position_embeddings
+    if p + max_new_tokens > limit:
+        raise FuseInferError(f"prompt ({p}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                             f"max_position_embeddings ({limit})")
+    if max_new_tokens < 1:
+        return input_ids
+    if do_sample and temperature <= 0:
+        raise FuseInferError("temperature must be > 0 when do_sample=True")
+    sampling = Sampling(do_sample, float(temperature), top_k, top_p) if do_sample else Sampling()
+    eos = _eos_tensor(eos_token_id)
+    pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos.numel() else 0)
+    session = session_for(model, forward, b, p + max_new_tokens, sampling, max_new_tokens, eos, pad)
+    new = session.run(input_ids.to(session.tokens.device), mask.to(session.tokens.device), max_new_tokens)
+    return torch.cat([input_ids, new.to(input_ids.device)], dim=1)
+
+
+def session_for(model, forward, batch: int, max_len: int, sampling: Sampling, max_new: int, eos: torch.Tensor,
+                pad: int) -> _Session:
+    """The model's session for this batch bucket, made anew only when the cached one does not fit."""
+    capacity = min(model.config.max_position_embeddings, -(-max_len // CAPACITY_ROUND) * CAPACITY_ROUND)
+    sessions = model.__dict__.setdefault(SESSIONS_ATTR, {})
+    bucket = _bucket(batch)
+    session = sessions.get(bucket)
+    if session is None or not session.fits(capacity, sampling, max_new, eos, pad):
+        sessions.pop(bucket, None)  # free the old graph and cache before allocating the new ones
+        session = sessions[bucket] = _Session(model, forward, bucket, capacity, sampling, max_new, eos, pad)
+    return session
+
+
+def release(model) -> None:
+    """Free the caches and graphs fast decode keeps on ``model``."""
+    model.__dict__.pop(SESSIONS_ATTR, None)

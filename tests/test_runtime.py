@@ -1,0 +1,144 @@
+"""Fast decode (static KV cache; CUDA graphs on GPU) against transformers' generate."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import VARIANTS, random_opt
+
+import fuseinfer
+from fuseinfer import FuseInferError, PatchConfig
+from fuseinfer.runtime.decode import SESSIONS_ATTR
+
+PROMPTS = ["The tower is", "In 1990 , the band released their second album", "He was",
+           "= Valkyria Chronicles III ="]
+
+
+def _load(path, dtype=torch.float32, device="cpu"):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    tok = AutoTokenizer.from_pretrained(path, padding_side="left")
+    return model, tok
+
+
+def _greedy_matches_hf(model, tok, prompts, device="cpu"):
+    enc = tok(prompts, return_tensors="pt", padding=True).to(device)
+    kwargs = dict(max_new_tokens=64, do_sample=False)
+    ref = model.generate(**enc, **kwargs)
+    fuseinfer.patch(model)
+    ours = fuseinfer.generate(model, enc.input_ids, enc.attention_mask, eos_token_id=2, pad_token_id=1, **kwargs)
+    hooked = model.generate(**enc, **kwargs)
+    assert torch.equal(ours, ref)
+    assert torch.equal(hooked, ref)
+    return model
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[1:2], PROMPTS], ids=["single", "left_padded_batch_of_4"])
+def test_greedy_64_tokens_identical_to_hf_cpu(tiny_model_path, prompts):
+    model, tok = _load(tiny_model_path)
+    _greedy_matches_hf(model, tok, prompts)
+    assert SESSIONS_ATTR in model.__dict__  # the static-cache path ran
+
+
+@pytest.mark.parametrize("variant", ["post_ln_project_in_out", "no_bias"])
+def test_greedy_identical_to_hf_other_layouts(variant):
+    model = random_opt(**VARIANTS[variant])
+    ids = torch.randint(3, 512, (2, 17))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=1)
+    ref = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    fuseinfer.patch(model)
+    assert torch.equal(fuseinfer.generate(model, ids, mask, **kwargs), ref)
+
+
+def test_eos_stops_rows_and_pads_like_hf(tiny_model_path):
+    model, tok = _load(tiny_model_path)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    # pick, as EOS, a token the model emits early for some rows but not others
+    free = model.generate(**enc, max_new_tokens=40, do_sample=False)[:, enc.input_ids.shape[1]:]
+    eos = int(free[0, 3])
+    kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=eos, pad_token_id=1)
+    ref = model.generate(**enc, **kwargs)
+    fuseinfer.patch(model)
+    ours = fuseinfer.generate(model, enc.input_ids, enc.attention_mask, **kwargs)
+    assert torch.equal(ours, ref)
+    assert (ours == 1).any()  # some row finished early and was padded
+
+
+def test_sampling_respects_top_k_and_reuses_session(tiny_model_path):
+    model, tok = _load(tiny_model_path)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    greedy = model.generate(**enc, max_new_tokens=20, do_sample=False)
+    fuseinfer.patch(model)
+    top1 = fuseinfer.generate(model, enc.input_ids, enc.attention_mask, max_new_tokens=20, do_sample=True,
+                              top_k=1, temperature=0.7, eos_token_id=2, pad_token_id=1)
+    assert torch.equal(top1, greedy)  # top-k 1 leaves only the argmax
+    torch.manual_seed(0)
+    a = model.generate(**enc, max_new_tokens=20, do_sample=True, top_p=0.9, temperature=1.3)
+    session = model.__dict__[SESSIONS_ATTR][4]
+    b = model.generate(**enc, max_new_tokens=20, do_sample=True, top_p=0.9, temperature=1.3)
+    assert model.__dict__[SESSIONS_ATTR][4] is session  # second call reused cache (and graph)
+    assert a.shape == b.shape == (4, enc.input_ids.shape[1] + 20) and not torch.equal(a, b)
+    assert ((a >= 0) & (a < model.config.vocab_size)).all()
+
+
+def test_unsupported_generate_falls_back_with_logged_reason(tiny_model_path, caplog):
+    model, tok = _load(tiny_model_path)
+    enc = tok(PROMPTS[:2], return_tensors="pt", padding=True)
+    ref = model.generate(**enc, max_new_tokens=8, num_beams=2)
+    fuseinfer.patch(model)
+    with caplog.at_level(logging.WARNING, logger="fuseinfer"):
+        out = model.generate(**enc, max_new_tokens=8, num_beams=2)
+    assert torch.equal(out, ref)
+    assert "falls back to transformers: unsupported generate() arguments ['num_beams']" in caplog.text
+    assert SESSIONS_ATTR not in model.__dict__
+
+
+def test_generate_errors_and_unpatch_releases(tiny_model_path):
+    model, tok = _load(tiny_model_path)
+    ids = tok(PROMPTS[:1], return_tensors="pt").input_ids
+    with pytest.raises(FuseInferError, match="call fuseinfer.patch"):
+        fuseinfer.generate(model, ids)
+    fuseinfer.patch(model, PatchConfig(ops=("attention",)))
+    with pytest.raises(FuseInferError, match="patched with every op"):
+        fuseinfer.generate(model, ids)
+    fuseinfer.unpatch(model)
+    fuseinfer.patch(model)
+    with pytest.raises(FuseInferError, match="left padding"):
+        fuseinfer.generate(model, torch.ones(2, 4, dtype=torch.long), torch.tensor([[1, 1, 1, 0], [1] * 4]))
+    with pytest.raises(FuseInferError, match="exceeds the model's max_position_embeddings"):
+        fuseinfer.generate(model, ids, max_new_tokens=5000)
+    fuseinfer.generate(model, ids, max_new_tokens=3)
+    assert SESSIONS_ATTR in model.__dict__
+    fuseinfer.unpatch(model)
+    assert SESSIONS_ATTR not in model.__dict__ and "generate" not in model.__dict__
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prompts", [PROMPTS[1:2], PROMPTS], ids=["single", "left_padded_batch_of_4"])
+def test_greedy_64_tokens_identical_to_hf_fp16_cuda_graphs(tiny_model_path, prompts):
+    model, tok = _load(tiny_model_path, torch.float16, "cuda")
+    model = _greedy_matches_hf(model, tok, prompts, "cuda")
+    sessions = model.__dict__[SESSIONS_ATTR]
+    assert all(s.graph is not None for s in sessions.values())
+
+
+@pytest.mark.gpu
+def test_100_calls_do_not_grow_memory(tiny_model_path):
+    model, tok = _load(tiny_model_path, torch.float16, "cuda")
+    enc = tok(PROMPTS, return_tensors="pt", padding=True).to("cuda")
+    fuseinfer.patch(model)
+    fuseinfer.generate(model, enc.input_ids, enc.attention_mask, max_new_tokens=1)  # a graph for 1 token
+    fuseinfer.generate(model, enc.input_ids, enc.attention_mask, max_new_tokens=32)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(100):
+        fuseinfer.generate(model, enc.input_ids, enc.attention_mask, max_new_tokens=32)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    fuseinfer.unpatch(model)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() < before  # cache and graph pool released
