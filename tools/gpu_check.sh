@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (through the device tool) that builds the extension, tests and benchmarks.
 #
-#   bash tools/gpu_check.sh [stage ...]     stages: build test sanitize bench eval (default: build test sanitize)
+#   bash tools/gpu_check.sh [stage ...]     stages: build gputest test sanitize bench decode eval (default: build test sanitize)
 #
 # Needs the shared assets copied to .gpu_assets/ (git-ignored; tools/stage_gpu_assets.sh does it) and named in
 # the device call's `carry`. Logs and results go to $OUT (default /tmp/fuseinfer-gpu), one file per stage.
@@ -33,6 +33,7 @@ python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda"
 for stage in "${stages[@]}"; do
   case $stage in
     build) run build python3 -m pip install --no-deps --no-build-isolation --no-index -e . || exit 1 ;;
+    gputest) run pytest_gpu python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests ;;
     test)
       run pytest python3 -m pytest -q -ra -p no:cacheprovider tests
       run compare_logits python3 tools/compare_logits.py --shape opt-1.3b --dtype fp16 --seq 512 ;;
@@ -43,11 +44,13 @@ for stage in "${stages[@]}"; do
       for b in bench/bench_layernorm.py bench/bench_linear.py bench/bench_attention.py; do
         [ -f "$b" ] && run "$(basename "$b" .py)" python3 "$b" ${BENCH_ARGS:-}
       done ;;
+    decode) run bench_decode python3 bench/bench_decode.py ${DECODE_ARGS:-} ;;
     eval)
       run eval python3 -m fuseinfer.eval --model random:opt-1.3b --dtype fp16 --backends eager,compile,fuseinfer \
         --skip-ppl --output "$OUT/eval_opt-1.3b_fp16.json" --markdown "$OUT/eval_opt-1.3b_fp16.md" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
-echo "gpu_check: $([ $status -eq 0 ] && echo PASS || echo FAIL) (stages: ${stages[*]})"
+(cd "$OUT" && tar czf /tmp/gpu_check.tar.gz . && rm -rf ./* && mv /tmp/gpu_check.tar.gz .)  # one file: the device tool returns few
+echo "gpu_check: $([ $status -eq 0 ] && echo PASS || echo FAIL) (stages: ${stages[*]}); logs and results in $OUT/gpu_check.tar.gz"
 exit $status

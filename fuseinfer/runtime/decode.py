@@ -39,7 +39,7 @@ class Sampling:
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (B, V) fp32 -> token ids (B,)."""
         if not self.do_sample:
-            return logits.argmax(-1)
+            return _argmax(logits)
         logits = logits / self.temperature
         if self.top_k:
             kth = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
@@ -53,6 +53,16 @@ class Sampling:
         probs = logits.softmax(-1)
         # Exponential race: argmax(p / E), E ~ Exp(1), samples from p and is CUDA-graph safe
         return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over (B, V) in two stages (V split in up to 16 chunks): a one-stage reduce over 50k logits runs on
+    one block per row. Ties resolve to the first index, as torch.argmax does."""
+    b, v = logits.shape
+    chunks = next(c for c in (16, 8, 4, 2, 1) if v % c == 0)
+    vals, idx = logits.view(b, chunks, v // chunks).max(-1)  # (B, chunks): first max inside each chunk
+    best = vals.argmax(-1, keepdim=True)  # (B, 1): first chunk holding the global max
+    return (best * (v // chunks) + idx.gather(1, best)).squeeze(1)
 
 
 class _Session:

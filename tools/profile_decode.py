@@ -1,0 +1,89 @@
+"""Where a fast-decode step spends its time: per-kernel CUDA times of graph replays (torch.profiler) for a
+random-weight OPT, and in-graph times of the decode GEMVs (ours vs cuBLAS via F.linear) over weights far
+larger than L2. Used to pick the next optimisation; prints tables only."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import fuseinfer
+from fuseinfer.eval.models import load_config, load_model, resolve_model
+from fuseinfer.ops import linear_epilogue
+from fuseinfer.runtime.decode import SESSIONS_ATTR
+
+
+def graph_time_us(fn, reps: int = 20) -> float:
+    """Mean µs of one fn() call, captured with reps calls in one CUDA graph, median of 5 replays."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(5):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / reps)
+    return sorted(times)[2]
+
+
+def gemv_table(m: int) -> None:
+    print(f"in-graph linear, M={m}, 16 weight copies rotated (cold L2); GB/s on weight bytes")
+    for name, n, k in (("qkv", 6144, 2048), ("out_proj", 2048, 2048), ("fc1", 8192, 2048), ("fc2", 2048, 8192)):
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02 for _ in range(16)]
+        b = torch.randn(n, device="cuda", dtype=torch.float16)
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        i = [0]
+
+        def ours():
+            linear_epilogue(x, ws[i[0] % 16], b)
+            i[0] += 1
+
+        def cublas():
+            F.linear(x, ws[i[0] % 16], b)
+            i[0] += 1
+
+        t_ours, t_cublas = graph_time_us(ours, 32), graph_time_us(cublas, 32)
+        gb = n * k * 2 / 1e9
+        print(f"  {name:9s} N={n:5d} K={k:5d}: ours {t_ours:6.1f} us ({gb / t_ours * 1e6:5.0f} GB/s)  "
+              f"cuBLAS {t_cublas:6.1f} us ({gb / t_cublas * 1e6:5.0f} GB/s)")
+        del ws
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="random:opt-1.3b")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=512)
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__)
+    gemv_table(args.batch)
+    src = resolve_model(args.model)
+    model = load_model(src, load_config(src), torch.float16, torch.device("cuda"), seed=0)
+    fuseinfer.patch(model)
+    ids = torch.randint(3, model.config.vocab_size, (args.batch, args.context), device="cuda")
+    fuseinfer.generate(model, ids, max_new_tokens=256)  # room for the 70 steps below
+    session = next(iter(model.__dict__[SESSIONS_ATTR].values()))
+    session.begin(ids, torch.ones_like(ids))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(50):
+        session.advance()
+    end.record()
+    torch.cuda.synchronize()
+    print(f"one decode step (graph replay): {start.elapsed_time(end) * 1e3 / 50:.1f} us")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            session.advance()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()
