@@ -43,3 +43,13 @@ def extension_status() -> str:
 def backend_for(t: torch.Tensor) -> str:
     """'cuda' when the op on tensor ``t`` runs our kernel, else 'reference'."""
     return "cuda" if t.is_cuda and extension() is not None else "reference"
+
+
+def eager_cuda(t: torch.Tensor) -> bool:
+    """True when an op on ``t`` may call the extension directly instead of through the dispatcher.
+
+    The registered ``fuseinfer::*`` ops are what torch.compile and opcheck see; in eager mode on CUDA the op
+    wrappers skip the dispatcher's Python custom-op layer (10-30 µs a call, which dominates a prefill's
+    ~170 op calls) and call the same implementation the op's CUDA kernel registration calls.
+    """
+    return t.is_cuda and extension() is not None and not torch.compiler.is_compiling()

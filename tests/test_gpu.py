@@ -182,3 +182,20 @@ def test_patched_model_under_cuda_graphs_and_compile():
         for _ in range(3):  # warm-up, record, replay
             out = compiled(input_ids=ids).logits
     torch.testing.assert_close(out, eager, rtol=2e-3, atol=2e-3)
+
+
+def test_eager_fast_path_equals_registered_op():
+    """The op wrappers call the extension directly in eager mode; the dispatcher path must give the same bits."""
+    x, r = torch.randn(9, 2048, device="cuda", dtype=torch.float16), torch.randn(9, 2048, device="cuda",
+                                                                                 dtype=torch.float16)
+    w, b = torch.randn(2048, device="cuda", dtype=torch.float16), torch.randn(2048, device="cuda",
+                                                                              dtype=torch.float16)
+    for direct, registered in zip(ops.add_layer_norm(x, r, w, b, 1e-5, True),
+                                  torch.ops.fuseinfer.add_layer_norm(x, r, w, b, 1e-5, True)):
+        assert torch.equal(direct, registered)
+    wl = torch.randn(512, 2048, device="cuda", dtype=torch.float16)
+    assert torch.equal(ops.linear_epilogue(x, wl, None, None, "relu"),
+                       torch.ops.fuseinfer.linear_epilogue(x, wl, None, None, "relu"))
+    q, k, v, key_mask, q_start = _attn_case(2, 4, 33, 33, 64, torch.float16, pads=[0, 5])
+    assert torch.equal(ops.attention(q, k, v, key_mask, q_start, 0.125),
+                       torch.ops.fuseinfer.attention(q, k, v, key_mask, q_start, 0.125))

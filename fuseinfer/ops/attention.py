@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .._ext import extension
+from .._ext import eager_cuda, extension
 
 KERNEL_HEAD_DIMS = (64, 128)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -76,4 +76,6 @@ def attention(q, k, v, key_mask=None, q_start=None, scale: float | None = None) 
         raise ValueError(f"expected q (B,H,Sq,D) and k, v (B,H,Skv,D); got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if eager_cuda(q):
+        return _attention_cuda(q, k, v, key_mask, q_start, scale)
     return torch.ops.fuseinfer.attention(q, k, v, key_mask, q_start, scale)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .._ext import extension
+from .._ext import eager_cuda, extension
 
 
 def add_layer_norm_ref(x, residual, weight, bias, eps: float, store_sum: bool):
@@ -46,4 +46,6 @@ def _(x, residual, weight, bias, eps, store_sum):
 
 def add_layer_norm(x, residual=None, weight=None, bias=None, eps: float = 1e-5, store_sum: bool = False):
     """Fused residual add + LayerNorm over the last dim. Returns ``(y, s)``; ``s`` is empty unless store_sum."""
+    if eager_cuda(x):
+        return _add_layer_norm_cuda(x, residual, weight, bias, eps, store_sum)
     return torch.ops.fuseinfer.add_layer_norm(x, residual, weight, bias, eps, store_sum)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .._ext import extension
+from .._ext import eager_cuda, extension
 
 ACTIVATIONS = ("none", "relu")
 
@@ -58,4 +58,6 @@ def _(x, weight, bias, residual, activation):
 def linear_epilogue(x, weight, bias=None, residual=None, activation: str = "none"):
     """``act(x @ weight.T + bias + residual)`` in one kernel where the CUDA extension is built."""
     _check(x, weight, residual, activation)
+    if eager_cuda(x):
+        return _linear_epilogue_cuda(x, weight, bias, residual, activation)
     return torch.ops.fuseinfer.linear_epilogue(x, weight, bias, residual, activation)
