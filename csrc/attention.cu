@@ -13,8 +13,9 @@
 //  * Split-KV (flash-decoding; every dtype when Sq <= 16, and the simple fp32 path for any Sq): grid over
 //    (batch * head, split, query chunk of QB queries). Each block runs an online softmax over its slice of the
 //    keys with 16-byte loads (G = D / VEC threads share one key row), merges its lanes and warps, and writes
-//    either the final output (one split) or a partial (max, sum, unnormalised acc) to fp32 scratch that
-//    combine_kernel merges. The number of splits is picked so that the grid fills the SMs.
+//    either the final output (one split) or a partial (max, sum, unnormalised acc) to fp32 scratch; the last
+//    block of a (batch, head, chunk) to arrive (atomic counter, self-resetting) merges the partials into the
+//    output, so decode is one launch. The number of splits is picked so that the grid fills the SMs.
 //
 // Semantics shared by both: query i of row b attends key j iff key_mask[b, j] && j <= q_start[b] + i
 // (q_start defaults to Skv - Sq); a query with no admissible key gets exactly 0. Scores are q.k * scale,
@@ -24,6 +25,7 @@
 #include "fuseinfer.h"
 
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGraphsUtils.cuh>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
@@ -32,6 +34,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 
 namespace fuseinfer {
 namespace {
@@ -397,11 +402,14 @@ struct SplitCfg {
 
 // grid (B * H, splits, ceil(Sq / QB)), block kSplitThreads. Block (bh, split, z) handles queries
 // z*QB .. z*QB+QB-1 over keys [split * kps, (split + 1) * kps) of [0, key_end), where key_end is the causal
-// limit of its last query and kps = round_up(ceil(key_end / splits), KPI). splits == 1: writes out;
-// else writes part_acc (B*H, Sq, splits, D) and part_ml (B*H, Sq, splits) = (max, sum).
+// limit of its last query and kps = round_up(ceil(key_end / splits), KPI). splits == 1: writes out. Else the
+// first `used` = ceil(key_end / kps) splits write part_acc (B*H, Sq, splits, D) and part_ml (B*H, Sq, splits)
+// = (max, sum), every block counts itself in at counters[bh * gridDim.z + z] (zero on entry), and the last
+// one to arrive merges the used partials into out and sets the counter back to zero.
 template <typename T, int D, int QB>
 __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
-    split_kv_kernel(const AttnParams p, float* __restrict__ part_acc, float2* __restrict__ part_ml) {
+    split_kv_kernel(const AttnParams p, float* __restrict__ part_acc, float2* __restrict__ part_ml,
+                    int* __restrict__ counters) {
   using Cfg = SplitCfg<T, D, QB>;
   constexpr int VEC = Cfg::VEC, G = Cfg::G, KPS = Cfg::KPS, U = Cfg::U, KPI = Cfg::KPI;
   constexpr int NW = kSplitThreads / 32;
@@ -524,53 +532,67 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
     }
   }
   __syncthreads();
-  for (int idx = tid; idx < nq * D; idx += kSplitThreads) {
-    const int i = idx / D, d = idx % D;
-    float mx = -INFINITY;
+  // Splits that own keys (kps = 0 when the chunk has no key at all); the others write no partial.
+  T* out = static_cast<T*>(p.out);
+  const int used = kps > 0 ? (key_end + kps - 1) / kps : 0;
+  if (splits == 1 || split < used) {
+    for (int idx = tid; idx < nq * D; idx += kSplitThreads) {
+      const int i = idx / D, d = idx % D;
+      float mx = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, s_m[w][i]);
-    float a = 0.f, sum = 0.f;
-    if (mx != -INFINITY) {
+      for (int w = 0; w < NW; ++w) mx = fmaxf(mx, s_m[w][i]);
+      float a = 0.f, sum = 0.f;
+      if (mx != -INFINITY) {
 #pragma unroll
-      for (int w = 0; w < NW; ++w) {
-        const float cw = ex2(s_m[w][i] - mx);
-        sum += cw * s_l[w][i];
-        a += cw * s_acc[w][i][d];
+        for (int w = 0; w < NW; ++w) {
+          const float cw = ex2(s_m[w][i] - mx);
+          sum += cw * s_l[w][i];
+          a += cw * s_acc[w][i][d];
+        }
+      }
+      if (splits == 1) {
+        out[((int64_t(b) * p.Sq + q0 + i) * p.H + h) * D + d] = from_f<T>(sum > 0.f ? a / sum : 0.f);
+      } else {
+        const int64_t row = (int64_t(bh) * p.Sq + q0 + i) * splits + split;
+        part_acc[row * D + d] = a;
+        if (d == 0) part_ml[row] = make_float2(mx, sum);
       }
     }
-    if (splits == 1) {
-      T* out = static_cast<T*>(p.out);
-      out[((int64_t(b) * p.Sq + q0 + i) * p.H + h) * D + d] = from_f<T>(sum > 0.f ? a / sum : 0.f);
-    } else {
-      const int64_t row = (int64_t(bh) * p.Sq + q0 + i) * splits + split;
-      part_acc[row * D + d] = a;
-      if (d == 0) part_ml[row] = make_float2(mx, sum);
-    }
   }
-}
+  if (splits == 1) return;
 
-// Merges the splits of each (b, h, query): grid ceil(B*H*Sq / blockDim.y), block (D, 256 / D).
-template <typename T>
-__global__ void __launch_bounds__(256) combine_kernel(const float* __restrict__ part_acc,
-                                                      const float2* __restrict__ part_ml, T* __restrict__ out,
-                                                      int rows, int H, int Sq, int D, int splits) {
-  const int row = blockIdx.x * blockDim.y + threadIdx.y;  // (b * H + h) * Sq + qi
-  if (row >= rows) return;
-  const int d = threadIdx.x;
-  const float2* ml = part_ml + int64_t(row) * splits;
-  const float* pa = part_acc + int64_t(row) * splits * D + d;
-  float mx = -INFINITY;
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, ml[s].x);
-  float a = 0.f, sum = 0.f;
-  if (mx != -INFINITY) {
-    for (int s = 0; s < splits; ++s) {
-      const float cw = ex2(ml[s].x - mx);
-      sum += cw * ml[s].y;
-      a += cw * pa[int64_t(s) * D];
-    }
+  // Arrival (threadFenceReduction pattern): every thread fences its partial, one thread counts the block in;
+  // the last block of this (bh, chunk) resets the counter for the next launch and merges the used splits.
+  __shared__ bool s_last;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    int* cnt = counters + int64_t(bh) * gridDim.z + blockIdx.z;
+    const bool last = atomicAdd(cnt, 1) == splits - 1;
+    if (last) *cnt = 0;
+    __threadfence();
+    s_last = last;
   }
-  const int bh = row / Sq, qi = row % Sq, b = bh / H, h = bh % H;
-  out[((int64_t(b) * Sq + qi) * H + h) * D + d] = from_f<T>(sum > 0.f ? a / sum : 0.f);
+  __syncthreads();
+  if (!s_last) return;
+  for (int idx = tid; idx < nq * D; idx += kSplitThreads) {
+    const int i = idx / D, d = idx % D;
+    const int64_t row = (int64_t(bh) * p.Sq + q0 + i) * splits;  // first split of this query
+    float mx = -INFINITY;
+#pragma unroll 4
+    for (int s = 0; s < used; ++s) mx = fmaxf(mx, __ldcg(&part_ml[row + s]).x);
+    float a = 0.f, sum = 0.f;
+    if (mx != -INFINITY) {
+#pragma unroll 4
+      for (int s = 0; s < used; ++s) {
+        const float2 ml = __ldcg(&part_ml[row + s]);
+        const float cw = ex2(ml.x - mx);
+        sum += cw * ml.y;
+        a += cw * __ldcg(&part_acc[(row + s) * D + d]);
+      }
+    }
+    out[((int64_t(b) * p.Sq + q0 + i) * p.H + h) * D + d] = from_f<T>(sum > 0.f ? a / sum : 0.f);
+  }
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -596,6 +618,37 @@ void prefill(const AttnParams& p, int D, cudaStream_t stream) {
     run_prefill<T, 128, 8, 64, 1>(p, stream);
 }
 
+// Arrival counters of the split-KV merge: int32, zero between launches (the last block of each (bh, chunk)
+// resets its own). Persistent, never freed (a captured graph keeps their address) and leaked at exit (no
+// teardown-order trouble): one buffer per (device, stream) for eager launches, which stream order keeps
+// apart, and one per device for every captured launch, so graphs holding this op must not replay
+// concurrently with each other. Buffers are created by eager calls only; a capture that finds none, or a
+// launch needing more than kCounters, gets a per-call at::zeros (a memset in the graph; still correct).
+constexpr int64_t kCounters = 1 << 16;
+
+int* split_counters(int64_t need, const at::TensorOptions& opts, at::Tensor& per_call) {
+  if (need <= kCounters) {
+    static std::mutex mu;
+    static auto* eager = new std::map<std::pair<int, int64_t>, at::Tensor>();  // (device, stream id)
+    static auto* graph = new std::map<int, at::Tensor>();                      // device
+    const c10::cuda::CUDAStream stream = at::cuda::getCurrentCUDAStream();
+    const int dev = stream.device_index();
+    const auto zeros = [&] { return at::zeros({kCounters}, opts.dtype(at::kInt)); };
+    const std::lock_guard<std::mutex> lock(mu);
+    if (at::cuda::currentStreamCaptureStatus() != at::cuda::CaptureStatus::None) {
+      const auto it = graph->find(dev);
+      if (it != graph->end()) return it->second.data_ptr<int>();
+    } else {
+      if (graph->find(dev) == graph->end()) graph->emplace(dev, zeros());
+      auto it = eager->find({dev, stream.id()});
+      if (it == eager->end()) it = eager->emplace(std::make_pair(dev, stream.id()), zeros()).first;
+      return it->second.data_ptr<int>();
+    }
+  }
+  per_call = at::zeros({need}, opts.dtype(at::kInt));
+  return per_call.data_ptr<int>();
+}
+
 template <typename T, int D, int QB>
 void run_split_kv(const AttnParams& p, const at::Tensor& q, cudaStream_t stream) {
   using Cfg = SplitCfg<T, D, QB>;
@@ -603,29 +656,28 @@ void run_split_kv(const AttnParams& p, const at::Tensor& q, cudaStream_t stream)
   TORCH_CHECK(qchunks <= 65535, "attention_cuda: Sq = ", p.Sq, " is too long for the split-KV path");
   const int64_t base = int64_t(p.B) * p.H * qchunks;
   // As many splits as fit in one wave of resident blocks (launch bounds guarantee MIN_BLOCKS per SM; a
-  // partial second wave would idle most SMs), at least one full iteration (KPI keys) per split.
+  // partial second wave would idle most SMs), at least one full iteration (KPI keys) per split. One split
+  // (no scratch, no merge) when Skv <= KPI or the (b, h, chunk) blocks alone fill over half the wave.
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t want = int64_t(sms) * Cfg::MIN_BLOCKS / base;
   const int64_t max_splits = std::min<int64_t>(128, (p.Skv + Cfg::KPI - 1) / Cfg::KPI);
   const int splits = static_cast<int>(std::max<int64_t>(1, std::min(want, max_splits)));
 
-  at::Tensor part_acc, part_ml;
+  at::Tensor part_acc, part_ml, per_call_counters;
+  float* acc_ptr = nullptr;
+  float2* ml_ptr = nullptr;
+  int* counters = nullptr;
   if (splits > 1) {
     const int64_t rows = int64_t(p.B) * p.H * p.Sq;
     part_acc = at::empty({rows, splits, D}, q.options().dtype(at::kFloat));
     part_ml = at::empty({rows, splits, 2}, q.options().dtype(at::kFloat));
+    acc_ptr = part_acc.data_ptr<float>();
+    ml_ptr = reinterpret_cast<float2*>(part_ml.data_ptr<float>());
+    counters = split_counters(base, q.options(), per_call_counters);
   }
-  float* acc_ptr = splits > 1 ? part_acc.data_ptr<float>() : nullptr;
-  float2* ml_ptr = splits > 1 ? reinterpret_cast<float2*>(part_ml.data_ptr<float>()) : nullptr;
-  split_kv_kernel<T, D, QB><<<dim3(p.B * p.H, splits, qchunks), kSplitThreads, 0, stream>>>(p, acc_ptr, ml_ptr);
+  split_kv_kernel<T, D, QB><<<dim3(p.B * p.H, splits, qchunks), kSplitThreads, 0, stream>>>(
+      p, acc_ptr, ml_ptr, counters);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (splits > 1) {
-    const int rows = p.B * p.H * p.Sq;
-    const dim3 block(D, 256 / D);
-    combine_kernel<T><<<(rows + block.y - 1) / block.y, block, 0, stream>>>(
-        acc_ptr, ml_ptr, static_cast<T*>(p.out), rows, p.H, p.Sq, D, splits);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
 }
 
 template <typename T, int D>

@@ -6,4 +6,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_layer_norm", &fuseinfer::add_layer_norm_cuda);
   m.def("linear_epilogue", &fuseinfer::linear_epilogue_cuda);
   m.def("attention", &fuseinfer::attention_cuda);
+  m.def("kv_cache_append", &fuseinfer::kv_cache_append_cuda);
 }

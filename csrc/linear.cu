@@ -9,8 +9,10 @@
 //     inputs, PyTorch's default). The heuristic's choice is cached per problem (shape, dtype, epilogue,
 //     residual, pointer alignments, device, workspace size).
 //   * fp16/bf16 with M <= kSkinnyMaxM (decode): a weight-streaming tensor-core kernel (skinny_linear_kernel).
-//     Reading w once is the whole cost, so every block streams a 16-row slab of w with 16-byte loads, its warps
-//     splitting K, and multiplies it by all M tokens of x with mma.sync m16n8k16 (fp32 accumulate); the warps'
+//     Reading w once is the whole cost. A persistent grid (one wave: as many blocks as fit on the GPU, at most
+//     one per 16-row tile of w) walks the tiles; a block's warps split K and stream the tile with 16-byte
+//     L1-bypassing loads, always loading the next k-block (of this or the next tile) while multiplying the
+//     current one by all M tokens of x with mma.sync m16n8k16 (fp32 accumulate). At each tile's end the warps'
 //     partial sums meet in shared memory and the epilogue (bias, residual, ReLU) runs before the single store.
 // Both paths allocate nothing but y (cuBLASLt's workspace is PyTorch's cached per-stream one) and never sync
 // the host, so they can be captured in a CUDA graph.
@@ -28,6 +30,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <type_traits>
 
 namespace fuseinfer {
@@ -45,7 +48,7 @@ namespace {
 // ------------------------------------------------------------------------------------------------------------
 
 constexpr int kSkinnyMaxM = 16;     // tokens served by the skinny kernel (one or two n-tiles of 8)
-constexpr int kSkinnyRows = 16;     // rows of w (outputs) per block = the mma's m
+constexpr int kSkinnyRows = 16;     // rows of w (outputs) per tile = the mma's m
 constexpr int kSkinnyMaxWarps = 16;
 
 // k-steps of 32 per k-block (the unit a warp loads at once): 4 for one n-tile, 2 for two, so that two
@@ -94,24 +97,38 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a
 #endif
 }
 
+// Streaming 16-byte load of w, which is read exactly once: bypass L1 (x, reused by every block, keeps it) and
+// have L2 fetch 256 aligned bytes per miss from HBM (a row's k-block is 256 bytes for NT = 1, 128 for NT = 2).
+__device__ __forceinline__ uint4 ld_stream(const uint4* ptr) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(ptr));
+  return v;
+#else
+  return __ldg(ptr);
+#endif
+}
+
 // The 16-byte chunks of one k-block (U k-steps of 32) that a lane feeds to its mmas: rows g and g + 8 of the
-// block's w slab and token g of each n-tile of x.
+// tile's w slab and token g of each n-tile of x.
 template <int NT, int U>
 struct SkinnyFrag {
   uint4 w_lo[U], w_hi[U], x[U][NT];
 };
 
-// Loads a k-block; c0 is the lane's chunk index for its first k-step (k-block start / 8 + t). TAIL: the block
-// crosses K; chunks past the end are read at a clamped (valid) index and zeroed in both operands, so they add
-// nothing. Loads are unconditional so that all of them can be in flight together.
+// Loads a k-block; c0 is the lane's chunk index for its first k-step (k-block start / 8 + t). TAIL: the last
+// k-block crosses K; chunks past the end are read at a clamped (valid) index and zeroed in both operands, so
+// they add nothing. Loads are unconditional so that all of them can be in flight together.
 template <int NT, int U, bool TAIL>
 __device__ __forceinline__ void skinny_load(SkinnyFrag<NT, U>& f, const uint4* w_lo, const uint4* w_hi,
                                             const uint4* const (&xs)[NT], int c0, int chunks) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int c = TAIL ? min(c0 + 4 * u, chunks - 1) : c0 + 4 * u;
-    f.w_lo[u] = __ldg(w_lo + c);
-    f.w_hi[u] = __ldg(w_hi + c);
+    f.w_lo[u] = ld_stream(w_lo + c);
+    f.w_hi[u] = ld_stream(w_hi + c);
 #pragma unroll
     for (int j = 0; j < NT; ++j) f.x[u][j] = __ldg(xs[j] + c);
   }
@@ -140,104 +157,157 @@ __device__ __forceinline__ void skinny_mma(float (&acc)[NT][4], const SkinnyFrag
   }
 }
 
-// grid: ceil(N / 16) blocks of 32 * W threads (W <= 16 warps). Block b computes y[:, 16b : 16b + 16].
+// Persistent grid (at most one wave) of blocks of 32 * W threads (W <= 16 warps, W <= k-blocks). Tile i (16
+// rows of w, outputs y[:, 16i : 16i + 16]) belongs to block i % gridDim.x; a block walks its tiles in order.
 // Lane (g = lane / 4, t = lane % 4) of a warp loads, per k-step of 32 at k0, the 16-byte chunks
-//   w[16b + g][k0 + 8t : +8], w[16b + g + 8][k0 + 8t : +8] and x[8j + g][k0 + 8t : +8] for n-tile j.
+//   w[16i + g][k0 + 8t : +8], w[16i + g + 8][k0 + 8t : +8] and x[8j + g][k0 + 8t : +8] for n-tile j.
 // The order of k inside an mma is free (the same permutation on both operands), so those chunks are the
 // mma fragments as they are: mma 1 takes k0 + 8t + {0..3}, mma 2 takes k0 + 8t + {4..7}, i.e.
 //   A = {w_lo.x, w_hi.x, w_lo.y, w_hi.y}, B = {x.x, x.y} and A = {w_lo.z, w_hi.z, w_lo.w, w_hi.w}, B = {x.z, x.w}
 // (A rows g / g + 8 and "columns" 2t, 2t + 1 / 2t + 8, 2t + 9; B column g and rows 2t, 2t + 1 / 2t + 8, 2t + 9).
-// Warp v handles the full k-blocks (32 U elements of K) with index v, v + W, v + 2W, ..., loading block i + W
-// while multiplying block i; one warp also takes the partial last block when 32 U does not divide K
-// (K % 8 == 0, so a chunk is either inside K or past it).
+// Warp v handles the k-blocks (32 U elements of K; TAIL: the last one is partial, K % 8 == 0 so a chunk is
+// either inside K or past it) v, v + W, v + 2W, ... of each of the block's tiles. Its work is one sequence
+// over (tile, k-block) and it always loads the next item while multiplying the current one, across tile
+// boundaries too, so every warp keeps w streaming from launch to exit. At a tile's last item the warps
+// leave their partial sums in shared memory (two buffers, alternating per tile, so one barrier per tile
+// suffices), sync, and run the tile's epilogue while the next tile's first k-block is in flight.
 // Rows >= N and tokens >= M read the last valid row instead: an mma output (i, j) depends only on row i of A
 // and column j of B, so those reads only feed accumulators that are never stored.
-template <typename T, int NT>
+template <typename T, int NT, bool TAIL>
 __global__ void __launch_bounds__(32 * kSkinnyMaxWarps) skinny_linear_kernel(const SkinnyParams p) {
   constexpr int U = skinny_unroll<NT>();
   constexpr int kChunksPerBlock = 4 * U;  // 16-byte chunks per row in a k-block
   constexpr int kTokens = 8 * NT;
-  __shared__ float partial[kSkinnyMaxWarps][kSkinnyRows][kTokens + 1];  // +1: fewer bank conflicts
+  __shared__ float partial[2][kSkinnyMaxWarps][kSkinnyRows][kTokens + 1];  // +1: fewer bank conflicts
 
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int warps = blockDim.x >> 5;
   const int g = lane >> 2;
   const int t = lane & 3;
-  const int n0 = blockIdx.x * kSkinnyRows;
   const int chunks = p.k / 8;  // 16-byte chunks per row
+  const int k_blocks = (chunks + kChunksPerBlock - 1) / kChunksPerBlock;  // TAIL <=> chunks % kChunksPerBlock
+  const int tiles = (p.n + kSkinnyRows - 1) / kSkinnyRows;
 
   const uint4* w = reinterpret_cast<const uint4*>(p.w);
-  const uint4* w_lo = w + static_cast<int64_t>(min(n0 + g, p.n - 1)) * chunks;
-  const uint4* w_hi = w + static_cast<int64_t>(min(n0 + g + 8, p.n - 1)) * chunks;
   const uint4* xs[NT];
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
     xs[j] = reinterpret_cast<const uint4*>(p.x) + static_cast<int64_t>(min(8 * j + g, p.m - 1)) * chunks;
   }
+  // The lane's two rows of tile i.
+  auto w_row = [&](int tile, int r) {
+    return w + static_cast<int64_t>(min(tile * kSkinnyRows + r, p.n - 1)) * chunks;
+  };
+
+  const T* bias = static_cast<const T*>(p.bias);
+  const T* residual = static_cast<const T*>(p.residual);
+  T* y = static_cast<T*>(p.y);
 
   float acc[NT][4];
 #pragma unroll
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
-  const int full_blocks = chunks / kChunksPerBlock;
-  if (warp < full_blocks) {
-    SkinnyFrag<NT, U> cur;
-    skinny_load<NT, U, false>(cur, w_lo, w_hi, xs, warp * kChunksPerBlock + t, chunks);
-    for (int kb = warp + warps; kb < full_blocks; kb += warps) {
-      SkinnyFrag<NT, U> next;
-      skinny_load<NT, U, false>(next, w_lo, w_hi, xs, kb * kChunksPerBlock + t, chunks);
-      skinny_mma<T>(acc, cur);
-      cur = next;
+  // The host launches at most `tiles` blocks and at most `k_blocks` warps, so every warp has an item.
+  // step(cur, next): start loading the item after the current one into `next`, multiply `cur`, and finish
+  // the tile if that was its last item; false once the block has no tiles left. The loop alternates the
+  // two fragments (no copy, which would wait for the in-flight loads before issuing the next ones).
+  int tile = blockIdx.x, kb = warp, buf = 0;
+  auto step = [&](const SkinnyFrag<NT, U>& cur, SkinnyFrag<NT, U>& next) {
+    int next_tile = tile, next_kb = kb + warps;
+    const bool tile_done = next_kb >= k_blocks;
+    if (tile_done) {
+      next_tile += gridDim.x;
+      next_kb = warp;
+    }
+    const bool more = next_tile < tiles;  // false only when tile_done
+    if (more) {
+      skinny_load<NT, U, TAIL>(next, w_row(next_tile, g), w_row(next_tile, g + 8), xs,
+                               next_kb * kChunksPerBlock + t, chunks);
     }
     skinny_mma<T>(acc, cur);
-  }
-  if (chunks % kChunksPerBlock != 0 && warp == full_blocks % warps) {
-    SkinnyFrag<NT, U> tail;
-    skinny_load<NT, U, true>(tail, w_lo, w_hi, xs, full_blocks * kChunksPerBlock + t, chunks);
-    skinny_mma<T>(acc, tail);
-  }
 
-  // Accumulator fragment: acc[j] = {(g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)} as (row, token - 8j).
+    if (tile_done) {
+      // Accumulator fragment: acc[j] = {(g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)} as
+      // (row, token - 8j).
+      float(&part)[kSkinnyMaxWarps][kSkinnyRows][kTokens + 1] = partial[buf];
 #pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    partial[warp][g][8 * j + 2 * t] = acc[j][0];
-    partial[warp][g][8 * j + 2 * t + 1] = acc[j][1];
-    partial[warp][g + 8][8 * j + 2 * t] = acc[j][2];
-    partial[warp][g + 8][8 * j + 2 * t + 1] = acc[j][3];
-  }
-  __syncthreads();
+      for (int j = 0; j < NT; ++j) {
+        part[warp][g][8 * j + 2 * t] = acc[j][0];
+        part[warp][g][8 * j + 2 * t + 1] = acc[j][1];
+        part[warp][g + 8][8 * j + 2 * t] = acc[j][2];
+        part[warp][g + 8][8 * j + 2 * t + 1] = acc[j][3];
+        acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+      }
+      __syncthreads();
 
-  // Epilogue: thread o sums output (row o % 16, token o / 16) over the warps; 16 consecutive threads store
-  // 16 consecutive outputs of one token.
-  const T* bias = static_cast<const T*>(p.bias);
-  const T* residual = static_cast<const T*>(p.residual);
-  T* y = static_cast<T*>(p.y);
-  for (int o = threadIdx.x; o < kSkinnyRows * kTokens; o += blockDim.x) {
-    const int row = o % kSkinnyRows;
-    const int token = o / kSkinnyRows;
-    const int n = n0 + row;
-    if (token >= p.m || n >= p.n) continue;
-    float s = 0.f;
-    for (int v = 0; v < warps; ++v) s += partial[v][row][token];
-    const int64_t idx = static_cast<int64_t>(token) * p.n + n;
-    if (bias) s += to_float(bias[n]);
-    if (residual) s += to_float(residual[idx]);
-    if (p.relu && s < 0.f) s = 0.f;  // NaN passes through, like torch.relu
-    y[idx] = from_float<T>(s);
+      // Epilogue: thread o sums output (row o % 16, token o / 16) over the warps; 16 consecutive threads
+      // store 16 consecutive outputs of one token.
+      const int n0 = tile * kSkinnyRows;
+      for (int o = threadIdx.x; o < kSkinnyRows * kTokens; o += blockDim.x) {
+        const int row = o % kSkinnyRows;
+        const int token = o / kSkinnyRows;
+        const int n = n0 + row;
+        if (token >= p.m || n >= p.n) continue;
+        float s = 0.f;
+        for (int v = 0; v < warps; ++v) s += part[v][row][token];
+        const int64_t idx = static_cast<int64_t>(token) * p.n + n;
+        if (bias) s += to_float(bias[n]);
+        if (residual) s += to_float(residual[idx]);
+        if (p.relu && s < 0.f) s = 0.f;  // NaN passes through, like torch.relu
+        y[idx] = from_float<T>(s);
+      }
+      buf ^= 1;
+    }
+    tile = next_tile;
+    kb = next_kb;
+    return more;
+  };
+
+  SkinnyFrag<NT, U> f0, f1;
+  skinny_load<NT, U, TAIL>(f0, w_row(tile, g), w_row(tile, g + 8), xs, kb * kChunksPerBlock + t, chunks);
+  while (step(f0, f1) && step(f1, f0)) {
   }
+}
+
+// Resident blocks per SM of a kernel at a block size, cached per (kernel, block size, device).
+int skinny_blocks_per_sm(const void* kernel, int threads) {
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int, int>, int> cache;
+  const auto key = std::make_tuple(kernel, threads, static_cast<int>(at::cuda::current_device()));
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    int blocks = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0));
+    it = cache.emplace(key, std::max(1, blocks)).first;
+  }
+  return it->second;
+}
+
+template <typename T, int NT, bool TAIL>
+void launch_skinny(const SkinnyParams& p, cudaStream_t stream) {
+  constexpr int kElemsPerBlock = 32 * skinny_unroll<NT>();
+  const int tiles = (p.n + kSkinnyRows - 1) / kSkinnyRows;
+  const int k_blocks = (p.k + kElemsPerBlock - 1) / kElemsPerBlock;
+  // 16 warps per block (one block per SM: 127 registers for NT = 1, 101 for NT = 2) while there are fewer
+  // tiles than two per SM, else 8 (two blocks per SM, each with its own barrier); never more warps than
+  // k-blocks. The grid is one wave, capped at one block per tile.
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int warps = std::max(1, std::min(tiles < 2 * sms ? kSkinnyMaxWarps : 8, k_blocks));
+  const auto kernel = skinny_linear_kernel<T, NT, TAIL>;
+  const int resident = sms * skinny_blocks_per_sm(reinterpret_cast<const void*>(kernel), 32 * warps);
+  kernel<<<std::min(tiles, resident), 32 * warps, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T, int NT>
 void launch_skinny(const SkinnyParams& p, cudaStream_t stream) {
-  const int blocks = (p.n + kSkinnyRows - 1) / kSkinnyRows;
-  // Enough warps per block to keep every SM's memory pipe busy: 16 while the grid is under two blocks per SM,
-  // else 8; never more warps than k-blocks.
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int k_blocks = (p.k + 32 * skinny_unroll<NT>() - 1) / (32 * skinny_unroll<NT>());
-  const int warps = std::max(1, std::min(blocks < 2 * sms ? kSkinnyMaxWarps : 8, k_blocks));
-  skinny_linear_kernel<T, NT><<<blocks, 32 * warps, 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if ((p.k / 8) % (4 * skinny_unroll<NT>()) != 0) {
+    launch_skinny<T, NT, true>(p, stream);
+  } else {
+    launch_skinny<T, NT, false>(p, stream);
+  }
 }
 
 template <typename T>

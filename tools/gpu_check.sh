@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (through the device tool) that builds the extension, tests and benchmarks.
 #
-#   bash tools/gpu_check.sh [stage ...]     stages: build gputest test sanitize bench decode eval (default: build test sanitize)
+#   bash tools/gpu_check.sh [stage ...]     stages: build gputest test sanitize bench decode eval e2e ppl (default: build test sanitize)
 #
 # Needs the shared assets copied to .gpu_assets/ (git-ignored; tools/stage_gpu_assets.sh does it) and named in
 # the device call's `carry`. Logs and results go to $OUT (default /tmp/fuseinfer-gpu), one file per stage.
@@ -45,9 +45,18 @@ for stage in "${stages[@]}"; do
         [ -f "$b" ] && run "$(basename "$b" .py)" python3 "$b" ${BENCH_ARGS:-}
       done ;;
     decode) run bench_decode python3 bench/bench_decode.py ${DECODE_ARGS:-} ;;
-    eval)
+    eval)  # issue 3: the main comparison; decode at batch 1, prompt 512
       run eval python3 -m fuseinfer.eval --model random:opt-1.3b --dtype fp16 --backends eager,compile,fuseinfer \
-        --skip-ppl --output "$OUT/eval_opt-1.3b_fp16.json" --markdown "$OUT/eval_opt-1.3b_fp16.md" ;;
+        --skip-ppl --batch-size 1 --prompt-len 512 --gen-len 128 --output "$FUSEINFER_BENCH_DIR/eval_opt-1.3b_fp16_b1.json" \
+        --markdown "$FUSEINFER_BENCH_DIR/eval_opt-1.3b_fp16_b1.md" --plot "$FUSEINFER_BENCH_DIR/eval_opt-1.3b_fp16_b1.png" ;;
+    e2e)  # end-to-end prefill 1 x 2048
+      run e2e python3 -m fuseinfer.eval --model random:opt-1.3b --dtype fp16 --backends eager,compile,fuseinfer \
+        --skip-ppl --batch-size 1 --prompt-len 2048 --gen-len 16 --output "$FUSEINFER_BENCH_DIR/e2e_prefill_opt-1.3b_2048.json" \
+        --markdown "$FUSEINFER_BENCH_DIR/e2e_prefill_opt-1.3b_2048.md" ;;
+    ppl)  # perplexity of the trained tiny model on the GPU in fp16
+      run ppl python3 -m fuseinfer.eval --model "$FUSEINFER_SHARED/models/opt-wt2-tiny" --dtype fp16 \
+        --backends eager,compile,fuseinfer --data-dir "$FUSEINFER_SHARED/data/wikitext-2-raw" \
+        --output "$FUSEINFER_BENCH_DIR/eval_opt-wt2-tiny_fp16_ppl.json" --markdown "$FUSEINFER_BENCH_DIR/eval_opt-wt2-tiny_fp16_ppl.md" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -2,11 +2,13 @@
 that runs the CUDA kernel when the extension is built and the tensors are on CUDA, the reference otherwise.
 """
 from .attention import attention, attention_ref
+from .kv_cache import kv_cache_append, kv_cache_append_ref
 from .layer_norm import add_layer_norm, add_layer_norm_ref
 from .linear import linear_epilogue, linear_epilogue_ref
 from .quant import dequantize, dequantize_int8_ref, quantize_int8_ref, quantize_per_channel, quantize_per_token
 
 __all__ = [
     "add_layer_norm", "add_layer_norm_ref", "attention", "attention_ref", "dequantize", "dequantize_int8_ref",
-    "linear_epilogue", "linear_epilogue_ref", "quantize_int8_ref", "quantize_per_channel", "quantize_per_token",
+    "kv_cache_append", "kv_cache_append_ref", "linear_epilogue", "linear_epilogue_ref", "quantize_int8_ref",
+    "quantize_per_channel", "quantize_per_token",
 ]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.kv_cache import kv_cache_append
+
 
 class StaticKVCache:
     def __init__(self, num_layers: int, batch: int, heads: int, head_dim: int, capacity: int,
@@ -24,8 +26,7 @@ class StaticKVCache:
 
     def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int):
         """k, v: (B, H, S, D) -> the layer's whole (B, H, T, D) buffers, with k, v written in place."""
-        self.keys[layer_idx].index_copy_(2, self.write_idx, k)
-        self.values[layer_idx].index_copy_(2, self.write_idx, v)
+        kv_cache_append(self.keys[layer_idx], self.values[layer_idx], k, v, self.write_idx)  # one launch
         return self.keys[layer_idx], self.values[layer_idx]
 
     def nbytes(self) -> int:
