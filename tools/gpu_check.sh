@@ -49,10 +49,10 @@ for stage in "${stages[@]}"; do
       run eval python3 -m fuseinfer.eval --model random:opt-1.3b --dtype fp16 --backends eager,compile,fuseinfer \
         --skip-ppl --batch-size 1 --prompt-len 512 --gen-len 128 --output "$FUSEINFER_BENCH_DIR/eval_opt-1.3b_fp16_b1.json" \
         --markdown "$FUSEINFER_BENCH_DIR/eval_opt-1.3b_fp16_b1.md" --plot "$FUSEINFER_BENCH_DIR/eval_opt-1.3b_fp16_b1.png" ;;
-    e2e)  # end-to-end prefill 1 x 2048
+    e2e)  # end-to-end prefill of 1 x 2040 tokens (+ 8 decoded = the 2048 positions)
       run e2e python3 -m fuseinfer.eval --model random:opt-1.3b --dtype fp16 --backends eager,compile,fuseinfer \
-        --skip-ppl --batch-size 1 --prompt-len 2048 --gen-len 16 --output "$FUSEINFER_BENCH_DIR/e2e_prefill_opt-1.3b_2048.json" \
-        --markdown "$FUSEINFER_BENCH_DIR/e2e_prefill_opt-1.3b_2048.md" ;;
+        --skip-ppl --batch-size 1 --prompt-len 2040 --gen-len 8 --output "$FUSEINFER_BENCH_DIR/e2e_prefill_opt-1.3b_2040.json" \
+        --markdown "$FUSEINFER_BENCH_DIR/e2e_prefill_opt-1.3b_2040.md" ;;
     ppl)  # perplexity of the trained tiny model on the GPU in fp16
       run ppl python3 -m fuseinfer.eval --model "$FUSEINFER_SHARED/models/opt-wt2-tiny" --dtype fp16 \
         --backends eager,compile,fuseinfer --data-dir "$FUSEINFER_SHARED/data/wikitext-2-raw" \
