@@ -12,24 +12,18 @@ import torch
 from transformers import OPTConfig, OPTForCausalLM
 
 import fuseinfer
-
-SHAPES = {  # the published facebook/opt-* configs that matter here
-    "opt-125m": dict(hidden_size=768, num_hidden_layers=12, ffn_dim=3072, num_attention_heads=12),
-    "opt-350m": dict(hidden_size=1024, num_hidden_layers=24, ffn_dim=4096, num_attention_heads=16,
-                     word_embed_proj_dim=512, do_layer_norm_before=False),
-    "opt-1.3b": dict(hidden_size=2048, num_hidden_layers=24, ffn_dim=8192, num_attention_heads=32),
-}
+from fuseinfer.eval.models import OPT_CONFIGS, SHORT_NAMES
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--shape", default="opt-1.3b", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="opt-1.3b", choices=SHORT_NAMES)
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=512)
     args = ap.parse_args()
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    cfg = OPTConfig(vocab_size=50272, max_position_embeddings=2048, dropout=0.0, **SHAPES[args.shape])
+    cfg = OPTConfig(**{**OPT_CONFIGS[f"facebook/{args.shape}"], "dropout": 0.0})
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = OPTForCausalLM(cfg).eval()
