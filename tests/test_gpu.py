@@ -199,3 +199,13 @@ def test_eager_fast_path_equals_registered_op():
     q, k, v, key_mask, q_start = _attn_case(2, 4, 33, 33, 64, torch.float16, pads=[0, 5])
     assert torch.equal(ops.attention(q, k, v, key_mask, q_start, 0.125),
                        torch.ops.fuseinfer.attention(q, k, v, key_mask, q_start, 0.125))
+
+
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 64), (torch.float16, 32)])
+def test_attention_without_kernel_falls_back_to_sdpa_on_cuda(dtype, d):
+    q, k, v, key_mask, q_start = _attn_case(3, 4, 37, 37, d, dtype, pads=[0, 5, 36])
+    out = ops.attention(q, k, v, key_mask, q_start, d ** -0.5)
+    ref32 = ops.attention_ref(q.float(), k.float(), v.float(), key_mask, q_start, d ** -0.5)
+    assert torch.isfinite(out).all() and out[2, :36].abs().max() == 0  # row 2: queries before its only key
+    torch.testing.assert_close(out.float(), ref32, rtol=2e-3 if dtype == torch.float16 else 1e-5,
+                               atol=2e-3 if dtype == torch.float16 else 1e-5)

@@ -43,6 +43,16 @@ def attention_ref(q, k, v, key_mask, q_start, scale: float) -> torch.Tensor:
     return out.transpose(1, 2).contiguous().to(q.dtype)
 
 
+def attention_sdpa(q, k, v, key_mask, q_start, scale: float) -> torch.Tensor:
+    """The CUDA fallback for cases our kernel does not cover (fp32, other head dims): SDPA with the boolean
+    mask, queries with no key set to 0 -> (B, Sq, H, D)."""
+    b, _, sq, _ = q.shape
+    allowed = allowed_mask(key_mask, q_start, b, sq, k.shape[2], q.device)  # (B, 1, Sq, Skv)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    out = out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)  # (B, H, Sq, D); SDPA may give NaN there
+    return out.transpose(1, 2).contiguous()
+
+
 @torch.library.custom_op("fuseinfer::attention", mutates_args=())
 def _attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
@@ -60,7 +70,7 @@ def kernel_supports(q: torch.Tensor) -> bool:
 def _attention_cuda(q, k, v, key_mask, q_start, scale):
     ext = extension()
     if ext is None or not kernel_supports(q):
-        return attention_ref(q, k, v, key_mask, q_start, scale)
+        return attention_sdpa(q, k, v, key_mask, q_start, scale)
     return ext.attention(q, k, v, key_mask, q_start, scale)
 
 

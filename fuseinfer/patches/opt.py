@@ -199,10 +199,12 @@ def _backends(module: nn.Module, ops) -> dict[str, str]:
     """op -> 'cuda' | 'reference' for a module's parameters."""
     p = next(module.parameters())
     out = {op: backend_for(p) for op in sorted(ops)}
-    if "attention" in out and out["attention"] == "cuda":
+    if "attention" in out and p.is_cuda:  # on CUDA, what our kernel does not cover runs SDPA
         head_dim = getattr(module, "head_dim", 0)
-        if not kernel_supports(p.new_empty(1, 1, 1, head_dim)):
-            out["attention"] = f"reference (no kernel for {p.dtype}, head dim {head_dim})"
+        if out["attention"] != "cuda":
+            out["attention"] = "sdpa (CUDA extension not built)"
+        elif not kernel_supports(p.new_empty(1, 1, 1, head_dim)):
+            out["attention"] = f"sdpa (no kernel for {p.dtype}, head dim {head_dim})"
     return out
 
 
