@@ -2,7 +2,8 @@
 
 Model families live in ``fuseinfer/patches/`` (one file each, registered by ``model_type``). The engine checks
 the input before anything is touched, so a refused model is left exactly as it was, keeps the state needed to
-undo the patch on the model itself, and renders the report.
+undo the patch on the model itself, and renders the report. On models with ``generate`` it also installs the
+fast-decode ``generate`` of ``fuseinfer.runtime`` (which hands unsupported calls back to transformers).
 """
 from __future__ import annotations
 
