@@ -21,13 +21,8 @@ class StaticKVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.key_mask = torch.zeros(batch, capacity, dtype=torch.bool, device=device)  # (B, T)
         self.write_idx = torch.zeros(1, dtype=torch.long, device=device)  # (S,) slots the next update writes
-        self.capacity = capacity
-        self.batch = batch
 
     def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int):
         """k, v: (B, H, S, D) -> the layer's whole (B, H, T, D) buffers, with k, v written in place."""
         kv_cache_append(self.keys[layer_idx], self.values[layer_idx], k, v, self.write_idx)  # one launch
         return self.keys[layer_idx], self.values[layer_idx]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)

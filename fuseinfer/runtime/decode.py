@@ -11,7 +11,6 @@ allocate nothing; ``release(model)`` (or ``fuseinfer.unpatch``) frees them.
 """
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 
@@ -21,7 +20,6 @@ from ..errors import FuseInferError
 from ..patching import OPS, patch_state
 from .cache import StaticKVCache
 
-logger = logging.getLogger("fuseinfer")
 SESSIONS_ATTR = "_fuseinfer_sessions"
 STOP_CHECK_EVERY = 16
 CAPACITY_ROUND = 128
@@ -77,11 +75,12 @@ class _Session:
         dev = p.device
         self.cache = StaticKVCache(cfg.num_hidden_layers, bucket, heads, cfg.hidden_size // heads, capacity,
                                    p.dtype, dev)
-        self.eos = eos.to(dev)  # (n_eos,) int64, may be empty
+        self.eos_host = eos  # (n_eos,) int64 on the CPU, may be empty: what fits() compares
+        self.eos = eos.to(dev)
         self.tokens = torch.zeros(bucket, 1, dtype=torch.long, device=dev)  # (B, 1) next input
         self.positions = torch.zeros(bucket, 1, dtype=torch.long, device=dev)  # (B, 1) its OPT position
         self.q_start = torch.zeros(bucket, dtype=torch.int32, device=dev)  # (B,) its cache slot
-        self.decode_idx = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) same slot, for index_copy_
+        self.decode_idx = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) same slot, where the cache writes k/v
         self.step = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) index into out
         self.unfinished = torch.ones(bucket, dtype=torch.bool, device=dev)  # (B,)
         self.out = torch.full((bucket, max_new), pad, dtype=torch.long, device=dev)  # (B, max_new)
@@ -93,7 +92,7 @@ class _Session:
 
     def fits(self, capacity: int, sampling: Sampling, max_new: int, eos: torch.Tensor, pad: int) -> bool:
         return (self.capacity >= capacity and self.sampling == sampling and self.max_new >= max_new
-                and self.pad == pad and torch.equal(self.eos.cpu(), eos))
+                and self.pad == pad and torch.equal(self.eos_host, eos))
 
     def _emit(self, logits: torch.Tensor) -> None:
         """Choose the next tokens from logits (B, V), record them and the stop state at ``step``."""
