@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import subprocess
 from pathlib import Path
 
 import torch
@@ -43,31 +41,10 @@ def measure_ceilings() -> dict:
 
 
 def environment() -> dict:
-    """GPU name, driver, CUDA, torch, transformers and fuseinfer versions."""
-    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
-    try:
-        import transformers
+    """GPU name, driver, CUDA, torch, transformers and fuseinfer versions (the eval CLI's record)."""
+    from fuseinfer.eval.environment import environment as eval_environment
 
-        env["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    try:
-        import fuseinfer
-
-        env["fuseinfer"] = fuseinfer.__version__
-        env["fuseinfer_cuda_ext"] = fuseinfer.cuda_extension_available()
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-        try:
-            env["driver"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True, text=True, check=True,
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            env["driver"] = "unknown"
-    return env
+    return eval_environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def write_results(name: str, settings: dict, ceilings: dict, rows: list[dict], columns: list[str]) -> Path:
