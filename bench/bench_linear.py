@@ -12,7 +12,10 @@ for OPT-1.3b (h 2048, ffn 8192) and OPT-6.7b (h 4096, ffn 16384), at prefill (M 
 CUDA graphs: graph replay would add a copy of x and r into static buffers to every call, and the launch overhead
 graphs remove is hidden here anyway; skipped with --no-autotune: each shape autotunes for tens of seconds). Prefill rows report TFLOP/s = 2MNK / t, decode rows GB/s on the weight
 bytes (N K 2 / t) and that as % of the copy bandwidth measured in the same run. M <= 16 runs our skinny
-tensor-core kernel, larger M cuBLASLt (mirrors kSkinnyMaxM in csrc/linear.cu).
+tensor-core kernel, larger M cuBLASLt (mirrors kSkinnyMaxM in csrc/linear.cu). Decode rows also report the
+time as the decode step sees it ("graph" columns): calls over distinct weight copies (together > 4x L2, so
+every call reads HBM) captured back to back in one CUDA graph, per-call median; "graph cuBLAS" is F.linear
+timed the same way.
 
 Every row first checks ours against an fp32 reference: error at most 2x eager's (+ slack).
 Usage: python bench/bench_linear.py [--quick] [--no-autotune]  -> bench/results/linear.json and .md
@@ -21,6 +24,7 @@ Usage: python bench/bench_linear.py [--quick] [--no-autotune]  -> bench/results/
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -29,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import bench_ms, measure_ceilings, write_results  # noqa: E402
+from common import bench_ms, graph_call_ms, measure_ceilings, write_results  # noqa: E402
 
 import fuseinfer._C as C  # noqa: E402
 
@@ -39,7 +43,8 @@ MODELS = {"opt-1.3b": (2048, 8192), "opt-6.7b": (4096, 16384)}  # hidden, ffn
 PREFILL_M = (2048, 8192)
 DECODE_M = (1, 8, 32)
 COLUMNS = ["model", "layer", "epilogue", "M", "N", "K", "path", "ours ms", "bare mm ms", "eager ms",
-           "compile ms", "ours/bare", "x eager", "x compile", "TFLOP/s", "weight GB/s", "% copy"]
+           "compile ms", "ours/bare", "x eager", "x compile", "TFLOP/s", "weight GB/s", "% copy", "graph ms",
+           "graph cuBLAS ms", "graph GB/s", "graph % copy"]
 
 
 def layers(hidden: int, ffn: int):
@@ -61,6 +66,19 @@ def ours_fn(epilogue: str):
     residual = epilogue == "bias+residual"
     act = "relu" if epilogue == "bias+relu" else "none"
     return lambda x, w, b, r: C.linear_epilogue(x, w, b, r if residual else None, act)
+
+
+def graph_columns(ours, eager, x, w, b, r, copy_gbps: float) -> dict:
+    """In-graph per-call time of ours and of cuBLAS (the eager expression) over weight copies > 4x L2."""
+    nbytes = w.numel() * w.element_size()
+    copies = max(2, -(-4 * torch.cuda.get_device_properties(w.device).L2_cache_size // nbytes))
+    ws = [w.clone() for _ in range(copies)]
+    t_ours = graph_call_ms([lambda wi=wi: ours(x, wi, b, r) for wi in ws])
+    t_cublas = graph_call_ms([lambda wi=wi: eager(x, wi, b, r) for wi in ws])
+    gbs = nbytes / (t_ours["median_ms"] * 1e-3) / 1e9
+    return {"graph ms": t_ours["median_ms"], "graph cuBLAS ms": t_cublas["median_ms"], "graph GB/s": gbs,
+            "graph % copy": 100 * gbs / copy_gbps, "graph": t_ours, "graph_cublas": t_cublas,
+            "graph_weight_copies": copies}
 
 
 def check(ours, eager, x, w, b, r):
@@ -113,12 +131,15 @@ def main() -> None:
                     else:
                         gbs = n * k * DTYPE.itemsize / (t_ours["median_ms"] * 1e-3) / 1e9
                         row.update({"weight GB/s": gbs, "% copy": 100 * gbs / ceilings["copy_GBps"]})
+                        if m <= SKINNY_MAX_M:
+                            row.update(graph_columns(ours, eager, x, w, b, r, ceilings["copy_GBps"]))
                     rows.append(row)
                     print(" | ".join(f"{c}={row[c]:.4g}" if isinstance(row[c], float) else f"{c}={row[c]}"
                                      for c in COLUMNS if c in row), flush=True)
     settings = {"dtype": str(DTYPE), "models": list(models), "M": list(m_values), "quick": args.quick,
                 "autotune": not args.no_autotune, "skinny_max_m": SKINNY_MAX_M,
-                "note": "L2 flushed before every timed call (triton do_bench)"}
+                "note": "L2 flushed before every timed call (triton do_bench); graph columns: back-to-back calls "
+                        "over weight copies > 4x L2 in one CUDA graph", "pdl": os.environ.get("FUSEINFER_PDL", "1")}
     path = write_results("linear", settings, ceilings, rows, COLUMNS)
     print(f"wrote {path}")
 

@@ -20,9 +20,10 @@
 // Semantics shared by both: query i of row b attends key j iff key_mask[b, j] && j <= q_start[b] + i
 // (q_start defaults to Skv - Sq); a query with no admissible key gets exactly 0. Scores are q.k * scale,
 // softmax in fp32; output (B, Sq, H, D) contiguous in q's dtype. Rows of K/V past the causal limit of a block
-// are never read (they may be unwritten cache slots).
+// are never read (they may be unwritten cache slots). Both are launched with PDL (launch.h).
 
 #include "fuseinfer.h"
+#include "launch.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGraphsUtils.cuh>
@@ -195,6 +196,8 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) prefill_kernel(const A
   constexpr int STAGE = 2 * BN * D;  // elements of one K + V stage
   static_assert(D % 64 == 0 && BN % 32 == 0 && BM <= 2 * BN, "Q tile must fit in one K/V stage");
   static_assert(BN / 32 <= WARPS, "one mask word per warp");
+  pdl_launch_dependents();
+  pdl_wait();  // q, k, v, masks come from earlier kernels
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* smem = reinterpret_cast<T*>(smem_raw);  // [stage][K | V][BN][D], Q aliased on stage 1 at start
@@ -413,6 +416,8 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
   using Cfg = SplitCfg<T, D, QB>;
   constexpr int VEC = Cfg::VEC, G = Cfg::G, KPS = Cfg::KPS, U = Cfg::U, KPI = Cfg::KPI;
   constexpr int NW = kSplitThreads / 32;
+  pdl_launch_dependents();
+  pdl_wait();  // q, the cache, q_start and the counters come from earlier kernels
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = tid / G, c = tid % G;  // key slot within a step, 16-byte chunk of the row
@@ -606,8 +611,7 @@ void run_prefill(const AttnParams& p, cudaStream_t stream) {
   auto kernel = prefill_kernel<T, D, WARPS, BN, MIN_BLOCKS>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(p.B * p.H, (p.Sq + BM - 1) / BM);
-  kernel<<<grid, 32 * WARPS, smem, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(kernel, grid, 32 * WARPS, smem, stream, p);
 }
 
 template <typename T>
@@ -675,9 +679,8 @@ void run_split_kv(const AttnParams& p, const at::Tensor& q, cudaStream_t stream)
     ml_ptr = reinterpret_cast<float2*>(part_ml.data_ptr<float>());
     counters = split_counters(base, q.options(), per_call_counters);
   }
-  split_kv_kernel<T, D, QB><<<dim3(p.B * p.H, splits, qchunks), kSplitThreads, 0, stream>>>(
-      p, acc_ptr, ml_ptr, counters);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(split_kv_kernel<T, D, QB>, dim3(p.B * p.H, splits, qchunks), kSplitThreads, 0, stream, p, acc_ptr,
+                ml_ptr, counters);
 }
 
 template <typename T, int D>

@@ -6,8 +6,10 @@
 // one 16-byte vector, or one element on the scalar path (head dim, strides or base pointers not 16-byte
 // aligned). k, v are strided views (e.g. of a fused (B, S, 3, H, D) QKV output); caches are contiguous.
 // A slot outside [0, T) is skipped on the device: nothing is written for it and the host never syncs.
+// Launched with PDL (launch.h).
 
 #include "fuseinfer.h"
+#include "launch.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -37,6 +39,8 @@ struct AppendParams {
 // unit one thread moves (uint4 = 16 bytes, or Elem), VPE = elements per unit.
 template <typename E, int VPE, typename Elem>
 __global__ void __launch_bounds__(kThreads) kv_append_kernel(const AppendParams p) {
+  pdl_launch_dependents();
+  pdl_wait();  // k, v and slots come from earlier kernels
   const int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (idx >= 2 * p.rows * p.chunks) return;
   const int64_t chunk = idx % p.chunks;
@@ -57,11 +61,8 @@ void launch(const AppendParams& p, bool vec16, cudaStream_t stream) {
   const int64_t n = 2 * p.rows * p.chunks;
   const int64_t blocks = (n + kThreads - 1) / kThreads;
   TORCH_CHECK(blocks <= INT32_MAX, "kv_cache_append_cuda: too many elements");
-  if (vec16)
-    kv_append_kernel<uint4, 16 / sizeof(Elem), Elem><<<blocks, kThreads, 0, stream>>>(p);
-  else
-    kv_append_kernel<Elem, 1, Elem><<<blocks, kThreads, 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const auto kernel = vec16 ? kv_append_kernel<uint4, 16 / sizeof(Elem), Elem> : kv_append_kernel<Elem, 1, Elem>;
+  launch_kernel(kernel, static_cast<unsigned>(blocks), kThreads, 0, stream, p);
 }
 
 }  // namespace

@@ -13,8 +13,9 @@
 // A "vector" is 16 bytes (8 fp16/bf16 or 4 fp32) when N is a multiple of that and every pointer is 16-byte
 // aligned; otherwise the scalar instantiation (vector = 1 element) serves any N and any alignment.
 // Thread t of a row holds vectors t, t + T, t + 2T, ... (T = threads per row), so each load instruction of a
-// warp touches 32 consecutive vectors (coalesced).
+// warp touches 32 consecutive vectors (coalesced). Launched with PDL (launch.h).
 #include "fuseinfer.h"
+#include "launch.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -154,6 +155,8 @@ __global__ void __launch_bounds__(max_threads<VEC>(), 1) add_layer_norm_kernel(c
   __shared__ float scratch_mean[32];
   __shared__ float scratch_var[32];
 
+  pdl_launch_dependents();
+  pdl_wait();  // x and residual come from earlier kernels
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   if (row >= p.rows) return;  // only in the warp-per-row layout (block-per-row has exactly `rows` blocks)
   const int tid = threadIdx.x;
@@ -286,9 +289,8 @@ void launch(const Params& p, const Config& c, cudaStream_t stream) {
   const int64_t blocks = (p.rows + c.rows_per_block - 1) / c.rows_per_block;
   TORCH_CHECK(blocks <= INT32_MAX, "add_layer_norm: too many rows (", p.rows, ")");
   TORCH_CHECK(c.threads_per_row <= max_threads<VEC>(), "add_layer_norm: row of ", p.n, " elements too long");
-  add_layer_norm_kernel<T, VEC, VPT>
-      <<<static_cast<unsigned>(blocks), dim3(c.threads_per_row, c.rows_per_block), 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(add_layer_norm_kernel<T, VEC, VPT>, static_cast<unsigned>(blocks),
+                dim3(c.threads_per_row, c.rows_per_block), 0, stream, p);
 }
 
 // Runs the instantiation whose VPT equals c.vpt, for VPT in [1, MAX_VPT].

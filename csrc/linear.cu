@@ -14,9 +14,11 @@
 //     L1-bypassing loads, always loading the next k-block (of this or the next tile) while multiplying the
 //     current one by all M tokens of x with mma.sync m16n8k16 (fp32 accumulate). At each tile's end the warps'
 //     partial sums meet in shared memory and the epilogue (bias, residual, ReLU) runs before the single store.
+//     Launched with PDL (launch.h): the first weights are requested before waiting for the kernel that writes x.
 // Both paths allocate nothing but y (cuBLASLt's workspace is PyTorch's cached per-stream one) and never sync
 // the host, so they can be captured in a CUDA graph.
 #include "fuseinfer.h"
+#include "launch.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -118,17 +120,28 @@ struct SkinnyFrag {
   uint4 w_lo[U], w_hi[U], x[U][NT];
 };
 
-// Loads a k-block; c0 is the lane's chunk index for its first k-step (k-block start / 8 + t). TAIL: the last
-// k-block crosses K; chunks past the end are read at a clamped (valid) index and zeroed in both operands, so
-// they add nothing. Loads are unconditional so that all of them can be in flight together.
+// Loads a k-block in two halves: skinny_load_w (the weights, which no earlier kernel writes, so it may run
+// before pdl_wait) and skinny_load_x (the activations, then the TAIL zeroing). c0 is the lane's chunk index
+// for its first k-step (k-block start / 8 + t). TAIL: the last k-block crosses K; chunks past the end are read
+// at a clamped (valid) index and zeroed in both operands, so they add nothing. Loads are unconditional so
+// that all of them can be in flight together.
 template <int NT, int U, bool TAIL>
-__device__ __forceinline__ void skinny_load(SkinnyFrag<NT, U>& f, const uint4* w_lo, const uint4* w_hi,
-                                            const uint4* const (&xs)[NT], int c0, int chunks) {
+__device__ __forceinline__ void skinny_load_w(SkinnyFrag<NT, U>& f, const uint4* w_lo, const uint4* w_hi, int c0,
+                                              int chunks) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int c = TAIL ? min(c0 + 4 * u, chunks - 1) : c0 + 4 * u;
     f.w_lo[u] = ld_stream(w_lo + c);
     f.w_hi[u] = ld_stream(w_hi + c);
+  }
+}
+
+template <int NT, int U, bool TAIL>
+__device__ __forceinline__ void skinny_load_x(SkinnyFrag<NT, U>& f, const uint4* const (&xs)[NT], int c0,
+                                              int chunks) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int c = TAIL ? min(c0 + 4 * u, chunks - 1) : c0 + 4 * u;
 #pragma unroll
     for (int j = 0; j < NT; ++j) f.x[u][j] = __ldg(xs[j] + c);
   }
@@ -143,6 +156,13 @@ __device__ __forceinline__ void skinny_load(SkinnyFrag<NT, U>& f, const uint4* w
       }
     }
   }
+}
+
+template <int NT, int U, bool TAIL>
+__device__ __forceinline__ void skinny_load(SkinnyFrag<NT, U>& f, const uint4* w_lo, const uint4* w_hi,
+                                            const uint4* const (&xs)[NT], int c0, int chunks) {
+  skinny_load_w<NT, U, TAIL>(f, w_lo, w_hi, c0, chunks);
+  skinny_load_x<NT, U, TAIL>(f, xs, c0, chunks);
 }
 
 template <typename T, int NT, int U>
@@ -264,8 +284,13 @@ __global__ void __launch_bounds__(32 * kSkinnyMaxWarps) skinny_linear_kernel(con
     return more;
   };
 
+  // PDL (launch.h): the first k-block of weights is requested before waiting for the kernel that writes x
+  // (and the residual), so this grid's DRAM traffic starts while that kernel is still finishing.
+  pdl_launch_dependents();
   SkinnyFrag<NT, U> f0, f1;
-  skinny_load<NT, U, TAIL>(f0, w_row(tile, g), w_row(tile, g + 8), xs, kb * kChunksPerBlock + t, chunks);
+  skinny_load_w<NT, U, TAIL>(f0, w_row(tile, g), w_row(tile, g + 8), kb * kChunksPerBlock + t, chunks);
+  pdl_wait();
+  skinny_load_x<NT, U, TAIL>(f0, xs, kb * kChunksPerBlock + t, chunks);
   while (step(f0, f1) && step(f1, f0)) {
   }
 }
@@ -297,8 +322,7 @@ void launch_skinny(const SkinnyParams& p, cudaStream_t stream) {
   const int warps = std::max(1, std::min(tiles < 2 * sms ? kSkinnyMaxWarps : 8, k_blocks));
   const auto kernel = skinny_linear_kernel<T, NT, TAIL>;
   const int resident = sms * skinny_blocks_per_sm(reinterpret_cast<const void*>(kernel), 32 * warps);
-  kernel<<<std::min(tiles, resident), 32 * warps, 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(kernel, std::min(tiles, resident), 32 * warps, 0, stream, p);
 }
 
 template <typename T, int NT>

@@ -55,8 +55,10 @@ def test_add_layer_norm_kernel(shape, dtype, residual, affine):
 
 # ---- GEMM with fused epilogues ----
 
-@pytest.mark.parametrize("mnk", [(1, 2048, 2048), (7, 123, 96), (113, 6144, 2048), (2048, 8192, 2048),
-                                 (32, 2048, 8192)])
+# M <= 16 runs the skinny kernel: one n-tile (M <= 8) and two (M 9-16), a partial last k-block (K = 96,
+# 1000), more 16-row tiles than SMs (N = 4000, 6144) and many k-blocks per warp (K = 8192).
+@pytest.mark.parametrize("mnk", [(1, 2048, 2048), (7, 123, 96), (16, 6144, 2048), (12, 4000, 1000),
+                                 (3, 2056, 8192), (113, 6144, 2048), (2048, 8192, 2048), (32, 2048, 8192)])
 @pytest.mark.parametrize("dtype", LOWP)
 @pytest.mark.parametrize("epilogue", ["bias", "bias_relu", "bias_residual", "none"])
 def test_linear_epilogue_kernel(mnk, dtype, epilogue):
@@ -70,6 +72,36 @@ def test_linear_epilogue_kernel(mnk, dtype, epilogue):
     up = lambda t: None if t is None else t.float()  # noqa: E731
     ref32 = ops.linear_epilogue_ref(x.float(), w.float(), up(b), up(r), act)
     assert_lowp_close(ours, ops.linear_epilogue_ref(x, w, b, r, act), ref32, f"linear {mnk} {epilogue}")
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_linear_chain_waits_for_its_input(m):
+    """Each GEMV reads the previous one's output (x and residual). Under PDL the next kernel starts before the
+    previous ends, so a missing wait would read stale inputs: the chain must meet the low-precision rule against
+    the fp32 chain, eagerly and replayed in a CUDA graph (which must also match the eager run bit for bit)."""
+    torch.manual_seed(0)
+    ws = [torch.randn(2048, 2048, device="cuda", dtype=torch.float16) * 0.5 * 2048 ** -0.5 for _ in range(12)]
+    x = torch.randn(m, 2048, device="cuda", dtype=torch.float16)
+
+    def chain(h, linear):
+        for w in ws:
+            h = linear(h, w)
+        return h
+
+    ours = lambda h, w: ops.linear_epilogue(h, w, None, h)  # noqa: E731
+    torch_lowp = chain(x, lambda h, w: torch.nn.functional.linear(h, w) + h)
+    ref32 = chain(x.float(), lambda h, w: torch.nn.functional.linear(h, w.float()) + h)
+    eager = chain(x, ours)
+    assert_lowp_close(eager, torch_lowp, ref32, f"linear chain m={m}")
+    static_x = x.clone()
+    chain(static_x, ours)  # warm-up before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(static_x, ours)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
 
 
 # ---- attention ----

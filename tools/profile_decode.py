@@ -4,6 +4,8 @@ larger than L2. Used to pick the next optimisation; prints tables only."""
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -13,24 +15,8 @@ from fuseinfer.eval.models import load_config, load_model, resolve_model
 from fuseinfer.ops import linear_epilogue
 from fuseinfer.runtime.decode import SESSIONS_ATTR
 
-
-def graph_time_us(fn, reps: int = 20) -> float:
-    """Mean µs of one fn() call, captured with reps calls in one CUDA graph, median of 5 replays."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / reps)
-    return sorted(times)[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from common import graph_call_ms  # noqa: E402
 
 
 def gemv_table(m: int) -> None:
@@ -39,17 +25,8 @@ def gemv_table(m: int) -> None:
         ws = [torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02 for _ in range(16)]
         b = torch.randn(n, device="cuda", dtype=torch.float16)
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        i = [0]
-
-        def ours():
-            linear_epilogue(x, ws[i[0] % 16], b)
-            i[0] += 1
-
-        def cublas():
-            F.linear(x, ws[i[0] % 16], b)
-            i[0] += 1
-
-        t_ours, t_cublas = graph_time_us(ours, 32), graph_time_us(cublas, 32)
+        t_ours = graph_call_ms([lambda w=w: linear_epilogue(x, w, b) for w in ws])["median_ms"] * 1e3
+        t_cublas = graph_call_ms([lambda w=w: F.linear(x, w, b) for w in ws])["median_ms"] * 1e3
         gb = n * k * 2 / 1e9
         print(f"  {name:9s} N={n:5d} K={k:5d}: ours {t_ours:6.1f} us ({gb / t_ours * 1e6:5.0f} GB/s)  "
               f"cuBLAS {t_cublas:6.1f} us ({gb / t_cublas * 1e6:5.0f} GB/s)")

@@ -54,10 +54,11 @@ class Sampling:
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over (B, V) in two stages (V split in up to 16 chunks): a one-stage reduce over 50k logits runs on
-    one block per row. Ties resolve to the first index, as torch.argmax does."""
+    """argmax over (B, V) in two stages (V split in as many equal chunks as divide it, up to 1024; 32 for OPT's
+    50272): a one-stage reduce over 50k logits runs on one block per row. Ties resolve to the first index, as
+    torch.argmax does."""
     b, v = logits.shape
-    chunks = next(c for c in (16, 8, 4, 2, 1) if v % c == 0)
+    chunks = max(c for c in range(1, min(v, 1024) + 1) if v % c == 0)
     vals, idx = logits.view(b, chunks, v // chunks).max(-1)  # (B, chunks): first max inside each chunk
     best = vals.argmax(-1, keepdim=True)  # (B, 1): first chunk holding the global max
     return (best * (v // chunks) + idx.gather(1, best)).squeeze(1)

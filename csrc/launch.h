@@ -1,0 +1,69 @@
+// Kernel launches with programmatic dependent launch (PDL, sm_90+).
+//
+// A decode step is ~200 short kernels in a row; between two of them the GPU normally drains the first
+// completely, then starts the second, whose first loads meet DRAM latency again. With PDL the next kernel is
+// launched while the current one runs: its blocks become resident as SMs free up, do what does not depend on
+// the previous kernel (the weight-streaming GEMV issues its first weight loads) and then wait in
+// pdl_wait() until the previous kernel has finished and its writes are visible.
+//
+// Contract for every kernel launched with launch_kernel():
+//   * pdl_launch_dependents() may come anywhere (we call it first: the next kernel may start as early as
+//     possible; it only occupies resources the current grid, already fully resident, does not need);
+//   * nothing written by an earlier kernel (activations, caches, counters, q_start...) is read, and nothing
+//     is written at all, before pdl_wait();
+//   * every block reaches pdl_wait() before it exits, so "kernel N finished" still implies "kernel N - 1
+//     finished", as in plain stream order.
+// Without PDL (FUSEINFER_PDL=0, a GPU below sm_90, or a launch not marked programmatic) both calls are no-ops
+// and the launch is an ordinary one. Launches are captured into CUDA graphs as programmatic edges.
+#pragma once
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+namespace fuseinfer {
+
+// Waits until the previous kernel in the stream has completed and its memory is visible (no-op without PDL).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Allows the next kernel in the stream to be launched before this one completes (no-op without PDL).
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// PDL is used when FUSEINFER_PDL is not "0" (default on) and the current device is sm_90 or newer.
+inline bool pdl_enabled() {
+  static const bool env_on = [] {
+    const char* v = std::getenv("FUSEINFER_PDL");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return env_on && at::cuda::getCurrentDeviceProperties()->major >= 9;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), marked programmatic when pdl_enabled().
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   Args&&... args) {
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attr;
+  config.numAttrs = pdl_enabled() ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+}  // namespace fuseinfer
