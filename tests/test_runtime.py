@@ -29,7 +29,9 @@ def _greedy_matches_hf(model, tok, prompts, device="cpu"):
     ref = model.generate(**enc, **kwargs)
     fuseinfer.patch(model)
     ours = fuseinfer.generate(model, enc.input_ids, enc.attention_mask, eos_token_id=2, pad_token_id=1, **kwargs)
+    model.__dict__.pop(SESSIONS_ATTR)
     hooked = model.generate(**enc, **kwargs)
+    assert SESSIONS_ATTR in model.__dict__  # model.generate took the static-cache path
     assert torch.equal(ours, ref)
     assert torch.equal(hooked, ref)
     return model
@@ -65,7 +67,8 @@ def test_eos_stops_rows_and_pads_like_hf(tiny_model_path):
     fuseinfer.patch(model)
     ours = fuseinfer.generate(model, enc.input_ids, enc.attention_mask, **kwargs)
     assert torch.equal(ours, ref)
-    assert (ours == 1).any()  # some row finished early and was padded
+    padded = (ours[:, enc.input_ids.shape[1]:] == 1).any(1)  # rows that finished early and were padded
+    assert padded.any() and not padded.all()
 
 
 def test_sampling_respects_top_k_and_reuses_session(tiny_model_path):
@@ -94,6 +97,30 @@ def test_unsupported_generate_falls_back_with_logged_reason(tiny_model_path, cap
         out = model.generate(**enc, max_new_tokens=8, num_beams=2)
     assert torch.equal(out, ref)
     assert "falls back to transformers: unsupported generate() arguments ['num_beams']" in caplog.text
+    assert SESSIONS_ATTR not in model.__dict__
+
+
+@pytest.mark.parametrize("case", ["partial_patch", "patched_in_training_mode", "use_cache_false"])
+def test_generate_hook_falls_back_when_fast_path_does_not_apply(tiny_model_path, case, caplog):
+    model, tok = _load(tiny_model_path)
+    enc = tok(PROMPTS[:2], return_tensors="pt", padding=True)
+    kwargs = dict(max_new_tokens=8, do_sample=False)
+    ref = model.generate(**enc, **kwargs)
+    if case == "partial_patch":
+        fuseinfer.patch(model, PatchConfig(ops=("linear",)))
+        reason = "patched with every op"
+    elif case == "patched_in_training_mode":
+        fuseinfer.patch(model.train())
+        model.eval()
+        reason = "skips in training mode"
+    else:
+        fuseinfer.patch(model)
+        kwargs["use_cache"] = False
+        reason = "use_cache=False"
+    with caplog.at_level(logging.WARNING, logger="fuseinfer"):
+        out = model.generate(**enc, **kwargs)
+    assert torch.equal(out, ref)
+    assert reason in caplog.text
     assert SESSIONS_ATTR not in model.__dict__
 
 

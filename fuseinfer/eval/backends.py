@@ -15,6 +15,7 @@ from torch import nn
 
 import fuseinfer
 
+from .errors import EvalError
 from .models import ModelSource, load_model, model_stats
 
 
@@ -169,12 +170,19 @@ class FuseInferBackend(EagerBackend):
         self.report = fuseinfer.patch(self.model)
 
     def start(self, batch_size, max_len):
-        from fuseinfer.runtime.decode import Sampling, session_for
+        from fuseinfer.runtime.decode import Sampling, decode_forward, session_for
 
-        forward, _ = fuseinfer.patch_state(self.model).family.decode_forward(self.model)
+        forward, why = decode_forward(self.model)
+        if forward is None:
+            raise EvalError(why)
         no_eos = torch.empty(0, dtype=torch.long)  # latency runs never stop early
         self.session = session_for(self.model, forward, batch_size, max_len, Sampling(), max_len, no_eos,
                                    pad=self.model.config.pad_token_id or 0)
+
+    def end(self):
+        if self.model is not None:
+            fuseinfer.runtime.release(self.model)  # the static cache and decode graph
+        self.session = None
 
     def prefill(self, input_ids):
         return self.session.begin(input_ids, torch.ones_like(input_ids)).clone()  # (B, 1)
@@ -192,7 +200,6 @@ class FuseInferBackend(EagerBackend):
     def close(self):
         if self.model is not None and fuseinfer.patch_state(self.model) is not None:
             fuseinfer.unpatch(self.model)  # frees the runtime's cache and graph
-        self.session = None
         super().close()
 
 

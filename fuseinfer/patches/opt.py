@@ -129,6 +129,9 @@ class OPTFamily:
         """The fast-decode forward for ``model``, or None with the reason it cannot take that path."""
         if type(model).__name__ != "OPTForCausalLM":
             return None, f"fast decode needs an OPTForCausalLM, got {type(model).__name__}"
+        if model.config._attn_implementation != hf_attention.NAME:  # patched in training mode
+            return None, ("fast decode needs the fuseinfer attention, which patch() skips in training mode: "
+                          "call model.eval() before fuseinfer.patch(model)")
         return forward_last_logits, None
 
     def patch(self, model: nn.Module, config: PatchConfig, report: PatchReport) -> dict:

@@ -177,6 +177,15 @@ class _Session:
         return self.out[:self.batch, :n]
 
 
+def decode_forward(model):
+    """(the fast-decode forward of ``model``, None), or (None, why ``model`` cannot take the fast path)."""
+    state = patch_state(model)
+    if state is None or set(state.config.ops) != set(OPS) or state.config.filter_fn is not None:
+        return None, ("fuseinfer.generate needs a model patched with every op and no filter_fn: "
+                      "call fuseinfer.patch(model) first")
+    return state.family.decode_forward(model)
+
+
 def _bucket(batch: int) -> int:
     return 1 << (batch - 1).bit_length()
 
@@ -196,11 +205,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     ``model`` must be patched with all ops. Prompts must be left-padded (or not padded). Generation stops
     after ``max_new_tokens`` or once every row has produced an EOS (rows that finished get ``pad_token_id``).
     """
-    state = patch_state(model)
-    if state is None or set(state.config.ops) != set(OPS) or state.config.filter_fn is not None:
-        raise FuseInferError("fuseinfer.generate needs a model patched with every op and no filter_fn: "
-                             "call fuseinfer.patch(model) first")
-    forward, why = state.family.decode_forward(model)
+    forward, why = decode_forward(model)
     if forward is None:
         raise FuseInferError(why)
     if input_ids.dim() != 2:

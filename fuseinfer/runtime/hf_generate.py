@@ -8,7 +8,7 @@ import logging
 import torch
 from transformers import GenerationConfig
 
-from .decode import generate
+from .decode import decode_forward, generate
 
 logger = logging.getLogger("fuseinfer")
 _HANDLED = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
@@ -27,10 +27,13 @@ def _fast_path_reason(model, input_ids, kwargs, cfg: GenerationConfig) -> str | 
     unsupported = sorted(set(cfg.to_diff_dict()) - _HANDLED - _HARMLESS)
     if unsupported:
         return f"generation config sets {unsupported}"
-    if cfg.use_cache is False:
+    if kwargs.get("use_cache", cfg.use_cache) is False:
         return "use_cache=False"
     if model.training:
         return "model is in training mode"
+    why = decode_forward(model)[1]
+    if why is not None:
+        return why
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         return "input_ids must be a (batch, length) tensor"
     if input_ids.device != next(model.parameters()).device:
