@@ -77,9 +77,11 @@ def main() -> None:
             elif name == "hf_static_compile":
                 gen = lambda x, n: model.generate(x, max_new_tokens=n, do_sample=False,  # noqa
                                                   cache_implementation="static")
-            else:
+            elif name == "fuseinfer":
                 fuseinfer.patch(model)
                 gen = lambda x, n: fuseinfer.generate(model, x, max_new_tokens=n)  # noqa: E731
+            else:
+                ap.error(f"unknown backend {name!r} (eager, hf_static_compile, fuseinfer)")
             with torch.no_grad():
                 ms = ms_per_token(gen, ids, args.new_tokens, args.repeats)
             row[f"{name}_ms"] = ms

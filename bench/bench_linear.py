@@ -12,10 +12,11 @@ for OPT-1.3b (h 2048, ffn 8192) and OPT-6.7b (h 4096, ffn 16384), at prefill (M 
 CUDA graphs: graph replay would add a copy of x and r into static buffers to every call, and the launch overhead
 graphs remove is hidden here anyway; skipped with --no-autotune: each shape autotunes for tens of seconds). Prefill rows report TFLOP/s = 2MNK / t, decode rows GB/s on the weight
 bytes (N K 2 / t) and that as % of the copy bandwidth measured in the same run. M <= 16 runs our skinny
-tensor-core kernel, larger M cuBLASLt (mirrors kSkinnyMaxM in csrc/linear.cu). Decode rows also report the
-time as the decode step sees it ("graph" columns): calls over distinct weight copies (together > 4x L2, so
-every call reads HBM) captured back to back in one CUDA graph, per-call median; "graph cuBLAS" is F.linear
-timed the same way.
+tensor-core kernel, larger M cuBLASLt (mirrors kSkinnyMaxM in csrc/linear.cu). Rows with M <= 16 also
+report the time as the decode step sees it ("graph" columns): calls over distinct weight copies (together
+> 4x L2, so every call reads HBM) captured back to back in one CUDA graph, per-call median; "graph cuBLAS" is
+the eager expression (F.linear, plus the separate add / ReLU kernel where the epilogue has one) timed the same
+way.
 
 Every row first checks ours against an fp32 reference: error at most 2x eager's (+ slack).
 Usage: python bench/bench_linear.py [--quick] [--no-autotune]  -> bench/results/linear.json and .md

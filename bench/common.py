@@ -1,7 +1,8 @@
 """Shared helpers for the benchmark scripts in bench/: timing, ceilings, environment and result files.
 
-Every benchmark times with CUDA events through ``triton.testing.do_bench`` (warm-up excluded), reports the
-median with the 10th and 90th percentiles, re-measures the two ceilings of the GPU in the same run
+Kernel benchmarks time with CUDA events through ``triton.testing.do_bench`` (warm-up excluded; decode-sized
+calls also back to back in a CUDA graph, ``graph_call_ms``) and report the median with the 10th and 90th
+percentiles (bench_decode times whole generate calls by wall clock). Every benchmark re-measures the two ceilings of the GPU in the same run
 (device-to-device copy bandwidth and cuBLAS fp16 matmul rate) and writes ``bench/results/<name>.json`` plus a
 Markdown table next to it.
 """

@@ -10,7 +10,10 @@
 //   * pdl_launch_dependents() may come anywhere (we call it first: the next kernel may start as early as
 //     possible; it only occupies resources the current grid, already fully resident, does not need);
 //   * nothing written by an earlier kernel (activations, caches, counters, q_start...) is read, and nothing
-//     is written at all, before pdl_wait();
+//     is written at all, before pdl_wait(). One exception: the decode GEMV reads its first weights before the
+//     wait, so a weight must not be written by the kernel launched just before the GEMV. Model parameters
+//     never are; a non-contiguous weight that the op copies with .contiguous() right before the call would
+//     be (the patched OPT passes contiguous parameters; the fix is a prefetch-only first load);
 //   * every block reaches pdl_wait() before it exits, so "kernel N finished" still implies "kernel N - 1
 //     finished", as in plain stream order.
 // Without PDL (FUSEINFER_PDL=0, a GPU below sm_90, or a launch not marked programmatic) both calls are no-ops

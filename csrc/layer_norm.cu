@@ -8,8 +8,9 @@
 //   * a row of at most 32 * VPT vectors: one warp per row, 4 rows per 128-thread block, shuffle reductions;
 //   * a longer row: one block of 32 * WPR threads per row, shuffle + shared-memory reductions.
 // VPT (vectors per thread) is a template parameter so the row lives in a fixed-size register array (kept in
-// the input dtype, widened to fp32 on the fly in each pass). All loads of a row (x, residual, weight, bias) are
-// issued before the first store or reduction, so each thread has all of them in flight at once.
+// the input dtype, widened to fp32 on the fly in each pass). All loads of a row (x, residual, and on the vector
+// paths with at most 64 bytes of row per thread also weight and bias) are issued before the first store or
+// reduction, so each thread has them in flight at once; otherwise weight and bias are loaded in the last pass.
 // A "vector" is 16 bytes (8 fp16/bf16 or 4 fp32) when N is a multiple of that and every pointer is 16-byte
 // aligned; otherwise the scalar instantiation (vector = 1 element) serves any N and any alignment.
 // Thread t of a row holds vectors t, t + T, t + 2T, ... (T = threads per row), so each load instruction of a

@@ -15,8 +15,8 @@
 //     current one by all M tokens of x with mma.sync m16n8k16 (fp32 accumulate). At each tile's end the warps'
 //     partial sums meet in shared memory and the epilogue (bias, residual, ReLU) runs before the single store.
 //     Launched with PDL (launch.h): the first weights are requested before waiting for the kernel that writes x.
-// Both paths allocate nothing but y (cuBLASLt's workspace is PyTorch's cached per-stream one) and never sync
-// the host, so they can be captured in a CUDA graph.
+// Both paths allocate nothing but y (and an aligned copy of a misaligned bias; cuBLASLt's workspace is PyTorch's
+// cached per-stream one) and never sync the host, so they can be captured in a CUDA graph.
 #include "fuseinfer.h"
 #include "launch.h"
 

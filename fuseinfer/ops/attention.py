@@ -62,7 +62,7 @@ def _attention(
 
 
 def kernel_supports(q: torch.Tensor) -> bool:
-    """Whether the CUDA kernel handles this query tensor (else the op runs the reference)."""
+    """Whether the CUDA kernel handles this query tensor (else the op runs SDPA on CUDA)."""
     return q.dtype in KERNEL_DTYPES and q.shape[-1] in KERNEL_HEAD_DIMS
 
 

@@ -199,7 +199,7 @@ class OPTFamily:
 
 
 def _backends(module: nn.Module, ops) -> dict[str, str]:
-    """op -> 'cuda' | 'reference' for a module's parameters."""
+    """op -> 'cuda' | 'reference' | 'sdpa (why)' for a module's parameters."""
     p = next(module.parameters())
     out = {op: backend_for(p) for op in sorted(ops)}
     if "attention" in out and p.is_cuda:  # on CUDA, what our kernel does not cover runs SDPA
