@@ -4,8 +4,9 @@ For random-weight OPT (default opt-1.3b, fp16) at each batch size, with a prompt
 ms/token = (T(generate 1 + N new tokens) - T(generate 1 new token)) / N, median of --repeats runs after a
 warm-up (which also absorbs torch.compile's compile time), so prefill cancels out. Compared: eager HF generate,
 HF generate(cache_implementation="static") (which torch.compiles its decode step), and fuseinfer.generate.
-Derived: floor = weight bytes / measured copy bandwidth; achieved GB/s = (weight bytes + KV bytes read per
-token) / ms-per-token, with the KV cache at the mean context of the timed tokens.
+Derived: floor = weight bytes / measured copy bandwidth; achieved GB/s = bytes read per decode step / ms-per-token,
+the bytes by ``fuseinfer.eval.metrics.decode_bytes_per_step`` (weights + KV cache at the mean context of the N timed
+steps), so the figure matches the eval CLI's GB/s for the same settings.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import measure_ceilings, write_results  # noqa: E402
 
 import fuseinfer  # noqa: E402
+from fuseinfer.eval.metrics import decode_bytes_per_step  # noqa: E402
 from fuseinfer.eval.models import load_config, load_model, model_stats, resolve_model  # noqa: E402
 
 
@@ -67,8 +69,7 @@ def main() -> None:
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         ids = torch.randint(3, base.config.vocab_size, (batch, args.context), device="cuda")
-        mean_ctx = args.context + args.new_tokens / 2
-        kv_bytes = 2 * stats.layers * batch * mean_ctx * stats.hidden * stats.element_size
+        step_bytes = decode_bytes_per_step(stats, batch, args.context, args.new_tokens)  # the N timed steps
         row = {"batch": batch, "context": args.context, "floor_ms": floor_ms}
         for name in args.backends.split(","):
             model = copy.deepcopy(base)
@@ -85,7 +86,7 @@ def main() -> None:
             with torch.no_grad():
                 ms = ms_per_token(gen, ids, args.new_tokens, args.repeats)
             row[f"{name}_ms"] = ms
-            row[f"{name}_GBps"] = (weight_bytes + kv_bytes) / (ms * 1e-3) / 1e9
+            row[f"{name}_GBps"] = step_bytes / (ms * 1e-3) / 1e9
             print(f"batch {batch}: {name} {ms:.3f} ms/token", flush=True)
             del model, gen
             gc.collect()

@@ -2,9 +2,9 @@
 
 Kernel benchmarks time with CUDA events through ``triton.testing.do_bench`` (warm-up excluded; decode-sized
 calls also back to back in a CUDA graph, ``graph_call_ms``) and report the median with the 10th and 90th
-percentiles (bench_decode times whole generate calls by wall clock). Every benchmark re-measures the two ceilings of the GPU in the same run
-(device-to-device copy bandwidth and cuBLAS fp16 matmul rate) and writes ``bench/results/<name>.json`` plus a
-Markdown table next to it.
+percentiles (bench_decode times whole generate calls by wall clock). Every benchmark re-measures the two ceilings
+of the GPU in the same run (device-to-device copy bandwidth, by the eval CLI's ``copy_bandwidth_gbps``, and cuBLAS
+fp16 matmul rate) and writes ``bench/results/<name>.json`` plus a Markdown table next to it.
 """
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 
 import torch
+
+from fuseinfer.eval.timing import copy_bandwidth_gbps
 
 RESULTS_DIR = Path(os.environ.get("FUSEINFER_BENCH_DIR", Path(__file__).resolve().parent / "results"))
 
@@ -53,13 +55,9 @@ def graph_call_ms(calls, replays: int = 20) -> dict:
 
 
 def measure_ceilings() -> dict:
-    """Measured copy bandwidth (bytes read + written per second) and cuBLAS fp16 matmul TFLOP/s."""
-    n = 1 << 28  # 256 Mi fp16 elements = 512 MiB per buffer, far beyond L2
-    src = torch.randn(n, device="cuda", dtype=torch.float16)
-    dst = torch.empty_like(src)
-    copy = bench_ms(lambda: dst.copy_(src))
-    copy_gbs = 2 * src.numel() * src.element_size() / (copy["median_ms"] * 1e-3) / 1e9  # read + write
-    del src, dst
+    """Measured copy bandwidth (GB/s of bytes read + written, ``fuseinfer.eval.timing.copy_bandwidth_gbps``, the
+    eval CLI's measurement) and cuBLAS fp16 matmul TFLOP/s."""
+    copy_gbs = copy_bandwidth_gbps(torch.device("cuda"))
     m = 8192
     a = torch.randn(m, m, device="cuda", dtype=torch.float16)
     b = torch.randn(m, m, device="cuda", dtype=torch.float16)

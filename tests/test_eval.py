@@ -261,6 +261,52 @@ def test_error_subprocess_has_no_traceback():
     assert proc.stderr.strip().splitlines() == ["error: unknown backend 'onnx': choose from eager, compile, fuseinfer"]
 
 
+def _no_run(*args, **kwargs):
+    raise AssertionError("the run started before the bad argument was reported")
+
+
+@pytest.mark.parametrize("flag, name", [("--output", "r.json"), ("--markdown", "r.md"), ("--plot", "r.png")])
+def test_unwritable_output_is_refused_before_the_run(tmp_path, capsys, monkeypatch, flag, name):
+    monkeypatch.setattr("fuseinfer.eval.cli.run", _no_run)
+    blocker = tmp_path / "results"
+    blocker.write_text("a file where the output folder should be")
+    rc = main(["--model", "random:opt-125m", "--device", "cpu", flag, str(blocker / name)])
+    assert_one_line_error(capsys, rc, flag, str(blocker / name), "is a file, not a folder", "choose another path")
+
+
+def test_output_that_is_a_folder_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("fuseinfer.eval.cli.run", _no_run)
+    rc = main(["--model", "random:opt-125m", "--device", "cpu", "--markdown", str(tmp_path)])
+    assert_one_line_error(capsys, rc, "--markdown", str(tmp_path), "folder")
+
+
+def test_unsupported_plot_format_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr("fuseinfer.eval.cli.run", _no_run)
+    rc = main(["--model", "random:opt-125m", "--device", "cpu", "--plot", str(tmp_path / "r.xyz")])
+    assert_one_line_error(capsys, rc, "--plot", ".xyz", ".png")
+
+
+def test_output_write_failure_after_the_run_is_one_line(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "r.json"
+
+    def run_that_takes_the_path(settings, ui):
+        out.mkdir()  # the path became unwritable while the benchmark ran
+        return {}
+
+    monkeypatch.setattr("fuseinfer.eval.cli.run", run_that_takes_the_path)
+    monkeypatch.setattr("fuseinfer.eval.cli.print_table", lambda results, console: None)
+    rc = main(["--model", "random:opt-125m", "--device", "cpu", "--output", str(out)])
+    assert_one_line_error(capsys, rc, "--output", str(out), "choose another path")
+
+
+@pytest.mark.parametrize("extra, window", [(["--seq-len", "64", "--stride", "128"], 64), (["--stride", "4096"], 2048)])
+def test_stride_longer_than_the_window_is_refused_before_loading(capsys, monkeypatch, extra, window):
+    monkeypatch.setattr("fuseinfer.eval.runner.run_backend", _no_run)
+    rc = main(["--model", "random:opt-125m", "--device", "cpu", *extra])
+    assert_one_line_error(capsys, rc, f"--stride {extra[-1]}", f"window length {window}")
+
+
 # ---- backends that cannot run ----
 
 class _Unavailable(EagerBackend):

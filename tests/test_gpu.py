@@ -234,9 +234,14 @@ def test_eager_fast_path_equals_registered_op():
 
 
 @pytest.mark.parametrize("dtype,d", [(torch.float32, 64), (torch.float16, 32)])
-def test_attention_without_kernel_falls_back_to_sdpa_on_cuda(dtype, d):
+def test_attention_without_kernel_falls_back_to_sdpa_on_cuda(dtype, d, monkeypatch):
     q, k, v, key_mask, q_start = _attn_case(3, 4, 37, 37, d, dtype, pads=[0, 5, 36])
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
     out = ops.attention(q, k, v, key_mask, q_start, d ** -0.5)
+    assert calls == [1], "the fallback must run SDPA (once), not the kernel or the reference"
     ref32 = ops.attention_ref(q.float(), k.float(), v.float(), key_mask, q_start, d ** -0.5)
     assert torch.isfinite(out).all() and out[2, :36].abs().max() == 0  # row 2: queries before its only key
     torch.testing.assert_close(out.float(), ref32, rtol=2e-3 if dtype == torch.float16 else 1e-5,

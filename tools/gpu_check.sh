@@ -27,12 +27,18 @@ run() {  # run NAME CMD...: logs to $OUT/NAME.log, remembers failure
   return "$rc"
 }
 
+finish() {  # finish CODE: pack $OUT into one file (the device tool returns few), print the summary, exit CODE
+  (cd "$OUT" && tar czf /tmp/gpu_check.tar.gz . && rm -rf ./* && mv /tmp/gpu_check.tar.gz .)
+  echo "gpu_check: $([ "$1" -eq 0 ] && echo PASS || echo FAIL) (stages: ${stages[*]}); logs and results in $OUT/gpu_check.tar.gz"
+  exit "$1"
+}
+
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)'
 
 for stage in "${stages[@]}"; do
   case $stage in
-    build) run build python3 -m pip install --no-deps --no-build-isolation --no-index -e . || exit 1 ;;
+    build) run build python3 -m pip install --no-deps --no-build-isolation --no-index -e . || finish 1 ;;
     gputest) run pytest_gpu python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests ;;
     test)
       run pytest python3 -m pytest -q -ra -p no:cacheprovider tests
@@ -57,9 +63,7 @@ for stage in "${stages[@]}"; do
       run ppl python3 -m fuseinfer.eval --model "$FUSEINFER_SHARED/models/opt-wt2-tiny" --dtype fp16 \
         --backends eager,compile,fuseinfer --data-dir "$FUSEINFER_SHARED/data/wikitext-2-raw" \
         --output "$FUSEINFER_BENCH_DIR/eval_opt-wt2-tiny_fp16_ppl.json" --markdown "$FUSEINFER_BENCH_DIR/eval_opt-wt2-tiny_fp16_ppl.md" ;;
-    *) echo "unknown stage $stage"; exit 2 ;;
+    *) echo "unknown stage $stage"; finish 2 ;;
   esac
 done
-(cd "$OUT" && tar czf /tmp/gpu_check.tar.gz . && rm -rf ./* && mv /tmp/gpu_check.tar.gz .)  # one file: the device tool returns few
-echo "gpu_check: $([ $status -eq 0 ] && echo PASS || echo FAIL) (stages: ${stages[*]}); logs and results in $OUT/gpu_check.tar.gz"
-exit $status
+finish "$status"

@@ -1,7 +1,8 @@
 """Command line of ``python -m fuseinfer.eval``: parse flags, run, print and write the results.
 
 Exit codes: 0 success (a backend that could not run is reported in its row), 2 bad usage, unknown model or
-backend, missing data or device -- always as one line on stderr, never a traceback.
+backend, missing data or device, an output file that cannot be written (checked before the run, where it can be)
+-- always as one line on stderr, never a traceback.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from rich.console import Console
 from .backends import BACKENDS
 from .errors import EvalError
 from .models import SHORT_NAMES
-from .report import print_table, write_json, write_markdown, write_plot
+from .report import output_problem, print_table, write_json, write_markdown, write_plot
 from .runner import DEFAULT_BACKENDS, DTYPES, LATENCY_DEFAULTS, Settings, run
 from .ui import ConsoleUI
 
@@ -68,6 +69,18 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     skip_ppl=args.skip_ppl, skip_latency=args.skip_latency, debug=args.debug)
 
 
+def output_files(args: argparse.Namespace) -> list[tuple]:
+    """(flag, path, writer) of each file asked for; raises :class:`EvalError` for one that cannot be written."""
+    outputs = [(flag, path, write) for flag, path, write in (
+        ("--output", args.output, write_json), ("--markdown", args.markdown, write_markdown),
+        ("--plot", args.plot, write_plot)) if path]
+    for flag, path, write in outputs:
+        problem = output_problem(path, plot=write is write_plot)
+        if problem:
+            raise EvalError(f"cannot write {flag} {path}: {problem}")
+    return outputs
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
     from huggingface_hub.utils import logging as hub_logging
@@ -77,14 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     hub_logging.set_verbosity_error()  # a failed download ends in one message, not one per retry
     try:
         args = build_parser().parse_args(argv)
+        outputs = output_files(args)  # before the run: a bad path should not wait for the end of a long run
         results = run(settings_from_args(args), ConsoleUI())
+        console = Console()
+        print_table(results, console if console.is_terminal else Console(width=160))
+        for flag, path, write in outputs:
+            try:
+                write(results, path)
+            except OSError as exc:  # what changed on disk during the run
+                raise EvalError(f"cannot write {flag} {path}: {exc.strerror or exc}; choose another path") from None
+            print(f"wrote {path}", file=sys.stderr)
     except EvalError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    console = Console()
-    print_table(results, console if console.is_terminal else Console(width=160))
-    for path, write in ((args.output, write_json), (args.markdown, write_markdown), (args.plot, write_plot)):
-        if path:
-            write(results, path)
-            print(f"wrote {path}", file=sys.stderr)
     return 0

@@ -67,7 +67,6 @@ class Perplexity:
     ppl: float
     nll: float  # weighted mean NLL (nats per token)
     windows: int
-    tokens_per_window: int
 
 
 def perplexity(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], windows: list[Window],
@@ -81,4 +80,4 @@ def perplexity(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], wi
         if on_window is not None:
             on_window()
     nll = total / weights
-    return Perplexity(math.exp(nll), nll, len(windows), windows[0].input_ids.shape[1])
+    return Perplexity(math.exp(nll), nll, len(windows))

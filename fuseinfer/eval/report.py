@@ -1,7 +1,10 @@
-"""Rendering results: the terminal table (rich), ``--output`` JSON, ``--markdown`` report and ``--plot`` figure."""
+"""Rendering results: the terminal table (rich), ``--output`` JSON, ``--markdown`` report and ``--plot`` figure,
+and ``output_problem``, which checks before the run that those files can be written."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 from pathlib import Path
 
 from rich.console import Console
@@ -168,6 +171,34 @@ def write_plot(results: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(_parent(path), dpi=120)
     plt.close(fig)
+
+
+def output_problem(path: str, plot: bool = False) -> str | None:
+    """Why the writers above cannot write ``path`` (``write_plot`` when ``plot``) and what to do, or None; a missing
+    folder is fine (they create it)."""
+    if os.path.isdir(path):
+        return "it is a folder; name a file"
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            return "the file is not writable; choose another path"
+    else:
+        folder = os.path.dirname(os.path.abspath(path))
+        while not os.path.exists(folder):
+            folder = os.path.dirname(folder)
+        if not os.path.isdir(folder):
+            return f"{folder} is a file, not a folder; choose another path"
+        if not os.access(folder, os.W_OK | os.X_OK):
+            return f"the folder {folder} is not writable; choose another path"
+    if not plot:
+        return None
+    if importlib.util.find_spec("matplotlib") is None:
+        return "plotting needs matplotlib; pip install matplotlib, or drop --plot"
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    suffix = Path(path).suffix.lstrip(".").lower()  # savefig picks the format from it, png without one
+    if suffix and suffix not in FigureCanvasBase.get_supported_filetypes():
+        return f"matplotlib cannot write .{suffix} files; use .png"
+    return None
 
 
 def _parent(path: str) -> Path:

@@ -109,6 +109,9 @@ def _check_sizes(s: Settings, max_positions: int) -> None:
                         f"{max_positions} positions")
     if s.seq_len is not None and s.seq_len > max_positions:
         raise EvalError(f"--seq-len {s.seq_len} exceeds the model's {max_positions} positions")
+    window = s.seq_len or max_positions
+    if s.stride is not None and s.stride > window:
+        raise EvalError(f"--stride {s.stride} is larger than the window length {window} (--seq-len): lower --stride")
 
 
 def _prepare_data(plan: Plan) -> None:
@@ -126,8 +129,6 @@ def _prepare_data(plan: Plan) -> None:
         return
     text = data_mod.load_eval_text(s.data_dir)
     ids = data_mod.tokenize(tokenizer, text.text)  # (1, N)
-    if s.stride is not None and s.stride > plan.seq_len:
-        raise EvalError(f"--stride {s.stride} is larger than the window length {plan.seq_len}")
     if s.stride is None:
         plan.windows = gptq_windows(ids, plan.seq_len, s.max_windows)
     else:

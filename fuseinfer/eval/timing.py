@@ -70,7 +70,8 @@ def _copy_ms(device: torch.device, nbytes: int, repeats: int) -> float:
 
 
 def copy_bandwidth_gbps(device: torch.device, nbytes: int = 512 * MIB, repeats: int = 10) -> float | None:
-    """Device-to-device copy bandwidth in GB/s counting bytes read + written (2 x 512 MiB per copy), or None on CPU."""
+    """Device-to-device copy bandwidth in GB/s, or None on CPU: bytes read + written (2 x ``nbytes``, by default
+    far beyond L2) / median time of ``repeats`` copies. The memory ceiling of the eval CLI and of bench/."""
     if device.type != "cuda":
         return None
     ms = _copy_ms(device, nbytes, repeats)

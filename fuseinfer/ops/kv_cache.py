@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._ext import extension
+from .._ext import eager_cuda, extension
 
 
 def kv_cache_append_ref(k_cache, v_cache, k, v, slots) -> None:
@@ -53,4 +53,7 @@ def kv_cache_append(k_cache, v_cache, k, v, slots) -> None:
             or k.shape[:2] != k_cache.shape[:2] or k.shape[3] != k_cache.shape[3] or slots.shape != (k.shape[2],)):
         raise ValueError(f"expected caches (B,H,T,D), k, v (B,H,S,D) and slots (S,); got {tuple(k_cache.shape)}, "
                          f"{tuple(v_cache.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, {tuple(slots.shape)}")
-    torch.ops.fuseinfer.kv_cache_append(k_cache, v_cache, k, v, slots)
+    if eager_cuda(k_cache):
+        _kv_cache_append_cuda(k_cache, v_cache, k, v, slots)
+    else:
+        torch.ops.fuseinfer.kv_cache_append(k_cache, v_cache, k, v, slots)

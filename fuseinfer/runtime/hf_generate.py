@@ -4,11 +4,14 @@ positions), and otherwise hands the call to transformers unchanged, logging why 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import GenerationConfig
 
 from .decode import decode_forward, generate
+
+if TYPE_CHECKING:  # transformers is imported when the hook runs, so that ``import fuseinfer`` does not load it
+    from transformers import GenerationConfig
 
 logger = logging.getLogger("fuseinfer")
 _HANDLED = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
@@ -50,6 +53,8 @@ def patched_generate(model, inputs=None, generation_config: GenerationConfig | N
     cfg = generation_config if generation_config is not None else model.generation_config
     reason = _fast_path_reason(model, input_ids, kwargs, cfg)
     if reason is None:
+        from transformers import GenerationConfig
+
         get = lambda name: kwargs[name] if name in kwargs else getattr(cfg, name, None)  # noqa: E731
         defaults = GenerationConfig._get_default_generation_params()
         opt = lambda name: defaults[name] if get(name) is None else get(name)  # noqa: E731
