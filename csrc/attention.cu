@@ -22,6 +22,7 @@
 // softmax in fp32; output (B, Sq, H, D) contiguous in q's dtype. Rows of K/V past the causal limit of a block
 // are never read (they may be unwritten cache slots). Both are launched with PDL (launch.h).
 
+#include "device_utils.cuh"
 #include "fuseinfer.h"
 #include "launch.h"
 
@@ -71,15 +72,6 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x; ex2.approx(-inf) = +0
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
-
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f(float x) { return x; }
-
-template <typename T> __device__ __forceinline__ T from_f(float x);
-template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
 
 // Two floats -> one 32-bit register of two 16-bit values (x in the low half).
 template <typename T> __device__ __forceinline__ uint32_t pack2(float x, float y);
@@ -139,24 +131,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
-}
-
-// c (16x8 fp32) += a (16x16, row) * b (16x8, col).
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
-                                         const __half*) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
-                                         const __nv_bfloat16*) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // Element offset of (row, 16-byte chunk) in a swizzled shared tile with D columns: chunk ^= row % 8, which
@@ -291,8 +265,8 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) prefill_kernel(const A
         for (int j2 = 0; j2 < NTILE / 2; ++j2) {
           uint32_t bf[4];
           ldmatrix_x4(bf, smem_addr(sk + (j2 * 16 + kr) * D + (((kk * 2 + kc) ^ xr) << 3)));
-          mma16816(s[2 * j2], qf[kk], bf[0], bf[1], sk);
-          mma16816(s[2 * j2 + 1], qf[kk], bf[2], bf[3], sk);
+          mma_16816<T>(s[2 * j2], qf[kk], bf[0], bf[1]);
+          mma_16816<T>(s[2 * j2 + 1], qf[kk], bf[2], bf[3]);
         }
       }
     }
@@ -362,8 +336,8 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) prefill_kernel(const A
         for (int d2 = 0; d2 < D / 16; ++d2) {
           uint32_t bf[4];
           ldmatrix_x4_trans(bf, smem_addr(sv + (kk * 16 + vr) * D + (((d2 * 2 + vc) ^ xr) << 3)));
-          mma16816(o[2 * d2], pa, bf[0], bf[1], sv);
-          mma16816(o[2 * d2 + 1], pa, bf[2], bf[3], sv);
+          mma_16816<T>(o[2 * d2], pa, bf[0], bf[1]);
+          mma_16816<T>(o[2 * d2 + 1], pa, bf[2], bf[3]);
         }
       }
     }
@@ -437,7 +411,7 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
 #pragma unroll
     for (int i = 0; i < QB; ++i)
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) qf[i][e] = i < nq ? to_f(qg[(q0 + i) * p.q_ss + e]) * p.scale_log2 : 0.f;
+      for (int e = 0; e < VEC; ++e) qf[i][e] = i < nq ? to_float(qg[(q0 + i) * p.q_ss + e]) * p.scale_log2 : 0.f;
   }
   float m[QB], l[QB], acc[QB][VEC];  // per query: running max, sum, this thread's D-slice of P V
 #pragma unroll
@@ -556,7 +530,7 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
         }
       }
       if (splits == 1) {
-        out[((int64_t(b) * p.Sq + q0 + i) * p.H + h) * D + d] = from_f<T>(sum > 0.f ? a / sum : 0.f);
+        out[((int64_t(b) * p.Sq + q0 + i) * p.H + h) * D + d] = from_float<T>(sum > 0.f ? a / sum : 0.f);
       } else {
         const int64_t row = (int64_t(bh) * p.Sq + q0 + i) * splits + split;
         part_acc[row * D + d] = a;
@@ -596,7 +570,7 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
         a += cw * __ldcg(&part_acc[(row + s) * D + d]);
       }
     }
-    out[((int64_t(b) * p.Sq + q0 + i) * p.H + h) * D + d] = from_f<T>(sum > 0.f ? a / sum : 0.f);
+    out[((int64_t(b) * p.Sq + q0 + i) * p.H + h) * D + d] = from_float<T>(sum > 0.f ? a / sum : 0.f);
   }
 }
 

@@ -15,6 +15,7 @@
 // aligned; otherwise the scalar instantiation (vector = 1 element) serves any N and any alignment.
 // Thread t of a row holds vectors t, t + T, t + 2T, ... (T = threads per row), so each load instruction of a
 // warp touches 32 consecutive vectors (coalesced). Launched with PDL (launch.h).
+#include "device_utils.cuh"
 #include "fuseinfer.h"
 #include "launch.h"
 
@@ -40,12 +41,7 @@ struct alignas(sizeof(T) * VEC) Pack {
   T v[VEC];
 };
 
-// fp32 <-> T for one element and for a pair (the pair forms use one instruction for two 16-bit values).
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) {
-  return __uint_as_float(static_cast<unsigned>(__bfloat16_as_ushort(v)) << 16);
-}
+// fp32 <-> T for a pair (one instruction for two 16-bit values; single elements: device_utils.cuh).
 __device__ __forceinline__ float2 to_float2(const float* v) { return make_float2(v[0], v[1]); }
 __device__ __forceinline__ float2 to_float2(const __half* v) {
   return __half22float2(*reinterpret_cast<const __half2*>(v));
@@ -56,12 +52,6 @@ __device__ __forceinline__ float2 to_float2(const __nv_bfloat16* v) {
   return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
 }
 
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
 __device__ __forceinline__ void from_float2(float* out, float lo, float hi) { out[0] = lo; out[1] = hi; }
 __device__ __forceinline__ void from_float2(__half* out, float lo, float hi) {
   *reinterpret_cast<__half2*>(out) = __floats2half2_rn(lo, hi);

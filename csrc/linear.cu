@@ -17,6 +17,7 @@
 //     Launched with PDL (launch.h): the first weights are requested before waiting for the kernel that writes x.
 // Both paths allocate nothing but y (and an aligned copy of a misaligned bias; cuBLASLt's workspace is PyTorch's
 // cached per-stream one) and never sync the host, so they can be captured in a CUDA graph.
+#include "device_utils.cuh"
 #include "fuseinfer.h"
 #include "launch.h"
 
@@ -67,37 +68,6 @@ struct SkinnyParams {
   int m, n, k;
   bool relu;
 };
-
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-// c += a (16x16, row) * b (16x8, col), fp32 accumulate.
-template <typename T>
-__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                          uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (std::is_same_v<T, __half>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-#else
-  __trap();  // the host only picks this path on sm_80+
-#endif
-}
 
 // Streaming 16-byte load of w, which is read exactly once: bypass L1 (x, reused by every block, keeps it) and
 // have L2 fetch 256 aligned bytes per miss from HBM (a row's k-block is 256 bytes for NT = 1, 128 for NT = 2).
@@ -171,8 +141,8 @@ __device__ __forceinline__ void skinny_mma(float (&acc)[NT][4], const SkinnyFrag
   for (int u = 0; u < U; ++u) {
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-      mma_16816<T>(acc[j], f.w_lo[u].x, f.w_hi[u].x, f.w_lo[u].y, f.w_hi[u].y, f.x[u][j].x, f.x[u][j].y);
-      mma_16816<T>(acc[j], f.w_lo[u].z, f.w_hi[u].z, f.w_lo[u].w, f.w_hi[u].w, f.x[u][j].z, f.x[u][j].w);
+      mma_16816<T>(acc[j], {f.w_lo[u].x, f.w_hi[u].x, f.w_lo[u].y, f.w_hi[u].y}, f.x[u][j].x, f.x[u][j].y);
+      mma_16816<T>(acc[j], {f.w_lo[u].z, f.w_hi[u].z, f.w_lo[u].w, f.w_hi[u].w}, f.x[u][j].z, f.x[u][j].w);
     }
   }
 }
