@@ -7,4 +7,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_epilogue", &fuseinfer::linear_epilogue_cuda);
   m.def("attention", &fuseinfer::attention_cuda);
   m.def("kv_cache_append", &fuseinfer::kv_cache_append_cuda);
+  m.def("decode_step", &fuseinfer::decode_step_cuda);
+  m.def("decode_step_workspace_bytes", &fuseinfer::decode_step_workspace_bytes);
+  m.def("decode_step_fits", &fuseinfer::decode_step_fits);
+  m.def("decode_step_trace", &fuseinfer::decode_step_trace);
 }

@@ -39,4 +39,25 @@ at::Tensor attention_cuda(
 void kv_cache_append_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& slots);
 
+// One decode step of a pre-LN OPT (see decode_step.cu): tokens, positions (B,) int64, q_start (B,) int32 (the
+// cache slot each row writes and attends up to), key_mask (B, T) bool; layer_params: 12 per layer (LN1 w, b,
+// qkv w (3E, E), b, out_proj w, b, LN2 w, b, fc1 w, b, fc2 w, b); k_caches, v_caches: (B, H, T, D) per layer,
+// written at q_start. workspace: decode_step_workspace_bytes() bytes, zeroed once, kept between calls.
+// Returns fp32 logits (B, V), rounded to the model dtype first like the LM head's output.
+at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& q_start,
+                            const at::Tensor& key_mask, const at::Tensor& embed, const at::Tensor& pos_embed,
+                            const std::vector<at::Tensor>& layer_params, std::vector<at::Tensor> k_caches,
+                            std::vector<at::Tensor> v_caches, const at::Tensor& lnf_w, const at::Tensor& lnf_b,
+                            const at::Tensor& lm_head, at::Tensor& workspace, double eps, double scale);
+int64_t decode_step_workspace_bytes(int64_t m, int64_t e, int64_t f, int64_t heads, int64_t head_dim,
+                                    int64_t capacity);
+// With FUSEINFER_DECODE_TRACE=1 in the environment, the (blocks, 2 + 12 * layers) trace of the last
+// decode_step launch: globaltimer stamps (ns) of the start, per layer the ends of qkv, barrier, attention,
+// barrier, out_proj, barrier, LN2 + fc1, barrier, fc2, barrier + next LN, then the LM head's end; then per
+// layer the cumulative ns the producer waited for a free ring stage and consumer thread 0 for a full one.
+// Undefined otherwise.
+at::Tensor decode_step_trace();
+// Whether m rows of hidden e / ffn f fit the kernel's shared memory on the current device.
+bool decode_step_fits(int64_t m, int64_t e, int64_t f);
+
 }  // namespace fuseinfer

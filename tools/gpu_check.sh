@@ -38,7 +38,10 @@ python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda"
 
 for stage in "${stages[@]}"; do
   case $stage in
-    build) run build python3 -m pip install --no-deps --no-build-isolation --no-index -e . || finish 1 ;;
+    build)
+      run build python3 -m pip install --no-deps --no-build-isolation --no-index -e . || finish 1
+      # a build that does not import is a failed build (fuseinfer would quietly run its references)
+      run import python3 -c 'import fuseinfer._C' || finish 1 ;;
     gputest) run pytest_gpu python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests ;;
     test)
       run pytest python3 -m pytest -q -ra -p no:cacheprovider tests

@@ -1,7 +1,11 @@
 """Runs every CUDA kernel once on small odd shapes; the target of compute-sanitizer in tools/gpu_check.sh."""
 import torch
+from transformers import OPTConfig, OPTForCausalLM
 
+import fuseinfer
 from fuseinfer import ops
+from fuseinfer.ops.decode_step import decode_step_workspace
+from fuseinfer.patches.opt import decode_step_params
 
 assert torch.cuda.is_available()
 torch.manual_seed(0)
@@ -23,5 +27,26 @@ for dtype in (torch.float16, torch.bfloat16):
             key_mask = torch.arange(skv, device="cuda")[None] >= torch.tensor([0, 11], device="cuda")[:, None]
             ops.attention(q, k, v, key_mask, None, d ** -0.5)
             ops.attention(q, k, v, None, None, d ** -0.5)
+    cache = torch.zeros(2, 3, 40, 64, device="cuda", dtype=dtype)
+    kv = torch.randn(2, 3, 5, 64, device="cuda", dtype=dtype)
+    ops.kv_cache_append(cache, cache.clone(), kv, kv, torch.tensor([3, 9, 10, 11, 39], device="cuda"))
+
+# the one-kernel decode step: a 2-layer random pre-LN OPT, 3 rows (one left-padded), cache of 96 slots
+for dtype in (torch.float16, torch.bfloat16):
+    cfg = OPTConfig(vocab_size=1000, hidden_size=256, num_hidden_layers=2, ffn_dim=512, num_attention_heads=4,
+                    max_position_embeddings=256, word_embed_proj_dim=256)
+    model = OPTForCausalLM(cfg).eval().to("cuda", dtype)
+    fuseinfer.patch(model)
+    dec = model.model.decoder
+    caches = [torch.randn(3, 4, 96, 64, device="cuda", dtype=dtype) for _ in range(4)]
+    key_mask = torch.ones(3, 96, dtype=torch.bool, device="cuda")
+    key_mask[1, :20] = False
+    tokens, positions = torch.tensor([[5], [6], [7]], device="cuda"), torch.tensor([[70], [50], [70]], device="cuda")
+    q_start = torch.full((3,), 70, dtype=torch.int32, device="cuda")
+    with torch.no_grad():
+        ops.opt_decode_step(tokens, positions, q_start, key_mask, dec.embed_tokens.weight, dec.embed_positions.weight,
+                            decode_step_params(model), caches[0::2], caches[1::2], dec.final_layer_norm.weight,
+                            dec.final_layer_norm.bias, model.lm_head.weight,
+                            decode_step_workspace(3, 256, 512, 4, 64, 96, "cuda"), 1e-5, 0.125)
 torch.cuda.synchronize()
 print("kernel_smoke: all kernels ran")

@@ -4,6 +4,8 @@ larger than L2. Used to pick the next optimisation; prints tables only."""
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 import sys
 from pathlib import Path
 
@@ -11,9 +13,10 @@ import torch
 import torch.nn.functional as F
 
 import fuseinfer
+from fuseinfer._ext import extension
 from fuseinfer.eval.models import load_config, load_model, resolve_model
 from fuseinfer.ops import linear_epilogue
-from fuseinfer.runtime.decode import SESSIONS_ATTR
+from fuseinfer.runtime.decode import SESSIONS_ATTR, release
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from common import graph_call_ms  # noqa: E402
@@ -33,18 +36,36 @@ def gemv_table(m: int) -> None:
         del ws
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default="random:opt-1.3b")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--context", type=int, default=512)
-    args = ap.parse_args()
-    print(torch.cuda.get_device_name(), torch.__version__)
-    gemv_table(args.batch)
-    src = resolve_model(args.model)
-    model = load_model(src, load_config(src), torch.float16, torch.device("cuda"), seed=0)
-    fuseinfer.patch(model)
-    ids = torch.randint(3, model.config.vocab_size, (args.batch, args.context), device="cuda")
+PHASES = ["qkv", "barrier", "attention", "barrier", "attn rows + out_proj", "barrier", "LN2 + fc1",
+          "barrier", "ffn rows + fc2", "barrier + next LN"]
+
+
+def trace_table() -> None:
+    """Per-phase times of the one-kernel step from its trace (FUSEINFER_DECODE_TRACE=1): mean over layers of
+    the mean and the max over blocks of each block's own interval."""
+    t = extension().decode_step_trace()
+    if t is None or t.numel() == 0:
+        print("no trace: set FUSEINFER_DECODE_TRACE=1 (and run the one-kernel step)")
+        return
+    t = t.double().cpu() / 1e3  # (blocks, 2 + 12 L) µs
+    layers = (t.shape[1] - 2) // 12
+    stamps, waits = t[:, :2 + 10 * layers], t[:, 2 + 10 * layers:].reshape(t.shape[0], layers, 2)
+    d = stamps[:, 1:] - stamps[:, :-1]  # (blocks, 1 + 10 L): the interval ending at each event
+    per_layer = d[:, :10 * layers].reshape(t.shape[0], layers, 10)
+    waited = torch.diff(waits, dim=1, prepend=torch.zeros_like(waits[:, :1]))  # (blocks, L, 2) per layer
+    print(f"one-kernel step trace, {t.shape[0]} blocks, {layers} layers: total "
+          f"{(stamps[:, -1] - stamps[:, 0]).mean():.1f} us")
+    print(f"  {'phase':28s} {'mean us':>8s} {'max-block us':>12s}  (per layer)")
+    for i, name in enumerate(PHASES):
+        print(f"  {name:28s} {per_layer[:, :, i].mean():8.2f} {per_layer[:, :, i].max(0).values.mean():12.2f}")
+    print(f"  {'producer: ring full':28s} {waited[:, :, 0].mean():8.2f} {waited[:, :, 0].max(0).values.mean():12.2f}")
+    print(f"  {'consumers: ring empty':28s} {waited[:, :, 1].mean():8.2f} {waited[:, :, 1].max(0).values.mean():12.2f}")
+    print(f"  {'LM head':28s} {d[:, -1].mean():8.2f} {d[:, -1].max():12.2f}")
+
+
+def time_step(model, ids) -> "object":
+    """A fresh fast-decode session for ``ids``; prints the graph-replayed step time (mean of 50) and returns it."""
+    release(model)
     fuseinfer.generate(model, ids, max_new_tokens=256)  # room for the 70 steps below
     session = next(iter(model.__dict__[SESSIONS_ATTR].values()))
     session.begin(ids, torch.ones_like(ids))
@@ -55,6 +76,37 @@ def main() -> None:
     end.record()
     torch.cuda.synchronize()
     print(f"one decode step (graph replay): {start.elapsed_time(end) * 1e3 / 50:.1f} us")
+    return session
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="random:opt-1.3b")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--no-gemv-table", action="store_true", help="only the decode step")
+    ap.add_argument("--sweep", default="", help="one-kernel step settings to time, e.g. "
+                    "'FUSEINFER_DECODE_INFLIGHT=2,4;FUSEINFER_DECODE_PREFETCH=0,1' (every combination)")
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__)
+    if not args.no_gemv_table:
+        gemv_table(args.batch)
+    src = resolve_model(args.model)
+    model = load_model(src, load_config(src), torch.float16, torch.device("cuda"), seed=0)
+    fuseinfer.patch(model)
+    ids = torch.randint(3, model.config.vocab_size, (args.batch, args.context), device="cuda")
+    if args.sweep:
+        knobs = [(k, v.split(",")) for k, v in (part.split("=") for part in args.sweep.split(";"))]
+        for values in itertools.product(*(vals for _, vals in knobs)):
+            setting = dict(zip((k for k, _ in knobs), values))
+            os.environ.update(setting)
+            print(setting, end=": ")
+            time_step(model, ids)
+        return
+    session = time_step(model, ids)
+    print("decode step:", session.path)
+    if session.step_kernel is not None:
+        trace_table()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(20):
             session.advance()

@@ -2,13 +2,16 @@
 that runs the CUDA kernel when the extension is built and the tensors are on CUDA, the reference otherwise.
 """
 from .attention import attention, attention_ref
+from .decode_step import decode_step_workspace, opt_decode_step, opt_decode_step_ref
 from .kv_cache import kv_cache_append, kv_cache_append_ref
 from .layer_norm import add_layer_norm, add_layer_norm_ref
 from .linear import linear_epilogue, linear_epilogue_ref
 from .quant import dequantize, dequantize_int8_ref, quantize_int8_ref, quantize_per_channel, quantize_per_token
 
 __all__ = [
-    "add_layer_norm", "add_layer_norm_ref", "attention", "attention_ref", "dequantize", "dequantize_int8_ref",
-    "kv_cache_append", "kv_cache_append_ref", "linear_epilogue", "linear_epilogue_ref", "quantize_int8_ref",
+    "add_layer_norm", "add_layer_norm_ref", "attention", "attention_ref", "decode_step_workspace", "dequantize",
+    "dequantize_int8_ref",
+    "kv_cache_append", "kv_cache_append_ref", "linear_epilogue", "linear_epilogue_ref", "opt_decode_step",
+    "opt_decode_step_ref", "quantize_int8_ref",
     "quantize_per_channel", "quantize_per_token",
 ]

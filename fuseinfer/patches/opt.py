@@ -16,12 +16,15 @@ In training mode the fused modules call the original forward (dropout is not fus
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 from transformers.models.opt.modeling_opt import OPTAttention, OPTDecoder, OPTDecoderLayer
 
 from .._ext import backend_for
-from ..ops import add_layer_norm, linear_epilogue
+from ..ops import add_layer_norm, decode_step_workspace, linear_epilogue, opt_decode_step
+from ..ops import decode_step as decode_step_op
 from ..ops.attention import kernel_supports
 from ..patching import PatchConfig, PatchReport, Swap
 from . import hf_attention
@@ -134,6 +137,43 @@ class OPTFamily:
                           "call model.eval() before fuseinfer.patch(model)")
         return forward_last_logits, None
 
+    @staticmethod
+    def decode_step_kernel(model: nn.Module, cache):
+        """(step(tokens, positions, q_start) -> fp32 logits (B, V), None) running the whole decode step over
+        ``cache`` as one kernel (``fuseinfer::opt_decode_step``), or (None, why it cannot)."""
+        if os.environ.get("FUSEINFER_DECODE_KERNEL", "0") != "1":  # opt-in: not yet faster (README)
+            return None, "the one-kernel step is opt-in: FUSEINFER_DECODE_KERNEL=1"
+        cfg, dec = model.config, model.model.decoder
+        if not cfg.do_layer_norm_before or dec.project_in is not None or dec.project_out is not None:
+            return None, "post-LN OPT with projected embeddings (opt-350m) runs per op"
+        if cfg.activation_function != "relu" or not cfg.enable_bias or model.lm_head.bias is not None \
+                or not cfg.layer_norm_elementwise_affine or dec.final_layer_norm is None:
+            return None, "the kernel covers ReLU, biased linears, affine LayerNorms and a bias-free LM head"
+        layers = list(dec.layers)
+        if not all(isinstance(layer.self_attn, FusedOPTAttention) and hasattr(layer.self_attn, "qkv_weight")
+                   for layer in layers) or dec.embed_positions.offset != 2:
+            return None, "the model is not patched with the fused q/k/v projection"
+        embed = dec.embed_tokens.weight
+        rows, heads = cache.key_mask.shape[0], cfg.num_attention_heads
+        if not decode_step_op.kernel_supports(rows, embed, cfg.ffn_dim, cfg.hidden_size // heads):
+            return None, (f"no kernel for {rows} rows of {embed.dtype} on {embed.device} (needs the extension, "
+                          f"sm_90, fp16/bf16, head dim 64/128, <= {decode_step_op.MAX_ROWS} rows that fit shared memory)")
+        params = decode_step_params(model)
+        if not all(p.is_contiguous() and p.data_ptr() % 16 == 0 for p in params):
+            return None, "a parameter is not contiguous and 16-byte aligned"
+        eps = layers[0].self_attn_layer_norm.eps
+        scale = layers[0].self_attn.scaling
+        workspace = decode_step_workspace(rows, cfg.hidden_size, cfg.ffn_dim, heads, cfg.hidden_size // heads,
+                                          cache.key_mask.shape[1], embed.device)
+        lnf = dec.final_layer_norm
+
+        def step(tokens, positions, q_start):
+            return opt_decode_step(tokens, positions, q_start, cache.key_mask, embed, dec.embed_positions.weight,
+                                   params, cache.keys, cache.values, lnf.weight, lnf.bias, model.lm_head.weight,
+                                   workspace, eps, scale)
+
+        return step, None
+
     def patch(self, model: nn.Module, config: PatchConfig, report: PatchReport) -> dict:
         ops = frozenset(config.ops)
         state = {"classes": [], "qkv": [], "attn_impl": None}
@@ -209,6 +249,17 @@ def _backends(module: nn.Module, ops) -> dict[str, str]:
         elif not kernel_supports(p.new_empty(1, 1, 1, head_dim)):
             out["attention"] = f"sdpa (no kernel for {p.dtype}, head dim {head_dim})"
     return out
+
+
+def decode_step_params(model: nn.Module) -> list[torch.Tensor]:
+    """The 12 per-layer tensors ``fuseinfer::opt_decode_step`` takes, for a patched pre-LN OPTForCausalLM."""
+    params = []
+    for layer in model.model.decoder.layers:
+        a = layer.self_attn
+        params += [layer.self_attn_layer_norm.weight, layer.self_attn_layer_norm.bias, a.qkv_weight, a.qkv_bias,
+                   a.out_proj.weight, a.out_proj.bias, layer.final_layer_norm.weight, layer.final_layer_norm.bias,
+                   layer.fc1.weight, layer.fc1.bias, layer.fc2.weight, layer.fc2.bias]
+    return params
 
 
 def forward_last_logits(model: nn.Module, tokens, positions, cache, q_start) -> torch.Tensor:

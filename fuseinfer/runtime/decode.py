@@ -1,7 +1,9 @@
 """Fast decode for patched models: a static KV cache and the whole decode step replayed as a CUDA graph.
 
 ``generate(model, input_ids, ...)`` runs the prompt once (eager), then each new token with one replay of a
-graph captured per batch-size bucket (1, 2, 4, 8, ...): all layers, the LM head, the next-token choice
+graph captured per batch-size bucket (1, 2, 4, 8, ...): all layers (the patched
+modules op by op, or with FUSEINFER_DECODE_KERNEL=1 one persistent kernel, ``fuseinfer::opt_decode_step``,
+where the model family has one and the bucket fits it; ``session.path`` says which), the LM head, the next-token choice
 (greedy or sampling), the EOS bookkeeping and the advance of every position counter happen inside the graph,
 so the host only launches replays and looks at the stop flag every ``STOP_CHECK_EVERY`` tokens. On CPU, or
 with FUSEINFER_CUDA_GRAPHS=0, the same step runs eagerly over the same static cache.
@@ -87,6 +89,9 @@ class _Session:
         self.out = torch.full((bucket, max_new), pad, dtype=torch.long, device=dev)  # (B, max_new)
         self.alive = torch.ones(max_new, dtype=torch.bool, device=dev)  # any row unfinished after step i
         self.batch = bucket  # real rows of the current call (set by begin)
+        # The decode step: one kernel for the whole model where it has one, else the patched modules per op
+        self.step_kernel, why = patch_state(model).family.decode_step_kernel(model, self.cache)
+        self.path = "one kernel per step (fuseinfer::opt_decode_step)" if why is None else f"per op ({why})"
         self.graph = None
         if dev.type == "cuda" and os.environ.get("FUSEINFER_CUDA_GRAPHS", "1") != "0":
             self._capture()
@@ -107,8 +112,11 @@ class _Session:
 
     def _decode_step(self) -> None:
         """One token for every row; advances all counters (everything here is captured in the graph)."""
-        self.cache.write_idx = self.decode_idx
-        logits = self.forward(self.model, self.tokens, self.positions, self.cache, self.q_start)
+        if self.step_kernel is not None:  # writes k/v at q_start, which equals decode_idx for every row
+            logits = self.step_kernel(self.tokens, self.positions, self.q_start)
+        else:
+            self.cache.write_idx = self.decode_idx
+            logits = self.forward(self.model, self.tokens, self.positions, self.cache, self.q_start)
         self._emit(logits)
         self.positions += 1
         self.q_start += 1

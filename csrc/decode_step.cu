@@ -1,0 +1,870 @@
+// One decode step of a pre-LN OPT (all layers, final LayerNorm, LM head) as one persistent kernel.
+//
+// Why: the per-op decode step is ~200 dependent kernels; each costs ~2 µs of fill and drain on top of its
+// bytes, which keeps batch-1 decode at ~65% of copy bandwidth. Here one block per SM runs the whole step:
+//   * a producer warp streams this block's share of every weight matrix, in the order the step uses them
+//     (per layer: qkv, out_proj, fc1, fc2; then the LM head), through a ring of shared-memory stages with
+//     cp.async.bulk (TMA) and mbarriers. Weights do not depend on activations, so the stream never waits
+//     for the grid barriers between phases: while the consumers wait at a barrier, the ring fills up;
+// * eight consumer warps compute each phase and meet the other blocks at a grid barrier when a phase's
+//   outputs are needed by all of them (5 per layer).
+// Phases of layer l (x = the consumer's activation rows in shared memory, h = the residual stream):
+//   x = LN1(h)              every block, redundantly (M rows over all consumer threads)
+//   qkv = x Wqkv^T + b      tiles of 16 rows of W: q -> q buffer, k and v -> the caches at slot q_start[m]
+//   --- barrier ---
+//   attention               one warp per (row, head, 32 keys): partial softmax sums; the last warp of a
+//                           (row, head) to finish merges them (atomic counter) into attn
+//   --- barrier ---
+//   h += attn Wo^T + b      --- barrier ---
+//   x = LN2(h); f = relu(x W1^T + b)                          --- barrier ---
+//   h += f W2^T + b         --- barrier ---
+// then x = LN_final(h), logits = x Wlm^T (rounded to the model dtype, returned as fp32).
+//
+// GEMV tiles: 16 rows of W (outputs) x 512 columns per ring stage (rows padded to 1088 bytes so the
+// fragment loads are free of bank conflicts); tile i of a matrix belongs to block i % gridDim.x. Each warp
+// multiplies k-steps of 32 with m16n8k16 tensor-core mmas (the layout of linear.cu's skinny kernel: rows of
+// W are the mma's m, up to 8 tokens its n), and the warps' partial sums meet in shared memory.
+// Activations written by one block and read by another are read with ld.global.cg (L2, never a stale L1).
+// Numerics follow the per-op path: fp32 accumulation and statistics, one rounding to the model dtype at
+// each point where the per-op path stores a tensor.
+// Status: correct (tests/test_decode_step.py) but not yet faster than the per-op step, so fast decode uses it
+// only with FUSEINFER_DECODE_KERNEL=1; README "Fast decode" has the measurements and the trace findings.
+#include "device_utils.cuh"
+#include "fuseinfer.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace fuseinfer {
+namespace {
+
+constexpr int kMaxLayers = 96;          // layers carried in the kernel parameters (OPT-66b has 64)
+constexpr int kMaxTokens = 8;           // rows per step: the mma's n
+constexpr int kConsumerWarps = 8;
+constexpr int kConsumers = 32 * kConsumerWarps;
+constexpr int kThreads = kConsumers + 32;  // + the producer warp
+constexpr int kTileRows = 16;
+constexpr int kChunk = 512;                // k elements per ring stage
+constexpr int kStageRow = kChunk * 2 + 64;  // bytes; 64 of padding: conflict-free 16-byte fragment loads
+constexpr int kStageBytes = kTileRows * kStageRow;
+constexpr int kMinStages = 3;
+constexpr int kSlice = 32;                 // keys per attention work item (one per lane)
+
+struct LayerWeights {
+  const void *ln1_w, *ln1_b, *wqkv, *bqkv, *wo, *bo, *ln2_w, *ln2_b, *w1, *b1, *w2, *b2;
+  void *k_cache, *v_cache;  // (B, H, T, D)
+};
+
+struct StepParams {
+  int m, e, f, heads, vocab, layers, capacity, slices_cap, stages, x_stride;
+  float eps, scale_log2;  // attention scale * log2(e)
+  const int64_t* tokens;     // (B,) or (B, 1)
+  const int64_t* positions;  // OPT positions (B,); the embedding row is position + 2
+  const int* q_start;        // (B,) cache slot of this token
+  const bool* key_mask;      // (B, T)
+  const void *embed, *pos_embed, *lnf_w, *lnf_b, *lm_head;
+  float* logits;  // (B, V)
+  int64_t* trace;  // null, or (gridDim.x, 2 + 12 * layers): see decode_step_trace()
+  // workspace (see workspace_layout)
+  unsigned long long* barrier;
+  int* attn_count;    // (B, H)
+  float* attn_part;   // (B, H, slices_cap, D + 2): max, sum, o[D]
+  void *h, *q, *attn, *ffn;  // (B, E), (B, E), (B, E), (B, F)
+  LayerWeights layer[kMaxLayers];
+};
+
+// ---- shared-memory and synchronisation primitives (sm_90) ----
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred P1;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra DONE;\n"
+      "bra WAIT;\n"
+      "DONE:\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// bytes (multiple of 16) from global src to shared dst, completing on bar's transaction count. The weight
+// stream is read once per step: it is marked evict-first in L2 so that it does not push out what the
+// consumers read back (activations, the KV cache, the small parameters).
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
+                                          uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
+      "%4;\n" ::"r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
+      : "memory");
+}
+
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
+// Barrier among the consumer warps only (the producer never joins).
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers) : "memory"); }
+
+__device__ __forceinline__ unsigned long long load_acquire(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// All blocks' consumers reach the barrier; their global writes before it are visible to all after it
+// (bar.sync, then one thread's release-add and acquire-poll at gpu scope, as CUTLASS's generic barrier).
+// The counter only grows: barrier i of a launch completes at base + (i + 1) * gridDim.x.
+__device__ __forceinline__ void grid_barrier(unsigned long long* counter, unsigned long long target) {
+  consumers_sync();
+  if (threadIdx.x == 0) {
+    asm volatile("red.release.gpu.global.add.u64 [%0], 1;\n" ::"l"(counter) : "memory");
+    while (load_acquire(counter) < target) {
+    }
+  }
+  consumers_sync();
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
+  const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) f[j] = to_float(e[j]);
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  uint4 u;
+  T* e = reinterpret_cast<T*>(&u);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) e[j] = from_float<T>(f[j]);
+  return u;
+}
+
+// ---- the weight stream: one sequence of (matrix, tile, k-chunk) stages, walked by producer and consumers ----
+
+__device__ __forceinline__ int64_t now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return static_cast<int64_t>(t);
+}
+
+struct Ring {
+  char* stages;     // stages * kStageBytes
+  uint64_t* full;   // producer -> consumers (tx bytes)
+  uint64_t* empty;  // consumers -> producer (one arrive per consumer warp)
+  int count;
+  int index = 0;
+  uint32_t phase = 0;
+  bool timed = false;     // trace: accumulate the time spent waiting on the ring
+  int64_t wait_ns = 0;
+  __device__ void wait(uint64_t* bar, uint32_t parity) {
+    if (!timed) return mbar_wait(bar, parity);
+    const int64_t t0 = now_ns();
+    mbar_wait(bar, parity);
+    wait_ns += now_ns() - t0;
+  }
+  __device__ void advance() {
+    if (++index == count) {
+      index = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// Producer: every stage of this block's tiles of w (N x K), in the consumers' order.
+__device__ void produce(Ring& ring, const void* w, int n, int k, uint64_t policy) {
+  const char* base = static_cast<const char*>(w);
+  const int tiles = (n + kTileRows - 1) / kTileRows;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int rows = min(kTileRows, n - tile * kTileRows);
+    for (int k0 = 0; k0 < k; k0 += kChunk) {
+      const uint32_t bytes = min(kChunk, k - k0) * 2;
+      ring.wait(&ring.empty[ring.index], ring.phase ^ 1);
+      mbar_expect_tx(&ring.full[ring.index], bytes * rows);
+      char* dst = ring.stages + ring.index * kStageBytes;
+      for (int r = 0; r < rows; ++r) {
+        bulk_copy(dst + r * kStageRow, base + (static_cast<int64_t>(tile * kTileRows + r) * k + k0) * 2, bytes,
+                  &ring.full[ring.index], policy);
+      }
+      ring.advance();
+    }
+  }
+}
+
+// Consumers: y[m, n] for this block's tiles, x (M rows of K in shared memory, stride x_stride bytes) times
+// the streamed w. Thread o < 16 M owns output (row o % 16, token o / 16) of each tile: epi.pre(token, n)
+// (bias, residual: loaded before the tile's k-loop so their latency hides behind it) is added to the
+// accumulated dot product and epi.store(token, n, sum) stores it.
+template <typename T, typename Epilogue>
+__device__ void consume(Ring& ring, const char* x, int x_stride, int m, int n, int k,
+                        float (*partial)[kConsumerWarps][kTileRows][kMaxTokens + 1], int& pbuf, const Epilogue& epi) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const char* xrow = x + min(g, m - 1) * x_stride + t * 16;  // token g (clamped: its outputs are dropped)
+  const int tiles = (n + kTileRows - 1) / kTileRows;
+  const int out_row = threadIdx.x % kTileRows, out_token = threadIdx.x / kTileRows;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int col = tile * kTileRows + out_row;
+    const bool owner = out_token < m && col < n;
+    const float extra = owner ? epi.pre(out_token, col) : 0.f;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int k0 = 0; k0 < k; k0 += kChunk) {
+      const int steps = min(kChunk, k - k0) / 32;
+      ring.wait(&ring.full[ring.index], ring.phase);
+      const char* w = ring.stages + ring.index * kStageBytes + t * 16;
+      for (int s = warp; s < steps; s += kConsumerWarps) {
+        const uint4 lo = *reinterpret_cast<const uint4*>(w + g * kStageRow + s * 64);
+        const uint4 hi = *reinterpret_cast<const uint4*>(w + (g + 8) * kStageRow + s * 64);
+        const uint4 xv = *reinterpret_cast<const uint4*>(xrow + (k0 + s * 32) * 2);
+        const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y};
+        const uint32_t a1[4] = {lo.z, hi.z, lo.w, hi.w};
+        mma_16816<T>(acc, a0, xv.x, xv.y);
+        mma_16816<T>(acc, a1, xv.z, xv.w);
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&ring.empty[ring.index]);
+      ring.advance();
+    }
+    // acc = {(row g, token 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)}
+    float(&part)[kConsumerWarps][kTileRows][kMaxTokens + 1] = partial[pbuf];
+    part[warp][g][2 * t] = acc[0];
+    part[warp][g][2 * t + 1] = acc[1];
+    part[warp][g + 8][2 * t] = acc[2];
+    part[warp][g + 8][2 * t + 1] = acc[3];
+    consumers_sync();
+    if (owner) {
+      float s = extra;
+#pragma unroll
+      for (int v = 0; v < kConsumerWarps; ++v) s += part[v][out_row][out_token];
+      epi.store(out_token, col, s);
+    }
+    pbuf ^= 1;  // the next tile writes the other buffer, so no second barrier is needed here
+  }
+}
+
+// x[r] = LayerNorm(src row r) for r < m, by all consumer threads (each row's 16-byte chunks spread over
+// them, so a row costs one round trip to L2); src = h, or (layer 0) the embeddings' sum, which block 0
+// also stores to h. Statistics in fp32, two passes (mean, then squared deviations), as layer_norm.cu.
+template <typename T>
+__device__ void layer_norm_rows(const StepParams& p, char* x, const T* w, const T* b, bool from_embedding,
+                                float (*red)[kMaxTokens]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int chunks = p.e / 8;
+  const uint4* w4 = reinterpret_cast<const uint4*>(w);
+  const uint4* b4 = reinterpret_cast<const uint4*>(b);
+  uint4* h4 = static_cast<uint4*>(p.h);
+  float stat[kMaxTokens];
+  // pass 1: load, store raw to x, sum
+#pragma unroll
+  for (int r = 0; r < kMaxTokens; ++r) {
+    stat[r] = 0.f;
+    if (r >= p.m) continue;
+    uint4* xr = reinterpret_cast<uint4*>(x + r * p.x_stride);
+    for (int c = threadIdx.x; c < chunks; c += kConsumers) {
+      float v[8];
+      uint4 u;
+      if (from_embedding) {
+        float pe[8];
+        unpack8<T>(__ldg(reinterpret_cast<const uint4*>(p.embed) + p.tokens[r] * chunks + c), v);
+        unpack8<T>(__ldg(reinterpret_cast<const uint4*>(p.pos_embed) + (p.positions[r] + 2) * chunks + c), pe);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] += pe[j];
+        u = pack8<T>(v);
+        unpack8<T>(u, v);  // the sum rounded to the model dtype, as the per-op path stores it
+        if (blockIdx.x == 0) h4[r * chunks + c] = u;
+      } else {
+        u = __ldcg(h4 + r * chunks + c);
+        unpack8<T>(u, v);
+      }
+      xr[c] = u;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) stat[r] += v[j];
+    }
+  }
+  auto block_sum = [&](float (&v)[kMaxTokens]) {
+#pragma unroll
+    for (int r = 0; r < kMaxTokens; ++r) {
+      const float s = warp_sum(v[r]);
+      if (lane == 0) red[warp][r] = s;
+    }
+    consumers_sync();
+#pragma unroll
+    for (int r = 0; r < kMaxTokens; ++r) {
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < kConsumerWarps; ++i) s += red[i][r];
+      v[r] = s;
+    }
+    consumers_sync();  // red is reused by the next reduction
+  };
+  block_sum(stat);
+  float mean[kMaxTokens];
+#pragma unroll
+  for (int r = 0; r < kMaxTokens; ++r) {
+    mean[r] = stat[r] / p.e;
+    stat[r] = 0.f;
+    if (r >= p.m) continue;
+    const uint4* xr = reinterpret_cast<const uint4*>(x + r * p.x_stride);
+    for (int c = threadIdx.x; c < chunks; c += kConsumers) {
+      float v[8];
+      unpack8<T>(xr[c], v);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) stat[r] += (v[j] - mean[r]) * (v[j] - mean[r]);
+    }
+  }
+  block_sum(stat);
+  for (int c = threadIdx.x; c < chunks; c += kConsumers) {
+    float wv[8], bv[8];
+    unpack8<T>(__ldg(w4 + c), wv);
+    unpack8<T>(__ldg(b4 + c), bv);
+#pragma unroll
+    for (int r = 0; r < kMaxTokens; ++r) {
+      if (r >= p.m) continue;
+      const float rstd = rsqrtf(stat[r] / p.e + p.eps);
+      uint4* xr = reinterpret_cast<uint4*>(x + r * p.x_stride);
+      float v[8];
+      unpack8<T>(xr[c], v);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = (v[j] - mean[r]) * rstd * wv[j] + bv[j];
+      xr[c] = pack8<T>(v);
+    }
+  }
+  consumers_sync();
+}
+
+// x[r] = src row r (M x K, written by other blocks), for the GEMVs whose input is not normalised.
+__device__ void stage_rows(const StepParams& p, char* x, const void* src, int k) {
+  const int chunks = k / 8;
+  const uint4* s = static_cast<const uint4*>(src);
+#pragma unroll 4
+  for (int i = threadIdx.x; i < p.m * chunks; i += kConsumers) {
+    const int r = i / chunks, c = i % chunks;
+    reinterpret_cast<uint4*>(x + r * p.x_stride)[c] = __ldcg(s + i);
+  }
+  consumers_sync();
+}
+
+// Attention of the new token over the cache: work item (row m, head, slice of 32 keys) per warp. The lane
+// scores one key, the warp keeps (max, sum, o) of its slice, and the last warp of (m, head) merges them.
+// Every load of an item (its 32 keys, its 32 values, q) is issued before the first use, so an item costs
+// one round trip to memory, and the merge one more.
+template <typename T, int D>
+__device__ void attention(const StepParams& p, const LayerWeights& L, float (*q_smem)[128]) {
+  constexpr int kPerLane = D / 32;  // output dims per lane: 2 (one 4-byte load per value row) or 4 (8 bytes)
+  using VLoad = std::conditional_t<kPerLane == 2, uint32_t, uint2>;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int slices = 0;
+  for (int r = 0; r < p.m; ++r) slices = max(slices, min(p.q_start[r] + 1, p.capacity));
+  slices = (slices + kSlice - 1) / kSlice;
+  const int items = p.m * p.heads * slices;
+  float* q = q_smem[warp];
+  // item -> block item % G first, so a short context spreads over all SMs rather than filling a few
+  for (int item = warp * gridDim.x + blockIdx.x; item < items; item += gridDim.x * kConsumerWarps) {
+    const int m = item / (p.heads * slices), head = (item / slices) % p.heads, slice = item % slices;
+    const int len = min(p.q_start[m] + 1, p.capacity);  // keys 0 .. q_start[m]
+    const int first = slice * kSlice;
+    const int keys = min(kSlice, len - first);  // may be <= 0 for a row shorter than the longest
+    const int mh = m * p.heads + head;
+    float mx = -INFINITY, sum = 0.f, o[kPerLane] = {};
+    if (keys > 0) {
+      const int64_t head_off = (static_cast<int64_t>(m) * p.heads + head) * p.capacity * D;
+      const T* kc = static_cast<const T*>(L.k_cache) + head_off;
+      const T* vc = static_cast<const T*>(L.v_cache) + head_off;
+      const int key = first + min(lane, keys - 1);
+      uint4 kv[D / 8];
+      const uint4* kr = reinterpret_cast<const uint4*>(kc + static_cast<int64_t>(key) * D);
+#pragma unroll
+      for (int c = 0; c < D / 8; ++c) kv[c] = __ldcg(kr + c);
+      VLoad vv[kSlice];
+#pragma unroll
+      for (int j = 0; j < kSlice; ++j) {
+        const int row = first + min(j, keys - 1);
+        vv[j] = __ldcg(reinterpret_cast<const VLoad*>(vc + static_cast<int64_t>(row) * D + lane * kPerLane));
+      }
+      const T* qg = static_cast<const T*>(p.q) + m * p.e + head * D + lane * kPerLane;
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) q[lane * kPerLane + j] = to_float(__ldcg(qg + j));
+      const bool valid = lane < keys && p.key_mask[static_cast<int64_t>(m) * p.capacity + first + lane];
+      __syncwarp();
+      float dot = 0.f;
+#pragma unroll
+      for (int c = 0; c < D / 8; ++c) {
+        float kf[8];
+        unpack8<T>(kv[c], kf);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) dot += q[c * 8 + j] * kf[j];
+      }
+      const float score = valid ? dot * p.scale_log2 : -INFINITY;
+      mx = warp_max(score);
+      const float prob = mx == -INFINITY ? 0.f : exp2f(score - mx);
+      sum = warp_sum(prob);
+#pragma unroll
+      for (int j = 0; j < kSlice; ++j) {
+        const float pj = __shfl_sync(0xffffffffu, prob, j);  // 0 for keys past the slice's end
+        const T* ve = reinterpret_cast<const T*>(&vv[j]);
+#pragma unroll
+        for (int d = 0; d < kPerLane; ++d) o[d] += pj * to_float(ve[d]);
+      }
+      __syncwarp();  // q is rewritten by this warp's next item
+    }
+    float* part = p.attn_part + (static_cast<int64_t>(mh) * p.slices_cap + slice) * (D + 2);
+    if (lane == 0) {
+      part[0] = mx;
+      part[1] = sum;
+    }
+#pragma unroll
+    for (int d = 0; d < kPerLane; ++d) part[2 + lane * kPerLane + d] = o[d];
+    __threadfence();
+    __syncwarp();
+    int done = 0;
+    if (lane == 0) done = atomicAdd(&p.attn_count[mh], 1) + 1;
+    done = __shfl_sync(0xffffffffu, done, 0);
+    if (done != slices) continue;
+    // The last slice of (m, head) to finish: merge all of them. Lane s holds slice s's scale, 32 at a time.
+    __threadfence();
+    const float* parts = p.attn_part + static_cast<int64_t>(mh) * p.slices_cap * (D + 2);
+    float gmax = -INFINITY;
+    for (int s = lane; s < slices; s += 32) gmax = fmaxf(gmax, __ldcg(parts + s * (D + 2)));
+    gmax = warp_max(gmax);
+    float total = 0.f, acc[kPerLane] = {};
+    for (int s0 = 0; s0 < slices; s0 += 32) {
+      float c = 0.f;
+      if (s0 + lane < slices) {
+        const float smax = __ldcg(parts + (s0 + lane) * (D + 2));
+        c = smax == -INFINITY ? 0.f : exp2f(smax - gmax);
+        total += c * __ldcg(parts + (s0 + lane) * (D + 2) + 1);
+      }
+      // slice scales c_j from lane j; the slices' o rows in groups whose loads are all in flight at once
+      constexpr int kGroup = 64 / kPerLane;
+      const int n = min(32, slices - s0);
+      for (int j0 = 0; j0 < n; j0 += kGroup) {
+        float ov[kGroup][kPerLane];
+#pragma unroll
+        for (int j = 0; j < kGroup; ++j) {
+#pragma unroll
+          for (int d = 0; d < kPerLane; ++d) {
+            ov[j][d] = j0 + j < n ? __ldcg(parts + (s0 + j0 + j) * (D + 2) + 2 + lane * kPerLane + d) : 0.f;
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kGroup; ++j) {
+          const float cj = __shfl_sync(0xffffffffu, c, (j0 + j) & 31);
+#pragma unroll
+          for (int d = 0; d < kPerLane; ++d) acc[d] += cj * ov[j][d];
+        }
+      }
+    }
+    total = warp_sum(total);
+    const float inv = total > 0.f ? 1.f / total : 0.f;  // no key: 0, as the attention op
+    T* out = static_cast<T*>(p.attn) + m * p.e + head * D + lane * kPerLane;
+#pragma unroll
+    for (int d = 0; d < kPerLane; ++d) out[d] = from_float<T>(acc[d] * inv);
+    if (lane == 0) p.attn_count[mh] = 0;  // ready for the next layer (after the grid barrier)
+  }
+}
+
+// Bytes of StepParams up to and including `layers` layers (a multiple of 16).
+__host__ __device__ constexpr int params_bytes(int layers) {
+  return (static_cast<int>(offsetof(StepParams, layer)) + layers * static_cast<int>(sizeof(LayerWeights)) + 15) / 16 * 16;
+}
+
+// GEMV epilogues: pre(token, n) is loaded before the tile's k-loop, store(token, n, acc + pre) after it.
+template <typename T>
+struct QkvEpilogue {  // q -> q buffer; k, v -> the caches at slot q_start[token]
+  const T* bias;
+  T *q, *k_cache, *v_cache;
+  const int* q_start;
+  int e, heads, capacity, head_dim;
+  __device__ float pre(int, int n) const { return to_float(bias[n]); }
+  __device__ void store(int m, int n, float s) const {
+    const T v = from_float<T>(s);
+    if (n < e) {
+      q[m * e + n] = v;
+      return;
+    }
+    const int slot = q_start[m];
+    if (slot < 0 || slot >= capacity) return;
+    const int c = n < 2 * e ? n - e : n - 2 * e;
+    T* cache = n < 2 * e ? k_cache : v_cache;
+    cache[((static_cast<int64_t>(m) * heads + c / head_dim) * capacity + slot) * head_dim + c % head_dim] = v;
+  }
+};
+
+template <typename T>
+struct ResidualEpilogue {  // h += acc + bias (out_proj, fc2)
+  const T* bias;
+  T* h;
+  int e;
+  __device__ float pre(int m, int n) const { return to_float(bias[n]) + to_float(__ldcg(h + m * e + n)); }
+  __device__ void store(int m, int n, float s) const { h[m * e + n] = from_float<T>(s); }
+};
+
+template <typename T>
+struct ReluEpilogue {  // out = relu(acc + bias) (fc1); NaN passes through, like torch.relu
+  const T* bias;
+  T* out;
+  int n_out;
+  __device__ float pre(int, int n) const { return to_float(bias[n]); }
+  __device__ void store(int m, int n, float s) const { out[m * n_out + n] = from_float<T>(s < 0.f ? 0.f : s); }
+};
+
+template <typename T>
+struct LogitsEpilogue {  // fp32 logits, rounded to the model dtype first like the LM head's output
+  float* logits;
+  int vocab;
+  __device__ float pre(int, int) const { return 0.f; }
+  __device__ void store(int m, int n, float s) const {
+    logits[static_cast<int64_t>(m) * vocab + n] = to_float(from_float<T>(s));
+  }
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_constant__ StepParams params) {
+  extern __shared__ __align__(128) char smem[];
+  __shared__ uint64_t full[32], empty[32];
+  __shared__ float partial[2][kConsumerWarps][kTileRows][kMaxTokens + 1];
+  __shared__ float q_smem[kConsumerWarps][128];
+  __shared__ float red[kConsumerWarps][kMaxTokens];
+
+  // The parameters (scalars and the used layers' pointers) are read from a shared-memory copy: read in place
+  // they are generic loads of the parameter buffer, cached in L1, which every grid barrier's acquire
+  // invalidates, so each phase would start with a chain of dependent L2 round trips.
+  char* x = smem + params.stages * kStageBytes;
+  StepParams* copy = reinterpret_cast<StepParams*>(x + params.m * params.x_stride);
+  {
+    const int bytes = params_bytes(params.layers);
+    const uint4* src = reinterpret_cast<const uint4*>(&params);
+    for (int i = threadIdx.x; i < bytes / 16; i += kThreads) reinterpret_cast<uint4*>(copy)[i] = src[i];
+  }
+  const StepParams& p = *copy;
+  Ring ring{smem, full, empty, params.stages};
+  ring.timed = params.trace != nullptr;
+  if (threadIdx.x == 0) {  // (the copy is complete only after the __syncthreads below: read params here)
+    for (int s = 0; s < params.stages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (threadIdx.x >= kConsumers) {  // producer warp: one lane issues every copy
+    if (threadIdx.x == kConsumers) {
+      const uint64_t policy = evict_first_policy();
+      for (int l = 0; l < p.layers; ++l) {
+        const LayerWeights& L = p.layer[l];
+        produce(ring, L.wqkv, 3 * p.e, p.e, policy);
+        produce(ring, L.wo, p.e, p.e, policy);
+        produce(ring, L.w1, p.f, p.e, policy);
+        produce(ring, L.w2, p.e, p.f, policy);
+        if (p.trace != nullptr) p.trace[blockIdx.x * (2 + 12 * p.layers) + 2 + 10 * p.layers + 2 * l] = ring.wait_ns;
+      }
+      produce(ring, p.lm_head, p.vocab, p.e, policy);
+    }
+    return;
+  }
+
+  // Consumers. Barrier i of this launch completes at base + (i + 1) * gridDim.x; every launch adds
+  // 5 * layers * gridDim.x, and this block has not arrived yet, so base is the multiple below the count.
+  __shared__ unsigned long long base_s;
+  if (threadIdx.x == 0) {
+    const unsigned long long per_launch = 5ull * p.layers * gridDim.x;
+    const unsigned long long now = load_acquire(p.barrier);
+    base_s = now - now % per_launch;
+  }
+  consumers_sync();
+  unsigned long long target = base_s;
+  auto barrier = [&] {
+    target += gridDim.x;
+    grid_barrier(p.barrier, target);
+  };
+
+  // Trace (FUSEINFER_DECODE_TRACE=1): block-local timestamps at each phase end, see decode_step_trace().
+  auto mark = [&](int event) {
+    if (p.trace != nullptr && threadIdx.x == 0) p.trace[blockIdx.x * (2 + 12 * p.layers) + event] = now_ns();
+  };
+  mark(0);
+  int pbuf = 0;
+  T* h = static_cast<T*>(p.h);
+  layer_norm_rows<T>(p, x, static_cast<const T*>(p.layer[0].ln1_w), static_cast<const T*>(p.layer[0].ln1_b), true,
+                     red);
+  for (int l = 0; l < p.layers; ++l) {
+    const LayerWeights& L = p.layer[l];
+    const int ev = 1 + 10 * l;
+    consume<T>(ring, x, p.x_stride, p.m, 3 * p.e, p.e, partial, pbuf,
+               QkvEpilogue<T>{static_cast<const T*>(L.bqkv), static_cast<T*>(p.q), static_cast<T*>(L.k_cache),
+                              static_cast<T*>(L.v_cache), p.q_start, p.e, p.heads, p.capacity, D});
+    mark(ev);
+    barrier();
+    mark(ev + 1);
+    attention<T, D>(p, L, q_smem);
+    mark(ev + 2);
+    barrier();
+    mark(ev + 3);
+    stage_rows(p, x, p.attn, p.e);
+    consume<T>(ring, x, p.x_stride, p.m, p.e, p.e, partial, pbuf,
+               ResidualEpilogue<T>{static_cast<const T*>(L.bo), h, p.e});
+    mark(ev + 4);
+    barrier();
+    mark(ev + 5);
+    layer_norm_rows<T>(p, x, static_cast<const T*>(L.ln2_w), static_cast<const T*>(L.ln2_b), false, red);
+    consume<T>(ring, x, p.x_stride, p.m, p.f, p.e, partial, pbuf,
+               ReluEpilogue<T>{static_cast<const T*>(L.b1), static_cast<T*>(p.ffn), p.f});
+    mark(ev + 6);
+    barrier();
+    mark(ev + 7);
+    stage_rows(p, x, p.ffn, p.f);
+    consume<T>(ring, x, p.x_stride, p.m, p.e, p.f, partial, pbuf,
+               ResidualEpilogue<T>{static_cast<const T*>(L.b2), h, p.e});
+    mark(ev + 8);
+    barrier();
+    const bool last = l + 1 == p.layers;
+    layer_norm_rows<T>(p, x, static_cast<const T*>(last ? p.lnf_w : p.layer[l + 1].ln1_w),
+                       static_cast<const T*>(last ? p.lnf_b : p.layer[l + 1].ln1_b), false, red);
+    mark(ev + 9);
+    if (p.trace != nullptr && threadIdx.x == 0) p.trace[blockIdx.x * (2 + 12 * p.layers) + 3 + 10 * p.layers + 2 * l] = ring.wait_ns;
+  }
+  consume<T>(ring, x, p.x_stride, p.m, p.vocab, p.e, partial, pbuf, LogitsEpilogue<T>{p.logits, p.vocab});
+  mark(1 + 10 * p.layers);
+}
+
+// Byte offsets of the workspace's parts, each 256-aligned; the last entry is the total size.
+std::vector<int64_t> workspace_layout(int64_t m, int64_t e, int64_t f, int64_t heads, int64_t head_dim,
+                                      int64_t capacity, int64_t elem) {
+  const int64_t slices_cap = (capacity + kSlice - 1) / kSlice;
+  const int64_t sizes[] = {8, m * heads * 4, m * heads * slices_cap * (head_dim + 2) * 4, m * e * elem,
+                           m * e * elem, m * e * elem, m * f * elem};
+  std::vector<int64_t> offsets;
+  int64_t at = 0;
+  for (int64_t s : sizes) {
+    offsets.push_back(at);
+    at += (s + 255) / 256 * 256;
+  }
+  offsets.push_back(at);
+  return offsets;
+}
+
+int64_t x_stride_bytes(int64_t k) { return (2 * k + 127) / 128 * 128 + 64; }
+
+int max_smem_optin() { return at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin; }
+
+// Static shared memory of the kernel (barriers, partial sums, q): everything but ring and x.
+constexpr int kStaticSmem = 2 * 32 * 8 + 2 * kConsumerWarps * kTileRows * (kMaxTokens + 1) * 4 +
+                            kConsumerWarps * 128 * 4 + kConsumerWarps * kMaxTokens * 4 + 8 + 256;
+
+int ring_stages(int64_t m, int64_t e, int64_t f, int64_t layers) {
+  const int64_t free_bytes =
+      max_smem_optin() - kStaticSmem - m * x_stride_bytes(std::max(e, f)) - params_bytes(static_cast<int>(layers));
+  return static_cast<int>(std::min<int64_t>(32, free_bytes / kStageBytes));
+}
+
+// FUSEINFER_DECODE_TRACE=1: every launch writes phase timestamps into one buffer kept here (the last
+// launch's are read back with decode_step_trace()); otherwise none are written.
+at::Tensor& trace_tensor() {
+  static at::Tensor t;
+  return t;
+}
+
+int64_t* trace_buffer(const at::Device& device, int64_t blocks, int64_t events) {
+  static const bool on = [] {
+    const char* v = std::getenv("FUSEINFER_DECODE_TRACE");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  if (!on) return nullptr;
+  at::Tensor& t = trace_tensor();
+  if (!t.defined() || t.device() != device || t.size(0) != blocks || t.size(1) != events) {
+    t = at::zeros({blocks, events}, at::TensorOptions().dtype(at::kLong).device(device));
+  }
+  return t.data_ptr<int64_t>();
+}
+
+}  // namespace
+
+at::Tensor decode_step_trace() { return trace_tensor().defined() ? trace_tensor() : at::Tensor(); }
+
+int64_t decode_step_workspace_bytes(int64_t m, int64_t e, int64_t f, int64_t heads, int64_t head_dim,
+                                    int64_t capacity) {
+  return workspace_layout(m, e, f, heads, head_dim, capacity, 2).back();
+}
+
+bool decode_step_fits(int64_t m, int64_t e, int64_t f) {
+  return m >= 1 && m <= kMaxTokens && ring_stages(m, e, f, kMaxLayers) >= kMinStages;
+}
+
+at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& q_start,
+                            const at::Tensor& key_mask, const at::Tensor& embed, const at::Tensor& pos_embed,
+                            const std::vector<at::Tensor>& layer_params, std::vector<at::Tensor> k_caches,
+                            std::vector<at::Tensor> v_caches, const at::Tensor& lnf_w, const at::Tensor& lnf_b,
+                            const at::Tensor& lm_head, at::Tensor& workspace, double eps, double scale) {
+  const c10::cuda::CUDAGuard guard(embed.device());
+  const auto dtype = embed.scalar_type();
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(layers >= 1 && layers <= kMaxLayers && v_caches.size() == k_caches.size() &&
+                  static_cast<int64_t>(layer_params.size()) == 12 * layers,
+              "decode_step: expected 1..", kMaxLayers, " layers with 12 parameters and a k and v cache each");
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "decode_step: fp16 or bf16 only");
+  const int64_t m = tokens.numel(), e = embed.size(1), vocab = lm_head.size(0);
+  const int64_t f = layer_params[8].size(0);  // fc1 weight (F, E)
+  const int64_t heads = k_caches[0].size(1), capacity = k_caches[0].size(2), head_dim = k_caches[0].size(3);
+  TORCH_CHECK(head_dim == 64 || head_dim == 128, "decode_step: head dim 64 or 128 only");
+  TORCH_CHECK(heads * head_dim == e && e % 32 == 0 && f % 32 == 0, "decode_step: unsupported hidden sizes");
+  TORCH_CHECK(decode_step_fits(m, e, f), "decode_step: ", m, " rows of hidden ", e, " / ffn ", f,
+              " do not fit in shared memory");
+  TORCH_CHECK(positions.numel() == m && q_start.numel() == m && q_start.scalar_type() == at::kInt &&
+                  tokens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
+                  key_mask.scalar_type() == at::kBool && key_mask.size(0) >= m && key_mask.size(1) == capacity,
+              "decode_step: bad tokens / positions / q_start / key_mask");
+  auto check = [&](const at::Tensor& t, std::initializer_list<int64_t> shape, const char* what) {
+    TORCH_CHECK(t.device() == embed.device() && t.scalar_type() == dtype && t.is_contiguous() &&
+                    t.sizes().equals(shape) && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+                "decode_step: ", what, " must be a contiguous, 16-byte aligned ", c10::IntArrayRef(shape),
+                " tensor of the model dtype on the model's device");
+  };
+  for (const at::Tensor* t : {&tokens, &positions, &q_start, &key_mask}) {
+    TORCH_CHECK(t->device() == embed.device() && t->is_contiguous(), "decode_step: inputs must be contiguous, on ",
+                embed.device());
+  }
+  check(embed, {vocab, e}, "embed_tokens");
+  TORCH_CHECK(pos_embed.size(1) == e, "decode_step: position embedding width");
+  check(pos_embed, {pos_embed.size(0), e}, "embed_positions");
+  check(lnf_w, {e}, "final LayerNorm weight");
+  check(lnf_b, {e}, "final LayerNorm bias");
+  check(lm_head, {vocab, e}, "lm_head");
+  const auto layout = workspace_layout(m, e, f, heads, head_dim, capacity, 2);
+  TORCH_CHECK(workspace.device() == embed.device() && workspace.is_contiguous() &&
+                  workspace.nbytes() >= static_cast<size_t>(layout.back()),
+              "decode_step: workspace too small");
+
+  StepParams p{};
+  p.m = static_cast<int>(m);
+  p.e = static_cast<int>(e);
+  p.f = static_cast<int>(f);
+  p.heads = static_cast<int>(heads);
+  p.vocab = static_cast<int>(vocab);
+  p.layers = static_cast<int>(layers);
+  p.capacity = static_cast<int>(capacity);
+  p.slices_cap = static_cast<int>((capacity + kSlice - 1) / kSlice);
+  p.stages = ring_stages(m, e, f, layers);
+  p.x_stride = static_cast<int>(x_stride_bytes(std::max(e, f)));
+  p.eps = static_cast<float>(eps);
+  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  p.tokens = tokens.data_ptr<int64_t>();
+  p.positions = positions.data_ptr<int64_t>();
+  p.q_start = q_start.data_ptr<int>();
+  p.key_mask = key_mask.data_ptr<bool>();
+  p.embed = embed.data_ptr();
+  p.pos_embed = pos_embed.data_ptr();
+  p.lnf_w = lnf_w.data_ptr();
+  p.lnf_b = lnf_b.data_ptr();
+  p.lm_head = lm_head.data_ptr();
+  auto logits = at::empty({m, vocab}, embed.options().dtype(at::kFloat));
+  p.trace = trace_buffer(embed.device(), at::cuda::getCurrentDeviceProperties()->multiProcessorCount,
+                         2 + 12 * layers);
+  p.logits = logits.data_ptr<float>();
+  char* ws = static_cast<char*>(workspace.data_ptr());
+  p.barrier = reinterpret_cast<unsigned long long*>(ws + layout[0]);
+  p.attn_count = reinterpret_cast<int*>(ws + layout[1]);
+  p.attn_part = reinterpret_cast<float*>(ws + layout[2]);
+  p.h = ws + layout[3];
+  p.q = ws + layout[4];
+  p.attn = ws + layout[5];
+  p.ffn = ws + layout[6];
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = &layer_params[12 * l];
+    check(w[0], {e}, "self_attn_layer_norm.weight");
+    check(w[1], {e}, "self_attn_layer_norm.bias");
+    check(w[2], {3 * e, e}, "qkv weight");
+    check(w[3], {3 * e}, "qkv bias");
+    check(w[4], {e, e}, "out_proj.weight");
+    check(w[5], {e}, "out_proj.bias");
+    check(w[6], {e}, "final_layer_norm.weight");
+    check(w[7], {e}, "final_layer_norm.bias");
+    check(w[8], {f, e}, "fc1.weight");
+    check(w[9], {f}, "fc1.bias");
+    check(w[10], {e, f}, "fc2.weight");
+    check(w[11], {e}, "fc2.bias");
+    check(k_caches[l], {k_caches[0].size(0), heads, capacity, head_dim}, "k cache");
+    check(v_caches[l], {k_caches[0].size(0), heads, capacity, head_dim}, "v cache");
+    TORCH_CHECK(k_caches[l].size(0) >= m, "decode_step: cache batch smaller than the step's rows");
+    p.layer[l] = LayerWeights{w[0].data_ptr(), w[1].data_ptr(), w[2].data_ptr(),  w[3].data_ptr(),
+                              w[4].data_ptr(), w[5].data_ptr(), w[6].data_ptr(),  w[7].data_ptr(),
+                              w[8].data_ptr(), w[9].data_ptr(), w[10].data_ptr(), w[11].data_ptr(),
+                              k_caches[l].data_ptr(), v_caches[l].data_ptr()};
+  }
+
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  TORCH_CHECK(props->major >= 9, "decode_step: needs an sm_90 GPU (TMA bulk copies), got sm_", props->major,
+              props->minor);
+  const int smem = p.stages * kStageBytes + static_cast<int>(m) * p.x_stride + params_bytes(p.layers);
+  auto launch = [&](auto kernel) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    int resident = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, smem));
+    TORCH_CHECK(resident >= 1, "decode_step: the kernel does not fit on an SM");
+    // Cooperative: all blocks resident at once (the grid barriers need it), or the launch fails.
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeCooperative;
+    attr.val.cooperative = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(props->multiProcessorCount);
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = smem;
+    config.stream = at::cuda::getCurrentCUDAStream();
+    config.attrs = &attr;
+    config.numAttrs = 1;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
+  };
+  if (dtype == at::kHalf) {
+    head_dim == 64 ? launch(decode_step_kernel<__half, 64>) : launch(decode_step_kernel<__half, 128>);
+  } else {
+    head_dim == 64 ? launch(decode_step_kernel<__nv_bfloat16, 64>)
+                   : launch(decode_step_kernel<__nv_bfloat16, 128>);
+  }
+  return logits;
+}
+
+}  // namespace fuseinfer

@@ -1,0 +1,104 @@
+"""One whole decode step of a pre-LN OPT as one op: embeddings, every layer, the final LayerNorm and the LM head.
+
+``opt_decode_step`` takes one new token per row (tokens, positions: (B,) int64), writes each layer's new keys
+and values into the static caches at slot ``q_start[b]`` (int32) and attends keys ``j <= q_start[b]`` where
+``key_mask[b, j]``, exactly like the per-op decode path (``fuseinfer.patches.opt.forward_last_logits``), and
+returns fp32 logits (B, V) (rounded to the model dtype first, like the LM head's output).
+
+On CUDA (sm_90, fp16/bf16, head dim 64 or 128, B <= 8) it runs ``csrc/decode_step.cu``: one persistent kernel
+whose producer warp streams every weight through shared memory while the consumer warps compute, with grid
+barriers between phases, so the ~200 kernel boundaries of the per-op step are gone. ``workspace`` holds the
+kernel's scratch (activations, attention partials, barrier counter); make it with :func:`decode_step_workspace`
+once per cache and keep it. Elsewhere the op runs :func:`opt_decode_step_ref`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .._ext import eager_cuda, extension
+from .attention import attention_ref
+
+PARAMS_PER_LAYER = 12  # LN1 w, b, qkv w, b, out_proj w, b, LN2 w, b, fc1 w, b, fc2 w, b
+MAX_ROWS = 8
+
+
+def opt_decode_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches, v_caches,
+                        lnf_w, lnf_b, lm_head, workspace, eps: float, scale: float) -> torch.Tensor:
+    """Pure-PyTorch reference (in the tensors' dtype; pass fp32 copies for an fp32 reference). Writes the caches
+    in place; ``workspace`` is not used. Slots must lie in the cache."""
+    m = tokens.numel()
+    e = embed.shape[1]
+    _, heads, _, d = k_caches[0].shape
+    rows, slots = torch.arange(m, device=tokens.device), q_start.long()
+    h = embed[tokens.view(m)] + pos_embed[positions.view(m) + 2]  # (M, E); OPT's position offset is 2
+    for layer, (k_cache, v_cache) in enumerate(zip(k_caches, v_caches)):
+        ln1_w, ln1_b, wqkv, bqkv, wo, bo, ln2_w, ln2_b, w1, b1, w2, b2 = \
+            layer_params[PARAMS_PER_LAYER * layer:PARAMS_PER_LAYER * (layer + 1)]
+        x = F.layer_norm(h, (e,), ln1_w, ln1_b, eps)
+        q, k, v = F.linear(x, wqkv, bqkv).view(m, 3, heads, d).unbind(1)  # 3 x (M, H, D)
+        k_cache[rows, :, slots] = k
+        v_cache[rows, :, slots] = v
+        attn = attention_ref(q.unsqueeze(2), k_cache[:m], v_cache[:m], key_mask[:m], q_start[:m], scale)  # (M,1,H,D)
+        h = h + F.linear(attn.reshape(m, e), wo, bo)
+        x = F.layer_norm(h, (e,), ln2_w, ln2_b, eps)
+        h = h + F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)
+    x = F.layer_norm(h, (e,), lnf_w, lnf_b, eps)
+    return F.linear(x, lm_head).float()  # (M, V)
+
+
+@torch.library.custom_op("fuseinfer::opt_decode_step", mutates_args=("k_caches", "v_caches", "workspace"))
+def _opt_decode_step(
+    tokens: torch.Tensor, positions: torch.Tensor, q_start: torch.Tensor, key_mask: torch.Tensor,
+    embed: torch.Tensor, pos_embed: torch.Tensor, layer_params: list[torch.Tensor], k_caches: list[torch.Tensor],
+    v_caches: list[torch.Tensor], lnf_w: torch.Tensor, lnf_b: torch.Tensor, lm_head: torch.Tensor,
+    workspace: torch.Tensor, eps: float, scale: float,
+) -> torch.Tensor:
+    return opt_decode_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches,
+                               v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale)
+
+
+def kernel_supports(rows: int, embed: torch.Tensor, ffn: int, head_dim: int) -> bool:
+    """Whether the CUDA kernel serves a step of ``rows`` tokens for this model (else the reference runs)."""
+    ext = extension()
+    return (ext is not None and embed.is_cuda and torch.cuda.get_device_capability(embed.device)[0] >= 9
+            and embed.dtype in (torch.float16, torch.bfloat16) and head_dim in (64, 128)
+            and 1 <= rows <= MAX_ROWS and embed.shape[1] % 32 == 0 and ffn % 32 == 0
+            and bool(ext.decode_step_fits(rows, embed.shape[1], ffn)))
+
+
+def decode_step_workspace(rows: int, hidden: int, ffn: int, heads: int, head_dim: int, capacity: int,
+                          device) -> torch.Tensor:
+    """Zeroed scratch for the kernel (empty when the extension is not built); keep it for the cache's lifetime."""
+    ext = extension()
+    size = ext.decode_step_workspace_bytes(rows, hidden, ffn, heads, head_dim, capacity) if ext is not None else 0
+    return torch.zeros(size, dtype=torch.uint8, device=device)
+
+
+@_opt_decode_step.register_kernel("cuda")
+def _opt_decode_step_cuda(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches,
+                          v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale):
+    if not kernel_supports(tokens.numel(), embed, layer_params[8].shape[0], k_caches[0].shape[-1]):
+        return opt_decode_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params,
+                                   k_caches, v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale)
+    return extension().decode_step(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches,
+                                   v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale)
+
+
+@_opt_decode_step.register_fake
+def _(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches, v_caches, lnf_w, lnf_b,
+      lm_head, workspace, eps, scale):
+    return embed.new_empty(tokens.numel(), lm_head.shape[0], dtype=torch.float32)
+
+
+def opt_decode_step(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches, v_caches,
+                    lnf_w, lnf_b, lm_head, workspace, eps: float, scale: float) -> torch.Tensor:
+    """One decode step; see the module docstring. Returns fp32 logits (B, V)."""
+    if len(layer_params) != PARAMS_PER_LAYER * len(k_caches) or len(k_caches) != len(v_caches) or not k_caches:
+        raise ValueError(f"expected {PARAMS_PER_LAYER} parameters and a k and v cache per layer, got "
+                         f"{len(layer_params)} parameters and {len(k_caches)}/{len(v_caches)} caches")
+    if eager_cuda(embed):
+        return _opt_decode_step_cuda(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches,
+                                     v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale)
+    return torch.ops.fuseinfer.opt_decode_step(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params,
+                                               k_caches, v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale)

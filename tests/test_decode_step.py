@@ -1,0 +1,154 @@
+"""fuseinfer::opt_decode_step: the reference against the per-op decode path (CPU), the op's registration
+(opcheck), and on the GPU the one-kernel step against the fp32 reference and inside fast decode."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_opt
+
+import fuseinfer
+from fuseinfer.ops import opt_decode_step, opt_decode_step_ref
+from fuseinfer.ops.decode_step import decode_step_workspace, kernel_supports
+from fuseinfer.patches.opt import decode_step_params, forward_last_logits
+from fuseinfer.runtime.cache import StaticKVCache
+from fuseinfer.runtime.decode import SESSIONS_ATTR
+
+
+def _step_inputs(model, pads, q_start, capacity, seed=1):
+    """Inputs of one decode step of a patched ``model``: caches of random k/v, left padding ``pads`` per row,
+    the new token of row b at slot ``q_start[b]`` -> dict of the op's arguments (caches fresh, owned)."""
+    cfg, dec = model.config, model.model.decoder
+    embed = dec.embed_tokens.weight
+    rows, heads = len(pads), cfg.num_attention_heads
+    d = cfg.hidden_size // heads
+    g = torch.Generator().manual_seed(seed)
+    caches = [torch.randn(rows, heads, capacity, d, generator=g).to(embed) for _ in range(2 * cfg.num_hidden_layers)]
+    key_mask = torch.ones(rows, capacity, dtype=torch.bool)
+    for b, pad in enumerate(pads):
+        key_mask[b, :pad] = False
+    q_start_t = torch.tensor(q_start, dtype=torch.int32)
+    args = dict(
+        tokens=torch.randint(3, cfg.vocab_size, (rows, 1), generator=g).to(embed.device),
+        positions=(q_start_t - torch.tensor(pads, dtype=torch.int32)).long()[:, None].to(embed.device),
+        q_start=q_start_t.to(embed.device), key_mask=key_mask.to(embed.device), embed=embed,
+        pos_embed=dec.embed_positions.weight, layer_params=decode_step_params(model),
+        k_caches=caches[0::2], v_caches=caches[1::2], lnf_w=dec.final_layer_norm.weight,
+        lnf_b=dec.final_layer_norm.bias, lm_head=model.lm_head.weight,
+        workspace=decode_step_workspace(rows, cfg.hidden_size, cfg.ffn_dim, heads, d, capacity, embed.device),
+        eps=dec.layers[0].self_attn_layer_norm.eps, scale=d ** -0.5)
+    args["layer_params"] = [p.detach() for p in args["layer_params"]]  # no autograd (opcheck would test it)
+    return {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+
+
+def _converted(args, dtype):
+    """A copy of the step's arguments with floating tensors in ``dtype`` (caches copied, never shared)."""
+    conv = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+    out = {k: (conv(v) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    out["layer_params"] = [conv(p) for p in args["layer_params"]]
+    out["k_caches"] = [c.to(dtype, copy=True) for c in args["k_caches"]]
+    out["v_caches"] = [c.to(dtype, copy=True) for c in args["v_caches"]]
+    return out
+
+
+@torch.no_grad()
+def test_reference_equals_per_op_decode_path():
+    """The reference step and the patched modules (forward_last_logits over a StaticKVCache) agree on CPU."""
+    model = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=96, num_hidden_layers=3)
+    fuseinfer.patch(model)
+    args = _step_inputs(model, pads=[0, 3], q_start=[9, 9], capacity=16)
+    cfg = model.config
+    cache = StaticKVCache(cfg.num_hidden_layers, 2, 2, 32, 16, torch.float32, torch.device("cpu"))
+    cache.keys = [c.clone() for c in args["k_caches"]]
+    cache.values = [c.clone() for c in args["v_caches"]]
+    cache.key_mask = args["key_mask"]
+    cache.write_idx = torch.tensor([9])
+    per_op = forward_last_logits(model, args["tokens"], args["positions"], cache, args["q_start"])
+    ref = opt_decode_step_ref(**args)
+    torch.testing.assert_close(ref, per_op, rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(args["k_caches"] + args["v_caches"], cache.keys + cache.values):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+def test_opcheck_cpu():
+    model = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=96, num_hidden_layers=2)
+    fuseinfer.patch(model)
+    args = _step_inputs(model, pads=[0, 2, 5], q_start=[7, 7, 7], capacity=12)
+    torch.library.opcheck(torch.ops.fuseinfer.opt_decode_step.default, tuple(args.values()))
+
+
+def test_wrong_parameter_count_is_one_clear_error():
+    model = random_opt(num_hidden_layers=2)
+    fuseinfer.patch(model)
+    args = _step_inputs(model, pads=[0], q_start=[3], capacity=8)
+    args["layer_params"] = args["layer_params"][:-1]
+    with pytest.raises(ValueError, match="12 parameters and a k and v cache per layer"):
+        opt_decode_step(**args)
+
+
+# ---- GPU: the one-kernel step ----
+
+GPU_CASES = {  # name -> (OPTConfig overrides, pads, q_start, capacity)
+    "b1_ctx300_d64": (dict(hidden_size=512, num_attention_heads=8, ffn_dim=2048), [0], [299], 384),
+    "b3_padded_d128_odd_len": (dict(hidden_size=512, num_attention_heads=4, ffn_dim=1536), [0, 17, 40],
+                               [112, 112, 112], 128),
+    "b8_ragged_q_start": (dict(hidden_size=256, num_attention_heads=4, ffn_dim=1024),
+                          [0, 1, 2, 3, 0, 9, 31, 60], [64, 64, 70, 64, 33, 64, 64, 100], 128),
+    "b2_first_token": (dict(hidden_size=256, num_attention_heads=4, ffn_dim=1024), [0, 0], [0, 0], 128),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_matches_fp32_reference(case, dtype):
+    overrides, pads, q_start, capacity = GPU_CASES[case]
+    model = random_opt(device="cuda", dtype=dtype, num_hidden_layers=3, vocab_size=4000,
+                       max_position_embeddings=512, **overrides)
+    fuseinfer.patch(model)
+    args = _step_inputs(model, pads, q_start, capacity)
+    assert kernel_supports(len(pads), args["embed"], overrides["ffn_dim"], args["k_caches"][0].shape[-1])
+    ref_args, lowp_args = _converted(args, torch.float32), _converted(args, dtype)
+    ref32 = opt_decode_step_ref(**ref_args)
+    torch_lowp = opt_decode_step_ref(**lowp_args)
+    ours = opt_decode_step(**args)
+    err, torch_err = (ours - ref32).abs().max().item(), (torch_lowp - ref32).abs().max().item()
+    assert err <= 2 * torch_err + 1e-6, f"logits: ours {err:.3g} vs torch {torch_err:.3g}"
+    for ours_c, ref_c, lowp_c in zip(args["k_caches"] + args["v_caches"], ref_args["k_caches"] + ref_args["v_caches"],
+                                     lowp_args["k_caches"] + lowp_args["v_caches"]):
+        e, te = (ours_c.float() - ref_c).abs().max().item(), (lowp_c.float() - ref_c).abs().max().item()
+        assert e <= 2 * te + 1e-6, f"cache: ours {e:.3g} vs torch {te:.3g}"
+    again = opt_decode_step(**args)  # the barrier counter and attention counters carry over between launches
+    assert torch.equal(again, ours)
+
+
+@pytest.mark.gpu
+def test_opcheck_cuda():
+    model = random_opt(device="cuda", dtype=torch.float16, hidden_size=256, num_attention_heads=4, ffn_dim=512)
+    fuseinfer.patch(model)
+    args = _step_inputs(model, pads=[0, 2, 5], q_start=[20, 20, 20], capacity=64)
+    torch.library.opcheck(torch.ops.fuseinfer.opt_decode_step.default, tuple(args.values()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["1", "0"])
+def test_fast_decode_path_and_tokens(tiny_model_path, kernel, monkeypatch):
+    """With FUSEINFER_DECODE_KERNEL=1 fuseinfer.generate takes the one-kernel step where it applies (batch
+    buckets up to 8), else (the default, or above 8 rows) the per-op step; both give HF's greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("FUSEINFER_DECODE_KERNEL", kernel)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float16).cuda().eval()
+    ids = torch.randint(3, 8192, (5, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = mask[3, :20] = 0
+    ids = ids.masked_fill(mask == 0, model.config.pad_token_id)
+    kwargs = dict(max_new_tokens=48, min_new_tokens=48, do_sample=False)
+    ref = model.generate(ids, attention_mask=mask, **kwargs)
+    fuseinfer.patch(model)
+    ours = fuseinfer.generate(model, ids, mask, max_new_tokens=48)
+    assert torch.equal(ours, ref)
+    path = model.__dict__[SESSIONS_ATTR][8].path
+    assert path.startswith("one kernel") if kernel == "1" else "opt-in: FUSEINFER_DECODE_KERNEL=1" in path, path
+    big = torch.cat([ids, ids])  # 10 rows: bucket 16, beyond the kernel
+    fuseinfer.generate(model, big, torch.cat([mask, mask]), max_new_tokens=2)
+    assert model.__dict__[SESSIONS_ATTR][16].path.startswith("per op"), model.__dict__[SESSIONS_ATTR][16].path
