@@ -63,7 +63,7 @@ def trace_table() -> None:
     print(f"  {'LM head':28s} {d[:, -1].mean():8.2f} {d[:, -1].max():12.2f}")
 
 
-def time_step(model, ids) -> "object":
+def time_step(model, ids):
     """A fresh fast-decode session for ``ids``; prints the graph-replayed step time (mean of 50) and returns it."""
     release(model)
     fuseinfer.generate(model, ids, max_new_tokens=256)  # room for the 70 steps below
@@ -85,8 +85,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--no-gemv-table", action="store_true", help="only the decode step")
-    ap.add_argument("--sweep", default="", help="one-kernel step settings to time, e.g. "
-                    "'FUSEINFER_DECODE_INFLIGHT=2,4;FUSEINFER_DECODE_PREFETCH=0,1' (every combination)")
+    ap.add_argument("--sweep", default="", help="environment settings read when a session is made, each "
+                    "combination timed in this process, e.g. 'FUSEINFER_DECODE_KERNEL=0,1,0,1'")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__)
     if not args.no_gemv_table:
