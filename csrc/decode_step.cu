@@ -27,8 +27,7 @@
 // Activations written by one block and read by another are read with ld.global.cg (L2, never a stale L1).
 // Numerics follow the per-op path: fp32 accumulation and statistics, one rounding to the model dtype at
 // each point where the per-op path stores a tensor.
-// Status: correct (tests/test_decode_step.py) but not yet faster than the per-op step, so fast decode uses it
-// only with FUSEINFER_DECODE_KERNEL=1; README "Fast decode" has the measurements and the trace findings.
+// README "Fast decode" has the measurements and the trace findings.
 #include "device_utils.cuh"
 #include "fuseinfer.h"
 
@@ -74,7 +73,7 @@ struct StepParams {
   const bool* key_mask;      // (B, T)
   const void *embed, *pos_embed, *lnf_w, *lnf_b, *lm_head;
   float* logits;  // (B, V)
-  int64_t* trace;  // null, or (gridDim.x, 2 + 12 * layers): see decode_step_trace()
+  int64_t* trace;  // null, or (gridDim.x, trace_events(layers)): see decode_step_trace()
   // workspace (see workspace_layout)
   unsigned long long* barrier;
   int* attn_count;    // (B, H)
@@ -82,6 +81,10 @@ struct StepParams {
   void *h, *q, *attn, *ffn;  // (B, E), (B, E), (B, E), (B, F)
   LayerWeights layer[kMaxLayers];
 };
+
+// Trace row of a block (FUSEINFER_DECODE_TRACE=1): the consumers' timestamps (ns) at the 2 + 10 * layers phase
+// ends, then per layer the producer's and the consumers' total time waiting on the ring so far.
+__host__ __device__ constexpr int trace_events(int layers) { return 2 + 12 * layers; }
 
 // ---- shared-memory and synchronisation primitives (sm_90) ----
 
@@ -251,7 +254,7 @@ __device__ void consume(Ring& ring, const char* x, int x_stride, int m, int n, i
     const int col = tile * kTileRows + out_row;
     const bool owner = out_token < m && col < n;
     const float extra = owner ? epi.pre(out_token, col) : 0.f;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    float acc[4] = {0.f, 0.f, 0.f, 0.f}, acc2[4] = {0.f, 0.f, 0.f, 0.f};  // two chains of dependent mmas
     for (int k0 = 0; k0 < k; k0 += kChunk) {
       const int steps = min(kChunk, k - k0) / 32;
       ring.wait(&ring.full[ring.index], ring.phase);
@@ -263,13 +266,15 @@ __device__ void consume(Ring& ring, const char* x, int x_stride, int m, int n, i
         const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y};
         const uint32_t a1[4] = {lo.z, hi.z, lo.w, hi.w};
         mma_16816<T>(acc, a0, xv.x, xv.y);
-        mma_16816<T>(acc, a1, xv.z, xv.w);
+        mma_16816<T>(acc2, a1, xv.z, xv.w);
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(&ring.empty[ring.index]);
       ring.advance();
     }
     // acc = {(row g, token 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)}
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] += acc2[i];
     float(&part)[kConsumerWarps][kTileRows][kMaxTokens + 1] = partial[pbuf];
     part[warp][g][2 * t] = acc[0];
     part[warp][g][2 * t + 1] = acc[1];
@@ -286,92 +291,89 @@ __device__ void consume(Ring& ring, const char* x, int x_stride, int m, int n, i
   }
 }
 
-// x[r] = LayerNorm(src row r) for r < m, by all consumer threads (each row's 16-byte chunks spread over
-// them, so a row costs one round trip to L2); src = h, or (layer 0) the embeddings' sum, which block 0
-// also stores to h. Statistics in fp32, two passes (mean, then squared deviations), as layer_norm.cu.
+// x[r] = LayerNorm(src row r) for r < m. src = h, or (layer 0) the embeddings' sum, which block 0 also stores
+// to h. Three steps, one round trip to memory: (1) every consumer thread loads 16-byte chunks of the rows and of
+// the LayerNorm weight and bias (all loads in flight at once) into shared memory: the rows raw into x, weight
+// and bias into lnp (2 E elements); (2) warp r computes row r's statistics from shared memory in fp32, two
+// passes (mean, then squared deviations) as layer_norm.cu; (3) every thread normalises its chunks in place.
+// Loops run over rows at run time (no unrolling over kMaxTokens): the code stays small, which matters in a
+// kernel whose per-layer loop does not fit the instruction cache.
 template <typename T>
-__device__ void layer_norm_rows(const StepParams& p, char* x, const T* w, const T* b, bool from_embedding,
-                                float (*red)[kMaxTokens]) {
+__device__ void layer_norm_rows(const StepParams& p, char* x, char* lnp, const T* w, const T* b,
+                                bool from_embedding, float (*stat)[2]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int chunks = p.e / 8;
-  const uint4* w4 = reinterpret_cast<const uint4*>(w);
-  const uint4* b4 = reinterpret_cast<const uint4*>(b);
   uint4* h4 = static_cast<uint4*>(p.h);
-  float stat[kMaxTokens];
-  // pass 1: load, store raw to x, sum
+  uint4* wb = reinterpret_cast<uint4*>(lnp);  // (2, E): weight, then bias
+  // Items 0 .. 2 chunks - 1 are the weight's and the bias's chunks, then (row, chunk) of the rows.
+  auto load = [&](int i) -> uint4 {
+    if (i < 2 * chunks) return __ldg(reinterpret_cast<const uint4*>(i < chunks ? w : b) + i % chunks);
+    i -= 2 * chunks;
+    if (!from_embedding) return __ldcg(h4 + i);
+    const int r = i / chunks, c = i % chunks;
+    float v[8], pe[8];
+    unpack8<T>(__ldg(reinterpret_cast<const uint4*>(p.embed) + p.tokens[r] * chunks + c), v);
+    unpack8<T>(__ldg(reinterpret_cast<const uint4*>(p.pos_embed) + (p.positions[r] + 2) * chunks + c), pe);
 #pragma unroll
-  for (int r = 0; r < kMaxTokens; ++r) {
-    stat[r] = 0.f;
-    if (r >= p.m) continue;
-    uint4* xr = reinterpret_cast<uint4*>(x + r * p.x_stride);
-    for (int c = threadIdx.x; c < chunks; c += kConsumers) {
-      float v[8];
-      uint4 u;
-      if (from_embedding) {
-        float pe[8];
-        unpack8<T>(__ldg(reinterpret_cast<const uint4*>(p.embed) + p.tokens[r] * chunks + c), v);
-        unpack8<T>(__ldg(reinterpret_cast<const uint4*>(p.pos_embed) + (p.positions[r] + 2) * chunks + c), pe);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] += pe[j];
-        u = pack8<T>(v);
-        unpack8<T>(u, v);  // the sum rounded to the model dtype, as the per-op path stores it
-        if (blockIdx.x == 0) h4[r * chunks + c] = u;
-      } else {
-        u = __ldcg(h4 + r * chunks + c);
-        unpack8<T>(u, v);
-      }
-      xr[c] = u;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) stat[r] += v[j];
-    }
-  }
-  auto block_sum = [&](float (&v)[kMaxTokens]) {
-#pragma unroll
-    for (int r = 0; r < kMaxTokens; ++r) {
-      const float s = warp_sum(v[r]);
-      if (lane == 0) red[warp][r] = s;
-    }
-    consumers_sync();
-#pragma unroll
-    for (int r = 0; r < kMaxTokens; ++r) {
-      float s = 0.f;
-#pragma unroll
-      for (int i = 0; i < kConsumerWarps; ++i) s += red[i][r];
-      v[r] = s;
-    }
-    consumers_sync();  // red is reused by the next reduction
+    for (int j = 0; j < 8; ++j) v[j] += pe[j];
+    const uint4 u = pack8<T>(v);  // the sum rounded to the model dtype, as the per-op path stores it
+    if (blockIdx.x == 0) h4[i] = u;
+    return u;
   };
-  block_sum(stat);
-  float mean[kMaxTokens];
+  const int items = (2 + p.m) * chunks;
+  constexpr int kBatch = 4;  // loads in flight per thread before the first store
+  for (int i0 = threadIdx.x; i0 < items; i0 += kBatch * kConsumers) {
+    uint4 u[kBatch];
 #pragma unroll
-  for (int r = 0; r < kMaxTokens; ++r) {
-    mean[r] = stat[r] / p.e;
-    stat[r] = 0.f;
-    if (r >= p.m) continue;
-    const uint4* xr = reinterpret_cast<const uint4*>(x + r * p.x_stride);
-    for (int c = threadIdx.x; c < chunks; c += kConsumers) {
-      float v[8];
-      unpack8<T>(xr[c], v);
+    for (int j = 0; j < kBatch; ++j) {
+      if (i0 + j * kConsumers < items) u[j] = load(i0 + j * kConsumers);
+    }
 #pragma unroll
-      for (int j = 0; j < 8; ++j) stat[r] += (v[j] - mean[r]) * (v[j] - mean[r]);
+    for (int j = 0; j < kBatch; ++j) {
+      const int i = i0 + j * kConsumers;
+      if (i < 2 * chunks) {
+        wb[i] = u[j];
+      } else if (i < items) {
+        reinterpret_cast<uint4*>(x + (i / chunks - 2) * p.x_stride)[i % chunks] = u[j];
+      }
     }
   }
-  block_sum(stat);
-  for (int c = threadIdx.x; c < chunks; c += kConsumers) {
-    float wv[8], bv[8];
-    unpack8<T>(__ldg(w4 + c), wv);
-    unpack8<T>(__ldg(b4 + c), bv);
-#pragma unroll
-    for (int r = 0; r < kMaxTokens; ++r) {
-      if (r >= p.m) continue;
-      const float rstd = rsqrtf(stat[r] / p.e + p.eps);
-      uint4* xr = reinterpret_cast<uint4*>(x + r * p.x_stride);
+  consumers_sync();
+  if (warp < p.m) {  // statistics of row `warp`
+    const uint4* xr = reinterpret_cast<const uint4*>(x + warp * p.x_stride);
+    float s = 0.f;
+    for (int c = lane; c < chunks; c += 32) {
       float v[8];
       unpack8<T>(xr[c], v);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = (v[j] - mean[r]) * rstd * wv[j] + bv[j];
-      xr[c] = pack8<T>(v);
+      for (int j = 0; j < 8; ++j) s += v[j];
     }
+    const float mean = warp_sum(s) / p.e;
+    s = 0.f;
+    for (int c = lane; c < chunks; c += 32) {
+      float v[8];
+      unpack8<T>(xr[c], v);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) s += (v[j] - mean) * (v[j] - mean);
+    }
+    s = warp_sum(s);
+    if (lane == 0) {
+      stat[warp][0] = mean;
+      stat[warp][1] = rsqrtf(s / p.e + p.eps);
+    }
+  }
+  consumers_sync();
+  for (int i = threadIdx.x; i < p.m * chunks; i += kConsumers) {
+    const int r = i / chunks, c = i % chunks;
+    uint4* xr = reinterpret_cast<uint4*>(x + r * p.x_stride);
+    float v[8], wv[8], bv[8];
+    unpack8<T>(xr[c], v);
+    unpack8<T>(wb[c], wv);
+    unpack8<T>(wb[chunks + c], bv);
+    const float mean = stat[r][0], rstd = stat[r][1];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = (v[j] - mean) * rstd * wv[j] + bv[j];
+    xr[c] = pack8<T>(v);
   }
   consumers_sync();
 }
@@ -508,6 +510,8 @@ __device__ void attention(const StepParams& p, const LayerWeights& L, float (*q_
 }
 
 // Bytes of StepParams up to and including `layers` layers (a multiple of 16).
+__host__ __device__ constexpr int ln_params_bytes(int e) { return 2 * e * 2; }  // weight and bias, 16-bit
+
 __host__ __device__ constexpr int params_bytes(int layers) {
   return (static_cast<int>(offsetof(StepParams, layer)) + layers * static_cast<int>(sizeof(LayerWeights)) + 15) / 16 * 16;
 }
@@ -568,13 +572,14 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
   __shared__ uint64_t full[32], empty[32];
   __shared__ float partial[2][kConsumerWarps][kTileRows][kMaxTokens + 1];
   __shared__ float q_smem[kConsumerWarps][128];
-  __shared__ float red[kConsumerWarps][kMaxTokens];
+  __shared__ float ln_stat[kMaxTokens][2];  // mean, rstd per row
 
   // The parameters (scalars and the used layers' pointers) are read from a shared-memory copy: read in place
   // they are generic loads of the parameter buffer, cached in L1, which every grid barrier's acquire
   // invalidates, so each phase would start with a chain of dependent L2 round trips.
   char* x = smem + params.stages * kStageBytes;
-  StepParams* copy = reinterpret_cast<StepParams*>(x + params.m * params.x_stride);
+  char* lnp = x + params.m * params.x_stride;  // LayerNorm weight and bias, 2 E elements
+  StepParams* copy = reinterpret_cast<StepParams*>(lnp + ln_params_bytes(params.e));
   {
     const int bytes = params_bytes(params.layers);
     const uint4* src = reinterpret_cast<const uint4*>(&params);
@@ -592,6 +597,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
   }
   __syncthreads();
 
+  int64_t* trace = p.trace == nullptr ? nullptr : p.trace + blockIdx.x * trace_events(p.layers);
   if (threadIdx.x >= kConsumers) {  // producer warp: one lane issues every copy
     if (threadIdx.x == kConsumers) {
       const uint64_t policy = evict_first_policy();
@@ -601,7 +607,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
         produce(ring, L.wo, p.e, p.e, policy);
         produce(ring, L.w1, p.f, p.e, policy);
         produce(ring, L.w2, p.e, p.f, policy);
-        if (p.trace != nullptr) p.trace[blockIdx.x * (2 + 12 * p.layers) + 2 + 10 * p.layers + 2 * l] = ring.wait_ns;
+        if (trace != nullptr) trace[2 + 10 * p.layers + 2 * l] = ring.wait_ns;
       }
       produce(ring, p.lm_head, p.vocab, p.e, policy);
     }
@@ -618,55 +624,50 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
   }
   consumers_sync();
   unsigned long long target = base_s;
+  auto mark = [&](int event) {  // trace: block-local timestamp at a phase end
+    if (trace != nullptr && threadIdx.x == 0) trace[event] = now_ns();
+  };
   auto barrier = [&] {
     target += gridDim.x;
     grid_barrier(p.barrier, target);
   };
-
-  // Trace (FUSEINFER_DECODE_TRACE=1): block-local timestamps at each phase end, see decode_step_trace().
-  auto mark = [&](int event) {
-    if (p.trace != nullptr && threadIdx.x == 0) p.trace[blockIdx.x * (2 + 12 * p.layers) + event] = now_ns();
+  auto phase_end = [&](int event) {  // the grid barrier after phase `event`, its wait traced as event + 1
+    mark(event);
+    barrier();
+    mark(event + 1);
   };
   mark(0);
   int pbuf = 0;
   T* h = static_cast<T*>(p.h);
-  layer_norm_rows<T>(p, x, static_cast<const T*>(p.layer[0].ln1_w), static_cast<const T*>(p.layer[0].ln1_b), true,
-                     red);
+  layer_norm_rows<T>(p, x, lnp, static_cast<const T*>(p.layer[0].ln1_w), static_cast<const T*>(p.layer[0].ln1_b),
+                     true, ln_stat);
   for (int l = 0; l < p.layers; ++l) {
     const LayerWeights& L = p.layer[l];
     const int ev = 1 + 10 * l;
     consume<T>(ring, x, p.x_stride, p.m, 3 * p.e, p.e, partial, pbuf,
                QkvEpilogue<T>{static_cast<const T*>(L.bqkv), static_cast<T*>(p.q), static_cast<T*>(L.k_cache),
                               static_cast<T*>(L.v_cache), p.q_start, p.e, p.heads, p.capacity, D});
-    mark(ev);
-    barrier();
-    mark(ev + 1);
+    phase_end(ev);
     attention<T, D>(p, L, q_smem);
-    mark(ev + 2);
-    barrier();
-    mark(ev + 3);
+    phase_end(ev + 2);
     stage_rows(p, x, p.attn, p.e);
     consume<T>(ring, x, p.x_stride, p.m, p.e, p.e, partial, pbuf,
                ResidualEpilogue<T>{static_cast<const T*>(L.bo), h, p.e});
-    mark(ev + 4);
-    barrier();
-    mark(ev + 5);
-    layer_norm_rows<T>(p, x, static_cast<const T*>(L.ln2_w), static_cast<const T*>(L.ln2_b), false, red);
+    phase_end(ev + 4);
+    layer_norm_rows<T>(p, x, lnp, static_cast<const T*>(L.ln2_w), static_cast<const T*>(L.ln2_b), false, ln_stat);
     consume<T>(ring, x, p.x_stride, p.m, p.f, p.e, partial, pbuf,
                ReluEpilogue<T>{static_cast<const T*>(L.b1), static_cast<T*>(p.ffn), p.f});
-    mark(ev + 6);
-    barrier();
-    mark(ev + 7);
+    phase_end(ev + 6);
     stage_rows(p, x, p.ffn, p.f);
     consume<T>(ring, x, p.x_stride, p.m, p.e, p.f, partial, pbuf,
                ResidualEpilogue<T>{static_cast<const T*>(L.b2), h, p.e});
     mark(ev + 8);
-    barrier();
+    barrier();  // traced together with the next LayerNorm
     const bool last = l + 1 == p.layers;
-    layer_norm_rows<T>(p, x, static_cast<const T*>(last ? p.lnf_w : p.layer[l + 1].ln1_w),
-                       static_cast<const T*>(last ? p.lnf_b : p.layer[l + 1].ln1_b), false, red);
+    layer_norm_rows<T>(p, x, lnp, static_cast<const T*>(last ? p.lnf_w : p.layer[l + 1].ln1_w),
+                       static_cast<const T*>(last ? p.lnf_b : p.layer[l + 1].ln1_b), false, ln_stat);
     mark(ev + 9);
-    if (p.trace != nullptr && threadIdx.x == 0) p.trace[blockIdx.x * (2 + 12 * p.layers) + 3 + 10 * p.layers + 2 * l] = ring.wait_ns;
+    if (trace != nullptr && threadIdx.x == 0) trace[3 + 10 * p.layers + 2 * l] = ring.wait_ns;
   }
   consume<T>(ring, x, p.x_stride, p.m, p.vocab, p.e, partial, pbuf, LogitsEpilogue<T>{p.logits, p.vocab});
   mark(1 + 10 * p.layers);
@@ -694,11 +695,12 @@ int max_smem_optin() { return at::cuda::getCurrentDeviceProperties()->sharedMemP
 
 // Static shared memory of the kernel (barriers, partial sums, q): everything but ring and x.
 constexpr int kStaticSmem = 2 * 32 * 8 + 2 * kConsumerWarps * kTileRows * (kMaxTokens + 1) * 4 +
-                            kConsumerWarps * 128 * 4 + kConsumerWarps * kMaxTokens * 4 + 8 + 256;
+                            kConsumerWarps * 128 * 4 + kMaxTokens * 2 * 4 + 8 + 256;
 
 int ring_stages(int64_t m, int64_t e, int64_t f, int64_t layers) {
   const int64_t free_bytes =
-      max_smem_optin() - kStaticSmem - m * x_stride_bytes(std::max(e, f)) - params_bytes(static_cast<int>(layers));
+      max_smem_optin() - kStaticSmem - m * x_stride_bytes(std::max(e, f)) - ln_params_bytes(static_cast<int>(e)) -
+      params_bytes(static_cast<int>(layers));
   return static_cast<int>(std::min<int64_t>(32, free_bytes / kStageBytes));
 }
 
@@ -803,7 +805,7 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
   p.lm_head = lm_head.data_ptr();
   auto logits = at::empty({m, vocab}, embed.options().dtype(at::kFloat));
   p.trace = trace_buffer(embed.device(), at::cuda::getCurrentDeviceProperties()->multiProcessorCount,
-                         2 + 12 * layers);
+                         trace_events(static_cast<int>(layers)));
   p.logits = logits.data_ptr<float>();
   char* ws = static_cast<char*>(workspace.data_ptr());
   p.barrier = reinterpret_cast<unsigned long long*>(ws + layout[0]);
@@ -839,7 +841,8 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
   const auto* props = at::cuda::getCurrentDeviceProperties();
   TORCH_CHECK(props->major >= 9, "decode_step: needs an sm_90 GPU (TMA bulk copies), got sm_", props->major,
               props->minor);
-  const int smem = p.stages * kStageBytes + static_cast<int>(m) * p.x_stride + params_bytes(p.layers);
+  const int smem =
+      p.stages * kStageBytes + static_cast<int>(m) * p.x_stride + ln_params_bytes(p.e) + params_bytes(p.layers);
   auto launch = [&](auto kernel) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     int resident = 0;

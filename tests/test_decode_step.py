@@ -8,7 +8,7 @@ from conftest import random_opt
 
 import fuseinfer
 from fuseinfer.ops import opt_decode_step, opt_decode_step_ref
-from fuseinfer.ops.decode_step import decode_step_workspace, kernel_supports
+from fuseinfer.ops.decode_step import AUTO_MAX_ROWS, decode_step_workspace, kernel_supports
 from fuseinfer.patches.opt import decode_step_params, forward_last_logits
 from fuseinfer.runtime.cache import StaticKVCache
 from fuseinfer.runtime.decode import SESSIONS_ATTR
@@ -130,10 +130,11 @@ def test_opcheck_cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["1", "0"])
+@pytest.mark.parametrize("kernel", ["1", "0", "auto"])
 def test_fast_decode_path_and_tokens(tiny_model_path, kernel, monkeypatch):
-    """With FUSEINFER_DECODE_KERNEL=1 fuseinfer.generate takes the one-kernel step where it applies (batch
-    buckets up to 8), else (the default, or above 8 rows) the per-op step; both give HF's greedy tokens."""
+    """FUSEINFER_DECODE_KERNEL picks the step: 1 the one-kernel step wherever it applies (batch buckets up to
+    8), 0 never, auto (the default) up to AUTO_MAX_ROWS rows; beyond the kernel (10 rows, bucket 16) the step is
+    per op whatever the setting. Every path gives HF's greedy tokens."""
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("FUSEINFER_DECODE_KERNEL", kernel)
@@ -144,11 +145,24 @@ def test_fast_decode_path_and_tokens(tiny_model_path, kernel, monkeypatch):
     ids = ids.masked_fill(mask == 0, model.config.pad_token_id)
     kwargs = dict(max_new_tokens=48, min_new_tokens=48, do_sample=False)
     ref = model.generate(ids, attention_mask=mask, **kwargs)
+    ref_one = model.generate(ids[:1], **kwargs)
     fuseinfer.patch(model)
-    ours = fuseinfer.generate(model, ids, mask, max_new_tokens=48)
-    assert torch.equal(ours, ref)
-    path = model.__dict__[SESSIONS_ATTR][8].path
-    assert path.startswith("one kernel") if kernel == "1" else "opt-in: FUSEINFER_DECODE_KERNEL=1" in path, path
+    assert torch.equal(fuseinfer.generate(model, ids, mask, max_new_tokens=48), ref)
+    assert torch.equal(fuseinfer.generate(model, ids[:1], max_new_tokens=48), ref_one)
+    sessions = model.__dict__[SESSIONS_ATTR]
+    expect_kernel = {1: kernel != "0", 8: kernel == "1" or (kernel == "auto" and AUTO_MAX_ROWS >= 8)}
+    for bucket, on in expect_kernel.items():
+        assert sessions[bucket].path.startswith("one kernel" if on else "per op"), (bucket, sessions[bucket].path)
+    if kernel == "0":
+        assert "FUSEINFER_DECODE_KERNEL=0" in sessions[8].path
     big = torch.cat([ids, ids])  # 10 rows: bucket 16, beyond the kernel
     fuseinfer.generate(model, big, torch.cat([mask, mask]), max_new_tokens=2)
-    assert model.__dict__[SESSIONS_ATTR][16].path.startswith("per op"), model.__dict__[SESSIONS_ATTR][16].path
+    assert sessions[16].path.startswith("per op"), sessions[16].path
+
+
+def test_bad_decode_kernel_setting_is_one_clear_error(monkeypatch):
+    model = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=96, num_hidden_layers=1).eval()
+    fuseinfer.patch(model)
+    monkeypatch.setenv("FUSEINFER_DECODE_KERNEL", "yes")
+    with pytest.raises(fuseinfer.FuseInferError, match="FUSEINFER_DECODE_KERNEL must be auto, 0 or 1"):
+        fuseinfer.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=2)

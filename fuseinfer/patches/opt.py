@@ -26,6 +26,7 @@ from .._ext import backend_for
 from ..ops import add_layer_norm, decode_step_workspace, linear_epilogue, opt_decode_step
 from ..ops import decode_step as decode_step_op
 from ..ops.attention import kernel_supports
+from ..errors import FuseInferError
 from ..patching import PatchConfig, PatchReport, Swap
 from . import hf_attention
 
@@ -141,8 +142,15 @@ class OPTFamily:
     def decode_step_kernel(model: nn.Module, cache):
         """(step(tokens, positions, q_start) -> fp32 logits (B, V), None) running the whole decode step over
         ``cache`` as one kernel (``fuseinfer::opt_decode_step``), or (None, why it cannot)."""
-        if os.environ.get("FUSEINFER_DECODE_KERNEL", "0") != "1":  # opt-in: not yet faster (README)
-            return None, "the one-kernel step is opt-in: FUSEINFER_DECODE_KERNEL=1"
+        mode = os.environ.get("FUSEINFER_DECODE_KERNEL", "auto")
+        if mode not in ("auto", "0", "1"):
+            raise FuseInferError(f"FUSEINFER_DECODE_KERNEL must be auto, 0 or 1, got {mode!r}")
+        if mode == "0":
+            return None, "the one-kernel step is off: FUSEINFER_DECODE_KERNEL=0"
+        rows = cache.key_mask.shape[0]
+        if mode == "auto" and rows > decode_step_op.AUTO_MAX_ROWS:
+            return None, (f"the one-kernel step is slower than per op above {decode_step_op.AUTO_MAX_ROWS} row(s) "
+                          "(README); FUSEINFER_DECODE_KERNEL=1 uses it wherever it applies")
         cfg, dec = model.config, model.model.decoder
         if not cfg.do_layer_norm_before or dec.project_in is not None or dec.project_out is not None:
             return None, "post-LN OPT with projected embeddings (opt-350m) runs per op"
@@ -154,7 +162,7 @@ class OPTFamily:
                    for layer in layers) or dec.embed_positions.offset != 2:
             return None, "the model is not patched with the fused q/k/v projection"
         embed = dec.embed_tokens.weight
-        rows, heads = cache.key_mask.shape[0], cfg.num_attention_heads
+        heads = cfg.num_attention_heads
         if not decode_step_op.kernel_supports(rows, embed, cfg.ffn_dim, cfg.hidden_size // heads):
             return None, (f"no kernel for {rows} rows of {embed.dtype} on {embed.device} (needs the extension, "
                           f"sm_90, fp16/bf16, head dim 64/128, <= {decode_step_op.MAX_ROWS} rows that fit shared memory)")

@@ -1,10 +1,12 @@
 """Fast decode for patched models: a static KV cache and the whole decode step replayed as a CUDA graph.
 
 ``generate(model, input_ids, ...)`` runs the prompt once (eager), then each new token with one replay of a
-graph captured per batch-size bucket (1, 2, 4, 8, ...): all layers (the patched modules op by op, or with
-FUSEINFER_DECODE_KERNEL=1 one persistent kernel, ``fuseinfer::opt_decode_step``, where the model family has one
-and the bucket fits it; ``session.path`` says which), the LM head, the next-token choice (greedy or sampling), the EOS bookkeeping and the advance of every position counter happen inside the graph,
-so the host only launches replays and looks at the stop flag every ``STOP_CHECK_EVERY`` tokens. On CPU, or
+graph captured per batch-size bucket (1, 2, 4, 8, ...): all layers (one persistent kernel,
+``fuseinfer::opt_decode_step``, where the model family has one and the bucket fits it; else the patched modules
+op by op; FUSEINFER_DECODE_KERNEL picks: ``auto`` where it is faster, ``1`` wherever it applies, ``0`` never;
+``session.path`` says which), the LM head, the next-token choice (greedy or sampling), the EOS bookkeeping and
+the advance of every position counter happen inside the graph, so the host only launches replays and looks at
+the stop flag every ``STOP_CHECK_EVERY`` tokens. On CPU, or
 with FUSEINFER_CUDA_GRAPHS=0, the same step runs eagerly over the same static cache.
 
 Sessions (cache + graph, one per bucket) stay on the model between calls, so repeated calls reuse them and
