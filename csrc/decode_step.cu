@@ -30,6 +30,7 @@
 // README "Fast decode" has the measurements and the trace findings.
 #include "device_utils.cuh"
 #include "fuseinfer.h"
+#include "launch.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -58,6 +59,7 @@ constexpr int kStageRow = kChunk * 2 + 64;  // bytes; 64 of padding: conflict-fr
 constexpr int kStageBytes = kTileRows * kStageRow;
 constexpr int kMinStages = 3;
 constexpr int kSlice = 32;                 // keys per attention work item (one per lane)
+static_assert(kMaxTokens <= kConsumerWarps, "layer_norm_rows: one consumer warp per row's statistics");
 
 struct LayerWeights {
   const void *ln1_w, *ln1_b, *wqkv, *bqkv, *wo, *bo, *ln2_w, *ln2_b, *w1, *b1, *w2, *b2;
@@ -675,7 +677,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
 
 // Byte offsets of the workspace's parts, each 256-aligned; the last entry is the total size.
 std::vector<int64_t> workspace_layout(int64_t m, int64_t e, int64_t f, int64_t heads, int64_t head_dim,
-                                      int64_t capacity, int64_t elem) {
+                                      int64_t capacity) {
+  constexpr int64_t elem = 2;  // fp16 / bf16 activations
   const int64_t slices_cap = (capacity + kSlice - 1) / kSlice;
   const int64_t sizes[] = {8, m * heads * 4, m * heads * slices_cap * (head_dim + 2) * 4, m * e * elem,
                            m * e * elem, m * e * elem, m * f * elem};
@@ -730,7 +733,7 @@ at::Tensor decode_step_trace() { return trace_tensor().defined() ? trace_tensor(
 
 int64_t decode_step_workspace_bytes(int64_t m, int64_t e, int64_t f, int64_t heads, int64_t head_dim,
                                     int64_t capacity) {
-  return workspace_layout(m, e, f, heads, head_dim, capacity, 2).back();
+  return workspace_layout(m, e, f, heads, head_dim, capacity).back();
 }
 
 bool decode_step_fits(int64_t m, int64_t e, int64_t f) {
@@ -776,7 +779,7 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
   check(lnf_w, {e}, "final LayerNorm weight");
   check(lnf_b, {e}, "final LayerNorm bias");
   check(lm_head, {vocab, e}, "lm_head");
-  const auto layout = workspace_layout(m, e, f, heads, head_dim, capacity, 2);
+  const auto layout = workspace_layout(m, e, f, heads, head_dim, capacity);
   TORCH_CHECK(workspace.device() == embed.device() && workspace.is_contiguous() &&
                   workspace.nbytes() >= static_cast<size_t>(layout.back()),
               "decode_step: workspace too small");
@@ -852,14 +855,8 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
     cudaLaunchAttribute attr;
     attr.id = cudaLaunchAttributeCooperative;
     attr.val.cooperative = 1;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(props->multiProcessorCount);
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = smem;
-    config.stream = at::cuda::getCurrentCUDAStream();
-    config.attrs = &attr;
-    config.numAttrs = 1;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
+    launch_kernel_with(&attr, kernel, props->multiProcessorCount, kThreads, smem, at::cuda::getCurrentCUDAStream(),
+                       p);
   };
   if (dtype == at::kHalf) {
     head_dim == 64 ? launch(decode_step_kernel<__half, 64>) : launch(decode_step_kernel<__half, 128>);

@@ -52,6 +52,20 @@ inline bool pdl_enabled() {
   return env_on && at::cuda::getCurrentDeviceProperties()->major >= 9;
 }
 
+// kernel<<<grid, block, smem, stream>>>(args...) with the launch attribute `attr` (none when attr is null).
+template <typename... Params, typename... Args>
+void launch_kernel_with(const cudaLaunchAttribute* attr, void (*kernel)(Params...), dim3 grid, dim3 block,
+                        size_t smem, cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = const_cast<cudaLaunchAttribute*>(attr);
+  config.numAttrs = attr != nullptr ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
 // kernel<<<grid, block, smem, stream>>>(args...), marked programmatic when pdl_enabled().
 template <typename... Params, typename... Args>
 void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
@@ -59,14 +73,8 @@ void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
   cudaLaunchAttribute attr;
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = &attr;
-  config.numAttrs = pdl_enabled() ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+  launch_kernel_with(pdl_enabled() ? &attr : nullptr, kernel, grid, block, smem, stream,
+                     std::forward<Args>(args)...);
 }
 
 }  // namespace fuseinfer

@@ -10,8 +10,6 @@ from .quant import dequantize, dequantize_int8_ref, quantize_int8_ref, quantize_
 
 __all__ = [
     "add_layer_norm", "add_layer_norm_ref", "attention", "attention_ref", "decode_step_workspace", "dequantize",
-    "dequantize_int8_ref",
-    "kv_cache_append", "kv_cache_append_ref", "linear_epilogue", "linear_epilogue_ref", "opt_decode_step",
-    "opt_decode_step_ref", "quantize_int8_ref",
-    "quantize_per_channel", "quantize_per_token",
+    "dequantize_int8_ref", "kv_cache_append", "kv_cache_append_ref", "linear_epilogue", "linear_epilogue_ref",
+    "opt_decode_step", "opt_decode_step_ref", "quantize_int8_ref", "quantize_per_channel", "quantize_per_token",
 ]

@@ -23,10 +23,10 @@ from torch import nn
 from transformers.models.opt.modeling_opt import OPTAttention, OPTDecoder, OPTDecoderLayer
 
 from .._ext import backend_for
+from ..errors import FuseInferError
 from ..ops import add_layer_norm, decode_step_workspace, linear_epilogue, opt_decode_step
 from ..ops import decode_step as decode_step_op
 from ..ops.attention import kernel_supports
-from ..errors import FuseInferError
 from ..patching import PatchConfig, PatchReport, Swap
 from . import hf_attention
 

@@ -14,6 +14,7 @@ allocate nothing; ``release(model)`` (or ``fuseinfer.unpatch``) frees them.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -56,12 +57,17 @@ class Sampling:
         return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
 
 
+@functools.lru_cache(maxsize=None)
+def _argmax_chunks(v: int) -> int:
+    """The most equal chunks (up to 1024) that divide a vocabulary of ``v``: 32 for OPT's 50272."""
+    return max(c for c in range(1, min(v, 1024) + 1) if v % c == 0)
+
+
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over (B, V) in two stages (V split in as many equal chunks as divide it, up to 1024; 32 for OPT's
-    50272): a one-stage reduce over 50k logits runs on one block per row. Ties resolve to the first index, as
-    torch.argmax does."""
+    """argmax over (B, V) in two stages (V split in _argmax_chunks(V) chunks): a one-stage reduce over 50k
+    logits runs on one block per row. Ties resolve to the first index, as torch.argmax does."""
     b, v = logits.shape
-    chunks = max(c for c in range(1, min(v, 1024) + 1) if v % c == 0)
+    chunks = _argmax_chunks(v)
     vals, idx = logits.view(b, chunks, v // chunks).max(-1)  # (B, chunks): first max inside each chunk
     best = vals.argmax(-1, keepdim=True)  # (B, 1): first chunk holding the global max
     return (best * (v // chunks) + idx.gather(1, best)).squeeze(1)
