@@ -6,18 +6,22 @@
 //     (per layer: qkv, out_proj, fc1, fc2; then the LM head), through a ring of shared-memory stages with
 //     cp.async.bulk (TMA) and mbarriers. Weights do not depend on activations, so the stream never waits
 //     for the grid barriers between phases: while the consumers wait at a barrier, the ring fills up;
-// * eight consumer warps compute each phase and meet the other blocks at a grid barrier when a phase's
-//   outputs are needed by all of them (5 per layer).
+// * eight consumer warps compute each phase. A phase's outputs needed by every block reach them without a
+//   grid barrier: they are written as tagged words (two elements and the epoch that wrote them in one 8-byte
+//   store, see st_tagged) and a reader polls each word until it carries the epoch it expects, which costs one
+//   round trip to L2 once the data is there instead of a barrier's fence, atomic and poll plus the read.
+//   One grid barrier per layer remains, after qkv: attention reads the new keys and values from the caches
+//   (untagged), and the barrier bounds how far a block runs ahead, which makes one copy of each tagged
+//   buffer per layer enough (see the buffer notes at the loop).
 // Phases of layer l (x = the consumer's activation rows in shared memory, h = the residual stream):
 //   x = LN1(h)              every block, redundantly (M rows over all consumer threads)
 //   qkv = x Wqkv^T + b      tiles of 16 rows of W: q -> q buffer, k and v -> the caches at slot q_start[m]
-//   --- barrier ---
+//   --- grid barrier ---
 //   attention               one warp per (row, head, 32 keys): partial softmax sums; the last warp of a
-//                           (row, head) to finish merges them (atomic counter) into attn
-//   --- barrier ---
-//   h += attn Wo^T + b      --- barrier ---
-//   x = LN2(h); f = relu(x W1^T + b)                          --- barrier ---
-//   h += f W2^T + b         --- barrier ---
+//                           (row, head) to finish merges them (atomic counter) into attn (tagged)
+//   h += attn Wo^T + b      (polls attn; h tagged)
+//   x = LN2(h); f = relu(x W1^T + b)   (polls h; f tagged)
+//   h += f W2^T + b         (polls f; h tagged)
 // then x = LN_final(h), logits = x Wlm^T (rounded to the model dtype, returned as fp32).
 //
 // GEMV tiles: 16 rows of W (outputs) x 512 columns per ring stage (rows padded to 1088 bytes so the
@@ -76,17 +80,20 @@ struct StepParams {
   const void *embed, *pos_embed, *lnf_w, *lnf_b, *lm_head;
   float* logits;  // (B, V)
   int64_t* trace;  // null, or (gridDim.x, trace_events(layers)): see decode_step_trace()
-  // workspace (see workspace_layout)
+  // workspace (see workspace_layout); tagged buffers hold E / 2 (F / 2) 8-byte words per row
   unsigned long long* barrier;
   int* attn_count;    // (B, H)
   float* attn_part;   // (B, H, slices_cap, D + 2): max, sum, o[D]
-  void *h, *q, *attn, *ffn;  // (B, E), (B, E), (B, E), (B, F)
+  uint64_t* h[2];     // (B, E) tagged: h[0] after out_proj, h[1] after fc2 (and the embeddings)
+  uint64_t *attn, *ffn;  // (B, E), (B, F) tagged
+  void* q[2];         // (B, E), by layer parity
   LayerWeights layer[kMaxLayers];
 };
 
-// Trace row of a block (FUSEINFER_DECODE_TRACE=1): the consumers' timestamps (ns) at the 2 + 10 * layers phase
-// ends, then per layer the producer's and the consumers' total time waiting on the ring so far.
-__host__ __device__ constexpr int trace_events(int layers) { return 2 + 12 * layers; }
+// Trace row of a block (FUSEINFER_DECODE_TRACE=1): the consumers' timestamps (ns) at the 2 + kTracePhases *
+// layers phase ends, then per layer the producer's and the consumers' total time waiting on the ring so far.
+constexpr int kTracePhases = 7;  // qkv, barrier, attention, out_proj, LN2 + fc1, fc2, next LN (profile_decode.py)
+__host__ __device__ constexpr int trace_events(int layers) { return 2 + (kTracePhases + 2) * layers; }
 
 // ---- shared-memory and synchronisation primitives (sm_90) ----
 
@@ -148,6 +155,80 @@ __device__ __forceinline__ unsigned long long load_acquire(const unsigned long l
   return v;
 }
 
+__device__ __forceinline__ int64_t now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return static_cast<int64_t>(t);
+}
+
+// Tagged words: element pair (low 32 bits, the first element in the low half, as in memory) and the epoch
+// that wrote it (high 32 bits) in one 8-byte relaxed store, so a reader that sees the epoch sees the pair:
+// an aligned 8-byte access is single-copy atomic, and the pair needs no fence to travel with its tag.
+__device__ __forceinline__ void st_tagged(uint64_t* word, uint32_t pair, uint32_t epoch) {
+  const uint64_t v = (static_cast<uint64_t>(epoch) << 32) | pair;
+  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;\n" ::"l"(word), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void ld_tagged2(const uint64_t* word, uint64_t& a, uint64_t& b) {
+  asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];\n" : "=l"(a), "=l"(b) : "l"(word) : "memory");
+}
+
+__device__ __forceinline__ bool tags_are(uint64_t a, uint64_t b, uint64_t c, uint64_t d, uint32_t epoch) {
+  return ((a >> 32) == epoch) & ((b >> 32) == epoch) & ((c >> 32) == epoch) & ((d >> 32) == epoch);
+}
+
+// The waiting part of poll_chunk, out of line: it runs only when a writer is late, and inlined in every loop
+// that stages rows it would grow the kernel (instruction-cache misses) and its register pressure. A writer that
+// never comes is a bug: after 10 s the kernel traps rather than hang the GPU.
+__device__ __noinline__ uint4 poll_chunk_wait(const uint64_t* w, uint32_t epoch) {
+  const int64_t t0 = now_ns();
+  uint64_t a, b, c, d;
+  while (true) {
+    __nanosleep(128);  // every consumer thread of every block may be polling a few lines: spare L2 (H100: -20 us)
+    ld_tagged2(w, a, b);
+    ld_tagged2(w + 2, c, d);
+    if (tags_are(a, b, c, d, epoch)) break;
+    if (now_ns() - t0 > 10'000'000'000LL) __trap();
+  }
+  return make_uint4(static_cast<uint32_t>(a), static_cast<uint32_t>(b), static_cast<uint32_t>(c),
+                    static_cast<uint32_t>(d));
+}
+
+// Eight elements (a 16-byte chunk of an untagged row) from words [4c, 4c + 4), once all four carry `epoch`.
+__device__ __forceinline__ uint4 poll_chunk(const uint64_t* words, int c, uint32_t epoch) {
+  const uint64_t* w = words + 4 * static_cast<int64_t>(c);
+  uint64_t a, b, d, e;
+  ld_tagged2(w, a, b);
+  ld_tagged2(w + 2, d, e);
+  if (!tags_are(a, b, d, e, epoch)) return poll_chunk_wait(w, epoch);
+  return make_uint4(static_cast<uint32_t>(a), static_cast<uint32_t>(b), static_cast<uint32_t>(d),
+                    static_cast<uint32_t>(e));
+}
+
+// Element n of a tagged row whose epoch the caller has already seen (by a poll of the same word).
+template <typename T>
+__device__ __forceinline__ float ld_tagged_elem(const uint64_t* words, int64_t n) {
+  uint64_t v;
+  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];\n" : "=l"(v) : "l"(words + n / 2) : "memory");
+  const unsigned short bits = static_cast<unsigned short>(n % 2 ? v >> 16 : v);
+  if constexpr (std::is_same_v<T, __half>) {
+    return __half2float(__ushort_as_half(bits));
+  } else {
+    return __bfloat162float(__ushort_as_bfloat16(bits));
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return __half_as_ushort(__float2half_rn(lo)) |
+           (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(hi))) << 16);
+  } else {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(lo)) |
+           (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
+  }
+}
+
 // All blocks' consumers reach the barrier; their global writes before it are visible to all after it
 // (bar.sync, then one thread's release-add and acquire-poll at gpu scope, as CUTLASS's generic barrier).
 // The counter only grows: barrier i of a launch completes at base + (i + 1) * gridDim.x.
@@ -190,12 +271,6 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
 }
 
 // ---- the weight stream: one sequence of (matrix, tile, k-chunk) stages, walked by producer and consumers ----
-
-__device__ __forceinline__ int64_t now_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return static_cast<int64_t>(t);
-}
 
 struct Ring {
   char* stages;     // stages * kStageBytes
@@ -243,7 +318,8 @@ __device__ void produce(Ring& ring, const void* w, int n, int k, uint64_t policy
 // Consumers: y[m, n] for this block's tiles, x (M rows of K in shared memory, stride x_stride bytes) times
 // the streamed w. Thread o < 16 M owns output (row o % 16, token o / 16) of each tile: epi.pre(token, n)
 // (bias, residual: loaded before the tile's k-loop so their latency hides behind it) is added to the
-// accumulated dot product and epi.store(token, n, sum) stores it.
+// accumulated dot product and epi.store(token, n, sum) stores it; a tagged epilogue (kPairs) stores outputs
+// n and n + 1 (even n) together from the even thread, store(token, n, sum_n, sum_n+1).
 template <typename T, typename Epilogue>
 __device__ void consume(Ring& ring, const char* x, int x_stride, int m, int n, int k,
                         float (*partial)[kConsumerWarps][kTileRows][kMaxTokens + 1], int& pbuf, const Epilogue& epi) {
@@ -283,18 +359,24 @@ __device__ void consume(Ring& ring, const char* x, int x_stride, int m, int n, i
     part[warp][g + 8][2 * t] = acc[2];
     part[warp][g + 8][2 * t + 1] = acc[3];
     consumers_sync();
+    float s = extra;
     if (owner) {
-      float s = extra;
 #pragma unroll
       for (int v = 0; v < kConsumerWarps; ++v) s += part[v][out_row][out_token];
+    }
+    if constexpr (Epilogue::kPairs) {  // outputs n, n + 1 sit in lanes 2j, 2j + 1 (N is even: same owner)
+      const float s_next = __shfl_down_sync(0xffffffffu, s, 1);
+      if (owner && out_row % 2 == 0) epi.store(out_token, col, s, s_next);
+    } else if (owner) {
       epi.store(out_token, col, s);
     }
     pbuf ^= 1;  // the next tile writes the other buffer, so no second barrier is needed here
   }
 }
 
-// x[r] = LayerNorm(src row r) for r < m. src = h, or (layer 0) the embeddings' sum, which block 0 also stores
-// to h. Three steps, one round trip to memory: (1) every consumer thread loads 16-byte chunks of the rows and of
+// x[r] = LayerNorm(src row r) for r < m. src = the tagged rows h_in of epoch `epoch` (polled), or (layer 0,
+// h_in null) the embeddings' sum, which block 0 also stores to h_out as epoch `epoch`. Three steps, one round
+// trip to memory: (1) every consumer thread loads 16-byte chunks of the rows and of
 // the LayerNorm weight and bias (all loads in flight at once) into shared memory: the rows raw into x, weight
 // and bias into lnp (2 E elements); (2) warp r computes row r's statistics from shared memory in fp32, two
 // passes (mean, then squared deviations) as layer_norm.cu; (3) every thread normalises its chunks in place.
@@ -302,16 +384,15 @@ __device__ void consume(Ring& ring, const char* x, int x_stride, int m, int n, i
 // kernel whose per-layer loop does not fit the instruction cache.
 template <typename T>
 __device__ void layer_norm_rows(const StepParams& p, char* x, char* lnp, const T* w, const T* b,
-                                bool from_embedding, float (*stat)[2]) {
+                                const uint64_t* h_in, uint64_t* h_out, uint32_t epoch, float (*stat)[2]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int chunks = p.e / 8;
-  uint4* h4 = static_cast<uint4*>(p.h);
   uint4* wb = reinterpret_cast<uint4*>(lnp);  // (2, E): weight, then bias
   // Items 0 .. 2 chunks - 1 are the weight's and the bias's chunks, then (row, chunk) of the rows.
   auto load = [&](int i) -> uint4 {
     if (i < 2 * chunks) return __ldg(reinterpret_cast<const uint4*>(i < chunks ? w : b) + i % chunks);
     i -= 2 * chunks;
-    if (!from_embedding) return __ldcg(h4 + i);
+    if (h_in != nullptr) return poll_chunk(h_in, i, epoch);
     const int r = i / chunks, c = i % chunks;
     float v[8], pe[8];
     unpack8<T>(__ldg(reinterpret_cast<const uint4*>(p.embed) + p.tokens[r] * chunks + c), v);
@@ -319,7 +400,13 @@ __device__ void layer_norm_rows(const StepParams& p, char* x, char* lnp, const T
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] += pe[j];
     const uint4 u = pack8<T>(v);  // the sum rounded to the model dtype, as the per-op path stores it
-    if (blockIdx.x == 0) h4[i] = u;
+    if (blockIdx.x == 0) {
+      uint64_t* o = h_out + 4 * static_cast<int64_t>(i);
+      st_tagged(o, u.x, epoch);
+      st_tagged(o + 1, u.y, epoch);
+      st_tagged(o + 2, u.z, epoch);
+      st_tagged(o + 3, u.w, epoch);
+    }
     return u;
   };
   const int items = (2 + p.m) * chunks;
@@ -380,14 +467,14 @@ __device__ void layer_norm_rows(const StepParams& p, char* x, char* lnp, const T
   consumers_sync();
 }
 
-// x[r] = src row r (M x K, written by other blocks), for the GEMVs whose input is not normalised.
-__device__ void stage_rows(const StepParams& p, char* x, const void* src, int k) {
+// x[r] = row r of the tagged rows src (M x K, written by other blocks as epoch `epoch`), for the GEMVs whose
+// input is not normalised.
+__device__ void stage_rows(const StepParams& p, char* x, const uint64_t* src, int k, uint32_t epoch) {
   const int chunks = k / 8;
-  const uint4* s = static_cast<const uint4*>(src);
 #pragma unroll 4
   for (int i = threadIdx.x; i < p.m * chunks; i += kConsumers) {
     const int r = i / chunks, c = i % chunks;
-    reinterpret_cast<uint4*>(x + r * p.x_stride)[c] = __ldcg(s + i);
+    reinterpret_cast<uint4*>(x + r * p.x_stride)[c] = poll_chunk(src, i, epoch);
   }
   consumers_sync();
 }
@@ -395,9 +482,11 @@ __device__ void stage_rows(const StepParams& p, char* x, const void* src, int k)
 // Attention of the new token over the cache: work item (row m, head, slice of 32 keys) per warp. The lane
 // scores one key, the warp keeps (max, sum, o) of its slice, and the last warp of (m, head) merges them.
 // Every load of an item (its 32 keys, its 32 values, q) is issued before the first use, so an item costs
-// one round trip to memory, and the merge one more.
+// one round trip to memory, and the merge one more. The merge stores the (row, head) output to p.attn, tagged
+// with `epoch`.
 template <typename T, int D>
-__device__ void attention(const StepParams& p, const LayerWeights& L, float (*q_smem)[128]) {
+__device__ void attention(const StepParams& p, const LayerWeights& L, const T* q_buf, uint32_t epoch,
+                          float (*q_smem)[128]) {
   constexpr int kPerLane = D / 32;  // output dims per lane: 2 (one 4-byte load per value row) or 4 (8 bytes)
   using VLoad = std::conditional_t<kPerLane == 2, uint32_t, uint2>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -429,7 +518,7 @@ __device__ void attention(const StepParams& p, const LayerWeights& L, float (*q_
         const int row = first + min(j, keys - 1);
         vv[j] = __ldcg(reinterpret_cast<const VLoad*>(vc + static_cast<int64_t>(row) * D + lane * kPerLane));
       }
-      const T* qg = static_cast<const T*>(p.q) + m * p.e + head * D + lane * kPerLane;
+      const T* qg = q_buf + m * p.e + head * D + lane * kPerLane;
 #pragma unroll
       for (int j = 0; j < kPerLane; ++j) q[lane * kPerLane + j] = to_float(__ldcg(qg + j));
       const bool valid = lane < keys && p.key_mask[static_cast<int64_t>(m) * p.capacity + first + lane];
@@ -504,9 +593,9 @@ __device__ void attention(const StepParams& p, const LayerWeights& L, float (*q_
     }
     total = warp_sum(total);
     const float inv = total > 0.f ? 1.f / total : 0.f;  // no key: 0, as the attention op
-    T* out = static_cast<T*>(p.attn) + m * p.e + head * D + lane * kPerLane;
+    uint64_t* out = p.attn + (m * p.e + head * D + lane * kPerLane) / 2;
 #pragma unroll
-    for (int d = 0; d < kPerLane; ++d) out[d] = from_float<T>(acc[d] * inv);
+    for (int d = 0; d < kPerLane; d += 2) st_tagged(out + d / 2, pack2<T>(acc[d] * inv, acc[d + 1] * inv), epoch);
     if (lane == 0) p.attn_count[mh] = 0;  // ready for the next layer (after the grid barrier)
   }
 }
@@ -515,12 +604,14 @@ __device__ void attention(const StepParams& p, const LayerWeights& L, float (*q_
 __host__ __device__ constexpr int ln_params_bytes(int e) { return 2 * e * 2; }  // weight and bias, 16-bit
 
 __host__ __device__ constexpr int params_bytes(int layers) {
-  return (static_cast<int>(offsetof(StepParams, layer)) + layers * static_cast<int>(sizeof(LayerWeights)) + 15) / 16 * 16;
+  return (static_cast<int>(offsetof(StepParams, layer)) + layers * static_cast<int>(sizeof(LayerWeights)) + 15) /
+         16 * 16;
 }
 
 // GEMV epilogues: pre(token, n) is loaded before the tile's k-loop, store(token, n, acc + pre) after it.
 template <typename T>
 struct QkvEpilogue {  // q -> q buffer; k, v -> the caches at slot q_start[token]
+  static constexpr bool kPairs = false;
   const T* bias;
   T *q, *k_cache, *v_cache;
   const int* q_start;
@@ -541,25 +632,38 @@ struct QkvEpilogue {  // q -> q buffer; k, v -> the caches at slot q_start[token
 };
 
 template <typename T>
-struct ResidualEpilogue {  // h += acc + bias (out_proj, fc2)
+struct ResidualEpilogue {  // h_out = h_in + acc + bias (out_proj, fc2), tagged; h_in's epoch was polled before
+  static constexpr bool kPairs = true;
   const T* bias;
-  T* h;
+  const uint64_t* h_in;
+  uint64_t* h_out;
   int e;
-  __device__ float pre(int m, int n) const { return to_float(bias[n]) + to_float(__ldcg(h + m * e + n)); }
-  __device__ void store(int m, int n, float s) const { h[m * e + n] = from_float<T>(s); }
+  uint32_t epoch;
+  __device__ float pre(int m, int n) const {
+    return to_float(bias[n]) + ld_tagged_elem<T>(h_in, static_cast<int64_t>(m) * e + n);
+  }
+  __device__ void store(int m, int n, float s0, float s1) const {
+    st_tagged(h_out + (static_cast<int64_t>(m) * e + n) / 2, pack2<T>(s0, s1), epoch);
+  }
 };
 
 template <typename T>
-struct ReluEpilogue {  // out = relu(acc + bias) (fc1); NaN passes through, like torch.relu
+struct ReluEpilogue {  // out = relu(acc + bias) (fc1), tagged; NaN passes through, like torch.relu
+  static constexpr bool kPairs = true;
   const T* bias;
-  T* out;
+  uint64_t* out;
   int n_out;
+  uint32_t epoch;
   __device__ float pre(int, int n) const { return to_float(bias[n]); }
-  __device__ void store(int m, int n, float s) const { out[m * n_out + n] = from_float<T>(s < 0.f ? 0.f : s); }
+  __device__ void store(int m, int n, float s0, float s1) const {
+    st_tagged(out + (static_cast<int64_t>(m) * n_out + n) / 2, pack2<T>(s0 < 0.f ? 0.f : s0, s1 < 0.f ? 0.f : s1),
+              epoch);
+  }
 };
 
 template <typename T>
 struct LogitsEpilogue {  // fp32 logits, rounded to the model dtype first like the LM head's output
+  static constexpr bool kPairs = false;
   float* logits;
   int vocab;
   __device__ float pre(int, int) const { return 0.f; }
@@ -609,7 +713,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
         produce(ring, L.wo, p.e, p.e, policy);
         produce(ring, L.w1, p.f, p.e, policy);
         produce(ring, L.w2, p.e, p.f, policy);
-        if (trace != nullptr) trace[2 + 10 * p.layers + 2 * l] = ring.wait_ns;
+        if (trace != nullptr) trace[2 + kTracePhases * p.layers + 2 * l] = ring.wait_ns;
       }
       produce(ring, p.lm_head, p.vocab, p.e, policy);
     }
@@ -617,62 +721,68 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
   }
 
   // Consumers. Barrier i of this launch completes at base + (i + 1) * gridDim.x; every launch adds
-  // 5 * layers * gridDim.x, and this block has not arrived yet, so base is the multiple below the count.
+  // layers * gridDim.x (one barrier per layer), and this block has not arrived yet, so base is the multiple
+  // below the count.
   __shared__ unsigned long long base_s;
   if (threadIdx.x == 0) {
-    const unsigned long long per_launch = 5ull * p.layers * gridDim.x;
+    const unsigned long long per_launch = static_cast<unsigned long long>(p.layers) * gridDim.x;
     const unsigned long long now = load_acquire(p.barrier);
     base_s = now - now % per_launch;
   }
   consumers_sync();
   unsigned long long target = base_s;
+  // Tag of layer l's outputs: epoch0 + l + 1 (epoch0 itself: the embeddings), unique to this launch, so a word
+  // left by an earlier layer or launch never passes for a new one.
+  const uint32_t epoch0 = static_cast<uint32_t>(base_s / (static_cast<unsigned long long>(p.layers) * gridDim.x)) *
+                          static_cast<uint32_t>(p.layers + 1);
   auto mark = [&](int event) {  // trace: block-local timestamp at a phase end
     if (trace != nullptr && threadIdx.x == 0) trace[event] = now_ns();
   };
-  auto barrier = [&] {
-    target += gridDim.x;
-    grid_barrier(p.barrier, target);
-  };
-  auto phase_end = [&](int event) {  // the grid barrier after phase `event`, its wait traced as event + 1
-    mark(event);
-    barrier();
-    mark(event + 1);
-  };
   mark(0);
   int pbuf = 0;
-  T* h = static_cast<T*>(p.h);
   layer_norm_rows<T>(p, x, lnp, static_cast<const T*>(p.layer[0].ln1_w), static_cast<const T*>(p.layer[0].ln1_b),
-                     true, ln_stat);
+                     nullptr, p.h[1], epoch0, ln_stat);
+  // One copy of each tagged buffer is enough because the barrier after qkv bounds how far a block runs ahead: a
+  // block writes layer l + 1's attn, h[0], ffn and h[1] only after that barrier, when every block has finished
+  // layer l, including its reads of them. Before the barrier, qkv of layer l + 1 may run while slower blocks are
+  // still in layer l's attention, so q alternates between two buffers. out_proj's residual (h[1] of the layer
+  // before) is read after the barrier, each column by the block that rewrites it in fc2 (both have E outputs,
+  // so tile i belongs to the same block in both).
   for (int l = 0; l < p.layers; ++l) {
     const LayerWeights& L = p.layer[l];
-    const int ev = 1 + 10 * l;
+    const uint32_t epoch = epoch0 + l + 1;
+    T* q = static_cast<T*>(p.q[l % 2]);
+    const int ev = 1 + kTracePhases * l;
     consume<T>(ring, x, p.x_stride, p.m, 3 * p.e, p.e, partial, pbuf,
-               QkvEpilogue<T>{static_cast<const T*>(L.bqkv), static_cast<T*>(p.q), static_cast<T*>(L.k_cache),
+               QkvEpilogue<T>{static_cast<const T*>(L.bqkv), q, static_cast<T*>(L.k_cache),
                               static_cast<T*>(L.v_cache), p.q_start, p.e, p.heads, p.capacity, D});
-    phase_end(ev);
-    attention<T, D>(p, L, q_smem);
-    phase_end(ev + 2);
-    stage_rows(p, x, p.attn, p.e);
+    mark(ev);
+    target += gridDim.x;
+    grid_barrier(p.barrier, target);
+    mark(ev + 1);
+    attention<T, D>(p, L, q, epoch, q_smem);
+    mark(ev + 2);
+    stage_rows(p, x, p.attn, p.e, epoch);
     consume<T>(ring, x, p.x_stride, p.m, p.e, p.e, partial, pbuf,
-               ResidualEpilogue<T>{static_cast<const T*>(L.bo), h, p.e});
-    phase_end(ev + 4);
-    layer_norm_rows<T>(p, x, lnp, static_cast<const T*>(L.ln2_w), static_cast<const T*>(L.ln2_b), false, ln_stat);
+               ResidualEpilogue<T>{static_cast<const T*>(L.bo), p.h[1], p.h[0], p.e, epoch});
+    mark(ev + 3);
+    layer_norm_rows<T>(p, x, lnp, static_cast<const T*>(L.ln2_w), static_cast<const T*>(L.ln2_b), p.h[0], nullptr,
+                       epoch, ln_stat);
     consume<T>(ring, x, p.x_stride, p.m, p.f, p.e, partial, pbuf,
-               ReluEpilogue<T>{static_cast<const T*>(L.b1), static_cast<T*>(p.ffn), p.f});
-    phase_end(ev + 6);
-    stage_rows(p, x, p.ffn, p.f);
+               ReluEpilogue<T>{static_cast<const T*>(L.b1), p.ffn, p.f, epoch});
+    mark(ev + 4);
+    stage_rows(p, x, p.ffn, p.f, epoch);
     consume<T>(ring, x, p.x_stride, p.m, p.e, p.f, partial, pbuf,
-               ResidualEpilogue<T>{static_cast<const T*>(L.b2), h, p.e});
-    mark(ev + 8);
-    barrier();  // traced together with the next LayerNorm
+               ResidualEpilogue<T>{static_cast<const T*>(L.b2), p.h[0], p.h[1], p.e, epoch});
+    mark(ev + 5);
     const bool last = l + 1 == p.layers;
     layer_norm_rows<T>(p, x, lnp, static_cast<const T*>(last ? p.lnf_w : p.layer[l + 1].ln1_w),
-                       static_cast<const T*>(last ? p.lnf_b : p.layer[l + 1].ln1_b), false, ln_stat);
-    mark(ev + 9);
-    if (trace != nullptr && threadIdx.x == 0) trace[3 + 10 * p.layers + 2 * l] = ring.wait_ns;
+                       static_cast<const T*>(last ? p.lnf_b : p.layer[l + 1].ln1_b), p.h[1], nullptr, epoch, ln_stat);
+    mark(ev + 6);
+    if (trace != nullptr && threadIdx.x == 0) trace[3 + kTracePhases * p.layers + 2 * l] = ring.wait_ns;
   }
   consume<T>(ring, x, p.x_stride, p.m, p.vocab, p.e, partial, pbuf, LogitsEpilogue<T>{p.logits, p.vocab});
-  mark(1 + 10 * p.layers);
+  mark(1 + kTracePhases * p.layers);
 }
 
 // Byte offsets of the workspace's parts, each 256-aligned; the last entry is the total size.
@@ -680,8 +790,9 @@ std::vector<int64_t> workspace_layout(int64_t m, int64_t e, int64_t f, int64_t h
                                       int64_t capacity) {
   constexpr int64_t elem = 2;  // fp16 / bf16 activations
   const int64_t slices_cap = (capacity + kSlice - 1) / kSlice;
-  const int64_t sizes[] = {8, m * heads * 4, m * heads * slices_cap * (head_dim + 2) * 4, m * e * elem,
-                           m * e * elem, m * e * elem, m * f * elem};
+  // barrier, attn_count, attn_part, h[0], h[1] (tagged: 4 bytes per element), q[0], q[1], attn, ffn (tagged)
+  const int64_t sizes[] = {8, m * heads * 4, m * heads * slices_cap * (head_dim + 2) * 4, m * e * 4, m * e * 4,
+                           m * e * elem, m * e * elem, m * e * 4, m * f * 4};
   std::vector<int64_t> offsets;
   int64_t at = 0;
   for (int64_t s : sizes) {
@@ -814,10 +925,12 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
   p.barrier = reinterpret_cast<unsigned long long*>(ws + layout[0]);
   p.attn_count = reinterpret_cast<int*>(ws + layout[1]);
   p.attn_part = reinterpret_cast<float*>(ws + layout[2]);
-  p.h = ws + layout[3];
-  p.q = ws + layout[4];
-  p.attn = ws + layout[5];
-  p.ffn = ws + layout[6];
+  p.h[0] = reinterpret_cast<uint64_t*>(ws + layout[3]);
+  p.h[1] = reinterpret_cast<uint64_t*>(ws + layout[4]);
+  p.q[0] = ws + layout[5];
+  p.q[1] = ws + layout[6];
+  p.attn = reinterpret_cast<uint64_t*>(ws + layout[7]);
+  p.ffn = reinterpret_cast<uint64_t*>(ws + layout[8]);
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = &layer_params[12 * l];
     check(w[0], {e}, "self_attn_layer_norm.weight");

@@ -23,8 +23,12 @@
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <utility>
 
 namespace fuseinfer {
@@ -75,6 +79,22 @@ void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
   attr.val.programmaticStreamSerializationAllowed = 1;
   launch_kernel_with(pdl_enabled() ? &attr : nullptr, kernel, grid, block, smem, stream,
                      std::forward<Args>(args)...);
+}
+
+// Resident blocks per SM (at least 1) of `kernel` at `threads` threads per block and no dynamic shared memory,
+// cached per (kernel, block size, device): what sizing a one-wave grid needs.
+inline int blocks_per_sm(const void* kernel, int threads) {
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int, int>, int> cache;
+  const auto key = std::make_tuple(kernel, threads, static_cast<int>(at::cuda::current_device()));
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    int blocks = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0));
+    it = cache.emplace(key, std::max(1, blocks)).first;
+  }
+  return it->second;
 }
 
 }  // namespace fuseinfer

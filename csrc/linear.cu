@@ -33,7 +33,6 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
-#include <tuple>
 #include <type_traits>
 
 namespace fuseinfer {
@@ -265,21 +264,6 @@ __global__ void __launch_bounds__(32 * kSkinnyMaxWarps) skinny_linear_kernel(con
   }
 }
 
-// Resident blocks per SM of a kernel at a block size, cached per (kernel, block size, device).
-int skinny_blocks_per_sm(const void* kernel, int threads) {
-  static std::mutex mutex;
-  static std::map<std::tuple<const void*, int, int>, int> cache;
-  const auto key = std::make_tuple(kernel, threads, static_cast<int>(at::cuda::current_device()));
-  const std::lock_guard<std::mutex> lock(mutex);
-  auto it = cache.find(key);
-  if (it == cache.end()) {
-    int blocks = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0));
-    it = cache.emplace(key, std::max(1, blocks)).first;
-  }
-  return it->second;
-}
-
 template <typename T, int NT, bool TAIL>
 void launch_skinny(const SkinnyParams& p, cudaStream_t stream) {
   constexpr int kElemsPerBlock = 32 * skinny_unroll<NT>();
@@ -291,7 +275,7 @@ void launch_skinny(const SkinnyParams& p, cudaStream_t stream) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int warps = std::max(1, std::min(tiles < 2 * sms ? kSkinnyMaxWarps : 8, k_blocks));
   const auto kernel = skinny_linear_kernel<T, NT, TAIL>;
-  const int resident = sms * skinny_blocks_per_sm(reinterpret_cast<const void*>(kernel), 32 * warps);
+  const int resident = sms * blocks_per_sm(reinterpret_cast<const void*>(kernel), 32 * warps);
   launch_kernel(kernel, std::min(tiles, resident), 32 * warps, 0, stream, p);
 }
 

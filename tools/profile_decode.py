@@ -36,8 +36,8 @@ def gemv_table(m: int) -> None:
         del ws
 
 
-PHASES = ["qkv", "barrier", "attention", "barrier", "attn rows + out_proj", "barrier", "LN2 + fc1",
-          "barrier", "ffn rows + fc2", "barrier + next LN"]
+PHASES = ["qkv", "barrier", "attention", "attn rows + out_proj", "LN2 + fc1", "ffn rows + fc2", "next LN"]
+# (the reads of attn rows, h for the LayerNorms and ffn rows wait for their tagged writers: csrc/decode_step.cu)
 
 
 def trace_table() -> None:
@@ -47,11 +47,12 @@ def trace_table() -> None:
     if t is None or t.numel() == 0:
         print("no trace: set FUSEINFER_DECODE_TRACE=1 (and run the one-kernel step)")
         return
-    t = t.double().cpu() / 1e3  # (blocks, 2 + 12 L) µs
-    layers = (t.shape[1] - 2) // 12
-    stamps, waits = t[:, :2 + 10 * layers], t[:, 2 + 10 * layers:].reshape(t.shape[0], layers, 2)
-    d = stamps[:, 1:] - stamps[:, :-1]  # (blocks, 1 + 10 L): the interval ending at each event
-    per_layer = d[:, :10 * layers].reshape(t.shape[0], layers, 10)
+    t = t.double().cpu() / 1e3  # (blocks, 2 + (P + 2) L) µs, P = len(PHASES)
+    p = len(PHASES)
+    layers = (t.shape[1] - 2) // (p + 2)
+    stamps, waits = t[:, :2 + p * layers], t[:, 2 + p * layers:].reshape(t.shape[0], layers, 2)
+    d = stamps[:, 1:] - stamps[:, :-1]  # (blocks, 1 + P L): the interval ending at each event
+    per_layer = d[:, :p * layers].reshape(t.shape[0], layers, p)
     waited = torch.diff(waits, dim=1, prepend=torch.zeros_like(waits[:, :1]))  # (blocks, L, 2) per layer
     print(f"one-kernel step trace, {t.shape[0]} blocks, {layers} layers: total "
           f"{(stamps[:, -1] - stamps[:, 0]).mean():.1f} us")

@@ -6,10 +6,11 @@ and values into the static caches at slot ``q_start[b]`` (int32) and attends key
 returns fp32 logits (B, V) (rounded to the model dtype first, like the LM head's output).
 
 On CUDA (sm_90, fp16/bf16, head dim 64 or 128, B <= 8) it runs ``csrc/decode_step.cu``: one persistent kernel
-whose producer warp streams every weight through shared memory while the consumer warps compute, with grid
-barriers between phases, so the ~200 kernel boundaries of the per-op step are gone. ``workspace`` holds the
-kernel's scratch (activations, attention partials, barrier counter); make it with :func:`decode_step_workspace`
-once per cache and keep it. Elsewhere the op runs :func:`opt_decode_step_ref`.
+whose producer warp streams every weight through shared memory while the consumer warps compute, handing
+activations between phases as epoch-tagged words (one grid barrier per layer), so the ~200 kernel boundaries of
+the per-op step are gone. ``workspace`` holds the kernel's scratch (activations, attention partials, barrier
+counter); make it with :func:`decode_step_workspace` once per cache and keep it. Elsewhere the op runs
+:func:`opt_decode_step_ref`.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ PARAMS_PER_LAYER = 12  # LN1 w, b, qkv w, b, out_proj w, b, LN2 w, b, fc1 w, b, 
 MAX_ROWS = 8
 # FUSEINFER_DECODE_KERNEL=auto (the default) runs the kernel for batch buckets up to this many rows: where it
 # was measured faster than the per-op step (README "Fast decode": H100, random OPT-1.3b fp16, context 512).
-AUTO_MAX_ROWS = 1
+AUTO_MAX_ROWS = 2
 
 
 def opt_decode_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches, v_caches,
