@@ -177,6 +177,12 @@ __device__ __forceinline__ bool tags_are(uint64_t a, uint64_t b, uint64_t c, uin
   return ((a >> 32) == epoch) & ((b >> 32) == epoch) & ((c >> 32) == epoch) & ((d >> 32) == epoch);
 }
 
+// The element pairs of four tagged words, as one 16-byte chunk.
+__device__ __forceinline__ uint4 untag(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
+  return make_uint4(static_cast<uint32_t>(a), static_cast<uint32_t>(b), static_cast<uint32_t>(c),
+                    static_cast<uint32_t>(d));
+}
+
 // The waiting part of poll_chunk, out of line: it runs only when a writer is late, and inlined in every loop
 // that stages rows it would grow the kernel (instruction-cache misses) and its register pressure. A writer that
 // never comes is a bug: after 10 s the kernel traps rather than hang the GPU.
@@ -190,8 +196,7 @@ __device__ __noinline__ uint4 poll_chunk_wait(const uint64_t* w, uint32_t epoch)
     if (tags_are(a, b, c, d, epoch)) break;
     if (now_ns() - t0 > 10'000'000'000LL) __trap();
   }
-  return make_uint4(static_cast<uint32_t>(a), static_cast<uint32_t>(b), static_cast<uint32_t>(c),
-                    static_cast<uint32_t>(d));
+  return untag(a, b, c, d);
 }
 
 // Eight elements (a 16-byte chunk of an untagged row) from words [4c, 4c + 4), once all four carry `epoch`.
@@ -200,9 +205,7 @@ __device__ __forceinline__ uint4 poll_chunk(const uint64_t* words, int c, uint32
   uint64_t a, b, d, e;
   ld_tagged2(w, a, b);
   ld_tagged2(w + 2, d, e);
-  if (!tags_are(a, b, d, e, epoch)) return poll_chunk_wait(w, epoch);
-  return make_uint4(static_cast<uint32_t>(a), static_cast<uint32_t>(b), static_cast<uint32_t>(d),
-                    static_cast<uint32_t>(e));
+  return tags_are(a, b, d, e, epoch) ? untag(a, b, d, e) : poll_chunk_wait(w, epoch);
 }
 
 // Element n of a tagged row whose epoch the caller has already seen (by a poll of the same word).

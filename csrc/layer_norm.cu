@@ -276,33 +276,24 @@ Config pick_config(int nv, int max_vpt) {
   return {vpt, 32 * wpr, wpr == 1 ? kWarpRowsPerBlock : 1};
 }
 
-template <typename T, int VEC, int VPT>
-void launch(const Params& p, const Config& c, cudaStream_t stream) {
+using Kernel = void (*)(Params);
+
+template <int VEC>
+void launch(Kernel kernel, const Params& p, const Config& c, cudaStream_t stream) {
   const int64_t blocks = (p.rows + c.rows_per_block - 1) / c.rows_per_block;
   TORCH_CHECK(blocks <= INT32_MAX, "add_layer_norm: too many rows (", p.rows, ")");
   TORCH_CHECK(c.threads_per_row <= max_threads<VEC>(), "add_layer_norm: row of ", p.n, " elements too long");
-  launch_kernel(add_layer_norm_kernel<T, VEC, VPT>, static_cast<unsigned>(blocks),
-                dim3(c.threads_per_row, c.rows_per_block), 0, stream, p);
-}
-
-// Runs the instantiation whose VPT equals c.vpt, for VPT in [1, MAX_VPT].
-template <typename T, int VEC, int MAX_VPT>
-void launch_vpt(const Params& p, const Config& c, cudaStream_t stream) {
-  if constexpr (MAX_VPT >= 1) {
-    if (c.vpt == MAX_VPT) return launch<T, VEC, MAX_VPT>(p, c, stream);
-    launch_vpt<T, VEC, MAX_VPT - 1>(p, c, stream);
-  } else {
-    TORCH_CHECK(false, "add_layer_norm: no kernel for ", c.vpt, " vectors per thread");
-  }
+  launch_kernel(kernel, static_cast<unsigned>(blocks), dim3(c.threads_per_row, c.rows_per_block), 0, stream, p);
 }
 
 // The instantiation whose VPT equals vpt, for VPT in [1, MAX_VPT].
 template <typename T, int VEC, int MAX_VPT>
-const void* kernel_for(int vpt) {
+Kernel kernel_for(int vpt) {
   if constexpr (MAX_VPT >= 1) {
-    if (vpt == MAX_VPT) return reinterpret_cast<const void*>(add_layer_norm_kernel<T, VEC, MAX_VPT>);
+    if (vpt == MAX_VPT) return add_layer_norm_kernel<T, VEC, MAX_VPT>;
     return kernel_for<T, VEC, MAX_VPT - 1>(vpt);
   } else {
+    TORCH_CHECK(false, "add_layer_norm: no kernel for ", vpt, " vectors per thread");
     return nullptr;
   }
 }
@@ -320,9 +311,8 @@ Config vector_config(int nv, int64_t rows) {
   for (int vpt = 1; vpt < MAX_VPT; ++vpt) {
     const Config wide = pick_config(nv, vpt);
     if (wide.vpt != vpt || wide.threads_per_row > max_threads<VEC>()) continue;
-    if (static_cast<int64_t>(sms) * blocks_per_sm(kernel_for<T, VEC, MAX_VPT>(vpt), wide.threads_per_row) >= rows) {
-      return wide;
-    }
+    const void* kernel = reinterpret_cast<const void*>(kernel_for<T, VEC, MAX_VPT>(vpt));
+    if (static_cast<int64_t>(sms) * blocks_per_sm(kernel, wide.threads_per_row) >= rows) return wide;
   }
   return narrow;
 }
@@ -337,7 +327,8 @@ void dispatch(const Params& p, cudaStream_t stream) {
                           (!p.weight || aligned16(p.weight)) && (!p.bias || aligned16(p.bias));
   if (vectorized) {
     constexpr int kMaxVpt = kMaxElemsPerThread / kVec;  // 4 for fp16/bf16, 8 for fp32
-    launch_vpt<T, kVec, kMaxVpt>(p, vector_config<T, kVec, kMaxVpt>(p.n / kVec, p.rows), stream);
+    const Config c = vector_config<T, kVec, kMaxVpt>(p.n / kVec, p.rows);
+    launch<kVec>(kernel_for<T, kVec, kMaxVpt>(c.vpt), p, c, stream);
     return;
   }
   // Scalar path: only power-of-two VPTs are instantiated (it serves odd sizes and misaligned views).
@@ -346,11 +337,11 @@ void dispatch(const Params& p, cudaStream_t stream) {
   while (vpt < c.vpt) vpt *= 2;
   c.vpt = vpt;
   switch (c.vpt) {
-    case 1: return launch<T, 1, 1>(p, c, stream);
-    case 2: return launch<T, 1, 2>(p, c, stream);
-    case 4: return launch<T, 1, 4>(p, c, stream);
-    case 8: return launch<T, 1, 8>(p, c, stream);
-    case 16: return launch<T, 1, 16>(p, c, stream);
+    case 1: return launch<1>(add_layer_norm_kernel<T, 1, 1>, p, c, stream);
+    case 2: return launch<1>(add_layer_norm_kernel<T, 1, 2>, p, c, stream);
+    case 4: return launch<1>(add_layer_norm_kernel<T, 1, 4>, p, c, stream);
+    case 8: return launch<1>(add_layer_norm_kernel<T, 1, 8>, p, c, stream);
+    case 16: return launch<1>(add_layer_norm_kernel<T, 1, 16>, p, c, stream);
     default: TORCH_CHECK(false, "add_layer_norm: no scalar kernel for ", c.vpt, " elements per thread");
   }
 }
