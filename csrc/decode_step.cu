@@ -2,23 +2,25 @@
 //
 // Why: the per-op decode step is ~200 dependent kernels; each costs ~2 µs of fill and drain on top of its
 // bytes, which keeps batch-1 decode at ~65% of copy bandwidth. Here one block per SM runs the whole step:
-//   * a producer warp streams this block's share of every weight matrix, in the order the step uses them
-//     (per layer: qkv, out_proj, fc1, fc2; then the LM head), through a ring of shared-memory stages with
-//     cp.async.bulk (TMA) and mbarriers. Weights do not depend on activations, so the stream never waits
-//     for the grid barriers between phases: while the consumers wait at a barrier, the ring fills up;
-// * eight consumer warps compute each phase. A phase's outputs needed by every block reach them without a
-//   grid barrier: they are written as tagged words (two elements and the epoch that wrote them in one 8-byte
-//   store, see st_tagged) and a reader polls each word until it carries the epoch it expects, which costs one
-//   round trip to L2 once the data is there instead of a barrier's fence, atomic and poll plus the read.
-//   One grid barrier per layer remains, after qkv: attention reads the new keys and values from the caches
-//   (untagged), and the barrier bounds how far a block runs ahead, which makes one copy of each tagged
-//   buffer per layer enough (see the buffer notes at the loop).
+//   * the producer warp streams this block's share of every weight matrix, in the order the step uses them
+//     (per layer: qkv, the old keys and values of its attention items, out_proj, fc1, fc2; then the LM head),
+//     through a ring of shared-memory stages with cp.async.bulk (TMA) and mbarriers, one lane per row. None of
+//     it depends on this step's activations, so the stream runs ahead of the consumers by up to the ring: a load
+//     issued after a phase starts would queue behind the whole grid's in-flight stream (~5 µs on the H100),
+//     which is also why a tile's bias rides in its first stage and out_proj / fc2 keep their residual columns in
+//     shared memory (KeptResidual) rather than reading them back;
+//   * eight consumer warps compute each phase. A phase's outputs needed by other blocks reach them as tagged
+//     words (two elements and the epoch that wrote them in one 8-byte store, see st_tagged); a reader polls
+//     each word until it carries the epoch it expects. There is no grid barrier: every hand-off waits only for
+//     the words it reads, and the chain of them bounds how far a block runs ahead (see the buffer notes at the
+//     loop), so one copy of each buffer is enough.
 // Phases of layer l (x = the consumer's activation rows in shared memory, h = the residual stream):
 //   x = LN1(h)              every block, redundantly (M rows over all consumer threads)
-//   qkv = x Wqkv^T + b      tiles of 16 rows of W: q -> q buffer, k and v -> the caches at slot q_start[m]
-//   --- grid barrier ---
-//   attention               one warp per (row, head, 32 keys): partial softmax sums; the last warp of a
-//                           (row, head) to finish merges them (atomic counter) into attn (tagged)
+//   qkv = x Wqkv^T + b      tiles of 16 rows of W: q -> q, k and v -> kv_new (tagged) and the caches at slot
+//                           q_start[m]
+//   attention               one warp per (row, head, 32 keys): partial softmax sums over the keys from the ring
+//                           and the new one from kv_new; the last warp of a (row, head) to finish merges them
+//                           (atomic counter) into attn (tagged)
 //   h += attn Wo^T + b      (polls attn; h tagged)
 //   x = LN2(h); f = relu(x W1^T + b)   (polls h; f tagged)
 //   h += f W2^T + b         (polls f; h tagged)
@@ -52,6 +54,7 @@
 namespace fuseinfer {
 namespace {
 
+constexpr int kMaxBlocks = 1024;        // SMs
 constexpr int kMaxLayers = 96;          // layers carried in the kernel parameters (OPT-66b has 64)
 constexpr int kMaxTokens = 8;           // rows per step: the mma's n
 constexpr int kConsumerWarps = 8;
@@ -81,18 +84,18 @@ struct StepParams {
   float* logits;  // (B, V)
   int64_t* trace;  // null, or (gridDim.x, trace_events(layers)): see decode_step_trace()
   // workspace (see workspace_layout); tagged buffers hold E / 2 (F / 2) 8-byte words per row
-  unsigned long long* barrier;
-  int* attn_count;    // (B, H)
-  float* attn_part;   // (B, H, slices_cap, D + 2): max, sum, o[D]
-  uint64_t* h[2];     // (B, E) tagged: h[0] after out_proj, h[1] after fc2 (and the embeddings)
+  unsigned* launches;  // (kMaxBlocks,) each block's count of its launches so far: the epochs of this one
+  int* attn_count;     // (B, H): slices merged so far in this launch
+  float* attn_part;    // (B, H, slices_cap, D + 2): max, sum, o[D]
+  uint64_t* h[2];      // (B, E) tagged: h[0] after out_proj, h[1] after fc2 (and the embeddings)
+  uint64_t *q, *kv_new;  // (B, E), (B, 2 E) tagged: the new token's query, key and value
   uint64_t *attn, *ffn;  // (B, E), (B, F) tagged
-  void* q[2];         // (B, E), by layer parity
   LayerWeights layer[kMaxLayers];
 };
 
 // Trace row of a block (FUSEINFER_DECODE_TRACE=1): the consumers' timestamps (ns) at the 2 + kTracePhases *
 // layers phase ends, then per layer the producer's and the consumers' total time waiting on the ring so far.
-constexpr int kTracePhases = 7;  // qkv, barrier, attention, out_proj, LN2 + fc1, fc2, next LN (profile_decode.py)
+constexpr int kTracePhases = 6;  // qkv, attention, out_proj, LN2 + fc1, fc2, next LN (profile_decode.py)
 __host__ __device__ constexpr int trace_events(int layers) { return 2 + (kTracePhases + 2) * layers; }
 
 // ---- shared-memory and synchronisation primitives (sm_90) ----
@@ -149,12 +152,6 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
 // Barrier among the consumer warps only (the producer never joins).
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers) : "memory"); }
 
-__device__ __forceinline__ unsigned long long load_acquire(const unsigned long long* p) {
-  unsigned long long v;
-  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
 __device__ __forceinline__ int64_t now_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -199,6 +196,30 @@ __device__ __noinline__ uint4 poll_chunk_wait(const uint64_t* w, uint32_t epoch)
   return untag(a, b, c, d);
 }
 
+__device__ __forceinline__ uint64_t ld_tagged(const uint64_t* word) {
+  uint64_t v;
+  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];\n" : "=l"(v) : "l"(word) : "memory");
+  return v;
+}
+
+__device__ __noinline__ uint32_t poll_word_wait(const uint64_t* w, uint32_t epoch) {
+  const int64_t t0 = now_ns();
+  uint64_t v;
+  while (true) {
+    __nanosleep(128);
+    v = ld_tagged(w);
+    if ((v >> 32) == epoch) break;
+    if (now_ns() - t0 > 10'000'000'000LL) __trap();
+  }
+  return static_cast<uint32_t>(v);
+}
+
+// The element pair of one tagged word, once it carries `epoch`.
+__device__ __forceinline__ uint32_t poll_word(const uint64_t* w, uint32_t epoch) {
+  const uint64_t v = ld_tagged(w);
+  return (v >> 32) == epoch ? static_cast<uint32_t>(v) : poll_word_wait(w, epoch);
+}
+
 // Eight elements (a 16-byte chunk of an untagged row) from words [4c, 4c + 4), once all four carry `epoch`.
 __device__ __forceinline__ uint4 poll_chunk(const uint64_t* words, int c, uint32_t epoch) {
   const uint64_t* w = words + 4 * static_cast<int64_t>(c);
@@ -211,8 +232,7 @@ __device__ __forceinline__ uint4 poll_chunk(const uint64_t* words, int c, uint32
 // Element n of a tagged row whose epoch the caller has already seen (by a poll of the same word).
 template <typename T>
 __device__ __forceinline__ float ld_tagged_elem(const uint64_t* words, int64_t n) {
-  uint64_t v;
-  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];\n" : "=l"(v) : "l"(words + n / 2) : "memory");
+  const uint64_t v = ld_tagged(words + n / 2);
   const unsigned short bits = static_cast<unsigned short>(n % 2 ? v >> 16 : v);
   if constexpr (std::is_same_v<T, __half>) {
     return __half2float(__ushort_as_half(bits));
@@ -230,19 +250,6 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
     return __bfloat16_as_ushort(__float2bfloat16_rn(lo)) |
            (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
   }
-}
-
-// All blocks' consumers reach the barrier; their global writes before it are visible to all after it
-// (bar.sync, then one thread's release-add and acquire-poll at gpu scope, as CUTLASS's generic barrier).
-// The counter only grows: barrier i of a launch completes at base + (i + 1) * gridDim.x.
-__device__ __forceinline__ void grid_barrier(unsigned long long* counter, unsigned long long target) {
-  consumers_sync();
-  if (threadIdx.x == 0) {
-    asm volatile("red.release.gpu.global.add.u64 [%0], 1;\n" ::"l"(counter) : "memory");
-    while (load_acquire(counter) < target) {
-    }
-  }
-  consumers_sync();
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -298,19 +305,27 @@ struct Ring {
   }
 };
 
-// Producer: every stage of this block's tiles of w (N x K), in the consumers' order.
-__device__ void produce(Ring& ring, const void* w, int n, int k, uint64_t policy) {
+// Producer (the whole warp): every stage of this block's tiles of w (N x K), in the consumers' order. A tile's
+// first stage also carries its 16 bias values (bias: null or N elements, N a multiple of 16), in the padding of
+// its first row, so the epilogue does not wait for a global load.
+__device__ void produce(Ring& ring, const void* w, const void* bias, int n, int k, uint64_t policy) {
+  const int lane = threadIdx.x & 31;
   const char* base = static_cast<const char*>(w);
   const int tiles = (n + kTileRows - 1) / kTileRows;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int rows = min(kTileRows, n - tile * kTileRows);
     for (int k0 = 0; k0 < k; k0 += kChunk) {
       const uint32_t bytes = min(kChunk, k - k0) * 2;
+      const bool with_bias = bias != nullptr && k0 == 0;
       ring.wait(&ring.empty[ring.index], ring.phase ^ 1);
-      mbar_expect_tx(&ring.full[ring.index], bytes * rows);
+      if (lane == 0) mbar_expect_tx(&ring.full[ring.index], bytes * rows + (with_bias ? kTileRows * 2 : 0));
+      __syncwarp();
       char* dst = ring.stages + ring.index * kStageBytes;
-      for (int r = 0; r < rows; ++r) {
-        bulk_copy(dst + r * kStageRow, base + (static_cast<int64_t>(tile * kTileRows + r) * k + k0) * 2, bytes,
+      if (lane < rows) {
+        bulk_copy(dst + lane * kStageRow, base + (static_cast<int64_t>(tile * kTileRows + lane) * k + k0) * 2, bytes,
+                  &ring.full[ring.index], policy);
+      } else if (lane == kTileRows && with_bias) {
+        bulk_copy(dst + kChunk * 2, static_cast<const char*>(bias) + tile * kTileRows * 2, kTileRows * 2,
                   &ring.full[ring.index], policy);
       }
       ring.advance();
@@ -319,10 +334,10 @@ __device__ void produce(Ring& ring, const void* w, int n, int k, uint64_t policy
 }
 
 // Consumers: y[m, n] for this block's tiles, x (M rows of K in shared memory, stride x_stride bytes) times
-// the streamed w. Thread o < 16 M owns output (row o % 16, token o / 16) of each tile: epi.pre(token, n)
-// (bias, residual: loaded before the tile's k-loop so their latency hides behind it) is added to the
-// accumulated dot product and epi.store(token, n, sum) stores it; a tagged epilogue (kPairs) stores outputs
-// n and n + 1 (even n) together from the even thread, store(token, n, sum_n, sum_n+1).
+// the streamed w. Thread o < 16 M owns output (row o % 16, token o / 16) of each tile: epi.pre(token, n, j, bias)
+// (j: the tile's index among this block's; bias from the ring when Epilogue::kBias) is added to the accumulated
+// dot product, epi.keep(j, sum) sees every sum and epi.store(token, n, sum) stores it; a tagged epilogue (kPairs)
+// stores outputs n and n + 1 (even n) together from the even thread, store(token, n, sum_n, sum_n+1).
 template <typename T, typename Epilogue>
 __device__ void consume(Ring& ring, const char* x, int x_stride, int m, int n, int k,
                         float (*partial)[kConsumerWarps][kTileRows][kMaxTokens + 1], int& pbuf, const Epilogue& epi) {
@@ -331,15 +346,19 @@ __device__ void consume(Ring& ring, const char* x, int x_stride, int m, int n, i
   const char* xrow = x + min(g, m - 1) * x_stride + t * 16;  // token g (clamped: its outputs are dropped)
   const int tiles = (n + kTileRows - 1) / kTileRows;
   const int out_row = threadIdx.x % kTileRows, out_token = threadIdx.x / kTileRows;
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+  for (int tile = blockIdx.x, j = 0; tile < tiles; tile += gridDim.x, ++j) {
     const int col = tile * kTileRows + out_row;
     const bool owner = out_token < m && col < n;
-    const float extra = owner ? epi.pre(out_token, col) : 0.f;
+    float extra = 0.f;
     float acc[4] = {0.f, 0.f, 0.f, 0.f}, acc2[4] = {0.f, 0.f, 0.f, 0.f};  // two chains of dependent mmas
     for (int k0 = 0; k0 < k; k0 += kChunk) {
       const int steps = min(kChunk, k - k0) / 32;
       ring.wait(&ring.full[ring.index], ring.phase);
       const char* w = ring.stages + ring.index * kStageBytes + t * 16;
+      if (k0 == 0 && owner) {
+        const T* bias = reinterpret_cast<const T*>(ring.stages + ring.index * kStageBytes + kChunk * 2);
+        extra = epi.pre(out_token, col, j, Epilogue::kBias ? to_float(bias[out_row]) : 0.f);
+      }
       for (int s = warp; s < steps; s += kConsumerWarps) {
         const uint4 lo = *reinterpret_cast<const uint4*>(w + g * kStageRow + s * 64);
         const uint4 hi = *reinterpret_cast<const uint4*>(w + (g + 8) * kStageRow + s * 64);
@@ -366,6 +385,7 @@ __device__ void consume(Ring& ring, const char* x, int x_stride, int m, int n, i
     if (owner) {
 #pragma unroll
       for (int v = 0; v < kConsumerWarps; ++v) s += part[v][out_row][out_token];
+      epi.keep(j, s);
     }
     if constexpr (Epilogue::kPairs) {  // outputs n, n + 1 sit in lanes 2j, 2j + 1 (N is even: same owner)
       const float s_next = __shfl_down_sync(0xffffffffu, s, 1);
@@ -482,127 +502,242 @@ __device__ void stage_rows(const StepParams& p, char* x, const uint64_t* src, in
   consumers_sync();
 }
 
-// Attention of the new token over the cache: work item (row m, head, slice of 32 keys) per warp. The lane
-// scores one key, the warp keeps (max, sum, o) of its slice, and the last warp of (m, head) merges them.
-// Every load of an item (its 32 keys, its 32 values, q) is issued before the first use, so an item costs
-// one round trip to memory, and the merge one more. The merge stores the (row, head) output to p.attn, tagged
-// with `epoch`.
-template <typename T, int D>
-__device__ void attention(const StepParams& p, const LayerWeights& L, const T* q_buf, uint32_t epoch,
-                          float (*q_smem)[128]) {
-  constexpr int kPerLane = D / 32;  // output dims per lane: 2 (one 4-byte load per value row) or 4 (8 bytes)
-  using VLoad = std::conditional_t<kPerLane == 2, uint32_t, uint2>;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int slices = 0;
-  for (int r = 0; r < p.m; ++r) slices = max(slices, min(p.q_start[r] + 1, p.capacity));
-  slices = (slices + kSlice - 1) / kSlice;
-  const int items = p.m * p.heads * slices;
-  float* q = q_smem[warp];
-  // item -> block item % G first, so a short context spreads over all SMs rather than filling a few
-  for (int item = warp * gridDim.x + blockIdx.x; item < items; item += gridDim.x * kConsumerWarps) {
-    const int m = item / (p.heads * slices), head = (item / slices) % p.heads, slice = item % slices;
-    const int len = min(p.q_start[m] + 1, p.capacity);  // keys 0 .. q_start[m]
-    const int first = slice * kSlice;
-    const int keys = min(kSlice, len - first);  // may be <= 0 for a row shorter than the longest
-    const int mh = m * p.heads + head;
-    float mx = -INFINITY, sum = 0.f, o[kPerLane] = {};
-    if (keys > 0) {
-      const int64_t head_off = (static_cast<int64_t>(m) * p.heads + head) * p.capacity * D;
-      const T* kc = static_cast<const T*>(L.k_cache) + head_off;
-      const T* vc = static_cast<const T*>(L.v_cache) + head_off;
-      const int key = first + min(lane, keys - 1);
-      uint4 kv[D / 8];
-      const uint4* kr = reinterpret_cast<const uint4*>(kc + static_cast<int64_t>(key) * D);
-#pragma unroll
-      for (int c = 0; c < D / 8; ++c) kv[c] = __ldcg(kr + c);
-      VLoad vv[kSlice];
-#pragma unroll
-      for (int j = 0; j < kSlice; ++j) {
-        const int row = first + min(j, keys - 1);
-        vv[j] = __ldcg(reinterpret_cast<const VLoad*>(vc + static_cast<int64_t>(row) * D + lane * kPerLane));
-      }
-      const T* qg = q_buf + m * p.e + head * D + lane * kPerLane;
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j) q[lane * kPerLane + j] = to_float(__ldcg(qg + j));
-      const bool valid = lane < keys && p.key_mask[static_cast<int64_t>(m) * p.capacity + first + lane];
-      __syncwarp();
-      float dot = 0.f;
-#pragma unroll
-      for (int c = 0; c < D / 8; ++c) {
-        float kf[8];
-        unpack8<T>(kv[c], kf);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) dot += q[c * 8 + j] * kf[j];
-      }
-      const float score = valid ? dot * p.scale_log2 : -INFINITY;
-      mx = warp_max(score);
-      const float prob = mx == -INFINITY ? 0.f : exp2f(score - mx);
-      sum = warp_sum(prob);
-#pragma unroll
-      for (int j = 0; j < kSlice; ++j) {
-        const float pj = __shfl_sync(0xffffffffu, prob, j);  // 0 for keys past the slice's end
-        const T* ve = reinterpret_cast<const T*>(&vv[j]);
-#pragma unroll
-        for (int d = 0; d < kPerLane; ++d) o[d] += pj * to_float(ve[d]);
-      }
-      __syncwarp();  // q is rewritten by this warp's next item
-    }
-    float* part = p.attn_part + (static_cast<int64_t>(mh) * p.slices_cap + slice) * (D + 2);
-    if (lane == 0) {
-      part[0] = mx;
-      part[1] = sum;
-    }
-#pragma unroll
-    for (int d = 0; d < kPerLane; ++d) part[2 + lane * kPerLane + d] = o[d];
-    __threadfence();
+// ---- attention: work item (row m, head, slice of 32 keys) per warp ----
+// The keys and values a step attends to were written by earlier steps, except the new token's: the producer
+// streams the old ones of this block's items through the ring like weights (they do not depend on this step's
+// activations either, so their loads overlap the phases before, instead of queueing behind the weight stream
+// after the barrier: one HBM round trip there costs ~5 µs on the H100). The new token's key and value, written
+// by the qkv phase, are read from L2. Item i belongs to block i % G; its j-th item (j = 0, 1, ...) sits in
+// ring stage j / kItemsPerStage and is computed by warp j % 8.
+
+// Slices of 32 keys per (row, head): that of the longest row (the same for every block and layer of a launch).
+__device__ __forceinline__ int attention_slices(const StepParams& p) {
+  int len = 0;
+  for (int r = 0; r < p.m; ++r) len = max(len, min(p.q_start[r] + 1, p.capacity));
+  return (len + kSlice - 1) / kSlice;
+}
+
+struct AttnItem {
+  int m, head, first;  // row, head, first key
+  int keys;            // keys of the slice (<= 0: the row is shorter than the longest)
+  int old;             // the first `old` keys come through the ring; a last one (the new token's) from L2
+};
+
+__device__ __forceinline__ AttnItem attention_item(const StepParams& p, int slices, int item) {
+  AttnItem it;
+  it.m = item / (p.heads * slices);
+  it.head = (item / slices) % p.heads;
+  it.first = (item % slices) * kSlice;
+  const int slot = p.q_start[it.m];
+  it.keys = min(kSlice, min(slot + 1, p.capacity) - it.first);  // keys first .. q_start[m]
+  const bool fresh = slot < p.capacity && slot >= it.first && slot < it.first + kSlice;
+  it.old = max(0, it.keys - (fresh ? 1 : 0));
+  return it;
+}
+
+template <int D>
+struct AttnStage {
+  static constexpr int kItemBytes = 2 * kSlice * D * 2;  // 32 keys, then 32 values
+  static constexpr int kItemsPerStage = kStageBytes / kItemBytes;
+  static_assert(kItemsPerStage >= 1, "an attention item fits a ring stage");
+};
+
+// This block's attention items (i = blockIdx.x + j G).
+__device__ __forceinline__ int block_items(int items) {
+  return blockIdx.x < items ? (items - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+}
+
+// Producer: the old keys and values of this block's items of layer L, in the consumers' order.
+template <int D>
+__device__ void produce_attention(Ring& ring, const StepParams& p, const LayerWeights& L, int slices, uint64_t policy) {
+  using S = AttnStage<D>;
+  const int lane = threadIdx.x & 31;
+  const int n = block_items(p.m * p.heads * slices);
+  for (int j0 = 0; j0 < n; j0 += S::kItemsPerStage) {
+    const int in_stage = min(S::kItemsPerStage, n - j0);
+    uint32_t bytes = 0;
+    for (int s = 0; s < in_stage; ++s) bytes += 2 * attention_item(p, slices, blockIdx.x + (j0 + s) * gridDim.x).old * D * 2;
+    ring.wait(&ring.empty[ring.index], ring.phase ^ 1);
+    if (lane == 0) mbar_expect_tx(&ring.full[ring.index], bytes);  // (0 bytes: the arrival alone completes it)
     __syncwarp();
-    int done = 0;
-    if (lane == 0) done = atomicAdd(&p.attn_count[mh], 1) + 1;
-    done = __shfl_sync(0xffffffffu, done, 0);
-    if (done != slices) continue;
-    // The last slice of (m, head) to finish: merge all of them. Lane s holds slice s's scale, 32 at a time.
-    __threadfence();
-    const float* parts = p.attn_part + static_cast<int64_t>(mh) * p.slices_cap * (D + 2);
-    float gmax = -INFINITY;
-    for (int s = lane; s < slices; s += 32) gmax = fmaxf(gmax, __ldcg(parts + s * (D + 2)));
-    gmax = warp_max(gmax);
-    float total = 0.f, acc[kPerLane] = {};
-    for (int s0 = 0; s0 < slices; s0 += 32) {
-      float c = 0.f;
-      if (s0 + lane < slices) {
-        const float smax = __ldcg(parts + (s0 + lane) * (D + 2));
-        c = smax == -INFINITY ? 0.f : exp2f(smax - gmax);
-        total += c * __ldcg(parts + (s0 + lane) * (D + 2) + 1);
-      }
-      // slice scales c_j from lane j; the slices' o rows in groups whose loads are all in flight at once
-      constexpr int kGroup = 64 / kPerLane;
-      const int n = min(32, slices - s0);
-      for (int j0 = 0; j0 < n; j0 += kGroup) {
-        float ov[kGroup][kPerLane];
-#pragma unroll
-        for (int j = 0; j < kGroup; ++j) {
-#pragma unroll
-          for (int d = 0; d < kPerLane; ++d) {
-            ov[j][d] = j0 + j < n ? __ldcg(parts + (s0 + j0 + j) * (D + 2) + 2 + lane * kPerLane + d) : 0.f;
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < kGroup; ++j) {
-          const float cj = __shfl_sync(0xffffffffu, c, (j0 + j) & 31);
-#pragma unroll
-          for (int d = 0; d < kPerLane; ++d) acc[d] += cj * ov[j][d];
-        }
+    const int s = lane / 2;  // lane 2 s: item s's keys, lane 2 s + 1: its values
+    if (s < in_stage) {
+      const AttnItem it = attention_item(p, slices, blockIdx.x + (j0 + s) * gridDim.x);
+      const int64_t at = ((static_cast<int64_t>(it.m) * p.heads + it.head) * p.capacity + it.first) * D * 2;
+      if (it.old > 0) {
+        bulk_copy(ring.stages + ring.index * kStageBytes + s * S::kItemBytes + (lane % 2) * kSlice * D * 2,
+                  static_cast<const char*>(lane % 2 ? L.v_cache : L.k_cache) + at, it.old * D * 2,
+                  &ring.full[ring.index], policy);
       }
     }
-    total = warp_sum(total);
-    const float inv = total > 0.f ? 1.f / total : 0.f;  // no key: 0, as the attention op
-    uint64_t* out = p.attn + (m * p.e + head * D + lane * kPerLane) / 2;
-#pragma unroll
-    for (int d = 0; d < kPerLane; d += 2) st_tagged(out + d / 2, pack2<T>(acc[d] * inv, acc[d + 1] * inv), epoch);
-    if (lane == 0) p.attn_count[mh] = 0;  // ready for the next layer (after the grid barrier)
+    ring.advance();
   }
 }
 
+// One warp: the item's partial softmax (max, sum, o) to p.attn_part. kv: its keys and values in the ring stage.
+// The lane scores one key, then each lane accumulates D / 32 output dims over the 32 values.
+template <typename T, int D>
+__device__ void attention_partial(const StepParams& p, int slices, int item, uint32_t epoch, const char* kv,
+                                  float* q) {
+  constexpr int kPerLane = D / 32;  // dims per lane (of q, the new key, the output): 2 or 4
+  constexpr int kWords = kPerLane / 2;  // tagged words of them
+  constexpr int kChunks = D / 8;    // 16-byte chunks of a key
+  using VLoad = std::conditional_t<kPerLane == 2, uint32_t, uint2>;
+  const int lane = threadIdx.x & 31;
+  const AttnItem it = attention_item(p, slices, item);
+  const int mh = it.m * p.heads + it.head;
+  float mx = -INFINITY, sum = 0.f, o[kPerLane] = {};
+  if (it.keys > 0) {
+    // this lane's dims of q and, when the slice holds it, of the new token's key and value: tagged words that
+    // qkv writes (the slice's other keys wait in shared memory)
+    const bool has_new = it.old < it.keys;
+    const int64_t at = (static_cast<int64_t>(it.m) * p.e + it.head * D + lane * kPerLane) / 2;
+    uint32_t qw[kWords], kw[kWords] = {}, vw[kWords] = {};
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) qw[w] = poll_word(p.q + at + w, epoch);
+    if (has_new) {
+      const uint64_t* k_new = p.kv_new + at + static_cast<int64_t>(it.m) * p.e / 2;  // row m: E keys, E values
+#pragma unroll
+      for (int w = 0; w < kWords; ++w) {
+        kw[w] = poll_word(k_new + w, epoch);
+        vw[w] = poll_word(k_new + p.e / 2 + w, epoch);
+      }
+    }
+    const T* qe = reinterpret_cast<const T*>(qw);
+    const T* ke = reinterpret_cast<const T*>(kw);
+    float new_dot = 0.f;  // the new key's score: every lane's share of the dot product
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      q[lane * kPerLane + j] = to_float(qe[j]);
+      new_dot += to_float(qe[j]) * to_float(ke[j]);
+    }
+    new_dot = warp_sum(new_dot);
+    VLoad v_new;
+    if constexpr (kPerLane == 2) {
+      v_new = vw[0];
+    } else {
+      v_new = make_uint2(vw[0], vw[1]);
+    }
+    // key chunks in rotated order (chunk (c + lane) % kChunks at step c): the 32 lanes' rows share banks
+    uint4 kc[kChunks];
+    const uint4* krow = reinterpret_cast<const uint4*>(kv + lane * D * 2);
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) kc[c] = lane < it.old ? krow[(c + lane) % kChunks] : make_uint4(0, 0, 0, 0);
+    const bool valid = lane < it.keys && p.key_mask[static_cast<int64_t>(it.m) * p.capacity + it.first + lane];
+    __syncwarp();
+    float dot = 0.f;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      float kf[8];
+      unpack8<T>(kc[c], kf);
+      const float* qc = q + ((c + lane) % kChunks) * 8;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) dot += qc[j] * kf[j];
+    }
+    if (has_new && lane == it.old) dot = new_dot;
+    const float score = valid ? dot * p.scale_log2 : -INFINITY;
+    mx = warp_max(score);
+    const float prob = mx == -INFINITY ? 0.f : exp2f(score - mx);
+    sum = warp_sum(prob);
+    const VLoad* vs = reinterpret_cast<const VLoad*>(kv + kSlice * D * 2) + lane;
+#pragma unroll
+    for (int j = 0; j < kSlice; ++j) {
+      const float pj = __shfl_sync(0xffffffffu, prob, j);  // 0 for keys past the slice's end
+      const VLoad vz = {};
+      const VLoad v = j < it.old ? vs[j * (D / kPerLane)] : (j < it.keys ? v_new : vz);  // (stale rows: never read)
+      const T* ve = reinterpret_cast<const T*>(&v);
+#pragma unroll
+      for (int d = 0; d < kPerLane; ++d) o[d] += pj * to_float(ve[d]);
+    }
+    __syncwarp();  // q is rewritten by this warp's next item
+  }
+  float* part = p.attn_part + (static_cast<int64_t>(mh) * p.slices_cap + it.first / kSlice) * (D + 2);
+  if (lane == 0) {
+    part[0] = mx;
+    part[1] = sum;
+  }
+#pragma unroll
+  for (int d = 0; d < kPerLane; ++d) part[2 + lane * kPerLane + d] = o[d];
+}
+
+// One warp, after the item's partial is stored and fenced: counts it in, and if it is the last of its (row, head)
+// merges all slices' partials into p.attn (tagged with `epoch`). Lane s holds slice s's scale, 32 at a time.
+template <typename T, int D>
+__device__ void attention_merge(const StepParams& p, int slices, int item, uint32_t epoch, int layer) {
+  constexpr int kPerLane = D / 32;
+  const int lane = threadIdx.x & 31;
+  const int m = item / (p.heads * slices), head = (item / slices) % p.heads, mh = m * p.heads + head;
+  int done = 0;
+  if (lane == 0) done = atomicAdd(&p.attn_count[mh], 1) + 1;
+  done = __shfl_sync(0xffffffffu, done, 0);
+  if (done != slices * (layer + 1)) return;  // (the counts are reset by the last layer's merges)
+  __threadfence();
+  const float* parts = p.attn_part + static_cast<int64_t>(mh) * p.slices_cap * (D + 2);
+  float gmax = -INFINITY;
+  for (int s = lane; s < slices; s += 32) gmax = fmaxf(gmax, __ldcg(parts + s * (D + 2)));
+  gmax = warp_max(gmax);
+  float total = 0.f, acc[kPerLane] = {};
+  for (int s0 = 0; s0 < slices; s0 += 32) {
+    float c = 0.f;
+    if (s0 + lane < slices) {
+      const float smax = __ldcg(parts + (s0 + lane) * (D + 2));
+      c = smax == -INFINITY ? 0.f : exp2f(smax - gmax);
+      total += c * __ldcg(parts + (s0 + lane) * (D + 2) + 1);
+    }
+    // slice scales c_j from lane j; the slices' o rows in groups whose loads are all in flight at once
+    constexpr int kGroup = 64 / kPerLane;
+    const int n = min(32, slices - s0);
+    for (int j0 = 0; j0 < n; j0 += kGroup) {
+      float ov[kGroup][kPerLane];
+#pragma unroll
+      for (int j = 0; j < kGroup; ++j) {
+#pragma unroll
+        for (int d = 0; d < kPerLane; ++d) {
+          ov[j][d] = j0 + j < n ? __ldcg(parts + (s0 + j0 + j) * (D + 2) + 2 + lane * kPerLane + d) : 0.f;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kGroup; ++j) {
+        const float cj = __shfl_sync(0xffffffffu, c, (j0 + j) & 31);
+#pragma unroll
+        for (int d = 0; d < kPerLane; ++d) acc[d] += cj * ov[j][d];
+      }
+    }
+  }
+  total = warp_sum(total);
+  const float inv = total > 0.f ? 1.f / total : 0.f;  // no key: 0, as the attention op
+  uint64_t* out = p.attn + (m * p.e + head * D + lane * kPerLane) / 2;
+#pragma unroll
+  for (int d = 0; d < kPerLane; d += 2) st_tagged(out + d / 2, pack2<T>(acc[d] * inv, acc[d + 1] * inv), epoch);
+  if (lane == 0 && layer + 1 == p.layers) p.attn_count[mh] = 0;  // ready for the next launch
+}
+
+// Consumers: this block's items, as their keys and values arrive through the ring, then the merges.
+template <typename T, int D>
+__device__ void attention(Ring& ring, const StepParams& p, int slices, uint32_t epoch, int layer, float* scratch) {
+  using S = AttnStage<D>;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n = block_items(p.m * p.heads * slices);
+  for (int j0 = 0; j0 < n; j0 += S::kItemsPerStage) {
+    ring.wait(&ring.full[ring.index], ring.phase);
+    const char* stage = ring.stages + ring.index * kStageBytes;
+    for (int s = 0; s < S::kItemsPerStage; ++s) {
+      const int j = j0 + s;
+      if (j < n && j % kConsumerWarps == warp) {
+        attention_partial<T, D>(p, slices, blockIdx.x + j * gridDim.x, epoch, stage + s * S::kItemBytes,
+                                scratch + warp * D);
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&ring.empty[ring.index]);
+    ring.advance();
+  }
+  if (warp >= n) return;
+  __threadfence();  // this warp's partials, before its counts
+  for (int j = warp; j < n; j += kConsumerWarps) {
+    attention_merge<T, D>(p, slices, blockIdx.x + j * gridDim.x, epoch, layer);
+  }
+}
 // Bytes of StepParams up to and including `layers` layers (a multiple of 16).
 __host__ __device__ constexpr int ln_params_bytes(int e) { return 2 * e * 2; }  // weight and bias, 16-bit
 
@@ -611,39 +746,54 @@ __host__ __device__ constexpr int params_bytes(int layers) {
          16 * 16;
 }
 
-// GEMV epilogues: pre(token, n) is loaded before the tile's k-loop, store(token, n, acc + pre) after it.
+// GEMV epilogues (see consume): pre(token, n, j, bias) is what the tile's sums start from, keep(j, sum) sees
+// every sum, store(token, n, sum) or, kPairs, store(token, n, sum_n, sum_n+1) writes them.
 template <typename T>
-struct QkvEpilogue {  // q -> q buffer; k, v -> the caches at slot q_start[token]
-  static constexpr bool kPairs = false;
-  const T* bias;
-  T *q, *k_cache, *v_cache;
+struct QkvEpilogue {  // q -> q, k and v -> kv_new (tagged, for this step) and the caches at slot q_start[token]
+  static constexpr bool kPairs = true, kBias = true;
+  uint64_t *q, *kv_new;
+  T *k_cache, *v_cache;
   const int* q_start;
   int e, heads, capacity, head_dim;
-  __device__ float pre(int, int n) const { return to_float(bias[n]); }
-  __device__ void store(int m, int n, float s) const {
-    const T v = from_float<T>(s);
+  uint32_t epoch;
+  __device__ float pre(int, int, int, float bias) const { return bias; }
+  __device__ void keep(int, float) const {}
+  __device__ void store(int m, int n, float s0, float s1) const {  // n, n + 1: the same head's
+    const uint32_t pair = pack2<T>(s0, s1);
     if (n < e) {
-      q[m * e + n] = v;
+      st_tagged(q + (static_cast<int64_t>(m) * e + n) / 2, pair, epoch);
       return;
     }
+    st_tagged(kv_new + (static_cast<int64_t>(m) * 2 * e + n - e) / 2, pair, epoch);
     const int slot = q_start[m];
     if (slot < 0 || slot >= capacity) return;
     const int c = n < 2 * e ? n - e : n - 2 * e;
     T* cache = n < 2 * e ? k_cache : v_cache;
-    cache[((static_cast<int64_t>(m) * heads + c / head_dim) * capacity + slot) * head_dim + c % head_dim] = v;
+    *reinterpret_cast<uint32_t*>(
+        cache + ((static_cast<int64_t>(m) * heads + c / head_dim) * capacity + slot) * head_dim + c % head_dim) = pair;
   }
 };
 
+// The residual stream's values in the columns of this block's first kKeptTiles tiles of out_proj and fc2 (the same
+// tiles), as this block last stored them: each is the other's residual. resid[j][o]: thread o's output of tile j.
+constexpr int kKeptTiles = 4;
+using KeptResidual = float[kKeptTiles][kTileRows * kMaxTokens];
+
 template <typename T>
 struct ResidualEpilogue {  // h_out = h_in + acc + bias (out_proj, fc2), tagged; h_in's epoch was polled before
-  static constexpr bool kPairs = true;
-  const T* bias;
+  static constexpr bool kPairs = true, kBias = true;
   const uint64_t* h_in;
   uint64_t* h_out;
   int e;
   uint32_t epoch;
-  __device__ float pre(int m, int n) const {
-    return to_float(bias[n]) + ld_tagged_elem<T>(h_in, static_cast<int64_t>(m) * e + n);
+  KeptResidual* kept;
+  bool kept_is_h_in;  // kept holds h_in (after this block's first out_proj, which reads the embeddings)
+  __device__ float pre(int m, int n, int j, float bias) const {
+    return bias + (kept_is_h_in && j < kKeptTiles ? (*kept)[j][threadIdx.x]
+                                                   : ld_tagged_elem<T>(h_in, static_cast<int64_t>(m) * e + n));
+  }
+  __device__ void keep(int j, float s) const {
+    if (j < kKeptTiles) (*kept)[j][threadIdx.x] = to_float(from_float<T>(s));  // as stored
   }
   __device__ void store(int m, int n, float s0, float s1) const {
     st_tagged(h_out + (static_cast<int64_t>(m) * e + n) / 2, pack2<T>(s0, s1), epoch);
@@ -652,12 +802,12 @@ struct ResidualEpilogue {  // h_out = h_in + acc + bias (out_proj, fc2), tagged;
 
 template <typename T>
 struct ReluEpilogue {  // out = relu(acc + bias) (fc1), tagged; NaN passes through, like torch.relu
-  static constexpr bool kPairs = true;
-  const T* bias;
+  static constexpr bool kPairs = true, kBias = true;
   uint64_t* out;
   int n_out;
   uint32_t epoch;
-  __device__ float pre(int, int n) const { return to_float(bias[n]); }
+  __device__ float pre(int, int, int, float bias) const { return bias; }
+  __device__ void keep(int, float) const {}
   __device__ void store(int m, int n, float s0, float s1) const {
     st_tagged(out + (static_cast<int64_t>(m) * n_out + n) / 2, pack2<T>(s0 < 0.f ? 0.f : s0, s1 < 0.f ? 0.f : s1),
               epoch);
@@ -666,10 +816,11 @@ struct ReluEpilogue {  // out = relu(acc + bias) (fc1), tagged; NaN passes throu
 
 template <typename T>
 struct LogitsEpilogue {  // fp32 logits, rounded to the model dtype first like the LM head's output
-  static constexpr bool kPairs = false;
+  static constexpr bool kPairs = false, kBias = false;
   float* logits;
   int vocab;
-  __device__ float pre(int, int) const { return 0.f; }
+  __device__ float pre(int, int, int, float) const { return 0.f; }
+  __device__ void keep(int, float) const {}
   __device__ void store(int m, int n, float s) const {
     logits[static_cast<int64_t>(m) * vocab + n] = to_float(from_float<T>(s));
   }
@@ -679,9 +830,12 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_constant__ StepParams params) {
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[32], empty[32];
+  // the GEMVs' partial sums, by tile parity; attention's scratch is the buffer that qkv's last tile did not use
+  // (its readers passed that tile's consumers_sync) until the sync ending stage_rows, before out_proj
   __shared__ float partial[2][kConsumerWarps][kTileRows][kMaxTokens + 1];
-  __shared__ float q_smem[kConsumerWarps][128];
+  static_assert(sizeof(partial[0]) >= kConsumerWarps * D * sizeof(float), "attention scratch (q)");
   __shared__ float ln_stat[kMaxTokens][2];  // mean, rstd per row
+  __shared__ KeptResidual kept;
 
   // The parameters (scalars and the used layers' pointers) are read from a shared-memory copy: read in place
   // they are generic loads of the parameter buffer, cached in L1, which every grid barrier's acquire
@@ -694,6 +848,10 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
     const uint4* src = reinterpret_cast<const uint4*>(&params);
     for (int i = threadIdx.x; i < bytes / 16; i += kThreads) reinterpret_cast<uint4*>(copy)[i] = src[i];
   }
+  // The cache slots too: the producer reads them per attention item, and a global load behind the weight
+  // stream's queue costs microseconds.
+  __shared__ int slots[kMaxTokens];
+  if (threadIdx.x < params.m) slots[threadIdx.x] = params.q_start[threadIdx.x];
   const StepParams& p = *copy;
   Ring ring{smem, full, empty, params.stages};
   ring.timed = params.trace != nullptr;
@@ -705,39 +863,32 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
+  if (threadIdx.x == 0) copy->q_start = slots;
+  __syncthreads();
 
   int64_t* trace = p.trace == nullptr ? nullptr : p.trace + blockIdx.x * trace_events(p.layers);
-  if (threadIdx.x >= kConsumers) {  // producer warp: one lane issues every copy
-    if (threadIdx.x == kConsumers) {
-      const uint64_t policy = evict_first_policy();
-      for (int l = 0; l < p.layers; ++l) {
-        const LayerWeights& L = p.layer[l];
-        produce(ring, L.wqkv, 3 * p.e, p.e, policy);
-        produce(ring, L.wo, p.e, p.e, policy);
-        produce(ring, L.w1, p.f, p.e, policy);
-        produce(ring, L.w2, p.e, p.f, policy);
-        if (trace != nullptr) trace[2 + kTracePhases * p.layers + 2 * l] = ring.wait_ns;
-      }
-      produce(ring, p.lm_head, p.vocab, p.e, policy);
+  const int slices = attention_slices(p);
+  if (threadIdx.x >= kConsumers) {  // producer warp: lane r issues row r's copies
+    const uint64_t policy = evict_first_policy();
+    for (int l = 0; l < p.layers; ++l) {
+      const LayerWeights& L = p.layer[l];
+      produce(ring, L.wqkv, L.bqkv, 3 * p.e, p.e, policy);
+      produce_attention<D>(ring, p, L, slices, policy);
+      produce(ring, L.wo, L.bo, p.e, p.e, policy);
+      produce(ring, L.w1, L.b1, p.f, p.e, policy);
+      produce(ring, L.w2, L.b2, p.e, p.f, policy);
+      if (trace != nullptr && threadIdx.x == kConsumers) trace[2 + kTracePhases * p.layers + 2 * l] = ring.wait_ns;
     }
+    produce(ring, p.lm_head, nullptr, p.vocab, p.e, policy);
     return;
   }
 
-  // Consumers. Barrier i of this launch completes at base + (i + 1) * gridDim.x; every launch adds
-  // layers * gridDim.x (one barrier per layer), and this block has not arrived yet, so base is the multiple
-  // below the count.
-  __shared__ unsigned long long base_s;
-  if (threadIdx.x == 0) {
-    const unsigned long long per_launch = static_cast<unsigned long long>(p.layers) * gridDim.x;
-    const unsigned long long now = load_acquire(p.barrier);
-    base_s = now - now % per_launch;
-  }
+  // Consumers. Tag of layer l's outputs: epoch0 + l + 1 (epoch0 itself: the embeddings), unique to this launch
+  // (every block counts its own launches), so a word left by an earlier layer or launch never passes for a new one.
+  __shared__ uint32_t epoch0_s;
+  if (threadIdx.x == 0) epoch0_s = p.launches[blockIdx.x] * static_cast<uint32_t>(p.layers + 1);
   consumers_sync();
-  unsigned long long target = base_s;
-  // Tag of layer l's outputs: epoch0 + l + 1 (epoch0 itself: the embeddings), unique to this launch, so a word
-  // left by an earlier layer or launch never passes for a new one.
-  const uint32_t epoch0 = static_cast<uint32_t>(base_s / (static_cast<unsigned long long>(p.layers) * gridDim.x)) *
-                          static_cast<uint32_t>(p.layers + 1);
+  const uint32_t epoch0 = epoch0_s;
   auto mark = [&](int event) {  // trace: block-local timestamp at a phase end
     if (trace != nullptr && threadIdx.x == 0) trace[event] = now_ns();
   };
@@ -745,45 +896,45 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
   int pbuf = 0;
   layer_norm_rows<T>(p, x, lnp, static_cast<const T*>(p.layer[0].ln1_w), static_cast<const T*>(p.layer[0].ln1_b),
                      nullptr, p.h[1], epoch0, ln_stat);
-  // One copy of each tagged buffer is enough because the barrier after qkv bounds how far a block runs ahead: a
-  // block writes layer l + 1's attn, h[0], ffn and h[1] only after that barrier, when every block has finished
-  // layer l, including its reads of them. Before the barrier, qkv of layer l + 1 may run while slower blocks are
-  // still in layer l's attention, so q alternates between two buffers. out_proj's residual (h[1] of the layer
-  // before) is read after the barrier, each column by the block that rewrites it in fc2 (both have E outputs,
-  // so tile i belongs to the same block in both).
+  // One copy of each tagged buffer is enough: a block overwrites one only after it has waited for words that
+  // every block writes after its last read of the old contents. Layer l + 1's q and kv_new (read by layer l's
+  // attention) are written after LN1 has read all of h[1] (every block's fc2, after its attention); attn, after
+  // h[1] too (every block's fc2, after its out_proj); h[0] (read by LN2 and as fc2's residual), after h[1] too;
+  // ffn (read by fc2), after LN2 has read all of h[0] (every block's out_proj, after its fc2 of layer l); h[1]
+  // (read by LN1 and as out_proj's residual), after the fc2 rows have read all of ffn (every block's fc1, after
+  // its out_proj). Each reader's value feeds what it writes next, so no read sees a later write. out_proj reads
+  // its residual column by column from h[1], which only the same block rewrites (in fc2: both have E outputs,
+  // so tile i belongs to the same block in both). The attention counts grow by `slices` per layer.
   for (int l = 0; l < p.layers; ++l) {
     const LayerWeights& L = p.layer[l];
     const uint32_t epoch = epoch0 + l + 1;
-    T* q = static_cast<T*>(p.q[l % 2]);
     const int ev = 1 + kTracePhases * l;
     consume<T>(ring, x, p.x_stride, p.m, 3 * p.e, p.e, partial, pbuf,
-               QkvEpilogue<T>{static_cast<const T*>(L.bqkv), q, static_cast<T*>(L.k_cache),
-                              static_cast<T*>(L.v_cache), p.q_start, p.e, p.heads, p.capacity, D});
+               QkvEpilogue<T>{p.q, p.kv_new, static_cast<T*>(L.k_cache),
+                              static_cast<T*>(L.v_cache), p.q_start, p.e, p.heads, p.capacity, D, epoch});
     mark(ev);
-    target += gridDim.x;
-    grid_barrier(p.barrier, target);
+    attention<T, D>(ring, p, slices, epoch, l, &partial[pbuf][0][0][0]);
     mark(ev + 1);
-    attention<T, D>(p, L, q, epoch, q_smem);
-    mark(ev + 2);
     stage_rows(p, x, p.attn, p.e, epoch);
     consume<T>(ring, x, p.x_stride, p.m, p.e, p.e, partial, pbuf,
-               ResidualEpilogue<T>{static_cast<const T*>(L.bo), p.h[1], p.h[0], p.e, epoch});
-    mark(ev + 3);
+               ResidualEpilogue<T>{p.h[1], p.h[0], p.e, epoch, &kept, l > 0});
+    mark(ev + 2);
     layer_norm_rows<T>(p, x, lnp, static_cast<const T*>(L.ln2_w), static_cast<const T*>(L.ln2_b), p.h[0], nullptr,
                        epoch, ln_stat);
     consume<T>(ring, x, p.x_stride, p.m, p.f, p.e, partial, pbuf,
-               ReluEpilogue<T>{static_cast<const T*>(L.b1), p.ffn, p.f, epoch});
-    mark(ev + 4);
+               ReluEpilogue<T>{p.ffn, p.f, epoch});
+    mark(ev + 3);
     stage_rows(p, x, p.ffn, p.f, epoch);
     consume<T>(ring, x, p.x_stride, p.m, p.e, p.f, partial, pbuf,
-               ResidualEpilogue<T>{static_cast<const T*>(L.b2), p.h[0], p.h[1], p.e, epoch});
-    mark(ev + 5);
+               ResidualEpilogue<T>{p.h[0], p.h[1], p.e, epoch, &kept, true});
+    mark(ev + 4);
     const bool last = l + 1 == p.layers;
     layer_norm_rows<T>(p, x, lnp, static_cast<const T*>(last ? p.lnf_w : p.layer[l + 1].ln1_w),
                        static_cast<const T*>(last ? p.lnf_b : p.layer[l + 1].ln1_b), p.h[1], nullptr, epoch, ln_stat);
-    mark(ev + 6);
+    mark(ev + 5);
     if (trace != nullptr && threadIdx.x == 0) trace[3 + kTracePhases * p.layers + 2 * l] = ring.wait_ns;
   }
+  if (threadIdx.x == 0) p.launches[blockIdx.x] += 1;
   consume<T>(ring, x, p.x_stride, p.m, p.vocab, p.e, partial, pbuf, LogitsEpilogue<T>{p.logits, p.vocab});
   mark(1 + kTracePhases * p.layers);
 }
@@ -791,11 +942,11 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
 // Byte offsets of the workspace's parts, each 256-aligned; the last entry is the total size.
 std::vector<int64_t> workspace_layout(int64_t m, int64_t e, int64_t f, int64_t heads, int64_t head_dim,
                                       int64_t capacity) {
-  constexpr int64_t elem = 2;  // fp16 / bf16 activations
   const int64_t slices_cap = (capacity + kSlice - 1) / kSlice;
-  // barrier, attn_count, attn_part, h[0], h[1] (tagged: 4 bytes per element), q[0], q[1], attn, ffn (tagged)
-  const int64_t sizes[] = {8, m * heads * 4, m * heads * slices_cap * (head_dim + 2) * 4, m * e * 4, m * e * 4,
-                           m * e * elem, m * e * elem, m * e * 4, m * f * 4};
+  // launches, attn_count, attn_part, then the tagged buffers (4 bytes per element): h[0], h[1], q, kv_new, attn,
+  // ffn
+  const int64_t sizes[] = {kMaxBlocks * 4, m * heads * 4, m * heads * slices_cap * (head_dim + 2) * 4, m * e * 4, m * e * 4,
+                           m * e * 4, m * 2 * e * 4, m * e * 4, m * f * 4};
   std::vector<int64_t> offsets;
   int64_t at = 0;
   for (int64_t s : sizes) {
@@ -812,7 +963,7 @@ int max_smem_optin() { return at::cuda::getCurrentDeviceProperties()->sharedMemP
 
 // Static shared memory of the kernel (barriers, partial sums, q): everything but ring and x.
 constexpr int kStaticSmem = 2 * 32 * 8 + 2 * kConsumerWarps * kTileRows * (kMaxTokens + 1) * 4 +
-                            kConsumerWarps * 128 * 4 + kMaxTokens * 2 * 4 + 8 + 256;
+                            kMaxTokens * 2 * 4 + static_cast<int>(sizeof(KeptResidual)) + 256;
 
 int ring_stages(int64_t m, int64_t e, int64_t f, int64_t layers) {
   const int64_t free_bytes =
@@ -925,13 +1076,13 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
                          trace_events(static_cast<int>(layers)));
   p.logits = logits.data_ptr<float>();
   char* ws = static_cast<char*>(workspace.data_ptr());
-  p.barrier = reinterpret_cast<unsigned long long*>(ws + layout[0]);
+  p.launches = reinterpret_cast<unsigned*>(ws + layout[0]);
   p.attn_count = reinterpret_cast<int*>(ws + layout[1]);
   p.attn_part = reinterpret_cast<float*>(ws + layout[2]);
   p.h[0] = reinterpret_cast<uint64_t*>(ws + layout[3]);
   p.h[1] = reinterpret_cast<uint64_t*>(ws + layout[4]);
-  p.q[0] = ws + layout[5];
-  p.q[1] = ws + layout[6];
+  p.q = reinterpret_cast<uint64_t*>(ws + layout[5]);
+  p.kv_new = reinterpret_cast<uint64_t*>(ws + layout[6]);
   p.attn = reinterpret_cast<uint64_t*>(ws + layout[7]);
   p.ffn = reinterpret_cast<uint64_t*>(ws + layout[8]);
   for (int64_t l = 0; l < layers; ++l) {
@@ -960,6 +1111,7 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
   const auto* props = at::cuda::getCurrentDeviceProperties();
   TORCH_CHECK(props->major >= 9, "decode_step: needs an sm_90 GPU (TMA bulk copies), got sm_", props->major,
               props->minor);
+  TORCH_CHECK(props->multiProcessorCount <= kMaxBlocks, "decode_step: more than ", kMaxBlocks, " SMs");
   const int smem =
       p.stages * kStageBytes + static_cast<int>(m) * p.x_stride + ln_params_bytes(p.e) + params_bytes(p.layers);
   auto launch = [&](auto kernel) {
@@ -967,7 +1119,8 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
     int resident = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, smem));
     TORCH_CHECK(resident >= 1, "decode_step: the kernel does not fit on an SM");
-    // Cooperative: all blocks resident at once (the grid barriers need it), or the launch fails.
+    // Cooperative: all blocks resident at once (a block waiting for another's tagged words needs it), or the
+    // launch fails.
     cudaLaunchAttribute attr;
     attr.id = cudaLaunchAttributeCooperative;
     attr.val.cooperative = 1;

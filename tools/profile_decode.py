@@ -36,7 +36,7 @@ def gemv_table(m: int) -> None:
         del ws
 
 
-PHASES = ["qkv", "barrier", "attention", "attn rows + out_proj", "LN2 + fc1", "ffn rows + fc2", "next LN"]
+PHASES = ["qkv", "attention", "attn rows + out_proj", "LN2 + fc1", "ffn rows + fc2", "next LN"]
 # (the reads of attn rows, h for the LayerNorms and ffn rows wait for their tagged writers: csrc/decode_step.cu)
 
 
