@@ -180,37 +180,40 @@ __device__ __forceinline__ uint4 untag(uint64_t a, uint64_t b, uint64_t c, uint6
                     static_cast<uint32_t>(d));
 }
 
-// The waiting part of poll_chunk, out of line: it runs only when a writer is late, and inlined in every loop
-// that stages rows it would grow the kernel (instruction-cache misses) and its register pressure. A writer that
-// never comes is a bug: after 10 s the kernel traps rather than hang the GPU.
-__device__ __noinline__ uint4 poll_chunk_wait(const uint64_t* w, uint32_t epoch) {
-  const int64_t t0 = now_ns();
-  uint64_t a, b, c, d;
-  while (true) {
-    __nanosleep(128);  // every consumer thread of every block may be polling a few lines: spare L2 (H100: -20 us)
-    ld_tagged2(w, a, b);
-    ld_tagged2(w + 2, c, d);
-    if (tags_are(a, b, c, d, epoch)) break;
-    if (now_ns() - t0 > 10'000'000'000LL) __trap();
-  }
-  return untag(a, b, c, d);
-}
-
 __device__ __forceinline__ uint64_t ld_tagged(const uint64_t* word) {
   uint64_t v;
   asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];\n" : "=l"(v) : "l"(word) : "memory");
   return v;
 }
 
+// One back-off between two tries of a poll that began at t0. Every consumer thread of every block may be polling
+// a few lines: the sleep spares L2 (H100: -20 us). A writer that never comes is a bug: after 10 s the kernel
+// traps rather than hang the GPU.
+__device__ __forceinline__ void poll_backoff(int64_t t0) {
+  __nanosleep(128);
+  if (now_ns() - t0 > 10'000'000'000LL) __trap();
+}
+
+// The waiting parts of poll_chunk and poll_word, out of line: they run only when a writer is late, and inlined in
+// every loop that stages rows they would grow the kernel (instruction-cache misses) and its register pressure.
+__device__ __noinline__ uint4 poll_chunk_wait(const uint64_t* w, uint32_t epoch) {
+  const int64_t t0 = now_ns();
+  uint64_t a, b, c, d;
+  do {
+    poll_backoff(t0);
+    ld_tagged2(w, a, b);
+    ld_tagged2(w + 2, c, d);
+  } while (!tags_are(a, b, c, d, epoch));
+  return untag(a, b, c, d);
+}
+
 __device__ __noinline__ uint32_t poll_word_wait(const uint64_t* w, uint32_t epoch) {
   const int64_t t0 = now_ns();
   uint64_t v;
-  while (true) {
-    __nanosleep(128);
+  do {
+    poll_backoff(t0);
     v = ld_tagged(w);
-    if ((v >> 32) == epoch) break;
-    if (now_ns() - t0 > 10'000'000'000LL) __trap();
-  }
+  } while ((v >> 32) != epoch);
   return static_cast<uint32_t>(v);
 }
 
@@ -233,35 +236,17 @@ __device__ __forceinline__ uint4 poll_chunk(const uint64_t* words, int c, uint32
 template <typename T>
 __device__ __forceinline__ float ld_tagged_elem(const uint64_t* words, int64_t n) {
   const uint64_t v = ld_tagged(words + n / 2);
-  const unsigned short bits = static_cast<unsigned short>(n % 2 ? v >> 16 : v);
-  if constexpr (std::is_same_v<T, __half>) {
-    return __half2float(__ushort_as_half(bits));
-  } else {
-    return __bfloat162float(__ushort_as_bfloat16(bits));
-  }
+  const uint32_t low = static_cast<uint32_t>(n % 2 ? v >> 16 : v);  // element n in the low 16 bits
+  return to_float(*reinterpret_cast<const T*>(&low));
 }
 
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (std::is_same_v<T, __half>) {
-    return __half_as_ushort(__float2half_rn(lo)) |
-           (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(hi))) << 16);
-  } else {
-    return __bfloat16_as_ushort(__float2bfloat16_rn(lo)) |
-           (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
-  }
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
+  uint32_t u;
+  T* e = reinterpret_cast<T*>(&u);
+  e[0] = from_float<T>(lo);
+  e[1] = from_float<T>(hi);
+  return u;
 }
 
 template <typename T>
@@ -506,7 +491,7 @@ __device__ void stage_rows(const StepParams& p, char* x, const uint64_t* src, in
 // The keys and values a step attends to were written by earlier steps, except the new token's: the producer
 // streams the old ones of this block's items through the ring like weights (they do not depend on this step's
 // activations either, so their loads overlap the phases before, instead of queueing behind the weight stream
-// after the barrier: one HBM round trip there costs ~5 µs on the H100). The new token's key and value, written
+// once the phase starts: one HBM round trip there costs ~5 µs on the H100). The new token's key and value, written
 // by the qkv phase, are read from L2. Item i belongs to block i % G; its j-th item (j = 0, 1, ...) sits in
 // ring stage j / kItemsPerStage and is computed by warp j % 8.
 
@@ -554,21 +539,18 @@ __device__ void produce_attention(Ring& ring, const StepParams& p, const LayerWe
   const int lane = threadIdx.x & 31;
   const int n = block_items(p.m * p.heads * slices);
   for (int j0 = 0; j0 < n; j0 += S::kItemsPerStage) {
-    const int in_stage = min(S::kItemsPerStage, n - j0);
-    uint32_t bytes = 0;
-    for (int s = 0; s < in_stage; ++s) bytes += 2 * attention_item(p, slices, blockIdx.x + (j0 + s) * gridDim.x).old * D * 2;
+    const int s = lane / 2;  // lane 2 s: item s's keys, lane 2 s + 1: its values
+    const bool copies = s < min(S::kItemsPerStage, n - j0);
+    const AttnItem it = attention_item(p, slices, blockIdx.x + (j0 + (copies ? s : 0)) * gridDim.x);
+    const uint32_t bytes = __reduce_add_sync(0xffffffffu, copies ? it.old * D * 2 : 0);
     ring.wait(&ring.empty[ring.index], ring.phase ^ 1);
     if (lane == 0) mbar_expect_tx(&ring.full[ring.index], bytes);  // (0 bytes: the arrival alone completes it)
     __syncwarp();
-    const int s = lane / 2;  // lane 2 s: item s's keys, lane 2 s + 1: its values
-    if (s < in_stage) {
-      const AttnItem it = attention_item(p, slices, blockIdx.x + (j0 + s) * gridDim.x);
+    if (copies && it.old > 0) {
       const int64_t at = ((static_cast<int64_t>(it.m) * p.heads + it.head) * p.capacity + it.first) * D * 2;
-      if (it.old > 0) {
-        bulk_copy(ring.stages + ring.index * kStageBytes + s * S::kItemBytes + (lane % 2) * kSlice * D * 2,
-                  static_cast<const char*>(lane % 2 ? L.v_cache : L.k_cache) + at, it.old * D * 2,
-                  &ring.full[ring.index], policy);
-      }
+      bulk_copy(ring.stages + ring.index * kStageBytes + s * S::kItemBytes + (lane % 2) * kSlice * D * 2,
+                static_cast<const char*>(lane % 2 ? L.v_cache : L.k_cache) + at, it.old * D * 2,
+                &ring.full[ring.index], policy);
     }
     ring.advance();
   }
@@ -738,9 +720,10 @@ __device__ void attention(Ring& ring, const StepParams& p, int slices, uint32_t 
     attention_merge<T, D>(p, slices, blockIdx.x + j * gridDim.x, epoch, layer);
   }
 }
-// Bytes of StepParams up to and including `layers` layers (a multiple of 16).
+
 __host__ __device__ constexpr int ln_params_bytes(int e) { return 2 * e * 2; }  // weight and bias, 16-bit
 
+// Bytes of StepParams up to and including `layers` layers (a multiple of 16).
 __host__ __device__ constexpr int params_bytes(int layers) {
   return (static_cast<int>(offsetof(StepParams, layer)) + layers * static_cast<int>(sizeof(LayerWeights)) + 15) /
          16 * 16;
@@ -837,9 +820,10 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
   __shared__ float ln_stat[kMaxTokens][2];  // mean, rstd per row
   __shared__ KeptResidual kept;
 
-  // The parameters (scalars and the used layers' pointers) are read from a shared-memory copy: read in place
-  // they are generic loads of the parameter buffer, cached in L1, which every grid barrier's acquire
-  // invalidates, so each phase would start with a chain of dependent L2 round trips.
+  // The parameters (scalars and the used layers' pointers) are read from a shared-memory copy. Read in place they
+  // are generic loads of the parameter buffer, cached in L1; when the kernel had grid barriers, each barrier's
+  // acquire invalidated L1, so each phase started with a chain of dependent L2 round trips (trace 1499 -> 1464 us
+  // with the copy; not re-measured without barriers).
   char* x = smem + params.stages * kStageBytes;
   char* lnp = x + params.m * params.x_stride;  // LayerNorm weight and bias, 2 E elements
   StepParams* copy = reinterpret_cast<StepParams*>(lnp + ln_params_bytes(params.e));
@@ -945,8 +929,9 @@ std::vector<int64_t> workspace_layout(int64_t m, int64_t e, int64_t f, int64_t h
   const int64_t slices_cap = (capacity + kSlice - 1) / kSlice;
   // launches, attn_count, attn_part, then the tagged buffers (4 bytes per element): h[0], h[1], q, kv_new, attn,
   // ffn
-  const int64_t sizes[] = {kMaxBlocks * 4, m * heads * 4, m * heads * slices_cap * (head_dim + 2) * 4, m * e * 4, m * e * 4,
-                           m * e * 4, m * 2 * e * 4, m * e * 4, m * f * 4};
+  const int64_t sizes[] = {kMaxBlocks * 4, m * heads * 4, m * heads * slices_cap * (head_dim + 2) * 4,
+                           m * e * 4,      m * e * 4,     m * e * 4,
+                           m * 2 * e * 4,  m * e * 4,     m * f * 4};
   std::vector<int64_t> offsets;
   int64_t at = 0;
   for (int64_t s : sizes) {
@@ -961,7 +946,8 @@ int64_t x_stride_bytes(int64_t k) { return (2 * k + 127) / 128 * 128 + 64; }
 
 int max_smem_optin() { return at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin; }
 
-// Static shared memory of the kernel (barriers, partial sums, q): everything but ring and x.
+// Static shared memory of the kernel (ring mbarriers, partial sums, LayerNorm statistics, kept residuals, and
+// 256 bytes for the small rest): everything but the ring, x, the LayerNorm parameters and the parameters' copy.
 constexpr int kStaticSmem = 2 * 32 * 8 + 2 * kConsumerWarps * kTileRows * (kMaxTokens + 1) * 4 +
                             kMaxTokens * 2 * 4 + static_cast<int>(sizeof(KeptResidual)) + 256;
 

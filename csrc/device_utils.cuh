@@ -1,4 +1,5 @@
-// Device helpers shared by the kernels: fp32 <-> element-type conversion and the m16n8k16 tensor-core mma.
+// Device helpers shared by the kernels: fp32 <-> element-type conversion, warp reductions and the m16n8k16
+// tensor-core mma.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -20,6 +21,19 @@ template <> __device__ __forceinline__ float from_float<float>(float v) { return
 template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
+}
+
+// Sum and maximum of v over the 32 lanes of a warp (every lane gets the result).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
 }
 
 // c (16x8, fp32) += a (16x16, row) * b (16x8, col) for T = __half or __nv_bfloat16 (sm_80+).

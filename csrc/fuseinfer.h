@@ -51,9 +51,9 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
                             const at::Tensor& lm_head, at::Tensor& workspace, double eps, double scale);
 int64_t decode_step_workspace_bytes(int64_t m, int64_t e, int64_t f, int64_t heads, int64_t head_dim,
                                     int64_t capacity);
-// With FUSEINFER_DECODE_TRACE=1 in the environment, the (blocks, 2 + 9 * layers) trace of the last
-// decode_step launch: globaltimer stamps (ns) of the start, per layer the ends of qkv, barrier, attention,
-// out_proj, LN2 + fc1, fc2, next LN, then the LM head's end; then per layer the cumulative ns the producer
+// With FUSEINFER_DECODE_TRACE=1 in the environment, the (blocks, 2 + 8 * layers) trace of the last
+// decode_step launch: globaltimer stamps (ns) of the start, per layer the ends of qkv, attention, out_proj,
+// LN2 + fc1, fc2, next LN, then the LM head's end; then per layer the cumulative ns the producer
 // waited for a free ring stage and consumer thread 0 for a full one.
 // Undefined otherwise.
 at::Tensor decode_step_trace();

@@ -102,12 +102,6 @@ struct Params {
   float eps;
 };
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 // Sum of v over the threads of one row (blockDim.x of them). With one warp per row there is no shared memory
 // and no barrier, so a warp whose row is out of range may return early. `scratch` holds one float per warp and
 // must not be reused by a later call (each call gets its own array, which saves a second barrier).

@@ -117,7 +117,7 @@ def test_kernel_matches_fp32_reference(case, dtype):
                                      lowp_args["k_caches"] + lowp_args["v_caches"]):
         e, te = (ours_c.float() - ref_c).abs().max().item(), (lowp_c.float() - ref_c).abs().max().item()
         assert e <= 2 * te + 1e-6, f"cache: ours {e:.3g} vs torch {te:.3g}"
-    for _ in range(4):  # the barrier counter, attention counters and tagged buffers carry over between launches
+    for _ in range(4):  # the launch counters, attention counters and tagged buffers carry over between launches
         assert torch.equal(opt_decode_step(**args), ours)
 
 
