@@ -11,4 +11,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_step_workspace_bytes", &fuseinfer::decode_step_workspace_bytes);
   m.def("decode_step_fits", &fuseinfer::decode_step_fits);
   m.def("decode_step_trace", &fuseinfer::decode_step_trace);
+  m.def("emit_tokens", &fuseinfer::emit_tokens_cuda);
+  m.def("emit_tokens_scratch_ints", &fuseinfer::emit_tokens_scratch_ints);
 }

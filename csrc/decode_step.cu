@@ -919,6 +919,9 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
     if (trace != nullptr && threadIdx.x == 0) trace[3 + kTracePhases * p.layers + 2 * l] = ring.wait_ns;
   }
   if (threadIdx.x == 0) p.launches[blockIdx.x] += 1;
+  // The next kernel (the token choice, launched with PDL) may become resident now: it waits in pdl_wait() for this
+  // grid to finish, but its launch is off the critical path.
+  pdl_launch_dependents();
   consume<T>(ring, x, p.x_stride, p.m, p.vocab, p.e, partial, pbuf, LogitsEpilogue<T>{p.logits, p.vocab});
   mark(1 + kTracePhases * p.layers);
 }

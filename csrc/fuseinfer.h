@@ -57,6 +57,13 @@ int64_t decode_step_workspace_bytes(int64_t m, int64_t e, int64_t f, int64_t hea
 // waited for a free ring stage and consumer thread 0 for a full one.
 // Undefined otherwise.
 at::Tensor decode_step_trace();
+// The tail of a fast-decode step (see emit_tokens.cu and fuseinfer/ops/emit_tokens.py): tokens = first argmax of
+// each row of scores (B, V) fp32, padded where a row has finished; unfinished, out[:, step], alive[step] updated;
+// positions, q_start, decode_idx, step advanced by one. scratch: emit_tokens_scratch_ints(B) int32, zeroed once.
+void emit_tokens_cuda(const at::Tensor& scores, const at::Tensor& eos, int64_t pad, at::Tensor& tokens,
+                      at::Tensor& positions, at::Tensor& q_start, at::Tensor& decode_idx, at::Tensor& step,
+                      at::Tensor& unfinished, at::Tensor& out, at::Tensor& alive, at::Tensor& scratch);
+int64_t emit_tokens_scratch_ints(int64_t rows);
 // Whether m rows of hidden e / ffn f fit the kernel's shared memory on the current device.
 bool decode_step_fits(int64_t m, int64_t e, int64_t f);
 

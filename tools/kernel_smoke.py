@@ -48,5 +48,13 @@ for dtype in (torch.float16, torch.bfloat16):
                             decode_step_params(model), caches[0::2], caches[1::2], dec.final_layer_norm.weight,
                             dec.final_layer_norm.bias, model.lm_head.weight,
                             decode_step_workspace(3, 256, 512, 4, 64, 96, "cuda"), 1e-5, 0.125)
+# the decode step's tail: 3 rows over a vocabulary of 1001 (not a multiple of the kernel's chunks), one EOS
+scores = torch.randn(3, 1001, device="cuda")
+step = dict(tokens=torch.zeros(3, 1, dtype=torch.long), positions=torch.zeros(3, 1, dtype=torch.long),
+            q_start=torch.zeros(3, dtype=torch.int32), decode_idx=torch.zeros(1, dtype=torch.long),
+            step=torch.zeros(1, dtype=torch.long), unfinished=torch.ones(3, dtype=torch.bool),
+            out=torch.zeros(3, 4, dtype=torch.long), alive=torch.ones(4, dtype=torch.bool))
+ops.emit_tokens(scores, torch.tensor([2], device="cuda"), 1, *(t.cuda() for t in step.values()),
+                ops.emit_tokens_scratch(3, "cuda"))
 torch.cuda.synchronize()
 print("kernel_smoke: all kernels ran")

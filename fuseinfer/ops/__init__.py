@@ -3,6 +3,7 @@ that runs the CUDA kernel when the extension is built and the tensors are on CUD
 """
 from .attention import attention, attention_ref
 from .decode_step import decode_step_workspace, opt_decode_step, opt_decode_step_ref
+from .emit_tokens import emit_tokens, emit_tokens_ref, emit_tokens_scratch
 from .kv_cache import kv_cache_append, kv_cache_append_ref
 from .layer_norm import add_layer_norm, add_layer_norm_ref
 from .linear import linear_epilogue, linear_epilogue_ref
@@ -10,6 +11,7 @@ from .quant import dequantize, dequantize_int8_ref, quantize_int8_ref, quantize_
 
 __all__ = [
     "add_layer_norm", "add_layer_norm_ref", "attention", "attention_ref", "decode_step_workspace", "dequantize",
-    "dequantize_int8_ref", "kv_cache_append", "kv_cache_append_ref", "linear_epilogue", "linear_epilogue_ref",
+    "dequantize_int8_ref", "emit_tokens", "emit_tokens_ref", "emit_tokens_scratch", "kv_cache_append",
+    "kv_cache_append_ref", "linear_epilogue", "linear_epilogue_ref",
     "opt_decode_step", "opt_decode_step_ref", "quantize_int8_ref", "quantize_per_channel", "quantize_per_token",
 ]

@@ -5,22 +5,22 @@ graph captured per batch-size bucket (1, 2, 4, 8, ...): all layers (one persiste
 ``fuseinfer::opt_decode_step``, where the model family has one and the bucket fits it; else the patched modules
 op by op; FUSEINFER_DECODE_KERNEL picks: ``auto`` where it is faster, ``1`` wherever it applies, ``0`` never;
 ``session.path`` says which), the LM head, the next-token choice (greedy or sampling), the EOS bookkeeping and
-the advance of every position counter happen inside the graph, so the host only launches replays and looks at
-the stop flag every ``STOP_CHECK_EVERY`` tokens. On CPU, or
-with FUSEINFER_CUDA_GRAPHS=0, the same step runs eagerly over the same static cache.
+the advance of every position counter (these three in one kernel, ``fuseinfer::emit_tokens``) happen inside the
+graph, so the host only launches replays and looks at the stop flag every ``STOP_CHECK_EVERY`` tokens. On CPU,
+or with FUSEINFER_CUDA_GRAPHS=0, the same step runs eagerly over the same static cache.
 
 Sessions (cache + graph, one per bucket) stay on the model between calls, so repeated calls reuse them and
 allocate nothing; ``release(model)`` (or ``fuseinfer.unpatch``) frees them.
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import FuseInferError
+from ..ops.emit_tokens import emit_tokens, emit_tokens_scratch
 from ..patching import OPS, patch_state
 from .cache import StaticKVCache
 
@@ -38,10 +38,10 @@ class Sampling:
     top_k: int | None = None
     top_p: float | None = None
 
-    def choose(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits (B, V) fp32 -> token ids (B,)."""
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (B, V) fp32 -> scores (B, V) whose first maximum per row is the next token."""
         if not self.do_sample:
-            return _argmax(logits)
+            return logits
         logits = logits / self.temperature
         if self.top_k:
             kth = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
@@ -54,23 +54,7 @@ class Sampling:
             logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
         probs = logits.softmax(-1)
         # Exponential race: argmax(p / E), E ~ Exp(1), samples from p and is CUDA-graph safe
-        return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
-
-
-@functools.lru_cache(maxsize=None)
-def _argmax_chunks(v: int) -> int:
-    """The most equal chunks (up to 1024) that divide a vocabulary of ``v``: 32 for OPT's 50272."""
-    return max(c for c in range(1, min(v, 1024) + 1) if v % c == 0)
-
-
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over (B, V) in two stages (V split in _argmax_chunks(V) chunks): a one-stage reduce over 50k
-    logits runs on one block per row. Ties resolve to the first index, as torch.argmax does."""
-    b, v = logits.shape
-    chunks = _argmax_chunks(v)
-    vals, idx = logits.view(b, chunks, v // chunks).max(-1)  # (B, chunks): first max inside each chunk
-    best = vals.argmax(-1, keepdim=True)  # (B, 1): first chunk holding the global max
-    return (best * (v // chunks) + idx.gather(1, best)).squeeze(1)
+        return probs / torch.empty_like(probs).exponential_()
 
 
 class _Session:
@@ -95,6 +79,7 @@ class _Session:
         self.unfinished = torch.ones(bucket, dtype=torch.bool, device=dev)  # (B,)
         self.out = torch.full((bucket, max_new), pad, dtype=torch.long, device=dev)  # (B, max_new)
         self.alive = torch.ones(max_new, dtype=torch.bool, device=dev)  # any row unfinished after step i
+        self.scratch = emit_tokens_scratch(bucket, dev)
         self.batch = bucket  # real rows of the current call (set by begin)
         # The decode step: one kernel for the whole model where it has one, else the patched modules per op
         self.step_kernel, why = patch_state(model).family.decode_step_kernel(model, self.cache)
@@ -108,14 +93,10 @@ class _Session:
                 and self.pad == pad and torch.equal(self.eos_host, eos))
 
     def _emit(self, logits: torch.Tensor) -> None:
-        """Choose the next tokens from logits (B, V), record them and the stop state at ``step``."""
-        nxt = self.sampling.choose(logits)  # (B,)
-        nxt = torch.where(self.unfinished, nxt, self.pad)
-        if self.eos.numel():
-            self.unfinished &= ~(nxt[:, None] == self.eos[None]).any(-1)
-        self.out.index_copy_(1, self.step, nxt[:, None])
-        self.alive.index_copy_(0, self.step, self.unfinished.any()[None])
-        self.tokens.copy_(nxt[:, None])
+        """Choose the next tokens from logits (B, V), record them and the stop state at ``step``, advance every
+        counter (one kernel on CUDA: fuseinfer::emit_tokens)."""
+        emit_tokens(self.sampling.scores(logits), self.eos, self.pad, self.tokens, self.positions, self.q_start,
+                    self.decode_idx, self.step, self.unfinished, self.out, self.alive, self.scratch)
 
     def _decode_step(self) -> None:
         """One token for every row; advances all counters (everything here is captured in the graph)."""
@@ -125,10 +106,6 @@ class _Session:
             self.cache.write_idx = self.decode_idx
             logits = self.forward(self.model, self.tokens, self.positions, self.cache, self.q_start)
         self._emit(logits)
-        self.positions += 1
-        self.q_start += 1
-        self.decode_idx += 1
-        self.step += 1
 
     def _capture(self) -> None:
         side = torch.cuda.Stream()
@@ -162,7 +139,7 @@ class _Session:
         self.step.zero_()
         self.cache.write_idx = torch.arange(p, device=dev)  # prefill writes slots [0, P) in one eager pass
         self.q_start.zero_()
-        self._emit(self.forward(self.model, ids, pos, self.cache, self.q_start))
+        self._emit(self.forward(self.model, ids, pos, self.cache, self.q_start))  # (advances counters: reset below)
         # decode: the first input sits at slot P with position = number of real prompt tokens
         self.positions[:b, 0] = mask.long().sum(1)
         self.positions[b:] = 0

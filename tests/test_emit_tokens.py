@@ -1,0 +1,132 @@
+"""fuseinfer::emit_tokens: the reference against a plain per-row loop (ties, NaN, finished rows, EOS), the op's
+registration (opcheck) and, on a GPU, the CUDA kernel against the reference (exact: token ids and counters), across
+vocabulary sizes that do and do not split evenly into the kernel's chunks, repeated launches and a CUDA graph."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fuseinfer import ops
+
+
+def _state(b: int, max_new: int, device="cpu", step: int = 2):
+    """The decode bookkeeping tensors, as fuseinfer.runtime.decode._Session holds them."""
+    return dict(
+        tokens=torch.zeros(b, 1, dtype=torch.long, device=device),
+        positions=torch.arange(b, dtype=torch.long, device=device).view(b, 1) + 10,
+        q_start=torch.full((b,), 20, dtype=torch.int32, device=device),
+        decode_idx=torch.tensor([20], device=device),
+        step=torch.tensor([step], device=device),
+        unfinished=torch.tensor([r % 4 != 3 for r in range(b)], device=device),  # every 4th row has finished
+        out=torch.full((b, max_new), -7, dtype=torch.long, device=device),
+        alive=torch.ones(max_new, dtype=torch.bool, device=device),
+        scratch=ops.emit_tokens_scratch(b, device),
+    )
+
+
+def _call(fn, scores, eos, pad, st):
+    fn(scores, eos, pad, st["tokens"], st["positions"], st["q_start"], st["decode_idx"], st["step"],
+       st["unfinished"], st["out"], st["alive"], st["scratch"])
+
+
+def _scores(b: int, v: int, device="cpu") -> torch.Tensor:
+    """Random scores with the cases an argmax gets wrong: ties (first index wins), NaN (largest), all -inf."""
+    s = torch.randn(b, v, device=device)
+    if b > 1:
+        s[1, v // 3] = s[1, v - 1] = 50.0  # a tie far apart (different chunks): the first wins
+    if b > 2:
+        s[2, 0] = s[2, 1] = 60.0  # a tie next to each other
+    if b > 4:
+        s[4, v // 2] = float("nan")
+        s[4, v - 1] = float("nan")  # two NaNs: the first NaN wins
+    if b > 5:
+        s[5] = float("-inf")  # nothing: index 0
+    return s
+
+
+def test_reference_matches_loop():
+    b, v, max_new = 7, 300, 5
+    scores, eos, pad = _scores(b, v), torch.tensor([5, 9]), 1
+    scores[0, 5] = 1e3  # row 0 produces an EOS
+    st = _state(b, max_new)
+    before = {k: t.clone() for k, t in st.items()}
+    _call(ops.emit_tokens, scores, eos, pad, st)
+    for r in range(b):
+        row = scores[r]
+        best = int(torch.isnan(row).nonzero()[0]) if torch.isnan(row).any() else int(row.argmax())
+        token = best if bool(before["unfinished"][r]) else pad
+        assert int(st["tokens"][r]) == token and int(st["out"][r, 2]) == token
+        assert bool(st["unfinished"][r]) == (bool(before["unfinished"][r]) and token not in (5, 9))
+    assert int(st["tokens"][1]) == v // 3 and int(st["tokens"][2]) == 0 and int(st["tokens"][4]) == v // 2
+    assert int(st["tokens"][5]) == 0 and not bool(st["unfinished"][0])
+    assert torch.equal(st["out"][:, [0, 1, 3, 4]], before["out"][:, [0, 1, 3, 4]])  # only column `step`
+    assert bool(st["alive"][2]) and torch.equal(st["alive"][[0, 1, 3, 4]], before["alive"][[0, 1, 3, 4]])
+    assert torch.equal(st["positions"], before["positions"] + 1) and torch.equal(st["q_start"], before["q_start"] + 1)
+    assert int(st["decode_idx"]) == 21 and int(st["step"]) == 3
+
+
+def test_alive_clears_when_every_row_has_finished():
+    st = _state(2, 4, step=0)
+    st["unfinished"][1] = False
+    scores = torch.zeros(2, 10)
+    scores[0, 3] = 1.0
+    _call(ops.emit_tokens, scores, torch.tensor([3]), 0, st)
+    assert not bool(st["alive"][0]) and not st["unfinished"].any() and st["out"][:, 0].tolist() == [3, 0]
+
+
+def test_shape_errors():
+    st = _state(2, 4)
+    with pytest.raises(ValueError):
+        _call(ops.emit_tokens, torch.zeros(3, 10), torch.tensor([1]), 0, st)
+
+
+def test_opcheck_cpu():
+    st = _state(3, 16, step=0)  # (opcheck calls the op several times: each advances step)
+    args = (_scores(3, 100), torch.tensor([2]), 1, *(st[k] for k in ("tokens", "positions", "q_start", "decode_idx",
+                                                                    "step", "unfinished", "out", "alive", "scratch")))
+    torch.library.opcheck(torch.ops.fuseinfer.emit_tokens.default, args)
+
+
+# ---- CUDA kernel ----
+
+def _require_kernel():
+    from fuseinfer._ext import extension
+
+    if extension() is None:
+        pytest.fail("fuseinfer._C is not built: the CUDA kernel cannot be tested")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,v", [(1, 50272), (3, 1000), (8, 50272), (32, 8191), (6, 123), (2, 7)])
+def test_kernel_matches_reference(b, v):
+    _require_kernel()
+    for trial in range(3):  # repeated launches: the kernel's ticket must reset itself
+        scores, eos = _scores(b, v, "cuda"), torch.tensor([3, v - 2], device="cuda")
+        scores[0, 3] = 1e3 if trial == 1 else scores[0, 3]  # trial 1: row 0 produces an EOS
+        ours, ref = _state(b, 6, "cuda"), _state(b, 6, "cuda")
+        _call(ops.emit_tokens, scores, eos, 1, ours)
+        _call(ops.emit_tokens_ref, scores, eos, 1, ref)
+        for k in ("tokens", "positions", "q_start", "decode_idx", "step", "unfinished", "out", "alive"):
+            assert torch.equal(ours[k], ref[k]), k
+
+
+@pytest.mark.gpu
+def test_kernel_in_cuda_graph_and_opcheck():
+    _require_kernel()
+    b, v, max_new = 4, 5000, 8
+    scores = torch.randn(b, v, device="cuda")
+    st = _state(b, max_new, "cuda", step=0)
+    eos = torch.empty(0, dtype=torch.long, device="cuda")
+    _call(ops.emit_tokens, scores, eos, 0, st)  # warm-up outside the graph
+    st["step"].zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _call(ops.emit_tokens, scores, eos, 0, st)
+    expected = torch.where(st["unfinished"], scores.argmax(-1), 0)
+    for _ in range(max_new):
+        graph.replay()
+    assert torch.equal(st["out"], expected[:, None].expand(b, max_new)) and int(st["step"]) == max_new
+    st = _state(b, 16, "cuda", step=0)
+    args = (scores, eos, 0, *(st[k] for k in ("tokens", "positions", "q_start", "decode_idx", "step", "unfinished",
+                                              "out", "alive", "scratch")))
+    torch.library.opcheck(torch.ops.fuseinfer.emit_tokens.default, args)
