@@ -6,7 +6,7 @@
 //   * grid (kChunks, B): block (c, b) finds the first maximum of chunk c of row b's scores and stores it in
 //     `scratch`;
 //   * the last block to finish (an atomic ticket, reset by that block for the next launch) merges each row's
-//     chunk maxima (lowest chunk wins a tie, so the first index overall wins, as torch.argmax) and does the
+//     chunk maxima (a tie goes to the lower index, so the first maximum overall wins, as torch.argmax) and does the
 //     bookkeeping of fuseinfer/ops/emit_tokens.py's reference, row r by thread r.
 // NaN counts as the largest value (torch.argmax's rule). Launched with PDL (launch.h).
 #include "fuseinfer.h"
@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kThreads) emit_tokens_kernel(const EmitParams 
   for (int r = threadIdx.x; r < p.b; r += kThreads) {
     float v = -INFINITY;
     int nxt = INT_MAX;
-    for (int c = 0; c < kChunks; ++c) {  // in chunk order: a tie keeps the lower chunk
+    for (int c = 0; c < kChunks; ++c) {
       const float cv = __ldcg(p.chunk_max + r * kChunks + c);
       const int ci = __ldcg(p.chunk_arg + r * kChunks + c);
       if (better(cv, ci, v, nxt)) v = cv, nxt = ci;

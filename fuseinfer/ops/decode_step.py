@@ -9,8 +9,8 @@ On CUDA (sm_90, fp16/bf16, head dim 64 or 128, B <= 8) it runs ``csrc/decode_ste
 whose producer warp streams every weight (and the attention's cached keys and values) through shared memory while
 the consumer warps compute, handing activations between phases as epoch-tagged words (no grid barrier), so the
 ~200 kernel boundaries of the per-op step are gone. ``workspace`` holds the kernel's scratch (activations,
-attention partials and counters, launch counters); make it with :func:`decode_step_workspace` once per cache and keep it. Elsewhere the op runs
-:func:`opt_decode_step_ref`.
+attention partials and counters, launch counters); make it with :func:`decode_step_workspace` once per cache and
+keep it. Elsewhere the op runs :func:`opt_decode_step_ref`.
 """
 from __future__ import annotations
 
