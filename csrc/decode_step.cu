@@ -643,10 +643,14 @@ __device__ void attention_partial(const StepParams& p, int slices, int item, uin
 }
 
 // One warp, after the item's partial is stored and fenced: counts it in, and if it is the last of its (row, head)
-// merges all slices' partials into p.attn (tagged with `epoch`). Lane s holds slice s's scale, 32 at a time.
+// merges all slices' partials into p.attn (tagged with `epoch`). Slices go in groups of kGroup, each in one L2
+// round trip (every load of the group, its o rows and in lane j slice j's max and sum, is issued before any is
+// used: one trip for contexts up to 32 kGroup keys), folded into the running sums with the online-softmax rescale.
 template <typename T, int D>
 __device__ void attention_merge(const StepParams& p, int slices, int item, uint32_t epoch, int layer) {
   constexpr int kPerLane = D / 32;
+  constexpr int kGroup = 64 / kPerLane;  // slices per round trip: 64 o values per lane in registers
+  static_assert(kGroup <= 32, "a group's max and sum sit one per lane");
   const int lane = threadIdx.x & 31;
   const int m = item / (p.heads * slices), head = (item / slices) % p.heads, mh = m * p.heads + head;
   int done = 0;
@@ -655,35 +659,31 @@ __device__ void attention_merge(const StepParams& p, int slices, int item, uint3
   if (done != slices * (layer + 1)) return;  // (the counts are reset by the last layer's merges)
   __threadfence();
   const float* parts = p.attn_part + static_cast<int64_t>(mh) * p.slices_cap * (D + 2);
-  float gmax = -INFINITY;
-  for (int s = lane; s < slices; s += 32) gmax = fmaxf(gmax, __ldcg(parts + s * (D + 2)));
-  gmax = warp_max(gmax);
-  float total = 0.f, acc[kPerLane] = {};
-  for (int s0 = 0; s0 < slices; s0 += 32) {
-    float c = 0.f;
-    if (s0 + lane < slices) {
-      const float smax = __ldcg(parts + (s0 + lane) * (D + 2));
-      c = smax == -INFINITY ? 0.f : exp2f(smax - gmax);
-      total += c * __ldcg(parts + (s0 + lane) * (D + 2) + 1);
+  float gmax = -INFINITY, total = 0.f, acc[kPerLane] = {};
+  for (int j0 = 0; j0 < slices; j0 += kGroup) {
+    const int n = min(kGroup, slices - j0);
+    float ov[kGroup][kPerLane];
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) {
+#pragma unroll
+      for (int d = 0; d < kPerLane; ++d) {
+        ov[j][d] = j < n ? __ldcg(parts + (j0 + j) * (D + 2) + 2 + lane * kPerLane + d) : 0.f;
+      }
     }
-    // slice scales c_j from lane j; the slices' o rows in groups whose loads are all in flight at once
-    constexpr int kGroup = 64 / kPerLane;
-    const int n = min(32, slices - s0);
-    for (int j0 = 0; j0 < n; j0 += kGroup) {
-      float ov[kGroup][kPerLane];
+    const float smax = lane < n ? __ldcg(parts + (j0 + lane) * (D + 2)) : -INFINITY;
+    const float ssum = lane < n ? __ldcg(parts + (j0 + lane) * (D + 2) + 1) : 0.f;
+    const float gmax_new = fmaxf(gmax, warp_max(smax));
+    const float rescale = gmax == -INFINITY ? 0.f : exp2f(gmax - gmax_new);  // the earlier groups' sums
+    gmax = gmax_new;
+    const float c = smax == -INFINITY ? 0.f : exp2f(smax - gmax);  // slice j0 + lane's scale
+    total = total * rescale + c * ssum;
 #pragma unroll
-      for (int j = 0; j < kGroup; ++j) {
+    for (int d = 0; d < kPerLane; ++d) acc[d] *= rescale;
 #pragma unroll
-        for (int d = 0; d < kPerLane; ++d) {
-          ov[j][d] = j0 + j < n ? __ldcg(parts + (s0 + j0 + j) * (D + 2) + 2 + lane * kPerLane + d) : 0.f;
-        }
-      }
+    for (int j = 0; j < kGroup; ++j) {
+      const float cj = __shfl_sync(0xffffffffu, c, j);
 #pragma unroll
-      for (int j = 0; j < kGroup; ++j) {
-        const float cj = __shfl_sync(0xffffffffu, c, (j0 + j) & 31);
-#pragma unroll
-        for (int d = 0; d < kPerLane; ++d) acc[d] += cj * ov[j][d];
-      }
+      for (int d = 0; d < kPerLane; ++d) acc[d] += cj * ov[j][d];
     }
   }
   total = warp_sum(total);
@@ -832,10 +832,9 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
     const uint4* src = reinterpret_cast<const uint4*>(&params);
     for (int i = threadIdx.x; i < bytes / 16; i += kThreads) reinterpret_cast<uint4*>(copy)[i] = src[i];
   }
-  // The cache slots too: the producer reads them per attention item, and a global load behind the weight
-  // stream's queue costs microseconds.
+  // The cache slots too (below, after pdl_wait): the producer reads them per attention item, and a global load
+  // behind the weight stream's queue costs microseconds.
   __shared__ int slots[kMaxTokens];
-  if (threadIdx.x < params.m) slots[threadIdx.x] = params.q_start[threadIdx.x];
   const StepParams& p = *copy;
   Ring ring{smem, full, empty, params.stages};
   ring.timed = params.trace != nullptr;
@@ -850,13 +849,21 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
   if (threadIdx.x == 0) copy->q_start = slots;
   __syncthreads();
 
+  // Launched with PDL, the step may start while the kernel before it (the previous step's token choice) still
+  // runs: until pdl_wait() returns, only weights (which no kernel writes) are read, and nothing is written. The
+  // producer streams layer 0's qkv weights, then waits, and takes the slots from the consumers (barrier 2).
   int64_t* trace = p.trace == nullptr ? nullptr : p.trace + blockIdx.x * trace_events(p.layers);
-  const int slices = attention_slices(p);
   if (threadIdx.x >= kConsumers) {  // producer warp: lane r issues row r's copies
     const uint64_t policy = evict_first_policy();
+    int slices = 0;
     for (int l = 0; l < p.layers; ++l) {
       const LayerWeights& L = p.layer[l];
       produce(ring, L.wqkv, L.bqkv, 3 * p.e, p.e, policy);
+      if (l == 0) {
+        pdl_wait();
+        asm volatile("bar.sync 2, %0;\n" ::"n"(kThreads) : "memory");  // the consumers have stored the slots
+        slices = attention_slices(p);
+      }
       produce_attention<D>(ring, p, L, slices, policy);
       produce(ring, L.wo, L.bo, p.e, p.e, policy);
       produce(ring, L.w1, L.b1, p.f, p.e, policy);
@@ -870,9 +877,13 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
   // Consumers. Tag of layer l's outputs: epoch0 + l + 1 (epoch0 itself: the embeddings), unique to this launch
   // (every block counts its own launches), so a word left by an earlier layer or launch never passes for a new one.
   __shared__ uint32_t epoch0_s;
+  pdl_wait();
+  if (threadIdx.x < p.m) slots[threadIdx.x] = params.q_start[threadIdx.x];
   if (threadIdx.x == 0) epoch0_s = p.launches[blockIdx.x] * static_cast<uint32_t>(p.layers + 1);
   consumers_sync();
+  asm volatile("bar.arrive 2, %0;\n" ::"n"(kThreads) : "memory");  // slots stored: the producer may read them
   const uint32_t epoch0 = epoch0_s;
+  const int slices = attention_slices(p);
   auto mark = [&](int event) {  // trace: block-local timestamp at a phase end
     if (trace != nullptr && threadIdx.x == 0) trace[event] = now_ns();
   };
@@ -1109,12 +1120,13 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, smem));
     TORCH_CHECK(resident >= 1, "decode_step: the kernel does not fit on an SM");
     // Cooperative: all blocks resident at once (a block waiting for another's tagged words needs it), or the
-    // launch fails.
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeCooperative;
-    attr.val.cooperative = 1;
-    launch_kernel_with(&attr, kernel, props->multiProcessorCount, kThreads, smem, at::cuda::getCurrentCUDAStream(),
-                       p);
+    // launch fails. Programmatic (PDL) where enabled: the weight stream starts while the kernel before still runs.
+    cudaLaunchAttribute attrs[2];
+    attrs[0].id = cudaLaunchAttributeCooperative;
+    attrs[0].val.cooperative = 1;
+    attrs[1] = pdl_attribute();
+    launch_kernel_with(attrs, pdl_enabled() ? 2 : 1, kernel, props->multiProcessorCount, kThreads, smem,
+                       at::cuda::getCurrentCUDAStream(), p);
   };
   if (dtype == at::kHalf) {
     head_dim == 64 ? launch(decode_step_kernel<__half, 64>) : launch(decode_step_kernel<__half, 128>);

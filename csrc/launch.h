@@ -10,10 +10,10 @@
 //   * pdl_launch_dependents() may come anywhere (we call it first: the next kernel may start as early as
 //     possible; it only occupies resources the current grid, already fully resident, does not need);
 //   * nothing written by an earlier kernel (activations, caches, counters, q_start...) is read, and nothing
-//     is written at all, before pdl_wait(). One exception: the decode GEMV reads its first weights before the
-//     wait, so a weight must not be written by the kernel launched just before the GEMV. Model parameters
-//     never are; a non-contiguous weight that the op copies with .contiguous() right before the call would
-//     be (the patched OPT passes contiguous parameters; the fix is a prefetch-only first load);
+//     is written at all, before pdl_wait(). One exception: the decode GEMV and the one-kernel decode step read
+//     weights before the wait, so a weight must not be written by the kernel launched just before them. Model
+//     parameters never are; a non-contiguous weight that the op copies with .contiguous() right before the call
+//     would be (the patched OPT passes contiguous parameters; the fix is a prefetch-only first load);
 //   * every block reaches pdl_wait() before it exits, so "kernel N finished" still implies "kernel N - 1
 //     finished", as in plain stream order.
 // Without PDL (FUSEINFER_PDL=0, a GPU below sm_90, or a launch not marked programmatic) both calls are no-ops
@@ -56,29 +56,34 @@ inline bool pdl_enabled() {
   return env_on && at::cuda::getCurrentDeviceProperties()->major >= 9;
 }
 
-// kernel<<<grid, block, smem, stream>>>(args...) with the launch attribute `attr` (none when attr is null).
+// kernel<<<grid, block, smem, stream>>>(args...) with the launch attributes attrs[0, n).
 template <typename... Params, typename... Args>
-void launch_kernel_with(const cudaLaunchAttribute* attr, void (*kernel)(Params...), dim3 grid, dim3 block,
+void launch_kernel_with(const cudaLaunchAttribute* attrs, int n, void (*kernel)(Params...), dim3 grid, dim3 block,
                         size_t smem, cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  config.attrs = const_cast<cudaLaunchAttribute*>(attr);
-  config.numAttrs = attr != nullptr ? 1 : 0;
+  config.attrs = const_cast<cudaLaunchAttribute*>(attrs);
+  config.numAttrs = n;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+// The launch attribute that marks a launch programmatic (PDL).
+inline cudaLaunchAttribute pdl_attribute() {
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  return attr;
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), marked programmatic when pdl_enabled().
 template <typename... Params, typename... Args>
 void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                    Args&&... args) {
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  launch_kernel_with(pdl_enabled() ? &attr : nullptr, kernel, grid, block, smem, stream,
-                     std::forward<Args>(args)...);
+  const cudaLaunchAttribute attr = pdl_attribute();
+  launch_kernel_with(&attr, pdl_enabled() ? 1 : 0, kernel, grid, block, smem, stream, std::forward<Args>(args)...);
 }
 
 // Resident blocks per SM (at least 1) of `kernel` at `threads` threads per block and no dynamic shared memory,

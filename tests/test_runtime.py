@@ -9,7 +9,7 @@ from conftest import VARIANTS, random_opt
 
 import fuseinfer
 from fuseinfer import FuseInferError, PatchConfig
-from fuseinfer.runtime.decode import SESSIONS_ATTR
+from fuseinfer.runtime.decode import GRAPH_STEPS, SESSIONS_ATTR
 
 PROMPTS = ["The tower is", "In 1990 , the band released their second album", "He was",
            "= Valkyria Chronicles III ="]
@@ -56,9 +56,11 @@ def test_greedy_identical_to_hf_other_layouts(variant):
     assert torch.equal(fuseinfer.generate(model, ids, mask, **kwargs), ref)
 
 
-def test_eos_stops_rows_and_pads_like_hf(tiny_model_path):
-    model, tok = _load(tiny_model_path)
-    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_eos_stops_rows_and_pads_like_hf(tiny_model_path, device):
+    """On CUDA: 40 tokens = two 16-step graph replays and 7 one-step ones, with stop checks between."""
+    model, tok = _load(tiny_model_path, torch.float16 if device == "cuda" else torch.float32, device)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True).to(device)
     # pick, as EOS, a token the model emits early for some rows but not others
     free = model.generate(**enc, max_new_tokens=40, do_sample=False)[:, enc.input_ids.shape[1]:]
     eos = int(free[0, 3])
@@ -150,7 +152,7 @@ def test_greedy_64_tokens_identical_to_hf_fp16_cuda_graphs(tiny_model_path, prom
     model, tok = _load(tiny_model_path, torch.float16, "cuda")
     model = _greedy_matches_hf(model, tok, prompts, "cuda")
     sessions = model.__dict__[SESSIONS_ATTR]
-    assert all(s.graph is not None for s in sessions.values())
+    assert all(set(s.graphs) == {1, GRAPH_STEPS} for s in sessions.values())  # 63 steps: 3 groups + 15 single
 
 
 @pytest.mark.gpu
@@ -169,3 +171,12 @@ def test_100_calls_do_not_grow_memory(tiny_model_path):
     fuseinfer.unpatch(model)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() < before  # cache and graph pool released
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "four"])
+def test_bad_graph_steps_setting_is_one_clear_error(value, monkeypatch):
+    from fuseinfer.runtime.decode import _graph_steps
+
+    monkeypatch.setenv("FUSEINFER_DECODE_GRAPH_STEPS", value)
+    with pytest.raises(FuseInferError, match="FUSEINFER_DECODE_GRAPH_STEPS must be a positive integer"):
+        _graph_steps()

@@ -1,15 +1,18 @@
-"""Fast decode for patched models: a static KV cache and the whole decode step replayed as a CUDA graph.
+"""Fast decode for patched models: a static KV cache and the whole decode step replayed as CUDA graphs.
 
-``generate(model, input_ids, ...)`` runs the prompt once (eager), then each new token with one replay of a
-graph captured per batch-size bucket (1, 2, 4, 8, ...): all layers (one persistent kernel,
-``fuseinfer::opt_decode_step``, where the model family has one and the bucket fits it; else the patched modules
-op by op; FUSEINFER_DECODE_KERNEL picks: ``auto`` where it is faster, ``1`` wherever it applies, ``0`` never;
-``session.path`` says which), the LM head, the next-token choice (greedy or sampling), the EOS bookkeeping and
-the advance of every position counter (these three in one kernel, ``fuseinfer::emit_tokens``) happen inside the
-graph, so the host only launches replays and looks at the stop flag every ``STOP_CHECK_EVERY`` tokens. On CPU,
-or with FUSEINFER_CUDA_GRAPHS=0, the same step runs eagerly over the same static cache.
+``generate(model, input_ids, ...)`` runs the prompt once (eager), then the new tokens by replaying graphs
+captured per batch-size bucket (1, 2, 4, 8, ...): one of a single step and one of ``GRAPH_STEPS`` steps in a
+row (FUSEINFER_DECODE_GRAPH_STEPS; 1: only the single step), replayed while that many tokens are left. A step is
+all layers (one persistent kernel, ``fuseinfer::opt_decode_step``, where the model family has one and the bucket
+fits it; else the patched modules op by op; FUSEINFER_DECODE_KERNEL picks: ``auto`` where it is faster, ``1``
+wherever it applies, ``0`` never; ``session.path`` says which), the LM head, the next-token choice (greedy or
+sampling), the EOS bookkeeping and the advance of every position counter (these three in one kernel,
+``fuseinfer::emit_tokens``), all inside the graph, so the host only launches replays and looks at the stop flag
+every ``STOP_CHECK_EVERY`` tokens. Within a graph the step kernel and the token choice are chained with
+programmatic dependent launch, so a step's weight stream starts while the previous token is being chosen. On
+CPU, or with FUSEINFER_CUDA_GRAPHS=0, the same step runs eagerly over the same static cache.
 
-Sessions (cache + graph, one per bucket) stay on the model between calls, so repeated calls reuse them and
+Sessions (cache + graphs, one per bucket) stay on the model between calls, so repeated calls reuse them and
 allocate nothing; ``release(model)`` (or ``fuseinfer.unpatch``) frees them.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ from .cache import StaticKVCache
 
 SESSIONS_ATTR = "_fuseinfer_sessions"
 STOP_CHECK_EVERY = 16
+GRAPH_STEPS = 16  # steps per replay of the longer graph (FUSEINFER_DECODE_GRAPH_STEPS)
 CAPACITY_ROUND = 128
 
 
@@ -58,7 +62,7 @@ class Sampling:
 
 
 class _Session:
-    """Static cache, step buffers and (on CUDA) the captured decode graph for one batch bucket."""
+    """Static cache, step buffers and (on CUDA) the captured decode graphs for one batch bucket."""
 
     def __init__(self, model, forward, bucket: int, capacity: int, sampling: Sampling, max_new: int,
                  eos: torch.Tensor, pad: int):
@@ -84,9 +88,9 @@ class _Session:
         # The decode step: one kernel for the whole model where it has one, else the patched modules per op
         self.step_kernel, why = patch_state(model).family.decode_step_kernel(model, self.cache)
         self.path = "one kernel per step (fuseinfer::opt_decode_step)" if why is None else f"per op ({why})"
-        self.graph = None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per replay -> graph
         if dev.type == "cuda" and os.environ.get("FUSEINFER_CUDA_GRAPHS", "1") != "0":
-            self._capture()
+            self._capture(_graph_steps())
 
     def fits(self, capacity: int, sampling: Sampling, max_new: int, eos: torch.Tensor, pad: int) -> bool:
         return (self.capacity >= capacity and self.sampling == sampling and self.max_new >= max_new
@@ -107,7 +111,8 @@ class _Session:
             logits = self.forward(self.model, self.tokens, self.positions, self.cache, self.q_start)
         self._emit(logits)
 
-    def _capture(self) -> None:
+    def _capture(self, steps: int) -> None:
+        """Graphs of one step and (steps > 1) of ``steps`` steps in a row, sharing one memory pool."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up outside the graph (allocator, cuBLAS handles, kernels)
@@ -116,9 +121,14 @@ class _Session:
                 self._decode_step()
         torch.cuda.current_stream().wait_stream(side)
         self.step.zero_()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._decode_step()
+        pool = None
+        for n in sorted({1, steps}):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                for _ in range(n):
+                    self._decode_step()
+            pool = graph.pool()
+            self.graphs[n] = graph
 
     def begin(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Prefill left-padded input_ids, mask (B, P) into the cache; returns the first new tokens (B, 1)."""
@@ -149,21 +159,32 @@ class _Session:
         self.batch = b
         return self.tokens[:b]
 
-    def advance(self) -> torch.Tensor:
-        """One decode step for every row (a graph replay on CUDA); returns the new tokens (B, 1)."""
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self._decode_step()
+    def advance(self, steps: int = 1) -> torch.Tensor:
+        """``steps`` decode steps for every row (one graph replay on CUDA when a graph of that many steps exists,
+        else one per step); returns the last new tokens (B, 1)."""
+        if steps in self.graphs:
+            self.graphs[steps].replay()
+            return self.tokens[:self.batch]
+        for _ in range(steps):
+            if self.graphs:
+                self.graphs[1].replay()
+            else:
+                self._decode_step()
         return self.tokens[:self.batch]
 
     def run(self, input_ids: torch.Tensor, mask: torch.Tensor, max_new: int) -> torch.Tensor:
         """input_ids, mask: (B, P) left-padded -> generated tokens (B, n <= max_new)."""
         self.begin(input_ids, mask)
-        for i in range(1, max_new):
-            if i % STOP_CHECK_EVERY == 0 and not bool(self.alive[i - 1]):
-                break
-            self.advance()
+        group = max(self.graphs, default=1)  # steps per replay while that many are left
+        i, unchecked = 1, 0  # tokens so far, steps since the last stop check
+        while i < max_new:
+            if unchecked >= STOP_CHECK_EVERY:
+                unchecked = 0
+                if not bool(self.alive[i - 1]):
+                    break
+            n = group if max_new - i >= group else 1
+            self.advance(n)
+            i, unchecked = i + n, unchecked + n
         alive = self.alive[:max_new].cpu()
         n = int(alive.logical_not().nonzero()[0]) + 1 if not alive.all() else max_new
         return self.out[:self.batch, :n]
@@ -176,6 +197,13 @@ def decode_forward(model):
         return None, ("fuseinfer.generate needs a model patched with every op and no filter_fn: "
                       "call fuseinfer.patch(model) first")
     return state.family.decode_forward(model)
+
+
+def _graph_steps() -> int:
+    value = os.environ.get("FUSEINFER_DECODE_GRAPH_STEPS", str(GRAPH_STEPS))
+    if not value.isdigit() or int(value) < 1:
+        raise FuseInferError(f"FUSEINFER_DECODE_GRAPH_STEPS must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def _bucket(batch: int) -> int:
