@@ -8,7 +8,6 @@ fast-decode ``generate`` of ``fuseinfer.runtime`` (which hands unsupported calls
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import MethodType
 from typing import Callable, NamedTuple
 
 import torch
@@ -139,9 +138,9 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
     state = family.patch(model, config, report)
     object.__setattr__(model, STATE_ATTR, PatchState(family, state, report, config))
     if hasattr(model, "generate"):
-        from .runtime import patched_generate
+        from .runtime import GenerateHook
 
-        object.__setattr__(model, "generate", MethodType(patched_generate, model))
+        object.__setattr__(model, "generate", GenerateHook(model))
     return report
 
 

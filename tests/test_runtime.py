@@ -1,7 +1,9 @@
 """Fast decode (static KV cache; CUDA graphs on GPU) against transformers' generate."""
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 
 import pytest
 import torch
@@ -180,3 +182,25 @@ def test_bad_graph_steps_setting_is_one_clear_error(value, monkeypatch):
     monkeypatch.setenv("FUSEINFER_DECODE_GRAPH_STEPS", value)
     with pytest.raises(FuseInferError, match="FUSEINFER_DECODE_GRAPH_STEPS must be a positive integer"):
         _graph_steps()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_patched_model_is_freed_by_del(tiny_model_path, device):
+    """No reference cycle through the generate hook or the decode sessions: ``del model`` frees the model with its
+    caches and graphs at once, without waiting for the garbage collector."""
+    model, tok = _load(tiny_model_path, torch.float16 if device == "cuda" else torch.float32, device)
+    ids = tok(PROMPTS[:2], return_tensors="pt", padding=True).to(device)
+    fuseinfer.patch(model)
+    model.generate(**ids, max_new_tokens=20)  # the hook, and a session (with graphs on CUDA)
+    assert SESSIONS_ATTR in model.__dict__
+    alive = weakref.ref(model)
+    before = torch.cuda.memory_allocated() if device == "cuda" else 0
+    gc.collect()
+    gc.disable()
+    try:
+        del model
+        assert alive() is None
+        if device == "cuda":
+            assert torch.cuda.memory_allocated() < before
+    finally:
+        gc.enable()

@@ -173,12 +173,13 @@ class OPTFamily:
         scale = layers[0].self_attn.scaling
         workspace = decode_step_workspace(rows, cfg.hidden_size, cfg.ffn_dim, heads, cfg.hidden_size // heads,
                                           cache.key_mask.shape[1], embed.device)
-        lnf = dec.final_layer_norm
+        # tensors only: the session that keeps this step lives on the model, which it must not reference
+        pos_embed, lnf_w, lnf_b = dec.embed_positions.weight, dec.final_layer_norm.weight, dec.final_layer_norm.bias
+        lm_head = model.lm_head.weight
 
         def step(tokens, positions, q_start):
-            return opt_decode_step(tokens, positions, q_start, cache.key_mask, embed, dec.embed_positions.weight,
-                                   params, cache.keys, cache.values, lnf.weight, lnf.bias, model.lm_head.weight,
-                                   workspace, eps, scale)
+            return opt_decode_step(tokens, positions, q_start, cache.key_mask, embed, pos_embed, params, cache.keys,
+                                   cache.values, lnf_w, lnf_b, lm_head, workspace, eps, scale)
 
         return step, None
 

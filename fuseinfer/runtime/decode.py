@@ -18,6 +18,7 @@ allocate nothing; ``release(model)`` (or ``fuseinfer.unpatch``) frees them.
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -68,7 +69,8 @@ class _Session:
                  eos: torch.Tensor, pad: int):
         cfg, p = model.config, next(model.parameters())
         heads = cfg.num_attention_heads
-        self.model, self.forward, self.bucket, self.capacity = model, forward, bucket, capacity
+        # (the model holds its sessions: a weak reference back keeps it free of reference cycles)
+        self.model, self.forward, self.bucket, self.capacity = weakref.proxy(model), forward, bucket, capacity
         self.sampling, self.max_new, self.pad = sampling, max_new, pad
         dev = p.device
         self.cache = StaticKVCache(cfg.num_hidden_layers, bucket, heads, cfg.hidden_size // heads, capacity,

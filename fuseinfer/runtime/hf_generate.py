@@ -4,10 +4,12 @@ positions), and otherwise hands the call to transformers unchanged, logging why 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import FuseInferError
 from .decode import decode_forward, generate
 
 if TYPE_CHECKING:  # transformers is imported when the hook runs, so that ``import fuseinfer`` does not load it
@@ -45,6 +47,21 @@ def _fast_path_reason(model, input_ids, kwargs, cfg: GenerationConfig) -> str | 
     if mask is not None and not bool(mask[:, -1].all()):
         return "right padding (use tokenizer.padding_side = 'left')"
     return None
+
+
+class GenerateHook:
+    """``model.generate`` of a patched model (kept in the model's ``__dict__``): ``patched_generate`` through a
+    weak reference, so that the hook does not tie the model into a reference cycle that only the garbage
+    collector would free (with its caches and graphs)."""
+
+    def __init__(self, model):
+        self._model = weakref.ref(model)
+
+    def __call__(self, inputs=None, generation_config: GenerationConfig | None = None, **kwargs):
+        model = self._model()
+        if model is None:
+            raise FuseInferError("the model of this generate() was deleted")
+        return patched_generate(model, inputs, generation_config, **kwargs)
 
 
 def patched_generate(model, inputs=None, generation_config: GenerationConfig | None = None, **kwargs):
