@@ -6,9 +6,10 @@
 // the previous kernel (the weight-streaming GEMV issues its first weight loads) and then wait in
 // pdl_wait() until the previous kernel has finished and its writes are visible.
 //
-// Contract for every kernel launched with launch_kernel():
-//   * pdl_launch_dependents() may come anywhere (we call it first: the next kernel may start as early as
-//     possible; it only occupies resources the current grid, already fully resident, does not need);
+// Contract for every kernel launched with PDL (launch_kernel(), or launch_kernel_with() and pdl_attribute()):
+//   * pdl_launch_dependents() may come anywhere (most kernels call it first: the next kernel may start as early
+//     as possible; it only occupies resources the current grid, already fully resident, does not need; the
+//     one-kernel decode step calls it as its LM head starts, since the next kernel needs the logits anyway);
 //   * nothing written by an earlier kernel (activations, caches, counters, q_start...) is read, and nothing
 //     is written at all, before pdl_wait(). One exception: the decode GEMV and the one-kernel decode step read
 //     weights before the wait, so a weight must not be written by the kernel launched just before them. Model

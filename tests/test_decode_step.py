@@ -95,7 +95,7 @@ GPU_CASES = {  # name -> (OPTConfig overrides, pads, q_start, capacity)
                           [0, 1, 2, 3, 0, 9, 31, 60], [64, 64, 70, 64, 33, 64, 64, 100], 128),
     "b2_first_token": (dict(hidden_size=256, num_attention_heads=4, ffn_dim=1024), [0, 0], [0, 0], 128),
     # the attention merge takes 32 (d64) or 16 (d128) slices of 32 keys per L2 round trip: several groups, and
-    # (row 1 of the d128 case) leading groups whose keys are all masked
+    # (row 1 of the d128 case) a leading group whose keys are all masked
     "b1_ctx1100_d64_2_merge_groups": (dict(hidden_size=256, num_attention_heads=4, ffn_dim=1024), [0], [1099], 1152),
     "b2_ctx1500_d128_3_merge_groups": (dict(hidden_size=512, num_attention_heads=4, ffn_dim=1024), [0, 600],
                                        [1500, 1500], 1536),

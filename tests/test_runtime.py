@@ -1,6 +1,7 @@
 """Fast decode (static KV cache; CUDA graphs on GPU) against transformers' generate."""
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import weakref
@@ -11,7 +12,7 @@ from conftest import VARIANTS, random_opt
 
 import fuseinfer
 from fuseinfer import FuseInferError, PatchConfig
-from fuseinfer.runtime.decode import GRAPH_STEPS, SESSIONS_ATTR
+from fuseinfer.runtime.decode import SESSIONS_ATTR, _graph_steps
 
 PROMPTS = ["The tower is", "In 1990 , the band released their second album", "He was",
            "= Valkyria Chronicles III ="]
@@ -59,20 +60,26 @@ def test_greedy_identical_to_hf_other_layouts(variant):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_eos_stops_rows_and_pads_like_hf(tiny_model_path, device):
-    """On CUDA: 40 tokens = two 16-step graph replays and 7 one-step ones, with stop checks between."""
+@pytest.mark.parametrize("rows", ["some_rows_finish", "every_row_finishes"])
+def test_eos_stops_like_hf(tiny_model_path, device, rows):
+    """EOS is row 0's 4th free token. Rows that finish are padded; once every row has (the one row of the second
+    case), the stop check ends the run and the output ends where HF's does. On CUDA the run replays 16-step graphs,
+    then one-step ones."""
     model, tok = _load(tiny_model_path, torch.float16 if device == "cuda" else torch.float32, device)
-    enc = tok(PROMPTS, return_tensors="pt", padding=True).to(device)
-    # pick, as EOS, a token the model emits early for some rows but not others
-    free = model.generate(**enc, max_new_tokens=40, do_sample=False)[:, enc.input_ids.shape[1]:]
-    eos = int(free[0, 3])
-    kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=eos, pad_token_id=1)
+    prompts, max_new = (PROMPTS, 40) if rows == "some_rows_finish" else (PROMPTS[1:2], 60)
+    enc = tok(prompts, return_tensors="pt", padding=True).to(device)
+    eos = int(model.generate(**enc, max_new_tokens=4, do_sample=False)[0, -1])
+    kwargs = dict(max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=1)
     ref = model.generate(**enc, **kwargs)
     fuseinfer.patch(model)
     ours = fuseinfer.generate(model, enc.input_ids, enc.attention_mask, **kwargs)
     assert torch.equal(ours, ref)
-    padded = (ours[:, enc.input_ids.shape[1]:] == 1).any(1)  # rows that finished early and were padded
-    assert padded.any() and not padded.all()
+    new = ours[:, enc.input_ids.shape[1]:]
+    if rows == "some_rows_finish":
+        padded = (new == 1).any(1)  # rows that finished early and were padded
+        assert padded.any() and not padded.all()
+    else:
+        assert new.shape[1] <= 4  # stopped at the first EOS, not after 60 tokens
 
 
 def test_sampling_respects_top_k_and_reuses_session(tiny_model_path):
@@ -154,7 +161,7 @@ def test_greedy_64_tokens_identical_to_hf_fp16_cuda_graphs(tiny_model_path, prom
     model, tok = _load(tiny_model_path, torch.float16, "cuda")
     model = _greedy_matches_hf(model, tok, prompts, "cuda")
     sessions = model.__dict__[SESSIONS_ATTR]
-    assert all(set(s.graphs) == {1, GRAPH_STEPS} for s in sessions.values())  # 63 steps: 3 groups + 15 single
+    assert all(set(s.graphs) == {1, _graph_steps()} for s in sessions.values())  # 63 steps: 3 groups + 15 single
 
 
 @pytest.mark.gpu
@@ -177,8 +184,6 @@ def test_100_calls_do_not_grow_memory(tiny_model_path):
 
 @pytest.mark.parametrize("value", ["0", "-3", "four"])
 def test_bad_graph_steps_setting_is_one_clear_error(value, monkeypatch):
-    from fuseinfer.runtime.decode import _graph_steps
-
     monkeypatch.setenv("FUSEINFER_DECODE_GRAPH_STEPS", value)
     with pytest.raises(FuseInferError, match="FUSEINFER_DECODE_GRAPH_STEPS must be a positive integer"):
         _graph_steps()
@@ -204,3 +209,18 @@ def test_patched_model_is_freed_by_del(tiny_model_path, device):
             assert torch.cuda.memory_allocated() < before
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_deep_copy_of_patched_model_generates_with_its_own_weights(tiny_model_path, device):
+    model, tok = _load(tiny_model_path, torch.float16 if device == "cuda" else torch.float32, device)
+    enc = tok(PROMPTS[:2], return_tensors="pt", padding=True).to(device)
+    fuseinfer.patch(model)
+    model.generate(**enc, max_new_tokens=5)  # a session on the original
+    clone = copy.deepcopy(model)
+    assert not clone.__dict__[SESSIONS_ATTR] or all(s is None for s in clone.__dict__[SESSIONS_ATTR].values())
+    with torch.no_grad():
+        clone.lm_head.weight.zero_()  # (tied to the embeddings: changes the copy's whole model)
+    ours = clone.generate(**enc, max_new_tokens=5)
+    assert torch.equal(ours, fuseinfer.generate(clone, enc.input_ids, enc.attention_mask, max_new_tokens=5))
+    assert not torch.equal(ours, model.generate(**enc, max_new_tokens=5))  # the hook drives the copy

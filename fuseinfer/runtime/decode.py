@@ -8,9 +8,9 @@ fits it; else the patched modules op by op; FUSEINFER_DECODE_KERNEL picks: ``aut
 wherever it applies, ``0`` never; ``session.path`` says which), the LM head, the next-token choice (greedy or
 sampling), the EOS bookkeeping and the advance of every position counter (these three in one kernel,
 ``fuseinfer::emit_tokens``), all inside the graph, so the host only launches replays and looks at the stop flag
-every ``STOP_CHECK_EVERY`` tokens. Within a graph the step kernel and the token choice are chained with
-programmatic dependent launch, so a step's weight stream starts while the previous token is being chosen. On
-CPU, or with FUSEINFER_CUDA_GRAPHS=0, the same step runs eagerly over the same static cache.
+once ``STOP_CHECK_EVERY`` or more steps ran since it last looked. Within a graph the step kernel and the token
+choice are chained with programmatic dependent launch, so a step's weight stream starts while the previous token
+is being chosen. On CPU, or with FUSEINFER_CUDA_GRAPHS=0, the same step runs eagerly over the same static cache.
 
 Sessions (cache + graphs, one per bucket) stay on the model between calls, so repeated calls reuse them and
 allocate nothing; ``release(model)`` (or ``fuseinfer.unpatch``) frees them.
@@ -64,6 +64,9 @@ class Sampling:
 
 class _Session:
     """Static cache, step buffers and (on CUDA) the captured decode graphs for one batch bucket."""
+
+    def __deepcopy__(self, memo):  # a deep copy of the model starts without sessions (graphs cannot be copied)
+        return None
 
     def __init__(self, model, forward, bucket: int, capacity: int, sampling: Sampling, max_new: int,
                  eos: torch.Tensor, pad: int):
@@ -260,7 +263,7 @@ def session_for(model, forward, batch: int, max_len: int, sampling: Sampling, ma
     capacity = min(model.config.max_position_embeddings, -(-max_len // CAPACITY_ROUND) * CAPACITY_ROUND)
     sessions = model.__dict__.setdefault(SESSIONS_ATTR, {})
     bucket = _bucket(batch)
-    session = sessions.get(bucket)
+    session = sessions.get(bucket)  # (None in a deep copy of the model: see _Session.__deepcopy__)
     if session is None or not session.fits(capacity, sampling, max_new, eos, pad):
         sessions.pop(bucket, None)  # free the old graph and cache before allocating the new ones
         session = sessions[bucket] = _Session(model, forward, bucket, capacity, sampling, max_new, eos, pad)

@@ -57,10 +57,14 @@ class GenerateHook:
     def __init__(self, model):
         self._model = weakref.ref(model)
 
+    def __deepcopy__(self, memo):  # a deep copy of the model gets a hook on the copy
+        model = self._model()
+        return GenerateHook(memo.get(id(model), model))
+
     def __call__(self, inputs=None, generation_config: GenerationConfig | None = None, **kwargs):
         model = self._model()
         if model is None:
-            raise FuseInferError("the model of this generate() was deleted")
+            raise FuseInferError("model.generate was called after its model was garbage-collected")
         return patched_generate(model, inputs, generation_config, **kwargs)
 
 
