@@ -18,9 +18,11 @@ PROMPTS = ["The tower is", "In 1990 , the band released their second album", "He
            "= Valkyria Chronicles III ="]
 
 
-def _load(path, dtype=torch.float32, device="cpu"):
+def _load(path, device="cpu"):
+    """The tiny model on ``device`` (fp32 on CPU, fp16 on CUDA) and its left-padding tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = torch.float16 if device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     tok = AutoTokenizer.from_pretrained(path, padding_side="left")
     return model, tok
@@ -65,7 +67,7 @@ def test_eos_stops_like_hf(tiny_model_path, device, rows):
     """EOS is row 0's 4th free token. Rows that finish are padded; once every row has (the one row of the second
     case), the stop check ends the run and the output ends where HF's does. On CUDA the run replays 16-step graphs,
     then one-step ones."""
-    model, tok = _load(tiny_model_path, torch.float16 if device == "cuda" else torch.float32, device)
+    model, tok = _load(tiny_model_path, device)
     prompts, max_new = (PROMPTS, 40) if rows == "some_rows_finish" else (PROMPTS[1:2], 60)
     enc = tok(prompts, return_tensors="pt", padding=True).to(device)
     eos = int(model.generate(**enc, max_new_tokens=4, do_sample=False)[0, -1])
@@ -158,7 +160,7 @@ def test_generate_errors_and_unpatch_releases(tiny_model_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("prompts", [PROMPTS[1:2], PROMPTS], ids=["single", "left_padded_batch_of_4"])
 def test_greedy_64_tokens_identical_to_hf_fp16_cuda_graphs(tiny_model_path, prompts):
-    model, tok = _load(tiny_model_path, torch.float16, "cuda")
+    model, tok = _load(tiny_model_path, "cuda")
     model = _greedy_matches_hf(model, tok, prompts, "cuda")
     sessions = model.__dict__[SESSIONS_ATTR]
     assert all(set(s.graphs) == {1, _graph_steps()} for s in sessions.values())  # 63 steps: 3 groups + 15 single
@@ -166,7 +168,7 @@ def test_greedy_64_tokens_identical_to_hf_fp16_cuda_graphs(tiny_model_path, prom
 
 @pytest.mark.gpu
 def test_100_calls_do_not_grow_memory(tiny_model_path):
-    model, tok = _load(tiny_model_path, torch.float16, "cuda")
+    model, tok = _load(tiny_model_path, "cuda")
     enc = tok(PROMPTS, return_tensors="pt", padding=True).to("cuda")
     fuseinfer.patch(model)
     fuseinfer.generate(model, enc.input_ids, enc.attention_mask, max_new_tokens=1)  # a graph for 1 token
@@ -193,7 +195,7 @@ def test_bad_graph_steps_setting_is_one_clear_error(value, monkeypatch):
 def test_patched_model_is_freed_by_del(tiny_model_path, device):
     """No reference cycle through the generate hook or the decode sessions: ``del model`` frees the model with its
     caches and graphs at once, without waiting for the garbage collector."""
-    model, tok = _load(tiny_model_path, torch.float16 if device == "cuda" else torch.float32, device)
+    model, tok = _load(tiny_model_path, device)
     ids = tok(PROMPTS[:2], return_tensors="pt", padding=True).to(device)
     fuseinfer.patch(model)
     model.generate(**ids, max_new_tokens=20)  # the hook, and a session (with graphs on CUDA)
@@ -213,7 +215,7 @@ def test_patched_model_is_freed_by_del(tiny_model_path, device):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_deep_copy_of_patched_model_generates_with_its_own_weights(tiny_model_path, device):
-    model, tok = _load(tiny_model_path, torch.float16 if device == "cuda" else torch.float32, device)
+    model, tok = _load(tiny_model_path, device)
     enc = tok(PROMPTS[:2], return_tensors="pt", padding=True).to(device)
     fuseinfer.patch(model)
     model.generate(**enc, max_new_tokens=5)  # a session on the original

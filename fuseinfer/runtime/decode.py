@@ -165,15 +165,12 @@ class _Session:
         return self.tokens[:b]
 
     def advance(self, steps: int = 1) -> torch.Tensor:
-        """``steps`` decode steps for every row (one graph replay on CUDA when a graph of that many steps exists,
-        else one per step); returns the last new tokens (B, 1)."""
-        if steps in self.graphs:
+        """``steps`` decode steps for every row (on CUDA one replay of the graph of that many: 1, or ``run``'s
+        group); returns the last new tokens (B, 1)."""
+        if self.graphs:
             self.graphs[steps].replay()
-            return self.tokens[:self.batch]
-        for _ in range(steps):
-            if self.graphs:
-                self.graphs[1].replay()
-            else:
+        else:
+            for _ in range(steps):
                 self._decode_step()
         return self.tokens[:self.batch]
 
