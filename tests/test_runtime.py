@@ -167,6 +167,22 @@ def test_greedy_64_tokens_identical_to_hf_fp16_cuda_graphs(tiny_model_path, prom
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("max_new", [1, 6, 40])
+def test_graphs_fit_the_steps_a_call_takes(tiny_model_path, max_new):
+    """A session captures a group graph no longer than its max_new_tokens - 1 decode steps (none when that is 1),
+    and the run replays it: the tokens are the first ones of a longer run's."""
+    model, tok = _load(tiny_model_path, "cuda")
+    enc = tok(PROMPTS, return_tensors="pt", padding=True).to("cuda")
+    fuseinfer.patch(model)
+    long = fuseinfer.generate(model, enc.input_ids, enc.attention_mask, max_new_tokens=48)
+    fuseinfer.runtime.release(model)
+    short = fuseinfer.generate(model, enc.input_ids, enc.attention_mask, max_new_tokens=max_new)
+    (session,) = model.__dict__[SESSIONS_ATTR].values()
+    assert set(session.graphs) == {1, min(_graph_steps(), max(1, max_new - 1))}
+    assert torch.equal(short, long[:, :short.shape[1]])
+
+
+@pytest.mark.gpu
 def test_100_calls_do_not_grow_memory(tiny_model_path):
     model, tok = _load(tiny_model_path, "cuda")
     enc = tok(PROMPTS, return_tensors="pt", padding=True).to("cuda")

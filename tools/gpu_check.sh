@@ -46,9 +46,22 @@ for stage in "${stages[@]}"; do
     test)
       run pytest python3 -m pytest -q -ra -p no:cacheprovider tests
       run compare_logits python3 tools/compare_logits.py --shape opt-1.3b --dtype fp16 --seq 512 ;;
-    sanitize)
+    sanitize)  # every kernel under memcheck, synccheck and racecheck (see tools/kernel_smoke.py for the two parts)
       run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/kernel_smoke.py
-      run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/kernel_smoke.py ;;
+      run synccheck compute-sanitizer --tool synccheck --error-exitcode 1 python3 tools/kernel_smoke.py
+      run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 \
+        python3 tools/kernel_smoke.py --part no-ring-wrap
+      # decode steps whose rings wrap: racecheck reports every reuse of a TMA-filled stage (as it does for the correct
+      # ring of tools/racecheck_ring.cu, the control below), so these runs fail on any other hazard only
+      for d in 64 128; do
+        run racecheck_ring_wrap_d$d timeout 200 compute-sanitizer --tool racecheck \
+          python3 tools/kernel_smoke.py --part ring-wrap-d$d
+        run racecheck_ring_wrap_d${d}_gate python3 tools/racecheck_tma.py "$OUT/racecheck_ring_wrap_d$d.log"
+      done
+      nvcc -arch=sm_90 -o "$OUT/racecheck_ring" tools/racecheck_ring.cu &&
+        compute-sanitizer --tool racecheck "$OUT/racecheck_ring" 2>&1 | grep -E "racecheck_ring|SUMMARY" |
+        tee "$OUT/racecheck_control.log"
+      rm -f "$OUT/racecheck_ring" ;;
     bench)
       for b in bench/bench_layernorm.py bench/bench_linear.py bench/bench_attention.py; do
         [ -f "$b" ] && run "$(basename "$b" .py)" python3 "$b" ${BENCH_ARGS:-}

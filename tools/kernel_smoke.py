@@ -1,4 +1,16 @@
-"""Runs every CUDA kernel once on small odd shapes; the target of compute-sanitizer in tools/gpu_check.sh."""
+"""Runs every CUDA kernel once on small odd shapes; the target of compute-sanitizer in tools/gpu_check.sh.
+
+    python tools/kernel_smoke.py [--part all|no-ring-wrap|ring-wrap-d64|ring-wrap-d128]
+
+``ring-wrap-d64`` and ``ring-wrap-d128`` are the one-kernel decode step with long contexts (head dim 64 and 128),
+whose weight and key/value streams go round each block's ring of shared-memory stages many times; ``no-ring-wrap``
+is everything else. gpu_check's racecheck gates the first two on hazards other than a TMA write's
+(tools/racecheck_tma.py), since racecheck reports the reuse of a TMA-filled stage even in a correct ring
+(tools/racecheck_ring.cu); each runs in its own process, so that one's flood of reports does not use up racecheck's
+hazard records before the other runs.
+"""
+import argparse
+
 import torch
 from transformers import OPTConfig, OPTForCausalLM
 
@@ -7,54 +19,80 @@ from fuseinfer import ops
 from fuseinfer.ops.decode_step import decode_step_workspace
 from fuseinfer.patches.opt import decode_step_params
 
+parser = argparse.ArgumentParser()
+parser.add_argument("--part", choices=["all", "no-ring-wrap", "ring-wrap-d64", "ring-wrap-d128"], default="all")
+part = parser.parse_args().part
 assert torch.cuda.is_available()
 torch.manual_seed(0)
-for dtype in (torch.float16, torch.bfloat16, torch.float32):
-    x, r = torch.randn(37, 123, device="cuda", dtype=dtype), torch.randn(37, 123, device="cuda", dtype=dtype)
-    w, b = torch.randn(123, device="cuda", dtype=dtype), torch.randn(123, device="cuda", dtype=dtype)
-    ops.add_layer_norm(x, r, w, b, 1e-5, True)
-    ops.add_layer_norm(torch.randn(5, 2048, device="cuda", dtype=dtype), None, None, None, 1e-5, False)
-for dtype in (torch.float16, torch.bfloat16):
-    x, w = torch.randn(19, 96, device="cuda", dtype=dtype), torch.randn(136, 96, device="cuda", dtype=dtype)
-    b, r = torch.randn(136, device="cuda", dtype=dtype), torch.randn(19, 136, device="cuda", dtype=dtype)
-    ops.linear_epilogue(x, w, b, None, "relu")
-    ops.linear_epilogue(x, w, b, r, "none")
-    ops.linear_epilogue(x[:1], w, b, r[:1], "none")
-    for d in (64, 128):
-        for sq, skv in ((77, 77), (1, 300), (4, 129)):
-            q = torch.randn(2, 3, sq, d, device="cuda", dtype=dtype)
-            k, v = (torch.randn(2, 3, skv, d, device="cuda", dtype=dtype) for _ in range(2))
-            key_mask = torch.arange(skv, device="cuda")[None] >= torch.tensor([0, 11], device="cuda")[:, None]
-            ops.attention(q, k, v, key_mask, None, d ** -0.5)
-            ops.attention(q, k, v, None, None, d ** -0.5)
-    cache = torch.zeros(2, 3, 40, 64, device="cuda", dtype=dtype)
-    kv = torch.randn(2, 3, 5, 64, device="cuda", dtype=dtype)
-    ops.kv_cache_append(cache, cache.clone(), kv, kv, torch.tensor([3, 9, 10, 11, 39], device="cuda"))
 
-# the one-kernel decode step: a 2-layer random pre-LN OPT, 3 rows (one left-padded), cache of 96 slots
-for dtype in (torch.float16, torch.bfloat16):
-    cfg = OPTConfig(vocab_size=1000, hidden_size=256, num_hidden_layers=2, ffn_dim=512, num_attention_heads=4,
-                    max_position_embeddings=256, word_embed_proj_dim=256)
+
+def other_kernels():
+    """Every kernel but the one-kernel decode step."""
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        x, r = torch.randn(37, 123, device="cuda", dtype=dtype), torch.randn(37, 123, device="cuda", dtype=dtype)
+        w, b = torch.randn(123, device="cuda", dtype=dtype), torch.randn(123, device="cuda", dtype=dtype)
+        ops.add_layer_norm(x, r, w, b, 1e-5, True)
+        ops.add_layer_norm(torch.randn(5, 2048, device="cuda", dtype=dtype), None, None, None, 1e-5, False)
+    for dtype in (torch.float16, torch.bfloat16):
+        x, w = torch.randn(19, 96, device="cuda", dtype=dtype), torch.randn(136, 96, device="cuda", dtype=dtype)
+        b, r = torch.randn(136, device="cuda", dtype=dtype), torch.randn(19, 136, device="cuda", dtype=dtype)
+        ops.linear_epilogue(x, w, b, None, "relu")
+        ops.linear_epilogue(x, w, b, r, "none")
+        ops.linear_epilogue(x[:1], w, b, r[:1], "none")
+        for d in (64, 128):
+            for sq, skv in ((77, 77), (1, 300), (4, 129)):
+                q = torch.randn(2, 3, sq, d, device="cuda", dtype=dtype)
+                k, v = (torch.randn(2, 3, skv, d, device="cuda", dtype=dtype) for _ in range(2))
+                key_mask = torch.arange(skv, device="cuda")[None] >= torch.tensor([0, 11], device="cuda")[:, None]
+                ops.attention(q, k, v, key_mask, None, d ** -0.5)
+                ops.attention(q, k, v, None, None, d ** -0.5)
+        cache = torch.zeros(2, 3, 40, 64, device="cuda", dtype=dtype)
+        kv = torch.randn(2, 3, 5, 64, device="cuda", dtype=dtype)
+        ops.kv_cache_append(cache, cache.clone(), kv, kv, torch.tensor([3, 9, 10, 11, 39], device="cuda"))
+
+
+def decode_step(dtype, layers, hidden, heads, ffn, capacity, slots, pad):
+    """The one-kernel decode step of a random pre-LN OPT, one row per slot in ``slots`` (this step's cache
+    slot), with the first ``pad`` keys of row 1 masked (left padding)."""
+    cfg = OPTConfig(vocab_size=1000, hidden_size=hidden, num_hidden_layers=layers, ffn_dim=ffn,
+                    num_attention_heads=heads, max_position_embeddings=capacity + 2, word_embed_proj_dim=hidden)
     model = OPTForCausalLM(cfg).eval().to("cuda", dtype)
     fuseinfer.patch(model)
-    dec = model.model.decoder
-    caches = [torch.randn(3, 4, 96, 64, device="cuda", dtype=dtype) for _ in range(4)]
-    key_mask = torch.ones(3, 96, dtype=torch.bool, device="cuda")
-    key_mask[1, :20] = False
-    tokens, positions = torch.tensor([[5], [6], [7]], device="cuda"), torch.tensor([[70], [50], [70]], device="cuda")
-    q_start = torch.full((3,), 70, dtype=torch.int32, device="cuda")
+    dec, rows, d = model.model.decoder, len(slots), hidden // heads
+    caches = [torch.randn(rows, heads, capacity, d, device="cuda", dtype=dtype) for _ in range(2 * layers)]
+    key_mask = torch.ones(rows, capacity, dtype=torch.bool, device="cuda")
+    key_mask[1, :pad] = False
+    tokens = torch.arange(5, 5 + rows, device="cuda")[:, None]
+    q_start = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    positions = torch.tensor([[s - (pad if r == 1 else 0)] for r, s in enumerate(slots)], device="cuda")
     with torch.no_grad():
         ops.opt_decode_step(tokens, positions, q_start, key_mask, dec.embed_tokens.weight, dec.embed_positions.weight,
                             decode_step_params(model), caches[0::2], caches[1::2], dec.final_layer_norm.weight,
                             dec.final_layer_norm.bias, model.lm_head.weight,
-                            decode_step_workspace(3, 256, 512, 4, 64, 96, "cuda"), 1e-5, 0.125)
-# the decode step's tail: 3 rows over a vocabulary of 1001 (not a multiple of the kernel's chunks), one EOS
-scores = torch.randn(3, 1001, device="cuda")
-step = dict(tokens=torch.zeros(3, 1, dtype=torch.long), positions=torch.zeros(3, 1, dtype=torch.long),
-            q_start=torch.zeros(3, dtype=torch.int32), decode_idx=torch.zeros(1, dtype=torch.long),
-            step=torch.zeros(1, dtype=torch.long), unfinished=torch.ones(3, dtype=torch.bool),
-            out=torch.zeros(3, 4, dtype=torch.long), alive=torch.ones(4, dtype=torch.bool))
-ops.emit_tokens(scores, torch.tensor([2], device="cuda"), 1, *(t.cuda() for t in step.values()),
-                ops.emit_tokens_scratch(3, "cuda"))
+                            decode_step_workspace(rows, hidden, ffn, heads, d, capacity, "cuda"), 1e-5, d ** -0.5)
+
+
+
+def emit_tokens():
+    """The decode step's tail: 3 rows over a vocabulary of 1001 (not a multiple of the kernel's chunks), one EOS."""
+    scores = torch.randn(3, 1001, device="cuda")
+    step = dict(tokens=torch.zeros(3, 1, dtype=torch.long), positions=torch.zeros(3, 1, dtype=torch.long),
+                q_start=torch.zeros(3, dtype=torch.int32), decode_idx=torch.zeros(1, dtype=torch.long),
+                step=torch.zeros(1, dtype=torch.long), unfinished=torch.ones(3, dtype=torch.bool),
+                out=torch.zeros(3, 4, dtype=torch.long), alive=torch.ones(4, dtype=torch.bool))
+    ops.emit_tokens(scores, torch.tensor([2], device="cuda"), 1, *(t.cuda() for t in step.values()),
+                    ops.emit_tokens_scratch(3, "cuda"))
+
+
+if part in ("all", "no-ring-wrap"):
+    other_kernels()
+    for dtype in (torch.float16, torch.bfloat16):
+        decode_step(dtype, 2, 256, 4, 512, 96, [70, 50, 70], 20)  # short: a few stages per block
+    emit_tokens()
+# contexts of 1100-1500 keys (several attention merge groups), rings wrapping many times
+if part in ("all", "ring-wrap-d64"):
+    decode_step(torch.float16, 4, 512, 8, 2048, 1536, [1100, 1500], 600)
+if part in ("all", "ring-wrap-d128"):
+    decode_step(torch.bfloat16, 4, 512, 4, 2048, 1536, [1499, 1100], 300)
 torch.cuda.synchronize()
-print("kernel_smoke: all kernels ran")
+print(f"kernel_smoke ({part}): all kernels ran")

@@ -95,7 +95,7 @@ class _Session:
         self.path = "one kernel per step (fuseinfer::opt_decode_step)" if why is None else f"per op ({why})"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per replay -> graph
         if dev.type == "cuda" and os.environ.get("FUSEINFER_CUDA_GRAPHS", "1") != "0":
-            self._capture(_graph_steps())
+            self._capture(min(_graph_steps(), max(1, max_new - 1)))  # (decode steps: max_new - 1)
 
     def fits(self, capacity: int, sampling: Sampling, max_new: int, eos: torch.Tensor, pad: int) -> bool:
         return (self.capacity >= capacity and self.sampling == sampling and self.max_new >= max_new
