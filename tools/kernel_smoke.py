@@ -72,7 +72,6 @@ def decode_step(dtype, layers, hidden, heads, ffn, capacity, slots, pad):
                             decode_step_workspace(rows, hidden, ffn, heads, d, capacity, "cuda"), 1e-5, d ** -0.5)
 
 
-
 def emit_tokens():
     """The decode step's tail: 3 rows over a vocabulary of 1001 (not a multiple of the kernel's chunks), one EOS."""
     scores = torch.randn(3, 1001, device="cuda")

@@ -2,10 +2,11 @@
 
 ``generate(model, input_ids, ...)`` runs the prompt once (eager), then the new tokens by replaying graphs
 captured per batch-size bucket (1, 2, 4, 8, ...): one of a single step and one of ``GRAPH_STEPS`` steps in a
-row (FUSEINFER_DECODE_GRAPH_STEPS; 1: only the single step), replayed while that many tokens are left. A step is
-all layers (one persistent kernel, ``fuseinfer::opt_decode_step``, where the model family has one and the bucket
-fits it; else the patched modules op by op; FUSEINFER_DECODE_KERNEL picks: ``auto`` where it is faster, ``1``
-wherever it applies, ``0`` never; ``session.path`` says which), the LM head, the next-token choice (greedy or
+row (FUSEINFER_DECODE_GRAPH_STEPS; fewer when the session's calls decode fewer; 1: only the single step),
+replayed while that many tokens are left. A step is all layers (one persistent kernel,
+``fuseinfer::opt_decode_step``, where the model family has one and the bucket fits it; else the patched modules
+op by op; FUSEINFER_DECODE_KERNEL picks: ``auto`` where it is faster, ``1`` wherever it applies, ``0`` never;
+``session.path`` says which), the LM head, the next-token choice (greedy or
 sampling), the EOS bookkeeping and the advance of every position counter (these three in one kernel,
 ``fuseinfer::emit_tokens``), all inside the graph, so the host only launches replays and looks at the stop flag
 once ``STOP_CHECK_EVERY`` or more steps ran since it last looked. Within a graph the step kernel and the token
