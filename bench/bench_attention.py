@@ -5,6 +5,9 @@ Prefill rows: causal self-attention, q = k = v length S, fp16, reported in TFLOP
 Decode rows: one query over a KV cache of `ctx` keys, reported in GB/s of (K + V + q + out) bytes and as a
 percentage of the device-to-device copy ceiling measured in the same run.
 
+On an sm_90 GPU the prefill rows also time fuseinfer's mma.sync kernel (`fuseinfer_mma_sync`, FUSEINFER_ATTN_SM90=0)
+next to the default wgmma one (`fuseinfer`).
+
 Baselines: torch.nn.functional.scaled_dot_product_attention under each available SDPA backend (flash,
 efficient, cudnn; a backend that rejects the inputs is recorded as unavailable) and torch.compile of the eager
 math (softmax(q k^T * scale) v). Every implementation is checked against the eager math in fp32 before it is
@@ -15,7 +18,9 @@ timed; a wrong result aborts the run, so no speed is ever reported for a wrong k
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -49,6 +54,8 @@ def implementations(q, k, v, scale: float, causal: bool, ext) -> dict:
     torch.compiler.reset()  # a fresh compile per shape, never the recompile limit's silent eager fallback
     compiled_math = torch.compile(math_attention, dynamic=False)
     impls = {"fuseinfer": (lambda: ext.attention(q, k, v, None, None, scale), None)}
+    if causal and ext.attention_prefill_kernel() == "wgmma":  # the mma.sync prefill it replaces, same run
+        impls["fuseinfer_mma_sync"] = (lambda: ext.attention(q, k, v, None, None, scale), mma_sync_prefill)
     for name, backend in SDPA_BACKENDS.items():
         impls[name] = (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale).transpose(1, 2),
                        lambda backend=backend: sdpa_kernel(backend))
@@ -80,13 +87,13 @@ def run_config(mode: str, b: int, h: int, sq: int, skv: int, d: int, ext, ceilin
                 torch.cuda.synchronize()
                 err = (out.float() - ref).abs().max().item()
                 if not err <= MAX_ERR:  # also catches NaN
-                    if name == "fuseinfer":
+                    if name.startswith("fuseinfer"):
                         raise AssertionError(f"{name} {base}: max abs error {err:.3g} > {MAX_ERR}")
                     rows.append({**base, "impl": name, "max_abs_err": err, "note": "wrong result, not timed"})
                     continue
                 t = bench_ms(fn, **timing)
         except RuntimeError as exc:  # backend unavailable for these inputs / this GPU
-            if name == "fuseinfer":
+            if name.startswith("fuseinfer"):
                 raise
             first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             rows.append({**base, "impl": name, "note": f"unavailable: {first_line[:120]}"})
@@ -113,6 +120,20 @@ def run_config(mode: str, b: int, h: int, sq: int, skv: int, d: int, ext, ceilin
     return rows
 
 
+@contextlib.contextmanager
+def mma_sync_prefill():
+    """fuseinfer's mma.sync prefill kernel instead of the wgmma one (FUSEINFER_ATTN_SM90=0, read per call)."""
+    old = os.environ.get("FUSEINFER_ATTN_SM90")
+    os.environ["FUSEINFER_ATTN_SM90"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["FUSEINFER_ATTN_SM90"]
+        else:
+            os.environ["FUSEINFER_ATTN_SM90"] = old
+
+
 class _null:
     def __enter__(self):
         return self
@@ -126,7 +147,8 @@ def check_semantics(ext) -> None:
     from fuseinfer.ops.attention import attention_ref
 
     torch.manual_seed(1)
-    for d in (64, 128):
+    kernels = [_null, mma_sync_prefill] if ext.attention_prefill_kernel() == "wgmma" else [_null]
+    for d, kernel in ((d, kernel) for d in (64, 128) for kernel in kernels):
         for sq, skv, q_start in ((113, 113, None), (1, 4096, None), (4, 1024, 500), (16, 700, None)):
             b, h = 3, 4
             qkv = torch.randn(b, sq, 3, h, d, device="cuda", dtype=DTYPE)
@@ -136,7 +158,8 @@ def check_semantics(ext) -> None:
             pads = torch.tensor([0, 7, skv], device="cuda")  # row 2 fully padded: output must be exactly 0
             key_mask = torch.arange(skv, device="cuda")[None] >= pads[:, None]
             qs = None if q_start is None else torch.full((b,), q_start, device="cuda", dtype=torch.int32)
-            out = ext.attention(q, k, v, key_mask, qs, d ** -0.5)
+            with kernel():
+                out = ext.attention(q, k, v, key_mask, qs, d ** -0.5)
             ref = attention_ref(q.float(), k.float(), v.float(), key_mask, qs, d ** -0.5)
             err = (out.float() - ref).abs().max().item()
             assert err <= MAX_ERR, f"semantics check d={d} sq={sq} skv={skv}: max abs error {err:.3g}"
@@ -173,6 +196,7 @@ def main() -> None:
         rows += run_config("decode", b, h, 1, ctx, d, ext, ceilings, timing)
 
     settings = dict(quick=args.quick, dtype=str(DTYPE), causal_prefill=True, decode_sq=1, **timing,
+                    prefill_kernel=ext.attention_prefill_kernel(),
                     flops="prefill: 4*B*H*S^2*D/2 (causal)", bytes="decode: K+V read + q read + out written")
     columns = ["mode", "B", "H", "Sq", "Skv", "D", "impl", "median_ms", "p10_ms", "p90_ms", "TFLOPs", "GBps",
                "pct_copy", "speedup_vs_best_sdpa", "max_abs_err", "note"]

@@ -1,6 +1,11 @@
 // Causal attention over a KV cache with per-row key masks: fuseinfer::attention_cuda (see fuseinfer.h).
 //
-// Two kernel families, chosen by attention_cuda:
+// Three kernels, chosen by attention_cuda:
+//
+//  * Prefill on sm_90a (fp16/bf16, Sq > 16, H100/H200, an extension built for 9.0a): FlashAttention-3-style
+//    forward, prefill_sm90_kernel below: TMA loads, wgmma, a producer warp and two or three consumer warpgroups
+//    whose softmax overlaps their own tensor-core work. Falls back to the next one when FUSEINFER_ATTN_SM90=0 or
+//    a tensor does not fit a TMA map.
 //
 //  * Prefill (fp16/bf16, Sq > 16): FlashAttention-2-style forward. One thread block owns BM = 16 * WARPS query
 //    rows of one (batch, head); each warp owns 16 rows and keeps its Q fragments in registers. The block walks
@@ -17,27 +22,34 @@
 //    block of a (batch, head, chunk) to arrive (atomic counter, self-resetting) merges the partials into the
 //    output, so decode is one launch. The number of splits is picked so that the grid fills the SMs.
 //
-// Semantics shared by both: query i of row b attends key j iff key_mask[b, j] && j <= q_start[b] + i
+// Semantics shared by all: query i of row b attends key j iff key_mask[b, j] && j <= q_start[b] + i
 // (q_start defaults to Skv - Sq); a query with no admissible key gets exactly 0. Scores are q.k * scale,
 // softmax in fp32; output (B, Sq, H, D) contiguous in q's dtype. Rows of K/V past the causal limit of a block
-// are never read (they may be unwritten cache slots). Both are launched with PDL (launch.h).
+// are never used (they may be unwritten cache slots holding anything, NaN included). All are launched with PDL
+// (launch.h).
 
 #include "device_utils.cuh"
 #include "fuseinfer.h"
 #include "launch.h"
+#include "sm90.cuh"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGraphsUtils.cuh>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
+#include <type_traits>
 #include <utility>
 
 namespace fuseinfer {
@@ -110,10 +122,6 @@ __device__ __forceinline__ void unpack16(const uint4& r, const float*, float* f)
   f[3] = __uint_as_float(r.w);
 }
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 // 16-byte global -> shared async copy; writes zeros (and reads nothing) when !valid.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   const int n = valid ? 16 : 0;
@@ -138,6 +146,27 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
 template <int D>
 __device__ __forceinline__ int swz(int row, int chunk) {
   return row * D + ((chunk ^ (row & 7)) << 3);
+}
+
+// Normalises the two query rows a thread holds in an m16n8-style accumulator (acc(d, e): n8 tile d, element e; rows
+// row0 and row0 + 8) and stores them to out (B, Sq, H, D); rows with no admissible key have sum 0 and store 0.
+template <typename T, int D, typename Acc>
+__device__ __forceinline__ void store_rows(const AttnParams& p, Acc acc, const float (&row_sum)[2], int b, int h,
+                                           int row0, int lane) {
+  T* out = static_cast<T*>(p.out);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = row_sum[r];
+    l += __shfl_xor_sync(kFullMask, l, 1);
+    l += __shfl_xor_sync(kFullMask, l, 2);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int qrow = row0 + 8 * r;
+    if (qrow >= p.Sq) continue;
+    T* orow = out + ((int64_t(b) * p.Sq + qrow) * p.H + h) * D + 2 * (lane & 3);
+#pragma unroll
+    for (int d = 0; d < D / 8; ++d)
+      *reinterpret_cast<uint32_t*>(orow + d * 8) = pack2<T>(acc(d, 2 * r) * inv, acc(d, 2 * r + 1) * inv);
+  }
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -343,21 +372,261 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) prefill_kernel(const A
     }
   }
 
-  // Normalise and store to out (B, Sq, H, D); rows with no admissible key have sum 0 and store 0.
-  T* out = static_cast<T*>(p.out);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = row_sum[r];
-    l += __shfl_xor_sync(kFullMask, l, 1);
-    l += __shfl_xor_sync(kFullMask, l, 2);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const int qrow = warp_q0 + (lane >> 2) + 8 * r;
-    if (qrow >= Sq) continue;
-    T* orow = out + ((int64_t(b) * Sq + qrow) * p.H + h) * D + 2 * (lane & 3);
-#pragma unroll
-    for (int d = 0; d < D / 8; ++d)
-      *reinterpret_cast<uint32_t*>(orow + d * 8) = pack2<T>(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
+  store_rows<T, D>(p, [&](int d, int e) { return o[d][e]; }, row_sum, b, h, warp_q0 + (lane >> 2), lane);
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Prefill on sm_90a: warpgroup MMA (wgmma) fed by TMA
+// ------------------------------------------------------------------------------------------------------------
+
+// One block owns BM = 64 * WG query rows of one (batch, head): WG consumer warpgroups of 64 rows each and a
+// producer warpgroup, one warp of which loads (the others leave at once; setmaxnreg moves their registers to the
+// consumers). The producer loads the Q tile once and the K/V tiles (BN keys) through a ring of STAGES
+// shared-memory stages with TMA (128-byte swizzle, see sm90.cuh). Each consumer
+// warpgroup computes S = Q K^T (wgmma, both operands in shared memory), the online softmax in registers (same
+// semantics and exp2 domain as prefill_kernel), and O += P V (wgmma, P from registers, V read MN-major), then
+// hands the stage back. Rows are 128 bytes (64 elements): a head dim of 128 is stored as two 64-column halves.
+// Measured on an H100 (README): three consumer warpgroups beat two at D = 64 (320 vs 281 TFLOP/s, B 4, H 32,
+// S 2048); round-robin turns between warpgroups for issuing their GEMMs (FlashAttention-3's ping-pong, named
+// barriers) made ptxas wait after every wgmma and lost 7-19%, so there is none.
+template <typename T, int D>
+struct Sm90Cfg {
+  static constexpr int WG = D == 64 ? 3 : 2;  // D = 128 holds twice the O registers: two warpgroups
+  static constexpr int BM = 64 * WG;
+  static constexpr int BN = 128;
+  static constexpr int STAGES = 3;
+  static constexpr int HALVES = D / 64;
+  static constexpr int THREADS = 128 * (WG + 1);  // + the producer warpgroup (one warp of it loads)
+  // Registers per thread after setmaxnreg: an SM sub-partition (16384 registers) holds one producer warp and WG
+  // consumer warps, so 32 * (PRODUCER_REGS + WG * CONSUMER_REGS) <= 16384.
+  static constexpr int PRODUCER_REGS = WG == 2 ? 40 : 24;
+  static constexpr int CONSUMER_REGS = WG == 2 ? 232 : 160;
+  static_assert(32 * (PRODUCER_REGS + WG * CONSUMER_REGS) <= 16384, "registers of one SM sub-partition");
+  static constexpr int Q_BYTES = BM * D * 2;
+  static constexpr int KV_BYTES = BN * D * 2;                               // one K or V tile
+  static constexpr int SMEM = Q_BYTES + STAGES * 2 * KV_BYTES + 1024;       // + alignment slack
+};
+
+// grid (ceil(Sq / BM), B * H): the query blocks of one head run side by side (they share K/V in L2), heaviest first.
+template <typename T, int D>
+__global__ void __launch_bounds__(Sm90Cfg<T, D>::THREADS, 1)
+    prefill_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                        const __grid_constant__ CUtensorMap tm_v, const AttnParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = Sm90Cfg<T, D>;
+  constexpr int BN = C::BN, HALF_ROWS_Q = C::BM, STAGE_BYTES = 2 * C::KV_BYTES;
+  extern __shared__ unsigned char smem_raw[];
+  // [Q: HALVES][BM][64] | per stage [K: HALVES][BN][64] [V: HALVES][BN][64], 1024-byte aligned (swizzle atoms)
+  unsigned char* smem =
+      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  unsigned char* q_s = smem;
+  unsigned char* kv_s = smem + C::Q_BYTES;
+  __shared__ __align__(8) uint64_t full_bar[C::STAGES], empty_bar[C::STAGES], q_bar, tail_bar;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
+  const int m0 = (gridDim.x - 1 - blockIdx.x) * C::BM;
+  if (tid == 0) {
+    for (int s = 0; s < C::STAGES; ++s) {
+      mbar_init(&full_bar[s], 1);
+      mbar_init(&empty_bar[s], 4 * C::WG);  // one arrival per consumer warp
+    }
+    mbar_init(&q_bar, 1);
+    mbar_init(&tail_bar, 1);
+    fence_mbarrier_init();
   }
+  pdl_launch_dependents();
+  pdl_wait();  // q, k, v, masks come from earlier kernels
+  __syncthreads();
+
+  const int Sq = p.Sq, Skv = p.Skv;
+  const int qs = p.q_start ? p.q_start[b * p.qs_s] : Skv - Sq;
+  const int last_q = min(m0 + C::BM, Sq) - 1;
+  const int n_end = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(Skv, int64_t(qs) + last_q + 1)));
+  const int n_tiles = (n_end + BN - 1) / BN;
+  const bool has_mask = p.key_mask != nullptr;
+  const bool* mrow = has_mask ? p.key_mask + b * p.m_sb : nullptr;
+
+  if (warp >= 4 * C::WG) {  // ---- producer warpgroup: its first warp loads, the others leave ----
+    setmaxnreg_dec<C::PRODUCER_REGS>();
+    if (warp > 4 * C::WG) return;
+    if (lane == 0) {
+      mbar_expect_tx(&q_bar, C::Q_BYTES);
+      for (int hf = 0; hf < C::HALVES; ++hf) tma_load_4d(q_s + hf * HALF_ROWS_Q * 128, &tm_q, hf * 64, m0, h, b, &q_bar);
+    }
+    for (int t = 0; t < n_tiles; ++t) {
+      const int s = t % C::STAGES, n0 = t * BN;
+      if (t >= C::STAGES) mbar_wait(&empty_bar[s], (t / C::STAGES - 1) & 1);
+      // The last tile may reach past n_end into rows that are not ours to use (unwritten cache slots may hold
+      // NaN, and 0 * NaN would poison P V): it lands on tail_bar, the warp zeroes V's rows >= n_end, then
+      // releases the stage with a plain arrival. Rows >= Skv are zero-filled by TMA.
+      const bool tail = t == n_tiles - 1 && n_end < Skv && n_end < n0 + BN;
+      unsigned char* k_dst = kv_s + s * STAGE_BYTES;
+      unsigned char* v_dst = k_dst + C::KV_BYTES;
+      uint64_t* bar = tail ? &tail_bar : &full_bar[s];
+      if (lane == 0) {
+        mbar_expect_tx(bar, STAGE_BYTES);
+        for (int hf = 0; hf < C::HALVES; ++hf) {
+          tma_load_4d(k_dst + hf * BN * 128, &tm_k, hf * 64, n0, h, b, bar);
+          tma_load_4d(v_dst + hf * BN * 128, &tm_v, hf * 64, n0, h, b, bar);
+        }
+      }
+      if (tail) {
+        mbar_wait(&tail_bar, 0);
+        const int first = n_end - n0;  // first row to zero
+        for (int i = first * 8 + lane; i < BN * 8; i += 32)  // 16-byte chunks of a half's rows
+          for (int hf = 0; hf < C::HALVES; ++hf)
+            *reinterpret_cast<uint4*>(v_dst + hf * BN * 128 + i * 16) = make_uint4(0, 0, 0, 0);
+        fence_proxy_async_smem();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&full_bar[s]);
+      }
+    }
+    return;
+  }
+
+  // ---- consumer warpgroups ----
+  setmaxnreg_inc<C::CONSUMER_REGS>();
+  // Software pipeline (FlashAttention-3's intra-warpgroup overlap): while the tensor cores run S = Q K^T of tile t
+  // and O += P V of tile t - 1, nothing waits; the softmax of tile t then overlaps the P V of tile t - 1.
+  const int g = warp >> 2, wi = warp & 3;
+  const int q0 = m0 + 64 * g;  // first query row of this warpgroup
+  // Tiles this warpgroup computes: up to the causal limit of its last row; later ones it only hands back.
+  const int last_key = qs + q0 + 63;
+  const int my_tiles = q0 >= Sq || last_key < 0 ? 0 : min(n_tiles, last_key / BN + 1);
+  const uint64_t q_desc = wgmma_desc(smem_addr(q_s) + g * 64 * 128, 16, 1024);
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  float sc[BN / 2];          // S of the tile in the softmax, then its P in fp32
+  uint32_t pa[BN / 16][4];   // P of the previous tile as wgmma A fragments (keys 16kk..16kk+15 in pa[kk])
+  float corr[2];             // factor that takes O to the running max of the newest tile
+  float row_max[2] = {-INFINITY, -INFINITY};  // running max of raw scores
+  float row_sum[2] = {0.f, 0.f};              // this thread's share of the running sum
+  int lim[2];                                  // last admissible key of each thread row
+#pragma unroll
+  for (int r = 0; r < 2; ++r) lim[r] = min(qs + q0 + 16 * wi + (lane >> 2) + 8 * r, n_end - 1);
+
+  auto stage_addr = [&](int t) { return smem_addr(kv_s + (t % C::STAGES) * STAGE_BYTES); };
+  auto wait_full = [&](int t) { mbar_wait(&full_bar[t % C::STAGES], (t / C::STAGES) & 1); };
+  auto release = [&](int t) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty_bar[t % C::STAGES]);
+  };
+  auto issue_qk = [&](int t) {  // sc = Q K^T of tile t (committed, not waited)
+    const uint32_t k_addr = stage_addr(t);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t off = (kk % 4) * 32;  // k16 step: 32 bytes along a 128-byte row
+      wgmma_ss_n128<T>(sc, q_desc + (((kk / 4) * C::BM * 128 + off) >> 4),
+                       wgmma_desc(k_addr + (kk / 4) * BN * 128 + off, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+  };
+  auto issue_pv = [&](int t) {  // o += pa V of tile t (committed, not waited)
+    const uint32_t v_addr = stage_addr(t) + C::KV_BYTES;
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<T>(o, pa[kk], wgmma_desc(v_addr + kk * 16 * 128, BN * 128, 1024), 1);
+    wgmma_commit();
+  };
+  // key_mask bits, read one tile ahead so that the loads' latency hides behind a tile's work: this lane's bits of
+  // keys 32w + lane of the next tile. (Each warp reads them itself: no shared-memory handoff to synchronise.)
+  bool mask_next[BN / 32];
+  auto load_mask = [&](int t) {
+#pragma unroll
+    for (int w = 0; w < BN / 32; ++w) {
+      const int key = t * BN + 32 * w + lane;
+      mask_next[w] = key < n_end && mrow[key * p.m_ss];
+    }
+  };
+  if (has_mask) load_mask(0);
+  auto softmax = [&](int t) {  // mask sc, update row max / sum, sc = P; sets corr
+    const int n0 = t * BN;
+    uint32_t mw[BN / 32];
+#pragma unroll
+    for (int w = 0; w < BN / 32; ++w) mw[w] = has_mask ? __ballot_sync(kFullMask, mask_next[w]) : kFullMask;
+    if (has_mask) load_mask(t + 1);
+    if (has_mask || n0 + BN - 1 > qs + q0 + 16 * wi || n0 + BN > n_end) {
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) {
+        const int c = (i >> 2) * 8 + 2 * (lane & 3) + (i & 1);  // column within the tile
+        const bool ok = n0 + c <= lim[(i >> 1) & 1] && ((mw[c >> 5] >> (c & 31)) & 1u);
+        sc[i] = ok ? sc[i] : -INFINITY;
+      }
+    }
+    // scale > 0 (the host checks), so the max of raw scores is the max of scaled ones
+    float mx[2] = {row_max[0], row_max[1]}, base[2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], sc[i]);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFullMask, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFullMask, mx[r], 2));
+      base[r] = mx[r] == -INFINITY ? 0.f : mx[r] * p.scale_log2;  // fully masked so far: P = 0
+      corr[r] = ex2(row_max[r] * p.scale_log2 - base[r]);
+      row_max[r] = mx[r];
+      row_sum[r] *= corr[r];
+    }
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) {
+      sc[i] = ex2(fmaf(sc[i], p.scale_log2, -base[(i >> 1) & 1]));
+      row_sum[(i >> 1) & 1] += sc[i];
+    }
+  };
+  auto pack_p = [&] {  // accumulator columns 16kk..16kk+15 -> A fragment kk
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) pa[kk][j] = pack2<T>(sc[8 * kk + 2 * j], sc[8 * kk + 2 * j + 1]);
+  };
+
+  mbar_wait(&q_bar, 0);
+  if (my_tiles > 0) {
+    wait_full(0);
+    wgmma_fence_operands(sc);
+    wgmma_fence();
+    issue_qk(0);
+    wgmma_wait<0>();
+    wgmma_fence_operands(sc);
+    softmax(0);  // O is still 0: no rescale
+    pack_p();
+    for (int t = 1; t < my_tiles; ++t) {
+      wait_full(t);
+      wgmma_fence_operands(sc);
+      wgmma_fence_operands(o);
+      wgmma_fence_operands(pa);
+      wgmma_fence();
+      issue_qk(t);
+      issue_pv(t - 1);
+      wgmma_wait<1>();  // S of tile t is ready; P V of tile t - 1 may still run
+      wgmma_fence_operands(sc);
+      softmax(t);
+      wgmma_wait<0>();
+      wgmma_fence_operands(o);
+      wgmma_fence_operands(pa);
+      release(t - 1);
+#pragma unroll
+      for (int i = 0; i < D / 2; ++i) o[i] *= corr[(i >> 1) & 1];
+      pack_p();
+    }
+    wgmma_fence_operands(o);
+    wgmma_fence_operands(pa);
+    wgmma_fence();
+    issue_pv(my_tiles - 1);
+    wgmma_wait<0>();
+    wgmma_fence_operands(o);
+    wgmma_fence_operands(pa);
+    release(my_tiles - 1);
+  }
+  for (int t = my_tiles; t < n_tiles; ++t) {  // tiles past this warpgroup's rows: hand them back
+    wait_full(t);
+    release(t);
+  }
+
+  store_rows<T, D>(p, [&](int d, int e) { return o[4 * d + e]; }, row_sum, b, h, q0 + 16 * wi + (lane >> 2), lane);
+#else
+  __trap();  // the host picks this kernel only when the extension was built for sm_90a and runs on sm_90
+#endif
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -588,8 +857,78 @@ void run_prefill(const AttnParams& p, cudaStream_t stream) {
   launch_kernel(kernel, grid, 32 * WARPS, smem, stream, p);
 }
 
+#if defined(FUSEINFER_SM90A)
+// cuTensorMapEncodeTiled, taken from the driver at run time (the extension does not link libcuda); null if absent.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    const cudaError_t err =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &status);
+    return err == cudaSuccess && status == cudaDriverEntryPointSuccess
+               ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f)
+               : nullptr;
+  }();
+  return fn;
+}
+
+// TMA map of a (B, H, S, D) 16-bit tensor with element strides (sb, sh, ss, 1): boxes of 64 columns x `rows` rows
+// of one (b, h), 128-byte swizzle, rows past S zero-filled. False when the strides or the driver do not allow it.
+bool make_tensor_map(CUtensorMap* map, const void* base, bool bf16, int64_t B, int64_t H, int64_t S, int D,
+                     int64_t sb, int64_t sh, int64_t ss, int rows) {
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[4] = {cuuint64_t(D), cuuint64_t(S), cuuint64_t(H), cuuint64_t(B)};
+  // Byte strides of dims S, H, B; a dim of extent 1 is never stepped over and gets a packed stride instead.
+  cuuint64_t strides[3] = {cuuint64_t(ss) * 2, cuuint64_t(sh) * 2, cuuint64_t(sb) * 2};
+  cuuint64_t packed = cuuint64_t(D) * 2;
+  for (int i = 0; i < 3; ++i) {
+    if (dims[i + 1] == 1) strides[i] = packed;
+    if (strides[i] % 16 != 0 || strides[i] >= (cuuint64_t{1} << 40)) return false;
+    packed = strides[i] * dims[i + 1];
+  }
+  const cuuint32_t box[4] = {64, cuuint32_t(rows), 1, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  return encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+                const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// The wgmma prefill runs on sm_90 (H100/H200) unless FUSEINFER_ATTN_SM90=0 (read at each call, so that tests and
+// benchmarks can compare the two kernels in one process; then the mma.sync kernel runs).
+bool sm90_prefill_enabled() {
+  const char* v = std::getenv("FUSEINFER_ATTN_SM90");
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  return (v == nullptr || std::strcmp(v, "0") != 0) && props->major == 9 && props->minor == 0;
+}
+
+// Launches prefill_sm90_kernel; false (nothing launched) when the tensors do not fit TMA maps or the grid.
+template <typename T, int D>
+bool run_prefill_sm90(const AttnParams& p, cudaStream_t stream) {
+  using C = Sm90Cfg<T, D>;
+  constexpr bool bf16 = std::is_same_v<T, __nv_bfloat16>;
+  if (int64_t(p.B) * p.H > 65535) return false;
+  CUtensorMap tq, tk, tv;
+  if (!make_tensor_map(&tq, p.q, bf16, p.B, p.H, p.Sq, D, p.q_sb, p.q_sh, p.q_ss, C::BM) ||
+      !make_tensor_map(&tk, p.k, bf16, p.B, p.H, p.Skv, D, p.k_sb, p.k_sh, p.k_ss, C::BN) ||
+      !make_tensor_map(&tv, p.v, bf16, p.B, p.H, p.Skv, D, p.v_sb, p.v_sh, p.v_ss, C::BN))
+    return false;
+  auto kernel = prefill_sm90_kernel<T, D>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
+  const dim3 grid((p.Sq + C::BM - 1) / C::BM, p.B * p.H);
+  launch_kernel(kernel, grid, C::THREADS, C::SMEM, stream, tq, tk, tv, p);
+  return true;
+}
+#endif
+
 template <typename T>
 void prefill(const AttnParams& p, int D, cudaStream_t stream) {
+#if defined(FUSEINFER_SM90A)
+  if (p.scale_log2 > 0.f && sm90_prefill_enabled() &&
+      (D == 64 ? run_prefill_sm90<T, 64>(p, stream) : run_prefill_sm90<T, 128>(p, stream)))
+    return;
+#endif
   if (D == 64)
     run_prefill<T, 64, 8, 64, 2>(p, stream);
   else
@@ -687,6 +1026,13 @@ at::Tensor aligned16(const at::Tensor& t) {
 }
 
 }  // namespace
+
+std::string attention_prefill_kernel() {
+#if defined(FUSEINFER_SM90A)
+  if (sm90_prefill_enabled()) return "wgmma";
+#endif
+  return "mma.sync";
+}
 
 at::Tensor attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                           const c10::optional<at::Tensor>& key_mask, const c10::optional<at::Tensor>& q_start,

@@ -6,6 +6,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_layer_norm", &fuseinfer::add_layer_norm_cuda);
   m.def("linear_epilogue", &fuseinfer::linear_epilogue_cuda);
   m.def("attention", &fuseinfer::attention_cuda);
+  m.def("attention_prefill_kernel", &fuseinfer::attention_prefill_kernel);
   m.def("kv_cache_append", &fuseinfer::kv_cache_append_cuda);
   m.def("decode_step", &fuseinfer::decode_step_cuda);
   m.def("decode_step_workspace_bytes", &fuseinfer::decode_step_workspace_bytes);

@@ -37,6 +37,7 @@
 #include "device_utils.cuh"
 #include "fuseinfer.h"
 #include "launch.h"
+#include "sm90.cuh"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -98,38 +99,7 @@ struct StepParams {
 constexpr int kTracePhases = 6;  // qkv, attention, out_proj, LN2 + fc1, fc2, next LN (profile_decode.py)
 __host__ __device__ constexpr int trace_events(int layers) { return 2 + (kTracePhases + 2) * layers; }
 
-// ---- shared-memory and synchronisation primitives (sm_90) ----
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred P1;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-      "@P1 bra DONE;\n"
-      "bra WAIT;\n"
-      "DONE:\n"
-      "}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
+// ---- TMA weight stream (the mbarrier primitives are in sm90.cuh) ----
 
 // bytes (multiple of 16) from global src to shared dst, completing on bar's transaction count. The weight
 // stream is read once per step: it is marked evict-first in L2 so that it does not push out what the
@@ -843,7 +813,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], kConsumerWarps);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    fence_mbarrier_init();
   }
   __syncthreads();
   if (threadIdx.x == 0) copy->q_start = slots;

@@ -33,6 +33,10 @@ at::Tensor attention_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const c10::optional<at::Tensor>& key_mask, const c10::optional<at::Tensor>& q_start, double scale);
 
+// The kernel attention_cuda runs for prefill (fp16/bf16, Sq > 16) on the current device: "wgmma" (sm_90a build on an
+// sm_90 GPU, FUSEINFER_ATTN_SM90 not 0; falls back per call when a tensor does not fit a TMA map) or "mma.sync".
+std::string attention_prefill_kernel();
+
 // k_cache[:, :, slots[s]] = k[:, :, s] and v_cache[:, :, slots[s]] = v[:, :, s], in one launch.
 // k_cache, v_cache: (B, H, T, D) contiguous; k, v: (B, H, S, D), last dim contiguous, other strides arbitrary;
 // slots: (S,) int64. Same dtype (fp16/bf16/fp32) throughout. Slots outside [0, T) are skipped (no host sync).

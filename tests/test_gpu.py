@@ -106,13 +106,16 @@ def test_linear_chain_waits_for_its_input(m):
 
 # ---- attention ----
 
-def _attn_case(b, h, sq, skv, d, dtype, pads=None, q_start=None, strided_q=False):
+def _attn_case(b, h, sq, skv, d, dtype, pads=None, q_start=None, strided_q=False, nan_from=None):
     if strided_q:  # q as a view into a fused (B, S, 3, H, D) projection, like the patched OPT produces
         qkv = torch.randn(b, sq, 3, h, d, device="cuda", dtype=dtype)
         q = qkv[:, :, 0].transpose(1, 2)
     else:
         q = torch.randn(b, h, sq, d, device="cuda", dtype=dtype)
     k, v = (torch.randn(b, h, skv, d, device="cuda", dtype=dtype) for _ in range(2))
+    if nan_from is not None:  # cache slots past the chunk: never written, may hold anything (must not be used)
+        k[:, :, nan_from:] = float("nan")
+        v[:, :, nan_from:] = float("nan")
     key_mask = None
     if pads is not None:
         key_mask = torch.arange(skv, device="cuda")[None] >= torch.tensor(pads, device="cuda")[:, None]
@@ -129,18 +132,37 @@ ATTN_CASES = {
     "decode_1_pad": dict(b=3, h=4, sq=1, skv=333, pads=[0, 17, 300]),
     "decode_4_static_cache": dict(b=2, h=4, sq=4, skv=1024, q_start=500, pads=[0, 9]),
     "empty_rows": dict(b=2, h=2, sq=64, skv=64, pads=[40, 0]),
+    "prefill_259_into_cache_nan_tail": dict(b=2, h=3, sq=259, skv=1024, q_start=300, pads=[0, 7], nan_from=559),
+    "prefill_200_into_cache_nan_tail": dict(b=1, h=2, sq=200, skv=512, q_start=100, nan_from=300),
 }
+
+
+def _wgmma_available() -> bool:
+    return torch.cuda.get_device_capability() == (9, 0) and fuseinfer.cuda_extension_available()
+
+
+def test_wgmma_prefill_is_built_for_sm90():
+    """On an H100/H200 the default build (FUSEINFER_CUDA_ARCH=9.0a) must carry the wgmma prefill and pick it."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma prefill is for sm_90 GPUs")
+    from fuseinfer._ext import extension
+    assert extension().attention_prefill_kernel() == "wgmma"
 
 
 @pytest.mark.parametrize("case", sorted(ATTN_CASES))
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", LOWP)
-def test_attention_kernel(case, d, dtype):
+@pytest.mark.parametrize("prefill", ["wgmma", "mma.sync"])
+def test_attention_kernel(case, d, dtype, prefill, monkeypatch):
+    if prefill == "wgmma" and not _wgmma_available():
+        pytest.skip("the wgmma prefill needs an sm_90 GPU")
+    monkeypatch.setenv("FUSEINFER_ATTN_SM90", "1" if prefill == "wgmma" else "0")
     q, k, v, key_mask, q_start = _attn_case(d=d, dtype=dtype, **ATTN_CASES[case])
     b, h, sq, _ = q.shape
     scale = d ** -0.5
     ours = ops.attention(q, k, v, key_mask, q_start, scale)  # (B, Sq, H, D)
     assert ours.shape == (b, sq, h, d) and ours.is_contiguous()
+    k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)  # the references multiply masked-out NaN slots by 0
     ref32 = ops.attention_ref(q.float(), k.float(), v.float(), key_mask, q_start, scale)
     allowed = allowed_mask(key_mask, q_start, b, sq, k.shape[2], q.device)  # (B, 1, Sq, Skv)
     has_key = allowed.any(-1).view(b, sq)  # (B, Sq)

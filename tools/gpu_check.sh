@@ -51,12 +51,12 @@ for stage in "${stages[@]}"; do
       run synccheck compute-sanitizer --tool synccheck --error-exitcode 1 python3 tools/kernel_smoke.py
       run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 \
         python3 tools/kernel_smoke.py --part no-ring-wrap
-      # decode steps whose rings wrap: racecheck reports every reuse of a TMA-filled stage (as it does for the correct
+      # decode steps and prefills whose rings wrap: racecheck reports every reuse of a TMA-filled stage (as it does for the correct
       # ring of tools/racecheck_ring.cu, the control below), so these runs fail on any other hazard only
-      for d in 64 128; do
-        run racecheck_ring_wrap_d$d timeout 200 compute-sanitizer --tool racecheck \
-          python3 tools/kernel_smoke.py --part ring-wrap-d$d
-        run racecheck_ring_wrap_d${d}_gate python3 tools/racecheck_tma.py "$OUT/racecheck_ring_wrap_d$d.log"
+      for part in d64 d128 prefill; do
+        run racecheck_ring_wrap_$part timeout 200 compute-sanitizer --tool racecheck \
+          python3 tools/kernel_smoke.py --part ring-wrap-$part
+        run racecheck_ring_wrap_${part}_gate python3 tools/racecheck_tma.py "$OUT/racecheck_ring_wrap_$part.log"
       done
       nvcc -arch=sm_90 -o "$OUT/racecheck_ring" tools/racecheck_ring.cu &&
         compute-sanitizer --tool racecheck "$OUT/racecheck_ring" 2>&1 | grep -E "racecheck_ring|SUMMARY" |
