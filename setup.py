@@ -4,8 +4,9 @@ Build knobs (environment variables):
   FUSEINFER_BUILD_CUDA   auto (default): build the extension when torch has CUDA and nvcc is found, else
                          install pure Python; 1: build it or fail; 0: never build it.
   FUSEINFER_CUDA_ARCH    compute capabilities to compile for, ';'-separated (default "9.0a", the H100/H200 with
-                         their sm_90a-only instructions, which the wgmma attention prefill needs; without "9.0a"
-                         that kernel is left out and the mma.sync one runs). Sets TORCH_CUDA_ARCH_LIST.
+                         their sm_90a-only instructions, which the wgmma attention prefill needs; without "9.0a",
+                         or with a plain "9.0" beside it, that kernel is left out and the mma.sync one runs).
+                         Sets TORCH_CUDA_ARCH_LIST.
   MAX_JOBS               parallel compile jobs (torch's own knob; default: torch's choice).
 
 torch must be importable at build time for the extension, so build it with
@@ -38,7 +39,9 @@ def cuda_extension():
             reason = "nvcc not found (set CUDA_HOME)"
         else:
             arch = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", os.environ.get("FUSEINFER_CUDA_ARCH", "9.0a"))
-            defines = ["-DFUSEINFER_SM90A"] if "9.0a" in [a.split("+")[0] for a in arch.replace(" ", ";").split(";")] else []
+            archs = [a.split("+")[0] for a in arch.replace(" ", ";").split(";")]
+            # the wgmma kernel only where an sm_90 GPU is sure to load the sm_90a code (no plain 9.0 beside it)
+            defines = ["-DFUSEINFER_SM90A"] if "9.0a" in archs and "9.0" not in archs else []
             nvcc_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo",
                           "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
                           "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"] + defines

@@ -4,8 +4,8 @@
 //
 //  * Prefill on sm_90a (fp16/bf16, Sq > 16, H100/H200, an extension built for 9.0a): FlashAttention-3-style
 //    forward, prefill_sm90_kernel below: TMA loads, wgmma, a producer warp and two or three consumer warpgroups
-//    whose softmax overlaps their own tensor-core work. Falls back to the next one when FUSEINFER_ATTN_SM90=0 or
-//    a tensor does not fit a TMA map.
+//    whose softmax overlaps their own tensor-core work. Falls back to the next one when FUSEINFER_ATTN_SM90=0, a
+//    tensor does not fit a TMA map, B * H > 65535 or scale <= 0.
 //
 //  * Prefill (fp16/bf16, Sq > 16): FlashAttention-2-style forward. One thread block owns BM = 16 * WARPS query
 //    rows of one (batch, head); each warp owns 16 rows and keeps its Q fragments in registers. The block walks
@@ -386,10 +386,10 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) prefill_kernel(const A
 // warpgroup computes S = Q K^T (wgmma, both operands in shared memory), the online softmax in registers (same
 // semantics and exp2 domain as prefill_kernel), and O += P V (wgmma, P from registers, V read MN-major), then
 // hands the stage back. Rows are 128 bytes (64 elements): a head dim of 128 is stored as two 64-column halves.
-// Measured on an H100 (README): three consumer warpgroups beat two at D = 64 (320 vs 281 TFLOP/s, B 4, H 32,
+// Measured on an H100 (README): three consumer warpgroups beat two at D = 64 (320-327 vs 302 TFLOP/s, B 4, H 32,
 // S 2048); round-robin turns between warpgroups for issuing their GEMMs (FlashAttention-3's ping-pong, named
-// barriers) made ptxas wait after every wgmma and lost 7-19%, so there is none.
-template <typename T, int D>
+// barriers) made ptxas wait after every wgmma and lost 17-30%, so there is none.
+template <int D>
 struct Sm90Cfg {
   static constexpr int WG = D == 64 ? 3 : 2;  // D = 128 holds twice the O registers: two warpgroups
   static constexpr int BM = 64 * WG;
@@ -409,12 +409,12 @@ struct Sm90Cfg {
 
 // grid (ceil(Sq / BM), B * H): the query blocks of one head run side by side (they share K/V in L2), heaviest first.
 template <typename T, int D>
-__global__ void __launch_bounds__(Sm90Cfg<T, D>::THREADS, 1)
+__global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
     prefill_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                         const __grid_constant__ CUtensorMap tm_v, const AttnParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using C = Sm90Cfg<T, D>;
-  constexpr int BN = C::BN, HALF_ROWS_Q = C::BM, STAGE_BYTES = 2 * C::KV_BYTES;
+  using C = Sm90Cfg<D>;
+  constexpr int BN = C::BN, STAGE_BYTES = 2 * C::KV_BYTES;
   extern __shared__ unsigned char smem_raw[];
   // [Q: HALVES][BM][64] | per stage [K: HALVES][BN][64] [V: HALVES][BN][64], 1024-byte aligned (swizzle atoms)
   unsigned char* smem =
@@ -452,7 +452,7 @@ __global__ void __launch_bounds__(Sm90Cfg<T, D>::THREADS, 1)
     if (warp > 4 * C::WG) return;
     if (lane == 0) {
       mbar_expect_tx(&q_bar, C::Q_BYTES);
-      for (int hf = 0; hf < C::HALVES; ++hf) tma_load_4d(q_s + hf * HALF_ROWS_Q * 128, &tm_q, hf * 64, m0, h, b, &q_bar);
+      for (int hf = 0; hf < C::HALVES; ++hf) tma_load_4d(q_s + hf * C::BM * 128, &tm_q, hf * 64, m0, h, b, &q_bar);
     }
     for (int t = 0; t < n_tiles; ++t) {
       const int s = t % C::STAGES, n0 = t * BN;
@@ -625,7 +625,7 @@ __global__ void __launch_bounds__(Sm90Cfg<T, D>::THREADS, 1)
 
   store_rows<T, D>(p, [&](int d, int e) { return o[4 * d + e]; }, row_sum, b, h, q0 + 16 * wi + (lane >> 2), lane);
 #else
-  __trap();  // the host picks this kernel only when the extension was built for sm_90a and runs on sm_90
+  __trap();  // the host picks this kernel only in an sm_90a-only build for sm_90 (setup.py), running on sm_90
 #endif
 }
 
@@ -906,7 +906,7 @@ bool sm90_prefill_enabled() {
 // Launches prefill_sm90_kernel; false (nothing launched) when the tensors do not fit TMA maps or the grid.
 template <typename T, int D>
 bool run_prefill_sm90(const AttnParams& p, cudaStream_t stream) {
-  using C = Sm90Cfg<T, D>;
+  using C = Sm90Cfg<D>;
   constexpr bool bf16 = std::is_same_v<T, __nv_bfloat16>;
   if (int64_t(p.B) * p.H > 65535) return false;
   CUtensorMap tq, tk, tv;
@@ -1029,7 +1029,7 @@ at::Tensor aligned16(const at::Tensor& t) {
 
 std::string attention_prefill_kernel() {
 #if defined(FUSEINFER_SM90A)
-  if (sm90_prefill_enabled()) return "wgmma";
+  if (sm90_prefill_enabled() && tensor_map_encoder() != nullptr) return "wgmma";
 #endif
   return "mma.sync";
 }

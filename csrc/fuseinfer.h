@@ -34,7 +34,8 @@ at::Tensor attention_cuda(
     const c10::optional<at::Tensor>& key_mask, const c10::optional<at::Tensor>& q_start, double scale);
 
 // The kernel attention_cuda runs for prefill (fp16/bf16, Sq > 16) on the current device: "wgmma" (sm_90a build on an
-// sm_90 GPU, FUSEINFER_ATTN_SM90 not 0; falls back per call when a tensor does not fit a TMA map) or "mma.sync".
+// sm_90 GPU, FUSEINFER_ATTN_SM90 not 0; a call still falls back when a tensor does not fit a TMA map,
+// B * H > 65535 or scale <= 0) or "mma.sync".
 std::string attention_prefill_kernel();
 
 // k_cache[:, :, slots[s]] = k[:, :, s] and v_cache[:, :, slots[s]] = v[:, :, s], in one launch.

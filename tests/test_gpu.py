@@ -119,7 +119,7 @@ def _attn_case(b, h, sq, skv, d, dtype, pads=None, q_start=None, strided_q=False
     key_mask = None
     if pads is not None:
         key_mask = torch.arange(skv, device="cuda")[None] >= torch.tensor(pads, device="cuda")[:, None]
-    qs = None if q_start is None else torch.full((b,), q_start, device="cuda", dtype=torch.int32)
+    qs = None if q_start is None else torch.tensor(q_start, device="cuda", dtype=torch.int32).expand(b).contiguous()
     return q, k, v, key_mask, qs
 
 
@@ -134,6 +134,8 @@ ATTN_CASES = {
     "empty_rows": dict(b=2, h=2, sq=64, skv=64, pads=[40, 0]),
     "prefill_259_into_cache_nan_tail": dict(b=2, h=3, sq=259, skv=1024, q_start=300, pads=[0, 7], nan_from=559),
     "prefill_200_into_cache_nan_tail": dict(b=1, h=2, sq=200, skv=512, q_start=100, nan_from=300),
+    # per-row q_start, one negative: row 0's first 100 queries see no key, whole warpgroups compute nothing
+    "prefill_300_q_start_per_row": dict(b=2, h=3, sq=300, skv=300, q_start=[-100, 50]),
 }
 
 

@@ -10,9 +10,6 @@ TMA = """========= Error: Race reported between Write access at fuseinfer::bulk_
 =========     and Read access at void fuseinfer::consume<__half>(Ring &)+0x20 in decode_step.cu:348 [12 hazards]
 =========     and Read access at void fuseinfer::attention_partial<__half, 64>()+0x30 in decode_step.cu:607 [4 hazards]
 """
-TMA_TENSOR = """========= Error: Race reported between Write access at fuseinfer::tma_load_4d(void *)+0x10 in sm90.cuh:80
-=========     and Write access at void fuseinfer::prefill_sm90_kernel<__half, 64>()+0x20 in attention.cu:470 [3 hazards]
-"""
 OTHER = """========= Warning: Race reported between Write access at void fuseinfer::layer_norm_rows()+0x40 in ln.cu:450
 =========     and Read access at void fuseinfer::consume<__half>(Ring &)+0x50 in decode_step.cu:352 [2 hazards]
 """
@@ -25,10 +22,9 @@ def summary(n):
 @pytest.mark.parametrize("log, passes", [
     (summary(0), True),
     (TMA + summary(1), True),
-    (TMA_TENSOR + summary(1), True),
     (TMA + OTHER + summary(2), False),  # a hazard between two ordinary accesses
     (TMA, False),  # no summary: racecheck did not finish
-], ids=["clean", "tma_only", "tma_tensor_only", "other_hazard", "no_summary"])
+], ids=["clean", "tma_only", "other_hazard", "no_summary"])
 def test_racecheck_gate(tmp_path, log, passes):
     path = tmp_path / "racecheck.log"
     path.write_text(log)

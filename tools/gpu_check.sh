@@ -51,9 +51,11 @@ for stage in "${stages[@]}"; do
       run synccheck compute-sanitizer --tool synccheck --error-exitcode 1 python3 tools/kernel_smoke.py
       run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 \
         python3 tools/kernel_smoke.py --part no-ring-wrap
-      # decode steps and prefills whose rings wrap: racecheck reports every reuse of a TMA-filled stage (as it does for the correct
+      run racecheck_prefill compute-sanitizer --tool racecheck --error-exitcode 1 \
+        python3 tools/kernel_smoke.py --part prefill
+      # decode steps whose rings wrap: racecheck reports every reuse of a TMA-filled stage (as it does for the correct
       # ring of tools/racecheck_ring.cu, the control below), so these runs fail on any other hazard only
-      for part in d64 d128 prefill; do
+      for part in d64 d128; do
         run racecheck_ring_wrap_$part timeout 200 compute-sanitizer --tool racecheck \
           python3 tools/kernel_smoke.py --part ring-wrap-$part
         run racecheck_ring_wrap_${part}_gate python3 tools/racecheck_tma.py "$OUT/racecheck_ring_wrap_$part.log"

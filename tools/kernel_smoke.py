@@ -1,15 +1,15 @@
 """Runs every CUDA kernel once on small odd shapes; the target of compute-sanitizer in tools/gpu_check.sh.
 
-    python tools/kernel_smoke.py [--part all|no-ring-wrap|ring-wrap-d64|ring-wrap-d128|ring-wrap-prefill]
+    python tools/kernel_smoke.py [--part all|no-ring-wrap|ring-wrap-d64|ring-wrap-d128|prefill]
 
 ``ring-wrap-d64`` and ``ring-wrap-d128`` are the one-kernel decode step with long contexts (head dim 64 and 128),
 whose weight and key/value streams go round each block's ring of shared-memory stages many times;
-``ring-wrap-prefill`` is the wgmma attention prefill over enough key tiles to wrap its ring of TMA-filled stages,
-and into a cache tail it zeroes after the TMA write;
-``no-ring-wrap`` is everything else. gpu_check's racecheck gates the ring-wrap parts on hazards other than a TMA
-write's (tools/racecheck_tma.py), since racecheck reports the reuse of a TMA-filled stage even in a correct ring
-(tools/racecheck_ring.cu); each runs in its own process, so that one's flood of reports does not use up racecheck's
-hazard records before the other runs.
+``prefill`` is the attention prefills over enough key tiles to wrap the wgmma kernel's ring of TMA-filled stages,
+and into a cache tail it zeroes after the TMA write; ``no-ring-wrap`` is everything else. gpu_check's racecheck
+gates the two decode parts on hazards other than a TMA write's (tools/racecheck_tma.py), since racecheck reports
+the reuse of a TMA-filled stage even in a correct ring (tools/racecheck_ring.cu); each runs in its own process, so
+that one's flood of reports does not use up racecheck's hazard records before the other runs. The other two parts
+must be free of hazards.
 """
 import argparse
 import os
@@ -23,7 +23,7 @@ from fuseinfer.ops.decode_step import decode_step_workspace
 from fuseinfer.patches.opt import decode_step_params
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--part", choices=["all", "no-ring-wrap", "ring-wrap-d64", "ring-wrap-d128", "ring-wrap-prefill"],
+parser.add_argument("--part", choices=["all", "no-ring-wrap", "ring-wrap-d64", "ring-wrap-d128", "prefill"],
                     default="all")
 part = parser.parse_args().part
 assert torch.cuda.is_available()
@@ -32,7 +32,7 @@ torch.manual_seed(0)
 
 def attention(dtype, d, sq, skv, q_start=None):
     """Causal attention of 2 x 3 heads, with and without a key mask (row 1's first 11 keys masked); prefills
-    (sq > 16) run on each prefill kernel the build has (wgmma and mma.sync on an sm_90a build)."""
+    (sq > 16) run twice, with FUSEINFER_ATTN_SM90 1 and 0: the wgmma and the mma.sync kernel on an sm_90a build."""
     q = torch.randn(2, 3, sq, d, device="cuda", dtype=dtype)
     k, v = (torch.randn(2, 3, skv, d, device="cuda", dtype=dtype) for _ in range(2))
     key_mask = torch.arange(skv, device="cuda")[None] >= torch.tensor([0, 11], device="cuda")[:, None]
@@ -109,7 +109,7 @@ if part in ("all", "ring-wrap-d128"):
     decode_step(torch.bfloat16, 4, 512, 4, 2048, 1536, [1499, 1100], 300)
 # prefills of 3-8 key tiles, where the wgmma kernel's ring of three TMA-filled stages wraps, and prefills into a
 # cache whose keys past the chunk the kernel zeroes in its last tile (a generic write after the TMA write)
-if part in ("all", "ring-wrap-prefill"):
+if part in ("all", "prefill"):
     for dtype, d in ((torch.float16, 64), (torch.bfloat16, 128)):
         attention(dtype, d, 1000, 1000)
         attention(dtype, d, 300, 700, q_start=300)
