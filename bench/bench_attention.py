@@ -18,9 +18,6 @@ timed; a wrong result aborts the run, so no speed is ever reported for a wrong k
 from __future__ import annotations
 
 import argparse
-import contextlib
-import math
-import os
 import sys
 from pathlib import Path
 
@@ -31,6 +28,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import bench_ms, measure_ceilings, write_results  # noqa: E402
+
+from fuseinfer.ops.attention import sm90_prefill  # noqa: E402
 
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
                  "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -55,7 +54,7 @@ def implementations(q, k, v, scale: float, causal: bool, ext) -> dict:
     compiled_math = torch.compile(math_attention, dynamic=False)
     impls = {"fuseinfer": (lambda: ext.attention(q, k, v, None, None, scale), None)}
     if causal and ext.attention_prefill_kernel() == "wgmma":  # the mma.sync prefill it replaces, same run
-        impls["fuseinfer_mma_sync"] = (lambda: ext.attention(q, k, v, None, None, scale), mma_sync_prefill)
+        impls["fuseinfer_mma_sync"] = (lambda: ext.attention(q, k, v, None, None, scale), lambda: sm90_prefill(False))
     for name, backend in SDPA_BACKENDS.items():
         impls[name] = (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale).transpose(1, 2),
                        lambda backend=backend: sdpa_kernel(backend))
@@ -120,20 +119,6 @@ def run_config(mode: str, b: int, h: int, sq: int, skv: int, d: int, ext, ceilin
     return rows
 
 
-@contextlib.contextmanager
-def mma_sync_prefill():
-    """fuseinfer's mma.sync prefill kernel instead of the wgmma one (FUSEINFER_ATTN_SM90=0, read per call)."""
-    old = os.environ.get("FUSEINFER_ATTN_SM90")
-    os.environ["FUSEINFER_ATTN_SM90"] = "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["FUSEINFER_ATTN_SM90"]
-        else:
-            os.environ["FUSEINFER_ATTN_SM90"] = old
-
-
 class _null:
     def __enter__(self):
         return self
@@ -147,8 +132,8 @@ def check_semantics(ext) -> None:
     from fuseinfer.ops.attention import attention_ref
 
     torch.manual_seed(1)
-    kernels = [_null, mma_sync_prefill] if ext.attention_prefill_kernel() == "wgmma" else [_null]
-    for d, kernel in ((d, kernel) for d in (64, 128) for kernel in kernels):
+    sm90 = (True, False) if ext.attention_prefill_kernel() == "wgmma" else (True,)
+    for d, enabled in ((d, enabled) for d in (64, 128) for enabled in sm90):
         for sq, skv, q_start in ((113, 113, None), (1, 4096, None), (4, 1024, 500), (16, 700, None)):
             b, h = 3, 4
             qkv = torch.randn(b, sq, 3, h, d, device="cuda", dtype=DTYPE)
@@ -158,7 +143,7 @@ def check_semantics(ext) -> None:
             pads = torch.tensor([0, 7, skv], device="cuda")  # row 2 fully padded: output must be exactly 0
             key_mask = torch.arange(skv, device="cuda")[None] >= pads[:, None]
             qs = None if q_start is None else torch.full((b,), q_start, device="cuda", dtype=torch.int32)
-            with kernel():
+            with sm90_prefill(enabled):
                 out = ext.attention(q, k, v, key_mask, qs, d ** -0.5)
             ref = attention_ref(q.float(), k.float(), v.float(), key_mask, qs, d ** -0.5)
             err = (out.float() - ref).abs().max().item()

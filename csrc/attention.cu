@@ -45,8 +45,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <type_traits>
@@ -898,9 +896,8 @@ bool make_tensor_map(CUtensorMap* map, const void* base, bool bf16, int64_t B, i
 // The wgmma prefill runs on sm_90 (H100/H200) unless FUSEINFER_ATTN_SM90=0 (read at each call, so that tests and
 // benchmarks can compare the two kernels in one process; then the mma.sync kernel runs).
 bool sm90_prefill_enabled() {
-  const char* v = std::getenv("FUSEINFER_ATTN_SM90");
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-  return (v == nullptr || std::strcmp(v, "0") != 0) && props->major == 9 && props->minor == 0;
+  return env_switch_on("FUSEINFER_ATTN_SM90") && props->major == 9 && props->minor == 0;
 }
 
 // Launches prefill_sm90_kernel; false (nothing launched) when the tensors do not fit TMA maps or the grid.

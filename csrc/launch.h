@@ -48,12 +48,15 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// A run-time switch that is on unless the environment variable `name` is "0".
+inline bool env_switch_on(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 // PDL is used when FUSEINFER_PDL is not "0" (default on) and the current device is sm_90 or newer.
 inline bool pdl_enabled() {
-  static const bool env_on = [] {
-    const char* v = std::getenv("FUSEINFER_PDL");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
+  static const bool env_on = env_switch_on("FUSEINFER_PDL");
   return env_on && at::cuda::getCurrentDeviceProperties()->major >= 9;
 }
 

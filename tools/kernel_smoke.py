@@ -12,13 +12,13 @@ that one's flood of reports does not use up racecheck's hazard records before th
 must be free of hazards.
 """
 import argparse
-import os
 
 import torch
 from transformers import OPTConfig, OPTForCausalLM
 
 import fuseinfer
 from fuseinfer import ops
+from fuseinfer.ops.attention import sm90_prefill
 from fuseinfer.ops.decode_step import decode_step_workspace
 from fuseinfer.patches.opt import decode_step_params
 
@@ -37,11 +37,10 @@ def attention(dtype, d, sq, skv, q_start=None):
     k, v = (torch.randn(2, 3, skv, d, device="cuda", dtype=dtype) for _ in range(2))
     key_mask = torch.arange(skv, device="cuda")[None] >= torch.tensor([0, 11], device="cuda")[:, None]
     qs = None if q_start is None else torch.full((2,), q_start, dtype=torch.int32, device="cuda")
-    for kernel in ("1", "0") if sq > 16 else ("1",):
-        os.environ["FUSEINFER_ATTN_SM90"] = kernel
-        ops.attention(q, k, v, key_mask, qs, d ** -0.5)
-        ops.attention(q, k, v, None, qs, d ** -0.5)
-    os.environ.pop("FUSEINFER_ATTN_SM90")
+    for enabled in (True, False) if sq > 16 else (True,):
+        with sm90_prefill(enabled):
+            ops.attention(q, k, v, key_mask, qs, d ** -0.5)
+            ops.attention(q, k, v, None, qs, d ** -0.5)
 
 
 def other_kernels():

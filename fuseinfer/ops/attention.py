@@ -12,6 +12,9 @@ such key returns 0 (never NaN, so padded positions cannot poison later layers). 
 """
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 from .._ext import eager_cuda, extension
@@ -59,6 +62,21 @@ def _attention(
     q_start: torch.Tensor | None, scale: float,
 ) -> torch.Tensor:
     return attention_ref(q, k, v, key_mask, q_start, scale)
+
+
+@contextlib.contextmanager
+def sm90_prefill(enabled: bool):
+    """Within the block, CUDA prefills (more than 16 queries) run the wgmma kernel where the build and the GPU have
+    it (``True``) or the mma.sync one (``False``): sets FUSEINFER_ATTN_SM90, which the extension reads per call."""
+    old = os.environ.get("FUSEINFER_ATTN_SM90")
+    os.environ["FUSEINFER_ATTN_SM90"] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["FUSEINFER_ATTN_SM90"]
+        else:
+            os.environ["FUSEINFER_ATTN_SM90"] = old
 
 
 def kernel_supports(q: torch.Tensor) -> bool:
