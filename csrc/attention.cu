@@ -4,8 +4,9 @@
 //
 //  * Prefill on sm_90a (fp16/bf16, Sq > 16, H100/H200, an extension built for 9.0a): FlashAttention-3-style
 //    forward, prefill_sm90_kernel below: TMA loads, wgmma, a producer warp and two or three consumer warpgroups
-//    whose softmax overlaps their own tensor-core work. Falls back to the next one when FUSEINFER_ATTN_SM90=0, a
-//    tensor does not fit a TMA map, B * H > 65535 or scale <= 0.
+//    whose softmax overlaps their own tensor-core work; persistent, one block per SM taking work items from a
+//    queue. Falls back to the next one when FUSEINFER_ATTN_SM90=0, a tensor does not fit a TMA map, the work
+//    items (query blocks x B x H) exceed 2^31 or scale <= 0.
 //
 //  * Prefill (fp16/bf16, Sq > 16): FlashAttention-2-style forward. One thread block owns BM = 16 * WARPS query
 //    rows of one (batch, head); each warp owns 16 rows and keeps its Q fragments in registers. The block walks
@@ -47,6 +48,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -377,22 +379,26 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) prefill_kernel(const A
 // Prefill on sm_90a: warpgroup MMA (wgmma) fed by TMA
 // ------------------------------------------------------------------------------------------------------------
 
-// One block owns BM = 64 * WG query rows of one (batch, head): WG consumer warpgroups of 64 rows each and a
-// producer warpgroup, one warp of which loads (the others leave at once; setmaxnreg moves their registers to the
-// consumers). The producer loads the Q tile once and the K/V tiles (BN keys) through a ring of STAGES
-// shared-memory stages with TMA (128-byte swizzle, see sm90.cuh). Each consumer
-// warpgroup computes S = Q K^T (wgmma, both operands in shared memory), the online softmax in registers (same
-// semantics and exp2 domain as prefill_kernel), and O += P V (wgmma, P from registers, V read MN-major), then
-// hands the stage back. Rows are 128 bytes (64 elements): a head dim of 128 is stored as two 64-column halves.
+// Persistent: one block per SM walks work items (a query block of BM = 64 * WG rows of one (batch, head)) in the
+// order of Sm90Sched. A block has WG consumer warpgroups of 64 rows each and a producer warpgroup, one warp of
+// which loads (the others leave at once; setmaxnreg moves their registers to the consumers). The producer loads
+// each item's Q tile (double-buffered at D = 64) and its K/V tiles (BN keys) through a ring of STAGES
+// shared-memory stages with TMA (128-byte swizzle, see sm90.cuh); the ring and the Q buffers run on across items,
+// so the next item's Q and first tiles load while the consumers finish the current one, and a warpgroup whose
+// rows end before the item's last tile (the diagonal) moves on to the next item. Each consumer warpgroup computes
+// S = Q K^T (wgmma, both operands in shared memory), the online softmax in registers (same semantics and exp2
+// domain as prefill_kernel), and O += P V (wgmma, P from registers, V read MN-major), then hands the stage back.
+// Rows are 128 bytes (64 elements): a head dim of 128 is stored as two 64-column halves.
 // Measured on an H100 (README): three consumer warpgroups beat two at D = 64 (320-327 vs 302 TFLOP/s, B 4, H 32,
-// S 2048); round-robin turns between warpgroups for issuing their GEMMs (FlashAttention-3's ping-pong, named
-// barriers) made ptxas wait after every wgmma and lost 17-30%, so there is none.
+// S 2048, one block per item); round-robin turns between warpgroups for issuing their GEMMs (FlashAttention-3's
+// ping-pong, named barriers) made ptxas wait after every wgmma and lost 17-30%, so there is none.
 template <int D>
 struct Sm90Cfg {
   static constexpr int WG = D == 64 ? 3 : 2;  // D = 128 holds twice the O registers: two warpgroups
   static constexpr int BM = 64 * WG;
   static constexpr int BN = 128;
   static constexpr int STAGES = 3;
+  static constexpr int Q_BUFS = D == 64 ? 2 : 1;  // D = 128: a second Q buffer does not fit beside three stages
   static constexpr int HALVES = D / 64;
   static constexpr int THREADS = 128 * (WG + 1);  // + the producer warpgroup (one warp of it loads)
   // Registers per thread after setmaxnreg: an SM sub-partition (16384 registers) holds one producer warp and WG
@@ -401,35 +407,60 @@ struct Sm90Cfg {
   static constexpr int CONSUMER_REGS = WG == 2 ? 232 : 160;
   static_assert(32 * (PRODUCER_REGS + WG * CONSUMER_REGS) <= 16384, "registers of one SM sub-partition");
   static constexpr int Q_BYTES = BM * D * 2;
-  static constexpr int KV_BYTES = BN * D * 2;                               // one K or V tile
-  static constexpr int SMEM = Q_BYTES + STAGES * 2 * KV_BYTES + 1024;       // + alignment slack
+  static constexpr int KV_BYTES = BN * D * 2;                                    // one K or V tile
+  static constexpr int SMEM = Q_BUFS * Q_BYTES + STAGES * 2 * KV_BYTES + 1024;  // + alignment slack
 };
 
-// grid (ceil(Sq / BM), B * H): the query blocks of one head run side by side (they share K/V in L2), heaviest first.
+// Work items of the persistent prefill in the order the blocks claim them: block i starts with item i, then each
+// block's producer claims the next unclaimed item from a global counter (so a block that drew light items takes
+// more of them). The B * H heads go in groups of `group` whose K and V fit in part of L2; a group's items run
+// heaviest query block (most key tiles under the causal mask) first, the group's heads side by side. So the
+// launch ends on the lightest items (longest-processing-time order) and a group's K/V tiles are read from HBM
+// about once.
+struct Sm90Sched {
+  int n_mb;   // query blocks per (batch, head)
+  int bh;     // B * H
+  int group;  // heads per group
+  int items;  // n_mb * bh
+  // [next item - gridDim.x, blocks done, then per block Q_BUFS slots]: the two counters are zero at launch and
+  // the last block to finish zeroes them; a slot holds the item whose Q a block's Q buffer holds
+  int* counter;
+  __device__ __forceinline__ void item(int w, int& mb, int& bh_out) const {
+    const int per_group = group * n_mb;
+    const int gi = w / per_group, r = w - gi * per_group;
+    const int size = min(group, bh - gi * group);  // heads in this group (the last one may be short)
+    mb = n_mb - 1 - r / size;
+    bh_out = gi * group + r % size;
+  }
+};
+
 template <typename T, int D>
 __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
     prefill_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                        const __grid_constant__ CUtensorMap tm_v, const AttnParams p) {
+                        const __grid_constant__ CUtensorMap tm_v, const AttnParams p, const Sm90Sched sched) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = Sm90Cfg<D>;
   constexpr int BN = C::BN, STAGE_BYTES = 2 * C::KV_BYTES;
   extern __shared__ unsigned char smem_raw[];
-  // [Q: HALVES][BM][64] | per stage [K: HALVES][BN][64] [V: HALVES][BN][64], 1024-byte aligned (swizzle atoms)
+  // [Q: Q_BUFS][HALVES][BM][64] | per stage [K: HALVES][BN][64] [V: HALVES][BN][64], 1024-byte aligned (swizzle
+  // atoms)
   unsigned char* smem =
       reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   unsigned char* q_s = smem;
-  unsigned char* kv_s = smem + C::Q_BYTES;
-  __shared__ __align__(8) uint64_t full_bar[C::STAGES], empty_bar[C::STAGES], q_bar, tail_bar;
+  unsigned char* kv_s = smem + C::Q_BUFS * C::Q_BYTES;
+  __shared__ __align__(8) uint64_t full_bar[C::STAGES], empty_bar[C::STAGES], q_full[C::Q_BUFS],
+      q_empty[C::Q_BUFS], tail_bar;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
-  const int m0 = (gridDim.x - 1 - blockIdx.x) * C::BM;
   if (tid == 0) {
     for (int s = 0; s < C::STAGES; ++s) {
       mbar_init(&full_bar[s], 1);
       mbar_init(&empty_bar[s], 4 * C::WG);  // one arrival per consumer warp
     }
-    mbar_init(&q_bar, 1);
+    for (int i = 0; i < C::Q_BUFS; ++i) {
+      mbar_init(&q_full[i], 1);
+      mbar_init(&q_empty[i], 4 * C::WG);
+    }
     mbar_init(&tail_bar, 1);
     fence_mbarrier_init();
   }
@@ -438,47 +469,89 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
   __syncthreads();
 
   const int Sq = p.Sq, Skv = p.Skv;
-  const int qs = p.q_start ? p.q_start[b * p.qs_s] : Skv - Sq;
-  const int last_q = min(m0 + C::BM, Sq) - 1;
-  const int n_end = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(Skv, int64_t(qs) + last_q + 1)));
-  const int n_tiles = (n_end + BN - 1) / BN;
   const bool has_mask = p.key_mask != nullptr;
-  const bool* mrow = has_mask ? p.key_mask + b * p.m_sb : nullptr;
+  volatile int* slots = sched.counter + 2 + blockIdx.x * C::Q_BUFS;
+  // Geometry of work item w, the same for the producer and the consumers: its (b, h), first query row m0, the
+  // q_start of its row and n_end, the end of the keys its last query may see.
+  struct Item {
+    int b, h, m0, qs, n_end, n_tiles;
+  };
+  auto item = [&](int w) {
+    Item it;
+    int mb, bh;
+    sched.item(w, mb, bh);
+    it.b = bh / p.H;
+    it.h = bh % p.H;
+    it.m0 = mb * C::BM;
+    it.qs = p.q_start ? p.q_start[it.b * p.qs_s] : Skv - Sq;
+    const int last_q = min(it.m0 + C::BM, Sq) - 1;
+    it.n_end = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(Skv, int64_t(it.qs) + last_q + 1)));
+    it.n_tiles = (it.n_end + BN - 1) / BN;
+    return it;
+  };
 
   if (warp >= 4 * C::WG) {  // ---- producer warpgroup: its first warp loads, the others leave ----
     setmaxnreg_dec<C::PRODUCER_REGS>();
     if (warp > 4 * C::WG) return;
-    if (lane == 0) {
-      mbar_expect_tx(&q_bar, C::Q_BYTES);
-      for (int hf = 0; hf < C::HALVES; ++hf) tma_load_4d(q_s + hf * C::BM * 128, &tm_q, hf * 64, m0, h, b, &q_bar);
-    }
-    for (int t = 0; t < n_tiles; ++t) {
-      const int s = t % C::STAGES, n0 = t * BN;
-      if (t >= C::STAGES) mbar_wait(&empty_bar[s], (t / C::STAGES - 1) & 1);
-      // The last tile may reach past n_end into rows that are not ours to use (unwritten cache slots may hold
-      // NaN, and 0 * NaN would poison P V): it lands on tail_bar, the warp zeroes V's rows >= n_end, then
-      // releases the stage with a plain arrival. Rows >= Skv are zero-filled by TMA.
-      const bool tail = t == n_tiles - 1 && n_end < Skv && n_end < n0 + BN;
-      unsigned char* k_dst = kv_s + s * STAGE_BYTES;
-      unsigned char* v_dst = k_dst + C::KV_BYTES;
-      uint64_t* bar = tail ? &tail_bar : &full_bar[s];
+    int tile = 0;   // ring tiles loaded so far: tile k uses stage k % STAGES for the (k / STAGES)-th time
+    int tails = 0;  // completed phases of tail_bar
+    // The block's n-th item (n counted from 0) uses Q buffer n % Q_BUFS; its index reaches the consumers in the
+    // buffer's slot, written before the arrival on q_full that they wait for; after the last item a slot holds
+    // an index >= items, which ends the consumers' loop. (The slots are in global memory: compute-sanitizer's
+    // racecheck does not model mbarriers and would report a shared-memory handoff.)
+    for (int n = 0, w = blockIdx.x;; ++n) {
+      int w_next = 0;  // claimed now, so that the atomic's round trip hides behind this item's loads
+      if (lane == 0 && w < sched.items) w_next = gridDim.x + atomicAdd(&sched.counter[0], 1);
+      const int qb = n % C::Q_BUFS;
+      if (n >= C::Q_BUFS) mbar_wait(&q_empty[qb], (n / C::Q_BUFS - 1) & 1);
+      if (w >= sched.items) {
+        if (lane == 0) {
+          slots[qb] = w;
+          mbar_arrive(&q_full[qb]);
+          __threadfence();  // this block's claims happen before its count as done
+          if (atomicAdd(&sched.counter[1], 1) == gridDim.x - 1) {  // every block has made its last claim
+            sched.counter[0] = 0;
+            sched.counter[1] = 0;
+          }
+        }
+        break;
+      }
+      const Item it = item(w);
       if (lane == 0) {
-        mbar_expect_tx(bar, STAGE_BYTES);
-        for (int hf = 0; hf < C::HALVES; ++hf) {
-          tma_load_4d(k_dst + hf * BN * 128, &tm_k, hf * 64, n0, h, b, bar);
-          tma_load_4d(v_dst + hf * BN * 128, &tm_v, hf * 64, n0, h, b, bar);
+        slots[qb] = w;
+        mbar_expect_tx(&q_full[qb], C::Q_BYTES);
+        for (int hf = 0; hf < C::HALVES; ++hf)
+          tma_load_4d(q_s + qb * C::Q_BYTES + hf * C::BM * 128, &tm_q, hf * 64, it.m0, it.h, it.b, &q_full[qb]);
+      }
+      for (int t = 0; t < it.n_tiles; ++t, ++tile) {
+        const int s = tile % C::STAGES, n0 = t * BN;
+        if (tile >= C::STAGES) mbar_wait(&empty_bar[s], (tile / C::STAGES - 1) & 1);
+        // The last tile may reach past n_end into rows that are not ours to use (unwritten cache slots may hold
+        // NaN, and 0 * NaN would poison P V): it lands on tail_bar, the warp zeroes V's rows >= n_end, then
+        // releases the stage with a plain arrival. Rows >= Skv are zero-filled by TMA.
+        const bool tail = t == it.n_tiles - 1 && it.n_end < Skv && it.n_end < n0 + BN;
+        unsigned char* k_dst = kv_s + s * STAGE_BYTES;
+        unsigned char* v_dst = k_dst + C::KV_BYTES;
+        uint64_t* bar = tail ? &tail_bar : &full_bar[s];
+        if (lane == 0) {
+          mbar_expect_tx(bar, STAGE_BYTES);
+          for (int hf = 0; hf < C::HALVES; ++hf) {
+            tma_load_4d(k_dst + hf * BN * 128, &tm_k, hf * 64, n0, it.h, it.b, bar);
+            tma_load_4d(v_dst + hf * BN * 128, &tm_v, hf * 64, n0, it.h, it.b, bar);
+          }
+        }
+        if (tail) {
+          mbar_wait(&tail_bar, tails++ & 1);
+          const int first = it.n_end - n0;  // first row to zero
+          for (int i = first * 8 + lane; i < BN * 8; i += 32)  // 16-byte chunks of a half's rows
+            for (int hf = 0; hf < C::HALVES; ++hf)
+              *reinterpret_cast<uint4*>(v_dst + hf * BN * 128 + i * 16) = make_uint4(0, 0, 0, 0);
+          fence_proxy_async_smem();
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&full_bar[s]);
         }
       }
-      if (tail) {
-        mbar_wait(&tail_bar, 0);
-        const int first = n_end - n0;  // first row to zero
-        for (int i = first * 8 + lane; i < BN * 8; i += 32)  // 16-byte chunks of a half's rows
-          for (int hf = 0; hf < C::HALVES; ++hf)
-            *reinterpret_cast<uint4*>(v_dst + hf * BN * 128 + i * 16) = make_uint4(0, 0, 0, 0);
-        fence_proxy_async_smem();
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&full_bar[s]);
-      }
+      w = __shfl_sync(kFullMask, w_next, 0);
     }
     return;
   }
@@ -488,140 +561,180 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
   // Software pipeline (FlashAttention-3's intra-warpgroup overlap): while the tensor cores run S = Q K^T of tile t
   // and O += P V of tile t - 1, nothing waits; the softmax of tile t then overlaps the P V of tile t - 1.
   const int g = warp >> 2, wi = warp & 3;
-  const int q0 = m0 + 64 * g;  // first query row of this warpgroup
-  // Tiles this warpgroup computes: up to the causal limit of its last row; later ones it only hands back.
-  const int last_key = qs + q0 + 63;
-  const int my_tiles = q0 >= Sq || last_key < 0 ? 0 : min(n_tiles, last_key / BN + 1);
-  const uint64_t q_desc = wgmma_desc(smem_addr(q_s) + g * 64 * 128, 16, 1024);
-  float o[D / 2];
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-  float sc[BN / 2];          // S of the tile in the softmax, then its P in fp32
-  uint32_t pa[BN / 16][4];   // P of the previous tile as wgmma A fragments (keys 16kk..16kk+15 in pa[kk])
-  float corr[2];             // factor that takes O to the running max of the newest tile
-  float row_max[2] = {-INFINITY, -INFINITY};  // running max of raw scores
-  float row_sum[2] = {0.f, 0.f};              // this thread's share of the running sum
-  int lim[2];                                  // last admissible key of each thread row
-#pragma unroll
-  for (int r = 0; r < 2; ++r) lim[r] = min(qs + q0 + 16 * wi + (lane >> 2) + 8 * r, n_end - 1);
-
-  auto stage_addr = [&](int t) { return smem_addr(kv_s + (t % C::STAGES) * STAGE_BYTES); };
-  auto wait_full = [&](int t) { mbar_wait(&full_bar[t % C::STAGES], (t / C::STAGES) & 1); };
-  auto release = [&](int t) {
+  auto stage_addr = [&](int k) { return smem_addr(kv_s + (k % C::STAGES) * STAGE_BYTES); };
+  auto wait_full = [&](int k) { mbar_wait(&full_bar[k % C::STAGES], (k / C::STAGES) & 1); };
+  auto release = [&](int k) {
     __syncwarp();
-    if (lane == 0) mbar_arrive(&empty_bar[t % C::STAGES]);
+    if (lane == 0) mbar_arrive(&empty_bar[k % C::STAGES]);
   };
-  auto issue_qk = [&](int t) {  // sc = Q K^T of tile t (committed, not waited)
-    const uint32_t k_addr = stage_addr(t);
+  int tile = 0;  // ring tiles of earlier items (the producer's count)
+  for (int n = 0;; ++n) {
+    const int qb = n % C::Q_BUFS;
+    mbar_wait(&q_full[qb], (n / C::Q_BUFS) & 1);
+    const int w = slots[qb];
+    if (w >= sched.items) break;
+    const Item it = item(w);
+    const int q0 = it.m0 + 64 * g;  // first query row of this warpgroup
+    // Tiles this warpgroup computes: up to the causal limit of its last row; later ones it only hands back.
+    const int last_key = it.qs + q0 + 63;
+    const int my_tiles = q0 >= Sq || last_key < 0 ? 0 : min(it.n_tiles, last_key / BN + 1);
+    const uint64_t q_desc = wgmma_desc(smem_addr(q_s + qb * C::Q_BYTES) + g * 64 * 128, 16, 1024);
+    const bool* mrow = has_mask ? p.key_mask + it.b * p.m_sb : nullptr;
+    float o[D / 2];
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t off = (kk % 4) * 32;  // k16 step: 32 bytes along a 128-byte row
-      wgmma_ss_n128<T>(sc, q_desc + (((kk / 4) * C::BM * 128 + off) >> 4),
-                       wgmma_desc(k_addr + (kk / 4) * BN * 128 + off, 16, 1024), kk > 0);
-    }
-    wgmma_commit();
-  };
-  auto issue_pv = [&](int t) {  // o += pa V of tile t (committed, not waited)
-    const uint32_t v_addr = stage_addr(t) + C::KV_BYTES;
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    float sc[BN / 2];          // S of the tile in the softmax, then its P in fp32
+    uint32_t pa[BN / 16][4];   // P of the previous tile as wgmma A fragments (keys 16kk..16kk+15 in pa[kk])
+    float corr[2];             // factor that takes O to the running max of the newest tile
+    float row_max[2] = {-INFINITY, -INFINITY};  // running max of raw scores
+    float row_sum[2] = {0.f, 0.f};              // this thread's share of the running sum
+    int lim[2];                                  // last admissible key of each thread row
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<T>(o, pa[kk], wgmma_desc(v_addr + kk * 16 * 128, BN * 128, 1024), 1);
-    wgmma_commit();
-  };
-  // key_mask bits, read one tile ahead so that the loads' latency hides behind a tile's work: this lane's bits of
-  // keys 32w + lane of the next tile. (Each warp reads them itself: no shared-memory handoff to synchronise.)
-  bool mask_next[BN / 32];
-  auto load_mask = [&](int t) {
+    for (int r = 0; r < 2; ++r) lim[r] = min(it.qs + q0 + 16 * wi + (lane >> 2) + 8 * r, it.n_end - 1);
+
+    auto issue_qk = [&](int t) {  // sc = Q K^T of the item's tile t (committed, not waited)
+      const uint32_t k_addr = stage_addr(tile + t);
 #pragma unroll
-    for (int w = 0; w < BN / 32; ++w) {
-      const int key = t * BN + 32 * w + lane;
-      mask_next[w] = key < n_end && mrow[key * p.m_ss];
-    }
-  };
-  if (has_mask) load_mask(0);
-  auto softmax = [&](int t) {  // mask sc, update row max / sum, sc = P; sets corr
-    const int n0 = t * BN;
-    uint32_t mw[BN / 32];
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t off = (kk % 4) * 32;  // k16 step: 32 bytes along a 128-byte row
+        wgmma_ss_n128<T>(sc, q_desc + (((kk / 4) * C::BM * 128 + off) >> 4),
+                         wgmma_desc(k_addr + (kk / 4) * BN * 128 + off, 16, 1024), kk > 0);
+      }
+      wgmma_commit();
+    };
+    auto issue_pv = [&](int t) {  // o += pa V of the item's tile t (committed, not waited)
+      const uint32_t v_addr = stage_addr(tile + t) + C::KV_BYTES;
 #pragma unroll
-    for (int w = 0; w < BN / 32; ++w) mw[w] = has_mask ? __ballot_sync(kFullMask, mask_next[w]) : kFullMask;
-    if (has_mask) load_mask(t + 1);
-    if (has_mask || n0 + BN - 1 > qs + q0 + 16 * wi || n0 + BN > n_end) {
+      for (int kk = 0; kk < BN / 16; ++kk)
+        wgmma_rs<T>(o, pa[kk], wgmma_desc(v_addr + kk * 16 * 128, BN * 128, 1024), 1);
+      wgmma_commit();
+    };
+    // key_mask bits, read one tile ahead so that the loads' latency hides behind a tile's work: this lane's bits
+    // of keys 32w + lane of the next tile. (Each warp reads them itself: no shared-memory handoff to synchronise.)
+    bool mask_next[BN / 32];
+    auto load_mask = [&](int t) {
+#pragma unroll
+      for (int w32 = 0; w32 < BN / 32; ++w32) {
+        const int key = t * BN + 32 * w32 + lane;
+        mask_next[w32] = key < it.n_end && mrow[key * p.m_ss];
+      }
+    };
+    if (has_mask) load_mask(0);
+    // Raw scores may exceed the running max by up to kStaleMax / scale_log2 before O is rescaled (FlashAttention-4's
+    // conditional rescaling): P <= 2^kStaleMax stays exact in fp32 and in P's 16-bit type, and most tiles skip the
+    // O * corr multiply. The decision is per warp (its 16 rows), so the skip is a uniform branch.
+    constexpr float kStaleMax = 8.f;
+    bool rescale_o = false;  // whether O must be multiplied by corr after the P V of the previous tile
+    auto softmax = [&](int t) {  // mask sc, update row max / sum, sc = P; sets corr and rescale_o
+      const int n0 = t * BN;
+      if (has_mask) {
+        // key_mask bits of this thread's columns: column c = 8 * (i / 4) + 2 * (lane % 4) + i % 2 of sc[i] lies in
+        // word i / 16 at bit 8 * ((i / 4) % 4) + i % 2 after a shift by 2 * (lane % 4)
+        uint32_t mw[BN / 32];
+#pragma unroll
+        for (int w32 = 0; w32 < BN / 32; ++w32) mw[w32] = __ballot_sync(kFullMask, mask_next[w32]) >> (2 * (lane & 3));
+        load_mask(t + 1);
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) {
+          const int c = (i >> 2) * 8 + 2 * (lane & 3) + (i & 1);
+          const bool ok = n0 + c <= lim[(i >> 1) & 1] && ((mw[i >> 4] >> (((i >> 2) & 3) * 8 + (i & 1))) & 1u);
+          sc[i] = ok ? sc[i] : -INFINITY;
+        }
+      } else if (n0 + BN - 1 > it.qs + q0 + 16 * wi || n0 + BN > it.n_end) {  // the causal diagonal or the end
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) {
+          const int c = (i >> 2) * 8 + 2 * (lane & 3) + (i & 1);
+          sc[i] = n0 + c <= lim[(i >> 1) & 1] ? sc[i] : -INFINITY;
+        }
+      }
+      // scale > 0 (the host checks), so the max of raw scores is the max of scaled ones
+      float mx[2] = {row_max[0], row_max[1]}, base[2];
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], sc[i]);
+      bool grown = false;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFullMask, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFullMask, mx[r], 2));
+        grown |= mx[r] * p.scale_log2 - row_max[r] * p.scale_log2 > kStaleMax;  // false while both are -inf
+      }
+      rescale_o = __any_sync(kFullMask, grown);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (rescale_o) {
+          base[r] = mx[r] == -INFINITY ? 0.f : mx[r] * p.scale_log2;  // fully masked so far: P = 0
+          corr[r] = ex2(row_max[r] * p.scale_log2 - base[r]);
+          row_max[r] = mx[r];
+          row_sum[r] *= corr[r];
+        } else {
+          base[r] = row_max[r] == -INFINITY ? 0.f : row_max[r] * p.scale_log2;
+        }
+      }
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) {
-        const int c = (i >> 2) * 8 + 2 * (lane & 3) + (i & 1);  // column within the tile
-        const bool ok = n0 + c <= lim[(i >> 1) & 1] && ((mw[c >> 5] >> (c & 31)) & 1u);
-        sc[i] = ok ? sc[i] : -INFINITY;
+        sc[i] = ex2(fmaf(sc[i], p.scale_log2, -base[(i >> 1) & 1]));
+        row_sum[(i >> 1) & 1] += sc[i];
+      }
+    };
+    auto pack_p = [&] {  // accumulator columns 16kk..16kk+15 -> A fragment kk
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) pa[kk][j] = pack2<T>(sc[8 * kk + 2 * j], sc[8 * kk + 2 * j + 1]);
+    };
+
+    if (my_tiles > 0) {
+      wait_full(tile);
+      wgmma_fence_operands(sc);
+      wgmma_fence();
+      issue_qk(0);
+      wgmma_wait<0>();
+      wgmma_fence_operands(sc);
+      softmax(0);  // O is still 0: no rescale
+      pack_p();
+      for (int t = 1; t < my_tiles; ++t) {
+        wait_full(tile + t);
+        wgmma_fence_operands(sc);
+        wgmma_fence_operands(o);
+        wgmma_fence_operands(pa);
+        wgmma_fence();
+        issue_qk(t);
+        issue_pv(t - 1);
+        wgmma_wait<1>();  // S of tile t is ready; P V of tile t - 1 may still run
+        wgmma_fence_operands(sc);
+        softmax(t);
+        wgmma_wait<0>();
+        wgmma_fence_operands(o);
+        wgmma_fence_operands(pa);
+        release(tile + t - 1);
+        if (rescale_o) {
+#pragma unroll
+          for (int i = 0; i < D / 2; ++i) o[i] *= corr[(i >> 1) & 1];
+        }
+        pack_p();
       }
     }
-    // scale > 0 (the host checks), so the max of raw scores is the max of scaled ones
-    float mx[2] = {row_max[0], row_max[1]}, base[2];
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], sc[i]);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFullMask, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFullMask, mx[r], 2));
-      base[r] = mx[r] == -INFINITY ? 0.f : mx[r] * p.scale_log2;  // fully masked so far: P = 0
-      corr[r] = ex2(row_max[r] * p.scale_log2 - base[r]);
-      row_max[r] = mx[r];
-      row_sum[r] *= corr[r];
-    }
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) {
-      sc[i] = ex2(fmaf(sc[i], p.scale_log2, -base[(i >> 1) & 1]));
-      row_sum[(i >> 1) & 1] += sc[i];
-    }
-  };
-  auto pack_p = [&] {  // accumulator columns 16kk..16kk+15 -> A fragment kk
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) pa[kk][j] = pack2<T>(sc[8 * kk + 2 * j], sc[8 * kk + 2 * j + 1]);
-  };
-
-  mbar_wait(&q_bar, 0);
-  if (my_tiles > 0) {
-    wait_full(0);
-    wgmma_fence_operands(sc);
-    wgmma_fence();
-    issue_qk(0);
-    wgmma_wait<0>();
-    wgmma_fence_operands(sc);
-    softmax(0);  // O is still 0: no rescale
-    pack_p();
-    for (int t = 1; t < my_tiles; ++t) {
-      wait_full(t);
-      wgmma_fence_operands(sc);
+    // This warp's S = Q K^T are done (each waited above): the producer may load the next item's Q here.
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&q_empty[qb]);
+    if (my_tiles > 0) {
       wgmma_fence_operands(o);
       wgmma_fence_operands(pa);
       wgmma_fence();
-      issue_qk(t);
-      issue_pv(t - 1);
-      wgmma_wait<1>();  // S of tile t is ready; P V of tile t - 1 may still run
-      wgmma_fence_operands(sc);
-      softmax(t);
+      issue_pv(my_tiles - 1);
       wgmma_wait<0>();
       wgmma_fence_operands(o);
       wgmma_fence_operands(pa);
-      release(t - 1);
-#pragma unroll
-      for (int i = 0; i < D / 2; ++i) o[i] *= corr[(i >> 1) & 1];
-      pack_p();
+      release(tile + my_tiles - 1);
     }
-    wgmma_fence_operands(o);
-    wgmma_fence_operands(pa);
-    wgmma_fence();
-    issue_pv(my_tiles - 1);
-    wgmma_wait<0>();
-    wgmma_fence_operands(o);
-    wgmma_fence_operands(pa);
-    release(my_tiles - 1);
+    for (int t = my_tiles; t < it.n_tiles; ++t) {  // tiles past this warpgroup's rows: hand them back
+      wait_full(tile + t);
+      release(tile + t);
+    }
+    tile += it.n_tiles;
+    store_rows<T, D>(p, [&](int d, int e) { return o[4 * d + e]; }, row_sum, it.b, it.h, q0 + 16 * wi + (lane >> 2),
+                     lane);
   }
-  for (int t = my_tiles; t < n_tiles; ++t) {  // tiles past this warpgroup's rows: hand them back
-    wait_full(t);
-    release(t);
-  }
-
-  store_rows<T, D>(p, [&](int d, int e) { return o[4 * d + e]; }, row_sum, b, h, q0 + 16 * wi + (lane >> 2), lane);
 #else
   __trap();  // the host picks this kernel only in an sm_90a-only build for sm_90 (setup.py), running on sm_90
 #endif
@@ -855,6 +968,49 @@ void run_prefill(const AttnParams& p, cudaStream_t stream) {
   launch_kernel(kernel, grid, 32 * WARPS, smem, stream, p);
 }
 
+// Global int32 counters for two kernels, one pool each: the split-KV merge's arrival counters (all zero between
+// launches: the last block of each (bh, chunk) resets its own) and the wgmma prefill's work queue (two counters,
+// zero between launches: the kernel's last block resets them; then per-block scratch slots). One buffer per (pool,
+// device, stream) for eager launches, which stream order keeps apart, and one per (pool, device) for every
+// captured launch, so graphs holding this op must not replay concurrently with each other. Buffers are created by
+// eager calls only, with cudaMalloc, outside PyTorch's caching allocator, and never freed (a captured graph keeps
+// their address): torch.compile's CUDA graphs run their warm-up in a private memory pool whose allocator state they
+// later rewind, which handed a buffer created there to other tensors (the reduce-overhead test read a non-zero
+// queue). A capture that finds no buffer, or a launch needing more than kCounters, gets a per-call at::zeros (a
+// memset in the graph; still correct).
+constexpr int64_t kCounters = 1 << 16;
+enum class CounterPool { kSplitKv, kPrefillQueue };
+
+int* new_counter_buffer(cudaStream_t stream) {  // kCounters zeros on the current device
+  void* ptr = nullptr;
+  C10_CUDA_CHECK(cudaMalloc(&ptr, kCounters * sizeof(int)));
+  C10_CUDA_CHECK(cudaMemsetAsync(ptr, 0, kCounters * sizeof(int), stream));
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream));  // the graph buffer may first be used on another stream
+  return static_cast<int*>(ptr);
+}
+
+int* kernel_counters(CounterPool pool, int64_t need, const at::TensorOptions& opts, at::Tensor& per_call) {
+  if (need <= kCounters) {
+    static std::mutex mu;
+    static auto* eager = new std::map<std::tuple<CounterPool, int, int64_t>, int*>();  // (pool, device, stream id)
+    static auto* graph = new std::map<std::pair<CounterPool, int>, int*>();             // (pool, device)
+    const c10::cuda::CUDAStream stream = at::cuda::getCurrentCUDAStream();
+    const int dev = stream.device_index();
+    const std::lock_guard<std::mutex> lock(mu);
+    if (at::cuda::currentStreamCaptureStatus() != at::cuda::CaptureStatus::None) {
+      const auto it = graph->find({pool, dev});
+      if (it != graph->end()) return it->second;
+    } else {
+      if (graph->find({pool, dev}) == graph->end()) graph->emplace(std::make_pair(pool, dev), new_counter_buffer(stream));
+      auto it = eager->find({pool, dev, stream.id()});
+      if (it == eager->end()) it = eager->emplace(std::make_tuple(pool, dev, stream.id()), new_counter_buffer(stream)).first;
+      return it->second;
+    }
+  }
+  per_call = at::zeros({need}, opts.dtype(at::kInt));
+  return per_call.data_ptr<int>();
+}
+
 #if defined(FUSEINFER_SM90A)
 // cuTensorMapEncodeTiled, taken from the driver at run time (the extension does not link libcuda); null if absent.
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -902,10 +1058,9 @@ bool sm90_prefill_enabled() {
 
 // Launches prefill_sm90_kernel; false (nothing launched) when the tensors do not fit TMA maps or the grid.
 template <typename T, int D>
-bool run_prefill_sm90(const AttnParams& p, cudaStream_t stream) {
+bool run_prefill_sm90(const AttnParams& p, const at::TensorOptions& opts, cudaStream_t stream) {
   using C = Sm90Cfg<D>;
   constexpr bool bf16 = std::is_same_v<T, __nv_bfloat16>;
-  if (int64_t(p.B) * p.H > 65535) return false;
   CUtensorMap tq, tk, tv;
   if (!make_tensor_map(&tq, p.q, bf16, p.B, p.H, p.Sq, D, p.q_sb, p.q_sh, p.q_ss, C::BM) ||
       !make_tensor_map(&tk, p.k, bf16, p.B, p.H, p.Skv, D, p.k_sb, p.k_sh, p.k_ss, C::BN) ||
@@ -913,54 +1068,35 @@ bool run_prefill_sm90(const AttnParams& p, cudaStream_t stream) {
     return false;
   auto kernel = prefill_sm90_kernel<T, D>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
-  const dim3 grid((p.Sq + C::BM - 1) / C::BM, p.B * p.H);
-  launch_kernel(kernel, grid, C::THREADS, C::SMEM, stream, tq, tk, tv, p);
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  Sm90Sched sched;
+  const int64_t n_mb = (p.Sq + C::BM - 1) / C::BM, bh = int64_t(p.B) * p.H;
+  if (n_mb * bh > INT32_MAX) return false;
+  sched.n_mb = static_cast<int>(n_mb);
+  sched.bh = static_cast<int>(bh);
+  sched.items = static_cast<int>(n_mb * bh);
+  // Heads per group: K and V of a group (2 * Skv * D * 2 bytes per head) fill at most half of L2.
+  const int64_t kv_bytes = int64_t(4) * p.Skv * D;
+  sched.group = static_cast<int>(std::clamp<int64_t>(props->l2CacheSize / 2 / kv_bytes, 1, bh));
+  const int ctas = std::min(sched.items, props->multiProcessorCount);
+  at::Tensor per_call_counters;
+  sched.counter = kernel_counters(CounterPool::kPrefillQueue, 2 + int64_t(ctas) * C::Q_BUFS, opts, per_call_counters);
+  launch_kernel(kernel, dim3(ctas), C::THREADS, C::SMEM, stream, tq, tk, tv, p, sched);
   return true;
 }
 #endif
 
 template <typename T>
-void prefill(const AttnParams& p, int D, cudaStream_t stream) {
+void prefill(const AttnParams& p, int D, const at::TensorOptions& opts, cudaStream_t stream) {
 #if defined(FUSEINFER_SM90A)
   if (p.scale_log2 > 0.f && sm90_prefill_enabled() &&
-      (D == 64 ? run_prefill_sm90<T, 64>(p, stream) : run_prefill_sm90<T, 128>(p, stream)))
+      (D == 64 ? run_prefill_sm90<T, 64>(p, opts, stream) : run_prefill_sm90<T, 128>(p, opts, stream)))
     return;
 #endif
   if (D == 64)
     run_prefill<T, 64, 8, 64, 2>(p, stream);
   else
     run_prefill<T, 128, 8, 64, 1>(p, stream);
-}
-
-// Arrival counters of the split-KV merge: int32, zero between launches (the last block of each (bh, chunk)
-// resets its own). Persistent, never freed (a captured graph keeps their address) and leaked at exit (no
-// teardown-order trouble): one buffer per (device, stream) for eager launches, which stream order keeps
-// apart, and one per device for every captured launch, so graphs holding this op must not replay
-// concurrently with each other. Buffers are created by eager calls only; a capture that finds none, or a
-// launch needing more than kCounters, gets a per-call at::zeros (a memset in the graph; still correct).
-constexpr int64_t kCounters = 1 << 16;
-
-int* split_counters(int64_t need, const at::TensorOptions& opts, at::Tensor& per_call) {
-  if (need <= kCounters) {
-    static std::mutex mu;
-    static auto* eager = new std::map<std::pair<int, int64_t>, at::Tensor>();  // (device, stream id)
-    static auto* graph = new std::map<int, at::Tensor>();                      // device
-    const c10::cuda::CUDAStream stream = at::cuda::getCurrentCUDAStream();
-    const int dev = stream.device_index();
-    const auto zeros = [&] { return at::zeros({kCounters}, opts.dtype(at::kInt)); };
-    const std::lock_guard<std::mutex> lock(mu);
-    if (at::cuda::currentStreamCaptureStatus() != at::cuda::CaptureStatus::None) {
-      const auto it = graph->find(dev);
-      if (it != graph->end()) return it->second.data_ptr<int>();
-    } else {
-      if (graph->find(dev) == graph->end()) graph->emplace(dev, zeros());
-      auto it = eager->find({dev, stream.id()});
-      if (it == eager->end()) it = eager->emplace(std::make_pair(dev, stream.id()), zeros()).first;
-      return it->second.data_ptr<int>();
-    }
-  }
-  per_call = at::zeros({need}, opts.dtype(at::kInt));
-  return per_call.data_ptr<int>();
 }
 
 template <typename T, int D, int QB>
@@ -987,7 +1123,7 @@ void run_split_kv(const AttnParams& p, const at::Tensor& q, cudaStream_t stream)
     part_ml = at::empty({rows, splits, 2}, q.options().dtype(at::kFloat));
     acc_ptr = part_acc.data_ptr<float>();
     ml_ptr = reinterpret_cast<float2*>(part_ml.data_ptr<float>());
-    counters = split_counters(base, q.options(), per_call_counters);
+    counters = kernel_counters(CounterPool::kSplitKv, base, q.options(), per_call_counters);
   }
   launch_kernel(split_kv_kernel<T, D, QB>, dim3(p.B * p.H, splits, qchunks), kSplitThreads, 0, stream, p, acc_ptr,
                 ml_ptr, counters);
@@ -1101,9 +1237,9 @@ at::Tensor attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const 
   const int d = static_cast<int>(D);
   if (use_prefill) {
     if (dtype == at::kHalf)
-      prefill<__half>(p, d, stream);
+      prefill<__half>(p, d, q.options(), stream);
     else
-      prefill<__nv_bfloat16>(p, d, stream);
+      prefill<__nv_bfloat16>(p, d, q.options(), stream);
   } else if (dtype == at::kHalf) {
     split_kv<__half>(p, q, d, stream);
   } else if (dtype == at::kBFloat16) {

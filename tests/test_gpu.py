@@ -136,6 +136,9 @@ ATTN_CASES = {
     "prefill_200_into_cache_nan_tail": dict(b=1, h=2, sq=200, skv=512, q_start=100, nan_from=300),
     # per-row q_start, one negative: row 0's first 100 queries see no key, whole warpgroups compute nothing
     "prefill_300_q_start_per_row": dict(b=2, h=3, sq=300, skv=300, q_start=[-100, 50]),
+    # more work items than SMs: each block of the persistent wgmma prefill runs several, each with a NaN tail
+    "prefill_384_many_items_nan_tail": dict(b=3, h=40, sq=384, skv=640, q_start=200, pads=[0, 33, 250],
+                                            nan_from=584),
 }
 
 

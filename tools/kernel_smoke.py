@@ -30,11 +30,11 @@ assert torch.cuda.is_available()
 torch.manual_seed(0)
 
 
-def attention(dtype, d, sq, skv, q_start=None):
-    """Causal attention of 2 x 3 heads, with and without a key mask (row 1's first 11 keys masked); prefills
+def attention(dtype, d, sq, skv, q_start=None, heads=3):
+    """Causal attention of 2 x `heads` heads, with and without a key mask (row 1's first 11 keys masked); prefills
     (sq > 16) run twice, with FUSEINFER_ATTN_SM90 1 and 0: the wgmma and the mma.sync kernel on an sm_90a build."""
-    q = torch.randn(2, 3, sq, d, device="cuda", dtype=dtype)
-    k, v = (torch.randn(2, 3, skv, d, device="cuda", dtype=dtype) for _ in range(2))
+    q = torch.randn(2, heads, sq, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(2, heads, skv, d, device="cuda", dtype=dtype) for _ in range(2))
     key_mask = torch.arange(skv, device="cuda")[None] >= torch.tensor([0, 11], device="cuda")[:, None]
     qs = None if q_start is None else torch.full((2,), q_start, dtype=torch.int32, device="cuda")
     for enabled in (True, False) if sq > 16 else (True,):
@@ -107,11 +107,13 @@ if part in ("all", "ring-wrap-d64"):
 if part in ("all", "ring-wrap-d128"):
     decode_step(torch.bfloat16, 4, 512, 4, 2048, 1536, [1499, 1100], 300)
 # prefills of 3-8 key tiles, where the wgmma kernel's ring of three TMA-filled stages wraps, and prefills into a
-# cache whose keys past the chunk the kernel zeroes in its last tile (a generic write after the TMA write)
+# cache whose keys past the chunk the kernel zeroes in its last tile (a generic write after the TMA write); the
+# last one has more work items than an H100 has SMs, so blocks of the persistent kernel run several
 if part in ("all", "prefill"):
     for dtype, d in ((torch.float16, 64), (torch.bfloat16, 128)):
         attention(dtype, d, 1000, 1000)
         attention(dtype, d, 300, 700, q_start=300)
         attention(dtype, d, 200, 400, q_start=100)
+        attention(dtype, d, 300, 700, q_start=300, heads=60)
 torch.cuda.synchronize()
 print(f"kernel_smoke ({part}): all kernels ran")
