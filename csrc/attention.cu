@@ -148,18 +148,22 @@ __device__ __forceinline__ int swz(int row, int chunk) {
   return row * D + ((chunk ^ (row & 7)) << 3);
 }
 
+// Sum of a value over the four lanes that hold one accumulator row.
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(kFullMask, x, 1);
+  return x + __shfl_xor_sync(kFullMask, x, 2);
+}
+
 // Normalises the two query rows a thread holds in an m16n8-style accumulator (acc(d, e): n8 tile d, element e; rows
-// row0 and row0 + 8) and stores them to out (B, Sq, H, D); rows with no admissible key have sum 0 and store 0.
+// row0 and row0 + 8) by their softmax sums l and stores them to out (B, Sq, H, D); rows with no admissible key have
+// sum 0 and store 0.
 template <typename T, int D, typename Acc>
-__device__ __forceinline__ void store_rows(const AttnParams& p, Acc acc, const float (&row_sum)[2], int b, int h,
-                                           int row0, int lane) {
+__device__ __forceinline__ void store_rows(const AttnParams& p, Acc acc, const float (&l)[2], int b, int h, int row0,
+                                           int lane) {
   T* out = static_cast<T*>(p.out);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float l = row_sum[r];
-    l += __shfl_xor_sync(kFullMask, l, 1);
-    l += __shfl_xor_sync(kFullMask, l, 2);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
     const int qrow = row0 + 8 * r;
     if (qrow >= p.Sq) continue;
     T* orow = out + ((int64_t(b) * p.Sq + qrow) * p.H + h) * D + 2 * (lane & 3);
@@ -372,7 +376,8 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) prefill_kernel(const A
     }
   }
 
-  store_rows<T, D>(p, [&](int d, int e) { return o[d][e]; }, row_sum, b, h, warp_q0 + (lane >> 2), lane);
+  const float l[2] = {quad_sum(row_sum[0]), quad_sum(row_sum[1])};
+  store_rows<T, D>(p, [&](int d, int e) { return o[d][e]; }, l, b, h, warp_q0 + (lane >> 2), lane);
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -407,8 +412,14 @@ struct Sm90Cfg {
   static constexpr int CONSUMER_REGS = WG == 2 ? 232 : 160;
   static_assert(32 * (PRODUCER_REGS + WG * CONSUMER_REGS) <= 16384, "registers of one SM sub-partition");
   static constexpr int Q_BYTES = BM * D * 2;
-  static constexpr int KV_BYTES = BN * D * 2;                                    // one K or V tile
-  static constexpr int SMEM = Q_BUFS * Q_BYTES + STAGES * 2 * KV_BYTES + 1024;  // + alignment slack
+  static constexpr int KV_BYTES = BN * D * 2;  // one K or V tile
+  // D = 64: P V runs as m64n72 against V and a 64-column block of ones, so that O's columns 64..71 accumulate the
+  // softmax row sums on the tensor cores instead of 64 FADDs per tile and thread (the consumers are issue-bound).
+  // At D = 128 a third 64-column block would have to sit at the same stride after V's two halves.
+  static constexpr bool SUM_COL = HALVES == 1;
+  static constexpr int O_REGS = D / 2 + (SUM_COL ? 4 : 0);  // accumulator registers of O per thread
+  static constexpr int ONES_BYTES = SUM_COL ? BN * 128 : 0;
+  static constexpr int SMEM = Q_BUFS * Q_BYTES + STAGES * 2 * KV_BYTES + ONES_BYTES + 1024;  // + alignment slack
 };
 
 // Work items of the persistent prefill in the order the blocks claim them: block i starts with item i, then each
@@ -442,12 +453,13 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
   using C = Sm90Cfg<D>;
   constexpr int BN = C::BN, STAGE_BYTES = 2 * C::KV_BYTES;
   extern __shared__ unsigned char smem_raw[];
-  // [Q: Q_BUFS][HALVES][BM][64] | per stage [K: HALVES][BN][64] [V: HALVES][BN][64], 1024-byte aligned (swizzle
-  // atoms)
+  // [Q: Q_BUFS][HALVES][BM][64] | per stage [K: HALVES][BN][64] [V: HALVES][BN][64] | [ones: BN][64] (SUM_COL),
+  // 1024-byte aligned (swizzle atoms)
   unsigned char* smem =
       reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   unsigned char* q_s = smem;
   unsigned char* kv_s = smem + C::Q_BUFS * C::Q_BYTES;
+  unsigned char* ones_s = kv_s + C::STAGES * STAGE_BYTES;
   __shared__ __align__(8) uint64_t full_bar[C::STAGES], empty_bar[C::STAGES], q_full[C::Q_BUFS],
       q_empty[C::Q_BUFS], tail_bar;
 
@@ -463,6 +475,12 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
     }
     mbar_init(&tail_bar, 1);
     fence_mbarrier_init();
+  }
+  if constexpr (C::SUM_COL) {
+    const uint32_t one = pack2<T>(1.f, 1.f);
+    for (int i = tid; i < C::ONES_BYTES / 16; i += C::THREADS)
+      reinterpret_cast<uint4*>(ones_s)[i] = make_uint4(one, one, one, one);
+    fence_proxy_async_smem();  // read by wgmma (the async proxy) after the barrier below
   }
   pdl_launch_dependents();
   pdl_wait();  // q, k, v, masks come from earlier kernels
@@ -560,18 +578,46 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
   setmaxnreg_inc<C::CONSUMER_REGS>();
   // Software pipeline (FlashAttention-3's intra-warpgroup overlap): while the tensor cores run S = Q K^T of tile t
   // and O += P V of tile t - 1, nothing waits; the softmax of tile t then overlaps the P V of tile t - 1.
-  const int g = warp >> 2, wi = warp & 3;
-  auto stage_addr = [&](int k) { return smem_addr(kv_s + (k % C::STAGES) * STAGE_BYTES); };
+  const int g = __shfl_sync(kFullMask, warp >> 2, 0), wi = warp & 3;  // broadcast: see w below
+  // Descriptors of stage 0's K and V tiles; another stage's, and a k16 step's, differ in the start address only.
+  const uint64_t k_desc0 = wgmma_desc(smem_addr(kv_s), 16, 1024);
+  const uint32_t v_addr0 = smem_addr(kv_s) + C::KV_BYTES, ones_addr = smem_addr(ones_s);
+  auto stage16 = [&](int k) {  // broadcast: see w below
+    return static_cast<uint32_t>(__shfl_sync(kFullMask, (k % C::STAGES) * (STAGE_BYTES >> 4), 0));
+  };
   auto wait_full = [&](int k) { mbar_wait(&full_bar[k % C::STAGES], (k / C::STAGES) & 1); };
   auto release = [&](int k) {
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty_bar[k % C::STAGES]);
   };
+  float o[C::O_REGS];        // O, then (SUM_COL) the row sums in registers 32..35 (columns 64..71, all alike)
+  float sc[BN / 2];          // S of the tile in the softmax, then its P in fp32
+  uint32_t pa[BN / 16][4];   // P of the previous tile as wgmma A fragments (keys 16kk..16kk+15 in pa[kk])
+  auto issue_qk = [&](uint64_t q_desc, int k) {  // sc = Q K^T of ring tile k (committed, not waited)
+    const uint64_t k_desc = wgmma_desc_add(k_desc0, stage16(k));
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t off = (kk % 4) * 32;  // k16 step: 32 bytes along a 128-byte row
+      wgmma_ss_n128<T>(sc, wgmma_desc_add(q_desc, ((kk / 4) * C::BM * 128 + off) >> 4),
+                       wgmma_desc_add(k_desc, ((kk / 4) * BN * 128 + off) >> 4), kk > 0);
+    }
+    wgmma_commit();
+  };
+  auto issue_pv = [&](int k) {  // o += pa V of ring tile k (committed, not waited)
+    // V's 64-column blocks: D / 64 halves BN * 128 bytes apart, or (SUM_COL) V and the block of ones
+    const uint32_t v_addr = v_addr0 + 16 * stage16(k);
+    const uint64_t v_desc = wgmma_desc(v_addr, C::SUM_COL ? ones_addr - v_addr : BN * 128, 1024);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<T>(o, pa[kk], wgmma_desc_add(v_desc, kk * 16 * 128 >> 4), 1);
+    wgmma_commit();
+  };
   int tile = 0;  // ring tiles of earlier items (the producer's count)
   for (int n = 0;; ++n) {
     const int qb = n % C::Q_BUFS;
     mbar_wait(&q_full[qb], (n / C::Q_BUFS) & 1);
-    const int w = slots[qb];
+    // Broadcast from lane 0 (every lane reads the same slot) so that ptxas knows the item is warp-uniform: the
+    // ring stage and the wgmma descriptors are then computed in uniform registers, off the consumers' issue slots.
+    const int w = __shfl_sync(kFullMask, slots[qb], 0);
     if (w >= sched.items) break;
     const Item it = item(w);
     const int q0 = it.m0 + 64 * g;  // first query row of this warpgroup
@@ -580,35 +626,15 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
     const int my_tiles = q0 >= Sq || last_key < 0 ? 0 : min(it.n_tiles, last_key / BN + 1);
     const uint64_t q_desc = wgmma_desc(smem_addr(q_s + qb * C::Q_BYTES) + g * 64 * 128, 16, 1024);
     const bool* mrow = has_mask ? p.key_mask + it.b * p.m_sb : nullptr;
-    float o[D / 2];
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-    float sc[BN / 2];          // S of the tile in the softmax, then its P in fp32
-    uint32_t pa[BN / 16][4];   // P of the previous tile as wgmma A fragments (keys 16kk..16kk+15 in pa[kk])
+    for (int i = 0; i < C::O_REGS; ++i) o[i] = 0.f;
     float corr[2];             // factor that takes O to the running max of the newest tile
     float row_max[2] = {-INFINITY, -INFINITY};  // running max of raw scores
-    float row_sum[2] = {0.f, 0.f};              // this thread's share of the running sum
+    float row_sum[2] = {0.f, 0.f};              // !SUM_COL: this thread's share of the running sum
     int lim[2];                                  // last admissible key of each thread row
 #pragma unroll
     for (int r = 0; r < 2; ++r) lim[r] = min(it.qs + q0 + 16 * wi + (lane >> 2) + 8 * r, it.n_end - 1);
 
-    auto issue_qk = [&](int t) {  // sc = Q K^T of the item's tile t (committed, not waited)
-      const uint32_t k_addr = stage_addr(tile + t);
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t off = (kk % 4) * 32;  // k16 step: 32 bytes along a 128-byte row
-        wgmma_ss_n128<T>(sc, q_desc + (((kk / 4) * C::BM * 128 + off) >> 4),
-                         wgmma_desc(k_addr + (kk / 4) * BN * 128 + off, 16, 1024), kk > 0);
-      }
-      wgmma_commit();
-    };
-    auto issue_pv = [&](int t) {  // o += pa V of the item's tile t (committed, not waited)
-      const uint32_t v_addr = stage_addr(tile + t) + C::KV_BYTES;
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
-        wgmma_rs<T>(o, pa[kk], wgmma_desc(v_addr + kk * 16 * 128, BN * 128, 1024), 1);
-      wgmma_commit();
-    };
     // key_mask bits, read one tile ahead so that the loads' latency hides behind a tile's work: this lane's bits
     // of keys 32w + lane of the next tile. (Each warp reads them itself: no shared-memory handoff to synchronise.)
     bool mask_next[BN / 32];
@@ -627,6 +653,9 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
     bool rescale_o = false;  // whether O must be multiplied by corr after the P V of the previous tile
     auto softmax = [&](int t) {  // mask sc, update row max / sum, sc = P; sets corr and rescale_o
       const int n0 = t * BN;
+      // sc[i] holds column c = 8 * (i / 4) + 2 * (lane % 4) + i % 2 of the tile: admissible while c - 2 * (lane % 4)
+      // <= room, so each test is against a compile-time constant
+      const int room[2] = {lim[0] - n0 - 2 * (lane & 3), lim[1] - n0 - 2 * (lane & 3)};
       if (has_mask) {
         // key_mask bits of this thread's columns: column c = 8 * (i / 4) + 2 * (lane % 4) + i % 2 of sc[i] lies in
         // word i / 16 at bit 8 * ((i / 4) % 4) + i % 2 after a shift by 2 * (lane % 4)
@@ -636,16 +665,13 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
         load_mask(t + 1);
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) {
-          const int c = (i >> 2) * 8 + 2 * (lane & 3) + (i & 1);
-          const bool ok = n0 + c <= lim[(i >> 1) & 1] && ((mw[i >> 4] >> (((i >> 2) & 3) * 8 + (i & 1))) & 1u);
+          const bool ok = (i >> 2) * 8 + (i & 1) <= room[(i >> 1) & 1] &&
+                          ((mw[i >> 4] >> (((i >> 2) & 3) * 8 + (i & 1))) & 1u);
           sc[i] = ok ? sc[i] : -INFINITY;
         }
       } else if (n0 + BN - 1 > it.qs + q0 + 16 * wi || n0 + BN > it.n_end) {  // the causal diagonal or the end
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) {
-          const int c = (i >> 2) * 8 + 2 * (lane & 3) + (i & 1);
-          sc[i] = n0 + c <= lim[(i >> 1) & 1] ? sc[i] : -INFINITY;
-        }
+        for (int i = 0; i < BN / 2; ++i) sc[i] = (i >> 2) * 8 + (i & 1) <= room[(i >> 1) & 1] ? sc[i] : -INFINITY;
       }
       // scale > 0 (the host checks), so the max of raw scores is the max of scaled ones
       float mx[2] = {row_max[0], row_max[1]}, base[2];
@@ -665,7 +691,7 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
           base[r] = mx[r] == -INFINITY ? 0.f : mx[r] * p.scale_log2;  // fully masked so far: P = 0
           corr[r] = ex2(row_max[r] * p.scale_log2 - base[r]);
           row_max[r] = mx[r];
-          row_sum[r] *= corr[r];
+          if constexpr (!C::SUM_COL) row_sum[r] *= corr[r];
         } else {
           base[r] = row_max[r] == -INFINITY ? 0.f : row_max[r] * p.scale_log2;
         }
@@ -673,7 +699,7 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) {
         sc[i] = ex2(fmaf(sc[i], p.scale_log2, -base[(i >> 1) & 1]));
-        row_sum[(i >> 1) & 1] += sc[i];
+        if constexpr (!C::SUM_COL) row_sum[(i >> 1) & 1] += sc[i];
       }
     };
     auto pack_p = [&] {  // accumulator columns 16kk..16kk+15 -> A fragment kk
@@ -687,7 +713,7 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
       wait_full(tile);
       wgmma_fence_operands(sc);
       wgmma_fence();
-      issue_qk(0);
+      issue_qk(q_desc, tile);
       wgmma_wait<0>();
       wgmma_fence_operands(sc);
       softmax(0);  // O is still 0: no rescale
@@ -698,8 +724,8 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
         wgmma_fence_operands(o);
         wgmma_fence_operands(pa);
         wgmma_fence();
-        issue_qk(t);
-        issue_pv(t - 1);
+        issue_qk(q_desc, tile + t);
+        issue_pv(tile + t - 1);
         wgmma_wait<1>();  // S of tile t is ready; P V of tile t - 1 may still run
         wgmma_fence_operands(sc);
         softmax(t);
@@ -709,7 +735,7 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
         release(tile + t - 1);
         if (rescale_o) {
 #pragma unroll
-          for (int i = 0; i < D / 2; ++i) o[i] *= corr[(i >> 1) & 1];
+          for (int i = 0; i < C::O_REGS; ++i) o[i] *= corr[(i >> 1) & 1];
         }
         pack_p();
       }
@@ -721,7 +747,7 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
       wgmma_fence_operands(o);
       wgmma_fence_operands(pa);
       wgmma_fence();
-      issue_pv(my_tiles - 1);
+      issue_pv(tile + my_tiles - 1);
       wgmma_wait<0>();
       wgmma_fence_operands(o);
       wgmma_fence_operands(pa);
@@ -732,7 +758,10 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
       release(tile + t);
     }
     tile += it.n_tiles;
-    store_rows<T, D>(p, [&](int d, int e) { return o[4 * d + e]; }, row_sum, it.b, it.h, q0 + 16 * wi + (lane >> 2),
+    float l[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l[r] = C::SUM_COL ? o[D / 2 + 2 * r] : quad_sum(row_sum[r]);
+    store_rows<T, D>(p, [&](int d, int e) { return o[4 * d + e]; }, l, it.b, it.h, q0 + 16 * wi + (lane >> 2),
                      lane);
   }
 #else

@@ -97,6 +97,12 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr, uint32_t lead_byte
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lead_bytes >> 4) << 16) |
          (static_cast<uint64_t>(stride_bytes >> 4) << 32) | (uint64_t{1} << 62);
 }
+// desc moved by units16 * 16 bytes in shared memory. Only the start-address field (the low 14 bits) changes, and
+// it cannot carry while the address stays in shared memory (below 2^18), so a 32-bit add of the low word does:
+// a 64-bit add would cost an extra instruction per wgmma, in the consumers' issue-bound loops.
+__device__ __forceinline__ uint64_t wgmma_desc_add(uint64_t desc, uint32_t units16) {
+  return (desc & 0xFFFFFFFF00000000ull) | (static_cast<uint32_t>(desc) + units16);
+}
 
 // Before the first wgmma that reads registers written by ordinary instructions (accumulators, A fragments).
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -139,9 +145,13 @@ __device__ __forceinline__ void wgmma_fence_operands(uint32_t (&r)[M][N]) {
   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
+#define WGMMA_D36 WGMMA_D32, "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
+
 #define WGMMA_R32                                                                  \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "         \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+
+#define WGMMA_R36 WGMMA_R32 ", %32, %33, %34, %35"
 
 #define WGMMA_R64                                                                    \
   WGMMA_R32 ", "                                                                     \
@@ -162,6 +172,14 @@ __device__ __forceinline__ void wgmma_fence_operands(uint32_t (&r)[M][N]) {
       "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {" WGMMA_R32 "}, " \
       "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                                \
       : WGMMA_D32                                                                  \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+
+#define WGMMA_RS_N72(TY)                                                           \
+  asm volatile(                                                                    \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %41, 0;\n"                                 \
+      "wgmma.mma_async.sync.aligned.m64n72k16.f32." TY "." TY " {" WGMMA_R36 "}, " \
+      "{%36, %37, %38, %39}, %40, p, 1, 1, 1;\n}\n"                                \
+      : WGMMA_D36                                                                  \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
 
 #define WGMMA_RS_N128(TY)                                                           \
@@ -186,10 +204,14 @@ __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t desc_a, u
   WGMMA_FOR_TYPE(WGMMA_SS_N128)
 }
 
-// d (64 x N, fp32) {=, +=} A (64 x 16, registers) * B (16 x N, shared, MN-major), N = 64 or 128.
+// d (64 x N, fp32) {=, +=} A (64 x 16, registers) * B (16 x N, shared, MN-major), N = 64, 72 or 128.
 template <typename T>
 __device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
   WGMMA_FOR_TYPE(WGMMA_RS_N64)
+}
+template <typename T>
+__device__ __forceinline__ void wgmma_rs(float (&d)[36], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
+  WGMMA_FOR_TYPE(WGMMA_RS_N72)
 }
 template <typename T>
 __device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
@@ -198,11 +220,14 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4],
 
 #undef WGMMA_FOR_TYPE
 #undef WGMMA_D32
+#undef WGMMA_D36
 #undef WGMMA_D64
 #undef WGMMA_R32
+#undef WGMMA_R36
 #undef WGMMA_R64
 #undef WGMMA_SS_N128
 #undef WGMMA_RS_N64
+#undef WGMMA_RS_N72
 #undef WGMMA_RS_N128
 
 }  // namespace fuseinfer
