@@ -432,10 +432,10 @@ struct Sm90Sched {
   int n_mb;   // query blocks per (batch, head)
   int bh;     // B * H
   int group;  // heads per group
-  int items;  // n_mb * bh
   // [next item - gridDim.x, blocks done, then per block Q_BUFS slots]: the two counters are zero at launch and
   // the last block to finish zeroes them; a slot holds the item whose Q a block's Q buffer holds
   int* counter;
+  __host__ __device__ __forceinline__ int items() const { return n_mb * bh; }  // the host checks it fits an int
   __device__ __forceinline__ void item(int w, int& mb, int& bh_out) const {
     const int per_group = group * n_mb;
     const int gi = w / per_group, r = w - gi * per_group;
@@ -519,10 +519,10 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
     // racecheck does not model mbarriers and would report a shared-memory handoff.)
     for (int n = 0, w = blockIdx.x;; ++n) {
       int w_next = 0;  // claimed now, so that the atomic's round trip hides behind this item's loads
-      if (lane == 0 && w < sched.items) w_next = gridDim.x + atomicAdd(&sched.counter[0], 1);
+      if (lane == 0 && w < sched.items()) w_next = gridDim.x + atomicAdd(&sched.counter[0], 1);
       const int qb = n % C::Q_BUFS;
       if (n >= C::Q_BUFS) mbar_wait(&q_empty[qb], (n / C::Q_BUFS - 1) & 1);
-      if (w >= sched.items) {
+      if (w >= sched.items()) {
         if (lane == 0) {
           slots[qb] = w;
           mbar_arrive(&q_full[qb]);
@@ -618,7 +618,7 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
     // Broadcast from lane 0 (every lane reads the same slot) so that ptxas knows the item is warp-uniform: the
     // ring stage and the wgmma descriptors are then computed in uniform registers, off the consumers' issue slots.
     const int w = __shfl_sync(kFullMask, slots[qb], 0);
-    if (w >= sched.items) break;
+    if (w >= sched.items()) break;
     const Item it = item(w);
     const int q0 = it.m0 + 64 * g;  // first query row of this warpgroup
     // Tiles this warpgroup computes: up to the causal limit of its last row; later ones it only hands back.
@@ -1103,11 +1103,10 @@ bool run_prefill_sm90(const AttnParams& p, const at::TensorOptions& opts, cudaSt
   if (n_mb * bh > INT32_MAX) return false;
   sched.n_mb = static_cast<int>(n_mb);
   sched.bh = static_cast<int>(bh);
-  sched.items = static_cast<int>(n_mb * bh);
   // Heads per group: K and V of a group (2 * Skv * D * 2 bytes per head) fill at most half of L2.
   const int64_t kv_bytes = int64_t(4) * p.Skv * D;
   sched.group = static_cast<int>(std::clamp<int64_t>(props->l2CacheSize / 2 / kv_bytes, 1, bh));
-  const int ctas = std::min(sched.items, props->multiProcessorCount);
+  const int ctas = std::min(sched.items(), props->multiProcessorCount);
   at::Tensor per_call_counters;
   sched.counter = kernel_counters(CounterPool::kPrefillQueue, 2 + int64_t(ctas) * C::Q_BUFS, opts, per_call_counters);
   launch_kernel(kernel, dim3(ctas), C::THREADS, C::SMEM, stream, tq, tk, tv, p, sched);

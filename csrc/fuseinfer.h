@@ -35,7 +35,7 @@ at::Tensor attention_cuda(
 
 // The kernel attention_cuda runs for prefill (fp16/bf16, Sq > 16) on the current device: "wgmma" (sm_90a build on an
 // sm_90 GPU, FUSEINFER_ATTN_SM90 not 0; a call still falls back when a tensor does not fit a TMA map,
-// B * H > 65535 or scale <= 0) or "mma.sync".
+// there are more than 2^31 work items or scale <= 0) or "mma.sync".
 std::string attention_prefill_kernel();
 
 // k_cache[:, :, slots[s]] = k[:, :, s] and v_cache[:, :, slots[s]] = v[:, :, s], in one launch.

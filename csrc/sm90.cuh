@@ -131,7 +131,7 @@ __device__ __forceinline__ void wgmma_fence_operands(uint32_t (&r)[M][N]) {
 // warp w of the warpgroup holds rows 16w..16w+15; register 4i + e of lane l is row 16w + l/4 + 8 * (e / 2),
 // column 8i + 2 * (l % 4) + e % 2. A in registers (RS): the m16n8k16 A fragment of warp w's 16 rows.
 
-// The accumulator operands d[0..31] and d[0..63], and their placeholders %0..%31 / %0..%63.
+// The accumulator operands d[0..31], d[0..35] and d[0..63], and their placeholders %0..%31 / %0..%35 / %0..%63.
 #define WGMMA_D32                                                                                         \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
@@ -166,29 +166,16 @@ __device__ __forceinline__ void wgmma_fence_operands(uint32_t (&r)[M][N]) {
       : WGMMA_D64                                                                   \
       : "l"(desc_a), "l"(desc_b), "r"(accumulate))
 
-#define WGMMA_RS_N64(TY)                                                           \
-  asm volatile(                                                                    \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                 \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {" WGMMA_R32 "}, " \
-      "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                                \
-      : WGMMA_D32                                                                  \
+// A (registers) x B (shared, MN-major) -> the m64nN accumulators: D and R list them (operands and placeholders),
+// IA / IDESC / IP are the placeholders of the A fragment, B's descriptor and the accumulate flag that follow them.
+#define WGMMA_RS(TY, N, D, R, IA, IDESC, IP)                                                                         \
+  asm volatile(                                                                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, " IP ", 0;\n"                                                                \
+      "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {" R "}, {" IA "}, " IDESC ", p, 1, 1, 1;\n}\n"  \
+      : D                                                                                                            \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
-
-#define WGMMA_RS_N72(TY)                                                           \
-  asm volatile(                                                                    \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %41, 0;\n"                                 \
-      "wgmma.mma_async.sync.aligned.m64n72k16.f32." TY "." TY " {" WGMMA_R36 "}, " \
-      "{%36, %37, %38, %39}, %40, p, 1, 1, 1;\n}\n"                                \
-      : WGMMA_D36                                                                  \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
-
-#define WGMMA_RS_N128(TY)                                                           \
-  asm volatile(                                                                     \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                  \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" WGMMA_R64 "}, " \
-      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                                 \
-      : WGMMA_D64                                                                   \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+#define WGMMA_RS_N72(TY) WGMMA_RS(TY, 72, WGMMA_D36, WGMMA_R36, "%36, %37, %38, %39", "%40", "%41")
+#define WGMMA_RS_N128(TY) WGMMA_RS(TY, 128, WGMMA_D64, WGMMA_R64, "%64, %65, %66, %67", "%68", "%69")
 
 // MACRO with T's PTX type name.
 #define WGMMA_FOR_TYPE(MACRO)                  \
@@ -204,11 +191,8 @@ __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t desc_a, u
   WGMMA_FOR_TYPE(WGMMA_SS_N128)
 }
 
-// d (64 x N, fp32) {=, +=} A (64 x 16, registers) * B (16 x N, shared, MN-major), N = 64, 72 or 128.
-template <typename T>
-__device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
-  WGMMA_FOR_TYPE(WGMMA_RS_N64)
-}
+// d (64 x N, fp32) {=, +=} A (64 x 16, registers) * B (16 x N, shared, MN-major), N = 72 (head dim 64 and the
+// row-sum column) or 128.
 template <typename T>
 __device__ __forceinline__ void wgmma_rs(float (&d)[36], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
   WGMMA_FOR_TYPE(WGMMA_RS_N72)
@@ -226,7 +210,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4],
 #undef WGMMA_R36
 #undef WGMMA_R64
 #undef WGMMA_SS_N128
-#undef WGMMA_RS_N64
+#undef WGMMA_RS
 #undef WGMMA_RS_N72
 #undef WGMMA_RS_N128
 
