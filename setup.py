@@ -3,10 +3,12 @@
 Build knobs (environment variables):
   FUSEINFER_BUILD_CUDA   auto (default): build the extension when torch has CUDA and nvcc is found, else
                          install pure Python; 1: build it or fail; 0: never build it.
-  FUSEINFER_CUDA_ARCH    compute capabilities to compile for, ';'-separated (default "9.0a", the H100/H200 with
-                         their sm_90a-only instructions, which the wgmma attention prefill needs; without "9.0a",
-                         or with a plain "9.0" beside it, that kernel is left out and the mma.sync one runs).
-                         Sets TORCH_CUDA_ARCH_LIST.
+  FUSEINFER_CUDA_ARCH    compute capabilities to compile for, ';'-separated (default: TORCH_CUDA_ARCH_LIST if set,
+                         else "9.0a", the H100/H200 with their sm_90a-only instructions, which the wgmma attention
+                         prefill needs; without "9.0a", or with a plain "9.0" beside it, that kernel is left out and
+                         the mma.sync one runs; e.g. "8.0;9.0a" for A100 and H100). Sets TORCH_CUDA_ARCH_LIST. On a
+                         GPU the build has no kernels for, the ops run their PyTorch references and the patch
+                         report says so.
   MAX_JOBS               parallel compile jobs (torch's own knob; default: torch's choice).
 
 torch must be importable at build time for the extension, so build it with
@@ -38,7 +40,8 @@ def cuda_extension():
         elif CUDA_HOME is None and shutil.which("nvcc") is None:
             reason = "nvcc not found (set CUDA_HOME)"
         else:
-            arch = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", os.environ.get("FUSEINFER_CUDA_ARCH", "9.0a"))
+            arch = os.environ.get("FUSEINFER_CUDA_ARCH") or os.environ.get("TORCH_CUDA_ARCH_LIST") or "9.0a"
+            os.environ["TORCH_CUDA_ARCH_LIST"] = arch
             archs = [a.split("+")[0] for a in arch.replace(" ", ";").split(";")]
             # the wgmma kernel only where an sm_90 GPU is sure to load the sm_90a code (no plain 9.0 beside it)
             defines = ["-DFUSEINFER_SM90A"] if "9.0a" in archs and "9.0" not in archs else []
@@ -63,7 +66,7 @@ built = cuda_extension()
 setup(
     name="fuseinfer",
     version="0.1.0",
-    description="Fused CUDA ops for Hugging Face OPT inference: patch, measure, export",
+    description="Fused CUDA ops for Hugging Face OPT inference: patch and measure",
     packages=find_packages(include=["fuseinfer", "fuseinfer.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "transformers>=5.17,<5.24", "safetensors", "rich", "numpy"],

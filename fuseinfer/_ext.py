@@ -12,10 +12,12 @@ import torch
 
 _ext = None
 _load_error: str | None = None
+_no_kernels: dict[int, str | None] = {}  # CUDA device index -> None (the kernels run there) or why not
 
 
-def extension():
-    """The compiled ``fuseinfer._C`` module, or None when it is not built (or FUSEINFER_DISABLE_CUDA=1)."""
+def extension(device: torch.device | None = None):
+    """The compiled ``fuseinfer._C`` module, or None when it is not built (or FUSEINFER_DISABLE_CUDA=1) or, for a
+    CUDA ``device``, when the build has no kernels for that GPU's architecture."""
     global _ext, _load_error
     if _ext is None and _load_error is None:
         if os.environ.get("FUSEINFER_DISABLE_CUDA", "0") == "1":
@@ -25,7 +27,20 @@ def extension():
                 _ext = importlib.import_module("fuseinfer._C")
             except ImportError as exc:
                 _load_error = f"fuseinfer._C is not built ({exc})"
+    if _ext is not None and device is not None and device.type == "cuda" and _no_kernels_reason(device):
+        return None
     return _ext
+
+
+def _no_kernels_reason(device: torch.device) -> str | None:
+    """None when the extension's kernels run on CUDA ``device``, else why not (asked once per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _no_kernels:
+        major, minor = torch.cuda.get_device_capability(index)
+        _no_kernels[index] = None if _ext.kernels_run_on(index) else (
+            f"fuseinfer._C has no kernels for {torch.cuda.get_device_name(index)} (sm_{major}{minor}); rebuild "
+            f"with FUSEINFER_CUDA_ARCH={major}.{minor} (setup.py)")
+    return _no_kernels[index]
 
 
 def cuda_extension_available() -> bool:
@@ -33,16 +48,20 @@ def cuda_extension_available() -> bool:
     return extension() is not None and torch.cuda.is_available()
 
 
-def extension_status() -> str:
-    """One line for reports: 'built' or why the kernels are unavailable."""
-    if extension() is not None:
-        return "built" if torch.cuda.is_available() else "built, but no CUDA device is visible"
-    return _load_error or "not built"
+def extension_status(device: torch.device | None = None) -> str:
+    """One line for reports: 'built' or why the kernels are unavailable (on ``device``, when it is a GPU)."""
+    if extension() is None:
+        return _load_error or "not built"
+    if not torch.cuda.is_available():
+        return "built, but no CUDA device is visible"
+    if device is not None and device.type == "cuda" and _no_kernels_reason(device):
+        return f"built, but {_no_kernels_reason(device)}"
+    return "built"
 
 
 def backend_for(t: torch.Tensor) -> str:
     """'cuda' when the op on tensor ``t`` runs our kernel, else 'reference'."""
-    return "cuda" if t.is_cuda and extension() is not None else "reference"
+    return "cuda" if t.is_cuda and extension(t.device) is not None else "reference"
 
 
 def eager_cuda(t: torch.Tensor) -> bool:
@@ -52,4 +71,4 @@ def eager_cuda(t: torch.Tensor) -> bool:
     wrappers skip the dispatcher's Python custom-op layer (10-30 µs a call, which dominates a prefill's
     ~170 op calls) and call the same implementation the op's CUDA kernel registration calls.
     """
-    return t.is_cuda and extension() is not None and not torch.compiler.is_compiling()
+    return t.is_cuda and extension(t.device) is not None and not torch.compiler.is_compiling()

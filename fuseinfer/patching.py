@@ -134,7 +134,7 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
     if hasattr(model, STATE_ATTR):
         raise FuseInferError("this model is already patched; call fuseinfer.unpatch(model) before patching again")
     _check_tensors(model)
-    report = PatchReport(model_type=model_type)
+    report = PatchReport(model_type=model_type, extension=extension_status(next(model.parameters()).device))
     state = family.patch(model, config, report)
     object.__setattr__(model, STATE_ATTR, PatchState(family, state, report, config))
     if hasattr(model, "generate"):

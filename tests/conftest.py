@@ -55,4 +55,5 @@ VARIANTS = {
     "odd_hidden96_3heads": dict(hidden_size=96, num_attention_heads=3, ffn_dim=200),
     "no_bias": dict(enable_bias=False),
     "no_final_ln": dict(_remove_final_layer_norm=True),
+    "ln_without_affine": dict(layer_norm_elementwise_affine=False),
 }

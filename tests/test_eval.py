@@ -242,7 +242,18 @@ def test_unknown_backend(capsys):
 @needs_tiny
 def test_missing_data_dir(tmp_path, capsys):
     rc = main(["--model", str(TINY), "--device", "cpu", "--data-dir", str(tmp_path)])
-    assert_one_line_error(capsys, rc, "--data-dir", "wiki.test.raw", "datasets")
+    assert_one_line_error(capsys, rc, "--data-dir", "wiki.test.raw", "FUSEINFER_DATA_DIR")
+
+
+def test_model_path_to_a_file(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    rc = main(["--model", str(tmp_path / "config.json"), "--device", "cpu"])
+    assert_one_line_error(capsys, rc, "is a file", "pass the folder")
+
+
+def test_cuda_index_beyond_the_visible_gpus(capsys):
+    rc = main(["--model", "opt-125m", "--device", f"cuda:{torch.cuda.device_count() + 3}"])
+    assert_one_line_error(capsys, rc, "cuda:")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")

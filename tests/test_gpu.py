@@ -26,6 +26,22 @@ def assert_lowp_close(ours, torch_lowp, ref32, what=""):
 
 def test_extension_is_built():
     assert fuseinfer.cuda_extension_available(), fuseinfer.extension_status()
+    assert fuseinfer.extension_status(torch.device("cuda")) == "built"  # its kernels load on this GPU
+
+
+def test_gpu_without_kernels_runs_the_references(monkeypatch):
+    """A GPU whose architecture the build left out (simulated): every op runs its reference, and the patch report
+    says why instead of a 'no kernel image' error at the first call."""
+    from fuseinfer import _ext
+
+    monkeypatch.setattr(_ext, "_no_kernels", {torch.cuda.current_device(): "no kernels for this test's GPU"})
+    model = random_opt(dtype=torch.float16, device="cuda")
+    ids = torch.randint(3, model.config.vocab_size, (2, 17), device="cuda")
+    ref = model(ids).logits
+    report = fuseinfer.patch(model)
+    assert "no kernels for this test's GPU" in report.extension
+    assert {b for s in report.swaps for b in s.ops.values()} <= {"reference", "sdpa (no fuseinfer kernels here)"}
+    torch.testing.assert_close(model(ids).logits, ref, rtol=2e-2, atol=2e-2)
 
 
 # ---- residual add + LayerNorm ----

@@ -202,6 +202,61 @@ def test_training_mode_falls_back_to_the_original_forward():
     assert (_logits(model, ids) - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
+def test_training_after_patch_backpropagates_like_unpatched():
+    """Patched in eval mode, then .train(): the fused modules, attention included, run the original forward, so a
+    left-padded batch's loss and every gradient match the unpatched model's."""
+    ref, model = random_opt(), random_opt()
+    fuseinfer.patch(model)
+    ids = _ids(model)
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    out = []
+    for m in (ref, model):
+        loss = m.train()(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-5, atol=0)
+    assert out[1][1].keys() == out[0][1].keys()
+    for name, grad in out[0][1].items():
+        torch.testing.assert_close(out[1][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_to_after_patch_keeps_qkv_fused():
+    """model.to() converts the (3E, E) q/k/v buffer and the projections' weights one by one; they must end up
+    views of one buffer again (the same Parameter objects), so a later load_state_dict reaches the fused GEMM."""
+    model = random_opt()
+    fuseinfer.patch(model)
+    attn = model.model.decoder.layers[0].self_attn
+    q_weight = attn.q_proj.weight
+    model.to(torch.bfloat16)
+    assert attn.q_proj.weight is q_weight and attn.qkv_weight.dtype == torch.bfloat16
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()
+    model.load_state_dict(random_opt(seed=5).to(torch.bfloat16).state_dict())
+    fresh = random_opt(seed=5).to(torch.bfloat16)
+    fuseinfer.patch(fresh)
+    ids = _ids(model)
+    assert torch.equal(_logits(model, ids), _logits(fresh, ids))
+
+
+def test_torch_save_and_load_of_patched_model(tmp_path):
+    """torch.save pickles a patched model (its generate hook and decode sessions included); the loaded copy
+    generates the same tokens and unpatches."""
+    from transformers.models.opt.modeling_opt import OPTAttention
+
+    model = random_opt()
+    fuseinfer.patch(model)
+    ids = _ids(model, seq=9)
+    out = fuseinfer.generate(model, ids, max_new_tokens=6)
+    torch.save(model, tmp_path / "patched.pt")
+    loaded = torch.load(tmp_path / "patched.pt", weights_only=False)
+    assert torch.equal(fuseinfer.generate(loaded, ids, max_new_tokens=6), out)
+    hf_kwargs = dict(max_new_tokens=6, do_sample=False)
+    assert torch.equal(loaded.generate(ids, **hf_kwargs), model.generate(ids, **hf_kwargs))  # through the hook
+    fuseinfer.unpatch(loaded)
+    assert type(loaded.model.decoder.layers[0].self_attn) is OPTAttention
+
+
 # ---- bad input: one clear error, model untouched ----
 
 def _snapshot(model):

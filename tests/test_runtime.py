@@ -12,10 +12,17 @@ from conftest import VARIANTS, random_opt
 
 import fuseinfer
 from fuseinfer import FuseInferError, PatchConfig
+from fuseinfer.runtime import hf_generate
 from fuseinfer.runtime.decode import SESSIONS_ATTR, _graph_steps
 
 PROMPTS = ["The tower is", "In 1990 , the band released their second album", "He was",
            "= Valkyria Chronicles III ="]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fallback_log(monkeypatch):
+    """Each test sees every fallback reason logged (they are logged once per process)."""
+    monkeypatch.setattr(hf_generate, "_logged", set())
 
 
 def _load(path, device="cpu"):
@@ -99,6 +106,27 @@ def test_sampling_respects_top_k_and_reuses_session(tiny_model_path):
     assert model.__dict__[SESSIONS_ATTR][4] is session  # second call reused cache (and graph)
     assert a.shape == b.shape == (4, enc.input_ids.shape[1] + 20) and not torch.equal(a, b)
     assert ((a >= 0) & (a < model.config.vocab_size)).all()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, None, None), (1.3, 5, None), (1.0, None, 0.8),
+                                                     (0.5, 40, 0.9), (2.0, 3, 0.5)])
+def test_sampling_distribution_matches_transformers_warpers(temperature, top_k, top_p, monkeypatch):
+    """With the race's exponentials fixed at 1, Sampling.scores is the probability each token is drawn with: it
+    must be softmax of the logits after transformers' temperature, top-k and top-p warpers, in that order."""
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    from fuseinfer.runtime.decode import Sampling
+
+    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, *a, **k: self.fill_(1.0))
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(3)) * 3  # (B, V)
+    ours = Sampling(True, temperature, top_k, top_p).scores(logits)
+    warped = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        warped = TopKLogitsWarper(top_k)(None, warped)
+    if top_p is not None:
+        warped = TopPLogitsWarper(top_p)(None, warped)
+    torch.testing.assert_close(ours, warped.softmax(-1), rtol=1e-5, atol=1e-7)
 
 
 def test_unsupported_generate_falls_back_with_logged_reason(tiny_model_path, caplog):
@@ -198,6 +226,34 @@ def test_100_calls_do_not_grow_memory(tiny_model_path):
     fuseinfer.unpatch(model)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() < before  # cache and graph pool released
+
+
+def test_session_is_rebuilt_after_the_model_moves():
+    """A session's graphs and step read the weights where they were: after model.to(...) the next call makes a
+    new session, and its tokens are a freshly converted model's."""
+    model = random_opt()
+    fuseinfer.patch(model)
+    ids = torch.randint(3, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    fuseinfer.generate(model, ids, max_new_tokens=5)
+    session = model.__dict__[SESSIONS_ATTR][2]
+    model.to(torch.bfloat16)
+    out = fuseinfer.generate(model, ids, max_new_tokens=5)
+    assert model.__dict__[SESSIONS_ATTR][2] is not session
+    fresh = random_opt().to(torch.bfloat16)
+    fuseinfer.patch(fresh)
+    assert torch.equal(out, fuseinfer.generate(fresh, ids, max_new_tokens=5))
+
+
+def test_fallback_reasons_are_logged_once_per_kind(caplog, monkeypatch):
+    model = random_opt()
+    fuseinfer.patch(model)
+    monkeypatch.setattr(type(model), "generate", lambda self, inputs=None, **kwargs: inputs)  # transformers' part
+    ids = torch.randint(3, model.config.vocab_size, (1, 9))
+    limit = model.config.max_position_embeddings
+    with caplog.at_level(logging.WARNING, logger="fuseinfer"):
+        for extra in (1, 2, 3):  # the same reason with other numbers
+            assert model.generate(ids, max_length=limit + extra, do_sample=False) is ids
+    assert caplog.text.count("do not fit the model's positions") == 1
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "four"])

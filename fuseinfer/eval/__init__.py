@@ -5,7 +5,7 @@ perplexity (GPTQ protocol, or sliding window with ``--stride``), prefill latency
 peak GPU memory, and derived figures (prefill TFLOP/s, decode GB/s against the measured copy bandwidth,
 speedups over eager). Library use::
 
-    from fuseinfer.eval import Settings, run
+    from fuseinfer.eval import ConsoleUI, Settings, run
     results = run(Settings(model="opt-125m"), ConsoleUI())
 """
 from .backends import BACKENDS, Backend

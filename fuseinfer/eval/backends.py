@@ -168,6 +168,7 @@ class FuseInferBackend(EagerBackend):
 
     def prepare(self):
         self.report = fuseinfer.patch(self.model)
+        self.decode = "not run"  # set by start(): the path the timed decode steps take
 
     def start(self, batch_size, max_len):
         from fuseinfer.runtime.decode import Sampling, decode_forward, session_for
@@ -178,6 +179,8 @@ class FuseInferBackend(EagerBackend):
         no_eos = torch.empty(0, dtype=torch.long)  # latency runs never stop early
         self.session = session_for(self.model, forward, batch_size, max_len, Sampling(), max_len, no_eos,
                                    pad=self.model.config.pad_token_id or 0)
+        self.decode = ("static cache" + (" + CUDA graph replay" if self.session.graphs else "") + ", step: "
+                       + self.session.path)
 
     def end(self):
         if self.model is not None:
@@ -195,7 +198,7 @@ class FuseInferBackend(EagerBackend):
         return {"patch_backends": {op: sorted(b) for op, b in sorted(self.report.backends.items())},
                 "patch_extension": self.report.extension,
                 "patched_modules": len(self.report.swaps),
-                "decode": "static cache + CUDA graph replay" if self.device.type == "cuda" else "static cache"}
+                "decode": self.decode}
 
     def close(self):
         if self.model is not None and fuseinfer.patch_state(self.model) is not None:

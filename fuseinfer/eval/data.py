@@ -58,8 +58,8 @@ def load_eval_text(data_dir: str | None) -> EvalText:
     if data_dir:
         path = Path(data_dir).expanduser() / TEST_FILE
         if not path.is_file():
-            raise EvalError(f"{path} not found: pass --data-dir pointing at a folder with {TEST_FILE}, "
-                            "or install datasets")
+            raise EvalError(f"{path} not found: pass --data-dir (or set ${DATA_DIR_ENV}) to a folder with "
+                            f"{TEST_FILE}")
         rows, source = rows_from_file(path), str(path.resolve())
     else:
         rows, source = _rows_from_datasets(), "datasets: wikitext/wikitext-2-raw-v1 test"

@@ -29,7 +29,7 @@ def environment(device: torch.device) -> dict:
         "cuda": torch.version.cuda,
         "transformers": transformers.__version__,
         "fuseinfer": fuseinfer.__version__,
-        "fuseinfer_extension": fuseinfer.extension_status(),
+        "fuseinfer_extension": fuseinfer.extension_status(device),
         "cpu_threads": torch.get_num_threads(),
         "gpu": None, "gpu_capability": None, "gpu_memory_mib": None, "driver": None,
     }

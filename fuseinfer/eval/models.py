@@ -71,6 +71,8 @@ def resolve_model(spec: str) -> ModelSource:
         return ModelSource(spec, f"facebook/{name.lower()}", "hub", random_weights)
     if os.path.isdir(os.path.expanduser(name)):
         return ModelSource(spec, os.path.abspath(os.path.expanduser(name)), "local", random_weights)
+    if os.path.isfile(os.path.expanduser(name)):
+        raise EvalError(f"--model {name!r} is a file: pass the folder that holds config.json and the weights")
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise EvalError(f"model directory {name!r} does not exist")
     if _HUB_ID.match(name):

@@ -7,6 +7,7 @@ still run. Problems with the settings, the model name or the data raise :class:`
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -94,6 +95,9 @@ def _device(name: str | None) -> torch.device:
                         f"built for CUDA {torch.version.cuda}); use --device cpu")
     if device.type not in ("cuda", "cpu"):
         raise EvalError(f"unsupported device {name!r}: use cuda, cuda:N or cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise EvalError(f"--device {name}: only {torch.cuda.device_count()} CUDA GPU(s) visible, "
+                        f"use cuda:0 ... cuda:{torch.cuda.device_count() - 1}")
     return device
 
 
@@ -279,6 +283,7 @@ def run_backend(cls: type[Backend], plan: Plan, ui) -> tuple[dict, object, torch
                 reset_peak(device)
                 fields, generated = measure_latency(backend, plan, ui)
                 row.update(fields)
+                row.update(backend.details())  # (what the timed runs took, e.g. the fast-decode path)
                 memory.update(_memory_fields("", device))
             if plan.windows:
                 free_memory(device)
@@ -327,11 +332,13 @@ def run(settings: Settings, ui) -> dict:
     for message in plan.messages:
         ui.info(message)
     s = plan.settings
-    copy_gbps = None if s.skip_latency else copy_bandwidth_gbps(plan.device)
     rows, tokens, stats = {}, {}, None
-    for name in s.backends:
-        rows[name], backend_stats, tokens[name] = run_backend(BACKENDS[name], plan, ui)
-        stats = stats or backend_stats
+    # every CUDA call of the run (streams, events, graphs, kernels) on the chosen GPU, e.g. --device cuda:1
+    with torch.cuda.device(plan.device) if plan.device.type == "cuda" else contextlib.nullcontext():
+        copy_gbps = None if s.skip_latency else copy_bandwidth_gbps(plan.device)
+        for name in s.backends:
+            rows[name], backend_stats, tokens[name] = run_backend(BACKENDS[name], plan, ui)
+            stats = stats or backend_stats
     for name, row in rows.items():
         if stats is not None:
             row.update(derive(row, stats, s.batch_size, s.prompt_len, s.gen_len, copy_gbps, rows.get("eager")))

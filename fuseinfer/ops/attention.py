@@ -86,7 +86,7 @@ def kernel_supports(q: torch.Tensor) -> bool:
 
 @_attention.register_kernel("cuda")
 def _attention_cuda(q, k, v, key_mask, q_start, scale):
-    ext = extension()
+    ext = extension(q.device)
     if ext is None or not kernel_supports(q):
         return attention_sdpa(q, k, v, key_mask, q_start, scale)
     return ext.attention(q, k, v, key_mask, q_start, scale)

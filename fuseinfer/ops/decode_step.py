@@ -64,7 +64,7 @@ def _opt_decode_step(
 
 def kernel_supports(rows: int, embed: torch.Tensor, ffn: int, head_dim: int) -> bool:
     """Whether the CUDA kernel serves a step of ``rows`` tokens for this model (else the reference runs)."""
-    ext = extension()
+    ext = extension(embed.device)
     return (ext is not None and embed.is_cuda and torch.cuda.get_device_capability(embed.device)[0] >= 9
             and embed.dtype in (torch.float16, torch.bfloat16) and head_dim in (64, 128)
             and 1 <= rows <= MAX_ROWS and embed.shape[1] % 32 == 0 and ffn % 32 == 0

@@ -52,7 +52,7 @@ def emit_tokens_scratch(rows: int, device) -> torch.Tensor:
 
 def kernel_supports(scores, tokens, positions, q_start, out, scratch) -> bool:
     """Whether the CUDA kernel serves these tensors (else the op runs the reference)."""
-    ext = extension()
+    ext = extension(scores.device)
     b = scores.shape[0]
     return (ext is not None and scores.dtype == torch.float32 and scores.is_contiguous() and 1 <= b <= 65535
             and scores.shape[1] < 2**31 and all(t.is_contiguous() for t in (tokens, positions, q_start, out))

@@ -35,7 +35,7 @@ def kernel_supports(k_cache, v_cache, k, v, slots) -> bool:
 
 @_kv_cache_append.register_kernel("cuda")
 def _kv_cache_append_cuda(k_cache, v_cache, k, v, slots):
-    ext = extension()
+    ext = extension(k_cache.device)
     if ext is None or not kernel_supports(k_cache, v_cache, k, v, slots):
         kv_cache_append_ref(k_cache, v_cache, k, v, slots)
     else:

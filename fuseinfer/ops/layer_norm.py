@@ -30,7 +30,7 @@ def _add_layer_norm(
 
 @_add_layer_norm.register_kernel("cuda")
 def _add_layer_norm_cuda(x, residual, weight, bias, eps, store_sum):
-    ext = extension()
+    ext = extension(x.device)
     if ext is None:
         y, s = add_layer_norm_ref(x, residual, weight, bias, eps, store_sum)
         return y, (s.clone() if s is x else s)

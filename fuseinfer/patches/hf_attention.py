@@ -20,6 +20,7 @@ from transformers.masking_utils import (
 )
 
 from ..ops import attention
+from ..ops.attention import allowed_mask
 
 NAME = "fuseinfer"
 
@@ -55,7 +56,22 @@ def fuseinfer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
 
 
 def fuseinfer_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query (B, H, Sq, D), key/value (B, H, Skv, D) -> ((B, Sq, H, D), None)."""
+    """query (B, H, Sq, D), key/value (B, H, Skv, D) -> ((B, Sq, H, D), None).
+
+    In training mode (a model patched in eval mode, then ``.train()``) it runs transformers' SDPA attention, which
+    has a backward and applies the attention dropout; the fused kernel is for inference only."""
+    if module.training:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if isinstance(attention_mask, MaskInfo):
+            b, _, sq, _ = query.shape
+            if attention_mask.key_mask is None and attention_mask.q_start is None and sq == key.shape[2]:
+                attention_mask = None  # plain causal: SDPA's is_causal
+            else:
+                attention_mask = allowed_mask(attention_mask.key_mask, attention_mask.q_start, b, sq, key.shape[2],
+                                              query.device)  # (B, 1, Sq, Skv); a row without keys gives 0s
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     if isinstance(attention_mask, MaskInfo):
         return attention(query, key, value, attention_mask.key_mask, attention_mask.q_start, scale), None

@@ -52,6 +52,14 @@ class FusedOPTAttention(OPTAttention):
 
     _fuseinfer_ops: frozenset = frozenset()
 
+    def _apply(self, fn, recurse=True):
+        """``model.to`` / ``.half()`` / ``.cuda()`` convert the (3E, E) q/k/v buffer and the projections' weights
+        one by one; the weights then become views of the converted buffer again (one copy, updated together)."""
+        super()._apply(fn, recurse)
+        if getattr(self, "qkv_weight", None) is not None:
+            _link_qkv(self)
+        return self
+
     def forward(self, hidden_states, past_key_values=None, attention_mask=None, output_attentions=False,
                 residual=None, **kwargs):
         if self.training:
@@ -186,19 +194,20 @@ class OPTFamily:
     def patch(self, model: nn.Module, config: PatchConfig, report: PatchReport) -> dict:
         ops = frozenset(config.ops)
         state = {"classes": [], "qkv": [], "attn_impl": None}
+        like = next(model.parameters())  # what a parameter-free module's ops run on
         layer_ops = ops & {"layer_norm", "linear"}
         attn_ops = ops & {"qkv", "linear", "attention"}
         for name, module in model.named_modules():
             if type(module) is OPTDecoderLayer and layer_ops and config.selects(module, name):
-                self._swap(module, name, FusedOPTDecoderLayer, layer_ops, state, report)
+                self._swap(module, name, FusedOPTDecoderLayer, layer_ops, state, report, like)
             elif type(module) is OPTAttention and attn_ops and config.selects(module, name):
                 if "qkv" in ops:
                     self._fuse_qkv(module, state)
-                self._swap(module, name, FusedOPTAttention, attn_ops, state, report)
+                self._swap(module, name, FusedOPTAttention, attn_ops, state, report, like)
             elif isinstance(module, OPTDecoder) and type(module.final_layer_norm) is nn.LayerNorm \
                     and "layer_norm" in ops and config.selects(module.final_layer_norm, f"{name}.final_layer_norm"):
                 self._swap(module.final_layer_norm, f"{name}.final_layer_norm".lstrip("."), FusedLayerNorm,
-                           {"layer_norm"}, state, report)
+                           {"layer_norm"}, state, report, like)
         if "attention" in ops:
             before = model.config._attn_implementation
             if model.training:
@@ -212,9 +221,9 @@ class OPTFamily:
         return state
 
     @staticmethod
-    def _swap(module, name, cls, ops, state, report):
+    def _swap(module, name, cls, ops, state, report, like):
         state["classes"].append((module, type(module)))
-        report.swaps.append(Swap(name, type(module).__name__, cls.__name__, _backends(module, ops)))
+        report.swaps.append(Swap(name, type(module).__name__, cls.__name__, _backends(module, ops, like)))
         module.__class__ = cls
         module._fuseinfer_ops = frozenset(ops)
 
@@ -222,23 +231,19 @@ class OPTFamily:
     def _fuse_qkv(attn: OPTAttention, state):
         """Concatenate q/k/v weights into one (3E, E) buffer and make the projections' weights views of it."""
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-        weight = torch.cat([p.weight.detach() for p in projs])  # (3E, E)
-        bias = torch.cat([p.bias.detach() for p in projs]) if attn.enable_bias else None  # (3E,)
-        attn.register_buffer("qkv_weight", weight, persistent=False)
-        attn.register_buffer("qkv_bias", bias, persistent=False)
-        e = attn.embed_dim
-        for i, p in enumerate(projs):
-            p.weight = nn.Parameter(weight[i * e:(i + 1) * e], requires_grad=p.weight.requires_grad)
-            if bias is not None:
-                p.bias = nn.Parameter(bias[i * e:(i + 1) * e], requires_grad=p.bias.requires_grad)
+        attn.register_buffer("qkv_weight", torch.cat([p.weight.detach() for p in projs]),  # (3E, E)
+                             persistent=False)
+        attn.register_buffer("qkv_bias", torch.cat([p.bias.detach() for p in projs]) if attn.enable_bias else None,
+                             persistent=False)  # (3E,)
+        _link_qkv(attn)
         state["qkv"].append(attn)
 
     def unpatch(self, model: nn.Module, state: dict) -> None:
         for attn in state["qkv"]:
             for p in (attn.q_proj, attn.k_proj, attn.v_proj):
-                p.weight = nn.Parameter(p.weight.detach().clone(), requires_grad=p.weight.requires_grad)
+                p.weight.data = p.weight.detach().clone()
                 if p.bias is not None:
-                    p.bias = nn.Parameter(p.bias.detach().clone(), requires_grad=p.bias.requires_grad)
+                    p.bias.data = p.bias.detach().clone()
             del attn.qkv_weight, attn.qkv_bias
         for module, cls in state["classes"]:
             module.__class__ = cls
@@ -247,14 +252,25 @@ class OPTFamily:
             model.config._attn_implementation = state["attn_impl"]
 
 
-def _backends(module: nn.Module, ops) -> dict[str, str]:
-    """op -> 'cuda' | 'reference' | 'sdpa (why)' for a module's parameters."""
-    p = next(module.parameters())
+def _link_qkv(attn: OPTAttention) -> None:
+    """Point the q/k/v projections' parameters (the same Parameter objects, so optimizers and hooks keep them) at
+    their rows of ``qkv_weight`` / ``qkv_bias``."""
+    e = attn.embed_dim
+    for i, proj in enumerate((attn.q_proj, attn.k_proj, attn.v_proj)):
+        proj.weight.data = attn.qkv_weight[i * e:(i + 1) * e]
+        if attn.qkv_bias is not None:
+            proj.bias.data = attn.qkv_bias[i * e:(i + 1) * e]
+
+
+def _backends(module: nn.Module, ops, like: torch.Tensor) -> dict[str, str]:
+    """op -> 'cuda' | 'reference' | 'sdpa (why)' for a module's parameters (``like``'s device and dtype for a
+    module without any, e.g. a LayerNorm with elementwise_affine=False)."""
+    p = next(module.parameters(), like)
     out = {op: backend_for(p) for op in sorted(ops)}
     if "attention" in out and p.is_cuda:  # on CUDA, what our kernel does not cover runs SDPA
         head_dim = getattr(module, "head_dim", 0)
         if out["attention"] != "cuda":
-            out["attention"] = "sdpa (CUDA extension not built)"
+            out["attention"] = "sdpa (no fuseinfer kernels here)"
         elif not kernel_supports(p.new_empty(1, 1, 1, head_dim)):
             out["attention"] = f"sdpa (no kernel for {p.dtype}, head dim {head_dim})"
     return out

@@ -14,10 +14,13 @@ choice are chained with programmatic dependent launch, so a step's weight stream
 is being chosen. On CPU, or with FUSEINFER_CUDA_GRAPHS=0, the same step runs eagerly over the same static cache.
 
 Sessions (cache + graphs, one per bucket) stay on the model between calls, so repeated calls reuse them and
-allocate nothing; ``release(model)`` (or ``fuseinfer.unpatch``) frees them.
+allocate nothing, until the model's tensors move (``model.to``: a session records where they were);
+``release(model)`` (or ``fuseinfer.unpatch``) frees them.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import weakref
 from dataclasses import dataclass
@@ -69,6 +72,9 @@ class _Session:
     def __deepcopy__(self, memo):  # a deep copy of the model starts without sessions (graphs cannot be copied)
         return None
 
+    def __reduce__(self):  # so does a pickled (torch.save) model
+        return type(None), ()
+
     def __init__(self, model, forward, bucket: int, capacity: int, sampling: Sampling, max_new: int,
                  eos: torch.Tensor, pad: int):
         cfg, p = model.config, next(model.parameters())
@@ -79,6 +85,7 @@ class _Session:
         dev = p.device
         self.cache = StaticKVCache(cfg.num_hidden_layers, bucket, heads, cfg.hidden_size // heads, capacity,
                                    p.dtype, dev)
+        self.weights = _weights_key(model)  # the tensors the graphs read (fits(): a .to() makes new ones)
         self.eos_host = eos  # (n_eos,) int64 on the CPU, may be empty: what fits() compares
         self.eos = eos.to(dev)
         self.tokens = torch.zeros(bucket, 1, dtype=torch.long, device=dev)  # (B, 1) next input
@@ -98,9 +105,10 @@ class _Session:
         if dev.type == "cuda" and os.environ.get("FUSEINFER_CUDA_GRAPHS", "1") != "0":
             self._capture(min(_graph_steps(), max(1, max_new - 1)))  # (decode steps: max_new - 1)
 
-    def fits(self, capacity: int, sampling: Sampling, max_new: int, eos: torch.Tensor, pad: int) -> bool:
-        return (self.capacity >= capacity and self.sampling == sampling and self.max_new >= max_new
-                and self.pad == pad and torch.equal(self.eos_host, eos))
+    def fits(self, weights: tuple, capacity: int, sampling: Sampling, max_new: int, eos: torch.Tensor,
+             pad: int) -> bool:
+        return (self.weights == weights and self.capacity >= capacity and self.sampling == sampling
+                and self.max_new >= max_new and self.pad == pad and torch.equal(self.eos_host, eos))
 
     def _emit(self, logits: torch.Tensor) -> None:
         """Choose the next tokens from logits (B, V), record them and the stop state at ``step``, advance every
@@ -250,8 +258,10 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     sampling = Sampling(do_sample, float(temperature), top_k, top_p) if do_sample else Sampling()
     eos = _eos_tensor(eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos.numel() else 0)
-    session = session_for(model, forward, b, p + max_new_tokens, sampling, max_new_tokens, eos, pad)
-    new = session.run(input_ids.to(session.tokens.device), mask.to(session.tokens.device), max_new_tokens)
+    dev = next(model.parameters()).device
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():  # graphs on the model's GPU
+        session = session_for(model, forward, b, p + max_new_tokens, sampling, max_new_tokens, eos, pad)
+        new = session.run(input_ids.to(dev), mask.to(dev), max_new_tokens)
     return torch.cat([input_ids, new.to(input_ids.device)], dim=1)
 
 
@@ -261,11 +271,16 @@ def session_for(model, forward, batch: int, max_len: int, sampling: Sampling, ma
     capacity = min(model.config.max_position_embeddings, -(-max_len // CAPACITY_ROUND) * CAPACITY_ROUND)
     sessions = model.__dict__.setdefault(SESSIONS_ATTR, {})
     bucket = _bucket(batch)
-    session = sessions.get(bucket)  # (None in a deep copy of the model: see _Session.__deepcopy__)
-    if session is None or not session.fits(capacity, sampling, max_new, eos, pad):
+    session = sessions.get(bucket)  # (None in a deep or pickled copy of the model: see _Session)
+    if session is None or not session.fits(_weights_key(model), capacity, sampling, max_new, eos, pad):
         sessions.pop(bucket, None)  # free the old graph and cache before allocating the new ones
         session = sessions[bucket] = _Session(model, forward, bucket, capacity, sampling, max_new, eos, pad)
     return session
+
+
+def _weights_key(model) -> tuple:
+    """Where and how the model's tensors are stored: a session's graphs and step kernel read them there."""
+    return tuple((t.data_ptr(), t.dtype, t.device) for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 def release(model) -> None:

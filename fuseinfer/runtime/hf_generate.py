@@ -4,6 +4,7 @@ positions), and otherwise hands the call to transformers unchanged, logging why 
 from __future__ import annotations
 
 import logging
+import re
 import weakref
 from typing import TYPE_CHECKING
 
@@ -61,6 +62,9 @@ class GenerateHook:
         model = self._model()
         return GenerateHook(memo.get(id(model), model))
 
+    def __reduce__(self):  # torch.save(model) / pickle: the loaded model gets a hook on itself
+        return GenerateHook, (self._model(),)
+
     def __call__(self, inputs=None, generation_config: GenerationConfig | None = None, **kwargs):
         model = self._model()
         if model is None:
@@ -85,8 +89,9 @@ def patched_generate(model, inputs=None, generation_config: GenerationConfig | N
         if max_new < 1 or input_ids.shape[1] + max_new > model.config.max_position_embeddings:
             reason = f"{max_new} new tokens after a prompt of {input_ids.shape[1]} do not fit the model's positions"
     if reason is not None:
-        if reason not in _logged:
-            _logged.add(reason)
+        key = re.sub(r"\d+", "N", reason)  # once per kind of reason, whatever its numbers
+        if key not in _logged:
+            _logged.add(key)
             logger.warning("fuseinfer: model.generate falls back to transformers: %s", reason)
         return type(model).generate(model, inputs, generation_config=generation_config, **kwargs)
     eos = get("eos_token_id")

@@ -1,0 +1,24 @@
+// Whether the extension's kernels can run on a device: the driver has no image of them for a GPU whose
+// architecture the build left out (FUSEINFER_CUDA_ARCH), and every kernel here is compiled for the same list, so
+// one empty kernel answers for all. fuseinfer._ext asks once per device and runs the references where not.
+#include "fuseinfer.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+
+namespace fuseinfer {
+namespace {
+
+__global__ void probe_kernel() {}
+
+}  // namespace
+
+bool kernels_run_on(int64_t device) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  cudaFuncAttributes attributes;
+  const cudaError_t status = cudaFuncGetAttributes(&attributes, probe_kernel);
+  if (status != cudaSuccess) (void)cudaGetLastError();  // (not sticky: clear it so later calls do not see it)
+  return status == cudaSuccess;
+}
+
+}  // namespace fuseinfer
