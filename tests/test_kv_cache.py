@@ -99,6 +99,19 @@ def test_append_kernel_exact(case, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "qkv_view"])
+def test_opcheck_cuda(strided):
+    """The op's CUDA registration (the kernel, which writes the caches in place) under opcheck, like the CPU one."""
+    _require_kernel()
+    dev = dict(dtype=torch.float16, device="cuda")
+    k, v = _qkv_views(2, 3, 4, 96, torch.float16, "cuda") if strided else \
+        (torch.randn(2, 4, 3, 96, **dev), torch.randn(2, 4, 3, 96, **dev))
+    args = (torch.randn(2, 4, 9, 96, **dev), torch.randn(2, 4, 9, 96, **dev), k, v,
+            torch.tensor([8, 2, 5], device="cuda"))
+    torch.library.opcheck(torch.ops.fuseinfer.kv_cache_append.default, args)
+
+
+@pytest.mark.gpu
 def test_append_kernel_skips_out_of_range_slots():
     _require_kernel()
     k, v = _qkv_views(2, 4, 4, 64, torch.float16, "cuda")  # (B, H, S=4, D): one write per slot below
