@@ -356,3 +356,39 @@ def test_compile_backend_matches_eager():
     assert rows["compile"]["ppl"] == pytest.approx(rows["eager"]["ppl"], rel=1e-4)
     assert rows["compile"]["greedy_match_eager"] == 1.0
     assert rows["compile"]["first_call_s"]["prefill"] > 0
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--prompt-len", "0"], ["--prompt-len", "at least 1"]),
+    (["--batch-size", "0"], ["--batch-size", "at least 1"]),
+    (["--prompt-len", "2000", "--gen-len", "100"], ["--prompt-len + --gen-len", "positions"]),
+    (["--skip-latency", "--seq-len", "4096"], ["--seq-len 4096", "positions"]),
+    (["--skip-latency", "--seq-len", "512", "--stride", "600"], ["--stride 600", "lower --stride"]),
+    (["--device", "tpu"], ["tpu"]),
+])
+@needs_tiny
+def test_size_and_device_errors(args, words, capsys):
+    """Sizes checked against the model's positions (2048 for opt-wt2-tiny) and bad devices: one line each."""
+    rc = main(["--model", str(TINY), "--device", "cpu", *args] if "--device" not in args else
+              ["--model", str(TINY), *args])
+    assert_one_line_error(capsys, rc, *words)
+
+
+def test_derived_metrics_by_hand():
+    """derive()'s formulas on round numbers: 1 layer, hidden 4, fp16, 100 matmul params, 10 LM-head params,
+    1000 weight bytes per token; batch 2, prompt 3, 5 decode steps; prefill 2 ms, decode 4 ms per step."""
+    from fuseinfer.eval.metrics import derive
+    from fuseinfer.eval.models import ModelStats
+
+    stats = ModelStats(params=0, matmul_params=100, lm_head_params=10, weight_bytes_per_token=1000, layers=1,
+                       hidden=4, element_size=2)
+    row = {"prefill_ms": {"median": 2.0}, "decode_ms_per_token": {"median": 4.0}}
+    eager = {"prefill_ms": {"median": 6.0}, "decode_ms_per_token": {"median": 10.0}}
+    out = derive(row, stats, batch=2, prompt_len=3, gen_len=5, copy_gbps=0.001, eager=eager)
+    flops = 2 * 100 * 2 * 3 + 2 * 10 * 2 + 2 * 2 * 1 * 2 * 9 * 4 / 2  # linears + last-token LM head + attention
+    step_bytes = 1000 + 2 * 1 * 2 * (3 + 3) * 4 * 2  # weights + K and V at the mean context 3 + (5 + 1) / 2
+    assert out["prefill_tflops"] == pytest.approx(flops / 2e-3 / 1e12)
+    assert out["tokens_per_s"] == pytest.approx(2 * 1000 / 4)
+    assert out["decode_gbps"] == pytest.approx(step_bytes / 4e-3 / 1e9)
+    assert out["decode_bw_fraction"] == pytest.approx(step_bytes / 4e-3 / 1e9 / 0.001)
+    assert out["speedup_prefill"] == pytest.approx(3.0) and out["speedup_decode"] == pytest.approx(2.5)

@@ -179,10 +179,34 @@ def test_generate_errors_and_unpatch_releases(tiny_model_path):
         fuseinfer.generate(model, torch.ones(2, 4, dtype=torch.long), torch.tensor([[1, 1, 1, 0], [1] * 4]))
     with pytest.raises(FuseInferError, match="exceeds the model's max_position_embeddings"):
         fuseinfer.generate(model, ids, max_new_tokens=5000)
+    with pytest.raises(FuseInferError, match="temperature must be > 0"):
+        fuseinfer.generate(model, ids, do_sample=True, temperature=0.0)
+    with pytest.raises(FuseInferError, match=r"input_ids must be \(batch, length\)"):
+        fuseinfer.generate(model, ids[0])
+    with pytest.raises(FuseInferError, match="attention_mask shape"):
+        fuseinfer.generate(model, ids, torch.ones(1, ids.shape[1] + 1, dtype=torch.long))
+    assert torch.equal(fuseinfer.generate(model, ids, max_new_tokens=0), ids)  # nothing to generate
     fuseinfer.generate(model, ids, max_new_tokens=3)
     assert SESSIONS_ATTR in model.__dict__
     fuseinfer.unpatch(model)
     assert SESSIONS_ATTR not in model.__dict__ and "generate" not in model.__dict__
+
+
+def test_generate_hook_hands_right_padding_and_max_length_to_the_right_path(tiny_model_path, caplog):
+    """model.generate on a patched model: right padding goes to transformers (logged), and max_length (no
+    max_new_tokens) takes the fast path with max_length - prompt new tokens, like transformers."""
+    model, tok = _load(tiny_model_path)
+    tok.padding_side = "right"
+    enc = tok(PROMPTS[:2], return_tensors="pt", padding=True)
+    ref_right = model.generate(**enc, max_new_tokens=6, do_sample=False)
+    ids = tok(PROMPTS[1:2], return_tensors="pt").input_ids
+    ref_len = model.generate(ids, max_length=ids.shape[1] + 7, do_sample=False)
+    fuseinfer.patch(model)
+    with caplog.at_level(logging.WARNING, logger="fuseinfer"):
+        assert torch.equal(model.generate(**enc, max_new_tokens=6, do_sample=False), ref_right)
+    assert "right padding" in caplog.text and SESSIONS_ATTR not in model.__dict__
+    assert torch.equal(model.generate(ids, max_length=ids.shape[1] + 7, do_sample=False), ref_len)
+    assert SESSIONS_ATTR in model.__dict__  # (the fast path ran)
 
 
 @pytest.mark.gpu
