@@ -6,6 +6,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
 
+#include <string>
+
 namespace fuseinfer {
 namespace {
 
@@ -13,12 +15,13 @@ __global__ void probe_kernel() {}
 
 }  // namespace
 
-bool kernels_run_on(int64_t device) {
+std::string kernels_run_on(int64_t device) {
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   cudaFuncAttributes attributes;
   const cudaError_t status = cudaFuncGetAttributes(&attributes, probe_kernel);
-  if (status != cudaSuccess) (void)cudaGetLastError();  // (not sticky: clear it so later calls do not see it)
-  return status == cudaSuccess;
+  if (status == cudaSuccess) return "";
+  (void)cudaGetLastError();  // (not sticky: clear it so later calls do not see it)
+  return cudaGetErrorString(status);
 }
 
 }  // namespace fuseinfer

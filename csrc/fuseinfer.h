@@ -72,8 +72,8 @@ int64_t emit_tokens_scratch_ints(int64_t rows);
 // Whether m rows of hidden e / ffn f fit the kernel's shared memory on the current device.
 bool decode_step_fits(int64_t m, int64_t e, int64_t f);
 
-// Whether this build's kernels run on CUDA device `device` (false: the build left out its architecture, see
-// FUSEINFER_CUDA_ARCH in setup.py).
-bool kernels_run_on(int64_t device);
+// "" when this build's kernels run on CUDA device `device`, else the CUDA error that says why not (e.g. the build
+// left out its architecture, see FUSEINFER_CUDA_ARCH in setup.py).
+std::string kernels_run_on(int64_t device);
 
 }  // namespace fuseinfer

@@ -13,6 +13,7 @@ import torch
 _ext = None
 _load_error: str | None = None
 _no_kernels: dict[int, str | None] = {}  # CUDA device index -> None (the kernels run there) or why not
+_kernels_run: set[int] = set()  # the indices mapped to None above: the per-op-call check is one set lookup
 
 
 def extension(device: torch.device | None = None):
@@ -27,7 +28,8 @@ def extension(device: torch.device | None = None):
                 _ext = importlib.import_module("fuseinfer._C")
             except ImportError as exc:
                 _load_error = f"fuseinfer._C is not built ({exc})"
-    if _ext is not None and device is not None and device.type == "cuda" and _no_kernels_reason(device):
+    if (_ext is not None and device is not None and device.type == "cuda" and device.index not in _kernels_run
+            and _no_kernels_reason(device)):
         return None
     return _ext
 
@@ -36,10 +38,19 @@ def _no_kernels_reason(device: torch.device) -> str | None:
     """None when the extension's kernels run on CUDA ``device``, else why not (asked once per device)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _no_kernels:
-        major, minor = torch.cuda.get_device_capability(index)
-        _no_kernels[index] = None if _ext.kernels_run_on(index) else (
-            f"fuseinfer._C has no kernels for {torch.cuda.get_device_name(index)} (sm_{major}{minor}); rebuild "
-            f"with FUSEINFER_CUDA_ARCH={major}.{minor} (setup.py)")
+        probe = getattr(_ext, "kernels_run_on", None)
+        if probe is None:
+            _no_kernels[index] = ("fuseinfer._C is older than this fuseinfer: rebuild it "
+                                  "(pip install --no-build-isolation -e .)")
+        else:
+            major, minor = torch.cuda.get_device_capability(index)
+            error = probe(index)  # "" when the kernels load on that GPU, else the CUDA error
+            arch = f"{major}.{minor}" + ("a" if (major, minor) == (9, 0) else "")
+            _no_kernels[index] = None if not error else (
+                f"fuseinfer._C has no kernels for {torch.cuda.get_device_name(index)} (sm_{major}{minor}: {error}); "
+                f"rebuild with FUSEINFER_CUDA_ARCH={arch} (setup.py)")
+        if _no_kernels[index] is None:
+            _kernels_run.add(index)
     return _no_kernels[index]
 
 

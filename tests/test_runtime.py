@@ -258,11 +258,12 @@ def test_session_is_rebuilt_after_the_model_moves():
     model = random_opt()
     fuseinfer.patch(model)
     ids = torch.randint(3, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    fuseinfer.generate(model, ids[:1], max_new_tokens=5)  # a second bucket, which the move must drop too
     fuseinfer.generate(model, ids, max_new_tokens=5)
     session = model.__dict__[SESSIONS_ATTR][2]
     model.to(torch.bfloat16)
     out = fuseinfer.generate(model, ids, max_new_tokens=5)
-    assert model.__dict__[SESSIONS_ATTR][2] is not session
+    assert set(model.__dict__[SESSIONS_ATTR]) == {2} and model.__dict__[SESSIONS_ATTR][2] is not session
     fresh = random_opt().to(torch.bfloat16)
     fuseinfer.patch(fresh)
     assert torch.equal(out, fuseinfer.generate(fresh, ids, max_new_tokens=5))

@@ -254,7 +254,8 @@ class OPTFamily:
 
 def _link_qkv(attn: OPTAttention) -> None:
     """Point the q/k/v projections' parameters (the same Parameter objects, so optimizers and hooks keep them) at
-    their rows of ``qkv_weight`` / ``qkv_bias``."""
+    their rows of ``qkv_weight`` / ``qkv_bias``. (``load_state_dict(..., assign=True)`` replaces those objects and
+    so unties them: load before ``patch``, or unpatch and patch again.)"""
     e = attn.embed_dim
     for i, proj in enumerate((attn.q_proj, attn.k_proj, attn.v_proj)):
         proj.weight.data = attn.qkv_weight[i * e:(i + 1) * e]

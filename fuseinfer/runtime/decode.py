@@ -14,8 +14,8 @@ choice are chained with programmatic dependent launch, so a step's weight stream
 is being chosen. On CPU, or with FUSEINFER_CUDA_GRAPHS=0, the same step runs eagerly over the same static cache.
 
 Sessions (cache + graphs, one per bucket) stay on the model between calls, so repeated calls reuse them and
-allocate nothing, until the model's tensors move (``model.to``: a session records where they were);
-``release(model)`` (or ``fuseinfer.unpatch``) frees them.
+allocate nothing, until the model's tensors move (``model.to``: a session records where they were, and the next
+call drops every session); ``release(model)`` (or ``fuseinfer.unpatch``) frees them.
 """
 from __future__ import annotations
 
@@ -270,9 +270,12 @@ def session_for(model, forward, batch: int, max_len: int, sampling: Sampling, ma
     """The model's session for this batch bucket, made anew only when the cached one does not fit."""
     capacity = min(model.config.max_position_embeddings, -(-max_len // CAPACITY_ROUND) * CAPACITY_ROUND)
     sessions = model.__dict__.setdefault(SESSIONS_ATTR, {})
+    weights = _weights_key(model)
+    if any(s is not None and s.weights != weights for s in sessions.values()):
+        sessions.clear()  # the model's tensors moved: every bucket's cache and graphs belong to the old ones
     bucket = _bucket(batch)
     session = sessions.get(bucket)  # (None in a deep or pickled copy of the model: see _Session)
-    if session is None or not session.fits(_weights_key(model), capacity, sampling, max_new, eos, pad):
+    if session is None or not session.fits(weights, capacity, sampling, max_new, eos, pad):
         sessions.pop(bucket, None)  # free the old graph and cache before allocating the new ones
         session = sessions[bucket] = _Session(model, forward, bucket, capacity, sampling, max_new, eos, pad)
     return session
