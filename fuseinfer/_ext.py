@@ -13,7 +13,6 @@ import torch
 _ext = None
 _load_error: str | None = None
 _no_kernels: dict[int, str | None] = {}  # CUDA device index -> None (the kernels run there) or why not
-_kernels_run: set[int] = set()  # the indices mapped to None above: the per-op-call check is one set lookup
 
 
 def extension(device: torch.device | None = None):
@@ -28,9 +27,11 @@ def extension(device: torch.device | None = None):
                 _ext = importlib.import_module("fuseinfer._C")
             except ImportError as exc:
                 _load_error = f"fuseinfer._C is not built ({exc})"
-    if (_ext is not None and device is not None and device.type == "cuda" and device.index not in _kernels_run
-            and _no_kernels_reason(device)):
-        return None
+    if _ext is not None and device is not None and device.type == "cuda":
+        # once asked, one dict lookup per op call
+        reason = _no_kernels[device.index] if device.index in _no_kernels else _no_kernels_reason(device)
+        if reason:
+            return None
     return _ext
 
 
@@ -49,8 +50,6 @@ def _no_kernels_reason(device: torch.device) -> str | None:
             _no_kernels[index] = None if not error else (
                 f"fuseinfer._C has no kernels for {torch.cuda.get_device_name(index)} (sm_{major}{minor}: {error}); "
                 f"rebuild with FUSEINFER_CUDA_ARCH={arch} (setup.py)")
-        if _no_kernels[index] is None:
-            _kernels_run.add(index)
     return _no_kernels[index]
 
 
@@ -65,9 +64,8 @@ def extension_status(device: torch.device | None = None) -> str:
         return _load_error or "not built"
     if not torch.cuda.is_available():
         return "built, but no CUDA device is visible"
-    if device is not None and device.type == "cuda" and _no_kernels_reason(device):
-        return f"built, but {_no_kernels_reason(device)}"
-    return "built"
+    reason = _no_kernels_reason(device) if device is not None and device.type == "cuda" else None
+    return f"built, but {reason}" if reason else "built"
 
 
 def backend_for(t: torch.Tensor) -> str:

@@ -41,7 +41,6 @@ def test_gpu_without_kernels_runs_the_references(monkeypatch):
     from fuseinfer import _ext
 
     monkeypatch.setattr(_ext, "_no_kernels", {torch.cuda.current_device(): "no kernels for this test's GPU"})
-    monkeypatch.setattr(_ext, "_kernels_run", set())
     model = random_opt(dtype=torch.float16, device="cuda")
     ids = torch.randint(3, model.config.vocab_size, (2, 17), device="cuda")
     ref = model(ids).logits

@@ -76,7 +76,7 @@ class _Session:
         return type(None), ()
 
     def __init__(self, model, forward, bucket: int, capacity: int, sampling: Sampling, max_new: int,
-                 eos: torch.Tensor, pad: int):
+                 eos: torch.Tensor, pad: int, weights: tuple):
         cfg, p = model.config, next(model.parameters())
         heads = cfg.num_attention_heads
         # (the model holds its sessions: a weak reference back keeps it free of reference cycles)
@@ -85,7 +85,7 @@ class _Session:
         dev = p.device
         self.cache = StaticKVCache(cfg.num_hidden_layers, bucket, heads, cfg.hidden_size // heads, capacity,
                                    p.dtype, dev)
-        self.weights = _weights_key(model)  # the tensors the graphs read (fits(): a .to() makes new ones)
+        self.weights = weights  # _weights_key(model): where the tensors the graphs read were (see session_for)
         self.eos_host = eos  # (n_eos,) int64 on the CPU, may be empty: what fits() compares
         self.eos = eos.to(dev)
         self.tokens = torch.zeros(bucket, 1, dtype=torch.long, device=dev)  # (B, 1) next input
@@ -105,10 +105,9 @@ class _Session:
         if dev.type == "cuda" and os.environ.get("FUSEINFER_CUDA_GRAPHS", "1") != "0":
             self._capture(min(_graph_steps(), max(1, max_new - 1)))  # (decode steps: max_new - 1)
 
-    def fits(self, weights: tuple, capacity: int, sampling: Sampling, max_new: int, eos: torch.Tensor,
-             pad: int) -> bool:
-        return (self.weights == weights and self.capacity >= capacity and self.sampling == sampling
-                and self.max_new >= max_new and self.pad == pad and torch.equal(self.eos_host, eos))
+    def fits(self, capacity: int, sampling: Sampling, max_new: int, eos: torch.Tensor, pad: int) -> bool:
+        return (self.capacity >= capacity and self.sampling == sampling and self.max_new >= max_new
+                and self.pad == pad and torch.equal(self.eos_host, eos))
 
     def _emit(self, logits: torch.Tensor) -> None:
         """Choose the next tokens from logits (B, V), record them and the stop state at ``step``, advance every
@@ -275,9 +274,10 @@ def session_for(model, forward, batch: int, max_len: int, sampling: Sampling, ma
         sessions.clear()  # the model's tensors moved: every bucket's cache and graphs belong to the old ones
     bucket = _bucket(batch)
     session = sessions.get(bucket)  # (None in a deep or pickled copy of the model: see _Session)
-    if session is None or not session.fits(weights, capacity, sampling, max_new, eos, pad):
+    if session is None or not session.fits(capacity, sampling, max_new, eos, pad):
         sessions.pop(bucket, None)  # free the old graph and cache before allocating the new ones
-        session = sessions[bucket] = _Session(model, forward, bucket, capacity, sampling, max_new, eos, pad)
+        session = sessions[bucket] = _Session(model, forward, bucket, capacity, sampling, max_new, eos, pad,
+                                              weights)
     return session
 
 
