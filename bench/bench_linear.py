@@ -6,21 +6,23 @@ The four linears of an OPT decoder layer, each with the epilogue the patched mod
   fc1       N = ffn, K = h    bias + ReLU
   fc2       N = h,   K = ffn  bias + residual
 for OPT-1.3b (h 2048, ffn 8192) and OPT-6.7b (h 4096, ffn 16384), at prefill (M = 2048, 8192 tokens) and decode
-(M = 1, 8, 32) sizes. Columns: ours; "bare mm" = torch.mm(x, w.t()) alone (the GEMM ceiling, no epilogue);
+(M = 1, 8, 32) sizes. Columns: ours; "bare mm" = torch.mm(x, w.t()) alone (the GEMM ceiling, no epilogue), the
+two timed in turn over five rounds (common.paired_ms; "ours/bare" is the median of the per-round ratios);
 "eager" = F.linear(x, w, b) followed by the separate + residual / ReLU op, as the unpatched model runs it;
 "compile" = torch.compile(mode="max-autotune-no-cudagraphs") of that eager expression (max-autotune without
 CUDA graphs: graph replay would add a copy of x and r into static buffers to every call, and the launch overhead
 graphs remove is hidden here anyway; skipped with --no-autotune: each shape autotunes for tens of seconds). Prefill rows report TFLOP/s = 2MNK / t, decode rows GB/s on the weight
 bytes (N K 2 / t) and that as % of the copy bandwidth measured in the same run. M <= 16 runs our skinny
-tensor-core kernel, larger M cuBLASLt (mirrors kSkinnyMaxM in csrc/linear.cu). Rows with M <= 16 also
+tensor-core kernel, larger M cuBLASLt (mirrors kSkinnyMaxM in csrc/linear.cu). Decode rows also
 report the time as the decode step sees it ("graph" columns): calls over distinct weight copies (together
 > 4x L2, so every call reads HBM) captured back to back in one CUDA graph, per-call median; "graph cuBLAS" is
 the eager expression (F.linear, plus the separate add / ReLU kernel where the epilogue has one) timed the same
 way.
 
 Every row first checks ours against an fp32 reference: error at most 2x eager's (+ slack).
-Usage: python bench/bench_linear.py [--quick] [--no-autotune]  -> bench/results/linear.json and .md
-(the full run with autotuning takes about 15 minutes on an H100; --quick is OPT-1.3b at M 1, 32, 2048).
+Usage: python bench/bench_linear.py [--quick] [--no-autotune] [--models opt-6.7b] [--name linear]
+  -> bench/results/<name>.json and .md (the full run with autotuning takes about 15 minutes on an H100, without
+  about one; --quick is OPT-1.3b at M 1, 32, 2048).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import bench_ms, graph_call_ms, measure_ceilings, write_results  # noqa: E402
+from common import bench_ms, graph_call_ms, measure_ceilings, paired_ms, paired_ratio, write_results  # noqa: E402
 
 import fuseinfer._C as C  # noqa: E402
 
@@ -94,9 +96,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="OPT-1.3b only, M in (1, 32, 2048)")
     parser.add_argument("--no-autotune", action="store_true", help="skip the torch.compile max-autotune column")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
+    parser.add_argument("--name", default="linear", help="results file name (bench/results/<name>.json, .md)")
     args = parser.parse_args()
+    names = ["opt-1.3b"] if args.quick else args.models.split(",")
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}: choose from {', '.join(MODELS)}")
     torch.manual_seed(0)
-    models = {"opt-1.3b": MODELS["opt-1.3b"]} if args.quick else MODELS
+    models = {name: MODELS[name] for name in names}
     m_values = (1, 32, 2048) if args.quick else DECODE_M + PREFILL_M
     ceilings = measure_ceilings()
     rows = []
@@ -110,14 +118,15 @@ def main() -> None:
                     x = torch.randn(m, k, device="cuda", dtype=DTYPE)
                     r = torch.randn(m, n, device="cuda", dtype=DTYPE)
                     check(ours, eager, x, w, b, r)
-                    t_ours = bench_ms(lambda: ours(x, w, b, r))
-                    t_mm = bench_ms(lambda: torch.mm(x, w.t()))
+                    # ours and bare alternate over rounds: "ours/bare" is the median of the per-round ratios
+                    paired = paired_ms({"ours": lambda: ours(x, w, b, r), "bare": lambda: torch.mm(x, w.t())})
+                    t_ours, t_mm = paired["ours"], paired["bare"]
                     t_eager = bench_ms(lambda: eager(x, w, b, r))
                     row = {"model": model, "layer": layer, "epilogue": epilogue, "M": m, "N": n, "K": k,
                            "path": "skinny" if m <= SKINNY_MAX_M else "cublasLt",
                            "ours ms": t_ours["median_ms"], "bare mm ms": t_mm["median_ms"],
                            "eager ms": t_eager["median_ms"],
-                           "ours/bare": t_ours["median_ms"] / t_mm["median_ms"],
+                           "ours/bare": paired_ratio(t_ours, t_mm),
                            "x eager": t_eager["median_ms"] / t_ours["median_ms"],
                            "ours": t_ours, "bare_mm": t_mm, "eager": t_eager}
                     if not args.no_autotune:
@@ -132,16 +141,16 @@ def main() -> None:
                     else:
                         gbs = n * k * DTYPE.itemsize / (t_ours["median_ms"] * 1e-3) / 1e9
                         row.update({"weight GB/s": gbs, "% copy": 100 * gbs / ceilings["copy_GBps"]})
-                        if m <= SKINNY_MAX_M:
-                            row.update(graph_columns(ours, eager, x, w, b, r, ceilings["copy_GBps"]))
+                        row.update(graph_columns(ours, eager, x, w, b, r, ceilings["copy_GBps"]))
                     rows.append(row)
                     print(" | ".join(f"{c}={row[c]:.4g}" if isinstance(row[c], float) else f"{c}={row[c]}"
                                      for c in COLUMNS if c in row), flush=True)
     settings = {"dtype": str(DTYPE), "models": list(models), "M": list(m_values), "quick": args.quick,
                 "autotune": not args.no_autotune, "skinny_max_m": SKINNY_MAX_M,
-                "note": "L2 flushed before every timed call (triton do_bench); graph columns: back-to-back calls "
+                "note": "L2 flushed before every timed call (triton do_bench); ours and bare mm alternate over 5 rounds, "
+                        "ours/bare = median of the per-round ratios; graph columns: back-to-back calls "
                         "over weight copies > 4x L2 in one CUDA graph", "pdl": os.environ.get("FUSEINFER_PDL", "1")}
-    path = write_results("linear", settings, ceilings, rows, COLUMNS)
+    path = write_results(args.name, settings, ceilings, rows, COLUMNS)
     print(f"wrote {path}")
 
 

@@ -27,6 +27,27 @@ def bench_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> dict:
     return {"median_ms": p50, "p10_ms": p10, "p90_ms": p90}
 
 
+def paired_ms(fns: dict, rounds: int = 5, rep_ms: float = 50) -> dict:
+    """Times the closures in ``fns`` in turn, ``rounds`` times over (A B A B ...), so that clock and thermal
+    drift between them cancels in a ratio. Returns, per name, the median over rounds of each round's do_bench
+    median (``median_ms``), the smallest and largest of them and the list (``min_ms``, ``max_ms``, ``rounds_ms``)."""
+    per = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            per[name].append(bench_ms(fn, rep_ms=rep_ms)["median_ms"])
+    out = {}
+    for name, times in per.items():
+        s = sorted(times)
+        out[name] = {"median_ms": s[len(s) // 2], "min_ms": s[0], "max_ms": s[-1], "rounds_ms": times}
+    return out
+
+
+def paired_ratio(a: dict, b: dict) -> float:
+    """Median over rounds of a's time / b's time in the same round (two entries of one ``paired_ms`` result)."""
+    r = sorted(x / y for x, y in zip(a["rounds_ms"], b["rounds_ms"]))
+    return r[len(r) // 2]
+
+
 def graph_call_ms(calls, replays: int = 20) -> dict:
     """Per-call time of ``calls`` (a list of closures, e.g. one per weight copy) captured back to back in one
     CUDA graph: median (p10, p90) over ``replays`` timed replays of the whole graph, divided by len(calls).

@@ -1,0 +1,22 @@
+"""bench/common.py's paired timing: the closures alternate round by round, and the ratio pairs rounds."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import common  # noqa: E402
+
+
+def test_paired_ms_alternates_and_summarises(monkeypatch):
+    calls, clock = [], iter([3.0, 1.0, 5.0, 2.0, 4.0, 9.0])  # a, b, a, b, a, b
+
+    def fake_bench_ms(fn, rep_ms):
+        fn()
+        return {"median_ms": next(clock)}
+
+    monkeypatch.setattr(common, "bench_ms", fake_bench_ms)
+    out = common.paired_ms({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3)
+    assert calls == ["a", "b"] * 3
+    assert out["a"] == {"median_ms": 4.0, "min_ms": 3.0, "max_ms": 5.0, "rounds_ms": [3.0, 5.0, 4.0]}
+    assert out["b"]["rounds_ms"] == [1.0, 2.0, 9.0] and out["b"]["median_ms"] == 2.0
+    # per-round ratios 3, 2.5, 0.444: their median, not the ratio of the medians (4 / 2 = 2)
+    assert common.paired_ratio(out["a"], out["b"]) == 2.5
