@@ -11,9 +11,11 @@ next to the default wgmma one (`fuseinfer`).
 Baselines: torch.nn.functional.scaled_dot_product_attention under each available SDPA backend (flash,
 efficient, cudnn; a backend that rejects the inputs is recorded as unavailable) and torch.compile of the eager
 math (softmax(q k^T * scale) v). Every implementation is checked against the eager math in fp32 before it is
-timed; a wrong result aborts the run, so no speed is ever reported for a wrong kernel.
+timed; a wrong result aborts the run, so no speed is ever reported for a wrong kernel. The implementations are
+timed in turn, once per round over --rounds rounds (drift between them cancels); a row reports the median of its
+rounds and "speedup_vs_best_sdpa" the median over rounds of (that round's fastest SDPA backend) / (this one).
 
-    python bench/bench_attention.py [--quick]
+    python bench/bench_attention.py [--quick] [--rounds 5]
 """
 from __future__ import annotations
 
@@ -64,7 +66,8 @@ def implementations(q, k, v, scale: float, causal: bool, ext) -> dict:
     return impls
 
 
-def run_config(mode: str, b: int, h: int, sq: int, skv: int, d: int, ext, ceilings: dict, timing: dict) -> list[dict]:
+def run_config(mode: str, b: int, h: int, sq: int, skv: int, d: int, ext, ceilings: dict, timing: dict,
+               rounds: int) -> list[dict]:
     torch.manual_seed(0)
     q = torch.randn(b, h, sq, d, device="cuda", dtype=DTYPE)
     k = torch.randn(b, h, skv, d, device="cuda", dtype=DTYPE)
@@ -78,42 +81,50 @@ def run_config(mode: str, b: int, h: int, sq: int, skv: int, d: int, ext, ceilin
     else:
         work = (2 * b * h * skv * d + 2 * b * h * sq * d) * q.element_size()  # K + V read, q read, out written
     base = dict(mode=mode, B=b, H=h, Sq=sq, Skv=skv, D=d)
-    rows = []
+    rows, timed = [], {}  # timed: name -> (fn, ctx, err) of the implementations that ran and were right
     for name, (fn, ctx) in implementations(q, k, v, scale, causal, ext).items():
         try:
             with ctx() if ctx else _null():
                 out = fn()
                 torch.cuda.synchronize()
-                err = (out.float() - ref).abs().max().item()
-                if not err <= MAX_ERR:  # also catches NaN
-                    if name.startswith("fuseinfer"):
-                        raise AssertionError(f"{name} {base}: max abs error {err:.3g} > {MAX_ERR}")
-                    rows.append({**base, "impl": name, "max_abs_err": err, "note": "wrong result, not timed"})
-                    continue
-                t = bench_ms(fn, **timing)
         except RuntimeError as exc:  # backend unavailable for these inputs / this GPU
             if name.startswith("fuseinfer"):
                 raise
             first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             rows.append({**base, "impl": name, "note": f"unavailable: {first_line[:120]}"})
             continue
-        sec = t["median_ms"] * 1e-3
-        row = {**base, "impl": name, **t, "max_abs_err": err}
+        err = (out.float() - ref).abs().max().item()
+        if not err <= MAX_ERR:  # also catches NaN
+            if name.startswith("fuseinfer"):
+                raise AssertionError(f"{name} {base}: max abs error {err:.3g} > {MAX_ERR}")
+            rows.append({**base, "impl": name, "max_abs_err": err, "note": "wrong result, not timed"})
+            continue
+        timed[name] = (fn, ctx, err)
+    # every implementation once per round, `rounds` rounds: clock and thermal drift hits all of them alike
+    per_round = {name: [] for name in timed}
+    for _ in range(rounds):
+        for name, (fn, ctx, _err) in timed.items():
+            with ctx() if ctx else _null():
+                per_round[name].append(bench_ms(fn, **timing)["median_ms"])
+    sdpa = [name for name in timed if name.startswith("sdpa")]
+    for name, (_fn, _ctx, err) in timed.items():
+        times = sorted(per_round[name])
+        row = {**base, "impl": name, "median_ms": times[len(times) // 2], "min_ms": times[0], "max_ms": times[-1],
+               "rounds_ms": per_round[name], "max_abs_err": err}
+        sec = row["median_ms"] * 1e-3
         if mode == "prefill":
             row["TFLOPs"] = work / sec / 1e12
         else:
             row["GBps"] = work / sec / 1e9
             row["pct_copy"] = 100.0 * row["GBps"] / ceilings["copy_GBps"]
+        if sdpa:  # per round: the fastest SDPA backend's time / this one's; the median over rounds
+            ratios = sorted(min(per_round[other][i] for other in sdpa) / per_round[name][i] for i in range(rounds))
+            row["speedup_vs_best_sdpa"] = ratios[len(ratios) // 2]
         rows.append(row)
         print(f"{mode:7s} B={b:<2d} H={h} Sq={sq:<5d} Skv={skv:<5d} D={d:<3d} {name:15s} "
-              f"{t['median_ms']:8.4f} ms  " + (f"{row['TFLOPs']:7.1f} TFLOP/s" if mode == "prefill" else
-                                              f"{row['GBps']:7.0f} GB/s ({row['pct_copy']:.0f}% of copy)"),
-              flush=True)
-    timed = [r for r in rows if "median_ms" in r and r["impl"].startswith("sdpa")]
-    best = min((r["median_ms"] for r in timed), default=None)
-    for r in rows:
-        if best is not None and "median_ms" in r:
-            r["speedup_vs_best_sdpa"] = best / r["median_ms"]
+              f"{row['median_ms']:8.4f} ms  " + (f"{row['TFLOPs']:7.1f} TFLOP/s" if mode == "prefill" else
+                                                 f"{row['GBps']:7.0f} GB/s ({row['pct_copy']:.0f}% of copy)")
+              + (f"  x best SDPA {row['speedup_vs_best_sdpa']:.3f}" if sdpa else ""), flush=True)
     del q, k, v, ref
     torch.cuda.empty_cache()
     return rows
@@ -155,6 +166,7 @@ def check_semantics(ext) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="few configs, short timing")
+    parser.add_argument("--rounds", type=int, default=5, help="timing rounds over all implementations")
     args = parser.parse_args()
 
     import fuseinfer
@@ -176,14 +188,17 @@ def main() -> None:
     print(f"ceilings: copy {ceilings['copy_GBps']:.0f} GB/s, cuBLAS fp16 {ceilings['matmul_fp16_TFLOPs']:.0f} TFLOP/s")
     rows = []
     for b, h, s, d in prefill:
-        rows += run_config("prefill", b, h, s, s, d, ext, ceilings, timing)
+        rows += run_config("prefill", b, h, s, s, d, ext, ceilings, timing, args.rounds)
     for b, h, ctx, d in decode:
-        rows += run_config("decode", b, h, 1, ctx, d, ext, ceilings, timing)
+        rows += run_config("decode", b, h, 1, ctx, d, ext, ceilings, timing, args.rounds)
 
-    settings = dict(quick=args.quick, dtype=str(DTYPE), causal_prefill=True, decode_sq=1, **timing,
+    settings = dict(quick=args.quick, dtype=str(DTYPE), causal_prefill=True, decode_sq=1, **timing, rounds=args.rounds,
+                    timing="each implementation once per round (do_bench median); median_ms = median over rounds, "
+                           "min/max over rounds; speedup_vs_best_sdpa = median over rounds of the round's fastest "
+                           "SDPA time / this one's",
                     prefill_kernel=ext.attention_prefill_kernel(),
                     flops="prefill: 4*B*H*S^2*D/2 (causal)", bytes="decode: K+V read + q read + out written")
-    columns = ["mode", "B", "H", "Sq", "Skv", "D", "impl", "median_ms", "p10_ms", "p90_ms", "TFLOPs", "GBps",
+    columns = ["mode", "B", "H", "Sq", "Skv", "D", "impl", "median_ms", "min_ms", "max_ms", "TFLOPs", "GBps",
                "pct_copy", "speedup_vs_best_sdpa", "max_abs_err", "note"]
     path = write_results("attention", settings, ceilings, rows, columns)
     print(f"wrote {path}")

@@ -15,7 +15,8 @@ graphs remove is hidden here anyway; skipped with --no-autotune: each shape auto
 bytes (N K 2 / t) and that as % of the copy bandwidth measured in the same run. M <= 16 runs our skinny
 tensor-core kernel, larger M cuBLASLt (mirrors kSkinnyMaxM in csrc/linear.cu). Decode rows also
 report the time as the decode step sees it ("graph" columns): calls over distinct weight copies (together
-> 4x L2, so every call reads HBM) captured back to back in one CUDA graph, per-call median; "graph cuBLAS" is
+> 4x L2, so every call reads HBM) captured back to back in one CUDA graph, per-call median over five rounds in
+which ours and cuBLAS take turns (common.graph_calls_ms); "graph cuBLAS" is
 the eager expression (F.linear, plus the separate add / ReLU kernel where the epilogue has one) timed the same
 way.
 
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import bench_ms, graph_call_ms, measure_ceilings, paired_ms, paired_ratio, write_results  # noqa: E402
+from common import bench_ms, graph_calls_ms, measure_ceilings, paired_ms, paired_ratio, write_results  # noqa: E402
 
 import fuseinfer._C as C  # noqa: E402
 
@@ -76,8 +77,9 @@ def graph_columns(ours, eager, x, w, b, r, copy_gbps: float) -> dict:
     nbytes = w.numel() * w.element_size()
     copies = max(2, -(-4 * torch.cuda.get_device_properties(w.device).L2_cache_size // nbytes))
     ws = [w.clone() for _ in range(copies)]
-    t_ours = graph_call_ms([lambda wi=wi: ours(x, wi, b, r) for wi in ws])
-    t_cublas = graph_call_ms([lambda wi=wi: eager(x, wi, b, r) for wi in ws])
+    t = graph_calls_ms({"ours": [lambda wi=wi: ours(x, wi, b, r) for wi in ws],
+                        "cublas": [lambda wi=wi: eager(x, wi, b, r) for wi in ws]})
+    t_ours, t_cublas = t["ours"], t["cublas"]
     gbs = nbytes / (t_ours["median_ms"] * 1e-3) / 1e9
     return {"graph ms": t_ours["median_ms"], "graph cuBLAS ms": t_cublas["median_ms"], "graph GB/s": gbs,
             "graph % copy": 100 * gbs / copy_gbps, "graph": t_ours, "graph_cublas": t_cublas,
@@ -149,7 +151,8 @@ def main() -> None:
                 "autotune": not args.no_autotune, "skinny_max_m": SKINNY_MAX_M,
                 "note": "L2 flushed before every timed call (triton do_bench); ours and bare mm alternate over 5 rounds, "
                         "ours/bare = median of the per-round ratios; graph columns: back-to-back calls "
-                        "over weight copies > 4x L2 in one CUDA graph", "pdl": os.environ.get("FUSEINFER_PDL", "1")}
+                        "over weight copies > 4x L2 in one CUDA graph, >= 50 ms warm-up, ours and cuBLAS in turn "
+                        "over 5 rounds of 10 replays, median", "pdl": os.environ.get("FUSEINFER_PDL", "1")}
     path = write_results(args.name, settings, ceilings, rows, COLUMNS)
     print(f"wrote {path}")
 

@@ -1,7 +1,7 @@
 """Shared helpers for the benchmark scripts in bench/: timing, ceilings, environment and result files.
 
 Kernel benchmarks time with CUDA events through ``triton.testing.do_bench`` (warm-up excluded; decode-sized
-calls also back to back in a CUDA graph, ``graph_call_ms``) and report the median with the 10th and 90th
+calls also back to back in a CUDA graph, ``graph_calls_ms``) and report the median with the 10th and 90th
 percentiles (bench_decode times whole generate calls by wall clock). Every benchmark re-measures the two ceilings
 of the GPU in the same run (device-to-device copy bandwidth, by the eval CLI's ``copy_bandwidth_gbps``, and cuBLAS
 fp16 matmul rate) and writes ``bench/results/<name>.json`` plus a Markdown table next to it.
@@ -9,6 +9,7 @@ fp16 matmul rate) and writes ``bench/results/<name>.json`` plus a Markdown table
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -48,31 +49,54 @@ def paired_ratio(a: dict, b: dict) -> float:
     return r[len(r) // 2]
 
 
-def graph_call_ms(calls, replays: int = 20) -> dict:
-    """Per-call time of ``calls`` (a list of closures, e.g. one per weight copy) captured back to back in one
-    CUDA graph: median (p10, p90) over ``replays`` timed replays of the whole graph, divided by len(calls).
-    This is how the decode step runs them: no host launch overhead, and (with PDL) each kernel overlapping the
-    previous one's tail. Give the calls distinct weights whose total exceeds L2 so every call reads HBM."""
-    for fn in calls:  # warm-up outside the graph (kernel selection, workspaces)
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
+def graph_calls_ms(groups: dict, rounds: int = 5, replays: int = 10, warmup_ms: float = 50) -> dict:
+    """Per-call time of each group of ``calls`` (closures, e.g. one per weight copy) captured back to back in a
+    CUDA graph of its own. This is how the decode step runs them: no host launch overhead, and (with PDL) each
+    kernel overlapping the previous one's tail. Give the calls distinct weights whose total exceeds L2 so every
+    call reads HBM. Each graph first replays, untimed, for at least ``warmup_ms`` (three replays did before: right
+    after bench_linear's M = 8192 GEMMs, OPT-6.7b's fc2 at M = 1 timed 55.5 us per call in a 2-call graph, 47.5 us
+    in a process of its own, H100); then the groups take turns, ``rounds`` times over, each turn ``replays`` timed
+    replays (a lone run of 20 replays once read OPT-6.7b's out_proj at M = 8 at half its speed in the rounds
+    around it). Per group: the median over all timed replays (``median_ms``, with p10 and p90), per call."""
+    graphs = {}
+    for name, calls in groups.items():
+        for fn in calls:  # warm-up outside the graph (kernel selection, workspaces)
             fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for fn in calls:
+                fn()
+        graphs[name] = (graph, len(calls))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for graph, _ in graphs.values():
         start.record()
-        graph.replay()
+        for _ in range(3):
+            graph.replay()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    times.sort()
-    pick = lambda q: times[min(len(times) - 1, int(q * len(times)))]  # noqa: E731
-    return {"median_ms": pick(0.5), "p10_ms": pick(0.1), "p90_ms": pick(0.9)}
+        for _ in range(min(1000, math.ceil(warmup_ms / max(start.elapsed_time(end) / 3, 1e-3)))):
+            graph.replay()
+    times = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, (graph, n_calls) in graphs.items():
+            for _ in range(replays):
+                start.record()
+                graph.replay()
+                end.record()
+                torch.cuda.synchronize()
+                times[name].append(start.elapsed_time(end) / n_calls)
+    out = {}
+    for name, t in times.items():
+        t.sort()
+        pick = lambda q: t[min(len(t) - 1, int(q * len(t)))]  # noqa: E731
+        out[name] = {"median_ms": pick(0.5), "p10_ms": pick(0.1), "p90_ms": pick(0.9)}
+    return out
+
+
+def graph_call_ms(calls, replays: int = 20) -> dict:
+    """``graph_calls_ms`` for one group: one round of ``replays`` timed replays after the warm-up."""
+    return graph_calls_ms({"calls": calls}, rounds=1, replays=replays)["calls"]
 
 
 def measure_ceilings() -> dict:

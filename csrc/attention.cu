@@ -165,7 +165,7 @@ __device__ __forceinline__ void store_rows(const AttnParams& p, Acc acc, const f
   for (int r = 0; r < 2; ++r) {
     const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
     const int qrow = row0 + 8 * r;
-    if (qrow >= p.Sq) continue;
+    if (qrow < 0 || qrow >= p.Sq) continue;  // rows past the end, or (sm90 prefill) before the start
     T* orow = out + ((int64_t(b) * p.Sq + qrow) * p.H + h) * D + 2 * (lane & 3);
 #pragma unroll
     for (int d = 0; d < D / 8; ++d)
@@ -427,7 +427,11 @@ struct Sm90Cfg {
 // more of them). The B * H heads go in groups of `group` whose K and V fit in part of L2; a group's items run
 // heaviest query block (most key tiles under the causal mask) first, the group's heads side by side. So the
 // launch ends on the lightest items (longest-processing-time order) and a group's K/V tiles are read from HBM
-// about once.
+// about once. Query blocks are aligned to the end of the rows: block mb covers rows [Sq - (n_mb - mb) BM, + BM),
+// so when BM does not divide Sq the short block is the first one, the lightest under the causal mask, instead of
+// the last, the heaviest (whose missing warpgroup would idle through all of its key tiles: S = 2048 at BM = 192
+// leaves 128 rows). Its rows before 0 come in as zeros from TMA, a warpgroup wholly before 0 computes nothing,
+// and no row before 0 is stored.
 struct Sm90Sched {
   int n_mb;   // query blocks per (batch, head)
   int bh;     // B * H
@@ -500,7 +504,7 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
     sched.item(w, mb, bh);
     it.b = bh / p.H;
     it.h = bh % p.H;
-    it.m0 = mb * C::BM;
+    it.m0 = Sq - (sched.n_mb - mb) * C::BM;  // blocks end-aligned: see Sm90Sched
     it.qs = p.q_start ? p.q_start[it.b * p.qs_s] : Skv - Sq;
     const int last_q = min(it.m0 + C::BM, Sq) - 1;
     it.n_end = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(Skv, int64_t(it.qs) + last_q + 1)));
@@ -623,7 +627,7 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
     const int q0 = it.m0 + 64 * g;  // first query row of this warpgroup
     // Tiles this warpgroup computes: up to the causal limit of its last row; later ones it only hands back.
     const int last_key = it.qs + q0 + 63;
-    const int my_tiles = q0 >= Sq || last_key < 0 ? 0 : min(it.n_tiles, last_key / BN + 1);
+    const int my_tiles = q0 + 64 <= 0 || last_key < 0 ? 0 : min(it.n_tiles, last_key / BN + 1);
     const uint64_t q_desc = wgmma_desc(smem_addr(q_s + qb * C::Q_BYTES) + g * 64 * 128, 16, 1024);
     const bool* mrow = has_mask ? p.key_mask + it.b * p.m_sb : nullptr;
 #pragma unroll
