@@ -103,9 +103,16 @@ def run_config(mode: str, b: int, h: int, sq: int, skv: int, d: int, ext, ceilin
     # every implementation once per round, `rounds` rounds: clock and thermal drift hits all of them alike
     per_round = {name: [] for name in timed}
     for _ in range(rounds):
-        for name, (fn, ctx, _err) in timed.items():
-            with ctx() if ctx else _null():
-                per_round[name].append(bench_ms(fn, **timing)["median_ms"])
+        for name, (fn, ctx, _err) in list(timed.items()):
+            try:
+                with ctx() if ctx else _null():
+                    per_round[name].append(bench_ms(fn, **timing)["median_ms"])
+            except RuntimeError as exc:  # a baseline that ran once but fails under repetition
+                if name.startswith("fuseinfer"):
+                    raise
+                first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                rows.append({**base, "impl": name, "note": f"failed while timed: {first_line[:120]}"})
+                del timed[name], per_round[name]
     sdpa = [name for name in timed if name.startswith("sdpa")]
     for name, (_fn, _ctx, err) in timed.items():
         times = sorted(per_round[name])
@@ -168,6 +175,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="few configs, short timing")
     parser.add_argument("--rounds", type=int, default=5, help="timing rounds over all implementations")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
     import fuseinfer
     if not fuseinfer.cuda_extension_available():

@@ -2,14 +2,16 @@
 
 Kernel benchmarks time with CUDA events through ``triton.testing.do_bench`` (warm-up excluded; decode-sized
 calls also back to back in a CUDA graph, ``graph_calls_ms``) and report the median with the 10th and 90th
-percentiles (bench_decode times whole generate calls by wall clock). Every benchmark re-measures the two ceilings
+percentiles; where two implementations are compared they take turns over rounds (``paired_ms``, reporting the
+median, min and max over rounds, and ``paired_ratio``; bench_attention does the same over all its
+implementations). Medians of an even count are the upper one. bench_decode times whole generate calls by wall
+clock. Every benchmark re-measures the two ceilings
 of the GPU in the same run (device-to-device copy bandwidth, by the eval CLI's ``copy_bandwidth_gbps``, and cuBLAS
 fp16 matmul rate) and writes ``bench/results/<name>.json`` plus a Markdown table next to it.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 
@@ -69,14 +71,15 @@ def graph_calls_ms(groups: dict, rounds: int = 5, replays: int = 10, warmup_ms: 
                 fn()
         graphs[name] = (graph, len(calls))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for graph, _ in graphs.values():
-        start.record()
-        for _ in range(3):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        for _ in range(min(1000, math.ceil(warmup_ms / max(start.elapsed_time(end) / 3, 1e-3)))):
-            graph.replay()
+    for graph, _ in graphs.values():  # batches of 5 replays until warmup_ms have passed on the GPU
+        warm = 0.0
+        while warm < warmup_ms:
+            start.record()
+            for _ in range(5):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            warm += start.elapsed_time(end)
     times = {name: [] for name in graphs}
     for _ in range(rounds):
         for name, (graph, n_calls) in graphs.items():
