@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import bench_ms, measure_ceilings, write_results  # noqa: E402
+from common import bench_ms, measure_ceilings, paired_ratio, round_stats, write_results  # noqa: E402
 
 from fuseinfer.ops.attention import sm90_prefill  # noqa: E402
 
@@ -90,8 +90,7 @@ def run_config(mode: str, b: int, h: int, sq: int, skv: int, d: int, ext, ceilin
         except RuntimeError as exc:  # backend unavailable for these inputs / this GPU
             if name.startswith("fuseinfer"):
                 raise
-            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            rows.append({**base, "impl": name, "note": f"unavailable: {first_line[:120]}"})
+            rows.append({**base, "impl": name, "note": f"unavailable: {_first_line(exc)}"})
             continue
         err = (out.float() - ref).abs().max().item()
         if not err <= MAX_ERR:  # also catches NaN
@@ -110,23 +109,20 @@ def run_config(mode: str, b: int, h: int, sq: int, skv: int, d: int, ext, ceilin
             except RuntimeError as exc:  # a baseline that ran once but fails under repetition
                 if name.startswith("fuseinfer"):
                     raise
-                first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                rows.append({**base, "impl": name, "note": f"failed while timed: {first_line[:120]}"})
+                rows.append({**base, "impl": name, "note": f"failed while timed: {_first_line(exc)}"})
                 del timed[name], per_round[name]
     sdpa = [name for name in timed if name.startswith("sdpa")]
+    best_sdpa = round_stats([min(per_round[other][i] for other in sdpa) for i in range(rounds)]) if sdpa else None
     for name, (_fn, _ctx, err) in timed.items():
-        times = sorted(per_round[name])
-        row = {**base, "impl": name, "median_ms": times[len(times) // 2], "min_ms": times[0], "max_ms": times[-1],
-               "rounds_ms": per_round[name], "max_abs_err": err}
+        row = {**base, "impl": name, **round_stats(per_round[name]), "max_abs_err": err}
         sec = row["median_ms"] * 1e-3
         if mode == "prefill":
             row["TFLOPs"] = work / sec / 1e12
         else:
             row["GBps"] = work / sec / 1e9
             row["pct_copy"] = 100.0 * row["GBps"] / ceilings["copy_GBps"]
-        if sdpa:  # per round: the fastest SDPA backend's time / this one's; the median over rounds
-            ratios = sorted(min(per_round[other][i] for other in sdpa) / per_round[name][i] for i in range(rounds))
-            row["speedup_vs_best_sdpa"] = ratios[len(ratios) // 2]
+        if best_sdpa:  # per round: the fastest SDPA backend's time / this one's; the median over rounds
+            row["speedup_vs_best_sdpa"] = paired_ratio(best_sdpa, row)
         rows.append(row)
         print(f"{mode:7s} B={b:<2d} H={h} Sq={sq:<5d} Skv={skv:<5d} D={d:<3d} {name:15s} "
               f"{row['median_ms']:8.4f} ms  " + (f"{row['TFLOPs']:7.1f} TFLOP/s" if mode == "prefill" else
@@ -135,6 +131,11 @@ def run_config(mode: str, b: int, h: int, sq: int, skv: int, d: int, ext, ceilin
     del q, k, v, ref
     torch.cuda.empty_cache()
     return rows
+
+
+def _first_line(exc: Exception) -> str:
+    """The first line of an exception's message (at most 120 characters), for a row's note."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
 
 
 class _null:

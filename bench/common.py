@@ -38,11 +38,13 @@ def paired_ms(fns: dict, rounds: int = 5, rep_ms: float = 50) -> dict:
     for _ in range(rounds):
         for name, fn in fns.items():
             per[name].append(bench_ms(fn, rep_ms=rep_ms)["median_ms"])
-    out = {}
-    for name, times in per.items():
-        s = sorted(times)
-        out[name] = {"median_ms": s[len(s) // 2], "min_ms": s[0], "max_ms": s[-1], "rounds_ms": times}
-    return out
+    return {name: round_stats(times) for name, times in per.items()}
+
+
+def round_stats(times: list) -> dict:
+    """One implementation's per-round times (ms, in round order): their median, min and max, and the list."""
+    s = sorted(times)
+    return {"median_ms": s[len(s) // 2], "min_ms": s[0], "max_ms": s[-1], "rounds_ms": times}
 
 
 def paired_ratio(a: dict, b: dict) -> float:

@@ -20,3 +20,12 @@ def test_paired_ms_alternates_and_summarises(monkeypatch):
     assert out["b"]["rounds_ms"] == [1.0, 2.0, 9.0] and out["b"]["median_ms"] == 2.0
     # per-round ratios 3, 2.5, 0.444: their median, not the ratio of the medians (4 / 2 = 2)
     assert common.paired_ratio(out["a"], out["b"]) == 2.5
+
+
+def test_ratio_to_the_fastest_of_several_per_round():
+    """bench_attention's speedup: each round's fastest baseline over this round's time, median over rounds."""
+    b1, b2, ours = [2.0, 4.0, 3.0], [3.0, 1.0, 6.0], [1.0, 2.0, 4.0]
+    best = common.round_stats([min(x, y) for x, y in zip(b1, b2)])
+    assert best == {"median_ms": 2.0, "min_ms": 1.0, "max_ms": 3.0, "rounds_ms": [2.0, 1.0, 3.0]}
+    # per round 2 / 1, 1 / 2, 3 / 4
+    assert common.paired_ratio(best, common.round_stats(ours)) == 0.75
