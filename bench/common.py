@@ -99,10 +99,6 @@ def graph_calls_ms(groups: dict, rounds: int = 5, replays: int = 10, warmup_ms: 
     return out
 
 
-def graph_call_ms(calls, replays: int = 20) -> dict:
-    """``graph_calls_ms`` for one group: one round of ``replays`` timed replays after the warm-up."""
-    return graph_calls_ms({"calls": calls}, rounds=1, replays=replays)["calls"]
-
 
 def measure_ceilings() -> dict:
     """Measured copy bandwidth (GB/s of bytes read + written, ``fuseinfer.eval.timing.copy_bandwidth_gbps``, the
