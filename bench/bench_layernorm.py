@@ -7,11 +7,13 @@ the 50 MB L2) to 256 MB (HBM):
   add_ln_sum  s = x + r; y = LayerNorm(s); returns (y, s)  (pre-LN with the residual add fused here)
 Bytes moved = element size * rows * N * (tensors read + tensors written) + weight and bias; GB/s is that over
 our median time and "% copy" compares it with the device-to-device copy bandwidth measured in the same run.
-Note: common.bench_ms (triton's do_bench) zeroes a 256 MB buffer before every timed call, so even the rows
-whose working set fits in L2 start from a cold cache; "L2" / "HBM" in the table labels the working set. Rows
-whose working set fits in half the L2 are also timed L2-resident ("warm" columns): 20 calls on the same tensors
-back to back in one CUDA graph, as a model runs the op on activations the previous op just wrote; ours and
-torch.compile's graphs take turns over five rounds (common.graph_calls_ms).
+Ours, eager and torch.compile take turns over five rounds (common.paired_ms: times are medians over rounds, "x"
+columns the median of the per-round ratios). Note: triton's do_bench, which times each turn, zeroes a 256 MB
+buffer before every timed call, so even the rows whose working set fits in L2 start from a cold cache; "L2" /
+"HBM" in the table labels the working set. Rows whose working set fits in half the L2 are also timed L2-resident
+("warm" columns): 20 calls on the same tensors back to back in one CUDA graph, as a model runs the op on
+activations the previous op just wrote; ours and torch.compile's graphs take turns over five rounds
+(common.graph_calls_ms).
 
 Every row first checks ours against eager (s bit-exact, y within 2x eager's error against an fp32 reference).
 torch.compile gets one compile per (form, N) with the row count marked dynamic (Triton still autotunes per
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import bench_ms, graph_calls_ms, measure_ceilings, write_results  # noqa: E402
+from common import graph_calls_ms, measure_ceilings, paired_ms, paired_ratio, write_results  # noqa: E402
 
 import fuseinfer._C as C  # noqa: E402
 
@@ -101,10 +103,10 @@ def main() -> None:
                     torch._dynamo.mark_dynamic(r, 0)
                     check(x, r, w, b, has_residual, store_sum, eager)
                     r_arg = r if has_residual else None
-                    ours = bench_ms(lambda: C.add_layer_norm(x, r_arg, w, b, EPS, store_sum))
-                    ref = bench_ms(lambda: eager(x, r, w, b))
                     compiled(x, r, w, b)  # compile / autotune outside the timing
-                    comp = bench_ms(lambda: compiled(x, r, w, b))
+                    t = paired_ms({"ours": lambda: C.add_layer_norm(x, r_arg, w, b, EPS, store_sum),
+                                   "eager": lambda: eager(x, r, w, b), "compile": lambda: compiled(x, r, w, b)})
+                    ours, ref, comp = t["ours"], t["eager"], t["compile"]
                     moved = bytes_moved(rows, n, has_residual, store_sum)
                     gbs = moved / (ours["median_ms"] * 1e-3) / 1e9
                     rows_out.append({
@@ -112,8 +114,7 @@ def main() -> None:
                         "where": "L2" if moved <= l2_bytes else "HBM",
                         "ours ms": ours["median_ms"], "eager ms": ref["median_ms"], "compile ms": comp["median_ms"],
                         "ours GB/s": gbs, "% copy": 100 * gbs / ceilings["copy_GBps"],
-                        "x eager": ref["median_ms"] / ours["median_ms"],
-                        "x compile": comp["median_ms"] / ours["median_ms"],
+                        "x eager": paired_ratio(ref, ours), "x compile": paired_ratio(comp, ours),
                         "ours": ours, "eager": ref, "compile": comp, "bytes": moved,
                     })
                     if 2 * moved <= l2_bytes:
@@ -128,7 +129,7 @@ def main() -> None:
                                      for k, v in rows_out[-1].items() if k in COLUMNS), flush=True)
     settings = {"dtype": str(DTYPE), "eps": EPS, "hidden": hidden, "sizes_MiB": sizes_mb, "quick": args.quick,
                 "L2_bytes": l2_bytes, "warm_calls": WARM_CALLS,
-                "note": "L2 flushed before every timed call (triton do_bench); warm columns: WARM_CALLS calls on the "
+                "note": "L2 flushed before every timed call (triton do_bench), ours / eager / compile in turn over 5 rounds; warm columns: WARM_CALLS calls on the "
                         "same tensors in one CUDA graph, ours and compile in turn over 5 rounds, per-call median, for "
                         "working sets <= L2 / 2"}
     path = write_results("layernorm", settings, ceilings, rows_out, COLUMNS)

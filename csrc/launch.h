@@ -8,7 +8,8 @@
 //
 // Contract for every kernel launched with PDL (launch_kernel(), or launch_kernel_with() and pdl_attribute()):
 //   * pdl_launch_dependents() may come anywhere (most kernels call it first: the next kernel may start as early
-//     as possible; it only occupies resources the current grid, already fully resident, does not need; the
+//     as possible, in resources the current grid, already fully resident, does not need; the LayerNorm calls it
+//     after its statistics, since the next grid's blocks beside its own slowed it down, see layer_norm.cu; the
 //     one-kernel decode step calls it as its LM head starts, since the next kernel needs the logits anyway);
 //   * nothing written by an earlier kernel (activations, caches, counters, q_start...) is read, and nothing
 //     is written at all, before pdl_wait(). One exception: the decode GEMV and the one-kernel decode step read

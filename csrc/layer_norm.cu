@@ -141,7 +141,6 @@ __global__ void __launch_bounds__(max_threads<VEC>(), 1) add_layer_norm_kernel(c
   __shared__ float scratch_mean[32];
   __shared__ float scratch_var[32];
 
-  pdl_launch_dependents();
   pdl_wait();  // x and residual come from earlier kernels
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   if (row >= p.rows) return;  // only in the warp-per-row layout (block-per-row has exactly `rows` blocks)
@@ -228,6 +227,11 @@ __global__ void __launch_bounds__(max_threads<VEC>(), 1) add_layer_norm_kernel(c
     }
   }
   const float rstd = rsqrtf(row_sum(local, scratch_var) * inv_n + p.eps);
+
+  // The next kernel (PDL) may launch now, with only the normalisation and the stores left: triggered at the start
+  // instead, its blocks moved in beside this kernel's while those still loaded and reduced, and 20 add+LN calls of
+  // 128 x 4096 in one graph took 3.39 us each instead of 2.63 (H100; torch.compile's kernel 2.98).
+  pdl_launch_dependents();
 
   // y = (s - mean) * rstd * w + b
   P* __restrict__ y = reinterpret_cast<P*>(p.y) + base;

@@ -52,7 +52,7 @@ def test_gpu_without_kernels_runs_the_references(monkeypatch):
 
 # ---- residual add + LayerNorm ----
 
-LN_SHAPES = [(113, 123), (3, 5, 96), (64, 2048), (7, 4097), (2, 16384)]
+LN_SHAPES = [(113, 123), (3, 5, 96), (9, 256), (64, 2048), (5, 5120), (7, 4097), (2, 16384)]
 
 
 @pytest.mark.parametrize("shape", LN_SHAPES)
