@@ -129,7 +129,8 @@ def main() -> None:
                                      for k, v in rows_out[-1].items() if k in COLUMNS), flush=True)
     settings = {"dtype": str(DTYPE), "eps": EPS, "hidden": hidden, "sizes_MiB": sizes_mb, "quick": args.quick,
                 "L2_bytes": l2_bytes, "warm_calls": WARM_CALLS,
-                "note": "L2 flushed before every timed call (triton do_bench), ours / eager / compile in turn over 5 rounds; warm columns: WARM_CALLS calls on the "
+                "note": "L2 flushed before every timed call (triton do_bench), ours / eager / compile in turn over "
+                        "5 rounds; warm columns: WARM_CALLS calls on the "
                         "same tensors in one CUDA graph, ours and compile in turn over 5 rounds, per-call median, for "
                         "working sets <= L2 / 2"}
     path = write_results("layernorm", settings, ceilings, rows_out, COLUMNS)

@@ -11,9 +11,10 @@ two timed in turn over five rounds (common.paired_ms; "ours/bare" is the median 
 "eager" = F.linear(x, w, b) followed by the separate + residual / ReLU op, as the unpatched model runs it;
 "compile" = torch.compile(mode="max-autotune-no-cudagraphs") of that eager expression (max-autotune without
 CUDA graphs: graph replay would add a copy of x and r into static buffers to every call, and the launch overhead
-graphs remove is hidden here anyway; skipped with --no-autotune: each shape autotunes for tens of seconds). Prefill rows report TFLOP/s = 2MNK / t, decode rows GB/s on the weight
-bytes (N K 2 / t) and that as % of the copy bandwidth measured in the same run. M <= 16 runs our skinny
-tensor-core kernel, larger M cuBLASLt (mirrors kSkinnyMaxM in csrc/linear.cu). Decode rows also
+graphs remove is hidden here anyway; skipped with --no-autotune: each shape autotunes for tens of seconds).
+Prefill rows report TFLOP/s = 2MNK / t, decode rows GB/s on the weight bytes (N K 2 / t) and that as % of the
+copy bandwidth measured in the same run. M <= 16 runs our skinny tensor-core kernel, larger M cuBLASLt (mirrors
+kSkinnyMaxM in csrc/linear.cu). Decode rows also
 report the time as the decode step sees it ("graph" columns): calls over distinct weight copies (together
 > 4x L2, so every call reads HBM) captured back to back in one CUDA graph, per-call median over five rounds in
 which ours and cuBLAS take turns (common.graph_calls_ms); "graph cuBLAS" is
@@ -149,8 +150,8 @@ def main() -> None:
                                      for c in COLUMNS if c in row), flush=True)
     settings = {"dtype": str(DTYPE), "models": list(models), "M": list(m_values), "quick": args.quick,
                 "autotune": not args.no_autotune, "skinny_max_m": SKINNY_MAX_M,
-                "note": "L2 flushed before every timed call (triton do_bench); ours and bare mm alternate over 5 rounds, "
-                        "ours/bare = median of the per-round ratios; graph columns: back-to-back calls "
+                "note": "L2 flushed before every timed call (triton do_bench); ours and bare mm alternate over 5 "
+                        "rounds, ours/bare = median of the per-round ratios; graph columns: back-to-back calls "
                         "over weight copies > 4x L2 in one CUDA graph, >= 50 ms warm-up, ours and cuBLAS in turn "
                         "over 5 rounds of 10 replays, median", "pdl": os.environ.get("FUSEINFER_PDL", "1")}
     path = write_results(args.name, settings, ceilings, rows, COLUMNS)

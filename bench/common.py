@@ -99,7 +99,6 @@ def graph_calls_ms(groups: dict, rounds: int = 5, replays: int = 10, warmup_ms: 
     return out
 
 
-
 def measure_ceilings() -> dict:
     """Measured copy bandwidth (GB/s of bytes read + written, ``fuseinfer.eval.timing.copy_bandwidth_gbps``, the
     eval CLI's measurement) and cuBLAS fp16 matmul TFLOP/s."""

@@ -22,15 +22,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from common import graph_calls_ms  # noqa: E402
 
 
+def ours_vs_cublas_us(x, ws, b) -> tuple[float, float]:
+    """Per-call µs of linear_epilogue and of cuBLAS (F.linear) over the weights ``ws``, one call each, back to back
+    in a graph per side, the two sides in turn over five rounds (common.graph_calls_ms)."""
+    t = graph_calls_ms({"ours": [lambda w=w: linear_epilogue(x, w, b) for w in ws],
+                        "cublas": [lambda w=w: F.linear(x, w, b) for w in ws]})
+    return t["ours"]["median_ms"] * 1e3, t["cublas"]["median_ms"] * 1e3
+
+
 def gemv_table(m: int) -> None:
     print(f"in-graph linear, M={m}, 16 weight copies rotated (cold L2); GB/s on weight bytes")
     for name, n, k in (("qkv", 6144, 2048), ("out_proj", 2048, 2048), ("fc1", 8192, 2048), ("fc2", 2048, 8192)):
         ws = [torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02 for _ in range(16)]
         b = torch.randn(n, device="cuda", dtype=torch.float16)
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        t = graph_calls_ms({"ours": [lambda w=w: linear_epilogue(x, w, b) for w in ws],
-                            "cublas": [lambda w=w: F.linear(x, w, b) for w in ws]})  # in turn, 5 rounds
-        t_ours, t_cublas = t["ours"]["median_ms"] * 1e3, t["cublas"]["median_ms"] * 1e3
+        t_ours, t_cublas = ours_vs_cublas_us(x, ws, b)
         gb = n * k * 2 / 1e9
         print(f"  {name:9s} N={n:5d} K={k:5d}: ours {t_ours:6.1f} us ({gb / t_ours * 1e6:5.0f} GB/s)  "
               f"cuBLAS {t_cublas:6.1f} us ({gb / t_cublas * 1e6:5.0f} GB/s)")
@@ -42,9 +48,8 @@ def gemv_table(m: int) -> None:
         w = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
         b = torch.randn(n, device="cuda", dtype=torch.float16)
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        t = graph_calls_ms({"ours": [lambda: linear_epilogue(x, w, b)] * 16,
-                            "cublas": [lambda: F.linear(x, w, b)] * 16})
-        print(f"  {name:26s}: ours {t['ours']['median_ms'] * 1e3:6.2f} us  cuBLAS {t['cublas']['median_ms'] * 1e3:6.2f} us")
+        t_ours, t_cublas = ours_vs_cublas_us(x, [w] * 16, b)
+        print(f"  {name:26s}: ours {t_ours:6.2f} us  cuBLAS {t_cublas:6.2f} us")
 
 
 PHASES = ["qkv", "attention", "attn rows + out_proj", "LN2 + fc1", "ffn rows + fc2", "next LN"]
