@@ -6,8 +6,12 @@
 //     (ld K) with transa = T, B = x as a column-major K x M matrix (ld K), C = residual and D = y as N x M
 //     (ld N). The bias (length N = rows of D) and ReLU run in the BIAS / RELU_BIAS epilogues, the residual as
 //     beta = 1 with C = residual (C != D). Everything accumulates in fp32 (CUBLAS_COMPUTE_32F; no TF32 for fp32
-//     inputs, PyTorch's default). The heuristic's choice is cached per problem (shape, dtype, epilogue,
-//     residual, pointer alignments, device, workspace size).
+//     inputs, PyTorch's default). The algorithm is chosen once per problem (shape, dtype, epilogue, residual,
+//     pointer alignments, device, workspace size) and cached: for M >= kTuneMinM the first call times the
+//     heuristic's first kTuneCandidates algorithms on its own operands and keeps the fastest (its first choice
+//     was 1-5% slower than another of its list at OPT-1.3b prefill shapes on the H100, README); otherwise, with
+//     FUSEINFER_GEMM_TUNE=0, or while the stream is captured into a CUDA graph (no timing possible; not cached, so
+//     a later eager call tunes), the heuristic's first choice.
 //   * fp16/bf16 with M <= kSkinnyMaxM (decode): a weight-streaming tensor-core kernel (skinny_linear_kernel).
 //     Reading w once is the whole cost. A persistent grid (one wave: as many blocks as fit on the GPU, at most
 //     one per 16-row tile of w) walks the tiles; a block's warps split K and stream the tile with 16-byte
@@ -30,6 +34,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -333,6 +338,9 @@ uint32_t alignment_of(const void* ptr) {
 // (m, n, k, data type, epilogue, has residual, alignment of A, B, C, D, device, workspace size)
 using AlgoKey = std::array<int64_t, 12>;
 
+constexpr int64_t kTuneMinM = 512;  // tune prefill-sized problems only: the gain is a few % of a >= 10 us GEMM
+constexpr int kTuneCandidates = 8;  // the heuristic's list is ordered; past its first 8 nothing won (README)
+
 std::mutex& algo_cache_mutex() {
   static std::mutex mutex;
   return mutex;
@@ -340,6 +348,42 @@ std::mutex& algo_cache_mutex() {
 std::map<AlgoKey, cublasLtMatmulAlgo_t>& algo_cache() {
   static std::map<AlgoKey, cublasLtMatmulAlgo_t> cache;
   return cache;
+}
+
+// Index of the fastest of the heuristic's `found` algorithms: each is run once (warm-up), then timed over
+// kTuneReps back-to-back calls, in two alternated rounds, and the best round counts. The calls write y, which the
+// caller's final call overwrites (C != D, so repeated calls are idempotent). One that fails to run is skipped.
+template <typename Matmul>
+int tune_algorithm(const cublasLtMatmulHeuristicResult_t* results, int found, const Matmul& matmul,
+                   cudaStream_t stream) {
+  constexpr int kTuneReps = 10, kTuneRounds = 2;
+  cudaEvent_t start, stop;
+  C10_CUDA_CHECK(cudaEventCreate(&start));
+  C10_CUDA_CHECK(cudaEventCreate(&stop));
+  std::array<float, kTuneCandidates> best_ms;
+  best_ms.fill(INFINITY);
+  for (int i = 0; i < found; ++i) {
+    if (matmul(results[i].algo) != CUBLAS_STATUS_SUCCESS) best_ms[i] = NAN;  // NaN: never chosen, never re-run
+  }
+  for (int round = 0; round < kTuneRounds; ++round) {
+    for (int i = 0; i < found; ++i) {
+      if (std::isnan(best_ms[i])) continue;
+      C10_CUDA_CHECK(cudaEventRecord(start, stream));
+      for (int rep = 0; rep < kTuneReps; ++rep) FUSEINFER_CUBLASLT_CHECK(matmul(results[i].algo));
+      C10_CUDA_CHECK(cudaEventRecord(stop, stream));
+      C10_CUDA_CHECK(cudaEventSynchronize(stop));
+      float ms = 0.f;
+      C10_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+      best_ms[i] = std::min(best_ms[i], ms);
+    }
+  }
+  C10_CUDA_CHECK(cudaEventDestroy(start));
+  C10_CUDA_CHECK(cudaEventDestroy(stop));
+  int best = -1;  // ties keep the heuristic's earlier choice
+  for (int i = 0; i < found; ++i) {
+    if (!std::isnan(best_ms[i]) && (best < 0 || best_ms[i] < best_ms[best])) best = i;
+  }
+  return std::max(best, 0);  // none ran: the first, whose call then reports the error
 }
 
 void cublaslt_linear(const at::Tensor& x, const at::Tensor& w, const void* bias, const at::Tensor* residual,
@@ -396,6 +440,11 @@ void cublaslt_linear(const at::Tensor& x, const at::Tensor& w, const void* bias,
       cached = true;
     }
   }
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  auto matmul = [&](const cublasLtMatmulAlgo_t& al) {
+    return cublasLtMatmul(handle, op.desc, &alpha, w.data_ptr(), a.desc, x.data_ptr(), b.desc, &beta, c_ptr, c.desc,
+                          y.data_ptr(), d.desc, &al, workspace, workspace_size, stream);
+  };
   if (!cached) {
     Preference pref;
     FUSEINFER_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&pref.desc));
@@ -409,20 +458,26 @@ void cublaslt_linear(const at::Tensor& x, const at::Tensor& w, const void* bias,
         pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
     FUSEINFER_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
         pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d)));
-    cublasLtMatmulHeuristicResult_t result = {};
+    std::array<cublasLtMatmulHeuristicResult_t, kTuneCandidates> results = {};
     int found = 0;
     FUSEINFER_CUBLASLT_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, op.desc, a.desc, b.desc, c.desc, d.desc,
-                                                            pref.desc, 1, &result, &found));
+                                                            pref.desc, kTuneCandidates, results.data(), &found));
     TORCH_CHECK(found > 0, "linear_epilogue: cuBLASLt has no algorithm for M=", m, " N=", n, " K=", k,
                 " dtype ", dtype);
-    algo = result.algo;
-    const std::lock_guard<std::mutex> lock(algo_cache_mutex());
-    algo_cache().emplace(key, algo);
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    const bool capturing = capture != cudaStreamCaptureStatusNone;
+    algo = results[0].algo;
+    if (!capturing && found > 1 && m >= kTuneMinM && env_switch_on("FUSEINFER_GEMM_TUNE")) {
+      algo = results[tune_algorithm(results.data(), found, matmul, stream)].algo;
+    }
+    if (!capturing) {
+      const std::lock_guard<std::mutex> lock(algo_cache_mutex());
+      algo_cache().emplace(key, algo);
+    }
   }
 
-  FUSEINFER_CUBLASLT_CHECK(cublasLtMatmul(handle, op.desc, &alpha, w.data_ptr(), a.desc, x.data_ptr(), b.desc,
-                                          &beta, c_ptr, c.desc, y.data_ptr(), d.desc, &algo, workspace,
-                                          workspace_size, at::cuda::getCurrentCUDAStream()));
+  FUSEINFER_CUBLASLT_CHECK(matmul(algo));
 }
 
 const at::Tensor* defined_or_null(const c10::optional<at::Tensor>& t) {

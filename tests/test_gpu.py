@@ -126,6 +126,31 @@ def test_linear_chain_waits_for_its_input(m):
         assert torch.equal(out, eager)
 
 
+@pytest.mark.parametrize("tune", ["1", "0"])
+def test_linear_prefill_algorithm_choice(tune, monkeypatch):
+    """A prefill-sized problem's cuBLASLt algorithm is chosen at its first call: timed among the heuristic's
+    candidates when that call is eager (FUSEINFER_GEMM_TUNE on), the heuristic's first choice under CUDA-graph
+    capture (where timing would break the capture) or with tuning off. Each problem here is new to the process
+    (M differs per parameter): first seen inside a capture, which must succeed and replay correctly, then eagerly,
+    where it is tuned (or not) and must meet the low-precision rule as well."""
+    monkeypatch.setenv("FUSEINFER_GEMM_TUNE", tune)
+    torch.manual_seed(1)
+    m, n, k = (777 if tune == "1" else 779), 1024, 1536
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.float16) * k ** -0.5
+    b = torch.randn(n, device="cuda", dtype=torch.float16)
+    r = torch.randn(m, n, device="cuda", dtype=torch.float16)
+    ref32 = ops.linear_epilogue_ref(x.float(), w.float(), b.float(), r.float(), "none")
+    torch_lowp = ops.linear_epilogue_ref(x, w, b, r, "none")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.linear_epilogue(x, w, b, r, "none")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_lowp_close(captured, torch_lowp, ref32, f"linear m={m} captured first")
+    assert_lowp_close(ops.linear_epilogue(x, w, b, r, "none"), torch_lowp, ref32, f"linear m={m} eager, tune={tune}")
+
+
 # ---- attention ----
 
 def _attn_case(b, h, sq, skv, d, dtype, pads=None, q_start=None, strided_q=False, nan_from=None):

@@ -15,6 +15,10 @@ OTHER = """========= Warning: Race reported between Write access at void fuseinf
 """
 
 
+CAPPED = """========= Warning: Maximum number of hazards reached. Environment variable NV_COMPUTE_SANITIZER_MAX_RACECHECK_HAZARDS can be used to increase this count.
+"""
+
+
 def summary(n):
     return f"========= RACECHECK SUMMARY: {n} hazards displayed ({n} errors, 0 warnings)\n"
 
@@ -24,10 +28,12 @@ def summary(n):
     (TMA + summary(1), True),
     (TMA + OTHER + summary(2), False),  # a hazard between two ordinary accesses
     (TMA, False),  # no summary: racecheck did not finish
-], ids=["clean", "tma_only", "other_hazard", "no_summary"])
+    (CAPPED + TMA + summary(1), True),  # racecheck stopped recording at its cap: passes, with a note
+], ids=["clean", "tma_only", "other_hazard", "no_summary", "capped"])
 def test_racecheck_gate(tmp_path, log, passes):
     path = tmp_path / "racecheck.log"
     path.write_text(log)
     run = subprocess.run([sys.executable, str(GATE), str(path)], capture_output=True, text=True)
     assert (run.returncode == 0) == passes, run.stdout
     assert ("1 others" in run.stdout) == (OTHER in log)
+    assert ("hazard cap" in run.stdout) == (CAPPED in log)
