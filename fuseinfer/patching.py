@@ -38,6 +38,8 @@ class PatchConfig:
     def __post_init__(self):
         if isinstance(self.ops, str):
             object.__setattr__(self, "ops", (self.ops,))
+        if not isinstance(self.ops, (tuple, list, set, frozenset)):
+            raise FuseInferError(f"PatchConfig.ops must be a tuple of op names from {list(OPS)}, got {self.ops!r}")
         unknown = [op for op in self.ops if op not in OPS]
         if unknown:
             raise FuseInferError(f"unknown op name(s) {unknown} in PatchConfig.ops; choose from {list(OPS)}")
@@ -95,6 +97,14 @@ class PatchState(NamedTuple):
     state: dict  # what the family needs to undo its swaps
     report: PatchReport
     config: PatchConfig
+    generate: object = None  # the model's own instance attribute ``generate`` before patching, if it had one
+
+
+def _unwrapped(model):
+    """The module a ``torch.compile`` wrapper (OptimizedModule) compiles, else ``model``: patching swaps the
+    wrapped model's modules (dynamo recompiles for them), and its ``generate`` is what the wrapper exposes."""
+    return getattr(model, "_orig_mod", model) if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) \
+        else model
 
 
 def _family_for(model: nn.Module):
@@ -129,6 +139,7 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
     """
     if not isinstance(model, nn.Module):
         raise FuseInferError(f"fuseinfer.patch takes a torch.nn.Module, got {type(model).__name__}")
+    model = _unwrapped(model)
     config = config or PatchConfig()
     model_type, family = _family_for(model)
     if hasattr(model, STATE_ATTR):
@@ -136,7 +147,7 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
     _check_tensors(model)
     report = PatchReport(model_type=model_type, extension=extension_status(next(model.parameters()).device))
     state = family.patch(model, config, report)
-    object.__setattr__(model, STATE_ATTR, PatchState(family, state, report, config))
+    object.__setattr__(model, STATE_ATTR, PatchState(family, state, report, config, model.__dict__.get("generate")))
     if hasattr(model, "generate"):
         from .runtime import GenerateHook
 
@@ -146,6 +157,7 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
 
 def unpatch(model: nn.Module) -> nn.Module:
     """Restore the model ``patch`` changed: module classes, parameters and buffers bit for bit."""
+    model = _unwrapped(model)
     if not hasattr(model, STATE_ATTR):
         raise FuseInferError("this model is not patched by fuseinfer (nothing to unpatch)")
     patched = getattr(model, STATE_ATTR)
@@ -153,6 +165,8 @@ def unpatch(model: nn.Module) -> nn.Module:
 
     release(model)
     model.__dict__.pop("generate", None)
+    if patched.generate is not None:
+        object.__setattr__(model, "generate", patched.generate)
     patched.family.unpatch(model, patched.state)
     object.__delattr__(model, STATE_ATTR)
     return model
@@ -160,7 +174,7 @@ def unpatch(model: nn.Module) -> nn.Module:
 
 def patch_state(model: nn.Module) -> PatchState | None:
     """What ``patch`` recorded on ``model`` (family, undo state, report, config), or None if unpatched."""
-    return getattr(model, STATE_ATTR, None)
+    return getattr(_unwrapped(model), STATE_ATTR, None)
 
 
 def patch_report(model: nn.Module) -> PatchReport | None:

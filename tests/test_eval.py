@@ -366,6 +366,7 @@ def test_compile_backend_matches_eager():
     (["--skip-latency", "--seq-len", "4096"], ["--seq-len 4096", "positions"]),
     (["--skip-latency", "--seq-len", "512", "--stride", "600"], ["--stride 600", "lower --stride"]),
     (["--device", "tpu"], ["tpu"]),
+    (["--skip-latency", "--skip-ppl"], ["nothing to measure", "drop one"]),
 ])
 @needs_tiny
 def test_size_and_device_errors(args, words, capsys):

@@ -304,3 +304,123 @@ def test_unsupported_dtype_is_refused():
     model = random_opt().to(torch.float64)
     with pytest.raises(FuseInferError, match="float64.*dtype=torch.float16"):
         fuseinfer.patch(model)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copied_patched_model_keeps_qkv_tied(how):
+    """A deep or pickled copy's q/k/v weights stay views of its own (3E, E) buffer, so load_state_dict on the
+    copy reaches the fused GEMM (copying a Parameter clones it)."""
+    import pickle
+
+    model = random_opt()
+    fuseinfer.patch(model)
+    c = copy.deepcopy(model) if how == "deepcopy" else pickle.loads(pickle.dumps(model))
+    attn = c.model.decoder.layers[0].self_attn
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()
+    c.load_state_dict(random_opt(seed=5).state_dict())
+    fresh = random_opt(seed=5)
+    ids = _ids(model)
+    torch.testing.assert_close(_logits(c, ids), _logits(fresh, ids), rtol=1e-4, atol=1e-4)
+
+
+def _lora_like(linear):
+    """An adapter in the style of LoRA: a subclass of nn.Linear whose forward adds a low-rank term."""
+    class LoRALinear(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) + x @ self.a.t() @ self.b.t()
+
+    lora = LoRALinear(linear.in_features, linear.out_features)
+    lora.load_state_dict(linear.state_dict())
+    lora.a = torch.nn.Parameter(torch.randn(2, linear.in_features))
+    lora.b = torch.nn.Parameter(torch.randn(linear.out_features, 2))
+    return lora
+
+
+@pytest.mark.parametrize("case", ["hook_on_fc2", "hook_on_q_proj", "hook_on_self_attn", "hook_on_layer_norm",
+                                  "lora_fc1", "lora_q_proj"])
+def test_modules_with_hooked_or_adapted_submodules_are_left_alone(case):
+    """The fused forwards read fc1 / fc2 / q, k, v / LayerNorm weights without calling those modules: a layer
+    whose such submodule has hooks or is an adapter stays unswapped (reported), and the logits and the hook's
+    calls are those of the unpatched model."""
+    model = random_opt()
+    layer = model.model.decoder.layers[1]
+    target = {"hook_on_fc2": layer.fc2, "hook_on_q_proj": layer.self_attn.q_proj,
+              "hook_on_self_attn": layer.self_attn, "hook_on_layer_norm": layer.final_layer_norm}.get(case)
+    calls = []
+    if target is not None:
+        target.register_forward_hook(  # halves the output (the attention module's is a tuple)
+            lambda m, i, o: calls.append(1) or ((o[0] * 0.5, *o[1:]) if isinstance(o, tuple) else o * 0.5))
+    elif case == "lora_fc1":
+        layer.fc1 = _lora_like(layer.fc1)
+    else:
+        layer.self_attn.q_proj = _lora_like(layer.self_attn.q_proj)
+    ids = _ids(model)
+    ref = _logits(model, ids)
+    ref_calls = len(calls)
+    report = fuseinfer.patch(model)
+    skipped = dict(report.skipped)
+    name = "model.decoder.layers.1" + (".self_attn" if case in ("hook_on_q_proj", "hook_on_self_attn", "lora_q_proj")
+                                       else "")
+    assert name in skipped, report
+    torch.testing.assert_close(_logits(model, ids), ref, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2 * ref_calls
+
+
+def test_output_attentions_on_patched_model():
+    """output_attentions=True returns the attention weights (those calls take eager attention)."""
+    from transformers import OPTForCausalLM
+
+    base = random_opt()
+    model = OPTForCausalLM._from_config(base.config, attn_implementation="eager").eval()
+    model.load_state_dict(base.state_dict())
+    ids = _ids(model, seq=17)
+    with torch.no_grad():
+        ref = model(ids, output_attentions=True)
+        fuseinfer.patch(model)
+        ours = model(ids, output_attentions=True)
+    assert len(ours.attentions) == len(ref.attentions) == model.config.num_hidden_layers
+    for a, b in zip(ours.attentions, ref.attentions):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.logits, ref.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_filter_fn_that_raises_leaves_the_model_untouched():
+    model = random_opt()
+    before = _snapshot(model)
+
+    def filter_fn(module, name):
+        if name.endswith("layers.1"):
+            raise RuntimeError("user filter failed")
+        return True
+
+    with pytest.raises(RuntimeError, match="user filter failed"):
+        fuseinfer.patch(model, PatchConfig(filter_fn=filter_fn))
+    assert _snapshot(model) == before
+    assert not any(hasattr(m, "qkv_weight") for m in model.modules())
+    fuseinfer.patch(model)  # a clean patch afterwards
+    fuseinfer.unpatch(model)
+    assert _snapshot(model) == before
+
+
+def test_patch_through_torch_compile_wrapper_and_own_generate_restored():
+    """patch(torch.compile(model)) patches the wrapped model (generate works through the wrapper); unpatch puts
+    back a generate the model had as an instance attribute."""
+    model = random_opt()
+    own_calls = []
+    own = lambda *a, **k: own_calls.append(1) or type(model).generate(model, *a, **k)  # noqa: E731
+    model.generate = own
+    compiled = torch.compile(model)
+    ids = _ids(model, batch=1, seq=7)
+    ref = type(model).generate(model, ids, max_new_tokens=5, do_sample=False)
+    fuseinfer.patch(compiled)
+    assert fuseinfer.patch_report(model) is not None
+    assert torch.equal(compiled.generate(ids, max_new_tokens=5, do_sample=False), ref)
+    compiled.generate(ids, max_new_tokens=5, do_sample=False, repetition_penalty=1.3)  # falls back: the user's
+    assert own_calls == [1]
+    fuseinfer.unpatch(compiled)
+    assert model.generate is own
+
+
+def test_patch_config_ops_must_be_a_tuple_of_names():
+    with pytest.raises(FuseInferError, match="PatchConfig.ops must be a tuple of op names"):
+        PatchConfig(ops=None)

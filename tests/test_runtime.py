@@ -209,6 +209,52 @@ def test_generate_hook_hands_right_padding_and_max_length_to_the_right_path(tiny
     assert SESSIONS_ATTR in model.__dict__  # (the fast path ran)
 
 
+@pytest.mark.parametrize("case", ["no_length_set", "padded_batch_without_mask", "config_object_without_eos",
+                                  "config_object_without_length"])
+def test_generate_hook_resolves_settings_like_transformers(tiny_model_path, case):
+    """model.generate on a patched model takes the fast path with the settings transformers would use: 20 new
+    tokens when no length is set anywhere, the mask inferred from pad tokens when none is passed, and a passed
+    GenerationConfig's unset fields filled from the model's generation_config (EOS, pad, max_new_tokens)."""
+    from transformers import GenerationConfig
+
+    model, tok = _load(tiny_model_path)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    ids = enc.input_ids
+    args, kwargs = (ids,), {"attention_mask": enc.attention_mask}
+    if case == "padded_batch_without_mask":
+        kwargs = {"max_new_tokens": 20}  # the prompts hold pad tokens (1), which is not the EOS (2)
+    elif case == "config_object_without_eos":
+        # a common continuation of the first prompt as the model's EOS: rows stop and are padded with the model's
+        # pad token, which the passed config does not set
+        eos = int(model.generate(ids[:1], attention_mask=enc.attention_mask[:1], max_new_tokens=3)[0, -2])
+        model.generation_config.eos_token_id = eos
+        kwargs["generation_config"] = GenerationConfig(max_new_tokens=6)
+    elif case == "config_object_without_length":
+        model.generation_config.max_new_tokens = 12
+        kwargs["generation_config"] = GenerationConfig(do_sample=False)
+    ref = model.generate(*args, **kwargs)
+    fuseinfer.patch(model)
+    ours = model.generate(*args, **kwargs)
+    assert SESSIONS_ATTR in model.__dict__  # the fast path ran
+    assert ours.shape == ref.shape and torch.equal(ours, ref)
+    if case == "no_length_set":
+        assert ref.shape[1] == ids.shape[1] + 20
+    if case == "config_object_without_eos":
+        assert bool((ref[:, ids.shape[1]:] == 1).any())  # some row finished and was padded
+
+
+@pytest.mark.parametrize("bad, match", [({"top_k": -1}, "top_k must be a non-negative integer"),
+                                        ({"top_p": -0.5}, r"top_p must be in \[0, 1\]")])
+def test_bad_sampling_settings_are_one_clear_error(tiny_model_path, bad, match):
+    model, tok = _load(tiny_model_path)
+    ids = tok(PROMPTS[:1], return_tensors="pt").input_ids
+    fuseinfer.patch(model)
+    with pytest.raises(FuseInferError, match=match):
+        fuseinfer.generate(model, ids, max_new_tokens=3, do_sample=True, **bad)
+    with pytest.raises(ValueError, match=match):  # FuseInferError is a ValueError, as transformers raises
+        model.generate(ids, max_new_tokens=3, do_sample=True, **bad)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("prompts", [PROMPTS[1:2], PROMPTS], ids=["single", "left_padded_batch_of_4"])
 def test_greedy_64_tokens_identical_to_hf_fp16_cuda_graphs(tiny_model_path, prompts):

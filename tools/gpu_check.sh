@@ -5,6 +5,9 @@
 #
 # Needs the shared assets copied to .gpu_assets/ (git-ignored; tools/stage_gpu_assets.sh does it) and named in
 # the device call's `carry`. Logs and results go to $OUT (default /tmp/fuseinfer-gpu), one file per stage.
+# FUSEINFER_GPU_TRANSFORMERS=path/to/transformers-*.whl runs every stage under that transformers instead of the
+# machine's (installed without dependencies into /tmp/fuseinfer-transformers, put first on PYTHONPATH; the
+# machine's huggingface_hub and tokenizers must satisfy it). stage_gpu_assets.sh downloads the wheel.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fuseinfer-gpu}
@@ -33,6 +36,11 @@ finish() {  # finish CODE: pack $OUT into one file (the device tool returns few)
   exit "$1"
 }
 
+if [ -n "${FUSEINFER_GPU_TRANSFORMERS:-}" ]; then
+  python3 -m pip install -q --no-deps --no-index --target /tmp/fuseinfer-transformers "$FUSEINFER_GPU_TRANSFORMERS" ||
+    { echo "cannot install $FUSEINFER_GPU_TRANSFORMERS"; exit 2; }
+  export PYTHONPATH=/tmp/fuseinfer-transformers${PYTHONPATH:+:$PYTHONPATH}
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)'
 

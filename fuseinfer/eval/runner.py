@@ -102,6 +102,8 @@ def _device(name: str | None) -> torch.device:
 
 
 def _check_sizes(s: Settings, max_positions: int) -> None:
+    if s.skip_latency and s.skip_ppl:
+        raise EvalError("--skip-latency and --skip-ppl together leave nothing to measure: drop one of them")
     for flag, value, low in (("--batch-size", s.batch_size, 1), ("--prompt-len", s.prompt_len, 1),
                              ("--gen-len", s.gen_len, 1), ("--repeats", s.repeats, 1), ("--warmup", s.warmup, 0),
                              ("--seq-len", s.seq_len, 2), ("--stride", s.stride, 1),

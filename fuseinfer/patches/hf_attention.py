@@ -82,5 +82,21 @@ def fuseinfer_attention_forward(module, query, key, value, attention_mask, scali
     return out.transpose(1, 2).contiguous(), None
 
 
+def eager_attention_with_weights(module, query, key, value, attention_mask, scaling: float, dropout=0.0, **kwargs):
+    """OPT's eager attention over the mask the ``fuseinfer`` builder made (a :class:`MaskInfo`, None or a 4D
+    mask), for calls that ask for the attention weights, which the kernel does not form:
+    ((B, Sq, H, D), weights (B, H, Sq, Skv))."""
+    from transformers.models.opt.modeling_opt import eager_attention_forward
+
+    if attention_mask is None or isinstance(attention_mask, MaskInfo):
+        info = attention_mask or MaskInfo(None, None)
+        attention_mask = allowed_mask(info.key_mask, info.q_start, query.shape[0], query.shape[2], key.shape[2],
+                                      query.device)  # (B, 1, Sq, Skv) bool
+    if attention_mask.dtype == torch.bool:  # eager adds the mask to the scores
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min)
+    return eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=0.0)
+
+
 AttentionInterface.register(NAME, fuseinfer_attention_forward)
 AttentionMaskInterface.register(NAME, fuseinfer_mask)

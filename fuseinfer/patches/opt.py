@@ -1,7 +1,7 @@
 """Patch rules for Hugging Face OPT (facebook/opt-125m ... opt-66b, pre-LN and the post-LN opt-350m).
 
 Swaps, by changing the class of the existing modules to subclasses (so ``isinstance``-based output capture,
-hooks and parameters stay as they are):
+the swapped modules' own hooks and parameters stay as they are):
 
 * ``OPTDecoderLayer`` -> :class:`FusedOPTDecoderLayer`: residual add fused into the LayerNorm (post-LN) or into
   the out_proj/fc2 GEMM epilogue (pre-LN, which then normalises the stream with the fused LN kernel);
@@ -12,7 +12,11 @@ hooks and parameters stay as they are):
 * the decoder's final ``LayerNorm`` -> :class:`FusedLayerNorm`;
 * ``config._attn_implementation`` -> ``"fuseinfer"``.
 
-In training mode the fused modules call the original forward (dropout is not fused).
+In training mode the fused modules call the original forward (dropout is not fused). A module whose fused
+forward would bypass a submodule (a projection, fc1 / fc2, a LayerNorm) is left as it is when that submodule has
+hooks or is not a plain ``nn.Linear`` / ``nn.LayerNorm`` (an adapter such as LoRA), and so is an attention module
+with hooks of its own (its fused output would include the residual); the report lists them under "skipped".
+Hooks added after ``patch`` are not seen by the fused forwards.
 """
 from __future__ import annotations
 
@@ -60,6 +64,13 @@ class FusedOPTAttention(OPTAttention):
             _link_qkv(self)
         return self
 
+    def __setstate__(self, state):
+        """A deep copy or an unpickled copy gets its q/k/v weights as views of its own (3E, E) buffer again
+        (copying a Parameter clones it, which would leave the fused GEMM reading a buffer that nothing updates)."""
+        super().__setstate__(state)
+        if getattr(self, "qkv_weight", None) is not None:
+            _link_qkv(self)
+
     def forward(self, hidden_states, past_key_values=None, attention_mask=None, output_attentions=False,
                 residual=None, **kwargs):
         if self.training:
@@ -78,7 +89,10 @@ class FusedOPTAttention(OPTAttention):
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)  # (B, H, Skv, D)
         impl = self.config._attn_implementation
-        if impl == hf_attention.NAME:
+        if impl == hf_attention.NAME and (output_attentions or getattr(self.config, "output_attentions", False)):
+            # the attention weights were asked for, which the kernel does not form: eager, with OPT's scaled q
+            attn_fn, scaling, q = hf_attention.eager_attention_with_weights, 1.0, q * self.scaling
+        elif impl == hf_attention.NAME:
             attn_fn, scaling = hf_attention.fuseinfer_attention_forward, self.scaling
         else:  # keep OPT's order of operations: scale q first, attention with scaling=1
             from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -197,17 +211,24 @@ class OPTFamily:
         like = next(model.parameters())  # what a parameter-free module's ops run on
         layer_ops = ops & {"layer_norm", "linear"}
         attn_ops = ops & {"qkv", "linear", "attention"}
+        plan = []  # (module, name, class, ops): every filter_fn call and check comes before the first swap
         for name, module in model.named_modules():
             if type(module) is OPTDecoderLayer and layer_ops and config.selects(module, name):
-                self._swap(module, name, FusedOPTDecoderLayer, layer_ops, state, report, like)
+                plan.append((module, name, FusedOPTDecoderLayer, layer_ops))
             elif type(module) is OPTAttention and attn_ops and config.selects(module, name):
-                if "qkv" in ops:
-                    self._fuse_qkv(module, state)
-                self._swap(module, name, FusedOPTAttention, attn_ops, state, report, like)
+                plan.append((module, name, FusedOPTAttention, attn_ops))
             elif isinstance(module, OPTDecoder) and type(module.final_layer_norm) is nn.LayerNorm \
                     and "layer_norm" in ops and config.selects(module.final_layer_norm, f"{name}.final_layer_norm"):
-                self._swap(module.final_layer_norm, f"{name}.final_layer_norm".lstrip("."), FusedLayerNorm,
-                           {"layer_norm"}, state, report, like)
+                plan.append((module.final_layer_norm, f"{name}.final_layer_norm".lstrip("."), FusedLayerNorm,
+                             {"layer_norm"}))
+        for module, name, cls, module_ops in plan:
+            why = _bypass_reason(module, module_ops)
+            if why is not None:
+                report.skipped.append((name, why))
+                continue
+            if cls is FusedOPTAttention and "qkv" in ops:
+                self._fuse_qkv(module, state)
+            self._swap(module, name, cls, module_ops, state, report, like)
         if "attention" in ops:
             before = model.config._attn_implementation
             if model.training:
@@ -250,6 +271,36 @@ class OPTFamily:
             del module._fuseinfer_ops
         if state["attn_impl"] is not None:
             model.config._attn_implementation = state["attn_impl"]
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    """Forward (pre-)hooks other than transformers' own output capture (installed on the decoder layers and
+    attention modules by the first call with output_hidden_states / output_attentions; it records the hidden
+    states and the attention weights, which the fused modules return as the originals do)."""
+    hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
+    return any(getattr(h, "__module__", None) != "transformers.utils.output_capturing" for h in hooks)
+
+
+def _bypass_reason(module: nn.Module, ops) -> str | None:
+    """Why ``module`` must stay unswapped, or None: its fused forward reads the parameters of the submodules
+    listed here instead of calling them, so each must be a plain, hook-free nn.Linear / nn.LayerNorm."""
+    if isinstance(module, OPTAttention):
+        if _has_hooks(module):  # (the decoder layer would hand it the residual to fuse into out_proj)
+            return "the attention module has hooks (the fused one returns its output plus the residual)"
+        names = (("q_proj", "k_proj", "v_proj") if "qkv" in ops else ()) + (("out_proj",) if "linear" in ops else ())
+        kinds = {n: nn.Linear for n in names}
+    elif isinstance(module, OPTDecoderLayer):
+        kinds = {n: nn.LayerNorm for n in ("self_attn_layer_norm", "final_layer_norm") if "layer_norm" in ops}
+        kinds.update({n: nn.Linear for n in ("fc1", "fc2") if "linear" in ops})
+    else:
+        kinds = {}
+    for n, kind in kinds.items():
+        sub = getattr(module, n)
+        if type(sub) is not kind:
+            return f"{n} is a {type(sub).__name__}, not a plain {kind.__name__} (the fused forward would bypass it)"
+        if _has_hooks(sub):
+            return f"{n} has hooks (the fused forward reads its weights without calling it)"
+    return None
 
 
 def _link_qkv(attn: OPTAttention) -> None:

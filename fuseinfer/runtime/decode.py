@@ -254,6 +254,10 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         return input_ids
     if do_sample and temperature <= 0:
         raise FuseInferError("temperature must be > 0 when do_sample=True")
+    if do_sample and top_k is not None and (not isinstance(top_k, int) or top_k < 0):
+        raise FuseInferError(f"top_k must be a non-negative integer (0 or None: no top-k), got {top_k!r}")
+    if do_sample and top_p is not None and top_p < 0:
+        raise FuseInferError(f"top_p must be in [0, 1] (1 or None: no top-p), got {top_p!r}")
     sampling = Sampling(do_sample, float(temperature), top_k, top_p) if do_sample else Sampling()
     eos = _eos_tensor(eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos.numel() else 0)

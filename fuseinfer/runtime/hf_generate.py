@@ -25,15 +25,19 @@ _KWARGS = _HANDLED | {"input_ids", "attention_mask", "use_cache"}
 _logged: set[str] = set()
 
 
-def _fast_path_reason(model, input_ids, kwargs, cfg: GenerationConfig) -> str | None:
+def _fast_path_reason(model, input_ids, kwargs, configs: list, get) -> str | None:
     """None when the call can take the fast path, else why not."""
+    from transformers import GenerationConfig
+
     extra = sorted(set(kwargs) - _KWARGS)
     if extra:
         return f"unsupported generate() arguments {extra}"
-    unsupported = sorted(set(cfg.to_diff_dict()) - _HANDLED - _HARMLESS)
+    defaults = GenerationConfig._get_default_generation_params()
+    keys = set().union(*(c.to_diff_dict() for c in configs)) - _HANDLED - _HARMLESS
+    unsupported = sorted(k for k in keys if get(k) is not None and get(k) != defaults.get(k))
     if unsupported:
         return f"generation config sets {unsupported}"
-    if kwargs.get("use_cache", cfg.use_cache) is False:
+    if get("use_cache") is False:
         return "use_cache=False"
     if model.training:
         return "model is in training mode"
@@ -44,10 +48,49 @@ def _fast_path_reason(model, input_ids, kwargs, cfg: GenerationConfig) -> str | 
         return "input_ids must be a (batch, length) tensor"
     if input_ids.device != next(model.parameters()).device:
         return "input_ids are on another device than the model"
-    mask = kwargs.get("attention_mask")
-    if mask is not None and not bool(mask[:, -1].all()):
-        return "right padding (use tokenizer.padding_side = 'left')"
     return None
+
+
+def _resolver(model, generation_config, kwargs):
+    """get(name): the setting as transformers' generate resolves it: the call's keyword argument, else the passed
+    generation_config's value, else the model's generation_config's (None counts as unset in both), else
+    transformers' global default."""
+    from transformers import GenerationConfig
+
+    defaults = GenerationConfig._get_default_generation_params()
+    configs = [c for c in (generation_config, model.generation_config) if c is not None]
+
+    def get(name: str):
+        if name in kwargs:
+            return kwargs[name]
+        for cfg in configs:
+            value = getattr(cfg, name, None)
+            if value is not None:
+                return value
+        return defaults.get(name)
+
+    return configs, get
+
+
+def _max_new_tokens(model, prompt_len: int, configs: list, kwargs, get) -> int:
+    """New tokens as transformers' generate counts them: max_new_tokens if set; else max_length minus the prompt,
+    where an unset max_length means transformers' default (20) new tokens, capped at the model's positions."""
+    max_new = get("max_new_tokens")
+    if max_new is not None:
+        return max_new
+    max_length = get("max_length")
+    if kwargs.get("max_length") is None and all(getattr(c, "max_length", None) is None for c in configs):
+        max_length = min(max_length + prompt_len, model.config.max_position_embeddings)
+    return max_length - prompt_len
+
+
+def _inferred_mask(input_ids: torch.Tensor, pad, eos) -> torch.Tensor | None:
+    """transformers' mask for a call without one: input_ids != pad where the pad token occurs in the prompt and
+    is not an EOS token, else None (no padding)."""
+    eos_ids = [] if eos is None else torch.as_tensor(eos).flatten().tolist()
+    if pad is None or pad in eos_ids or not bool((input_ids == pad).any()):
+        return None
+    return input_ids.ne(pad).long()
 
 
 class GenerateHook:
@@ -75,27 +118,29 @@ class GenerateHook:
 def patched_generate(model, inputs=None, generation_config: GenerationConfig | None = None, **kwargs):
     """Drop-in ``generate`` installed by ``fuseinfer.patch`` on models that have one."""
     input_ids = kwargs.get("input_ids", inputs)
-    cfg = generation_config if generation_config is not None else model.generation_config
-    reason = _fast_path_reason(model, input_ids, kwargs, cfg)
+    configs, get = _resolver(model, generation_config, kwargs)
+    reason = _fast_path_reason(model, input_ids, kwargs, configs, get)
     if reason is None:
-        from transformers import GenerationConfig
-
-        get = lambda name: kwargs[name] if name in kwargs else getattr(cfg, name, None)  # noqa: E731
-        defaults = GenerationConfig._get_default_generation_params()
-        opt = lambda name: defaults[name] if get(name) is None else get(name)  # noqa: E731
-        max_new = get("max_new_tokens")
-        if max_new is None:
-            max_new = opt("max_length") - input_ids.shape[1]
+        max_new = _max_new_tokens(model, input_ids.shape[1], configs, kwargs, get)
+        mask = kwargs.get("attention_mask")
+        if mask is None:
+            mask = _inferred_mask(input_ids, get("pad_token_id"), get("eos_token_id"))
         if max_new < 1 or input_ids.shape[1] + max_new > model.config.max_position_embeddings:
             reason = f"{max_new} new tokens after a prompt of {input_ids.shape[1]} do not fit the model's positions"
+        elif mask is not None and not bool(mask[:, -1].all()):
+            reason = "right padding (use tokenizer.padding_side = 'left')"
     if reason is not None:
         key = re.sub(r"\d+", "N", reason)  # once per kind of reason, whatever its numbers
         if key not in _logged:
             _logged.add(key)
             logger.warning("fuseinfer: model.generate falls back to transformers: %s", reason)
+        from ..patching import patch_state
+
+        state = patch_state(model)
+        if state is not None and state.generate is not None:  # the model's own generate, before patching
+            return state.generate(inputs, generation_config=generation_config, **kwargs)
         return type(model).generate(model, inputs, generation_config=generation_config, **kwargs)
-    eos = get("eos_token_id")
-    pad = get("pad_token_id")
-    return generate(model, input_ids, kwargs.get("attention_mask"), max_new_tokens=max_new,
-                    do_sample=bool(opt("do_sample")), temperature=opt("temperature"), top_k=opt("top_k"),
-                    top_p=opt("top_p"), eos_token_id=eos, pad_token_id=pad)
+    temperature = get("temperature")
+    return generate(model, input_ids, mask, max_new_tokens=max_new, do_sample=bool(get("do_sample")),
+                    temperature=1.0 if temperature is None else temperature, top_k=get("top_k"), top_p=get("top_p"),
+                    eos_token_id=get("eos_token_id"), pad_token_id=get("pad_token_id"))
