@@ -1,10 +1,13 @@
 """Decode latency of fuseinfer's fast path (static cache + CUDA graphs) vs transformers' generate.
 
 For random-weight OPT (default opt-1.3b, fp16) at each batch size, with a prompt of --context tokens:
-ms/token = (T(generate 1 + N new tokens) - T(generate 1 new token)) / N, median of --repeats runs after a
-warm-up (which also absorbs torch.compile's compile time), so prefill cancels out. Compared: eager HF generate,
+ms/token = (T(generate 1 + N new tokens) - T(generate 1 new token)) / N: each of --repeats rounds times the two
+calls back to back (so drift between rounds cancels in the difference), after a warm-up (which also absorbs
+torch.compile's compile time), so prefill cancels out; the median over rounds, with the 10th and 90th
+percentiles. Compared: eager HF generate,
 HF generate(cache_implementation="static") (which torch.compiles its decode step), and fuseinfer.generate.
-Derived: floor = weight bytes / measured copy bandwidth; achieved GB/s = bytes read per decode step / ms-per-token,
+Derived: floor = weight bytes / measured copy bandwidth (issue 5's definition), floor_kv = the bytes of a step,
+KV cache included, / copy bandwidth (the KV cache outweighs the weights at batch 32); achieved GB/s = bytes read per decode step / ms-per-token,
 the bytes by ``fuseinfer.eval.metrics.decode_bytes_per_step`` (weights + KV cache at the mean context of the N timed
 steps), so the figure matches the eval CLI's GB/s for the same settings.
 """
@@ -27,24 +30,23 @@ from fuseinfer.eval.metrics import decode_bytes_per_step  # noqa: E402
 from fuseinfer.eval.models import load_config, load_model, model_stats, resolve_model  # noqa: E402
 
 
-def time_generate(fn, repeats: int) -> float:
-    """Median wall time of fn() in ms (synchronised)."""
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
+def wall_ms(fn) -> float:
+    """Wall time of fn() in ms, synchronised before and after."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
 
 
-def ms_per_token(gen, ids, new_tokens: int, repeats: int) -> float:
+def ms_per_token(gen, ids, new_tokens: int, repeats: int) -> dict:
+    """Median, p10 and p90 over rounds of (T(1 + N new) - T(1 new)) / N, the two timed back to back per round."""
     for n in (1, 1 + new_tokens):  # warm-up both lengths (compiles, captures graphs)
         gen(ids, n)
-    t_long = time_generate(lambda: gen(ids, 1 + new_tokens), repeats)
-    t_short = time_generate(lambda: gen(ids, 1), repeats)
-    return (t_long - t_short) / new_tokens
+    per_round = sorted((wall_ms(lambda: gen(ids, 1 + new_tokens)) - wall_ms(lambda: gen(ids, 1))) / new_tokens
+                       for _ in range(repeats))
+    pick = lambda q: per_round[min(len(per_round) - 1, int(q * len(per_round)))]  # noqa: E731
+    return {"median_ms": pick(0.5), "p10_ms": pick(0.1), "p90_ms": pick(0.9)}
 
 
 def main() -> None:
@@ -70,7 +72,8 @@ def main() -> None:
     for batch in [int(b) for b in args.batches.split(",")]:
         ids = torch.randint(3, base.config.vocab_size, (batch, args.context), device="cuda")
         step_bytes = decode_bytes_per_step(stats, batch, args.context, args.new_tokens)  # the N timed steps
-        row = {"batch": batch, "context": args.context, "floor_ms": floor_ms}
+        row = {"batch": batch, "context": args.context, "floor_ms": floor_ms,
+               "floor_kv_ms": step_bytes / (ceilings["copy_GBps"] * 1e9) * 1e3}
         for name in args.backends.split(","):
             model = copy.deepcopy(base)
             if name == "eager":
@@ -84,26 +87,32 @@ def main() -> None:
             else:
                 ap.error(f"unknown backend {name!r} (eager, hf_static_compile, fuseinfer)")
             with torch.no_grad():
-                ms = ms_per_token(gen, ids, args.new_tokens, args.repeats)
-            row[f"{name}_ms"] = ms
+                t = ms_per_token(gen, ids, args.new_tokens, args.repeats)
+            ms = t["median_ms"]
+            row[name] = t
+            row[f"{name}_ms"], row[f"{name}_spread_ms"] = ms, f"{t['p10_ms']:.4g}-{t['p90_ms']:.4g}"
             row[f"{name}_GBps"] = step_bytes / (ms * 1e-3) / 1e9
-            print(f"batch {batch}: {name} {ms:.3f} ms/token", flush=True)
+            print(f"batch {batch}: {name} {ms:.3f} ms/token (p10-p90 {row[f'{name}_spread_ms']})", flush=True)
             del model, gen
             gc.collect()
             torch.cuda.empty_cache()
         if "fuseinfer_ms" in row:
             row["fuseinfer_pct_copy"] = 100 * row["fuseinfer_GBps"] / ceilings["copy_GBps"]
             row["fuseinfer_over_floor"] = row["fuseinfer_ms"] / floor_ms
+            row["fuseinfer_over_floor_kv"] = row["fuseinfer_ms"] / row["floor_kv_ms"]
             row["fuseinfer_tok_s"] = batch * 1e3 / row["fuseinfer_ms"]
             for other in ("eager", "hf_static_compile"):
                 if f"{other}_ms" in row:
                     row[f"speedup_vs_{other}"] = row[f"{other}_ms"] / row["fuseinfer_ms"]
         rows.append(row)
-    cols = ["batch", "context", "floor_ms", *[c for c in rows[0] if c.endswith("_ms") and c != "floor_ms"],
-            *[c for c in ("fuseinfer_over_floor", "fuseinfer_GBps", "fuseinfer_pct_copy", "fuseinfer_tok_s",
+    cols = ["batch", "context", "floor_ms", "floor_kv_ms",
+            *[c for c in rows[0] if c.endswith("_ms") and not c.startswith("floor")],
+            *[c for c in ("fuseinfer_over_floor", "fuseinfer_over_floor_kv", "fuseinfer_GBps", "fuseinfer_pct_copy",
+                          "fuseinfer_tok_s",
                           "speedup_vs_eager", "speedup_vs_hf_static_compile") if c in rows[0]]]
     settings = {**vars(args), "dtype": "fp16", "weight_bytes": weight_bytes,
-                "timing": "(T(1+N new) - T(1 new)) / N, wall clock around synchronised generate, median"}
+                "timing": "(T(1+N new) - T(1 new)) / N per round, the two timed back to back, wall clock around "
+                            "synchronised generate; median and p10-p90 over rounds"}
     print(write_results("decode", settings, ceilings, rows, cols).with_suffix(".md").read_text())
 
 

@@ -13,7 +13,8 @@ buffer before every timed call, so even the rows whose working set fits in L2 st
 "HBM" in the table labels the working set. Rows whose working set fits in half the L2 are also timed L2-resident
 ("warm" columns): 20 calls on the same tensors back to back in one CUDA graph, as a model runs the op on
 activations the previous op just wrote; ours and torch.compile's graphs take turns over five rounds
-(common.graph_calls_ms).
+(common.graph_calls_ms), and "warm x compile" is the ratio of the two medians over all replays. "size MiB" is one
+activation tensor (GB/s counts 1e9 bytes).
 
 Every row first checks ours against eager (s bit-exact, y within 2x eager's error against an fp32 reference).
 torch.compile gets one compile per (form, N) with the row count marked dynamic (Triton still autotunes per
@@ -41,7 +42,7 @@ FORMS = {  # name: (has residual, store_sum)
     "add_ln": (True, False),
     "add_ln_sum": (True, True),
 }
-COLUMNS = ["form", "N", "rows", "size MB", "where", "ours ms", "eager ms", "compile ms", "ours GB/s",
+COLUMNS = ["form", "N", "rows", "size MiB", "where", "ours ms", "eager ms", "compile ms", "ours GB/s",
            "% copy", "x eager", "x compile", "warm ms", "warm compile ms", "warm x compile"]
 WARM_CALLS = 20
 
@@ -110,7 +111,7 @@ def main() -> None:
                     moved = bytes_moved(rows, n, has_residual, store_sum)
                     gbs = moved / (ours["median_ms"] * 1e-3) / 1e9
                     rows_out.append({
-                        "form": form, "N": n, "rows": rows, "size MB": size_mb,
+                        "form": form, "N": n, "rows": rows, "size MiB": size_mb,
                         "where": "L2" if moved <= l2_bytes else "HBM",
                         "ours ms": ours["median_ms"], "eager ms": ref["median_ms"], "compile ms": comp["median_ms"],
                         "ours GB/s": gbs, "% copy": 100 * gbs / ceilings["copy_GBps"],

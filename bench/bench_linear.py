@@ -153,7 +153,8 @@ def main() -> None:
                 "note": "L2 flushed before every timed call (triton do_bench); ours and bare mm alternate over 5 "
                         "rounds, ours/bare = median of the per-round ratios; graph columns: back-to-back calls "
                         "over weight copies > 4x L2 in one CUDA graph, >= 50 ms warm-up, ours and cuBLAS in turn "
-                        "over 5 rounds of 10 replays, median", "pdl": os.environ.get("FUSEINFER_PDL", "1")}
+                        "over 5 rounds of 10 replays, median", "pdl": os.environ.get("FUSEINFER_PDL", "1"),
+                "gemm_tune": os.environ.get("FUSEINFER_GEMM_TUNE", "1")}
     path = write_results(args.name, settings, ceilings, rows, COLUMNS)
     print(f"wrote {path}")
 

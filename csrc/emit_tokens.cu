@@ -108,14 +108,14 @@ __global__ void __launch_bounds__(kThreads) emit_tokens_kernel(const EmitParams 
     for (int e = 0; live && e < p.n_eos; ++e) live = token != p.eos[e];
     p.unfinished[r] = live;
     running |= live;
-    if (at < p.max_new) p.out[r * p.max_new + at] = token;
+    if (at >= 0 && at < p.max_new) p.out[r * p.max_new + at] = token;  // a step outside [0, max_new) writes no slot
     p.tokens[r] = token;
     p.positions[r] += 1;
     p.q_start[r] += 1;
   }
   running = __syncthreads_or(running);
   if (threadIdx.x == 0) {
-    if (at < p.max_new) p.alive[at] = running;
+    if (at >= 0 && at < p.max_new) p.alive[at] = running;
     *p.step = at + 1;
     *p.decode_idx += 1;
     *p.ticket = 0;  // ready for the next launch

@@ -130,3 +130,16 @@ def test_kernel_in_cuda_graph_and_opcheck():
     args = (scores, eos, 0, *(st[k] for k in ("tokens", "positions", "q_start", "decode_idx", "step", "unfinished",
                                               "out", "alive", "scratch")))
     torch.library.opcheck(torch.ops.fuseinfer.emit_tokens.default, args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("step", [-1, 6])
+def test_kernel_step_outside_the_output_writes_no_slot(step):
+    """A step outside [0, max_new) (graph replays past the last token, or a bad input) records no token and no
+    alive flag (no write out of bounds), and still advances the counters."""
+    _require_kernel()
+    b, v, max_new = 3, 1000, 6
+    st = _state(b, max_new, "cuda", step=step)
+    _call(ops.emit_tokens, torch.randn(b, v, device="cuda"), torch.tensor([3], device="cuda"), 1, st)
+    assert bool((st["out"] == -7).all()) and bool(st["alive"].all())
+    assert int(st["step"]) == step + 1 and int(st["decode_idx"]) == 21

@@ -232,6 +232,12 @@ def _opcheck_cases():
         "add_layer_norm": (torch.ops.fuseinfer.add_layer_norm.default,
                            (torch.randn(5, 123, **dev), torch.randn(5, 123, **dev), torch.randn(123, **dev),
                             torch.randn(123, **dev), 1e-5, True)),
+        "add_layer_norm_strided": (torch.ops.fuseinfer.add_layer_norm.default,  # the outputs are contiguous
+                                   (torch.randn(6, 5, 64, **dev).transpose(0, 1), None, torch.randn(64, **dev),
+                                    torch.randn(64, **dev), 1e-5, True)),
+        "linear_epilogue_strided_weight": (torch.ops.fuseinfer.linear_epilogue.default,  # runs the reference
+                                           (torch.randn(3, 96, **dev), torch.randn(96, 128, **dev).t(),
+                                            torch.randn(128, **dev), torch.randn(3, 128, **dev), "none")),
         "linear_epilogue": (torch.ops.fuseinfer.linear_epilogue.default,
                             (torch.randn(7, 96, **dev), torch.randn(128, 96, **dev), torch.randn(128, **dev),
                              None, "relu")),
@@ -240,7 +246,8 @@ def _opcheck_cases():
     }
 
 
-@pytest.mark.parametrize("name", ["add_layer_norm", "linear_epilogue", "attention"])
+@pytest.mark.parametrize("name", ["add_layer_norm", "add_layer_norm_strided", "linear_epilogue",
+                                  "linear_epilogue_strided_weight", "attention"])
 def test_opcheck_cuda(name):
     op, args = _opcheck_cases()[name]
     torch.library.opcheck(op, args)

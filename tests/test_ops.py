@@ -47,6 +47,15 @@ def test_linear_epilogue_rejects_bad_input():
         ops.linear_epilogue(x, w, residual=torch.randn(4, 6), activation="relu")
     with pytest.raises(ValueError, match="features"):
         ops.linear_epilogue(torch.randn(4, 7), w)
+    with pytest.raises(ValueError, match=r"residual must be \(4, 6\) in torch.float32"):
+        ops.linear_epilogue(x, w, residual=torch.randn(4, 6, dtype=torch.float64))
+    with pytest.raises(ValueError, match="residual must be"):
+        ops.linear_epilogue(x, w, residual=torch.randn(6))  # no broadcasting: the kernel takes (M, N)
+
+
+def test_add_layer_norm_rejects_a_broadcast_residual():
+    with pytest.raises(ValueError, match=r"residual shape \(8,\) != x shape \(4, 8\)"):
+        ops.add_layer_norm(torch.randn(4, 8), torch.randn(8))
 
 
 def _attention_inputs(b=3, h=4, sq=113, skv=113, d=64, dtype=torch.float32):
@@ -83,6 +92,19 @@ def test_attention_query_without_keys_gives_zero_not_nan():
     assert torch.isfinite(out).all()
     assert out[0, :2].abs().max() == 0  # queries 0 and 1 of row 0 see only padding
     assert out[0, 2:].abs().min() > 0
+
+
+def test_attention_ref_ignores_what_unseen_keys_hold():
+    """Cache slots no query may see (not written yet: NaN in uninitialised memory) and queries without any key
+    give what the kernels give (they never read such slots): finite values, 0 for a query without keys."""
+    q, k, v = _attention_inputs(b=2, sq=2, skv=12)
+    k[:, :, 8:], v[:, :, 8:] = float("nan"), float("nan")  # slots 8.. of both rows are unwritten
+    q_start = torch.tensor([5, -3], dtype=torch.int32)  # row 1: its two queries come before every key
+    out = ops.attention_ref(q, k, v, None, q_start, 0.125)
+    assert torch.isfinite(out).all()
+    assert out[1].abs().max() == 0
+    ref = ops.attention_ref(q[:1], k[:1, :, :7], v[:1, :, :7], None, None, 0.125)  # row 0 sees keys 0..6
+    torch.testing.assert_close(out[:1], ref)
 
 
 @pytest.mark.parametrize("d", [32, 64])
@@ -133,6 +155,12 @@ OPCHECK_CASES = {
                                 1e-5, True)),
     "add_layer_norm_no_residual": lambda: (torch.ops.fuseinfer.add_layer_norm.default,
                                            (torch.randn(2, 3, 96), None, None, None, 1e-5, True)),
+    "add_layer_norm_strided": lambda: (torch.ops.fuseinfer.add_layer_norm.default,  # contiguous outputs
+                                       (torch.randn(6, 5, 32).transpose(0, 1), torch.randn(5, 6, 32), torch.randn(32),
+                                        torch.randn(32), 1e-5, True)),
+    "add_layer_norm_strided_no_residual": lambda: (torch.ops.fuseinfer.add_layer_norm.default,
+                                                   (torch.randn(6, 5, 32).transpose(0, 1), None, None, None, 1e-5,
+                                                    True)),
     "linear_epilogue": lambda: (torch.ops.fuseinfer.linear_epilogue.default,
                                 (torch.randn(2, 7, 96), torch.randn(123, 96), torch.randn(123),
                                  torch.randn(2, 7, 123), "none")),

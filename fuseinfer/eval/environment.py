@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import platform
 import subprocess
+from datetime import datetime, timezone
 
 import torch
 
@@ -19,10 +20,12 @@ def _driver_version() -> str | None:
 
 
 def environment(device: torch.device) -> dict:
-    """Python, platform, torch / CUDA / transformers / fuseinfer versions, the extension's status and the GPU."""
+    """When (UTC), Python, platform, torch / CUDA / transformers / fuseinfer versions, the extension's status and the
+    GPU."""
     import transformers
 
     env = {
+        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,

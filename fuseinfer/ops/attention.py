@@ -41,8 +41,12 @@ def attention_ref(q, k, v, key_mask, q_start, scale: float) -> torch.Tensor:
     allowed = allowed_mask(key_mask, q_start, b, sq, skv, q.device)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # (B, H, Sq, Skv)
     scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no key: all -inf -> NaN -> 0
-    out = torch.matmul(probs, v.float())  # (B, H, Sq, D)
+    probs = torch.softmax(scores, dim=-1)
+    probs = probs.masked_fill(~allowed.any(-1, keepdim=True), 0.0)  # rows with no key: 0 (the kernels' output)
+    # keys no query may see (e.g. cache slots not written yet) are never read by the kernels: zero their values,
+    # so that whatever they hold (NaN in uninitialised memory) cannot reach the output through 0 * NaN
+    seen = allowed.any(2).view(b, 1, skv, 1)  # (B, 1, Skv, 1)
+    out = torch.matmul(probs, v.float().masked_fill(~seen, 0.0))  # (B, H, Sq, D)
     return out.transpose(1, 2).contiguous().to(q.dtype)
 
 

@@ -10,7 +10,9 @@ whose producer warp streams every weight (and the attention's cached keys and va
 the consumer warps compute, handing activations between phases as epoch-tagged words (no grid barrier), so the
 ~200 kernel boundaries of the per-op step are gone. ``workspace`` holds the kernel's scratch (activations,
 attention partials and counters, launch counters); make it with :func:`decode_step_workspace` once per cache and
-keep it. Elsewhere the op runs :func:`opt_decode_step_ref`.
+keep it. Elsewhere the op runs :func:`opt_decode_step_ref`. Token ids below the vocabulary size and positions
+within the model's are the caller's to guarantee: the kernel does not check them on the device (the reference
+raises), as the fast-decode runtime only feeds it ids it produced and positions it counted.
 """
 from __future__ import annotations
 

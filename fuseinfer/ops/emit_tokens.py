@@ -5,7 +5,8 @@ takes the first maximum of each row of ``scores`` (B, V) fp32 (the logits for gr
 scores otherwise, see ``fuseinfer.runtime.decode.Sampling``) as that row's token, pads rows that have finished,
 clears ``unfinished`` for rows that produced an EOS, writes the tokens to ``out[:, step]`` and ``tokens``, whether
 any row is still running to ``alive[step]``, and adds one to ``positions``, ``q_start``, ``decode_idx`` and
-``step``. ``step`` must lie in [0, max_new).
+``step``. ``step`` must lie in [0, max_new) for a token to be recorded: the kernel records none outside it (a
+graph replayed past the last token; the reference raises).
 
 On CUDA it is one kernel (``csrc/emit_tokens.cu``) instead of ~13 small ones inside the decode graph; ``scratch``
 (:func:`emit_tokens_scratch`, made once per batch size) holds its per-chunk maxima. Elsewhere it runs

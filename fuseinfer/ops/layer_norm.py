@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .._ext import eager_cuda, extension
+from ..errors import FuseInferError
 
 
 def add_layer_norm_ref(x, residual, weight, bias, eps: float, store_sum: bool):
@@ -23,17 +24,20 @@ def _add_layer_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, bias: torch.Tensor | None,
     eps: float, store_sum: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    y, s = add_layer_norm_ref(x, residual, weight, bias, eps, store_sum)
-    # custom ops may not return their inputs: s is x itself when there is no residual
-    return y, (s.clone() if s is x else s)
+    return _contiguous_outputs(x, *add_layer_norm_ref(x, residual, weight, bias, eps, store_sum))
+
+
+def _contiguous_outputs(x, y, s):
+    """(y, s) contiguous, as the kernel returns them (and the fake promises), and never ``x`` itself (custom
+    ops may not return an input; s is x when there is no residual)."""
+    return y.contiguous(), (s.clone(memory_format=torch.contiguous_format) if s is x else s.contiguous())
 
 
 @_add_layer_norm.register_kernel("cuda")
 def _add_layer_norm_cuda(x, residual, weight, bias, eps, store_sum):
     ext = extension(x.device)
     if ext is None:
-        y, s = add_layer_norm_ref(x, residual, weight, bias, eps, store_sum)
-        return y, (s.clone() if s is x else s)
+        return _contiguous_outputs(x, *add_layer_norm_ref(x, residual, weight, bias, eps, store_sum))
     x = x.contiguous()
     residual = None if residual is None else residual.contiguous()
     return ext.add_layer_norm(x, residual, weight, bias, eps, store_sum)
@@ -41,11 +45,14 @@ def _add_layer_norm_cuda(x, residual, weight, bias, eps, store_sum):
 
 @_add_layer_norm.register_fake
 def _(x, residual, weight, bias, eps, store_sum):
-    return torch.empty_like(x), (torch.empty_like(x) if store_sum else x.new_empty(0))
+    return x.new_empty(x.shape), (x.new_empty(x.shape) if store_sum else x.new_empty(0))  # contiguous
 
 
 def add_layer_norm(x, residual=None, weight=None, bias=None, eps: float = 1e-5, store_sum: bool = False):
-    """Fused residual add + LayerNorm over the last dim. Returns ``(y, s)``; ``s`` is empty unless store_sum."""
+    """Fused residual add + LayerNorm over the last dim. Returns ``(y, s)``, contiguous; ``s`` is empty unless
+    store_sum. ``residual`` has x's shape (no broadcasting)."""
+    if residual is not None and residual.shape != x.shape:
+        raise FuseInferError(f"add_layer_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     if eager_cuda(x):
         return _add_layer_norm_cuda(x, residual, weight, bias, eps, store_sum)
     return torch.ops.fuseinfer.add_layer_norm(x, residual, weight, bias, eps, store_sum)

@@ -14,7 +14,11 @@ ACTIVATIONS = ("none", "relu")
 
 
 def linear_epilogue_ref(x, weight, bias, residual, activation: str):
-    """Pure-PyTorch reference. x: (..., K), weight: (N, K), bias: (N,), residual: (..., N) -> (..., N)."""
+    """Pure-PyTorch reference. x: (..., K), weight: (N, K), bias: (N,), residual: (..., N) -> (..., N).
+
+    Eager PyTorch's order: the linear's output is rounded to x's dtype before the residual add; the CUDA kernel
+    adds bias and residual to the fp32 accumulator and rounds once, so in fp16 / bf16 the two can differ by one
+    unit in the last place (the tests' dtype tolerances cover it)."""
     y = torch.nn.functional.linear(x, weight, bias)
     if residual is not None:
         y = y + residual
@@ -28,6 +32,9 @@ def _check(x, weight, residual, activation):
         raise ValueError("an activation and a residual cannot be fused into one linear")
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} features but weight expects {weight.shape[1]}")
+    if residual is not None and (residual.shape != (*x.shape[:-1], weight.shape[0]) or residual.dtype != x.dtype):
+        raise ValueError(f"residual must be {tuple(x.shape[:-1]) + (weight.shape[0],)} in {x.dtype}, got "
+                         f"{tuple(residual.shape)} in {residual.dtype}")
 
 
 @torch.library.custom_op("fuseinfer::linear_epilogue", mutates_args=())
@@ -41,12 +48,14 @@ def _linear_epilogue(
 @_linear_epilogue.register_kernel("cuda")
 def _linear_epilogue_cuda(x, weight, bias, residual, activation):
     ext = extension(x.device)
-    if ext is None:
+    # a strided weight would be copied just before the kernel, whose decode path reads weights before its PDL
+    # wait (launch.h): take the reference (cuBLAS through F.linear) instead
+    if ext is None or not weight.is_contiguous():
         return linear_epilogue_ref(x, weight, bias, residual, activation)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
     r2 = None if residual is None else residual.reshape(-1, weight.shape[0]).contiguous()  # (M, N)
-    y = ext.linear_epilogue(x2, weight.contiguous(), bias, r2, activation)  # (M, N)
+    y = ext.linear_epilogue(x2, weight, None if bias is None else bias.contiguous(), r2, activation)  # (M, N)
     return y.view(*lead, weight.shape[0])
 
 
