@@ -53,6 +53,13 @@ def test_linear_epilogue_rejects_bad_input():
         ops.linear_epilogue(x, w, residual=torch.randn(6))  # no broadcasting: the kernel takes (M, N)
 
 
+def test_int8_edge_cases():
+    q, scale = ops.quantize_per_token(torch.randn(3, 0))  # K = 0: empty values, the all-zero scale
+    assert q.shape == (3, 0) and q.dtype == torch.int8 and scale.shape == (3, 1) and bool((scale > 0).all())
+    with pytest.raises(ValueError, match="must broadcast to q's shape"):
+        ops.dequantize(torch.zeros(1, 4, dtype=torch.int8), torch.ones(3, 1))
+
+
 def test_add_layer_norm_rejects_a_broadcast_residual():
     with pytest.raises(ValueError, match=r"residual shape \(8,\) != x shape \(4, 8\)"):
         ops.add_layer_norm(torch.randn(4, 8), torch.randn(8))

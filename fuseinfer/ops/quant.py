@@ -13,7 +13,12 @@ QMAX = 127.0
 
 def quantize_int8_ref(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference: x (...) -> (q int8 like x, scale fp32 with ``dim`` of size 1)."""
-    amax = x.detach().float().abs().amax(dim=dim, keepdim=True)
+    if x.shape[dim] == 0:  # nothing to reduce: the scale of an all-zero row
+        shape = list(x.shape)
+        shape[dim] = 1
+        amax = x.new_zeros(shape, dtype=torch.float32)
+    else:
+        amax = x.detach().float().abs().amax(dim=dim, keepdim=True)
     scale = (amax / QMAX).clamp_min(torch.finfo(torch.float32).tiny)  # all-zero rows: q = 0, no 0/0
     q = torch.round(x.float() / scale).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, scale
@@ -57,5 +62,7 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """int8 values and their scales -> ``dtype``."""
+    """int8 values and their scales (broadcasting to q's shape) -> ``dtype``, q's shape."""
+    if torch.broadcast_shapes(q.shape, scale.shape) != q.shape:
+        raise ValueError(f"scale {tuple(scale.shape)} must broadcast to q's shape {tuple(q.shape)}")
     return torch.ops.fuseinfer.dequantize_int8(q, scale, dtype)
