@@ -100,7 +100,7 @@ class PatchState(NamedTuple):
     generate: object = None  # the model's own instance attribute ``generate`` before patching, if it had one
 
 
-def _unwrapped(model):
+def unwrapped(model):
     """The module a ``torch.compile`` wrapper (OptimizedModule) compiles, else ``model``: patching swaps the
     wrapped model's modules (dynamo recompiles for them), and its ``generate`` is what the wrapper exposes."""
     return getattr(model, "_orig_mod", model) if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) \
@@ -139,7 +139,7 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
     """
     if not isinstance(model, nn.Module):
         raise FuseInferError(f"fuseinfer.patch takes a torch.nn.Module, got {type(model).__name__}")
-    model = _unwrapped(model)
+    model = unwrapped(model)
     config = config or PatchConfig()
     model_type, family = _family_for(model)
     if hasattr(model, STATE_ATTR):
@@ -157,7 +157,7 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
 
 def unpatch(model: nn.Module) -> nn.Module:
     """Restore the model ``patch`` changed: module classes, parameters and buffers bit for bit."""
-    model = _unwrapped(model)
+    model = unwrapped(model)
     if not hasattr(model, STATE_ATTR):
         raise FuseInferError("this model is not patched by fuseinfer (nothing to unpatch)")
     patched = getattr(model, STATE_ATTR)
@@ -174,7 +174,7 @@ def unpatch(model: nn.Module) -> nn.Module:
 
 def patch_state(model: nn.Module) -> PatchState | None:
     """What ``patch`` recorded on ``model`` (family, undo state, report, config), or None if unpatched."""
-    return getattr(_unwrapped(model), STATE_ATTR, None)
+    return getattr(unwrapped(model), STATE_ATTR, None)
 
 
 def patch_report(model: nn.Module) -> PatchReport | None:

@@ -337,7 +337,7 @@ def _lora_like(linear):
 
 
 @pytest.mark.parametrize("case", ["hook_on_fc2", "hook_on_q_proj", "hook_on_self_attn", "hook_on_layer_norm",
-                                  "lora_fc1", "lora_q_proj"])
+                                  "lora_fc1", "lora_q_proj", "instance_forward_fc2", "instance_forward_layer"])
 def test_modules_with_hooked_or_adapted_submodules_are_left_alone(case):
     """The fused forwards read fc1 / fc2 / q, k, v / LayerNorm weights without calling those modules: a layer
     whose such submodule has hooks or is an adapter stays unswapped (reported), and the logits and the hook's
@@ -350,6 +350,11 @@ def test_modules_with_hooked_or_adapted_submodules_are_left_alone(case):
     if target is not None:
         target.register_forward_hook(  # halves the output (the attention module's is a tuple)
             lambda m, i, o: calls.append(1) or ((o[0] * 0.5, *o[1:]) if isinstance(o, tuple) else o * 0.5))
+    elif case.startswith("instance_forward"):  # how accelerate's hooks wrap a module
+        mod = layer.fc2 if case == "instance_forward_fc2" else layer
+        original = mod.forward
+        mod.forward = lambda *a, **k: calls.append(1) or (lambda o: o * 0.5 if torch.is_tensor(o) else o)(
+            original(*a, **k))
     elif case == "lora_fc1":
         layer.fc1 = _lora_like(layer.fc1)
     else:
@@ -364,6 +369,20 @@ def test_modules_with_hooked_or_adapted_submodules_are_left_alone(case):
     assert name in skipped, report
     torch.testing.assert_close(_logits(model, ids), ref, rtol=1e-5, atol=1e-5)
     assert len(calls) == 2 * ref_calls
+    if case == "hook_on_q_proj":  # output_attentions: the unswapped attention still gives its weights, in order
+        from transformers import OPTForCausalLM
+
+        fuseinfer.unpatch(model)
+        eager = OPTForCausalLM._from_config(model.config, attn_implementation="eager").eval()
+        eager.load_state_dict(model.state_dict())
+        eager.model.decoder.layers[1].self_attn.q_proj.register_forward_hook(lambda m, i, o: o * 0.5)
+        with torch.no_grad():
+            ref = eager(ids, output_attentions=True).attentions
+            fuseinfer.patch(eager)
+            ours = eager(ids, output_attentions=True).attentions
+        assert len(ours) == len(ref) == 2
+        for a, b in zip(ours, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_output_attentions_on_patched_model():
@@ -415,10 +434,30 @@ def test_patch_through_torch_compile_wrapper_and_own_generate_restored():
     fuseinfer.patch(compiled)
     assert fuseinfer.patch_report(model) is not None
     assert torch.equal(compiled.generate(ids, max_new_tokens=5, do_sample=False), ref)
+    assert torch.equal(fuseinfer.generate(compiled, ids, max_new_tokens=5), ref)
     compiled.generate(ids, max_new_tokens=5, do_sample=False, repetition_penalty=1.3)  # falls back: the user's
     assert own_calls == [1]
     fuseinfer.unpatch(compiled)
     assert model.generate is own
+
+
+def test_one_kernel_step_refuses_skipped_layers_and_hooks(monkeypatch):
+    """The one-kernel decode step reads every layer's weights itself: not when patch skipped a layer, nor when
+    any module has hooks (the per-op step, which calls the modules, runs instead)."""
+    import types
+
+    from fuseinfer.patches.opt import OPTFamily
+
+    monkeypatch.setenv("FUSEINFER_DECODE_KERNEL", "1")
+    cache = types.SimpleNamespace(key_mask=torch.ones(1, 16, dtype=torch.bool))
+    model = random_opt()
+    model.model.decoder.layers[1].fc1.register_forward_hook(lambda m, i, o: o)
+    fuseinfer.patch(model)
+    assert "not fully fused" in OPTFamily.decode_step_kernel(model, cache)[1]
+    model = random_opt()
+    fuseinfer.patch(model)
+    model.lm_head.register_forward_hook(lambda m, i, o: o)
+    assert "has hooks" in OPTFamily.decode_step_kernel(model, cache)[1]
 
 
 def test_patch_config_ops_must_be_a_tuple_of_names():

@@ -243,6 +243,18 @@ def test_generate_hook_resolves_settings_like_transformers(tiny_model_path, case
         assert bool((ref[:, ids.shape[1]:] == 1).any())  # some row finished and was padded
 
 
+def test_generate_fallback_with_a_static_cache(tiny_model_path):
+    """A call the fast path does not take (here cache_implementation='static') runs transformers' generate with
+    the attention implementation the model had before patching (its static-cache masks must be tensors)."""
+    model, tok = _load(tiny_model_path)
+    enc = tok(PROMPTS[:2], return_tensors="pt", padding=True)
+    kwargs = dict(max_new_tokens=5, do_sample=False, cache_implementation="static")
+    ref = model.generate(**enc, **kwargs)
+    fuseinfer.patch(model)
+    assert torch.equal(model.generate(**enc, **kwargs), ref)
+    assert model.config._attn_implementation == "fuseinfer"  # restored after the call
+
+
 @pytest.mark.parametrize("bad, match", [({"top_k": -1}, "top_k must be a non-negative integer"),
                                         ({"top_p": -0.5}, r"top_p must be in \[0, 1\]")])
 def test_bad_sampling_settings_are_one_clear_error(tiny_model_path, bad, match):

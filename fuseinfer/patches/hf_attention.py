@@ -55,8 +55,21 @@ def fuseinfer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     return MaskInfo(key_mask, q_start)
 
 
+def weights_requested(module) -> bool:
+    """Whether this forward records attention weights: transformers' output capture (``output_attentions=True``
+    on the model call) or the config."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+
+        collected = _active_collector.get()
+    except (ImportError, AttributeError, LookupError):
+        collected = None
+    return bool(collected and "attentions" in collected) or bool(getattr(module.config, "output_attentions", False))
+
+
 def fuseinfer_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query (B, H, Sq, D), key/value (B, H, Skv, D) -> ((B, Sq, H, D), None).
+    """query (B, H, Sq, D), key/value (B, H, Skv, D) -> ((B, Sq, H, D), None), or with the weights (B, H, Sq, Skv)
+    through eager attention when the call records them (an attention module ``patch`` left unswapped).
 
     In training mode (a model patched in eval mode, then ``.train()``) it runs transformers' SDPA attention, which
     has a backward and applies the attention dropout; the fused kernel is for inference only."""
@@ -73,6 +86,8 @@ def fuseinfer_attention_forward(module, query, key, value, attention_mask, scali
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if weights_requested(module):
+        return eager_attention_with_weights(module, query, key, value, attention_mask, scale)
     if isinstance(attention_mask, MaskInfo):
         return attention(query, key, value, attention_mask.key_mask, attention_mask.q_start, scale), None
     if attention_mask is None:  # called without a mask: OPT is causal

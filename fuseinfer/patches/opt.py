@@ -89,7 +89,7 @@ class FusedOPTAttention(OPTAttention):
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)  # (B, H, Skv, D)
         impl = self.config._attn_implementation
-        if impl == hf_attention.NAME and (output_attentions or getattr(self.config, "output_attentions", False)):
+        if impl == hf_attention.NAME and (output_attentions or hf_attention.weights_requested(self)):
             # the attention weights were asked for, which the kernel does not form: eager, with OPT's scaled q
             attn_fn, scaling, q = hf_attention.eager_attention_with_weights, 1.0, q * self.scaling
         elif impl == hf_attention.NAME:
@@ -180,9 +180,12 @@ class OPTFamily:
                 or not cfg.layer_norm_elementwise_affine or dec.final_layer_norm is None:
             return None, "the kernel covers ReLU, biased linears, affine LayerNorms and a bias-free LM head"
         layers = list(dec.layers)
-        if not all(isinstance(layer.self_attn, FusedOPTAttention) and hasattr(layer.self_attn, "qkv_weight")
+        if not all(isinstance(layer, FusedOPTDecoderLayer) and {"layer_norm", "linear"} <= layer._fuseinfer_ops
+                   and isinstance(layer.self_attn, FusedOPTAttention) and hasattr(layer.self_attn, "qkv_weight")
                    for layer in layers) or dec.embed_positions.offset != 2:
-            return None, "the model is not patched with the fused q/k/v projection"
+            return None, "a layer is not fully fused (patch skipped it, see the report)"
+        if any(_has_hooks(m) for m in model.modules()):
+            return None, "a module has hooks, which the one-kernel step would bypass (the per-op step calls them)"
         embed = dec.embed_tokens.weight
         heads = cfg.num_attention_heads
         if not decode_step_op.kernel_supports(rows, embed, cfg.ffn_dim, cfg.hidden_size // heads):
@@ -276,14 +279,18 @@ class OPTFamily:
 def _has_hooks(module: nn.Module) -> bool:
     """Forward (pre-)hooks other than transformers' own output capture (installed on the decoder layers and
     attention modules by the first call with output_hidden_states / output_attentions; it records the hidden
-    states and the attention weights, which the fused modules return as the originals do)."""
+    states and the attention weights, which the fused modules return as the originals do), or a forward replaced
+    on the instance (accelerate's hooks, ``_hf_hook``, work that way)."""
     hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
-    return any(getattr(h, "__module__", None) != "transformers.utils.output_capturing" for h in hooks)
+    return "forward" in module.__dict__ or hasattr(module, "_hf_hook") or \
+        any(getattr(h, "__module__", None) != "transformers.utils.output_capturing" for h in hooks)
 
 
 def _bypass_reason(module: nn.Module, ops) -> str | None:
     """Why ``module`` must stay unswapped, or None: its fused forward reads the parameters of the submodules
     listed here instead of calling them, so each must be a plain, hook-free nn.Linear / nn.LayerNorm."""
+    if "forward" in module.__dict__ or hasattr(module, "_hf_hook"):
+        return "its forward is replaced on the instance (e.g. accelerate's hooks): the fused forward would not run"
     if isinstance(module, OPTAttention):
         if _has_hooks(module):  # (the decoder layer would hand it the residual to fuse into out_proj)
             return "the attention module has hooks (the fused one returns its output plus the residual)"

@@ -29,7 +29,7 @@ import torch
 
 from ..errors import FuseInferError
 from ..ops.emit_tokens import emit_tokens, emit_tokens_scratch
-from ..patching import OPS, patch_state
+from ..patching import OPS, patch_state, unwrapped
 from .cache import StaticKVCache
 
 SESSIONS_ATTR = "_fuseinfer_sessions"
@@ -235,6 +235,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     ``model`` must be patched with all ops. Prompts must be left-padded (or not padded). Generation stops
     after ``max_new_tokens`` or once every row has produced an EOS (rows that finished get ``pad_token_id``).
     """
+    model = unwrapped(model)  # a torch.compile wrapper: the model it wraps
     forward, why = decode_forward(model)
     if forward is None:
         raise FuseInferError(why)

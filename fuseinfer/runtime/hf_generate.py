@@ -134,13 +134,27 @@ def patched_generate(model, inputs=None, generation_config: GenerationConfig | N
         if key not in _logged:
             _logged.add(key)
             logger.warning("fuseinfer: model.generate falls back to transformers: %s", reason)
-        from ..patching import patch_state
-
-        state = patch_state(model)
-        if state is not None and state.generate is not None:  # the model's own generate, before patching
-            return state.generate(inputs, generation_config=generation_config, **kwargs)
-        return type(model).generate(model, inputs, generation_config=generation_config, **kwargs)
+        return _transformers_generate(model, inputs, generation_config, kwargs)
     temperature = get("temperature")
     return generate(model, input_ids, mask, max_new_tokens=max_new, do_sample=bool(get("do_sample")),
                     temperature=1.0 if temperature is None else temperature, top_k=get("top_k"), top_p=get("top_p"),
                     eos_token_id=get("eos_token_id"), pad_token_id=get("pad_token_id"))
+
+
+def _transformers_generate(model, inputs, generation_config, kwargs):
+    """The fallback: the model's own generate (its instance attribute before patching, else its class's), with the
+    attention implementation it had before patching for the call (transformers' generate builds its masks, e.g.
+    for a static cache, through that implementation's mask function, which must return a tensor)."""
+    from ..patching import patch_state
+
+    state = patch_state(model)
+    run = state.generate if state is not None and state.generate is not None else \
+        (lambda *a, **k: type(model).generate(model, *a, **k))
+    before = state.report.attn_implementation[0] if state is not None and state.report.attn_implementation else None
+    patched_impl = model.config._attn_implementation
+    if before is not None:
+        model.config._attn_implementation = before
+    try:
+        return run(inputs, generation_config=generation_config, **kwargs)
+    finally:
+        model.config._attn_implementation = patched_impl
