@@ -243,6 +243,15 @@ def test_generate_hook_resolves_settings_like_transformers(tiny_model_path, case
         assert bool((ref[:, ids.shape[1]:] == 1).any())  # some row finished and was padded
 
 
+def test_generation_settings_on_model_config_are_refused_like_transformers(tiny_model_path):
+    model, tok = _load(tiny_model_path)
+    ids = tok(PROMPTS[:1], return_tensors="pt").input_ids
+    fuseinfer.patch(model)
+    model.config.repetition_penalty = 1.3  # legacy: transformers raises instead of ignoring it
+    with pytest.raises(ValueError, match="model.generation_config"):
+        model.generate(ids, max_new_tokens=3)
+
+
 def test_generate_fallback_with_a_static_cache(tiny_model_path):
     """A call the fast path does not take (here cache_implementation='static') runs transformers' generate with
     the attention implementation the model had before patching (its static-cache masks must be tensors)."""

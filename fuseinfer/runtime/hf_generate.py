@@ -39,6 +39,8 @@ def _fast_path_reason(model, input_ids, kwargs, configs: list, get) -> str | Non
         return f"generation config sets {unsupported}"
     if get("use_cache") is False:
         return "use_cache=False"
+    if model.generation_config is configs[0] and model.config._get_generation_parameters():
+        return "generation settings on model.config (transformers refuses them: use model.generation_config)"
     if model.training:
         return "model is in training mode"
     why = decode_forward(model)[1]
