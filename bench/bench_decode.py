@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import measure_ceilings, write_results  # noqa: E402
+from common import measure_ceilings, percentile_stats, write_results  # noqa: E402
 
 import fuseinfer  # noqa: E402
 from fuseinfer.eval.metrics import decode_bytes_per_step  # noqa: E402
@@ -43,10 +43,8 @@ def ms_per_token(gen, ids, new_tokens: int, repeats: int) -> dict:
     """Median, p10 and p90 over rounds of (T(1 + N new) - T(1 new)) / N, the two timed back to back per round."""
     for n in (1, 1 + new_tokens):  # warm-up both lengths (compiles, captures graphs)
         gen(ids, n)
-    per_round = sorted((wall_ms(lambda: gen(ids, 1 + new_tokens)) - wall_ms(lambda: gen(ids, 1))) / new_tokens
-                       for _ in range(repeats))
-    pick = lambda q: per_round[min(len(per_round) - 1, int(q * len(per_round)))]  # noqa: E731
-    return {"median_ms": pick(0.5), "p10_ms": pick(0.1), "p90_ms": pick(0.9)}
+    return percentile_stats([(wall_ms(lambda: gen(ids, 1 + new_tokens)) - wall_ms(lambda: gen(ids, 1))) / new_tokens
+                             for _ in range(repeats)])
 
 
 def main() -> None:

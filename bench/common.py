@@ -91,12 +91,14 @@ def graph_calls_ms(groups: dict, rounds: int = 5, replays: int = 10, warmup_ms: 
                 end.record()
                 torch.cuda.synchronize()
                 times[name].append(start.elapsed_time(end) / n_calls)
-    out = {}
-    for name, t in times.items():
-        t.sort()
-        pick = lambda q: t[min(len(t) - 1, int(q * len(t)))]  # noqa: E731
-        out[name] = {"median_ms": pick(0.5), "p10_ms": pick(0.1), "p90_ms": pick(0.9)}
-    return out
+    return {name: percentile_stats(t) for name, t in times.items()}
+
+
+def percentile_stats(times: list) -> dict:
+    """Median, 10th and 90th percentile (ms) of ``times``; of an even count the upper middle one."""
+    t = sorted(times)
+    pick = lambda q: t[min(len(t) - 1, int(q * len(t)))]  # noqa: E731
+    return {"median_ms": pick(0.5), "p10_ms": pick(0.1), "p90_ms": pick(0.9)}
 
 
 def measure_ceilings() -> dict:

@@ -19,6 +19,8 @@ from transformers.masking_utils import (
     sdpa_mask,
 )
 
+from transformers.utils.output_capturing import _active_collector
+
 from ..ops import attention
 from ..ops.attention import allowed_mask
 
@@ -58,12 +60,7 @@ def fuseinfer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
 def weights_requested(module) -> bool:
     """Whether this forward records attention weights: transformers' output capture (``output_attentions=True``
     on the model call) or the config."""
-    try:
-        from transformers.utils.output_capturing import _active_collector
-
-        collected = _active_collector.get()
-    except (ImportError, AttributeError, LookupError):
-        collected = None
+    collected = _active_collector.get()  # the outputs this forward records, or None
     return bool(collected and "attentions" in collected) or bool(getattr(module.config, "output_attentions", False))
 
 

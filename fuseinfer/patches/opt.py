@@ -282,14 +282,19 @@ def _has_hooks(module: nn.Module) -> bool:
     states and the attention weights, which the fused modules return as the originals do), or a forward replaced
     on the instance (accelerate's hooks, ``_hf_hook``, work that way)."""
     hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
-    return "forward" in module.__dict__ or hasattr(module, "_hf_hook") or \
+    return _forward_replaced(module) or \
         any(getattr(h, "__module__", None) != "transformers.utils.output_capturing" for h in hooks)
+
+
+def _forward_replaced(module: nn.Module) -> bool:
+    """Whether ``module.forward`` is replaced on the instance (accelerate's hooks, ``_hf_hook``, work that way)."""
+    return "forward" in module.__dict__ or hasattr(module, "_hf_hook")
 
 
 def _bypass_reason(module: nn.Module, ops) -> str | None:
     """Why ``module`` must stay unswapped, or None: its fused forward reads the parameters of the submodules
     listed here instead of calling them, so each must be a plain, hook-free nn.Linear / nn.LayerNorm."""
-    if "forward" in module.__dict__ or hasattr(module, "_hf_hook"):
+    if _forward_replaced(module):
         return "its forward is replaced on the instance (e.g. accelerate's hooks): the fused forward would not run"
     if isinstance(module, OPTAttention):
         if _has_hooks(module):  # (the decoder layer would hand it the residual to fuse into out_proj)

@@ -25,16 +25,13 @@ _KWARGS = _HANDLED | {"input_ids", "attention_mask", "use_cache"}
 _logged: set[str] = set()
 
 
-def _fast_path_reason(model, input_ids, kwargs, configs: list, get) -> str | None:
+def _fast_path_reason(model, input_ids, kwargs, configs: list, get, defaults: dict) -> str | None:
     """None when the call can take the fast path, else why not."""
-    from transformers import GenerationConfig
-
     extra = sorted(set(kwargs) - _KWARGS)
     if extra:
         return f"unsupported generate() arguments {extra}"
-    defaults = GenerationConfig._get_default_generation_params()
     keys = set().union(*(c.to_diff_dict() for c in configs)) - _HANDLED - _HARMLESS
-    unsupported = sorted(k for k in keys if get(k) is not None and get(k) != defaults.get(k))
+    unsupported = sorted(k for k in keys if (value := get(k)) is not None and value != defaults.get(k))
     if unsupported:
         return f"generation config sets {unsupported}"
     if get("use_cache") is False:
@@ -54,9 +51,9 @@ def _fast_path_reason(model, input_ids, kwargs, configs: list, get) -> str | Non
 
 
 def _resolver(model, generation_config, kwargs):
-    """get(name): the setting as transformers' generate resolves it: the call's keyword argument, else the passed
-    generation_config's value, else the model's generation_config's (None counts as unset in both), else
-    transformers' global default."""
+    """(configs, get, defaults): get(name) is the setting as transformers' generate resolves it: the call's keyword
+    argument, else the passed generation_config's value, else the model's generation_config's (None counts as unset
+    in both), else transformers' global default (``defaults``)."""
     from transformers import GenerationConfig
 
     defaults = GenerationConfig._get_default_generation_params()
@@ -71,7 +68,7 @@ def _resolver(model, generation_config, kwargs):
                 return value
         return defaults.get(name)
 
-    return configs, get
+    return configs, get, defaults
 
 
 def _max_new_tokens(model, prompt_len: int, configs: list, kwargs, get) -> int:
@@ -120,8 +117,8 @@ class GenerateHook:
 def patched_generate(model, inputs=None, generation_config: GenerationConfig | None = None, **kwargs):
     """Drop-in ``generate`` installed by ``fuseinfer.patch`` on models that have one."""
     input_ids = kwargs.get("input_ids", inputs)
-    configs, get = _resolver(model, generation_config, kwargs)
-    reason = _fast_path_reason(model, input_ids, kwargs, configs, get)
+    configs, get, defaults = _resolver(model, generation_config, kwargs)
+    reason = _fast_path_reason(model, input_ids, kwargs, configs, get, defaults)
     if reason is None:
         max_new = _max_new_tokens(model, input_ids.shape[1], configs, kwargs, get)
         mask = kwargs.get("attention_mask")
