@@ -73,11 +73,15 @@ def backend_for(t: torch.Tensor) -> str:
     return "cuda" if t.is_cuda and extension(t.device) is not None else "reference"
 
 
-def eager_cuda(t: torch.Tensor) -> bool:
-    """True when an op on ``t`` may call the extension directly instead of through the dispatcher.
+def eager_cuda(t: torch.Tensor, *inputs: torch.Tensor | None) -> bool:
+    """True when an op on ``t`` (and its other tensor ``inputs``) may call the extension directly instead of
+    through the dispatcher.
 
     The registered ``fuseinfer::*`` ops are what torch.compile and opcheck see; in eager mode on CUDA the op
     wrappers skip the dispatcher's Python custom-op layer (10-30 µs a call, which dominates a prefill's
-    ~170 op calls) and call the same implementation the op's CUDA kernel registration calls.
+    ~170 op calls) and call the same implementation the op's CUDA kernel registration calls. A direct call
+    records no autograd graph, so a call whose inputs need gradients goes through the dispatcher (ops/grad.py).
     """
-    return t.is_cuda and extension(t.device) is not None and not torch.compiler.is_compiling()
+    if not (t.is_cuda and extension(t.device) is not None and not torch.compiler.is_compiling()):
+        return False
+    return not (torch.is_grad_enabled() and any(i is not None and i.requires_grad for i in (t, *inputs)))

@@ -70,6 +70,19 @@ def _attention_inputs(b=3, h=4, sq=113, skv=113, d=64, dtype=torch.float32):
     return q, k, v
 
 
+def test_attention_gradients_finite_for_queries_without_keys():
+    """A query with no key to attend outputs 0; its gradients are 0 as well, not NaN (which would spread
+    through a model's backward)."""
+    q, k, v = (t.requires_grad_() for t in _attention_inputs(b=2, sq=3, skv=9, d=32))
+    key_mask = torch.tensor([[0] * 3 + [1] * 6, [1] * 9], dtype=torch.bool)
+    # row 0: query 0 sees keys 0..2, all masked; query 2 sees keys 3 and 4
+    out = ops.attention(q, k, v, key_mask, torch.tensor([2, 6], dtype=torch.int32), 0.2)  # (B, Sq, H, D)
+    (out * torch.randn_like(out)).sum().backward()
+    assert all(t.grad.isfinite().all() for t in (q, k, v))
+    assert out[0, 0].abs().max() == 0 and q.grad[0, :, 0].abs().max() == 0
+    assert q.grad[0, :, 2].abs().min() > 0 and k.grad[0, :, :3].abs().max() == 0
+
+
 def test_attention_ref_matches_sdpa_causal():
     q, k, v = _attention_inputs()
     out = ops.attention(q, k, v, scale=0.125)
@@ -174,6 +187,19 @@ OPCHECK_CASES = {
     "attention": lambda: (torch.ops.fuseinfer.attention.default,
                           (*_attention_inputs(b=2, sq=3, skv=9, d=32), torch.ones(2, 9, dtype=torch.bool),
                            torch.tensor([6, 6], dtype=torch.int32), 0.2)),
+    # inputs that need gradients: the autograd formula (ops/grad.py) is registered and traces under AOT autograd
+    "add_layer_norm_grad": lambda: (torch.ops.fuseinfer.add_layer_norm.default,
+                                    tuple(t.requires_grad_() for t in (torch.randn(5, 123), torch.randn(5, 123),
+                                                                       torch.randn(123), torch.randn(123)))
+                                    + (1e-5, True)),
+    "linear_epilogue_grad": lambda: (torch.ops.fuseinfer.linear_epilogue.default,
+                                     tuple(t.requires_grad_() for t in (torch.randn(2, 7, 96), torch.randn(123, 96),
+                                                                        torch.randn(123)))
+                                     + (None, "relu")),
+    "attention_grad": lambda: (torch.ops.fuseinfer.attention.default,
+                               (*(t.requires_grad_() for t in _attention_inputs(b=2, sq=3, skv=9, d=32)),
+                                torch.tensor([[0] * 3 + [1] * 6, [1] * 9], dtype=torch.bool),
+                                torch.tensor([2, 6], dtype=torch.int32), 0.2)),  # row 0's first query: no key
     "quantize_int8": lambda: (torch.ops.fuseinfer.quantize_int8.default, (torch.randn(7, 123), -1)),
     "dequantize_int8": lambda: (torch.ops.fuseinfer.dequantize_int8.default,
                                 (torch.randint(-127, 128, (7, 123), dtype=torch.int8), torch.rand(7, 1),

@@ -18,6 +18,7 @@ import os
 import torch
 
 from .._ext import eager_cuda, extension
+from .grad import register_reference_backward
 
 KERNEL_HEAD_DIMS = (64, 128)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -40,9 +41,10 @@ def attention_ref(q, k, v, key_mask, q_start, scale: float) -> torch.Tensor:
     skv = k.shape[2]
     allowed = allowed_mask(key_mask, q_start, b, sq, skv, q.device)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # (B, H, Sq, Skv)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    probs = probs.masked_fill(~allowed.any(-1, keepdim=True), 0.0)  # rows with no key: 0 (the kernels' output)
+    has_key = allowed.any(-1, keepdim=True)  # (B, 1, Sq, 1)
+    # rows with no key: softmax over zeros (finite, so their gradient is 0, not NaN), then 0 (the kernels' output)
+    scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0)
+    probs = torch.softmax(scores, dim=-1).masked_fill(~has_key, 0.0)
     # keys no query may see (e.g. cache slots not written yet) are never read by the kernels: zero their values,
     # so that whatever they hold (NaN in uninitialised memory) cannot reach the output through 0 * NaN
     seen = allowed.any(2).view(b, 1, skv, 1)  # (B, 1, Skv, 1)
@@ -102,12 +104,15 @@ def _(q, k, v, key_mask, q_start, scale):
     return q.new_empty(b, sq, h, d)
 
 
+register_reference_backward(_attention, attention_ref)
+
+
 def attention(q, k, v, key_mask=None, q_start=None, scale: float | None = None) -> torch.Tensor:
     """Masked causal attention; see the module docstring. Returns (B, Sq, H, D)."""
     if q.dim() != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[-1] != q.shape[-1]:
         raise ValueError(f"expected q (B,H,Sq,D) and k, v (B,H,Skv,D); got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if eager_cuda(q):
+    if eager_cuda(q, k, v):
         return _attention_cuda(q, k, v, key_mask, q_start, scale)
     return torch.ops.fuseinfer.attention(q, k, v, key_mask, q_start, scale)

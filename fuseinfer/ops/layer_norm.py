@@ -10,6 +10,7 @@ import torch
 
 from .._ext import eager_cuda, extension
 from ..errors import FuseInferError
+from .grad import register_reference_backward
 
 
 def add_layer_norm_ref(x, residual, weight, bias, eps: float, store_sum: bool):
@@ -48,11 +49,14 @@ def _(x, residual, weight, bias, eps, store_sum):
     return x.new_empty(x.shape), (x.new_empty(x.shape) if store_sum else x.new_empty(0))  # contiguous
 
 
+register_reference_backward(_add_layer_norm, add_layer_norm_ref)
+
+
 def add_layer_norm(x, residual=None, weight=None, bias=None, eps: float = 1e-5, store_sum: bool = False):
     """Fused residual add + LayerNorm over the last dim. Returns ``(y, s)``, contiguous; ``s`` is empty unless
     store_sum. ``residual`` has x's shape (no broadcasting)."""
     if residual is not None and residual.shape != x.shape:
         raise FuseInferError(f"add_layer_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-    if eager_cuda(x):
+    if eager_cuda(x, residual, weight, bias):
         return _add_layer_norm_cuda(x, residual, weight, bias, eps, store_sum)
     return torch.ops.fuseinfer.add_layer_norm(x, residual, weight, bias, eps, store_sum)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .._ext import eager_cuda, extension
+from .grad import register_reference_backward
 
 ACTIVATIONS = ("none", "relu")
 
@@ -64,9 +65,12 @@ def _(x, weight, bias, residual, activation):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+register_reference_backward(_linear_epilogue, linear_epilogue_ref)
+
+
 def linear_epilogue(x, weight, bias=None, residual=None, activation: str = "none"):
     """``act(x @ weight.T + bias + residual)`` in one kernel where the CUDA extension is built."""
     _check(x, weight, residual, activation)
-    if eager_cuda(x):
+    if eager_cuda(x, weight, bias, residual):
         return _linear_epilogue_cuda(x, weight, bias, residual, activation)
     return torch.ops.fuseinfer.linear_epilogue(x, weight, bias, residual, activation)

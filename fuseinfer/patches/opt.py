@@ -12,10 +12,12 @@ the swapped modules' own hooks and parameters stay as they are):
 * the decoder's final ``LayerNorm`` -> :class:`FusedLayerNorm`;
 * ``config._attn_implementation`` -> ``"fuseinfer"``.
 
-In training mode the fused modules call the original forward (dropout is not fused). A module whose fused
-forward would bypass a submodule (a projection, fc1 / fc2, a LayerNorm) is left as it is when that submodule has
-hooks or is not a plain ``nn.Linear`` / ``nn.LayerNorm`` (an adapter such as LoRA), and so is an attention module
-with hooks of its own (its fused output would include the residual); the report lists them under "skipped".
+In training mode the fused modules call the original forward (dropout is not fused). In eval mode with
+gradients on, the fused ops backpropagate through their references (``ops/grad.py``) and q/k/v run as three
+GEMMs, so every parameter gets its gradient. A module whose fused forward would bypass a submodule (a
+projection, fc1 / fc2, a LayerNorm) is left as it is when that submodule has hooks or is not a plain
+``nn.Linear`` / ``nn.LayerNorm`` (an adapter such as LoRA), and so is an attention module with hooks of its own
+(its fused output would include the residual); the report lists them under "skipped".
 Hooks added after ``patch`` are not seen by the fused forwards.
 """
 from __future__ import annotations
@@ -79,7 +81,7 @@ class FusedOPTAttention(OPTAttention):
             return (out if residual is None else residual + out), weights
         ops = self._fuseinfer_ops
         bsz, tgt_len, _ = hidden_states.shape
-        if "qkv" in ops:
+        if "qkv" in ops and not _grad_to(self.q_proj, self.k_proj, self.v_proj):
             qkv = linear_epilogue(hidden_states, self.qkv_weight, self.qkv_bias)  # (B, S, 3E)
             q, k, v = qkv.view(bsz, tgt_len, 3, self.num_heads, self.head_dim).unbind(2)  # 3 x (B, S, H, D)
         else:
@@ -313,6 +315,13 @@ def _bypass_reason(module: nn.Module, ops) -> str | None:
         if _has_hooks(sub):
             return f"{n} has hooks (the fused forward reads its weights without calling it)"
     return None
+
+
+def _grad_to(*modules: nn.Module) -> bool:
+    """Whether this forward must give the modules' parameters gradients: the fused q/k/v GEMM reads the (3E, E)
+    buffer that their weights are views of, which autograd does not connect to those Parameters, so such a
+    forward runs the three projections."""
+    return torch.is_grad_enabled() and any(p.requires_grad for m in modules for p in m.parameters())
 
 
 def _link_qkv(attn: OPTAttention) -> None:
