@@ -80,7 +80,8 @@ def eager_cuda(t: torch.Tensor, *inputs: torch.Tensor | None) -> bool:
     The registered ``fuseinfer::*`` ops are what torch.compile and opcheck see; in eager mode on CUDA the op
     wrappers skip the dispatcher's Python custom-op layer (10-30 µs a call, which dominates a prefill's
     ~170 op calls) and call the same implementation the op's CUDA kernel registration calls. A direct call
-    records no autograd graph, so a call whose inputs need gradients goes through the dispatcher (ops/grad.py).
+    records no autograd graph, so a call whose inputs need gradients goes through the dispatcher, where
+    the op's autograd formula (next to its reference) gives the reference's gradients.
     """
     if not (t.is_cuda and extension(t.device) is not None and not torch.compiler.is_compiling()):
         return False

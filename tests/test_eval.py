@@ -178,6 +178,15 @@ def test_sliding_window_scores_each_token_once():
     assert [w.weight for w in sliding_windows(ids, max_length, stride, count)] == [max_length - 1] + [stride] * 3
 
 
+def test_sliding_windows_leave_out_a_window_that_scores_nothing():
+    """N = k * stride + 1 tokens with stride = max_length: the last window would hold one token and score none
+    (a NaN loss, which made the PPL NaN)."""
+    ids = torch.arange(3 * 16 + 1).view(1, -1)
+    windows = sliding_windows(ids, 16, 16)
+    assert [w.weight for w in windows] == [15, 15, 15]
+    assert sliding_windows(ids[:, :1], 2, 1) == []  # one token: no window (the runner says so)
+
+
 # ---- the command line ----
 
 ROW_KEYS = {"ppl", "prefill_ms", "decode_ms_per_token", "peak_memory", "tokens_per_s", "speedup_prefill",

@@ -244,7 +244,7 @@ def _opcheck_cases():
                              None, "relu")),
         "attention": (torch.ops.fuseinfer.attention.default,
                       (*_attn_case(2, 4, 9, 9, 64, torch.float16, pads=[0, 3])[:4], None, 0.125)),
-        # inputs that need gradients: the kernels' forward, the references' backward (ops/grad.py)
+        # inputs that need gradients: the kernels' forward, the references' gradients
         "add_layer_norm_grad": (torch.ops.fuseinfer.add_layer_norm.default,
                                 tuple(torch.randn(*s, **dev).requires_grad_() for s in ((5, 123), (5, 123), (123,),
                                                                                         (123,))) + (1e-5, True)),

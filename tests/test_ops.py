@@ -70,6 +70,48 @@ def _attention_inputs(b=3, h=4, sq=113, skv=113, d=64, dtype=torch.float32):
     return q, k, v
 
 
+@pytest.mark.parametrize("form", ["residual", "relu", "no_bias"])
+def test_linear_epilogue_gradients_gradcheck(form):
+    x, w = torch.randn(2, 5, 12, dtype=torch.float64), torch.randn(7, 12, dtype=torch.float64)
+    b = None if form == "no_bias" else torch.randn(7, dtype=torch.float64)
+    r = torch.randn(2, 5, 7, dtype=torch.float64) if form == "residual" else None
+    args = [t.requires_grad_() if t is not None else None for t in (x, w, b, r)]
+    assert torch.autograd.gradcheck(lambda *a: ops.linear_epilogue(*a, activation="relu" if form == "relu" else "none"),
+                                    args)
+
+
+@pytest.mark.parametrize("residual,affine,store_sum", [(True, True, True), (True, True, False), (False, True, True),
+                                                       (False, False, False)])
+def test_add_layer_norm_gradients_gradcheck(residual, affine, store_sum):
+    x = torch.randn(6, 5, 11, dtype=torch.float64).transpose(0, 1)  # strided
+    r = torch.randn(5, 6, 11, dtype=torch.float64) if residual else None
+    w, b = (torch.randn(11, dtype=torch.float64), torch.randn(11, dtype=torch.float64)) if affine else (None, None)
+    args = [t.requires_grad_() if t is not None else None for t in (x, r, w, b)]
+
+    def f(*a):
+        y, s = ops.add_layer_norm(*a, eps=1e-5, store_sum=store_sum)
+        return (y, s) if store_sum else y
+    assert torch.autograd.gradcheck(f, args)
+
+
+def test_attention_gradients_match_autograd_in_float64():
+    """dQ, dK, dV of the op (fp32 inside) against autograd of masked softmax attention in float64, with left
+    padding, per-row q_start and a query that sees no key (its output and gradients are 0)."""
+    q, k, v = (t.double().requires_grad_() for t in _attention_inputs(b=2, h=3, sq=7, skv=12, d=16))
+    key_mask = torch.arange(12)[None] >= torch.tensor([[4], [0]])
+    q_start = torch.tensor([3, 5], dtype=torch.int32)  # row 0, query 0: keys 0..3, all padding
+    g = torch.randn(2, 7, 3, 16, dtype=torch.float64)  # (B, Sq, H, D)
+    ours = torch.autograd.grad(ops.attention(q, k, v, key_mask, q_start, 0.3), (q, k, v), g)
+    allowed = allowed_mask(key_mask, q_start, 2, 7, 12, "cpu")  # (B, 1, Sq, Skv)
+    has_key = allowed.any(-1, keepdim=True)
+    scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0)
+    out = (torch.softmax(scores, -1).masked_fill(~has_key, 0) @ v).transpose(1, 2)
+    expected = torch.autograd.grad(out, (q, k, v), g)
+    for name, a, e in zip("qkv", ours, expected):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=name)
+    assert ours[0][0, :, 0].abs().max() == 0
+
+
 def test_attention_gradients_finite_for_queries_without_keys():
     """A query with no key to attend outputs 0; its gradients are 0 as well, not NaN (which would spread
     through a model's backward)."""
@@ -187,7 +229,7 @@ OPCHECK_CASES = {
     "attention": lambda: (torch.ops.fuseinfer.attention.default,
                           (*_attention_inputs(b=2, sq=3, skv=9, d=32), torch.ones(2, 9, dtype=torch.bool),
                            torch.tensor([6, 6], dtype=torch.int32), 0.2)),
-    # inputs that need gradients: the autograd formula (ops/grad.py) is registered and traces under AOT autograd
+    # inputs that need gradients: the autograd formula is registered and traces under AOT autograd
     "add_layer_norm_grad": lambda: (torch.ops.fuseinfer.add_layer_norm.default,
                                     tuple(t.requires_grad_() for t in (torch.randn(5, 123), torch.randn(5, 123),
                                                                        torch.randn(123), torch.randn(123)))

@@ -192,6 +192,58 @@ def test_generate_errors_and_unpatch_releases(tiny_model_path):
     assert SESSIONS_ATTR not in model.__dict__ and "generate" not in model.__dict__
 
 
+@pytest.mark.parametrize("bad, match", [
+    (dict(max_new_tokens=-3), "max_new_tokens must be a non-negative int"),
+    (dict(max_new_tokens=5.0), "max_new_tokens must be a non-negative int"),
+    (dict(max_new_tokens=True), "max_new_tokens must be a non-negative int"),
+    (dict(input_ids=torch.ones(1, 0, dtype=torch.long)), "at least one row of at least one token"),
+    (dict(input_ids=torch.ones(0, 4, dtype=torch.long)), "at least one row of at least one token"),
+    (dict(pad_token_id=-1), "pad_token_id -1 is not a token"),
+])
+def test_generate_bad_arguments_are_one_clear_error(tiny_model_path, bad, match):
+    model, tok = _load(tiny_model_path)
+    fuseinfer.patch(model)
+    kwargs = {"input_ids": tok(PROMPTS[:1], return_tensors="pt").input_ids, "max_new_tokens": 3, **bad}
+    with pytest.raises(FuseInferError, match=match):
+        fuseinfer.generate(model, kwargs.pop("input_ids"), **kwargs)
+
+
+@pytest.mark.parametrize("case", ["eos_0d_tensor", "eos_numpy_int", "max_new_tokens_float", "pad_outside_vocab",
+                                  "inputs_and_input_ids"])
+def test_generate_hook_odd_arguments_behave_like_transformers(tiny_model_path, case, caplog):
+    """Arguments transformers accepts give its tokens (on the fast path or through the fallback); a call it
+    refuses is refused the same way."""
+    import numpy as np
+
+    model, tok = _load(tiny_model_path)
+    enc = tok(PROMPTS[:3], return_tensors="pt", padding=True)  # batch 3: the bucket of 4 has an unused row
+    args, kwargs = (enc.input_ids,), dict(attention_mask=enc.attention_mask, max_new_tokens=6)
+    fast = case.startswith("eos")
+    if case == "eos_0d_tensor":
+        kwargs["eos_token_id"] = torch.tensor(2)
+    elif case == "eos_numpy_int":
+        kwargs["eos_token_id"] = np.int64(2)
+    elif case == "max_new_tokens_float":
+        kwargs["max_new_tokens"] = 6.0
+    elif case == "pad_outside_vocab":
+        kwargs.update(pad_token_id=-1, eos_token_id=None)
+    else:
+        kwargs["input_ids"] = enc.input_ids
+    try:
+        ref = model.generate(*args, **kwargs)
+    except ValueError as exc:
+        ref = exc
+    fuseinfer.patch(model)
+    with caplog.at_level(logging.WARNING, logger="fuseinfer"):
+        if isinstance(ref, Exception):
+            with pytest.raises(type(ref)):
+                model.generate(*args, **kwargs)
+        else:
+            assert torch.equal(model.generate(*args, **kwargs), ref)
+    assert (SESSIONS_ATTR in model.__dict__) == fast
+    assert fast or "falls back to transformers" in caplog.text
+
+
 def test_generate_hook_hands_right_padding_and_max_length_to_the_right_path(tiny_model_path, caplog):
     """model.generate on a patched model: right padding goes to transformers (logged), and max_length (no
     max_new_tokens) takes the fast path with max_length - prompt new tokens, like transformers."""

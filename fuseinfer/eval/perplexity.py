@@ -43,7 +43,8 @@ def gptq_windows(ids: torch.Tensor, seq_len: int, max_windows: int | None = None
 
 
 def sliding_windows(ids: torch.Tensor, max_length: int, stride: int, max_windows: int | None = None) -> list[Window]:
-    """Windows of ``max_length`` moved by ``stride`` over ids (1, N); tokens scored once, weight = tokens scored."""
+    """Windows of ``max_length`` moved by ``stride`` over ids (1, N); tokens scored once, weight = tokens scored.
+    A window that would score nothing (a last window of one token: its loss is NaN) is left out."""
     total = ids.shape[1]
     windows, prev_end = [], 0
     for begin in range(0, total, stride):
@@ -55,7 +56,8 @@ def sliding_windows(ids: torch.Tensor, max_length: int, stride: int, max_windows
         labels = w.clone()
         labels[:, :-target_len] = -100
         scored = int((labels[:, 1:] != -100).sum())  # the loss predicts labels[:, 1:] from positions [:-1]
-        windows.append(Window(w, labels, scored))
+        if scored:
+            windows.append(Window(w, labels, scored))
         prev_end = end
         if end == total:
             break

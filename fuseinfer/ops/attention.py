@@ -18,7 +18,6 @@ import os
 import torch
 
 from .._ext import eager_cuda, extension
-from .grad import register_reference_backward
 
 KERNEL_HEAD_DIMS = (64, 128)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -35,20 +34,25 @@ def allowed_mask(key_mask, q_start, b: int, sq: int, skv: int, device) -> torch.
     return allowed
 
 
-def attention_ref(q, k, v, key_mask, q_start, scale: float) -> torch.Tensor:
-    """Pure-PyTorch reference in fp32: softmax(scale * q k^T, masked) v -> (B, Sq, H, D) in q's dtype."""
+def _probs(q, k, v, key_mask, q_start, scale: float):
+    """The reference's softmax in fp32: P (B, H, Sq, Skv), 0 outside the allowed keys and on rows without any, and
+    k, v in fp32 with the keys no query may see (e.g. cache slots not written yet, which the kernels never read)
+    zeroed, so that whatever they hold (NaN in uninitialised memory) cannot reach a result through 0 * NaN."""
     b, _, sq, _ = q.shape
     skv = k.shape[2]
-    allowed = allowed_mask(key_mask, q_start, b, sq, skv, q.device)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # (B, H, Sq, Skv)
-    has_key = allowed.any(-1, keepdim=True)  # (B, 1, Sq, 1)
-    # rows with no key: softmax over zeros (finite, so their gradient is 0, not NaN), then 0 (the kernels' output)
-    scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0)
-    probs = torch.softmax(scores, dim=-1).masked_fill(~has_key, 0.0)
-    # keys no query may see (e.g. cache slots not written yet) are never read by the kernels: zero their values,
-    # so that whatever they hold (NaN in uninitialised memory) cannot reach the output through 0 * NaN
+    allowed = allowed_mask(key_mask, q_start, b, sq, skv, q.device)  # (B, 1, Sq, Skv)
     seen = allowed.any(2).view(b, 1, skv, 1)  # (B, 1, Skv, 1)
-    out = torch.matmul(probs, v.float().masked_fill(~seen, 0.0))  # (B, H, Sq, D)
+    k32, v32 = k.float().masked_fill(~seen, 0.0), v.float().masked_fill(~seen, 0.0)
+    scores = torch.matmul(q.float(), k32.transpose(-1, -2)) * scale  # (B, H, Sq, Skv)
+    has_key = allowed.any(-1, keepdim=True)  # (B, 1, Sq, 1)
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    return probs.masked_fill(~has_key, 0.0), k32, v32  # rows with no key: 0 (the kernels' output), not NaN
+
+
+def attention_ref(q, k, v, key_mask, q_start, scale: float) -> torch.Tensor:
+    """Pure-PyTorch reference in fp32: softmax(scale * q k^T, masked) v -> (B, Sq, H, D) in q's dtype."""
+    probs, _, v32 = _probs(q, k, v, key_mask, q_start, scale)
+    out = torch.matmul(probs, v32)  # (B, H, Sq, D)
     return out.transpose(1, 2).contiguous().to(q.dtype)
 
 
@@ -104,7 +108,28 @@ def _(q, k, v, key_mask, q_start, scale):
     return q.new_empty(b, sq, h, d)
 
 
-register_reference_backward(_attention, attention_ref)
+def _setup_context(ctx, inputs, output):
+    q, k, v, key_mask, q_start, scale = inputs
+    ctx.save_for_backward(q, k, v, key_mask, q_start)
+    ctx.scale = scale
+
+
+def _backward(ctx, grad):
+    """The reference's gradients, in fp32 from P recomputed: dV = P^T dO, dS = P * (dO V^T - rowsum(dO V^T * P)),
+    dQ = scale dS K, dK = scale dS^T Q (0 wherever P is 0: masked keys, rows without keys, unseen keys)."""
+    q, k, v, key_mask, q_start = ctx.saved_tensors
+    probs, k32, v32 = _probs(q, k, v, key_mask, q_start, ctx.scale)  # P (B, H, Sq, Skv)
+    do = grad.transpose(1, 2).float()  # (B, H, Sq, D)
+    dp = torch.matmul(do, v32.transpose(-1, -2))  # (B, H, Sq, Skv)
+    ds = probs * (dp - (dp * probs).sum(-1, keepdim=True)) * ctx.scale
+    dq = torch.matmul(ds, k32)  # (B, H, Sq, D)
+    dk = torch.matmul(ds.transpose(-1, -2), q.float())  # (B, H, Skv, D)
+    dv = torch.matmul(probs.transpose(-1, -2), do)  # (B, H, Skv, D)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+# the kernels are forward-only: a call whose inputs need gradients goes through the dispatcher (eager_cuda)
+_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention(q, k, v, key_mask=None, q_start=None, scale: float | None = None) -> torch.Tensor:

@@ -10,7 +10,6 @@ import torch
 
 from .._ext import eager_cuda, extension
 from ..errors import FuseInferError
-from .grad import register_reference_backward
 
 
 def add_layer_norm_ref(x, residual, weight, bias, eps: float, store_sum: bool):
@@ -49,7 +48,29 @@ def _(x, residual, weight, bias, eps, store_sum):
     return x.new_empty(x.shape), (x.new_empty(x.shape) if store_sum else x.new_empty(0))  # contiguous
 
 
-register_reference_backward(_add_layer_norm, add_layer_norm_ref)
+def _setup_context(ctx, inputs, output):
+    x, residual, weight, bias, eps, store_sum = inputs
+    ctx.save_for_backward(x, residual, weight, bias)
+    ctx.eps, ctx.store_sum = eps, store_sum
+
+
+def _backward(ctx, grad_y, grad_s):
+    """The reference's gradients: aten's LayerNorm backward at s = x + residual (its statistics recomputed), plus
+    s's own gradient when s is an output; x and the residual both get ds."""
+    x, residual, weight, bias = ctx.saved_tensors
+    s = x if residual is None else x + residual  # (..., N)
+    n = [s.shape[-1]]
+    _, mean, rstd = torch.ops.aten.native_layer_norm(s, n, weight, bias, ctx.eps)
+    need = ctx.needs_input_grad
+    ds, dw, db = torch.ops.aten.native_layer_norm_backward(
+        grad_y, s, n, mean, rstd, weight, bias, [True, weight is not None and need[2], bias is not None and need[3]])
+    if ctx.store_sum:
+        ds = ds + grad_s
+    return ds, (ds if residual is not None else None), dw, db, None, None
+
+
+# the kernel is forward-only: a call whose inputs need gradients goes through the dispatcher (eager_cuda)
+_add_layer_norm.register_autograd(_backward, setup_context=_setup_context)
 
 
 def add_layer_norm(x, residual=None, weight=None, bias=None, eps: float = 1e-5, store_sum: bool = False):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from .._ext import eager_cuda, extension
-from .grad import register_reference_backward
 
 ACTIVATIONS = ("none", "relu")
 
@@ -65,7 +64,28 @@ def _(x, weight, bias, residual, activation):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-register_reference_backward(_linear_epilogue, linear_epilogue_ref)
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, residual, activation = inputs
+    ctx.save_for_backward(x, weight, output if activation == "relu" else None)
+    ctx.has_bias, ctx.has_residual = bias is not None, residual is not None
+
+
+def _backward(ctx, grad):
+    """The reference's gradients: with g = grad * act'(y) (ReLU: y > 0), dx = g W, dW = g^T x, db = sum of g over
+    the rows, dresidual = g."""
+    x, weight, y = ctx.saved_tensors
+    g = grad if y is None else grad * (y > 0)  # (..., N)
+    g2 = g.reshape(-1, g.shape[-1])  # (M, N)
+    need = ctx.needs_input_grad
+    dx = g @ weight if need[0] else None  # (..., K)
+    dw = g2.t() @ x.reshape(-1, x.shape[-1]) if need[1] else None  # (N, K)
+    db = g2.sum(0) if ctx.has_bias and need[2] else None  # (N,)
+    dr = g if ctx.has_residual and need[3] else None
+    return dx, dw, db, dr, None
+
+
+# the kernels are forward-only: a call whose inputs need gradients goes through the dispatcher (eager_cuda)
+_linear_epilogue.register_autograd(_backward, setup_context=_setup_context)
 
 
 def linear_epilogue(x, weight, bias=None, residual=None, activation: str = "none"):

@@ -13,7 +13,7 @@ the swapped modules' own hooks and parameters stay as they are):
 * ``config._attn_implementation`` -> ``"fuseinfer"``.
 
 In training mode the fused modules call the original forward (dropout is not fused). In eval mode with
-gradients on, the fused ops backpropagate through their references (``ops/grad.py``) and q/k/v run as three
+gradients on, the fused ops backpropagate with their references' gradients (``ops/``) and q/k/v run as three
 GEMMs, so every parameter gets its gradient. A module whose fused forward would bypass a submodule (a
 projection, fc1 / fc2, a LayerNorm) is left as it is when that submodule has hooks or is not a plain
 ``nn.Linear`` / ``nn.LayerNorm`` (an adapter such as LoRA), and so is an attention module with hooks of its own

@@ -221,9 +221,10 @@ def _bucket(batch: int) -> int:
 
 
 def _eos_tensor(eos) -> torch.Tensor:
+    """EOS ids as given to generate (None, an int, a list, a tensor of any shape) -> (n_eos,) int64 on the CPU."""
     if eos is None:
         return torch.empty(0, dtype=torch.long)
-    return torch.tensor([eos] if isinstance(eos, int) else list(eos), dtype=torch.long)
+    return torch.as_tensor(eos, dtype=torch.long, device="cpu").flatten()
 
 
 @torch.no_grad()
@@ -241,12 +242,17 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         raise FuseInferError(why)
     if input_ids.dim() != 2:
         raise FuseInferError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
+    if min(input_ids.shape) == 0:
+        raise FuseInferError(f"input_ids must hold at least one row of at least one token, got shape "
+                             f"{tuple(input_ids.shape)}")
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     if mask.shape != input_ids.shape:
         raise FuseInferError(f"attention_mask shape {tuple(mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
     if not bool(mask[:, -1].all()):
         raise FuseInferError("fuseinfer.generate needs left padding: set tokenizer.padding_side = 'left'")
     b, p = input_ids.shape
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise FuseInferError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
     limit = model.config.max_position_embeddings
     if p + max_new_tokens > limit:
         raise FuseInferError(f"prompt ({p}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
@@ -261,7 +267,10 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         raise FuseInferError(f"top_p must be in [0, 1] (1 or None: no top-p), got {top_p!r}")
     sampling = Sampling(do_sample, float(temperature), top_k, top_p) if do_sample else Sampling()
     eos = _eos_tensor(eos_token_id)
-    pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos.numel() else 0)
+    pad = int(pad_token_id) if pad_token_id is not None else (int(eos[0]) if eos.numel() else 0)
+    vocab = model.get_input_embeddings().num_embeddings
+    if not 0 <= pad < vocab:  # finished rows, and a bucket's unused ones, are fed the pad token
+        raise FuseInferError(f"pad_token_id {pad} is not a token of the model's vocabulary (0..{vocab - 1})")
     dev = next(model.parameters()).device
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():  # graphs on the model's GPU
         session = session_for(model, forward, b, p + max_new_tokens, sampling, max_new_tokens, eos, pad)

@@ -83,6 +83,12 @@ def _max_new_tokens(model, prompt_len: int, configs: list, kwargs, get) -> int:
     return max_length - prompt_len
 
 
+def _in_vocabulary(token, model) -> bool:
+    """Whether a pad id (None, an int or a one-element tensor) can be embedded: fast decode feeds it to the rows
+    of a batch bucket that the call does not fill. None counts (the fast path then pads with EOS or 0)."""
+    return token is None or 0 <= int(token) < model.get_input_embeddings().num_embeddings
+
+
 def _inferred_mask(input_ids: torch.Tensor, pad, eos) -> torch.Tensor | None:
     """transformers' mask for a call without one: input_ids != pad where the pad token occurs in the prompt and
     is not an EOS token, else None (no padding)."""
@@ -119,15 +125,24 @@ def patched_generate(model, inputs=None, generation_config: GenerationConfig | N
     input_ids = kwargs.get("input_ids", inputs)
     configs, get, defaults = _resolver(model, generation_config, kwargs)
     reason = _fast_path_reason(model, input_ids, kwargs, configs, get, defaults)
+    if reason is None and inputs is not None and "input_ids" in kwargs:
+        reason = "both inputs and input_ids given"  # (transformers refuses the call)
     if reason is None:
         max_new = _max_new_tokens(model, input_ids.shape[1], configs, kwargs, get)
         mask = kwargs.get("attention_mask")
         if mask is None:
             mask = _inferred_mask(input_ids, get("pad_token_id"), get("eos_token_id"))
-        if max_new < 1 or input_ids.shape[1] + max_new > model.config.max_position_embeddings:
+        pad = get("pad_token_id")
+        if type(max_new) is not int or max_new < 1:
+            reason = f"max_new_tokens={max_new!r} (the fast path takes a positive int)"
+        elif input_ids.shape[1] + max_new > model.config.max_position_embeddings:
             reason = f"{max_new} new tokens after a prompt of {input_ids.shape[1]} do not fit the model's positions"
+        elif min(input_ids.shape) == 0:
+            reason = f"an empty batch or prompt, input_ids of shape {tuple(input_ids.shape)}"
         elif mask is not None and not bool(mask[:, -1].all()):
             reason = "right padding (use tokenizer.padding_side = 'left')"
+        elif not _in_vocabulary(pad, model):
+            reason = f"pad_token_id {pad} is not a token of the model's vocabulary"
     if reason is not None:
         key = re.sub(r"\d+", "N", reason)  # once per kind of reason, whatever its numbers
         if key not in _logged:
