@@ -73,6 +73,14 @@ def backend_for(t: torch.Tensor) -> str:
     return "cuda" if t.is_cuda and extension(t.device) is not None else "reference"
 
 
+def transformed() -> bool:
+    """True inside a torch.func transform (grad, vjp, jvp, vmap, ...) or a forward-mode AD level: the custom ops'
+    autograd formulas are reverse-mode only and do not compose with those (a jvp saw a zero tangent, torch.func.grad
+    an error), so the op wrappers run their plain-PyTorch references there, which do."""
+    return torch._C._functorch.peek_interpreter_stack() is not None or \
+        torch.autograd.forward_ad._current_level >= 0
+
+
 def eager_cuda(t: torch.Tensor, *inputs: torch.Tensor | None) -> bool:
     """True when an op on ``t`` (and its other tensor ``inputs``) may call the extension directly instead of
     through the dispatcher.

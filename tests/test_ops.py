@@ -80,6 +80,25 @@ def test_linear_epilogue_gradients_gradcheck(form):
                                     args)
 
 
+@pytest.mark.parametrize("k,n", [(0, 7), (12, 0)])
+def test_linear_epilogue_gradients_with_zero_features(k, n):
+    x, w, b = torch.randn(2, 5, k, requires_grad=True), torch.randn(n, k, requires_grad=True), torch.randn(n)
+    b.requires_grad_()
+    ops.linear_epilogue(x, w, b).sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape and b.grad.shape == b.shape
+    assert x.grad.abs().sum() == 0 and w.grad.abs().sum() == 0 and b.grad.eq(10 if k == 0 else 0).all()
+
+
+def test_int8_quantize_is_not_differentiable_and_dequantize_is():
+    x = torch.randn(4, 33, requires_grad=True)
+    q, scale = ops.quantize_per_token(x)
+    assert not q.requires_grad and not scale.requires_grad
+    scale = scale.clone().requires_grad_()
+    g = torch.randn(4, 33)
+    (ops.dequantize(q, scale, torch.float32) * g).sum().backward()
+    torch.testing.assert_close(scale.grad, (g * q.float()).sum(-1, keepdim=True))
+
+
 @pytest.mark.parametrize("residual,affine,store_sum", [(True, True, True), (True, True, False), (False, True, True),
                                                        (False, False, False)])
 def test_add_layer_norm_gradients_gradcheck(residual, affine, store_sum):

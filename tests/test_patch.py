@@ -269,6 +269,58 @@ def test_eval_mode_backward_under_torch_compile():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_torch_func_transforms_and_forward_ad_match_unpatched():
+    """Under torch.func transforms and forward-mode AD the ops run their references: a jvp through the patched model
+    (its tangent was silently 0: the ops' formulas are reverse-mode only) and torch.func.grad (it raised) give the
+    unpatched model's results."""
+    import torch.autograd.forward_ad as fwad
+
+    ref, model = random_opt(), random_opt()
+    ref.config._attn_implementation = "eager"
+    fuseinfer.patch(model)
+    ids = _ids(model, seq=9)
+    e = model.get_input_embeddings()(ids).detach()
+    t = torch.randn_like(e)
+    (p_ref, j_ref), (p, j) = (torch.func.jvp(lambda e: m(inputs_embeds=e).logits, (e,), (t,)) for m in (ref, model))
+    torch.testing.assert_close(p, p_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(j, j_ref, rtol=1e-4, atol=1e-5)
+    assert j_ref.abs().max() > 1
+    g_ref, g = (torch.func.grad(lambda e: m(inputs_embeds=e, labels=ids).loss)(e) for m in (ref, model))
+    torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-6)
+    x, w, tx = torch.randn(3, 4), torch.randn(5, 4), torch.randn(3, 4)
+    with fwad.dual_level():
+        y = fuseinfer.ops.linear_epilogue(fwad.make_dual(x, tx), w)
+        torch.testing.assert_close(fwad.unpack_dual(y).tangent, tx @ w.T)
+
+
+def test_functional_call_with_other_parameters_uses_them():
+    """torch.func.functional_call with another model's parameters: the projections then hold other tensors than
+    the views of the fused q/k/v buffer, so the three projections run (the fused GEMM read the model's own)."""
+    ref, model, other = random_opt(), random_opt(), random_opt(seed=1)
+    fuseinfer.patch(model)
+    params = {n: p.detach() for n, p in other.named_parameters()}
+    ids = _ids(model, seq=9)
+    with torch.no_grad():
+        expected = torch.func.functional_call(ref, params, (ids,)).logits
+        out = torch.func.functional_call(model, params, (ids,)).logits
+        assert (model(ids).logits - expected).abs().max() > 0.1  # the other parameters matter
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_autocast_to_another_dtype_runs_the_original_forward():
+    """An fp32 patched model under CPU autocast to bf16 (it crashed: autocast made x bf16 next to an fp32 residual)
+    gives the unpatched model's autocast logits and loss."""
+    ref, model = random_opt(), random_opt()
+    fuseinfer.patch(model)
+    ids = _ids(model, seq=9)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_ref, out = ref(ids, labels=ids), model(ids, labels=ids)
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-2, atol=0)
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_to_after_patch_keeps_qkv_fused():
     """model.to() converts the (3E, E) q/k/v buffer and the projections' weights one by one; they must end up
     views of one buffer again (the same Parameter objects), so a later load_state_dict reaches the fused GEMM."""

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from .._ext import eager_cuda, extension
+from .._ext import eager_cuda, extension, transformed
 
 KERNEL_HEAD_DIMS = (64, 128)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -45,8 +45,10 @@ def _probs(q, k, v, key_mask, q_start, scale: float):
     k32, v32 = k.float().masked_fill(~seen, 0.0), v.float().masked_fill(~seen, 0.0)
     scores = torch.matmul(q.float(), k32.transpose(-1, -2)) * scale  # (B, H, Sq, Skv)
     has_key = allowed.any(-1, keepdim=True)  # (B, 1, Sq, 1)
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-    return probs.masked_fill(~has_key, 0.0), k32, v32  # rows with no key: 0 (the kernels' output), not NaN
+    # rows with no key: a softmax over zeros, then 0 (the kernels' output); finite, so that differentiating the
+    # reference itself (under torch.func transforms) gives 0 there, not NaN
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0), dim=-1)
+    return probs.masked_fill(~has_key, 0.0), k32, v32
 
 
 def attention_ref(q, k, v, key_mask, q_start, scale: float) -> torch.Tensor:
@@ -138,6 +140,8 @@ def attention(q, k, v, key_mask=None, q_start=None, scale: float | None = None) 
         raise ValueError(f"expected q (B,H,Sq,D) and k, v (B,H,Skv,D); got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if transformed():
+        return attention_ref(q, k, v, key_mask, q_start, scale)
     if eager_cuda(q, k, v):
         return _attention_cuda(q, k, v, key_mask, q_start, scale)
     return torch.ops.fuseinfer.attention(q, k, v, key_mask, q_start, scale)

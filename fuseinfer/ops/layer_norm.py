@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .._ext import eager_cuda, extension
+from .._ext import eager_cuda, extension, transformed
 from ..errors import FuseInferError
 
 
@@ -78,6 +78,8 @@ def add_layer_norm(x, residual=None, weight=None, bias=None, eps: float = 1e-5, 
     store_sum. ``residual`` has x's shape (no broadcasting)."""
     if residual is not None and residual.shape != x.shape:
         raise FuseInferError(f"add_layer_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    if transformed():
+        return add_layer_norm_ref(x, residual, weight, bias, eps, store_sum)
     if eager_cuda(x, residual, weight, bias):
         return _add_layer_norm_cuda(x, residual, weight, bias, eps, store_sum)
     return torch.ops.fuseinfer.add_layer_norm(x, residual, weight, bias, eps, store_sum)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .._ext import eager_cuda, extension
+from .._ext import eager_cuda, extension, transformed
 
 ACTIVATIONS = ("none", "relu")
 
@@ -75,10 +75,11 @@ def _backward(ctx, grad):
     the rows, dresidual = g."""
     x, weight, y = ctx.saved_tensors
     g = grad if y is None else grad * (y > 0)  # (..., N)
-    g2 = g.reshape(-1, g.shape[-1])  # (M, N)
+    rows = g.shape[:-1].numel()  # M (1 for a 1-D x; the sizes may be 0)
+    g2 = g.reshape(rows, g.shape[-1])  # (M, N)
     need = ctx.needs_input_grad
     dx = g @ weight if need[0] else None  # (..., K)
-    dw = g2.t() @ x.reshape(-1, x.shape[-1]) if need[1] else None  # (N, K)
+    dw = g2.t() @ x.reshape(rows, x.shape[-1]) if need[1] else None  # (N, K)
     db = g2.sum(0) if ctx.has_bias and need[2] else None  # (N,)
     dr = g if ctx.has_residual and need[3] else None
     return dx, dw, db, dr, None
@@ -91,6 +92,8 @@ _linear_epilogue.register_autograd(_backward, setup_context=_setup_context)
 def linear_epilogue(x, weight, bias=None, residual=None, activation: str = "none"):
     """``act(x @ weight.T + bias + residual)`` in one kernel where the CUDA extension is built."""
     _check(x, weight, residual, activation)
+    if transformed():
+        return linear_epilogue_ref(x, weight, bias, residual, activation)
     if eager_cuda(x, weight, bias, residual):
         return _linear_epilogue_cuda(x, weight, bias, residual, activation)
     return torch.ops.fuseinfer.linear_epilogue(x, weight, bias, residual, activation)

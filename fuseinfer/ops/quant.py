@@ -51,14 +51,30 @@ def _(q, scale, dtype):
     return torch.empty_like(q, dtype=dtype)
 
 
+def _dequantize_setup(ctx, inputs, output):
+    q, scale, _ = inputs
+    ctx.save_for_backward(q)
+    ctx.scale_shape, ctx.scale_dtype = scale.shape, scale.dtype
+
+
+def _dequantize_backward(ctx, grad):
+    """d(q * scale)/d scale = q, summed over the dims the scale was broadcast along; q (int8) gets none."""
+    (q,) = ctx.saved_tensors
+    dscale = (grad.float() * q.float()).sum_to_size(ctx.scale_shape).to(ctx.scale_dtype)
+    return None, dscale, None
+
+
+_dequantize_int8.register_autograd(_dequantize_backward, setup_context=_dequantize_setup)
+
+
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations (..., K) -> int8 (..., K) and fp32 scales (..., 1)."""
-    return torch.ops.fuseinfer.quantize_int8(x, -1)
+    """Activations (..., K) -> int8 (..., K) and fp32 scales (..., 1). Not differentiable (no gradient flows)."""
+    return torch.ops.fuseinfer.quantize_int8(x.detach(), -1)
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """nn.Linear weight (N, K) -> int8 (N, K) and one fp32 scale per output channel (N, 1)."""
-    return torch.ops.fuseinfer.quantize_int8(weight, -1)
+    """nn.Linear weight (N, K) -> int8 (N, K) and one fp32 scale per output channel (N, 1). Not differentiable."""
+    return torch.ops.fuseinfer.quantize_int8(weight.detach(), -1)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:

@@ -12,9 +12,10 @@ the swapped modules' own hooks and parameters stay as they are):
 * the decoder's final ``LayerNorm`` -> :class:`FusedLayerNorm`;
 * ``config._attn_implementation`` -> ``"fuseinfer"``.
 
-In training mode the fused modules call the original forward (dropout is not fused). In eval mode with
-gradients on, the fused ops backpropagate with their references' gradients (``ops/``) and q/k/v run as three
-GEMMs, so every parameter gets its gradient. A module whose fused forward would bypass a submodule (a
+In training mode, and under autocast to another dtype than the model's, the fused modules call the original
+forward (dropout is not fused; autocast picks each op's dtype). In eval mode with gradients on, the fused ops
+backpropagate with their references' gradients (``ops/``) and q/k/v run as three GEMMs, so every parameter gets
+its gradient; under torch.func transforms and forward-mode AD the ops run their references. A module whose fused forward would bypass a submodule (a
 projection, fc1 / fc2, a LayerNorm) is left as it is when that submodule has hooks or is not a plain
 ``nn.Linear`` / ``nn.LayerNorm`` (an adapter such as LoRA), and so is an attention module with hooks of its own
 (its fused output would include the residual); the report lists them under "skipped".
@@ -37,11 +38,18 @@ from ..patching import PatchConfig, PatchReport, Swap
 from . import hf_attention
 
 
+def _original_forward(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether a fused module runs its original forward: in training mode (dropout is not fused), and under
+    autocast to another dtype than x's (autocast picks each op's dtype, which the fused ops do not model)."""
+    return module.training or (torch.is_autocast_enabled(x.device.type)
+                               and torch.get_autocast_dtype(x.device.type) != x.dtype)
+
+
 class FusedLayerNorm(nn.LayerNorm):
     """nn.LayerNorm running the fused LayerNorm kernel."""
 
     def forward(self, x):
-        if self.training:
+        if _original_forward(self, x):
             return super().forward(x)
         return add_layer_norm(x, None, self.weight, self.bias, self.eps)[0]
 
@@ -75,13 +83,13 @@ class FusedOPTAttention(OPTAttention):
 
     def forward(self, hidden_states, past_key_values=None, attention_mask=None, output_attentions=False,
                 residual=None, **kwargs):
-        if self.training:
+        if _original_forward(self, hidden_states):
             out, weights = super().forward(hidden_states, past_key_values, attention_mask, output_attentions,
                                            **kwargs)
             return (out if residual is None else residual + out), weights
         ops = self._fuseinfer_ops
         bsz, tgt_len, _ = hidden_states.shape
-        if "qkv" in ops and not _grad_to(self.q_proj, self.k_proj, self.v_proj):
+        if "qkv" in ops and _qkv_fused(self):
             qkv = linear_epilogue(hidden_states, self.qkv_weight, self.qkv_bias)  # (B, S, 3E)
             q, k, v = qkv.view(bsz, tgt_len, 3, self.num_heads, self.head_dim).unbind(2)  # 3 x (B, S, H, D)
         else:
@@ -127,7 +135,7 @@ class FusedOPTDecoderLayer(OPTDecoderLayer):
 
     def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=False,
                 position_ids=None, **kwargs):
-        if self.training:
+        if _original_forward(self, hidden_states):
             return super().forward(hidden_states, attention_mask, past_key_values, use_cache, position_ids,
                                    **kwargs)
         ln = "layer_norm" in self._fuseinfer_ops
@@ -270,7 +278,7 @@ class OPTFamily:
                 p.weight.data = p.weight.detach().clone()
                 if p.bias is not None:
                     p.bias.data = p.bias.detach().clone()
-            del attn.qkv_weight, attn.qkv_bias
+            del attn.qkv_weight, attn.qkv_bias, attn._fuseinfer_qkv_params
         for module, cls in state["classes"]:
             module.__class__ = cls
             del module._fuseinfer_ops
@@ -317,22 +325,33 @@ def _bypass_reason(module: nn.Module, ops) -> str | None:
     return None
 
 
-def _grad_to(*modules: nn.Module) -> bool:
-    """Whether this forward must give the modules' parameters gradients: the fused q/k/v GEMM reads the (3E, E)
-    buffer that their weights are views of, which autograd does not connect to those Parameters, so such a
-    forward runs the three projections."""
-    return torch.is_grad_enabled() and any(p.requires_grad for m in modules for p in m.parameters())
+def _qkv_params(attn: OPTAttention) -> tuple:
+    """The q/k/v projections' weights and biases, as stored (``_parameters``, where functional_call swaps tensors
+    in; read without nn.Module's attribute lookup, which cost most of the check below on every forward)."""
+    mods = attn._modules
+    return tuple(mods[name]._parameters[p] for name in ("q_proj", "k_proj", "v_proj") for p in ("weight", "bias"))
+
+
+def _qkv_fused(attn: OPTAttention) -> bool:
+    """Whether the fused q/k/v GEMM, which reads the (3E, E) buffer, serves this forward: the projections hold the
+    Parameters linked to it (``torch.func.functional_call`` or ``load_state_dict(..., assign=True)`` put other
+    tensors there), and none of them needs a gradient (autograd does not connect the buffer to them). Otherwise
+    the three projections run."""
+    params = _qkv_params(attn)
+    if any(a is not b for a, b in zip(params, attn._fuseinfer_qkv_params)):
+        return False
+    return not torch.is_grad_enabled() or not any(p is not None and p.requires_grad for p in params)
 
 
 def _link_qkv(attn: OPTAttention) -> None:
     """Point the q/k/v projections' parameters (the same Parameter objects, so optimizers and hooks keep them) at
-    their rows of ``qkv_weight`` / ``qkv_bias``. (``load_state_dict(..., assign=True)`` replaces those objects and
-    so unties them: load before ``patch``, or unpatch and patch again.)"""
+    their rows of ``qkv_weight`` / ``qkv_bias``, and remember those objects (see _qkv_fused)."""
     e = attn.embed_dim
     for i, proj in enumerate((attn.q_proj, attn.k_proj, attn.v_proj)):
         proj.weight.data = attn.qkv_weight[i * e:(i + 1) * e]
         if attn.qkv_bias is not None:
             proj.bias.data = attn.qkv_bias[i * e:(i + 1) * e]
+    attn._fuseinfer_qkv_params = _qkv_params(attn)
 
 
 def _backends(module: nn.Module, ops, like: torch.Tensor) -> dict[str, str]:
