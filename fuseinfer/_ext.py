@@ -73,6 +73,17 @@ def backend_for(t: torch.Tensor) -> str:
     return "cuda" if t.is_cuda and extension(t.device) is not None else "reference"
 
 
+def route(op, ref, cuda_impl, args: tuple, tensors: tuple):
+    """Run an op on ``args``: its reference under torch.func transforms and forward-mode AD (``transformed``), the
+    extension directly in eager mode on CUDA when no input needs a gradient (``eager_cuda``, over ``tensors``),
+    else the registered op ``op`` (kernel or reference, with its autograd formula)."""
+    if transformed():
+        return ref(*args)
+    if eager_cuda(*tensors):
+        return cuda_impl(*args)
+    return op(*args)
+
+
 def transformed() -> bool:
     """True inside a torch.func transform (grad, vjp, jvp, vmap, ...) or a forward-mode AD level: the custom ops'
     autograd formulas are reverse-mode only and do not compose with those (a jvp saw a zero tangent, torch.func.grad

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from .._ext import eager_cuda, extension, transformed
+from .._ext import extension, route
 
 KERNEL_HEAD_DIMS = (64, 128)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -130,7 +130,7 @@ def _backward(ctx, grad):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-# the kernels are forward-only: a call whose inputs need gradients goes through the dispatcher (eager_cuda)
+# the kernels are forward-only: a call whose inputs need gradients goes through the dispatcher (_ext.route)
 _attention.register_autograd(_backward, setup_context=_setup_context)
 
 
@@ -140,8 +140,5 @@ def attention(q, k, v, key_mask=None, q_start=None, scale: float | None = None) 
         raise ValueError(f"expected q (B,H,Sq,D) and k, v (B,H,Skv,D); got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if transformed():
-        return attention_ref(q, k, v, key_mask, q_start, scale)
-    if eager_cuda(q, k, v):
-        return _attention_cuda(q, k, v, key_mask, q_start, scale)
-    return torch.ops.fuseinfer.attention(q, k, v, key_mask, q_start, scale)
+    return route(torch.ops.fuseinfer.attention, attention_ref, _attention_cuda, (q, k, v, key_mask, q_start, scale),
+                 (q, k, v))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .._ext import eager_cuda, extension, transformed
+from .._ext import extension, route
 from ..errors import FuseInferError
 
 
@@ -69,7 +69,7 @@ def _backward(ctx, grad_y, grad_s):
     return ds, (ds if residual is not None else None), dw, db, None, None
 
 
-# the kernel is forward-only: a call whose inputs need gradients goes through the dispatcher (eager_cuda)
+# the kernel is forward-only: a call whose inputs need gradients goes through the dispatcher (_ext.route)
 _add_layer_norm.register_autograd(_backward, setup_context=_setup_context)
 
 
@@ -78,8 +78,5 @@ def add_layer_norm(x, residual=None, weight=None, bias=None, eps: float = 1e-5, 
     store_sum. ``residual`` has x's shape (no broadcasting)."""
     if residual is not None and residual.shape != x.shape:
         raise FuseInferError(f"add_layer_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-    if transformed():
-        return add_layer_norm_ref(x, residual, weight, bias, eps, store_sum)
-    if eager_cuda(x, residual, weight, bias):
-        return _add_layer_norm_cuda(x, residual, weight, bias, eps, store_sum)
-    return torch.ops.fuseinfer.add_layer_norm(x, residual, weight, bias, eps, store_sum)
+    return route(torch.ops.fuseinfer.add_layer_norm, add_layer_norm_ref, _add_layer_norm_cuda,
+                 (x, residual, weight, bias, eps, store_sum), (x, residual, weight, bias))

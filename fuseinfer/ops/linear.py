@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .._ext import eager_cuda, extension, transformed
+from .._ext import extension, route
 
 ACTIVATIONS = ("none", "relu")
 
@@ -85,15 +85,12 @@ def _backward(ctx, grad):
     return dx, dw, db, dr, None
 
 
-# the kernels are forward-only: a call whose inputs need gradients goes through the dispatcher (eager_cuda)
+# the kernels are forward-only: a call whose inputs need gradients goes through the dispatcher (_ext.route)
 _linear_epilogue.register_autograd(_backward, setup_context=_setup_context)
 
 
 def linear_epilogue(x, weight, bias=None, residual=None, activation: str = "none"):
     """``act(x @ weight.T + bias + residual)`` in one kernel where the CUDA extension is built."""
     _check(x, weight, residual, activation)
-    if transformed():
-        return linear_epilogue_ref(x, weight, bias, residual, activation)
-    if eager_cuda(x, weight, bias, residual):
-        return _linear_epilogue_cuda(x, weight, bias, residual, activation)
-    return torch.ops.fuseinfer.linear_epilogue(x, weight, bias, residual, activation)
+    return route(torch.ops.fuseinfer.linear_epilogue, linear_epilogue_ref, _linear_epilogue_cuda,
+                 (x, weight, bias, residual, activation), (x, weight, bias, residual))

@@ -15,10 +15,10 @@ the swapped modules' own hooks and parameters stay as they are):
 In training mode, and under autocast to another dtype than the model's, the fused modules call the original
 forward (dropout is not fused; autocast picks each op's dtype). In eval mode with gradients on, the fused ops
 backpropagate with their references' gradients (``ops/``) and q/k/v run as three GEMMs, so every parameter gets
-its gradient; under torch.func transforms and forward-mode AD the ops run their references. A module whose fused forward would bypass a submodule (a
-projection, fc1 / fc2, a LayerNorm) is left as it is when that submodule has hooks or is not a plain
-``nn.Linear`` / ``nn.LayerNorm`` (an adapter such as LoRA), and so is an attention module with hooks of its own
-(its fused output would include the residual); the report lists them under "skipped".
+its gradient; under torch.func transforms and forward-mode AD the ops run their references. A module whose fused
+forward would bypass a submodule (a projection, fc1 / fc2, a LayerNorm) is left as it is when that submodule has
+hooks or is not a plain ``nn.Linear`` / ``nn.LayerNorm`` (an adapter such as LoRA), and so is an attention module
+with hooks of its own (its fused output would include the residual); the report lists them under "skipped".
 Hooks added after ``patch`` are not seen by the fused forwards.
 """
 from __future__ import annotations

@@ -220,11 +220,17 @@ def _bucket(batch: int) -> int:
     return 1 << (batch - 1).bit_length()
 
 
-def _eos_tensor(eos) -> torch.Tensor:
+def eos_tensor(eos) -> torch.Tensor:
     """EOS ids as given to generate (None, an int, a list, a tensor of any shape) -> (n_eos,) int64 on the CPU."""
     if eos is None:
         return torch.empty(0, dtype=torch.long)
     return torch.as_tensor(eos, dtype=torch.long, device="cpu").flatten()
+
+
+def in_vocabulary(model, token: int) -> bool:
+    """Whether ``token`` can be embedded: fast decode feeds the pad token to finished rows and to the rows of a
+    batch bucket that the call does not fill."""
+    return 0 <= token < model.get_input_embeddings().num_embeddings
 
 
 @torch.no_grad()
@@ -266,11 +272,11 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     if do_sample and top_p is not None and top_p < 0:
         raise FuseInferError(f"top_p must be in [0, 1] (1 or None: no top-p), got {top_p!r}")
     sampling = Sampling(do_sample, float(temperature), top_k, top_p) if do_sample else Sampling()
-    eos = _eos_tensor(eos_token_id)
+    eos = eos_tensor(eos_token_id)
     pad = int(pad_token_id) if pad_token_id is not None else (int(eos[0]) if eos.numel() else 0)
-    vocab = model.get_input_embeddings().num_embeddings
-    if not 0 <= pad < vocab:  # finished rows, and a bucket's unused ones, are fed the pad token
-        raise FuseInferError(f"pad_token_id {pad} is not a token of the model's vocabulary (0..{vocab - 1})")
+    if not in_vocabulary(model, pad):
+        raise FuseInferError(f"pad_token_id {pad} is not a token of the model's vocabulary "
+                             f"(0..{model.get_input_embeddings().num_embeddings - 1})")
     dev = next(model.parameters()).device
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():  # graphs on the model's GPU
         session = session_for(model, forward, b, p + max_new_tokens, sampling, max_new_tokens, eos, pad)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import FuseInferError
-from .decode import decode_forward, generate
+from .decode import eos_tensor, decode_forward, generate, in_vocabulary
 
 if TYPE_CHECKING:  # transformers is imported when the hook runs, so that ``import fuseinfer`` does not load it
     from transformers import GenerationConfig
@@ -83,16 +83,10 @@ def _max_new_tokens(model, prompt_len: int, configs: list, kwargs, get) -> int:
     return max_length - prompt_len
 
 
-def _in_vocabulary(token, model) -> bool:
-    """Whether a pad id (None, an int or a one-element tensor) can be embedded: fast decode feeds it to the rows
-    of a batch bucket that the call does not fill. None counts (the fast path then pads with EOS or 0)."""
-    return token is None or 0 <= int(token) < model.get_input_embeddings().num_embeddings
-
-
 def _inferred_mask(input_ids: torch.Tensor, pad, eos) -> torch.Tensor | None:
     """transformers' mask for a call without one: input_ids != pad where the pad token occurs in the prompt and
     is not an EOS token, else None (no padding)."""
-    eos_ids = [] if eos is None else torch.as_tensor(eos).flatten().tolist()
+    eos_ids = eos_tensor(eos).tolist()
     if pad is None or pad in eos_ids or not bool((input_ids == pad).any()):
         return None
     return input_ids.ne(pad).long()
@@ -141,7 +135,7 @@ def patched_generate(model, inputs=None, generation_config: GenerationConfig | N
             reason = f"an empty batch or prompt, input_ids of shape {tuple(input_ids.shape)}"
         elif mask is not None and not bool(mask[:, -1].all()):
             reason = "right padding (use tokenizer.padding_side = 'left')"
-        elif not _in_vocabulary(pad, model):
+        elif pad is not None and not in_vocabulary(model, int(pad)):  # (None: the fast path pads with EOS or 0)
             reason = f"pad_token_id {pad} is not a token of the model's vocabulary"
     if reason is not None:
         key = re.sub(r"\d+", "N", reason)  # once per kind of reason, whatever its numbers
@@ -152,7 +146,7 @@ def patched_generate(model, inputs=None, generation_config: GenerationConfig | N
     temperature = get("temperature")
     return generate(model, input_ids, mask, max_new_tokens=max_new, do_sample=bool(get("do_sample")),
                     temperature=1.0 if temperature is None else temperature, top_k=get("top_k"), top_p=get("top_p"),
-                    eos_token_id=get("eos_token_id"), pad_token_id=get("pad_token_id"))
+                    eos_token_id=get("eos_token_id"), pad_token_id=pad)
 
 
 def _transformers_generate(model, inputs, generation_config, kwargs):
