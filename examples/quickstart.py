@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import fuseinfer
 
-default = os.path.join(os.environ.get("FUSEINFER_SHARED", "../shared"), "models", "opt-wt2-tiny")
+shared = os.environ.get("FUSEINFER_SHARED", os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
+default = os.path.join(shared, "models", "opt-wt2-tiny")  # (../shared beside the repository, wherever this runs)
 path = sys.argv[1] if len(sys.argv) > 1 else default
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.float16 if device == "cuda" else torch.float32

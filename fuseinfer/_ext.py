@@ -88,7 +88,9 @@ def transformed() -> bool:
     """True inside a torch.func transform (grad, vjp, jvp, vmap, ...) or a forward-mode AD level: the custom ops'
     autograd formulas are reverse-mode only and do not compose with those (a jvp saw a zero tangent, torch.func.grad
     an error), so the op wrappers run their plain-PyTorch references there, which do."""
-    return torch._C._functorch.peek_interpreter_stack() is not None or \
+    # (isinstance, not ``is not None``: under torch.compile dynamo wraps the stack's top in a variable that is never
+    # None itself, so ``is not None`` was always true there and compiled graphs held the references, not the ops)
+    return not isinstance(torch._C._functorch.peek_interpreter_stack(), type(None)) or \
         torch.autograd.forward_ad._current_level >= 0
 
 

@@ -7,6 +7,7 @@ fast-decode ``generate`` of ``fuseinfer.runtime`` (which hands unsupported calls
 """
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
@@ -17,6 +18,7 @@ from ._ext import extension_status
 from .errors import FuseInferError
 
 OPS = ("layer_norm", "linear", "qkv", "attention")
+ATTN_NAME = "fuseinfer"  # the attention implementation patch registers with transformers (patches/hf_attention.py)
 STATE_ATTR = "_fuseinfer_state"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -46,6 +48,31 @@ class PatchConfig:
 
     def selects(self, module: nn.Module, name: str) -> bool:
         return self.filter_fn is None or bool(self.filter_fn(module, name))
+
+    def __deepcopy__(self, memo):  # immutable: a deep copy of a patched model shares it
+        return self
+
+    def __reduce__(self):
+        """Pickling (``torch.save`` of a patched model, which records its config) keeps ``filter_fn`` where it
+        pickles; a lambda or local function does not, and is replaced by a stand-in that says so if called."""
+        fn = self.filter_fn
+        try:
+            pickle.dumps(fn)
+        except Exception:  # (pickle raises several types: PicklingError, AttributeError, TypeError)
+            fn = _UnpickledFilter(repr(fn))
+        return PatchConfig, (tuple(self.ops), fn)
+
+
+class _UnpickledFilter:
+    """Stands in for a ``filter_fn`` that could not be pickled with its patched model (the swaps it chose are in
+    the pickle; nothing calls it after loading)."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __call__(self, module, name):
+        raise FuseInferError(f"this PatchConfig was unpickled without its filter_fn {self.what}, which could not "
+                             "be pickled; build a new PatchConfig to patch with it")
 
 
 @dataclass
@@ -140,10 +167,20 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
     if not isinstance(model, nn.Module):
         raise FuseInferError(f"fuseinfer.patch takes a torch.nn.Module, got {type(model).__name__}")
     model = unwrapped(model)
-    config = config or PatchConfig()
+    config = PatchConfig() if config is None else config
+    if not isinstance(config, PatchConfig):
+        raise FuseInferError(f"fuseinfer.patch takes a PatchConfig as config, got {type(config).__name__}: "
+                             "e.g. fuseinfer.patch(model, fuseinfer.PatchConfig(ops=('linear',)))")
     model_type, family = _family_for(model)
     if hasattr(model, STATE_ATTR):
         raise FuseInferError("this model is already patched; call fuseinfer.unpatch(model) before patching again")
+    inner = next((name for name, m in model.named_modules() if hasattr(m, STATE_ATTR)
+                  or type(m).__module__.startswith("fuseinfer.")), None)
+    if inner is None and getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTN_NAME:
+        inner = "its attention implementation"
+    if inner is not None:
+        raise FuseInferError(f"part of this model ({inner or 'the model'}) is already patched by fuseinfer: unpatch "
+                             "the module that was patched before patching again")
     _check_tensors(model)
     report = PatchReport(model_type=model_type, extension=extension_status(next(model.parameters()).device))
     state = family.patch(model, config, report)

@@ -254,6 +254,31 @@ def test_missing_data_dir(tmp_path, capsys):
     assert_one_line_error(capsys, rc, "--data-dir", "wiki.test.raw", "FUSEINFER_DATA_DIR")
 
 
+@needs_tiny
+def test_data_file_that_is_not_utf8(tmp_path, capsys):
+    (tmp_path / "wiki.test.raw").write_bytes("caf\u00e9\n".encode("latin-1"))
+    rc = main(["--model", str(TINY), "--device", "cpu", "--data-dir", str(tmp_path)])
+    assert_one_line_error(capsys, rc, "cannot read", "as UTF-8 text")
+
+
+@needs_tiny
+@needs_data
+def test_model_folder_without_tokenizer_skips_perplexity(tmp_path):
+    """(transformers 5.x loads an empty tokenizer from a folder without tokenizer files instead of raising)"""
+    import shutil
+
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        if (TINY / name).exists():
+            shutil.copy(TINY / name, tmp_path / name)
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["--model", str(tmp_path), "--backends", "eager", "--device", "cpu", "--data-dir", str(DATA),
+            "--prompt-len", "8", "--gen-len", "2", "--warmup", "0", "--repeats", "1", "--output", str(out / "r.json")]
+    assert main(args) == 0
+    row = json.loads((out / "r.json").read_text())["backends"]["eager"]
+    assert row["ppl"] is None and "no tokenizer" in row["ppl_note"]
+
+
 def test_model_path_to_a_file(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{}")
     rc = main(["--model", str(tmp_path / "config.json"), "--device", "cpu"])

@@ -331,14 +331,24 @@ def test_greedy_generation_fp16_tiny_model_identical(tiny_model_path):
 
 
 def test_patched_model_under_cuda_graphs_and_compile():
+    """The compiled graph calls the kernels' registered ops; compiled with CUDA graphs, the logits are eager's."""
     model = random_opt(device="cuda", dtype=torch.float16, hidden_size=256, ffn_dim=1024)
     ids = torch.randint(3, 512, (2, 64), device="cuda")
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
     with torch.no_grad():
         fuseinfer.patch(model)
         eager = model(input_ids=ids).logits
+        torch.compile(model, fullgraph=True, backend=recording)(input_ids=ids)
         compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
         for _ in range(3):  # warm-up, record, replay
             out = compiled(input_ids=ids).logits
+    for op in ("linear_epilogue", "add_layer_norm", "attention"):
+        assert f"torch.ops.fuseinfer.{op}" in "".join(graphs), op
     torch.testing.assert_close(out, eager, rtol=2e-3, atol=2e-3)
 
 

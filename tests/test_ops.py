@@ -60,9 +60,11 @@ def test_int8_edge_cases():
         ops.dequantize(torch.zeros(1, 4, dtype=torch.int8), torch.ones(3, 1))
 
 
-def test_add_layer_norm_rejects_a_broadcast_residual():
-    with pytest.raises(ValueError, match=r"residual shape \(8,\) != x shape \(4, 8\)"):
+def test_add_layer_norm_rejects_a_broadcast_or_other_dtype_residual():
+    with pytest.raises(ValueError, match=r"x's shape and dtype \(4, 8\) torch.float32, got \(8,\) torch.float32"):
         ops.add_layer_norm(torch.randn(4, 8), torch.randn(8))
+    with pytest.raises(ValueError, match=r"got \(4, 8\) torch.float64"):  # (the fake op promised x's dtype)
+        ops.add_layer_norm(torch.randn(4, 8), torch.randn(4, 8, dtype=torch.float64))
 
 
 def _attention_inputs(b=3, h=4, sq=113, skv=113, d=64, dtype=torch.float32):

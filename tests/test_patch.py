@@ -133,12 +133,24 @@ def test_save_pretrained_loads_in_plain_transformers(tmp_path):
 
 
 def test_torch_compile_of_patched_model():
+    """The compiled graph calls the registered fuseinfer ops (on CUDA, the kernels), not their references."""
     model = random_opt()
     ids = _ids(model)
     ref = _logits(model, ids)
     fuseinfer.patch(model)
-    compiled = torch.compile(model, fullgraph=True)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
     out = _logits(compiled, ids)
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+    code = "".join(graphs)
+    for op in ("linear_epilogue", "add_layer_norm", "attention"):
+        assert f"torch.ops.fuseinfer.{op}" in code, op
+    out = _logits(torch.compile(model, fullgraph=True), ids)  # and through inductor
     assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
@@ -160,6 +172,17 @@ def test_filter_fn_patches_only_selected_modules():
     assert {s.name for s in report.swaps} == {"model.decoder.layers.1", "model.decoder.layers.1.self_attn"}
     assert type(model.model.decoder.layers[0]).__name__ == "OPTDecoderLayer"
     assert (_logits(model, ids) - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_filter_fn_sees_the_names_the_report_gives():
+    """Patching a part (here the decoder itself): filter_fn sees each module under the name the report uses."""
+    model = random_opt()
+    seen = []
+    report = fuseinfer.patch(model.model.decoder, PatchConfig(
+        filter_fn=lambda m, name: seen.append(name) or name != "final_layer_norm"))
+    assert "final_layer_norm" in seen and "layers.0" in seen
+    assert {s.name for s in report.swaps} == set(seen) - {"final_layer_norm"}
+    assert type(model.model.decoder.final_layer_norm) is torch.nn.LayerNorm
 
 
 def test_fused_layer_without_fused_attention():
@@ -307,6 +330,20 @@ def test_functional_call_with_other_parameters_uses_them():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_weights_reassigned_through_data_are_used():
+    """``param.data = t`` (vector_to_parameters does it) keeps the Parameter but ends its view of the fused q/k/v
+    buffer: the three projections then run on the new weights."""
+    ref, model = random_opt(seed=1), random_opt()
+    fuseinfer.patch(model)
+    torch.nn.utils.vector_to_parameters(torch.nn.utils.parameters_to_vector(ref.parameters()), model.parameters())
+    ids = _ids(model, seq=9)
+    torch.testing.assert_close(_logits(model, ids), _logits(ref, ids), rtol=1e-5, atol=1e-5)
+    attn = model.model.decoder.layers[0].self_attn
+    attn.v_proj.weight.data = torch.zeros_like(attn.v_proj.weight)
+    ref.model.decoder.layers[0].self_attn.v_proj.weight.data.zero_()
+    torch.testing.assert_close(_logits(model, ids), _logits(ref, ids), rtol=1e-5, atol=1e-5)
+
+
 def test_autocast_to_another_dtype_runs_the_original_forward():
     """An fp32 patched model under CPU autocast to bf16 (it crashed: autocast made x bf16 next to an fp32 residual)
     gives the unpatched model's autocast logits and loss."""
@@ -356,6 +393,21 @@ def test_torch_save_and_load_of_patched_model(tmp_path):
     assert type(loaded.model.decoder.layers[0].self_attn) is OPTAttention
 
 
+def test_torch_save_of_model_patched_with_a_lambda_filter(tmp_path):
+    """A lambda filter_fn does not pickle: torch.save still works, and the loaded config's filter_fn says so."""
+    model = random_opt(num_hidden_layers=3)
+    fuseinfer.patch(model, PatchConfig(filter_fn=lambda m, name: ".layers.1" in name))
+    ids = _ids(model, seq=9)
+    torch.save(model, tmp_path / "patched.pt")
+    loaded = torch.load(tmp_path / "patched.pt", weights_only=False)
+    torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids), rtol=0, atol=0)
+    assert type(loaded.model.decoder.layers[1]).__name__ == "FusedOPTDecoderLayer"
+    assert type(loaded.model.decoder.layers[0]).__name__ == "OPTDecoderLayer"
+    with pytest.raises(FuseInferError, match="unpickled without its filter_fn"):
+        fuseinfer.patch_state(loaded).config.filter_fn(loaded, "x")
+    assert copy.deepcopy(model)._fuseinfer_state.config.filter_fn(None, ".layers.1")  # a deep copy keeps it
+
+
 # ---- bad input: one clear error, model untouched ----
 
 def _snapshot(model):
@@ -396,7 +448,21 @@ def test_double_patch_and_unpatched_unpatch_are_refused():
     before = _snapshot(model)
     with pytest.raises(FuseInferError, match="already patched"):
         fuseinfer.patch(model)
+    with pytest.raises(FuseInferError, match=r"part of this model \(decoder.*\) is already patched"):
+        fuseinfer.patch(model.model)  # a part of a patched model
     assert _snapshot(model) == before
+    fuseinfer.unpatch(model)
+    fuseinfer.patch(model.model)
+    with pytest.raises(FuseInferError, match=r"part of this model \(model\) is already patched"):
+        fuseinfer.patch(model)  # a model with a patched part
+    fuseinfer.unpatch(model.model)
+    fuseinfer.patch(model, PatchConfig(filter_fn=lambda m, name: False))  # sets the attention implementation only
+    with pytest.raises(FuseInferError, match="its attention implementation"):
+        fuseinfer.patch(model.model)
+    fuseinfer.unpatch(model)
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(FuseInferError, match="takes a PatchConfig as config, got dict"):
+        fuseinfer.patch(model, {"ops": ("linear",)})
 
 
 def test_unsupported_dtype_is_refused():
@@ -436,7 +502,8 @@ def _lora_like(linear):
 
 
 @pytest.mark.parametrize("case", ["hook_on_fc2", "hook_on_q_proj", "hook_on_self_attn", "hook_on_layer_norm",
-                                  "lora_fc1", "lora_q_proj", "instance_forward_fc2", "instance_forward_layer"])
+                                  "hook_on_activation_fn", "lora_fc1", "lora_q_proj", "instance_forward_fc2",
+                                  "instance_forward_layer"])
 def test_modules_with_hooked_or_adapted_submodules_are_left_alone(case):
     """The fused forwards read fc1 / fc2 / q, k, v / LayerNorm weights without calling those modules: a layer
     whose such submodule has hooks or is an adapter stays unswapped (reported), and the logits and the hook's
@@ -444,7 +511,8 @@ def test_modules_with_hooked_or_adapted_submodules_are_left_alone(case):
     model = random_opt()
     layer = model.model.decoder.layers[1]
     target = {"hook_on_fc2": layer.fc2, "hook_on_q_proj": layer.self_attn.q_proj,
-              "hook_on_self_attn": layer.self_attn, "hook_on_layer_norm": layer.final_layer_norm}.get(case)
+              "hook_on_self_attn": layer.self_attn, "hook_on_layer_norm": layer.final_layer_norm,
+              "hook_on_activation_fn": layer.activation_fn}.get(case)
     calls = []
     if target is not None:
         target.register_forward_hook(  # halves the output (the attention module's is a tuple)
@@ -482,6 +550,45 @@ def test_modules_with_hooked_or_adapted_submodules_are_left_alone(case):
         assert len(ours) == len(ref) == 2
         for a, b in zip(ours, ref):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("hook", ["full_backward_fc1", "backward_pre_fc2", "full_backward_out_proj"])
+def test_modules_with_backward_hooks_on_bypassed_submodules_are_left_alone(hook):
+    model = random_opt()
+    layer = model.model.decoder.layers[1]
+    calls = []
+    if hook == "backward_pre_fc2":
+        layer.fc2.register_full_backward_pre_hook(lambda m, g: calls.append(hook))
+    else:
+        (layer.fc1 if hook == "full_backward_fc1" else layer.self_attn.out_proj).register_full_backward_hook(
+            lambda m, gi, go: calls.append(hook))
+    ids = _ids(model, seq=9)
+    model(ids).logits.sum().backward()
+    ref_calls = len(calls)
+    report = fuseinfer.patch(model)
+    assert any(name.startswith("model.decoder.layers.1") for name, _ in report.skipped), report
+    model(ids).logits.sum().backward()
+    assert ref_calls == 1 and len(calls) == 2
+
+
+def test_global_module_hooks_see_every_call():
+    """A hook for every module (register_module_forward_hook, as profilers use) sees the unpatched model's calls:
+    while one is registered the fused modules run their original forwards."""
+    model = random_opt()
+    ids = _ids(model, seq=9)
+    ref = _logits(model, ids)
+    fuseinfer.patch(model)
+    calls = []
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: calls.append(type(m).__name__))
+    try:
+        torch.testing.assert_close(_logits(model, ids), ref, rtol=1e-5, atol=1e-5)
+        patched_calls = list(calls)
+        fuseinfer.unpatch(model)
+        calls.clear()
+        _logits(model, ids)
+    finally:
+        handle.remove()
+    assert len(patched_calls) == len(calls) and calls.count("Linear") == 13
 
 
 def test_output_attentions_on_patched_model():
@@ -555,8 +662,17 @@ def test_one_kernel_step_refuses_skipped_layers_and_hooks(monkeypatch):
     assert "not fully fused" in OPTFamily.decode_step_kernel(model, cache)[1]
     model = random_opt()
     fuseinfer.patch(model)
-    model.lm_head.register_forward_hook(lambda m, i, o: o)
+    handle = model.lm_head.register_forward_hook(lambda m, i, o: o)
     assert "has hooks" in OPTFamily.decode_step_kernel(model, cache)[1]
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: o)
+    try:
+        assert "has hooks" in OPTFamily.decode_step_kernel(model, cache)[1]
+    finally:
+        handle.remove()
+    attn = model.model.decoder.layers[0].self_attn  # the step would read the fused buffer, no longer q's weights
+    attn.q_proj.weight.data = attn.q_proj.weight.detach().clone()
+    assert "replaced after patch" in OPTFamily.decode_step_kernel(model, cache)[1]
 
 
 def test_patch_config_ops_must_be_a_tuple_of_names():

@@ -106,6 +106,20 @@ def test_sampling_respects_top_k_and_reuses_session(tiny_model_path):
     assert model.__dict__[SESSIONS_ATTR][4] is session  # second call reused cache (and graph)
     assert a.shape == b.shape == (4, enc.input_ids.shape[1] + 20) and not torch.equal(a, b)
     assert ((a >= 0) & (a < model.config.vocab_size)).all()
+    model.generate(**enc, max_new_tokens=23, do_sample=True, top_p=0.9, temperature=1.3)  # a few more tokens
+    assert model.__dict__[SESSIONS_ATTR][4] is session
+    assert torch.equal(model.generate(**enc, max_new_tokens=20, do_sample=False), greedy)  # another token rule:
+    assert model.__dict__[SESSIONS_ATTR][4].cache is session.cache  # new graphs, the same cache
+
+
+def test_sampling_settings_are_validated(tiny_model_path):
+    model, tok = _load(tiny_model_path)
+    fuseinfer.patch(model)
+    ids = tok(PROMPTS[:1], return_tensors="pt").input_ids
+    for bad in (dict(temperature=float("nan")), dict(temperature=0.0), dict(top_p=float("nan")),
+                dict(top_p=1.5), dict(top_k=-1)):
+        with pytest.raises(FuseInferError):
+            fuseinfer.generate(model, ids, max_new_tokens=3, do_sample=True, **bad)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, None, None), (1.3, 5, None), (1.0, None, 0.8),
@@ -209,7 +223,7 @@ def test_generate_bad_arguments_are_one_clear_error(tiny_model_path, bad, match)
 
 
 @pytest.mark.parametrize("case", ["eos_0d_tensor", "eos_numpy_int", "max_new_tokens_float", "pad_outside_vocab",
-                                  "inputs_and_input_ids"])
+                                  "no_pad_and_eos_outside_vocab", "inputs_and_input_ids"])
 def test_generate_hook_odd_arguments_behave_like_transformers(tiny_model_path, case, caplog):
     """Arguments transformers accepts give its tokens (on the fast path or through the fallback); a call it
     refuses is refused the same way."""
@@ -227,6 +241,9 @@ def test_generate_hook_odd_arguments_behave_like_transformers(tiny_model_path, c
         kwargs["max_new_tokens"] = 6.0
     elif case == "pad_outside_vocab":
         kwargs.update(pad_token_id=-1, eos_token_id=None)
+    elif case == "no_pad_and_eos_outside_vocab":  # the pad then is the first EOS id, as in transformers
+        model.generation_config.pad_token_id = None
+        kwargs["eos_token_id"] = [model.config.vocab_size + 5, 2]
     else:
         kwargs["input_ids"] = enc.input_ids
     try:

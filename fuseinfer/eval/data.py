@@ -36,7 +36,11 @@ class EvalText:
 
 def rows_from_file(path: str | os.PathLike) -> list[str]:
     """The dataset rows of a ``wiki.*.raw`` file: one per line, keeping its ``\\n``; blank lines become ``""``."""
-    text = Path(path).read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EvalError(f"cannot read {path} as UTF-8 text ({exc}): pass --data-dir a folder with the WikiText-2 "
+                        "raw files as published") from None
     return [line if line.strip() else "" for line in text.splitlines(keepends=True)]
 
 

@@ -132,9 +132,11 @@ def load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(source.path)
+        tokenizer = AutoTokenizer.from_pretrained(source.path)
     except Exception:  # no tokenizer files, or offline without a cached copy
         return None
+    # transformers 5.x gives a folder without tokenizer files an empty tokenizer (no vocabulary) instead of raising
+    return tokenizer if len(tokenizer) > 1 and tokenizer("The", add_special_tokens=False)["input_ids"] else None
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,8 @@ _add_layer_norm.register_autograd(_backward, setup_context=_setup_context)
 def add_layer_norm(x, residual=None, weight=None, bias=None, eps: float = 1e-5, store_sum: bool = False):
     """Fused residual add + LayerNorm over the last dim. Returns ``(y, s)``, contiguous; ``s`` is empty unless
     store_sum. ``residual`` has x's shape (no broadcasting)."""
-    if residual is not None and residual.shape != x.shape:
-        raise FuseInferError(f"add_layer_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise FuseInferError(f"add_layer_norm: residual must have x's shape and dtype {tuple(x.shape)} {x.dtype}, "
+                             f"got {tuple(residual.shape)} {residual.dtype}")
     return route(torch.ops.fuseinfer.add_layer_norm, add_layer_norm_ref, _add_layer_norm_cuda,
                  (x, residual, weight, bias, eps, store_sum), (x, residual, weight, bias))

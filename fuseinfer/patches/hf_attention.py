@@ -23,8 +23,9 @@ from transformers.utils.output_capturing import _active_collector
 
 from ..ops import attention
 from ..ops.attention import allowed_mask
+from ..patching import ATTN_NAME
 
-NAME = "fuseinfer"
+NAME = ATTN_NAME
 
 
 class MaskInfo(NamedTuple):

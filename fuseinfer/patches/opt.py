@@ -39,10 +39,19 @@ from . import hf_attention
 
 
 def _original_forward(module: nn.Module, x: torch.Tensor) -> bool:
-    """Whether a fused module runs its original forward: in training mode (dropout is not fused), and under
-    autocast to another dtype than x's (autocast picks each op's dtype, which the fused ops do not model)."""
-    return module.training or (torch.is_autocast_enabled(x.device.type)
-                               and torch.get_autocast_dtype(x.device.type) != x.dtype)
+    """Whether a fused module runs its original forward: in training mode (dropout is not fused), under autocast
+    to another dtype than x's (autocast picks each op's dtype, which the fused ops do not model), and while a
+    global module hook is registered (it must see every submodule call, which the fused forwards skip)."""
+    return module.training or _global_hooks() or (torch.is_autocast_enabled(x.device.type)
+                                                  and torch.get_autocast_dtype(x.device.type) != x.dtype)
+
+
+def _global_hooks() -> bool:
+    """Whether a hook for every module is registered (``torch.nn.modules.module.register_module_forward_hook``
+    and its pre-hook and backward siblings; profilers such as torch's ModuleTracker use them)."""
+    m = torch.nn.modules.module
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
+                or m._global_backward_pre_hooks)
 
 
 class FusedLayerNorm(nn.LayerNorm):
@@ -192,9 +201,11 @@ class OPTFamily:
         layers = list(dec.layers)
         if not all(isinstance(layer, FusedOPTDecoderLayer) and {"layer_norm", "linear"} <= layer._fuseinfer_ops
                    and isinstance(layer.self_attn, FusedOPTAttention) and hasattr(layer.self_attn, "qkv_weight")
+                   and _qkv_linked(layer.self_attn, _qkv_params(layer.self_attn))
                    for layer in layers) or dec.embed_positions.offset != 2:
-            return None, "a layer is not fully fused (patch skipped it, see the report)"
-        if any(_has_hooks(m) for m in model.modules()):
+            return None, ("a layer is not fully fused (patch skipped it, see the report, or its q/k/v weights were "
+                          "replaced after patch)")
+        if _global_hooks() or any(_has_hooks(m) for m in model.modules()):
             return None, "a module has hooks, which the one-kernel step would bypass (the per-op step calls them)"
         embed = dec.embed_tokens.weight
         heads = cfg.num_attention_heads
@@ -226,14 +237,14 @@ class OPTFamily:
         attn_ops = ops & {"qkv", "linear", "attention"}
         plan = []  # (module, name, class, ops): every filter_fn call and check comes before the first swap
         for name, module in model.named_modules():
+            ln_name = f"{name}.final_layer_norm".lstrip(".")  # (name is "" when the decoder itself is patched)
             if type(module) is OPTDecoderLayer and layer_ops and config.selects(module, name):
                 plan.append((module, name, FusedOPTDecoderLayer, layer_ops))
             elif type(module) is OPTAttention and attn_ops and config.selects(module, name):
                 plan.append((module, name, FusedOPTAttention, attn_ops))
             elif isinstance(module, OPTDecoder) and type(module.final_layer_norm) is nn.LayerNorm \
-                    and "layer_norm" in ops and config.selects(module.final_layer_norm, f"{name}.final_layer_norm"):
-                plan.append((module.final_layer_norm, f"{name}.final_layer_norm".lstrip("."), FusedLayerNorm,
-                             {"layer_norm"}))
+                    and "layer_norm" in ops and config.selects(module.final_layer_norm, ln_name):
+                plan.append((module.final_layer_norm, ln_name, FusedLayerNorm, {"layer_norm"}))
         for module, name, cls, module_ops in plan:
             why = _bypass_reason(module, module_ops)
             if why is not None:
@@ -289,10 +300,10 @@ class OPTFamily:
 def _has_hooks(module: nn.Module) -> bool:
     """Forward (pre-)hooks other than transformers' own output capture (installed on the decoder layers and
     attention modules by the first call with output_hidden_states / output_attentions; it records the hidden
-    states and the attention weights, which the fused modules return as the originals do), or a forward replaced
-    on the instance (accelerate's hooks, ``_hf_hook``, work that way)."""
+    states and the attention weights, which the fused modules return as the originals do), backward (pre-)hooks,
+    or a forward replaced on the instance (accelerate's hooks, ``_hf_hook``, work that way)."""
     hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
-    return _forward_replaced(module) or \
+    return _forward_replaced(module) or bool(module._backward_hooks or module._backward_pre_hooks) or \
         any(getattr(h, "__module__", None) != "transformers.utils.output_capturing" for h in hooks)
 
 
@@ -314,14 +325,16 @@ def _bypass_reason(module: nn.Module, ops) -> str | None:
     elif isinstance(module, OPTDecoderLayer):
         kinds = {n: nn.LayerNorm for n in ("self_attn_layer_norm", "final_layer_norm") if "layer_norm" in ops}
         kinds.update({n: nn.Linear for n in ("fc1", "fc2") if "linear" in ops})
+        if "linear" in ops:  # a ReLU runs in fc1's epilogue instead of activation_fn
+            kinds["activation_fn"] = nn.Module
     else:
         kinds = {}
     for n, kind in kinds.items():
         sub = getattr(module, n)
-        if type(sub) is not kind:
+        if kind is not nn.Module and type(sub) is not kind:
             return f"{n} is a {type(sub).__name__}, not a plain {kind.__name__} (the fused forward would bypass it)"
         if _has_hooks(sub):
-            return f"{n} has hooks (the fused forward reads its weights without calling it)"
+            return f"{n} has hooks (the fused forward does not call it)"
     return None
 
 
@@ -338,9 +351,25 @@ def _qkv_fused(attn: OPTAttention) -> bool:
     tensors there), and none of them needs a gradient (autograd does not connect the buffer to them). Otherwise
     the three projections run."""
     params = _qkv_params(attn)
+    return _qkv_linked(attn, params) and \
+        (not torch.is_grad_enabled() or not any(p is not None and p.requires_grad for p in params))
+
+
+def _qkv_linked(attn: OPTAttention, params: tuple) -> bool:
+    """Whether the projections hold the Parameters linked to the (3E, E) buffer, and those still are their rows of
+    ``qkv_weight`` / ``qkv_bias``: ``param.data = t`` (as ``torch.nn.utils.vector_to_parameters`` does) keeps the
+    Parameter but not the view. (The views are checked in eager mode only: dynamo does not trace data pointers.)"""
     if any(a is not b for a, b in zip(params, attn._fuseinfer_qkv_params)):
         return False
-    return not torch.is_grad_enabled() or not any(p is not None and p.requires_grad for p in params)
+    if torch.compiler.is_compiling():
+        return True
+    for buf, ps in ((attn.qkv_weight, params[0::2]), (attn.qkv_bias, params[1::2])):
+        if buf is None:
+            continue
+        step = buf.numel() // 3 * buf.element_size()
+        if any(p.data_ptr() != buf.data_ptr() + i * step for i, p in enumerate(ps)):
+            return False
+    return True
 
 
 def _link_qkv(attn: OPTAttention) -> None:

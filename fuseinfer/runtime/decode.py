@@ -76,15 +76,18 @@ class _Session:
         return type(None), ()
 
     def __init__(self, model, forward, bucket: int, capacity: int, sampling: Sampling, max_new: int,
-                 eos: torch.Tensor, pad: int, weights: tuple):
+                 eos: torch.Tensor, pad: int, weights: tuple, cache: StaticKVCache | None = None):
+        """cache: a cache of this bucket and capacity to reuse (a session it belonged to is no longer run)."""
         cfg, p = model.config, next(model.parameters())
         heads = cfg.num_attention_heads
         # (the model holds its sessions: a weak reference back keeps it free of reference cycles)
         self.model, self.forward, self.bucket, self.capacity = weakref.proxy(model), forward, bucket, capacity
-        self.sampling, self.max_new, self.pad = sampling, max_new, pad
+        self.sampling, self.pad = sampling, pad
+        self.max_new = -(-max_new // CAPACITY_ROUND) * CAPACITY_ROUND  # room for a later call's few more tokens
+        self.group = min(_graph_steps(), max(1, max_new - 1))  # steps per replay of the longer graph
         dev = p.device
-        self.cache = StaticKVCache(cfg.num_hidden_layers, bucket, heads, cfg.hidden_size // heads, capacity,
-                                   p.dtype, dev)
+        self.cache = cache or StaticKVCache(cfg.num_hidden_layers, bucket, heads, cfg.hidden_size // heads,
+                                            capacity, p.dtype, dev)
         self.weights = weights  # _weights_key(model): where the tensors the graphs read were (see session_for)
         self.eos_host = eos  # (n_eos,) int64 on the CPU, may be empty: what fits() compares
         self.eos = eos.to(dev)
@@ -94,8 +97,8 @@ class _Session:
         self.decode_idx = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) same slot, where the cache writes k/v
         self.step = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) index into out
         self.unfinished = torch.ones(bucket, dtype=torch.bool, device=dev)  # (B,)
-        self.out = torch.full((bucket, max_new), pad, dtype=torch.long, device=dev)  # (B, max_new)
-        self.alive = torch.ones(max_new, dtype=torch.bool, device=dev)  # any row unfinished after step i
+        self.out = torch.full((bucket, self.max_new), pad, dtype=torch.long, device=dev)  # (B, max_new)
+        self.alive = torch.ones(self.max_new, dtype=torch.bool, device=dev)  # any row unfinished after step i
         self.scratch = emit_tokens_scratch(bucket, dev)
         self.batch = bucket  # real rows of the current call (set by begin)
         # The decode step: one kernel for the whole model where it has one, else the patched modules per op
@@ -103,10 +106,13 @@ class _Session:
         self.path = "one kernel per step (fuseinfer::opt_decode_step)" if why is None else f"per op ({why})"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per replay -> graph
         if dev.type == "cuda" and os.environ.get("FUSEINFER_CUDA_GRAPHS", "1") != "0":
-            self._capture(min(_graph_steps(), max(1, max_new - 1)))  # (decode steps: max_new - 1)
+            self._capture(self.group)  # (decode steps: max_new - 1)
 
     def fits(self, capacity: int, sampling: Sampling, max_new: int, eos: torch.Tensor, pad: int) -> bool:
-        return (self.capacity >= capacity and self.sampling == sampling and self.max_new >= max_new
+        """Whether this session serves a call: room enough, a long enough graph, the same token rule."""
+        return (self.capacity >= capacity and self.max_new >= max_new
+                and (not self.graphs or self.group >= min(_graph_steps(), max(1, max_new - 1)))
+                and self.sampling == sampling
                 and self.pad == pad and torch.equal(self.eos_host, eos))
 
     def _emit(self, logits: torch.Tensor) -> None:
@@ -227,6 +233,11 @@ def eos_tensor(eos) -> torch.Tensor:
     return torch.as_tensor(eos, dtype=torch.long, device="cpu").flatten()
 
 
+def pad_id(pad_token_id, eos: torch.Tensor) -> int:
+    """The pad token fast decode uses: the given one, else the first EOS id (as transformers does), else 0."""
+    return int(pad_token_id) if pad_token_id is not None else (int(eos[0]) if eos.numel() else 0)
+
+
 def in_vocabulary(model, token: int) -> bool:
     """Whether ``token`` can be embedded: fast decode feeds the pad token to finished rows and to the rows of a
     batch bucket that the call does not fill."""
@@ -265,15 +276,15 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                              f"max_position_embeddings ({limit})")
     if max_new_tokens < 1:
         return input_ids
-    if do_sample and temperature <= 0:
-        raise FuseInferError("temperature must be > 0 when do_sample=True")
+    if do_sample and not temperature > 0:  # (written so that NaN fails too)
+        raise FuseInferError(f"temperature must be > 0 when do_sample=True, got {temperature!r}")
     if do_sample and top_k is not None and (not isinstance(top_k, int) or top_k < 0):
         raise FuseInferError(f"top_k must be a non-negative integer (0 or None: no top-k), got {top_k!r}")
-    if do_sample and top_p is not None and top_p < 0:
+    if do_sample and top_p is not None and not 0 <= top_p <= 1:
         raise FuseInferError(f"top_p must be in [0, 1] (1 or None: no top-p), got {top_p!r}")
     sampling = Sampling(do_sample, float(temperature), top_k, top_p) if do_sample else Sampling()
     eos = eos_tensor(eos_token_id)
-    pad = int(pad_token_id) if pad_token_id is not None else (int(eos[0]) if eos.numel() else 0)
+    pad = pad_id(pad_token_id, eos)
     if not in_vocabulary(model, pad):
         raise FuseInferError(f"pad_token_id {pad} is not a token of the model's vocabulary "
                              f"(0..{model.get_input_embeddings().num_embeddings - 1})")
@@ -295,9 +306,13 @@ def session_for(model, forward, batch: int, max_len: int, sampling: Sampling, ma
     bucket = _bucket(batch)
     session = sessions.get(bucket)  # (None in a deep or pickled copy of the model: see _Session)
     if session is None or not session.fits(capacity, sampling, max_new, eos, pad):
-        sessions.pop(bucket, None)  # free the old graph and cache before allocating the new ones
+        sessions.pop(bucket, None)  # free the old graphs (and the cache, unless reused) before allocating anew
+        cache = session.cache if session is not None and session.capacity >= capacity else None
+        if cache is not None:  # other settings only (the token rule, EOS, pad, more new tokens): same cache
+            capacity = session.capacity
+        del session
         session = sessions[bucket] = _Session(model, forward, bucket, capacity, sampling, max_new, eos, pad,
-                                              weights)
+                                              weights, cache)
     return session
 
 

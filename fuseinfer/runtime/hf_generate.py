@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import FuseInferError
-from .decode import eos_tensor, decode_forward, generate, in_vocabulary
+from .decode import decode_forward, eos_tensor, generate, in_vocabulary, pad_id
 
 if TYPE_CHECKING:  # transformers is imported when the hook runs, so that ``import fuseinfer`` does not load it
     from transformers import GenerationConfig
@@ -135,8 +135,8 @@ def patched_generate(model, inputs=None, generation_config: GenerationConfig | N
             reason = f"an empty batch or prompt, input_ids of shape {tuple(input_ids.shape)}"
         elif mask is not None and not bool(mask[:, -1].all()):
             reason = "right padding (use tokenizer.padding_side = 'left')"
-        elif pad is not None and not in_vocabulary(model, int(pad)):  # (None: the fast path pads with EOS or 0)
-            reason = f"pad_token_id {pad} is not a token of the model's vocabulary"
+        elif not in_vocabulary(model, fed_pad := pad_id(pad, eos_tensor(get("eos_token_id")))):
+            reason = f"pad token {fed_pad} (pad_token_id, else the first EOS id) is not in the model's vocabulary"
     if reason is not None:
         key = re.sub(r"\d+", "N", reason)  # once per kind of reason, whatever its numbers
         if key not in _logged:
