@@ -162,7 +162,7 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
     """Swap ``model``'s modules for fused ones in place; returns a :class:`PatchReport`.
 
     Raises :class:`FuseInferError` (leaving the model untouched) for an unsupported model, a model on the
-    meta device, an unsupported dtype or an already patched model.
+    meta device, an unsupported dtype, or a model that is, or has a part that is, already patched.
     """
     if not isinstance(model, nn.Module):
         raise FuseInferError(f"fuseinfer.patch takes a torch.nn.Module, got {type(model).__name__}")

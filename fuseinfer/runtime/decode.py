@@ -86,8 +86,8 @@ class _Session:
         self.max_new = -(-max_new // CAPACITY_ROUND) * CAPACITY_ROUND  # room for a later call's few more tokens
         self.group = min(_graph_steps(), max(1, max_new - 1))  # steps per replay of the longer graph
         dev = p.device
-        self.cache = cache or StaticKVCache(cfg.num_hidden_layers, bucket, heads, cfg.hidden_size // heads,
-                                            capacity, p.dtype, dev)
+        self.cache = cache if cache is not None else StaticKVCache(
+            cfg.num_hidden_layers, bucket, heads, cfg.hidden_size // heads, capacity, p.dtype, dev)
         self.weights = weights  # _weights_key(model): where the tensors the graphs read were (see session_for)
         self.eos_host = eos  # (n_eos,) int64 on the CPU, may be empty: what fits() compares
         self.eos = eos.to(dev)
