@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from fuseinfer.eval.timing import copy_bandwidth_gbps
+from fuseinfer.eval.timing import copy_bandwidth_gbps, summarize
 
 RESULTS_DIR = Path(os.environ.get("FUSEINFER_BENCH_DIR", Path(__file__).resolve().parent / "results"))
 
@@ -95,10 +95,10 @@ def graph_calls_ms(groups: dict, rounds: int = 5, replays: int = 10, warmup_ms: 
 
 
 def percentile_stats(times: list) -> dict:
-    """Median, 10th and 90th percentile (ms) of ``times``; of an even count the upper middle one."""
-    t = sorted(times)
-    pick = lambda q: t[min(len(t) - 1, int(q * len(t)))]  # noqa: E731
-    return {"median_ms": pick(0.5), "p10_ms": pick(0.1), "p90_ms": pick(0.9)}
+    """Median, 10th and 90th percentile (ms) of ``times``, interpolated between ranks as the eval CLI's
+    ``fuseinfer.eval.timing.summarize`` does (torch.quantile), plus the count."""
+    s = summarize(times)
+    return {"median_ms": s["median"], "p10_ms": s["p10"], "p90_ms": s["p90"], "n": s["n"]}
 
 
 def measure_ceilings() -> dict:

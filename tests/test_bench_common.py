@@ -29,3 +29,11 @@ def test_ratio_to_the_fastest_of_several_per_round():
     assert best == {"median_ms": 2.0, "min_ms": 1.0, "max_ms": 3.0, "rounds_ms": [2.0, 1.0, 3.0]}
     # per round 2 / 1, 1 / 2, 3 / 4
     assert common.paired_ratio(best, common.round_stats(ours)) == 0.75
+
+
+def test_percentile_stats_interpolates_like_the_eval():
+    """p10 / p90 of five rounds are interpolated (as fuseinfer.eval.timing.summarize does), not the min and max."""
+    import pytest
+
+    out = common.percentile_stats([10.0, 1.0, 2.0, 3.0, 4.0])
+    assert out == pytest.approx({"median_ms": 3.0, "p10_ms": 1.4, "p90_ms": 7.6, "n": 5}, abs=1e-12)

@@ -81,7 +81,7 @@ def test_wrong_parameter_count_is_one_clear_error():
     fuseinfer.patch(model)
     args = _step_inputs(model, pads=[0], q_start=[3], capacity=8)
     args["layer_params"] = args["layer_params"][:-1]
-    with pytest.raises(ValueError, match="12 parameters and a k and v cache per layer"):
+    with pytest.raises(fuseinfer.FuseInferError, match="12 parameters and a k and v cache per layer"):
         opt_decode_step(**args)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fuseinfer import ops
+from fuseinfer import FuseInferError, ops
 
 
 def _state(b: int, max_new: int, device="cpu", step: int = 2):
@@ -76,7 +76,7 @@ def test_alive_clears_when_every_row_has_finished():
 
 def test_shape_errors():
     st = _state(2, 4)
-    with pytest.raises(ValueError):
+    with pytest.raises(FuseInferError):
         _call(ops.emit_tokens, torch.zeros(3, 10), torch.tensor([1]), 0, st)
 
 

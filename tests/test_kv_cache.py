@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fuseinfer import ops
+from fuseinfer import FuseInferError, ops
 
 
 def _qkv_views(b, s, h, d, dtype=torch.float32, device="cpu"):
@@ -50,9 +50,9 @@ def test_static_cache_update_writes_in_place():
 
 def test_shape_errors():
     cache = torch.zeros(1, 2, 4, 8)
-    with pytest.raises(ValueError):
+    with pytest.raises(FuseInferError):
         ops.kv_cache_append(cache, cache.clone(), torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), torch.arange(2))
-    with pytest.raises(ValueError):
+    with pytest.raises(FuseInferError):
         ops.kv_cache_append(cache, cache.clone(), torch.zeros(1, 3, 1, 8), torch.zeros(1, 3, 1, 8), torch.arange(1))
 
 

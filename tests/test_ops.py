@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fuseinfer import ops
+from fuseinfer import FuseInferError, ops
 from fuseinfer.ops.attention import allowed_mask, attention_sdpa
 
 
@@ -41,29 +41,59 @@ def test_linear_epilogue_ref_matches_formula(activation, residual):
 
 def test_linear_epilogue_rejects_bad_input():
     x, w = torch.randn(4, 8), torch.randn(6, 8)
-    with pytest.raises(ValueError, match="activation must be one of"):
+    with pytest.raises(FuseInferError, match="activation must be one of"):
         ops.linear_epilogue(x, w, activation="gelu")
-    with pytest.raises(ValueError, match="cannot be fused"):
+    with pytest.raises(FuseInferError, match="cannot be fused"):
         ops.linear_epilogue(x, w, residual=torch.randn(4, 6), activation="relu")
-    with pytest.raises(ValueError, match="features"):
+    with pytest.raises(FuseInferError, match=r"expected x \(..., K\) and weight \(N, K\), got \(4, 7\)"):
         ops.linear_epilogue(torch.randn(4, 7), w)
-    with pytest.raises(ValueError, match=r"residual must be \(4, 6\) in torch.float32"):
+    with pytest.raises(FuseInferError, match=r"weight \(N, K\), got \(4, 8\) and \(8,\)"):
+        ops.linear_epilogue(x, torch.randn(8))
+    with pytest.raises(FuseInferError, match=r"must be in x's dtype torch.float32, got torch.float32 and \(8,\)"):
+        ops.linear_epilogue(x, w, torch.randn(8))
+    with pytest.raises(FuseInferError, match="must be in x's dtype torch.float16, got torch.float32"):
+        ops.linear_epilogue(x.half(), w)
+    with pytest.raises(FuseInferError, match=r"residual must be \(4, 6\) in torch.float32"):
         ops.linear_epilogue(x, w, residual=torch.randn(4, 6, dtype=torch.float64))
-    with pytest.raises(ValueError, match="residual must be"):
+    with pytest.raises(FuseInferError, match="residual must be"):
         ops.linear_epilogue(x, w, residual=torch.randn(6))  # no broadcasting: the kernel takes (M, N)
+
+
+def test_ops_reject_bad_input_with_one_clear_error():
+    """Inputs a user could pass by mistake end in one FuseInferError naming what is expected, not in aten."""
+    q = torch.randn(2, 3, 5, 8)
+    with pytest.raises(FuseInferError, match=r"key_mask must be a \(2, 5\) bool tensor.*attention_mask.bool"):
+        ops.attention(q, q, q, torch.ones(2, 5, dtype=torch.long))  # an HF-style 0/1 mask
+    with pytest.raises(FuseInferError, match=r"key_mask must be a \(2, 5\) bool tensor"):
+        ops.attention(q, q, q, torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(FuseInferError, match=r"q_start must be a \(2,\) integer tensor"):
+        ops.attention(q, q, q, None, torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(FuseInferError, match="share a dtype"):
+        ops.attention(q, q.half(), q.half())
+    with pytest.raises(FuseInferError, match="D > 0"):
+        ops.attention(*(torch.randn(2, 3, 5, 0),) * 3)
+    with pytest.raises(FuseInferError, match=r"weight must be \(8,\), x's last dim, got \(7,\)"):
+        ops.add_layer_norm(torch.randn(4, 8), None, torch.randn(7))
+    cache, kv = torch.zeros(1, 2, 6, 4), torch.randn(1, 2, 3, 4)
+    with pytest.raises(FuseInferError, match="slots must be int64"):
+        ops.kv_cache_append(cache, cache.clone(), kv, kv, torch.arange(3, dtype=torch.int32))
+    with pytest.raises(FuseInferError, match="in the caches' dtype"):
+        ops.kv_cache_append(cache, cache.clone(), kv.half(), kv.half(), torch.arange(3))
+    with pytest.raises(FuseInferError, match=r"scale \(4,\) must broadcast to q's shape \(4, 8\)"):
+        ops.dequantize(torch.zeros(4, 8, dtype=torch.int8), torch.ones(4))
 
 
 def test_int8_edge_cases():
     q, scale = ops.quantize_per_token(torch.randn(3, 0))  # K = 0: empty values, the all-zero scale
     assert q.shape == (3, 0) and q.dtype == torch.int8 and scale.shape == (3, 1) and bool((scale > 0).all())
-    with pytest.raises(ValueError, match="must broadcast to q's shape"):
+    with pytest.raises(FuseInferError, match="must broadcast to q's shape"):
         ops.dequantize(torch.zeros(1, 4, dtype=torch.int8), torch.ones(3, 1))
 
 
 def test_add_layer_norm_rejects_a_broadcast_or_other_dtype_residual():
-    with pytest.raises(ValueError, match=r"x's shape and dtype \(4, 8\) torch.float32, got \(8,\) torch.float32"):
+    with pytest.raises(FuseInferError, match=r"x's shape and dtype \(4, 8\) torch.float32, got \(8,\) torch.float32"):
         ops.add_layer_norm(torch.randn(4, 8), torch.randn(8))
-    with pytest.raises(ValueError, match=r"got \(4, 8\) torch.float64"):  # (the fake op promised x's dtype)
+    with pytest.raises(FuseInferError, match=r"got \(4, 8\) torch.float64"):  # (the fake op promised x's dtype)
         ops.add_layer_norm(torch.randn(4, 8), torch.randn(4, 8, dtype=torch.float64))
 
 
@@ -209,7 +239,7 @@ def test_allowed_mask_default_is_bottom_right_causal():
 
 def test_attention_rejects_mismatched_shapes():
     q, k, v = _attention_inputs()
-    with pytest.raises(ValueError, match=r"expected q \(B,H,Sq,D\)"):
+    with pytest.raises(FuseInferError, match=r"expected q \(B,H,Sq,D\)"):
         ops.attention(q, k[:, :, :, :32], v)
 
 

@@ -18,6 +18,7 @@ import os
 import torch
 
 from .._ext import extension, route
+from ..errors import FuseInferError
 
 KERNEL_HEAD_DIMS = (64, 128)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -136,9 +137,19 @@ _attention.register_autograd(_backward, setup_context=_setup_context)
 
 def attention(q, k, v, key_mask=None, q_start=None, scale: float | None = None) -> torch.Tensor:
     """Masked causal attention; see the module docstring. Returns (B, Sq, H, D)."""
-    if q.dim() != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"expected q (B,H,Sq,D) and k, v (B,H,Skv,D); got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dim() != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[-1] != q.shape[-1] \
+            or q.shape[-1] == 0:
+        raise FuseInferError(f"attention: expected q (B,H,Sq,D) and k, v (B,H,Skv,D), D > 0; got {tuple(q.shape)}, "
+                             f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise FuseInferError(f"attention: q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    b, skv = q.shape[0], k.shape[2]
+    if key_mask is not None and (key_mask.dtype != torch.bool or key_mask.shape != (b, skv)):
+        raise FuseInferError(f"attention: key_mask must be a ({b}, {skv}) bool tensor (True: a real key), got "
+                             f"{tuple(key_mask.shape)} {key_mask.dtype}; e.g. attention_mask.bool()")
+    if q_start is not None and (q_start.shape != (b,) or q_start.is_floating_point() or q_start.dtype == torch.bool):
+        raise FuseInferError(f"attention: q_start must be a ({b},) integer tensor, got {tuple(q_start.shape)} "
+                             f"{q_start.dtype}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return route(torch.ops.fuseinfer.attention, attention_ref, _attention_cuda, (q, k, v, key_mask, q_start, scale),
                  (q, k, v))

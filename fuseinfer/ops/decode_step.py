@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .._ext import eager_cuda, extension
+from ..errors import FuseInferError
 from .attention import attention_ref
 
 PARAMS_PER_LAYER = 12  # LN1 w, b, qkv w, b, out_proj w, b, LN2 w, b, fc1 w, b, fc2 w, b
@@ -101,8 +102,8 @@ def opt_decode_step(tokens, positions, q_start, key_mask, embed, pos_embed, laye
                     lnf_w, lnf_b, lm_head, workspace, eps: float, scale: float) -> torch.Tensor:
     """One decode step; see the module docstring. Returns fp32 logits (B, V)."""
     if len(layer_params) != PARAMS_PER_LAYER * len(k_caches) or len(k_caches) != len(v_caches) or not k_caches:
-        raise ValueError(f"expected {PARAMS_PER_LAYER} parameters and a k and v cache per layer, got "
-                         f"{len(layer_params)} parameters and {len(k_caches)}/{len(v_caches)} caches")
+        raise FuseInferError(f"expected {PARAMS_PER_LAYER} parameters and a k and v cache per layer, got "
+                             f"{len(layer_params)} parameters and {len(k_caches)}/{len(v_caches)} caches")
     if eager_cuda(embed):
         return _opt_decode_step_cuda(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches,
                                      v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale)

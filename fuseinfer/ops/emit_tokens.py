@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .._ext import eager_cuda, extension
+from ..errors import FuseInferError
 
 
 def emit_tokens_ref(scores, eos, pad: int, tokens, positions, q_start, decode_idx, step, unfinished, out, alive,
@@ -85,8 +86,8 @@ def emit_tokens(scores, eos, pad: int, tokens, positions, q_start, decode_idx, s
     if (scores.dim() != 2 or tokens.numel() != b or positions.numel() != b or q_start.shape != (b,)
             or unfinished.shape != (b,) or out.dim() != 2 or out.shape[0] != b or alive.shape != (out.shape[1],)
             or decode_idx.shape != (1,) or step.shape != (1,) or eos.dim() != 1):
-        raise ValueError(f"emit_tokens: bad shapes: scores {tuple(scores.shape)}, tokens {tuple(tokens.shape)}, "
-                         f"out {tuple(out.shape)}, alive {tuple(alive.shape)}, unfinished {tuple(unfinished.shape)}")
+        raise FuseInferError(f"emit_tokens: bad shapes: scores {tuple(scores.shape)}, tokens {tuple(tokens.shape)}, "
+                             f"out {tuple(out.shape)}, alive {tuple(alive.shape)}, unfinished {tuple(unfinished.shape)}")
     args = (scores, eos, pad, tokens, positions, q_start, decode_idx, step, unfinished, out, alive, scratch)
     if eager_cuda(scores):
         _emit_tokens_cuda(*args)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .._ext import eager_cuda, extension
+from ..errors import FuseInferError
 
 
 def kv_cache_append_ref(k_cache, v_cache, k, v, slots) -> None:
@@ -51,8 +52,11 @@ def kv_cache_append(k_cache, v_cache, k, v, slots) -> None:
     """Write k, v (B, H, S, D) into k_cache, v_cache (B, H, T, D) at sequence slots (S,) int64, in place."""
     if (k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k.shape != v.shape or k.dim() != 4
             or k.shape[:2] != k_cache.shape[:2] or k.shape[3] != k_cache.shape[3] or slots.shape != (k.shape[2],)):
-        raise ValueError(f"expected caches (B,H,T,D), k, v (B,H,S,D) and slots (S,); got {tuple(k_cache.shape)}, "
-                         f"{tuple(v_cache.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, {tuple(slots.shape)}")
+        raise FuseInferError(f"expected caches (B,H,T,D), k, v (B,H,S,D) and slots (S,); got {tuple(k_cache.shape)}, "
+                             f"{tuple(v_cache.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, {tuple(slots.shape)}")
+    if slots.dtype != torch.int64 or not k_cache.dtype == v_cache.dtype == k.dtype == v.dtype:
+        raise FuseInferError(f"kv_cache_append: slots must be int64 and k, v in the caches' dtype; got slots "
+                             f"{slots.dtype}, caches {k_cache.dtype} / {v_cache.dtype}, k, v {k.dtype} / {v.dtype}")
     if eager_cuda(k_cache):
         _kv_cache_append_cuda(k_cache, v_cache, k, v, slots)
     else:

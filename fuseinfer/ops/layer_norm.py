@@ -79,5 +79,8 @@ def add_layer_norm(x, residual=None, weight=None, bias=None, eps: float = 1e-5, 
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise FuseInferError(f"add_layer_norm: residual must have x's shape and dtype {tuple(x.shape)} {x.dtype}, "
                              f"got {tuple(residual.shape)} {residual.dtype}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.shape != x.shape[-1:]:
+            raise FuseInferError(f"add_layer_norm: {name} must be ({x.shape[-1]},), x's last dim, got {tuple(t.shape)}")
     return route(torch.ops.fuseinfer.add_layer_norm, add_layer_norm_ref, _add_layer_norm_cuda,
                  (x, residual, weight, bias, eps, store_sum), (x, residual, weight, bias))

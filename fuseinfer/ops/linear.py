@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .._ext import extension, route
+from ..errors import FuseInferError
 
 ACTIVATIONS = ("none", "relu")
 
@@ -25,16 +26,20 @@ def linear_epilogue_ref(x, weight, bias, residual, activation: str):
     return torch.relu(y) if activation == "relu" else y
 
 
-def _check(x, weight, residual, activation):
+def _check(x, weight, bias, residual, activation):
     if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        raise FuseInferError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if activation != "none" and residual is not None:
-        raise ValueError("an activation and a residual cannot be fused into one linear")
-    if x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"x has {x.shape[-1]} features but weight expects {weight.shape[1]}")
+        raise FuseInferError("an activation and a residual cannot be fused into one linear")
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise FuseInferError(f"linear_epilogue: expected x (..., K) and weight (N, K), got {tuple(x.shape)} and "
+                             f"{tuple(weight.shape)}")
+    if weight.dtype != x.dtype or (bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype)):
+        raise FuseInferError(f"linear_epilogue: weight (and bias, ({weight.shape[0]},)) must be in x's dtype {x.dtype}, "
+                             f"got {weight.dtype}" + ("" if bias is None else f" and {tuple(bias.shape)} {bias.dtype}"))
     if residual is not None and (residual.shape != (*x.shape[:-1], weight.shape[0]) or residual.dtype != x.dtype):
-        raise ValueError(f"residual must be {tuple(x.shape[:-1]) + (weight.shape[0],)} in {x.dtype}, got "
-                         f"{tuple(residual.shape)} in {residual.dtype}")
+        raise FuseInferError(f"residual must be {tuple(x.shape[:-1]) + (weight.shape[0],)} in {x.dtype}, got "
+                             f"{tuple(residual.shape)} in {residual.dtype}")
 
 
 @torch.library.custom_op("fuseinfer::linear_epilogue", mutates_args=())
@@ -91,6 +96,6 @@ _linear_epilogue.register_autograd(_backward, setup_context=_setup_context)
 
 def linear_epilogue(x, weight, bias=None, residual=None, activation: str = "none"):
     """``act(x @ weight.T + bias + residual)`` in one kernel where the CUDA extension is built."""
-    _check(x, weight, residual, activation)
+    _check(x, weight, bias, residual, activation)
     return route(torch.ops.fuseinfer.linear_epilogue, linear_epilogue_ref, _linear_epilogue_cuda,
                  (x, weight, bias, residual, activation), (x, weight, bias, residual))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import FuseInferError
+
 QMAX = 127.0
 
 
@@ -79,6 +81,10 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """int8 values and their scales (broadcasting to q's shape) -> ``dtype``, q's shape."""
-    if torch.broadcast_shapes(q.shape, scale.shape) != q.shape:
-        raise ValueError(f"scale {tuple(scale.shape)} must broadcast to q's shape {tuple(q.shape)}")
+    try:
+        fits = torch.broadcast_shapes(q.shape, scale.shape) == q.shape
+    except RuntimeError:  # (shapes that do not broadcast at all)
+        fits = False
+    if not fits:
+        raise FuseInferError(f"scale {tuple(scale.shape)} must broadcast to q's shape {tuple(q.shape)}")
     return torch.ops.fuseinfer.dequantize_int8(q, scale, dtype)
