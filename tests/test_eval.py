@@ -410,6 +410,15 @@ def test_size_and_device_errors(args, words, capsys):
     assert_one_line_error(capsys, rc, *words)
 
 
+def test_greedy_match_counts_equal_tokens():
+    from fuseinfer.eval.runner import _greedy_match
+
+    a = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    assert _greedy_match(a, a.clone()) == 1.0
+    assert _greedy_match(a, torch.tensor([[1, 2, 0, 0], [5, 6, 7, 8]])) == 0.75
+    assert _greedy_match(None, a) is None
+
+
 def test_derived_metrics_by_hand():
     """derive()'s formulas on round numbers: 1 layer, hidden 4, fp16, 100 matmul params, 10 LM-head params,
     1000 weight bytes per token; batch 2, prompt 3, 5 decode steps; prefill 2 ms, decode 4 ms per step."""

@@ -232,6 +232,19 @@ def test_attention_sdpa_fallback_matches_reference(d):
     assert got[2, :9].abs().max() == 0 and got[2, 9:].abs().max() > 0 and torch.isfinite(got).all()
 
 
+def test_attention_sdpa_fallback_zeroes_queries_without_keys(monkeypatch):
+    """CPU SDPA already gives 0 there; CUDA backends may give NaN, which the fallback must not pass on."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def nan_on_rows_without_keys(q, k, v, attn_mask, scale):
+        return sdpa(q, k, v, attn_mask=attn_mask, scale=scale).masked_fill(~attn_mask.any(-1, keepdim=True), math.nan)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", nan_on_rows_without_keys)
+    q, k, v = _attention_inputs(b=1, sq=4, skv=8, d=16)
+    got = attention_sdpa(q, k, v, torch.arange(8)[None] >= 6, torch.tensor([3], dtype=torch.int32), 0.25)
+    assert got[0, :3].abs().max() == 0 and torch.isfinite(got).all()  # queries 0-2 see keys 0-5, all masked
+
+
 def test_allowed_mask_default_is_bottom_right_causal():
     m = allowed_mask(None, None, 1, 2, 4, "cpu")[0, 0]
     assert m.tolist() == [[True, True, True, False], [True, True, True, True]]

@@ -217,12 +217,16 @@ def test_qkv_fusion_adds_no_parameter_memory():
 
 
 def test_training_mode_falls_back_to_the_original_forward():
-    model = random_opt()
+    """With dropout on, the same seed gives the unpatched model's training-mode logits (the fused path has none)."""
+    model = random_opt(dropout=0.2, attention_dropout=0.2).train()
     ids = _ids(model)
+    torch.manual_seed(7)
     ref = _logits(model, ids)
+    model.eval()
     fuseinfer.patch(model)
-    model.train()  # dropout is 0 in these configs, so the original forward must give the same logits
-    assert (_logits(model, ids) - ref).abs().max() <= 1e-5 * ref.abs().max()
+    model.train()
+    torch.manual_seed(7)
+    torch.testing.assert_close(_logits(model, ids), ref, rtol=0, atol=0)
 
 
 def test_training_after_patch_backpropagates_like_unpatched():
@@ -589,6 +593,16 @@ def test_global_module_hooks_see_every_call():
     finally:
         handle.remove()
     assert len(patched_calls) == len(calls) and calls.count("Linear") == 13
+    backward = []  # and a hook for every module's backward
+    handle = torch.nn.modules.module.register_module_full_backward_hook(lambda m, gi, go: backward.append(1))
+    try:
+        model(ids).logits.sum().backward()
+        ref_calls, backward[:] = len(backward), []
+        fuseinfer.patch(model)
+        model(ids).logits.sum().backward()
+    finally:
+        handle.remove()
+    assert len(backward) == ref_calls > 13
 
 
 def test_output_attentions_on_patched_model():
@@ -670,6 +684,13 @@ def test_one_kernel_step_refuses_skipped_layers_and_hooks(monkeypatch):
         assert "has hooks" in OPTFamily.decode_step_kernel(model, cache)[1]
     finally:
         handle.remove()
+    for overrides, why in ((dict(do_layer_norm_before=False), "post-LN OPT"),
+                           (dict(word_embed_proj_dim=32), "projected embeddings"),
+                           (dict(activation_function="gelu"), "the kernel covers ReLU"),
+                           (dict(enable_bias=False), "the kernel covers ReLU")):
+        other = random_opt(**overrides)
+        fuseinfer.patch(other)
+        assert why in OPTFamily.decode_step_kernel(other, cache)[1]
     attn = model.model.decoder.layers[0].self_attn  # the step would read the fused buffer, no longer q's weights
     attn.q_proj.weight.data = attn.q_proj.weight.detach().clone()
     assert "replaced after patch" in OPTFamily.decode_step_kernel(model, cache)[1]

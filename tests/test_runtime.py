@@ -13,7 +13,7 @@ from conftest import VARIANTS, random_opt
 import fuseinfer
 from fuseinfer import FuseInferError, PatchConfig
 from fuseinfer.runtime import hf_generate
-from fuseinfer.runtime.decode import SESSIONS_ATTR, _graph_steps
+from fuseinfer.runtime.decode import SESSIONS_ATTR, STOP_CHECK_EVERY, _graph_steps
 
 PROMPTS = ["The tower is", "In 1990 , the band released their second album", "He was",
            "= Valkyria Chronicles III ="]
@@ -88,7 +88,9 @@ def test_eos_stops_like_hf(tiny_model_path, device, rows):
         padded = (new == 1).any(1)  # rows that finished early and were padded
         assert padded.any() and not padded.all()
     else:
-        assert new.shape[1] <= 4  # stopped at the first EOS, not after 60 tokens
+        assert new.shape[1] <= 4  # the output ends at the first EOS
+        session = next(iter(model.__dict__[SESSIONS_ATTR].values()))
+        assert int(session.step) <= STOP_CHECK_EVERY + 1  # and the run stopped at its first check, not after 60
 
 
 def test_sampling_respects_top_k_and_reuses_session(tiny_model_path):
@@ -110,6 +112,36 @@ def test_sampling_respects_top_k_and_reuses_session(tiny_model_path):
     assert model.__dict__[SESSIONS_ATTR][4] is session
     assert torch.equal(model.generate(**enc, max_new_tokens=20, do_sample=False), greedy)  # another token rule:
     assert model.__dict__[SESSIONS_ATTR][4].cache is session.cache  # new graphs, the same cache
+
+
+def test_one_session_across_calls_with_other_eos_pad_and_lengths(tiny_model_path):
+    """Calls in a row on one model, each against HF: another EOS id, another pad id, a longer prompt, more new
+    tokens (a session is reused only where it fits, and its cache only where it is large enough)."""
+    model, tok = _load(tiny_model_path)
+    enc = tok(PROMPTS[:2], return_tensors="pt", padding=True)
+    long_ids = torch.randint(3, 8000, (2, 200), generator=torch.Generator().manual_seed(0))
+    first = model.generate(**enc, max_new_tokens=5, do_sample=False)[0, enc.input_ids.shape[1]:]
+    a, b = int(first[2]), int(first[4])  # row 0 stops there, row 1 runs on: its padding shows the pad id
+    calls = [(enc.input_ids, enc.attention_mask, dict(max_new_tokens=12, eos_token_id=a, pad_token_id=1)),
+             (enc.input_ids, enc.attention_mask, dict(max_new_tokens=12, eos_token_id=b, pad_token_id=1)),  # EOS
+             (enc.input_ids, enc.attention_mask, dict(max_new_tokens=12, eos_token_id=b, pad_token_id=0)),  # pad
+             (long_ids, torch.ones_like(long_ids), dict(max_new_tokens=12, eos_token_id=b, pad_token_id=0)),  # room
+             (enc.input_ids, enc.attention_mask, dict(max_new_tokens=130, eos_token_id=b, pad_token_id=0))]  # length
+    refs = [model.generate(ids, attention_mask=mask, do_sample=False, **kw) for ids, mask, kw in calls]
+    fuseinfer.patch(model)
+    for (ids, mask, kw), ref in zip(calls, refs):
+        assert torch.equal(fuseinfer.generate(model, ids, mask, **kw), ref), kw
+
+
+def test_unsupported_setting_in_the_generation_config_falls_back(tiny_model_path, caplog):
+    model, tok = _load(tiny_model_path)
+    enc = tok(PROMPTS[:2], return_tensors="pt", padding=True)
+    model.generation_config.repetition_penalty = 1.5
+    ref = model.generate(**enc, max_new_tokens=8, do_sample=False)
+    fuseinfer.patch(model)
+    with caplog.at_level(logging.WARNING, logger="fuseinfer"):
+        assert torch.equal(model.generate(**enc, max_new_tokens=8, do_sample=False), ref)
+    assert "falls back to transformers" in caplog.text and "repetition_penalty" in caplog.text
 
 
 def test_sampling_settings_are_validated(tiny_model_path):
