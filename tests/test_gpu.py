@@ -40,6 +40,19 @@ def test_gpu_without_kernels_runs_the_references(monkeypatch):
     says why instead of a 'no kernel image' error at the first call."""
     from fuseinfer import _ext
 
+    class Recording:  # the loaded extension, noting every kernel an op calls (the build's kernels do load here)
+        def __init__(self, ext):
+            self.ext = ext
+
+        def __getattr__(self, name):
+            attr = getattr(self.ext, name)
+            if name not in ("add_layer_norm", "linear_epilogue", "attention", "kv_cache_append", "decode_step",
+                            "emit_tokens"):
+                return attr
+            return lambda *args, **kwargs: calls.append(name) or attr(*args, **kwargs)
+
+    calls = []
+    monkeypatch.setattr(_ext, "_ext", Recording(_ext.extension()))
     monkeypatch.setattr(_ext, "_no_kernels", {torch.cuda.current_device(): "no kernels for this test's GPU"})
     model = random_opt(dtype=torch.float16, device="cuda")
     ids = torch.randint(3, model.config.vocab_size, (2, 17), device="cuda")
@@ -48,6 +61,8 @@ def test_gpu_without_kernels_runs_the_references(monkeypatch):
     assert "no kernels for this test's GPU" in report.extension
     assert {b for s in report.swaps for b in s.ops.values()} <= {"reference", "sdpa (no fuseinfer kernels here)"}
     torch.testing.assert_close(model(ids).logits, ref, rtol=2e-2, atol=2e-2)
+    assert fuseinfer.generate(model, ids, max_new_tokens=3).shape == (2, 20)  # the fast path, per op, too
+    assert calls == []
 
 
 # ---- residual add + LayerNorm ----
