@@ -310,8 +310,8 @@ def test_generate_hook_hands_right_padding_and_max_length_to_the_right_path(tiny
     assert SESSIONS_ATTR in model.__dict__  # (the fast path ran)
 
 
-@pytest.mark.parametrize("case", ["no_length_set", "padded_batch_without_mask", "config_object_without_eos",
-                                  "config_object_without_length"])
+@pytest.mark.parametrize("case", ["no_length_set", "padded_batch_without_mask", "pad_is_eos_without_mask",
+                                  "config_object_without_eos", "config_object_without_length"])
 def test_generate_hook_resolves_settings_like_transformers(tiny_model_path, case):
     """model.generate on a patched model takes the fast path with the settings transformers would use: 20 new
     tokens when no length is set anywhere, the mask inferred from pad tokens when none is passed, and a passed
@@ -324,6 +324,10 @@ def test_generate_hook_resolves_settings_like_transformers(tiny_model_path, case
     args, kwargs = (ids,), {"attention_mask": enc.attention_mask}
     if case == "padded_batch_without_mask":
         kwargs = {"max_new_tokens": 20}  # the prompts hold pad tokens (1), which is not the EOS (2)
+    elif case == "pad_is_eos_without_mask":  # the prompt starts with BOS = EOS = 2: no mask is inferred from it
+        two = [tok(p, return_tensors="pt").input_ids for p in PROMPTS[1:3]]  # each starts with BOS = EOS = 2
+        args, kwargs = (torch.cat(two, 1),), {"max_new_tokens": 8, "pad_token_id": 2}
+        assert int((args[0] == 2).sum()) == 2 and model.generation_config.eos_token_id == 2
     elif case == "config_object_without_eos":
         # a common continuation of the first prompt as the model's EOS: rows stop and are padded with the model's
         # pad token, which the passed config does not set
