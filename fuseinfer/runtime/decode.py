@@ -84,7 +84,7 @@ class _Session:
         self.model, self.forward, self.bucket, self.capacity = weakref.proxy(model), forward, bucket, capacity
         self.sampling, self.pad = sampling, pad
         self.max_new = -(-max_new // CAPACITY_ROUND) * CAPACITY_ROUND  # room for a later call's few more tokens
-        self.group = min(_graph_steps(), max(1, max_new - 1))  # steps per replay of the longer graph
+        self.group = _group_steps(max_new)  # steps per replay of the longer graph
         dev = p.device
         self.cache = cache if cache is not None else StaticKVCache(
             cfg.num_hidden_layers, bucket, heads, cfg.hidden_size // heads, capacity, p.dtype, dev)
@@ -111,7 +111,7 @@ class _Session:
     def fits(self, capacity: int, sampling: Sampling, max_new: int, eos: torch.Tensor, pad: int) -> bool:
         """Whether this session serves a call: room enough, a long enough graph, the same token rule."""
         return (self.capacity >= capacity and self.max_new >= max_new
-                and (not self.graphs or self.group >= min(_graph_steps(), max(1, max_new - 1)))
+                and (not self.graphs or self.group >= _group_steps(max_new))
                 and self.sampling == sampling
                 and self.pad == pad and torch.equal(self.eos_host, eos))
 
@@ -220,6 +220,11 @@ def _graph_steps() -> int:
     if not value.isdigit() or int(value) < 1:
         raise FuseInferError(f"FUSEINFER_DECODE_GRAPH_STEPS must be a positive integer, got {value!r}")
     return int(value)
+
+
+def _group_steps(max_new: int) -> int:
+    """Steps in the longer graph of a session for ``max_new`` new tokens (its decode steps are max_new - 1)."""
+    return min(_graph_steps(), max(1, max_new - 1))
 
 
 def _bucket(batch: int) -> int:

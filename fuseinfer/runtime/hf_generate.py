@@ -83,11 +83,10 @@ def _max_new_tokens(model, prompt_len: int, configs: list, kwargs, get) -> int:
     return max_length - prompt_len
 
 
-def _inferred_mask(input_ids: torch.Tensor, pad, eos) -> torch.Tensor | None:
+def _inferred_mask(input_ids: torch.Tensor, pad, eos: torch.Tensor) -> torch.Tensor | None:
     """transformers' mask for a call without one: input_ids != pad where the pad token occurs in the prompt and
-    is not an EOS token, else None (no padding)."""
-    eos_ids = eos_tensor(eos).tolist()
-    if pad is None or pad in eos_ids or not bool((input_ids == pad).any()):
+    is not an EOS token (eos: (n_eos,) int64, ``eos_tensor``), else None (no padding)."""
+    if pad is None or pad in eos.tolist() or not bool((input_ids == pad).any()):
         return None
     return input_ids.ne(pad).long()
 
@@ -123,10 +122,10 @@ def patched_generate(model, inputs=None, generation_config: GenerationConfig | N
         reason = "both inputs and input_ids given"  # (transformers refuses the call)
     if reason is None:
         max_new = _max_new_tokens(model, input_ids.shape[1], configs, kwargs, get)
+        pad, eos = get("pad_token_id"), eos_tensor(get("eos_token_id"))
         mask = kwargs.get("attention_mask")
         if mask is None:
-            mask = _inferred_mask(input_ids, get("pad_token_id"), get("eos_token_id"))
-        pad = get("pad_token_id")
+            mask = _inferred_mask(input_ids, pad, eos)
         if type(max_new) is not int or max_new < 1:
             reason = f"max_new_tokens={max_new!r} (the fast path takes a positive int)"
         elif input_ids.shape[1] + max_new > model.config.max_position_embeddings:
@@ -135,7 +134,7 @@ def patched_generate(model, inputs=None, generation_config: GenerationConfig | N
             reason = f"an empty batch or prompt, input_ids of shape {tuple(input_ids.shape)}"
         elif mask is not None and not bool(mask[:, -1].all()):
             reason = "right padding (use tokenizer.padding_side = 'left')"
-        elif not in_vocabulary(model, fed_pad := pad_id(pad, eos_tensor(get("eos_token_id")))):
+        elif not in_vocabulary(model, fed_pad := pad_id(pad, eos)):
             reason = f"pad token {fed_pad} (pad_token_id, else the first EOS id) is not in the model's vocabulary"
     if reason is not None:
         key = re.sub(r"\d+", "N", reason)  # once per kind of reason, whatever its numbers
