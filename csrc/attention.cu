@@ -1122,9 +1122,12 @@ template <typename T>
 void prefill(const AttnParams& p, int D, const at::TensorOptions& opts, cudaStream_t stream) {
 #if defined(FUSEINFER_SM90A)
   if (p.scale_log2 > 0.f && sm90_prefill_enabled() &&
-      (D == 64 ? run_prefill_sm90<T, 64>(p, opts, stream) : run_prefill_sm90<T, 128>(p, opts, stream)))
+      (D == 64 ? run_prefill_sm90<T, 64>(p, opts, stream) : run_prefill_sm90<T, 128>(p, opts, stream))) {
+    count_path(Path::kAttentionWgmma);
     return;
+  }
 #endif
+  count_path(Path::kAttentionMmaSync);
   if (D == 64)
     run_prefill<T, 64, 8, 64, 2>(p, stream);
   else
@@ -1144,6 +1147,7 @@ void run_split_kv(const AttnParams& p, const at::Tensor& q, cudaStream_t stream)
   const int64_t want = int64_t(sms) * Cfg::MIN_BLOCKS / base;
   const int64_t max_splits = std::min<int64_t>(128, (p.Skv + Cfg::KPI - 1) / Cfg::KPI);
   const int splits = static_cast<int>(std::max<int64_t>(1, std::min(want, max_splits)));
+  count_path(Path::kAttentionSplitKv);
 
   at::Tensor part_acc, part_ml, per_call_counters;
   float* acc_ptr = nullptr;

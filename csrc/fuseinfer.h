@@ -5,6 +5,8 @@
 // device, dtype and shapes; kernels still TORCH_CHECK what they rely on (contiguity, alignment).
 #pragma once
 #include <torch/extension.h>
+#include <map>
+#include <string>
 #include <tuple>
 
 namespace fuseinfer {
@@ -75,5 +77,20 @@ bool decode_step_fits(int64_t m, int64_t e, int64_t f);
 // "" when this build's kernels run on CUDA device `device`, else the CUDA error that says why not (e.g. the build
 // left out its architecture, see FUSEINFER_CUDA_ARCH in setup.py).
 std::string kernels_run_on(int64_t device);
+
+// Which kernel, or which way of choosing a cuBLASLt algorithm, each call of attention_cuda and linear_epilogue_cuda
+// took, counted since the process started; path_counts() maps each name (path_counts.cpp) to its count. A GPU test
+// that means to exercise one path asserts that its count, and no other, went up: a silent fallback (a tensor map
+// that does not encode, a misaligned pointer) would otherwise pass the numerical checks on the other path.
+//   attention: wgmma or mma.sync prefill, split-KV (Sq <= 16 or fp32);
+//   linear: the skinny kernel (M <= 16), or cuBLASLt with the algorithm cached for the problem, its heuristic's
+//   first choice (then cached), the fastest of its candidates timed at this call (then cached), or its first
+//   choice under CUDA-graph capture (not cached).
+enum class Path : int {
+  kAttentionWgmma, kAttentionMmaSync, kAttentionSplitKv, kLinearSkinny,
+  kLinearLtHeuristic, kLinearLtTuned, kLinearLtCaptured, kLinearLtCached, kCount
+};
+void count_path(Path path);
+std::map<std::string, int64_t> path_counts();
 
 }  // namespace fuseinfer

@@ -435,6 +435,7 @@ void cublaslt_linear(const at::Tensor& x, const at::Tensor& w, const void* bias,
       cached = true;
     }
   }
+  if (cached) count_path(Path::kLinearLtCached);
   const at::cuda::CUDAStream stream = at::cuda::getCurrentCUDAStream();
   auto matmul = [&](const cublasLtMatmulAlgo_t& al) {
     return cublasLtMatmul(handle, op.desc, &alpha, w.data_ptr(), a.desc, x.data_ptr(), b.desc, &beta, c_ptr, c.desc,
@@ -463,9 +464,9 @@ void cublaslt_linear(const at::Tensor& x, const at::Tensor& w, const void* bias,
     C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
     const bool capturing = capture != cudaStreamCaptureStatusNone;
     algo = results[0].algo;
-    if (!capturing && found > 1 && m >= kTuneMinM && env_switch_on("FUSEINFER_GEMM_TUNE")) {
-      algo = results[tune_algorithm(results.data(), found, matmul, stream)].algo;
-    }
+    const bool tune = !capturing && found > 1 && m >= kTuneMinM && env_switch_on("FUSEINFER_GEMM_TUNE");
+    if (tune) algo = results[tune_algorithm(results.data(), found, matmul, stream)].algo;
+    count_path(capturing ? Path::kLinearLtCaptured : tune ? Path::kLinearLtTuned : Path::kLinearLtHeuristic);
     if (!capturing) {
       const std::lock_guard<std::mutex> lock(algo_cache_mutex());
       algo_cache().emplace(key, algo);
@@ -521,6 +522,7 @@ at::Tensor linear_epilogue_cuda(
   TORCH_CHECK(m <= INT32_MAX && n <= INT32_MAX && k <= INT32_MAX, "linear_epilogue: dimension too large");
 
   if (skinny_supported(x, w, m)) {
+    count_path(Path::kLinearSkinny);
     SkinnyParams p;
     p.x = x.data_ptr();
     p.w = w.data_ptr();

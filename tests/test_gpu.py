@@ -30,6 +30,16 @@ def assert_lowp_close(ours, torch_lowp, ref32, what=""):
     assert ours_err <= 2 * torch_err + 1e-6, f"{what}: ours {ours_err:.3g} vs torch {torch_err:.3g}"
 
 
+def paths_taken(call):
+    """call()'s result and the extension's paths it took ({name: calls}, csrc/fuseinfer.h path_counts): a test that
+    means to exercise one kernel asserts it, since a silent fallback to another would pass the numerical checks."""
+    from fuseinfer._ext import extension
+    before = extension().path_counts()
+    out = call()
+    after = extension().path_counts()
+    return out, {name: after[name] - before[name] for name in after if after[name] != before[name]}
+
+
 def test_extension_is_built():
     assert fuseinfer.cuda_extension_available(), fuseinfer.extension_status()
     assert fuseinfer.extension_status(torch.device("cuda")) == "built"  # its kernels load on this GPU
@@ -105,7 +115,12 @@ def test_linear_epilogue_kernel(mnk, dtype, epilogue):
     b = torch.randn(n, device="cuda", dtype=dtype) if epilogue != "none" else None
     r = torch.randn(m, n, device="cuda", dtype=dtype) if epilogue == "bias_residual" else None
     act = "relu" if epilogue == "bias_relu" else "none"
-    ours = ops.linear_epilogue(x, w, b, r, act)
+    ours, paths = paths_taken(lambda: ops.linear_epilogue(x, w, b, r, act))
+    if m <= 16:
+        assert paths == {"linear.skinny": 1}, paths
+    else:
+        assert sum(paths.values()) == 1 and set(paths) <= {"linear.lt_heuristic", "linear.lt_tuned",
+                                                            "linear.lt_cached"}, paths
     up = lambda t: None if t is None else t.float()  # noqa: E731
     ref32 = ops.linear_epilogue_ref(x.float(), w.float(), up(b), up(r), act)
     assert_lowp_close(ours, ops.linear_epilogue_ref(x, w, b, r, act), ref32, f"linear {mnk} {epilogue}")
@@ -159,11 +174,17 @@ def test_linear_prefill_algorithm_choice(tune, monkeypatch):
     torch_lowp = ops.linear_epilogue_ref(x, w, b, r, "none")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = ops.linear_epilogue(x, w, b, r, "none")
+        captured, paths = paths_taken(lambda: ops.linear_epilogue(x, w, b, r, "none"))
+    assert paths == {"linear.lt_captured": 1}, paths  # first choice, not cached: the eager call below chooses
     graph.replay()
     torch.cuda.synchronize()
     assert_lowp_close(captured, torch_lowp, ref32, f"linear m={m} captured first")
-    assert_lowp_close(ops.linear_epilogue(x, w, b, r, "none"), torch_lowp, ref32, f"linear m={m} eager, tune={tune}")
+    eager, paths = paths_taken(lambda: ops.linear_epilogue(x, w, b, r, "none"))
+    assert paths == {"linear.lt_tuned" if tune == "1" else "linear.lt_heuristic": 1}, paths
+    assert_lowp_close(eager, torch_lowp, ref32, f"linear m={m} eager, tune={tune}")
+    again, paths = paths_taken(lambda: ops.linear_epilogue(x, w, b, r, "none"))
+    assert paths == {"linear.lt_cached": 1}, paths
+    assert torch.equal(again, eager)
 
 
 # ---- attention ----
@@ -216,18 +237,25 @@ def test_wgmma_prefill_is_built_for_sm90():
     assert extension().attention_prefill_kernel() == "wgmma"
 
 
-@pytest.mark.parametrize("case", sorted(ATTN_CASES))
+def _attention_paths():
+    """(case, kernel): cases of more than 16 queries run a prefill kernel, wgmma or mma.sync; the others split-KV."""
+    for case in sorted(ATTN_CASES):
+        paths = ("wgmma", "mma_sync") if ATTN_CASES[case]["sq"] > 16 else ("split_kv",)
+        yield from ((case, path) for path in paths)
+
+
+@pytest.mark.parametrize("case,path", list(_attention_paths()))
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", LOWP)
-@pytest.mark.parametrize("prefill", ["wgmma", "mma.sync"])
-def test_attention_kernel(case, d, dtype, prefill, monkeypatch):
-    if prefill == "wgmma" and not _wgmma_available():
+def test_attention_kernel(case, path, d, dtype, monkeypatch):
+    if path == "wgmma" and not _wgmma_available():
         pytest.skip("the wgmma prefill needs an sm_90 GPU")
-    monkeypatch.setenv("FUSEINFER_ATTN_SM90", "1" if prefill == "wgmma" else "0")
+    monkeypatch.setenv("FUSEINFER_ATTN_SM90", "0" if path == "mma_sync" else "1")
     q, k, v, key_mask, q_start = _attn_case(d=d, dtype=dtype, **ATTN_CASES[case])
     b, h, sq, _ = q.shape
     scale = d ** -0.5
-    ours = ops.attention(q, k, v, key_mask, q_start, scale)  # (B, Sq, H, D)
+    ours, paths = paths_taken(lambda: ops.attention(q, k, v, key_mask, q_start, scale))  # (B, Sq, H, D)
+    assert paths == {f"attention.{path}": 1}, paths
     assert ours.shape == (b, sq, h, d) and ours.is_contiguous()
     k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)  # the references multiply masked-out NaN slots by 0
     ref32 = ops.attention_ref(q.float(), k.float(), v.float(), key_mask, q_start, scale)
@@ -294,8 +322,9 @@ def test_patched_opt_fp16_logits_on_cuda(variant):
         model16 = model32.half()
         torch16 = model16(input_ids=ids, attention_mask=mask).logits
         report = fuseinfer.patch(model16)
-        ours = model16(input_ids=ids, attention_mask=mask).logits
+        ours, paths = paths_taken(lambda: model16(input_ids=ids, attention_mask=mask).logits)
     assert report.backends == {op: {"cuda"} for op in fuseinfer.OPS}, str(report)
+    assert _kernel_calls(paths) == _layer_kernel_calls(4), paths
     real = mask.bool()
     assert_lowp_close(ours[real], torch16[real], ref32[real], "patched opt fp16")
 
@@ -345,8 +374,25 @@ def test_greedy_generation_fp16_tiny_model_identical(tiny_model_path):
     assert torch.equal(model.generate(ids, **kwargs), ref)
 
 
+def _kernel_calls(paths):
+    """Attention and linear calls by kernel, from paths_taken (the cuBLASLt paths counted together)."""
+    calls = {}
+    for name, n in paths.items():
+        kernel = "linear.cublaslt" if name.startswith("linear.lt_") else name
+        calls[kernel] = calls.get(kernel, 0) + n
+    return calls
+
+
+def _layer_kernel_calls(layers):
+    """What a patched OPT's prefill forward (more than 16 tokens) runs: per layer one attention prefill (the wgmma
+    one on sm_90) and four cuBLASLt GEMMs (q/k/v fused, out_proj, fc1, fc2)."""
+    attention = "attention.wgmma" if _wgmma_available() else "attention.mma_sync"
+    return {attention: layers, "linear.cublaslt": 4 * layers}
+
+
 def test_patched_model_under_cuda_graphs_and_compile():
-    """The compiled graph calls the kernels' registered ops; compiled with CUDA graphs, the logits are eager's."""
+    """The compiled graph calls the kernels' registered ops, which run the kernels; compiled with CUDA graphs, the
+    logits are eager's."""
     model = random_opt(device="cuda", dtype=torch.float16, hidden_size=256, ffn_dim=1024)
     ids = torch.randint(3, 512, (2, 64), device="cuda")
     graphs = []
@@ -358,12 +404,13 @@ def test_patched_model_under_cuda_graphs_and_compile():
     with torch.no_grad():
         fuseinfer.patch(model)
         eager = model(input_ids=ids).logits
-        torch.compile(model, fullgraph=True, backend=recording)(input_ids=ids)
+        _, paths = paths_taken(lambda: torch.compile(model, fullgraph=True, backend=recording)(input_ids=ids))
         compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
         for _ in range(3):  # warm-up, record, replay
             out = compiled(input_ids=ids).logits
     for op in ("linear_epilogue", "add_layer_norm", "attention"):
         assert f"torch.ops.fuseinfer.{op}" in "".join(graphs), op
+    assert _kernel_calls(paths) == _layer_kernel_calls(model.config.num_hidden_layers), paths
     torch.testing.assert_close(out, eager, rtol=2e-3, atol=2e-3)
 
 
