@@ -8,10 +8,12 @@ namespace fuseinfer {
 namespace {
 
 constexpr int kPaths = static_cast<int>(Path::kCount);
-constexpr std::array<const char*, kPaths> kPathNames = {
-    "attention.wgmma",     "attention.mma_sync",    "attention.split_kv",   "linear.skinny",
-    "linear.lt_heuristic", "linear.lt_tuned",       "linear.lt_captured",   "linear.lt_cached",
+// In Path's order (fuseinfer.h).
+constexpr const char* kPathNames[] = {
+    "attention.wgmma",     "attention.mma_sync", "attention.split_kv", "linear.skinny",
+    "linear.lt_heuristic", "linear.lt_tuned",    "linear.lt_captured", "linear.lt_cached",
 };
+static_assert(sizeof(kPathNames) / sizeof(kPathNames[0]) == kPaths, "one name per Path");
 
 std::array<std::atomic<int64_t>, kPaths>& counts() {
   static std::array<std::atomic<int64_t>, kPaths> c{};
