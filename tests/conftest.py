@@ -48,6 +48,32 @@ def random_opt(seed: int = 0, dtype=torch.float32, device="cpu", **overrides):
     return model.to(device=device, dtype=dtype)
 
 
+def traced_by_compile(model, **inputs):
+    """model(**inputs) through torch.compile(fullgraph=True) with a backend that runs dynamo's graphs as traced (no
+    Inductor): its output, and the code of those graphs (where the registered ``torch.ops.fuseinfer.*`` calls show)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    out = torch.compile(model, fullgraph=True, backend=backend)(**inputs)
+    return out, "".join(graphs)
+
+
+def loss_and_grads(model, ids, mask, compile_=False):
+    """Loss of a left-padded batch, and its gradients: the input embeddings' first (key ``inputs_embeds``), then every
+    parameter's, in ``named_parameters`` order. A pad position's logits (which predict the next label) stay out of
+    the loss: its query has no key to attend, which each attention implementation resolves its own way."""
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+    fn = torch.compile(model) if compile_ else model
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, 1:].masked_fill_(mask[:, :-1] == 0, -100)
+    loss = fn(inputs_embeds=embeds, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {"inputs_embeds": embeds.grad, **{n: p.grad for n, p in model.named_parameters()}}
+
+
 # The OPT layouts every patch test runs on: name -> OPTConfig overrides
 VARIANTS = {
     "pre_ln": {},

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_opt
+from conftest import loss_and_grads, random_opt, traced_by_compile
 
 import fuseinfer
 from fuseinfer import ops
@@ -329,16 +329,6 @@ def test_patched_opt_fp16_logits_on_cuda(variant):
     assert_lowp_close(ours[real], torch16[real], ref32[real], "patched opt fp16")
 
 
-def _loss_grads(model, ids, mask):
-    """All gradients (input embeddings first, then every parameter) of a left-padded batch's loss, flattened; pad
-    positions' logits stay out of the loss (their queries have no key, which implementations resolve differently)."""
-    labels = ids.masked_fill(mask == 0, -100)
-    labels[:, 1:].masked_fill_(mask[:, :-1] == 0, -100)
-    embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
-    model(inputs_embeds=embeds, attention_mask=mask, labels=labels).loss.backward()
-    return torch.cat([embeds.grad.flatten().float()] + [p.grad.flatten().float() for p in model.parameters()])
-
-
 def test_patched_model_backward_on_cuda():
     """Patched, in eval mode, without torch.no_grad(): the kernels run the forward and the references' gradients
     flow back (the eager fast path, which calls the extension directly and records no graph, is not taken). fp32
@@ -356,7 +346,7 @@ def test_patched_model_backward_on_cuda():
             assert "cuda" in report.backends["linear"], str(report)
         else:
             model.config._attn_implementation = "eager"
-        return _loss_grads(model, ids, mask)
+        return torch.cat([g.flatten().float() for g in loss_and_grads(model, ids, mask)[1].values()])
 
     ref32 = grads(torch.float32, False)
     torch.testing.assert_close(grads(torch.float32, True), ref32, rtol=1e-3, atol=1e-5)
@@ -395,21 +385,15 @@ def test_patched_model_under_cuda_graphs_and_compile():
     logits are eager's."""
     model = random_opt(device="cuda", dtype=torch.float16, hidden_size=256, ffn_dim=1024)
     ids = torch.randint(3, 512, (2, 64), device="cuda")
-    graphs = []
-
-    def recording(gm, example_inputs):
-        graphs.append(gm.code)
-        return gm.forward
-
     with torch.no_grad():
         fuseinfer.patch(model)
         eager = model(input_ids=ids).logits
-        _, paths = paths_taken(lambda: torch.compile(model, fullgraph=True, backend=recording)(input_ids=ids))
+        (_, code), paths = paths_taken(lambda: traced_by_compile(model, input_ids=ids))
         compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
         for _ in range(3):  # warm-up, record, replay
             out = compiled(input_ids=ids).logits
     for op in ("linear_epilogue", "add_layer_norm", "attention"):
-        assert f"torch.ops.fuseinfer.{op}" in "".join(graphs), op
+        assert f"torch.ops.fuseinfer.{op}" in code, op
     assert _kernel_calls(paths) == _layer_kernel_calls(model.config.num_hidden_layers), paths
     torch.testing.assert_close(out, eager, rtol=2e-3, atol=2e-3)
 

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import VARIANTS, random_opt
+from conftest import VARIANTS, loss_and_grads, random_opt, traced_by_compile
 
 import fuseinfer
 from fuseinfer import FuseInferError, PatchConfig
@@ -138,16 +138,9 @@ def test_torch_compile_of_patched_model():
     ids = _ids(model)
     ref = _logits(model, ids)
     fuseinfer.patch(model)
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm.code)
-        return gm.forward
-
-    compiled = torch.compile(model, fullgraph=True, backend=backend)
-    out = _logits(compiled, ids)
-    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
-    code = "".join(graphs)
+    with torch.no_grad():
+        out, code = traced_by_compile(model, input_ids=ids)
+    assert (out.logits - ref).abs().max() <= 1e-5 * ref.abs().max()
     for op in ("linear_epilogue", "add_layer_norm", "attention"):
         assert f"torch.ops.fuseinfer.{op}" in code, op
     out = _logits(torch.compile(model, fullgraph=True), ids)  # and through inductor
@@ -249,19 +242,6 @@ def test_training_after_patch_backpropagates_like_unpatched():
         torch.testing.assert_close(out[1][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def _loss_and_grads(model, ids, mask, compile_=False):
-    """Loss of a left-padded batch, its gradients for every parameter and for the input embeddings. A pad
-    position's logits (which predict the next label) stay out of the loss: its query has no key to attend, which
-    each attention implementation resolves its own way."""
-    embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
-    fn = torch.compile(model) if compile_ else model
-    labels = ids.masked_fill(mask == 0, -100)
-    labels[:, 1:].masked_fill_(mask[:, :-1] == 0, -100)
-    loss = fn(inputs_embeds=embeds, attention_mask=mask, labels=labels).loss
-    loss.backward()
-    return loss.detach(), {"inputs_embeds": embeds.grad, **{n: p.grad for n, p in model.named_parameters()}}
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_eval_mode_backward_matches_unpatched(variant):
     """Patched in eval mode with gradients on (no torch.no_grad()), the fused forward backpropagates through the
@@ -275,7 +255,7 @@ def test_eval_mode_backward_matches_unpatched(variant):
     ids = _ids(model, seq=37)
     mask = torch.ones_like(ids)
     mask[0, :5] = 0
-    (loss_ref, grads_ref), (loss, grads) = _loss_and_grads(ref, ids, mask), _loss_and_grads(model, ids, mask)
+    (loss_ref, grads_ref), (loss, grads) = loss_and_grads(ref, ids, mask), loss_and_grads(model, ids, mask)
     torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=0)
     assert grads.keys() == grads_ref.keys()
     for name, grad in grads_ref.items():
@@ -290,7 +270,7 @@ def test_eval_mode_backward_under_torch_compile():
     ids = _ids(model, seq=37)
     mask = torch.ones_like(ids)
     mask[1, :9] = 0
-    (loss_ref, grads_ref), (loss, grads) = _loss_and_grads(ref, ids, mask), _loss_and_grads(model, ids, mask, True)
+    (loss_ref, grads_ref), (loss, grads) = loss_and_grads(ref, ids, mask), loss_and_grads(model, ids, mask, True)
     torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=0)
     for name, grad in grads_ref.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -145,7 +145,7 @@ def patched_generate(model, inputs=None, generation_config: GenerationConfig | N
     temperature = get("temperature")
     return generate(model, input_ids, mask, max_new_tokens=max_new, do_sample=bool(get("do_sample")),
                     temperature=1.0 if temperature is None else temperature, top_k=get("top_k"), top_p=get("top_p"),
-                    eos_token_id=get("eos_token_id"), pad_token_id=pad)
+                    eos_token_id=eos, pad_token_id=pad)
 
 
 def _transformers_generate(model, inputs, generation_config, kwargs):
