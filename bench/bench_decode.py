@@ -91,7 +91,7 @@ def main() -> None:
             row[f"{name}_ms"], row[f"{name}_spread_ms"] = ms, f"{t['p10_ms']:.4g}-{t['p90_ms']:.4g}"
             row[f"{name}_GBps"] = step_bytes / (ms * 1e-3) / 1e9
             print(f"batch {batch}: {name} {ms:.3f} ms/token (p10-p90 {row[f'{name}_spread_ms']})", flush=True)
-            del model, gen
+            model = gen = None  # the copy and its caches go before the next backend
             gc.collect()
             torch.cuda.empty_cache()
         if "fuseinfer_ms" in row:

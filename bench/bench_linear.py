@@ -6,7 +6,7 @@ The four linears of an OPT decoder layer, each with the epilogue the patched mod
   fc1       N = ffn, K = h    bias + ReLU
   fc2       N = h,   K = ffn  bias + residual
 for OPT-1.3b (h 2048, ffn 8192) and OPT-6.7b (h 4096, ffn 16384), at prefill (M = 2048, 8192 tokens) and decode
-(M = 1, 8, 32) sizes. Columns: ours; "bare mm" = torch.mm(x, w.t()) alone (the GEMM ceiling, no epilogue), the
+(M = 1, 8, 16, 32) sizes. Columns: ours; "bare mm" = torch.mm(x, w.t()) alone (the GEMM ceiling, no epilogue), the
 two timed in turn over five rounds (common.paired_ms; "ours/bare" is the median of the per-round ratios);
 "eager" = F.linear(x, w, b) followed by the separate + residual / ReLU op, as the unpatched model runs it;
 "compile" = torch.compile(mode="max-autotune-no-cudagraphs") of that eager expression (max-autotune without
@@ -46,7 +46,7 @@ DTYPE = torch.float16
 SKINNY_MAX_M = 16
 MODELS = {"opt-1.3b": (2048, 8192), "opt-6.7b": (4096, 16384)}  # hidden, ffn
 PREFILL_M = (2048, 8192)
-DECODE_M = (1, 8, 32)
+DECODE_M = (1, 8, 16, 32)
 COLUMNS = ["model", "layer", "epilogue", "M", "N", "K", "path", "ours ms", "bare mm ms", "eager ms",
            "compile ms", "ours/bare", "x eager", "x compile", "TFLOP/s", "weight GB/s", "% copy", "graph ms",
            "graph cuBLAS ms", "graph GB/s", "graph % copy"]
