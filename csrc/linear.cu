@@ -78,12 +78,15 @@ struct SkinnyParams {
 
 // Streaming 16-byte load of w, which is read exactly once: bypass L1 (x, reused by every block, keeps it) and
 // have L2 fetch 256 aligned bytes per miss from HBM (a row's k-block is 256 bytes for NT = 1, 128 for NT = 2).
+// A coherent load, not ld.global.nc: ptxas treats .nc data as constant and may sink such a load below
+// griddepcontrol.wait (pdl_wait), and did so for the first k-block's weights after an unrelated source change in
+// the epilogue (SASS), which cost 4-13 points of copy (README). Plain loads stay where they are written.
 __device__ __forceinline__ uint4 ld_stream(const uint4* ptr) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(ptr));
+  asm volatile("ld.global.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr));
   return v;
 #else
   return __ldg(ptr);
@@ -223,7 +226,7 @@ __global__ void __launch_bounds__(32 * kSkinnyMaxWarps) skinny_linear_kernel(con
   };
   auto load_bias = [&](int tile) {
     const int64_t idx = e_index(tile);
-    return bias != nullptr && idx >= 0 ? to_float(bias[idx % p.n]) : 0.f;
+    return bias != nullptr && idx >= 0 ? to_float(bias[tile * kSkinnyRows + e_row]) : 0.f;
   };
   auto load_residual = [&](int tile) {
     const int64_t idx = e_index(tile);

@@ -54,8 +54,9 @@ def _no_kernels_reason(device: torch.device) -> str | None:
 
 
 def cuda_extension_available() -> bool:
-    """True when the CUDA kernels are built and a CUDA device is visible."""
-    return extension() is not None and torch.cuda.is_available()
+    """True when the CUDA kernels are built and run on the current CUDA device (for another GPU:
+    ``extension_status(device)``)."""
+    return extension() is not None and torch.cuda.is_available() and _no_kernels_reason(torch.device("cuda")) is None
 
 
 def extension_status(device: torch.device | None = None) -> str:

@@ -30,8 +30,9 @@ class PatchConfig:
     ops: which fusions to apply, any of ``OPS``:
       ``layer_norm`` (residual add + LayerNorm), ``linear`` (GEMM with bias / ReLU / residual epilogues),
       ``qkv`` (q, k, v projections as one GEMM), ``attention`` (the ``"fuseinfer"`` attention implementation).
-    filter_fn: ``(module, qualified_name) -> bool``, called for each candidate module (decoder layers and
-      norms); only those for which it returns True are swapped (torchao's ``filter_fn`` idea).
+    filter_fn: ``(module, qualified_name) -> bool``, called for each candidate module (decoder layers, attention
+      modules and the decoder's final LayerNorm); only those for which it returns True are swapped (torchao's
+      ``filter_fn`` idea).
     """
 
     ops: tuple[str, ...] = OPS
@@ -45,6 +46,9 @@ class PatchConfig:
         unknown = [op for op in self.ops if op not in OPS]
         if unknown:
             raise FuseInferError(f"unknown op name(s) {unknown} in PatchConfig.ops; choose from {list(OPS)}")
+        if self.filter_fn is not None and not callable(self.filter_fn):
+            raise FuseInferError(f"PatchConfig.filter_fn must be a callable (module, name) -> bool, got "
+                                 f"{self.filter_fn!r}; e.g. filter_fn=lambda module, name: 'layers.0.' not in name")
 
     def selects(self, module: nn.Module, name: str) -> bool:
         return self.filter_fn is None or bool(self.filter_fn(module, name))
@@ -176,11 +180,13 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
         raise FuseInferError("this model is already patched; call fuseinfer.unpatch(model) before patching again")
     inner = next((name for name, m in model.named_modules() if hasattr(m, STATE_ATTR)
                   or type(m).__module__.startswith("fuseinfer.")), None)
-    if inner is None and getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTN_NAME:
-        inner = "its attention implementation"
     if inner is not None:
         raise FuseInferError(f"part of this model ({inner or 'the model'}) is already patched by fuseinfer: unpatch "
                              "the module that was patched before patching again")
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTN_NAME:
+        raise FuseInferError(f"this model's config already selects the {ATTN_NAME!r} attention, but the model is not "
+                             "patched: it is part of a patched model (unpatch that one) or was built on a patched "
+                             "model's config (set model.config._attn_implementation = 'sdpa' first)")
     _check_tensors(model)
     report = PatchReport(model_type=model_type, extension=extension_status(next(model.parameters()).device))
     state = family.patch(model, config, report)
@@ -196,7 +202,10 @@ def unpatch(model: nn.Module) -> nn.Module:
     """Restore the model ``patch`` changed: module classes, parameters and buffers bit for bit."""
     model = unwrapped(model)
     if not hasattr(model, STATE_ATTR):
-        raise FuseInferError("this model is not patched by fuseinfer (nothing to unpatch)")
+        inner = next((name for name, m in model.named_modules() if hasattr(m, STATE_ATTR)), None)
+        raise FuseInferError("this model is not patched by fuseinfer (nothing to unpatch)" if inner is None else
+                             f"this model is not patched by fuseinfer, its module {inner!r} is: "
+                             f"fuseinfer.unpatch(model.get_submodule({inner!r}))")
     patched = getattr(model, STATE_ATTR)
     from .runtime import release
 

@@ -84,6 +84,15 @@ def test_bad_model_names(name):
         resolve_model(name)
 
 
+def test_failed_hub_load_offers_random_weights_only_where_built_in():
+    from fuseinfer.eval.models import _load_failed
+
+    offline = OSError("couldn't connect to huggingface.co")
+    assert "or random:opt-125m for latency" in str(_load_failed(resolve_model("opt-125m"), offline))
+    message = str(_load_failed(resolve_model("models/opt-wt2-tiny"), offline))  # no built-in config for it
+    assert "random:" not in message and f"no local directory {os.path.abspath('models/opt-wt2-tiny')}" in message
+
+
 @needs_tiny
 def test_local_dir_and_random_local():
     assert resolve_model(str(TINY)).kind == "local"
@@ -437,3 +446,13 @@ def test_derived_metrics_by_hand():
     assert out["decode_gbps"] == pytest.approx(step_bytes / 4e-3 / 1e9)
     assert out["decode_bw_fraction"] == pytest.approx(step_bytes / 4e-3 / 1e9 / 0.001)
     assert out["speedup_prefill"] == pytest.approx(3.0) and out["speedup_decode"] == pytest.approx(2.5)
+
+
+@pytest.mark.parametrize("skip_latency", [False, True])
+def test_title_names_latency_settings_only_when_latency_ran(skip_latency):
+    from fuseinfer.eval.report import _title
+
+    results = {"environment": {"gpu": None, "cpu_threads": 2}, "model": {"spec": "opt-125m"},
+               "settings": {"dtype": "fp32", "batch_size": 1, "prompt_len": 128, "gen_len": 32,
+                            "skip_latency": skip_latency}}
+    assert ("prompt 128, decode 32 tokens" in _title(results)) is not skip_latency

@@ -45,12 +45,11 @@ def test_extension_is_built():
     assert fuseinfer.extension_status(torch.device("cuda")) == "built"  # its kernels load on this GPU
 
 
-def test_gpu_without_kernels_runs_the_references(monkeypatch):
-    """A GPU whose architecture the build left out (simulated): every op runs its reference, and the patch report
-    says why instead of a 'no kernel image' error at the first call."""
+def record_kernel_calls(monkeypatch) -> list[str]:
+    """The list that the extension's kernel entry points append their names to while the test runs."""
     from fuseinfer import _ext
 
-    class Recording:  # the loaded extension, noting every kernel an op calls (the build's kernels do load here)
+    class Recording:  # the loaded extension, noting every kernel an op calls
         def __init__(self, ext):
             self.ext = ext
 
@@ -63,6 +62,15 @@ def test_gpu_without_kernels_runs_the_references(monkeypatch):
 
     calls = []
     monkeypatch.setattr(_ext, "_ext", Recording(_ext.extension()))
+    return calls
+
+
+def test_gpu_without_kernels_runs_the_references(monkeypatch):
+    """A GPU whose architecture the build left out (simulated): every op runs its reference, and the patch report
+    says why instead of a 'no kernel image' error at the first call."""
+    from fuseinfer import _ext
+
+    calls = record_kernel_calls(monkeypatch)
     monkeypatch.setattr(_ext, "_no_kernels", {torch.cuda.current_device(): "no kernels for this test's GPU"})
     model = random_opt(dtype=torch.float16, device="cuda")
     ids = torch.randint(3, model.config.vocab_size, (2, 17), device="cuda")
@@ -154,6 +162,45 @@ def test_linear_chain_waits_for_its_input(m):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
+
+
+def test_gemv_requests_its_weights_before_the_pdl_wait():
+    """The skinny GEMV's first two k-blocks of weights are loaded before griddepcontrol.wait (ACQBULK in sm_90
+    SASS), so that they stream while the kernel before finishes. ptxas once sank the first k-block's loads below the
+    wait after an unrelated source change in the epilogue (4-13 points of copy lost, README); this reads the built
+    kernels' SASS so that such a change fails here and not only in a benchmark."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    import fuseinfer._C
+
+    cuobjdump = shutil.which("cuobjdump") or (CUDA_HOME and shutil.which(str(Path(CUDA_HOME) / "bin" / "cuobjdump")))
+    if not cuobjdump:
+        pytest.skip("cuobjdump not found (CUDA toolkit bin not on PATH)")
+    sass = subprocess.run([cuobjdump, "-sass", fuseinfer._C.__file__], capture_output=True, text=True,
+                          check=True).stdout
+    kernels, arch, name = {}, 0, None  # mangled name -> its SASS lines, for sm_90 and later
+    for line in sass.splitlines():
+        if m := re.search(r"arch = sm_(\d+)", line):
+            arch, name = int(m.group(1)), None
+        elif m := re.search(r"Function : (\S+)", line):
+            name = m.group(1) if arch >= 90 and "skinny_linear_kernel" in m.group(1) else None
+            if name:
+                kernels[name] = []
+        elif name:
+            kernels[name].append(line)
+    assert len(kernels) == 8, sorted(kernels)  # {fp16, bf16} x {one, two n-tiles} x {TAIL, not}
+    for name, lines in kernels.items():
+        n_tiles = int(re.search(r"skinny_linear_kernelI\w+?Li([12])ELb[01]E", name).group(1))
+        wait = next((i for i, line in enumerate(lines) if "ACQBULK" in line), None)
+        assert wait is not None, f"{name}: no griddepcontrol.wait (ACQBULK) in its SASS"
+        loads = sum("LDG.E.NA." in line for line in lines[:wait])  # w's L1-bypassing loads; x's are LDG.E.128
+        unroll = 4 if n_tiles == 1 else 2  # skinny_unroll: k-steps per k-block, two 16-byte loads per k-step
+        assert loads >= 2 * 2 * unroll, f"{name}: {loads} weight loads before the wait, want {4 * unroll}"
 
 
 @pytest.mark.parametrize("tune", ["1", "0"])
@@ -398,8 +445,10 @@ def test_patched_model_under_cuda_graphs_and_compile():
     torch.testing.assert_close(out, eager, rtol=2e-3, atol=2e-3)
 
 
-def test_eager_fast_path_equals_registered_op():
-    """The op wrappers call the extension directly in eager mode; the dispatcher path must give the same bits."""
+def test_eager_fast_path_equals_registered_op(monkeypatch):
+    """The op wrappers call the extension directly in eager mode; the dispatcher path must run the same kernel
+    and give the same bits."""
+    calls = record_kernel_calls(monkeypatch)
     x, r = torch.randn(9, 2048, device="cuda", dtype=torch.float16), torch.randn(9, 2048, device="cuda",
                                                                                  dtype=torch.float16)
     w, b = torch.randn(2048, device="cuda", dtype=torch.float16), torch.randn(2048, device="cuda",
@@ -413,6 +462,17 @@ def test_eager_fast_path_equals_registered_op():
     q, k, v, key_mask, q_start = _attn_case(2, 4, 33, 33, 64, torch.float16, pads=[0, 5])
     assert torch.equal(ops.attention(q, k, v, key_mask, q_start, 0.125),
                        torch.ops.fuseinfer.attention(q, k, v, key_mask, q_start, 0.125))
+    assert calls == ["add_layer_norm"] * 2 + ["linear_epilogue"] * 2 + ["attention"] * 2
+
+
+def test_ops_take_the_reference_for_fp64(monkeypatch):
+    """fp64 inputs, which the kernels do not take, run the reference on CUDA instead of failing in the extension."""
+    calls = record_kernel_calls(monkeypatch)
+    x64, w64 = torch.randn(9, 256, device="cuda", dtype=torch.float64), torch.randn(64, 256, device="cuda",
+                                                                                  dtype=torch.float64)
+    torch.testing.assert_close(ops.linear_epilogue(x64, w64), x64 @ w64.T)
+    torch.testing.assert_close(ops.add_layer_norm(x64, x64)[0], torch.nn.functional.layer_norm(2 * x64, (256,)))
+    assert calls == []
 
 
 @pytest.mark.parametrize("dtype,d", [(torch.float32, 64), (torch.float16, 32)])

@@ -49,8 +49,10 @@ def test_linear_epilogue_rejects_bad_input():
         ops.linear_epilogue(torch.randn(4, 7), w)
     with pytest.raises(FuseInferError, match=r"weight \(N, K\), got \(4, 8\) and \(8,\)"):
         ops.linear_epilogue(x, torch.randn(8))
-    with pytest.raises(FuseInferError, match=r"must be in x's dtype torch.float32, got torch.float32 and \(8,\)"):
+    with pytest.raises(FuseInferError, match=r"bias must be \(6,\), weight's N, got \(8,\)"):
         ops.linear_epilogue(x, w, torch.randn(8))
+    with pytest.raises(FuseInferError, match="must be in x's dtype torch.float32, got torch.float32 and torch.float16"):
+        ops.linear_epilogue(x, w, torch.randn(6).half())
     with pytest.raises(FuseInferError, match="must be in x's dtype torch.float16, got torch.float32"):
         ops.linear_epilogue(x.half(), w)
     with pytest.raises(FuseInferError, match=r"residual must be \(4, 6\) in torch.float32"):
@@ -66,8 +68,10 @@ def test_ops_reject_bad_input_with_one_clear_error():
         ops.attention(q, q, q, torch.ones(2, 5, dtype=torch.long))  # an HF-style 0/1 mask
     with pytest.raises(FuseInferError, match=r"key_mask must be a \(2, 5\) bool tensor"):
         ops.attention(q, q, q, torch.ones(2, 4, dtype=torch.bool))
-    with pytest.raises(FuseInferError, match=r"q_start must be a \(2,\) integer tensor"):
+    with pytest.raises(FuseInferError, match=r"q_start must be a \(2,\) int32 tensor"):
         ops.attention(q, q, q, None, torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(FuseInferError, match=r"q_start must be a \(2,\) int32 tensor, got \(2,\) torch.int64"):
+        ops.attention(q, q, q, None, torch.zeros(2, dtype=torch.int64))  # the kernel reads int32
     with pytest.raises(FuseInferError, match="share a dtype"):
         ops.attention(q, q.half(), q.half())
     with pytest.raises(FuseInferError, match="D > 0"):

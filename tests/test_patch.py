@@ -201,12 +201,62 @@ def test_output_hidden_states_and_report_text():
 
 
 def test_qkv_fusion_adds_no_parameter_memory():
+    """q, k and v become views of the (3E, E) buffer the fused GEMM reads, at offsets 0, E and 2E rows."""
+    from fuseinfer.patches.opt import _qkv_fused
+
     model = random_opt()
-    before = sum(p.numel() for p in model.parameters())
     fuseinfer.patch(model)
-    attn = model.model.decoder.layers[0].self_attn
-    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()
-    assert sum(p.numel() for p in model.parameters()) == before
+    for layer in model.model.decoder.layers:
+        attn = layer.self_attn
+        with torch.no_grad():  # (with gradients on, the projections run: autograd does not reach the buffer)
+            assert _qkv_fused(attn)
+        e = attn.embed_dim
+        for i, proj in enumerate((attn.q_proj, attn.k_proj, attn.v_proj)):
+            assert proj.weight.data_ptr() == attn.qkv_weight.data_ptr() + i * e * e * attn.qkv_weight.element_size()
+            assert proj.bias.data_ptr() == attn.qkv_bias.data_ptr() + i * e * attn.qkv_bias.element_size()
+
+
+def test_patch_leaves_a_model_sharing_the_config_alone():
+    """Two models on one config object: patching one changes the other's attention implementation neither while
+    patched nor after; unpatch puts the original object back, with a setting changed meanwhile."""
+    from transformers import OPTForCausalLM
+
+    a = random_opt()
+    b = OPTForCausalLM(a.config).eval()
+    config = a.config
+    fuseinfer.patch(a)
+    assert b.config is config and config._attn_implementation == "sdpa"
+    assert a.config._attn_implementation == "fuseinfer"
+    assert a.model.decoder.layers[0].self_attn.config is a.config
+    fuseinfer.patch(b)  # patchable on its own
+    fuseinfer.unpatch(b)
+    a.config.use_cache = False
+    fuseinfer.unpatch(a)
+    assert a.config is config and a.model.decoder.layers[0].self_attn.config is config
+    assert config._attn_implementation == "sdpa" and config.use_cache is False
+
+
+def test_layer_with_parameters_in_another_dtype_is_skipped():
+    """fp32 LayerNorms in an fp16 model (the fused kernels take one dtype): those modules stay unswapped, and the
+    report says why; the rest is patched and the logits match."""
+    model = random_opt(dtype=torch.float16)
+    model.model.decoder.layers[1].self_attn_layer_norm.float()
+    ids = _ids(model)
+    ref = _logits(model, ids)
+    report = fuseinfer.patch(model)
+    assert ("model.decoder.layers.1", "it has torch.float32 parameters in a torch.float16 model: the fused ops take "
+            "one dtype (e.g. model.to(torch.float16))") in report.skipped
+    assert type(model.model.decoder.layers[1]).__name__ == "OPTDecoderLayer"
+    assert type(model.model.decoder.layers[0]).__name__ == "FusedOPTDecoderLayer"
+    torch.testing.assert_close(_logits(model, ids), ref, rtol=2e-3, atol=2e-3)
+
+
+def test_training_mode_report_leaves_attention_out():
+    model = random_opt().train()
+    report = fuseinfer.patch(model)
+    assert ("attention", "model is in training mode; call model.eval() first") in report.skipped
+    assert report.swaps and all("attention" not in s.ops for s in report.swaps)
+    assert report.attn_implementation is None
 
 
 def test_training_mode_falls_back_to_the_original_forward():
@@ -422,6 +472,8 @@ def test_meta_device_model_is_refused():
 def test_unknown_op_name_is_refused():
     with pytest.raises(FuseInferError, match=r"unknown op name\(s\) \['flash'\].*choose from"):
         PatchConfig(ops=("flash",))
+    with pytest.raises(FuseInferError, match="filter_fn must be a callable"):
+        PatchConfig(filter_fn=5)
 
 
 def test_double_patch_and_unpatched_unpatch_are_refused():
@@ -439,9 +491,11 @@ def test_double_patch_and_unpatched_unpatch_are_refused():
     fuseinfer.patch(model.model)
     with pytest.raises(FuseInferError, match=r"part of this model \(model\) is already patched"):
         fuseinfer.patch(model)  # a model with a patched part
+    with pytest.raises(FuseInferError, match=r"its module 'model' is: fuseinfer.unpatch\(model.get_submodule"):
+        fuseinfer.unpatch(model)
     fuseinfer.unpatch(model.model)
     fuseinfer.patch(model, PatchConfig(filter_fn=lambda m, name: False))  # sets the attention implementation only
-    with pytest.raises(FuseInferError, match="its attention implementation"):
+    with pytest.raises(FuseInferError, match="config already selects the 'fuseinfer' attention.*part of a patched"):
         fuseinfer.patch(model.model)
     fuseinfer.unpatch(model)
     assert model.config._attn_implementation == "sdpa"

@@ -68,6 +68,17 @@ def test_greedy_identical_to_hf_other_layouts(variant):
     assert torch.equal(fuseinfer.generate(model, ids, mask, **kwargs), ref)
 
 
+def test_release_through_a_compile_wrapper():
+    """release() frees the sessions of the model a torch.compile wrapper holds, as patch and generate reach it."""
+    model = random_opt()
+    wrapper = torch.compile(model)
+    fuseinfer.patch(wrapper)
+    fuseinfer.generate(wrapper, torch.randint(3, 512, (1, 5)), max_new_tokens=3)
+    assert SESSIONS_ATTR in model.__dict__
+    fuseinfer.runtime.release(wrapper)
+    assert SESSIONS_ATTR not in model.__dict__
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("rows", ["some_rows_finish", "every_row_finishes"])
 def test_eos_stops_like_hf(tiny_model_path, device, rows):

@@ -85,10 +85,11 @@ def _load_failed(source: ModelSource, exc: Exception) -> EvalError:
     if source.kind == "local":
         return EvalError(f"could not load {source.path!r} ({reason}); it should hold a Hugging Face model "
                          "(config.json and weights)")
-    hint = "" if source.random_weights else \
-        f" or random:{source.path.removeprefix('facebook/')} for latency and memory only"
-    return EvalError(f"could not load {source.path!r} ({reason}); pass a local directory with the model "
-                     f"(--model /path/to/{source.path.split('/')[-1]}){hint}")
+    hint = f" or random:{source.path.removeprefix('facebook/')} for latency and memory only" \
+        if not source.random_weights and source.path in OPT_CONFIGS else ""
+    local = os.path.abspath(source.path)  # an id like models/opt-wt2-tiny may be a mistyped relative path
+    return EvalError(f"could not load {source.path!r} ({reason}; no local directory {local} either); pass a local "
+                     f"directory with the model (--model /path/to/{source.path.split('/')[-1]}){hint}")
 
 
 def load_config(source: ModelSource):

@@ -87,8 +87,8 @@ def row_cells(row: dict) -> list[str]:
 def _title(results: dict) -> str:
     env, s = results["environment"], results["settings"]
     where = env["gpu"] or f"CPU ({env['cpu_threads']} threads)"
-    return (f"fuseinfer.eval: {results['model']['spec']} on {where}, {s['dtype']}, batch {s['batch_size']}, "
-            f"prompt {s['prompt_len']}, decode {s['gen_len']} tokens")
+    latency = "" if s.get("skip_latency") else f", prompt {s['prompt_len']}, decode {s['gen_len']} tokens"
+    return f"fuseinfer.eval: {results['model']['spec']} on {where}, {s['dtype']}, batch {s['batch_size']}{latency}"
 
 
 def settings_lines(results: dict) -> list[str]:

@@ -1,5 +1,7 @@
 """Fused ops: each module holds a pure-PyTorch reference and a ``fuseinfer::<name>`` torch.library custom op
 that runs the CUDA kernel when the extension is built and the tensors are on CUDA, the reference otherwise.
+``quant`` is the exception: int8 quantisation as references only (no custom op or kernel yet, and nothing in
+fuseinfer calls it).
 """
 from .attention import attention, attention_ref
 from .decode_step import decode_step_workspace, opt_decode_step, opt_decode_step_ref

@@ -147,9 +147,9 @@ def attention(q, k, v, key_mask=None, q_start=None, scale: float | None = None) 
     if key_mask is not None and (key_mask.dtype != torch.bool or key_mask.shape != (b, skv)):
         raise FuseInferError(f"attention: key_mask must be a ({b}, {skv}) bool tensor (True: a real key), got "
                              f"{tuple(key_mask.shape)} {key_mask.dtype}; e.g. attention_mask.bool()")
-    if q_start is not None and (q_start.shape != (b,) or q_start.is_floating_point() or q_start.dtype == torch.bool):
-        raise FuseInferError(f"attention: q_start must be a ({b},) integer tensor, got {tuple(q_start.shape)} "
-                             f"{q_start.dtype}")
+    if q_start is not None and (q_start.shape != (b,) or q_start.dtype != torch.int32):
+        raise FuseInferError(f"attention: q_start must be a ({b},) int32 tensor, got {tuple(q_start.shape)} "
+                             f"{q_start.dtype}; e.g. q_start.int()")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return route(torch.ops.fuseinfer.attention, attention_ref, _attention_cuda, (q, k, v, key_mask, q_start, scale),
                  (q, k, v))

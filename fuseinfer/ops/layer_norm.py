@@ -11,6 +11,8 @@ import torch
 from .._ext import extension, route
 from ..errors import FuseInferError
 
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # csrc/layer_norm.cu; others run the reference
+
 
 def add_layer_norm_ref(x, residual, weight, bias, eps: float, store_sum: bool):
     """Pure-PyTorch reference. x, residual: (..., N); weight, bias: (N,) or None -> (y, s)."""
@@ -36,7 +38,7 @@ def _contiguous_outputs(x, y, s):
 @_add_layer_norm.register_kernel("cuda")
 def _add_layer_norm_cuda(x, residual, weight, bias, eps, store_sum):
     ext = extension(x.device)
-    if ext is None:
+    if ext is None or x.dtype not in KERNEL_DTYPES:
         return _contiguous_outputs(x, *add_layer_norm_ref(x, residual, weight, bias, eps, store_sum))
     x = x.contiguous()
     residual = None if residual is None else residual.contiguous()

@@ -1,8 +1,9 @@
 """Linear layer with a fused epilogue: ``y = act(x @ w.T + bias + residual)``.
 
 OPT uses three forms: bias (the fused q/k/v projection), bias + ReLU (fc1) and bias + residual add
-(out_proj and fc2 in pre-LN blocks). On CUDA the matmul runs in cuBLASLt with the epilogue applied to the
-accumulator before the single store, so the bias, activation and residual cost no extra pass over memory.
+(out_proj and fc2 in pre-LN blocks). On CUDA (``csrc/linear.cu``) the epilogue is applied to the fp32 accumulator
+before the single store, so the bias, activation and residual cost no extra pass over memory: cuBLASLt's
+epilogues for prefill, a weight-streaming tensor-core kernel for fp16/bf16 decode (M <= 16 rows).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from .._ext import extension, route
 from ..errors import FuseInferError
 
 ACTIVATIONS = ("none", "relu")
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # csrc/linear.cu; others run the reference
 
 
 def linear_epilogue_ref(x, weight, bias, residual, activation: str):
@@ -34,9 +36,11 @@ def _check(x, weight, bias, residual, activation):
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise FuseInferError(f"linear_epilogue: expected x (..., K) and weight (N, K), got {tuple(x.shape)} and "
                              f"{tuple(weight.shape)}")
-    if weight.dtype != x.dtype or (bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype)):
-        raise FuseInferError(f"linear_epilogue: weight (and bias, ({weight.shape[0]},)) must be in x's dtype {x.dtype}, "
-                             f"got {weight.dtype}" + ("" if bias is None else f" and {tuple(bias.shape)} {bias.dtype}"))
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise FuseInferError(f"linear_epilogue: bias must be ({weight.shape[0]},), weight's N, got {tuple(bias.shape)}")
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise FuseInferError(f"linear_epilogue: weight (and bias) must be in x's dtype {x.dtype}, got {weight.dtype}"
+                             + ("" if bias is None else f" and {bias.dtype}"))
     if residual is not None and (residual.shape != (*x.shape[:-1], weight.shape[0]) or residual.dtype != x.dtype):
         raise FuseInferError(f"residual must be {tuple(x.shape[:-1]) + (weight.shape[0],)} in {x.dtype}, got "
                              f"{tuple(residual.shape)} in {residual.dtype}")
@@ -55,7 +59,7 @@ def _linear_epilogue_cuda(x, weight, bias, residual, activation):
     ext = extension(x.device)
     # a strided weight would be copied just before the kernel, whose decode path reads weights before its PDL
     # wait (launch.h): take the reference (cuBLAS through F.linear) instead
-    if ext is None or not weight.is_contiguous():
+    if ext is None or not weight.is_contiguous() or x.dtype not in KERNEL_DTYPES:
         return linear_epilogue_ref(x, weight, bias, residual, activation)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)

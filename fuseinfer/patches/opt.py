@@ -10,7 +10,9 @@ the swapped modules' own hooks and parameters stay as they are):
   (3E, E) buffer, so no memory is added), unscaled q with the scale applied inside the attention kernel,
   out_proj + bias (+ residual) fused;
 * the decoder's final ``LayerNorm`` -> :class:`FusedLayerNorm`;
-* ``config._attn_implementation`` -> ``"fuseinfer"``.
+* ``config._attn_implementation`` -> ``"fuseinfer"``, on a copy of the config that the model and its modules
+  hold while patched (so another model built on the same config object keeps its attention); ``unpatch`` puts
+  the original object back, with any other change made to the copy meanwhile.
 
 In training mode, and under autocast to another dtype than the model's, the fused modules call the original
 forward (dropout is not fused; autocast picks each op's dtype). In eval mode with gradients on, the fused ops
@@ -23,6 +25,7 @@ Hooks added after ``patch`` are not seen by the fused forwards.
 """
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -202,9 +205,11 @@ class OPTFamily:
         if not all(isinstance(layer, FusedOPTDecoderLayer) and {"layer_norm", "linear"} <= layer._fuseinfer_ops
                    and isinstance(layer.self_attn, FusedOPTAttention) and hasattr(layer.self_attn, "qkv_weight")
                    and _qkv_linked(layer.self_attn, _qkv_params(layer.self_attn))
-                   for layer in layers) or dec.embed_positions.offset != 2:
+                   for layer in layers):
             return None, ("a layer is not fully fused (patch skipped it, see the report, or its q/k/v weights were "
                           "replaced after patch)")
+        if dec.embed_positions.offset != 2:
+            return None, f"the kernel reads positions with OPT's offset 2, the model's is {dec.embed_positions.offset}"
         if _global_hooks() or any(_has_hooks(m) for m in model.modules()):
             return None, "a module has hooks, which the one-kernel step would bypass (the per-op step calls them)"
         embed = dec.embed_tokens.weight
@@ -231,10 +236,10 @@ class OPTFamily:
 
     def patch(self, model: nn.Module, config: PatchConfig, report: PatchReport) -> dict:
         ops = frozenset(config.ops)
-        state = {"classes": [], "qkv": [], "attn_impl": None}
+        state = {"classes": [], "qkv": [], "config": None}
         like = next(model.parameters())  # what a parameter-free module's ops run on
         layer_ops = ops & {"layer_norm", "linear"}
-        attn_ops = ops & {"qkv", "linear", "attention"}
+        attn_ops = ops & {"qkv", "linear", "attention"} - ({"attention"} if model.training else set())
         plan = []  # (module, name, class, ops): every filter_fn call and check comes before the first swap
         for name, module in model.named_modules():
             ln_name = f"{name}.final_layer_norm".lstrip(".")  # (name is "" when the decoder itself is patched)
@@ -246,7 +251,7 @@ class OPTFamily:
                     and "layer_norm" in ops and config.selects(module.final_layer_norm, ln_name):
                 plan.append((module.final_layer_norm, ln_name, FusedLayerNorm, {"layer_norm"}))
         for module, name, cls, module_ops in plan:
-            why = _bypass_reason(module, module_ops)
+            why = _bypass_reason(module, module_ops, like)
             if why is not None:
                 report.skipped.append((name, why))
                 continue
@@ -254,12 +259,12 @@ class OPTFamily:
                 self._fuse_qkv(module, state)
             self._swap(module, name, cls, module_ops, state, report, like)
         if "attention" in ops:
-            before = model.config._attn_implementation
             if model.training:
                 report.skipped.append(("attention", "model is in training mode; call model.eval() first"))
             else:
+                state["config"] = self._own_config(model)
+                before = model.config._attn_implementation
                 model.config._attn_implementation = hf_attention.NAME
-                state["attn_impl"] = before
                 report.attn_implementation = (before, hf_attention.NAME)
         if not report.swaps:
             report.skipped.append(("all modules", "no OPT module matched the config's ops and filter_fn"))
@@ -271,6 +276,18 @@ class OPTFamily:
         report.swaps.append(Swap(name, type(module).__name__, cls.__name__, _backends(module, ops, like)))
         module.__class__ = cls
         module._fuseinfer_ops = frozenset(ops)
+
+    @staticmethod
+    def _own_config(model: nn.Module):
+        """Give ``model`` and each of its modules that holds its config object a shallow copy of it (OPT's config has
+        no sub-configs), so that changing the attention implementation leaves other models on that object (e.g.
+        ``OPTForCausalLM(other.config)``) as they are. Returns (original, copy) for ``unpatch`` (not the holders:
+        the state lives on the model, which must not reference itself, README's Fast decode)."""
+        original, own = model.config, copy.copy(model.config)
+        for m in model.modules():
+            if m.__dict__.get("config") is original:
+                m.config = own
+        return original, own
 
     @staticmethod
     def _fuse_qkv(attn: OPTAttention, state):
@@ -293,8 +310,13 @@ class OPTFamily:
         for module, cls in state["classes"]:
             module.__class__ = cls
             del module._fuseinfer_ops
-        if state["attn_impl"] is not None:
-            model.config._attn_implementation = state["attn_impl"]
+        if state["config"] is not None:
+            original, own = state["config"]
+            # what else changed on the copy while patched (e.g. use_cache) carries over to the original
+            original.__dict__.update({k: v for k, v in own.__dict__.items() if k != "_attn_implementation_internal"})
+            for m in model.modules():
+                if m.__dict__.get("config") is own:
+                    m.config = original
 
 
 def _has_hooks(module: nn.Module) -> bool:
@@ -312,11 +334,16 @@ def _forward_replaced(module: nn.Module) -> bool:
     return "forward" in module.__dict__ or hasattr(module, "_hf_hook")
 
 
-def _bypass_reason(module: nn.Module, ops) -> str | None:
+def _bypass_reason(module: nn.Module, ops, like: torch.Tensor) -> str | None:
     """Why ``module`` must stay unswapped, or None: its fused forward reads the parameters of the submodules
-    listed here instead of calling them, so each must be a plain, hook-free nn.Linear / nn.LayerNorm."""
+    listed here instead of calling them, so each must be a plain, hook-free nn.Linear / nn.LayerNorm; and the
+    fused ops take their weights in the activations' dtype (``like``'s, the model's first parameter)."""
     if _forward_replaced(module):
         return "its forward is replaced on the instance (e.g. accelerate's hooks): the fused forward would not run"
+    dtypes = {p.dtype for p in module.parameters()} - {like.dtype}
+    if dtypes:
+        return (f"it has {'/'.join(sorted(str(d) for d in dtypes))} parameters in a {like.dtype} model: the fused ops "
+                f"take one dtype (e.g. model.to({like.dtype}))")
     if isinstance(module, OPTAttention):
         if _has_hooks(module):  # (the decoder layer would hand it the residual to fuse into out_proj)
             return "the attention module has hooks (the fused one returns its output plus the residual)"

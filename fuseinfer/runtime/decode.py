@@ -327,5 +327,5 @@ def _weights_key(model) -> tuple:
 
 
 def release(model) -> None:
-    """Free the caches and graphs fast decode keeps on ``model``."""
-    model.__dict__.pop(SESSIONS_ATTR, None)
+    """Free the caches and graphs fast decode keeps on ``model`` (or on the model a torch.compile wrapper holds)."""
+    unwrapped(model).__dict__.pop(SESSIONS_ATTR, None)
