@@ -284,9 +284,7 @@ class OPTFamily:
         ``OPTForCausalLM(other.config)``) as they are. Returns (original, copy) for ``unpatch`` (not the holders:
         the state lives on the model, which must not reference itself, README's Fast decode)."""
         original, own = model.config, copy.copy(model.config)
-        for m in model.modules():
-            if m.__dict__.get("config") is original:
-                m.config = own
+        _replace_config(model, original, own)
         return original, own
 
     @staticmethod
@@ -314,9 +312,14 @@ class OPTFamily:
             original, own = state["config"]
             # what else changed on the copy while patched (e.g. use_cache) carries over to the original
             original.__dict__.update({k: v for k, v in own.__dict__.items() if k != "_attn_implementation_internal"})
-            for m in model.modules():
-                if m.__dict__.get("config") is own:
-                    m.config = original
+            _replace_config(model, own, original)
+
+
+def _replace_config(model: nn.Module, old, new) -> None:
+    """Point every module of ``model`` that holds the config object ``old`` at ``new``."""
+    for m in model.modules():
+        if m.__dict__.get("config") is old:
+            m.config = new
 
 
 def _has_hooks(module: nn.Module) -> bool:
