@@ -394,7 +394,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) prefill_kernel(const A
 // S = Q K^T (wgmma, both operands in shared memory), the online softmax in registers (same semantics and exp2
 // domain as prefill_kernel), and O += P V (wgmma, P from registers, V read MN-major), then hands the stage back.
 // Rows are 128 bytes (64 elements): a head dim of 128 is stored as two 64-column halves.
-// Measured on an H100 (README): three consumer warpgroups beat two at D = 64 (320-327 vs 302 TFLOP/s, B 4, H 32,
+// Measured on an H100 (docs/notes.md): three consumer warpgroups beat two at D = 64 (320-327 vs 302 TFLOP/s, B 4, H 32,
 // S 2048, one block per item); round-robin turns between warpgroups for issuing their GEMMs (FlashAttention-3's
 // ping-pong, named barriers) made ptxas wait after every wgmma and lost 17-30%, so there is none.
 template <int D>

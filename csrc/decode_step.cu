@@ -33,7 +33,7 @@
 // Activations written by one block and read by another are read with ld.global.cg (L2, never a stale L1).
 // Numerics follow the per-op path: fp32 accumulation and statistics, one rounding to the model dtype at
 // each point where the per-op path stores a tensor.
-// README "Fast decode" has the measurements and the trace findings.
+// docs/notes.md ("Fast decode: the one-kernel step") has the measurements and the trace findings.
 #include "device_utils.cuh"
 #include "fuseinfer.h"
 #include "launch.h"

@@ -9,7 +9,7 @@
 //     inputs, PyTorch's default). The algorithm is chosen once per problem (shape, dtype, epilogue, residual,
 //     pointer alignments, device, workspace size) and cached: for M >= kTuneMinM the first call times the
 //     heuristic's first kTuneCandidates algorithms on its own operands and keeps the fastest (its first choice
-//     was 1-5% slower than another of its list at OPT-1.3b prefill shapes on the H100, README); otherwise, with
+//     was 1-5% slower than another of its list at OPT-1.3b prefill shapes on the H100, docs/notes.md); otherwise, with
 //     FUSEINFER_GEMM_TUNE=0, or while the stream is captured into a CUDA graph (no timing possible; not cached, so
 //     a later eager call tunes), the heuristic's first choice.
 //   * fp16/bf16 with M <= kSkinnyMaxM (decode): a weight-streaming tensor-core kernel (skinny_linear_kernel).
@@ -19,7 +19,7 @@
 //     before by all M tokens of x with mma.sync m16n8k16 (fp32 accumulate). At each tile's end the warps'
 //     partial sums meet in shared memory and the epilogue (bias, residual, ReLU) runs before the single store,
 //     with its bias and residual loaded a tile ahead. Launched with PDL (launch.h): each warp's first two
-//     k-blocks of weights are requested before waiting for the kernel that writes x (README: 77 -> 92% of copy
+//     k-blocks of weights are requested before waiting for the kernel that writes x (docs/notes.md: 77 -> 92% of copy
 //     for OPT-1.3b's qkv at M = 1 in a CUDA graph, against one k-block and the epilogue's loads at its end).
 // Both paths allocate nothing but y (and an aligned copy of a misaligned bias; cuBLASLt's workspace is PyTorch's
 // cached per-stream one) and never sync the host, so they can be captured in a CUDA graph.
@@ -80,7 +80,7 @@ struct SkinnyParams {
 // have L2 fetch 256 aligned bytes per miss from HBM (a row's k-block is 256 bytes for NT = 1, 128 for NT = 2).
 // A coherent load, not ld.global.nc: ptxas treats .nc data as constant and may sink such a load below
 // griddepcontrol.wait (pdl_wait), and did so for the first k-block's weights after an unrelated source change in
-// the epilogue (SASS), which cost 4-13 points of copy (README). Plain loads stay where they are written.
+// the epilogue (SASS), which cost 4-13 points of copy (docs/notes.md). Plain loads stay where they are written.
 __device__ __forceinline__ uint4 ld_stream(const uint4* ptr) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   uint4 v;
@@ -379,7 +379,7 @@ uint32_t alignment_of(const void* ptr) {
 using AlgoKey = std::array<int64_t, 12>;
 
 constexpr int64_t kTuneMinM = 512;  // tune prefill-sized problems only: the gain is a few % of a >= 10 us GEMM
-constexpr int kTuneCandidates = 8;  // the heuristic listed 7-8 at the OPT shapes swept (README)
+constexpr int kTuneCandidates = 8;  // the heuristic listed 7-8 at the OPT shapes swept (docs/notes.md)
 
 std::mutex& algo_cache_mutex() {
   static std::mutex mutex;

@@ -56,9 +56,10 @@ PHASES = ["qkv", "attention", "attn rows + out_proj", "LN2 + fc1", "ffn rows + f
 # (the reads of attn rows, h for the LayerNorms and ffn rows wait for their tagged writers: csrc/decode_step.cu)
 
 
-def trace_table() -> None:
+def trace_table(out: str | None = None) -> None:
     """Per-phase times of the one-kernel step from its trace (FUSEINFER_DECODE_TRACE=1): mean over layers of
-    the mean and the max over blocks of each block's own interval."""
+    the mean and the max over blocks of each block's own interval, and how late the last block ends each phase;
+    ``out``: a file to save the raw trace to (torch.save)."""
     t = extension().decode_step_trace()
     if t is None or t.numel() == 0:
         print("no trace: set FUSEINFER_DECODE_TRACE=1 (and run the one-kernel step)")
@@ -78,6 +79,15 @@ def trace_table() -> None:
     print(f"  {'producer: ring full':28s} {waited[:, :, 0].mean():8.2f} {waited[:, :, 0].max(0).values.mean():12.2f}")
     print(f"  {'consumers: ring empty':28s} {waited[:, :, 1].mean():8.2f} {waited[:, :, 1].max(0).values.mean():12.2f}")
     print(f"  {'LM head':28s} {d[:, -1].mean():8.2f} {d[:, -1].max():12.2f}")
+    # %globaltimer is one clock for all SMs: how far the last block ends each phase after the median block does
+    # (a hand-off waits for the last writer of what it reads), mean over layers.
+    ends = stamps[:, 1:1 + p * layers].reshape(t.shape[0], layers, p)  # (blocks, L, P) absolute µs
+    lag = ends.max(0).values - ends.median(0).values  # (L, P)
+    print("  phase end, last block after the median block (us, mean over layers): " +
+          ", ".join(f"{name} {lag[:, i].mean():.2f}" for i, name in enumerate(PHASES)))
+    if out is not None:
+        torch.save(t, out)
+        print(f"  raw trace (blocks x events, us) saved to {out}")
 
 
 def time_step(model, ids):
@@ -102,6 +112,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--no-gemv-table", action="store_true", help="only the decode step")
+    ap.add_argument("--trace-out", default=None, help="save the one-kernel step's raw trace here (torch.save)")
     ap.add_argument("--sweep", default="", help="environment settings read when a session is made, each "
                     "combination timed in this process, e.g. 'FUSEINFER_DECODE_KERNEL=0,1,0,1'")
     args = ap.parse_args()
@@ -123,7 +134,7 @@ def main() -> None:
     session = time_step(model, ids)
     print("decode step:", session.path)
     if session.step_kernel is not None:
-        trace_table()
+        trace_table(args.trace_out)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(20):
             session.advance()

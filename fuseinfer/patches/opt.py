@@ -194,7 +194,7 @@ class OPTFamily:
         rows = cache.key_mask.shape[0]
         if mode == "auto" and rows > decode_step_op.AUTO_MAX_ROWS:
             return None, (f"the one-kernel step is slower than per op above {decode_step_op.AUTO_MAX_ROWS} row(s) "
-                          "(README); FUSEINFER_DECODE_KERNEL=1 uses it wherever it applies")
+                          "(docs/notes.md); FUSEINFER_DECODE_KERNEL=1 uses it wherever it applies")
         cfg, dec = model.config, model.model.decoder
         if not cfg.do_layer_norm_before or dec.project_in is not None or dec.project_out is not None:
             return None, "post-LN OPT with projected embeddings (opt-350m) runs per op"
