@@ -379,7 +379,7 @@ uint32_t alignment_of(const void* ptr) {
 using AlgoKey = std::array<int64_t, 12>;
 
 constexpr int64_t kTuneMinM = 512;  // tune prefill-sized problems only: the gain is a few % of a >= 10 us GEMM
-constexpr int kTuneCandidates = 8;  // the heuristic listed 7-8 at the OPT shapes swept (docs/notes.md)
+constexpr int kTuneCandidates = 8;  // the heuristic listed 7-8 at the OPT shapes swept (efb007a's sweep)
 
 std::mutex& algo_cache_mutex() {
   static std::mutex mutex;
