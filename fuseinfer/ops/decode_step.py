@@ -26,7 +26,8 @@ from .attention import attention_ref
 PARAMS_PER_LAYER = 12  # LN1 w, b, qkv w, b, out_proj w, b, LN2 w, b, fc1 w, b, fc2 w, b
 MAX_ROWS = 8
 # FUSEINFER_DECODE_KERNEL=auto (the default) runs the kernel for batch buckets up to this many rows: where it
-# was measured faster than the per-op step (docs/notes.md, "Fast decode: the one-kernel step": H100, random OPT-1.3b fp16, context 512).
+# was measured faster than the per-op step (docs/notes.md, "Fast decode: the one-kernel step": H100, random
+# OPT-1.3b fp16, context 512).
 AUTO_MAX_ROWS = 2
 
 

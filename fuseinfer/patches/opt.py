@@ -209,7 +209,8 @@ class OPTFamily:
             return None, ("a layer is not fully fused (patch skipped it, see the report, or its q/k/v weights were "
                           "replaced after patch)")
         if dec.embed_positions.offset != 2:
-            return None, f"the kernel reads positions with OPT's offset 2, the model's is {dec.embed_positions.offset}"
+            return None, ("the kernel reads positions with OPT's offset 2, the model's is "
+                          f"{dec.embed_positions.offset}")
         if _global_hooks() or any(_has_hooks(m) for m in model.modules()):
             return None, "a module has hooks, which the one-kernel step would bypass (the per-op step calls them)"
         embed = dec.embed_tokens.weight
