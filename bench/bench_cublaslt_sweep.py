@@ -1,19 +1,21 @@
-"""Every cuBLASLt configuration of the residual GEMMs against bare torch.mm: can the vendor library make the
-residual epilogue free?
+"""A sweep of cuBLASLt's configurations of the residual GEMMs against bare torch.mm: can the vendor library make
+the residual epilogue free?
 
 csrc/linear.cu runs OPT's prefill linears on cuBLASLt and times the heuristic's first 8 algorithms once per
 problem. Issue 4 asks for the fused epilogue at <= 1.03x the bare GEMM; out_proj + residual misses it
 (bench_linear). This script asks the whole library, not its heuristic's short list: for each problem (OPT
 out_proj by default; --layers adds fc2) and mode
   residual   bias epilogue + residual as C (beta = 1) into a new output, as linear_epilogue runs it
-  inplace    the same with the output written over the residual (D = C)
+  inplace    the residual passed as both C and D (its output equals eager F.linear(x, w, b) + r bit for bit:
+             rounded twice, so cuBLASLt computes it another way than `residual`, which rounds once)
   bare       no epilogue, beta = 0 (the GEMM alone)
 it lists every configuration cublasLtMatmulAlgoCheck accepts (algorithm id x tile x stages x custom option x
-CTA swizzle x cluster shape x split-K 1 or 2 with each reduction scheme, within --workspace-mib;
-bench/cublaslt_sweep.cu), screens each with one timed call after a warm-up call (L2 flushed before each
-timed call), re-times the best 64 over five calls, and then times the best --top of those and the heuristic's
-first 8 in turn with torch.mm(x, w.t()) over five rounds (triton do_bench, L2 flushed; "x bare" is the median
-of the per-round ratios, as bench_linear's "ours/bare"). The fastest configuration's output is checked against
+CTA swizzle x 7 cluster shapes x split-K 1 or 2 with each reduction scheme, the inner shape left at its
+default, within --workspace-mib; bench/cublaslt_sweep.cu), screens each with one timed call after a warm-up
+call (L2 flushed before each timed call), re-times the best 64 over five calls, and then times the best --top
+of those and the heuristic's list (up to 8) in turn with torch.mm(x, w.t()) over five rounds (triton do_bench,
+L2 flushed; "x bare" is the median of the per-round ratios, as bench_linear's "ours/bare"; "best" is the
+lowest of those ~20 medians, so it leans low). The fastest configuration's output is checked against
 the fp32 reference (error at most 2x torch's + 1e-6). fp16, random inputs.
 
 Needs a CUDA GPU and nvcc (FUSEINFER_NVCC, default "nvcc") to build bench/cublaslt_sweep.cu into a shared
@@ -178,13 +180,13 @@ def sweep(lib, names: dict, model: str, layer: str, mode: str, m: int, n: int, k
     torch_err = (eager.float() - ref32).abs().max().item()
     assert err <= 2 * torch_err + 1e-6, f"{model} {layer} {mode}: best config err {err:.3g} vs torch {torch_err:.3g}"
 
-    w_ratio = timed[winner]
+    w_times = timed[winner]
     heur_ratios = [ratios[f"heur{j}"] for j in range(heur.count)]
     row = {"model": model, "layer": layer, "mode": mode, "M": m, "N": n, "K": k, "configs": enum.count,
            "configs_ran": len(screen), "best x bare": ratios[winner],
-           "best min": min(t / s for t, s in zip(w_ratio["rounds_ms"], timed["bare"]["rounds_ms"])),
-           "best max": max(t / s for t, s in zip(w_ratio["rounds_ms"], timed["bare"]["rounds_ms"])),
-           "best ms": w_ratio["median_ms"], "bare mm ms": timed["bare"]["median_ms"],
+           "best min": min(t / s for t, s in zip(w_times["rounds_ms"], timed["bare"]["rounds_ms"])),
+           "best max": max(t / s for t, s in zip(w_times["rounds_ms"], timed["bare"]["rounds_ms"])),
+           "best ms": w_times["median_ms"], "bare mm ms": timed["bare"]["median_ms"],
            "heuristic first x bare": heur_ratios[0] if heur_ratios else None,
            "best of heuristic x bare": min(heur_ratios) if heur_ratios else None,
            "best config": " ".join(f"{f}={v}" for f, v in blocks[src].describe(lib, i, names).items()),

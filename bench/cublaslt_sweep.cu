@@ -1,13 +1,13 @@
-// cuBLASLt's whole configuration space for one GEMM problem, for bench/bench_cublaslt_sweep.py (loaded with
-// ctypes; the script builds it with nvcc). Not part of the package: it answers whether any configuration of the
-// vendor library makes a fused epilogue free, which the heuristic's short list (csrc/linear.cu tunes over its
-// first 8) cannot.
+// cuBLASLt's configuration space for one GEMM problem, for bench/bench_cublaslt_sweep.py (loaded with ctypes;
+// the script builds it with nvcc). Not part of the package: it asks whether any configuration of the vendor
+// library makes a fused epilogue free, which the heuristic's short list (csrc/linear.cu tunes over its first 8)
+// cannot answer.
 //
 // The problem is the one csrc/linear.cu's cuBLASLt path sets up: column-major A = w (K x N), B = x (K x M),
 // C and D (N x M), fp16 or bf16 in and out, fp32 compute, epilogue none / BIAS / RELU_BIAS, beta 1 when C is a
 // residual. One problem at a time (lt_setup); lt_enumerate lists every (algorithm id, tile, stages, custom
-// option, CTA swizzle, cluster shape, split-K <= 2 with each reduction scheme) that cublasLtMatmulAlgoCheck
-// accepts within the workspace limit; lt_run runs one of them.
+// option, CTA swizzle, one of 7 cluster shapes, split-K <= 2 with each reduction scheme; the inner shape left at its
+// default) that cublasLtMatmulAlgoCheck accepts within the workspace limit; lt_run runs one of them.
 #include <cublasLt.h>
 
 #include <array>
