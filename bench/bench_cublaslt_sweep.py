@@ -168,7 +168,7 @@ def sweep(lib, names: dict, model: str, layer: str, mode: str, m: int, n: int, k
     timed = paired_ms(fns, rep_ms=30)
     ratios = {name: paired_ratio(t, timed["bare"]) for name, t in timed.items() if name != "bare"}
     winner = min(ratios, key=ratios.get)
-    src, i = ("enum", int(winner[4:])) if winner.startswith("enum") else ("heur", int(winner[4:]))
+    src, i = winner[:4], int(winner[4:])  # "enum12" -> ("enum", 12)
 
     # the winner's output against the fp32 reference, within 2x torch's own error
     ref32 = x.float() @ w.float().t() + (b.float() + r.float() if has_epilogue else 0)
@@ -181,11 +181,11 @@ def sweep(lib, names: dict, model: str, layer: str, mode: str, m: int, n: int, k
     assert err <= 2 * torch_err + 1e-6, f"{model} {layer} {mode}: best config err {err:.3g} vs torch {torch_err:.3g}"
 
     w_times = timed[winner]
+    round_ratios = [t / s for t, s in zip(w_times["rounds_ms"], timed["bare"]["rounds_ms"])]
     heur_ratios = [ratios[f"heur{j}"] for j in range(heur.count)]
     row = {"model": model, "layer": layer, "mode": mode, "M": m, "N": n, "K": k, "configs": enum.count,
            "configs_ran": len(screen), "best x bare": ratios[winner],
-           "best min": min(t / s for t, s in zip(w_times["rounds_ms"], timed["bare"]["rounds_ms"])),
-           "best max": max(t / s for t, s in zip(w_times["rounds_ms"], timed["bare"]["rounds_ms"])),
+           "best min": min(round_ratios), "best max": max(round_ratios),
            "best ms": w_times["median_ms"], "bare mm ms": timed["bare"]["median_ms"],
            "heuristic first x bare": heur_ratios[0] if heur_ratios else None,
            "best of heuristic x bare": min(heur_ratios) if heur_ratios else None,

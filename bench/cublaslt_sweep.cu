@@ -11,6 +11,7 @@
 #include <cublasLt.h>
 
 #include <array>
+#include <type_traits>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -48,25 +49,22 @@ std::vector<V> cap_list(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoCapA
   return out;
 }
 
-template <typename V>
-V cap_value(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoCapAttributes_t attr) {
+// One scalar attribute of an algo: a capability or a configuration field (the attribute's enum type picks which).
+template <typename V, typename Attr>
+V attribute(const cublasLtMatmulAlgo_t& algo, Attr attr) {
   V v{};
   size_t written = 0;
-  cublasLtMatmulAlgoCapGetAttribute(&algo, attr, &v, sizeof(v), &written);
+  if constexpr (std::is_same_v<Attr, cublasLtMatmulAlgoCapAttributes_t>) {
+    cublasLtMatmulAlgoCapGetAttribute(&algo, attr, &v, sizeof(v), &written);
+  } else {
+    cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &written);
+  }
   return v;
 }
 
 template <typename V>
 void set_config(cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr, V v) {
   cublasLtMatmulAlgoConfigSetAttribute(&algo, attr, &v, sizeof(v));
-}
-
-template <typename V>
-V get_config(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
-  V v{};
-  size_t written = 0;
-  cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &written);
-  return v;
 }
 
 }  // namespace
@@ -146,17 +144,17 @@ int lt_enumerate(size_t workspace_limit, uint64_t* out, uint64_t* workspace_out,
         CUBLAS_STATUS_SUCCESS) {
       continue;
     }
-    const auto epilogues = cap_value<uint32_t>(algo, CUBLASLT_ALGO_CAP_EPILOGUE_MASK);
+    const auto epilogues = attribute<uint32_t>(algo, CUBLASLT_ALGO_CAP_EPILOGUE_MASK);
     if ((epilogues & g.epilogue) != static_cast<uint32_t>(g.epilogue)) continue;
     auto tiles = cap_list<uint32_t>(algo, CUBLASLT_ALGO_CAP_TILE_IDS);
     if (tiles.empty()) tiles.push_back(CUBLASLT_MATMUL_TILE_UNDEFINED);
     auto stages = cap_list<uint32_t>(algo, CUBLASLT_ALGO_CAP_STAGES_IDS);
     if (stages.empty()) stages.push_back(CUBLASLT_MATMUL_STAGES_UNDEFINED);
-    const auto custom_max = cap_value<int32_t>(algo, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX);
-    const auto swizzle = cap_value<uint32_t>(algo, CUBLASLT_ALGO_CAP_CTA_SWIZZLING_SUPPORT);
+    const auto custom_max = attribute<int32_t>(algo, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX);
+    const auto swizzle = attribute<uint32_t>(algo, CUBLASLT_ALGO_CAP_CTA_SWIZZLING_SUPPORT);
     std::vector<std::array<uint32_t, 2>> splits = {{1, CUBLASLT_REDUCTION_SCHEME_NONE}};  // (split-K, scheme)
-    if (cap_value<int32_t>(algo, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT)) {
-      const auto schemes = cap_value<uint32_t>(algo, CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK);
+    if (attribute<int32_t>(algo, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT)) {
+      const auto schemes = attribute<uint32_t>(algo, CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK);
       for (uint32_t s : {CUBLASLT_REDUCTION_SCHEME_INPLACE, CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE,
                          CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE}) {
         if (schemes & s) splits.push_back({2, s});
@@ -203,14 +201,14 @@ int lt_enumerate(size_t workspace_limit, uint64_t* out, uint64_t* workspace_out,
 void lt_describe(const uint64_t* config, int* fields) {
   cublasLtMatmulAlgo_t cfg;
   memcpy(&cfg, config, 64);
-  const int f[8] = {get_config<int32_t>(cfg, CUBLASLT_ALGO_CONFIG_ID),
-                    static_cast<int>(get_config<uint32_t>(cfg, CUBLASLT_ALGO_CONFIG_TILE_ID)),
-                    static_cast<int>(get_config<uint32_t>(cfg, CUBLASLT_ALGO_CONFIG_STAGES_ID)),
-                    get_config<int32_t>(cfg, CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
-                    static_cast<int>(get_config<uint32_t>(cfg, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME)),
-                    static_cast<int>(get_config<uint32_t>(cfg, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING)),
-                    static_cast<int>(get_config<uint32_t>(cfg, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION)),
-                    static_cast<int>(get_config<uint16_t>(cfg, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID))};
+  const int f[8] = {attribute<int32_t>(cfg, CUBLASLT_ALGO_CONFIG_ID),
+                    static_cast<int>(attribute<uint32_t>(cfg, CUBLASLT_ALGO_CONFIG_TILE_ID)),
+                    static_cast<int>(attribute<uint32_t>(cfg, CUBLASLT_ALGO_CONFIG_STAGES_ID)),
+                    attribute<int32_t>(cfg, CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+                    static_cast<int>(attribute<uint32_t>(cfg, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME)),
+                    static_cast<int>(attribute<uint32_t>(cfg, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING)),
+                    static_cast<int>(attribute<uint32_t>(cfg, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION)),
+                    static_cast<int>(attribute<uint16_t>(cfg, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID))};
   memcpy(fields, f, sizeof(f));
 }
 
