@@ -65,7 +65,7 @@ def cuda_extension():
 built = cuda_extension()
 setup(
     name="fuseinfer",
-    version="0.1.0",
+    version="0.2.0",
     description="Fused CUDA ops for Hugging Face OPT inference: patch and measure",
     packages=find_packages(include=["fuseinfer", "fuseinfer.*"]),
     python_requires=">=3.10",

@@ -1086,7 +1086,7 @@ bool make_tensor_map(CUtensorMap* map, const void* base, bool bf16, int64_t B, i
 // benchmarks can compare the two kernels in one process; then the mma.sync kernel runs).
 bool sm90_prefill_enabled() {
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-  return env_switch_on("FUSEINFER_ATTN_SM90") && props->major == 9 && props->minor == 0;
+  return knob(Knob::kAttnSm90) != 0 && props->major == 9 && props->minor == 0;
 }
 
 // Launches prefill_sm90_kernel; false (nothing launched) when the tensors do not fit TMA maps or the grid.

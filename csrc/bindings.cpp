@@ -16,4 +16,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("emit_tokens_scratch_ints", &fuseinfer::emit_tokens_scratch_ints);
   m.def("kernels_run_on", &fuseinfer::kernels_run_on);
   m.def("path_counts", &fuseinfer::path_counts);
+  m.def("set_knobs", &fuseinfer::set_knobs);
 }

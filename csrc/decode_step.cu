@@ -950,11 +950,7 @@ at::Tensor& trace_tensor() {
 }
 
 int64_t* trace_buffer(const at::Device& device, int64_t blocks, int64_t events) {
-  static const bool on = [] {
-    const char* v = std::getenv("FUSEINFER_DECODE_TRACE");
-    return v != nullptr && std::strcmp(v, "1") == 0;
-  }();
-  if (!on) return nullptr;
+  if (knob(Knob::kDecodeTrace) == 0) return nullptr;
   at::Tensor& t = trace_tensor();
   if (!t.defined() || t.device() != device || t.size(0) != blocks || t.size(1) != events) {
     t = at::zeros({blocks, events}, at::TensorOptions().dtype(at::kLong).device(device));

@@ -9,6 +9,8 @@
 #include <string>
 #include <tuple>
 
+#include "knobs.h"
+
 namespace fuseinfer {
 
 // y = LayerNorm(s) * weight + bias, where s = x + residual rounded to x's dtype (s = x when residual is

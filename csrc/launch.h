@@ -25,6 +25,8 @@
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
+#include "knobs.h"
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -49,16 +51,9 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// A run-time switch that is on unless the environment variable `name` is "0".
-inline bool env_switch_on(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr || std::strcmp(v, "0") != 0;
-}
-
-// PDL is used when FUSEINFER_PDL is not "0" (default on) and the current device is sm_90 or newer.
+// PDL is used when the FUSEINFER_PDL knob is on (default; knobs.h) and the current device is sm_90 or newer.
 inline bool pdl_enabled() {
-  static const bool env_on = env_switch_on("FUSEINFER_PDL");
-  return env_on && at::cuda::getCurrentDeviceProperties()->major >= 9;
+  return knob(Knob::kPdl) != 0 && at::cuda::getCurrentDeviceProperties()->major >= 9;
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...) with the launch attributes attrs[0, n).

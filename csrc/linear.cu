@@ -503,7 +503,7 @@ void cublaslt_linear(const at::Tensor& x, const at::Tensor& w, const void* bias,
     C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
     const bool capturing = capture != cudaStreamCaptureStatusNone;
     algo = results[0].algo;
-    const bool tune = !capturing && found > 1 && m >= kTuneMinM && env_switch_on("FUSEINFER_GEMM_TUNE");
+    const bool tune = !capturing && found > 1 && m >= kTuneMinM && knob(Knob::kGemmTune) != 0;
     if (tune) algo = results[tune_algorithm(results.data(), found, matmul, stream)].algo;
     count_path(capturing ? Path::kLinearLtCaptured : tune ? Path::kLinearLtTuned : Path::kLinearLtHeuristic);
     if (!capturing) {

@@ -4,11 +4,13 @@
     fuseinfer.unpatch(model)          # restores the original model exactly
 """
 from ._ext import cuda_extension_available, extension_status
+from .config import OPS, PatchConfig, PatchReport
 from .errors import FuseInferError
-from .patching import OPS, PatchConfig, PatchReport, patch, patch_report, patch_state, unpatch
+from .patching import patch, unpatch
 from .runtime import generate
+from .state import patch_report, patch_state
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "OPS", "FuseInferError", "PatchConfig", "PatchReport", "cuda_extension_available", "extension_status",

@@ -6,9 +6,10 @@ reference, and the patch report says so.
 from __future__ import annotations
 
 import importlib
-import os
 
 import torch
+
+from . import knobs
 
 _ext = None
 _load_error: str | None = None
@@ -20,13 +21,15 @@ def extension(device: torch.device | None = None):
     CUDA ``device``, when the build has no kernels for that GPU's architecture."""
     global _ext, _load_error
     if _ext is None and _load_error is None:
-        if os.environ.get("FUSEINFER_DISABLE_CUDA", "0") == "1":
+        if knobs.get("FUSEINFER_DISABLE_CUDA") == "1":
             _load_error = "disabled by FUSEINFER_DISABLE_CUDA=1"
         else:
             try:
                 _ext = importlib.import_module("fuseinfer._C")
             except ImportError as exc:
                 _load_error = f"fuseinfer._C is not built ({exc})"
+            else:
+                knobs.attach(_ext)  # the extension's run-time switches come from fuseinfer/knobs.py
     if _ext is not None and device is not None and device.type == "cuda":
         # once asked, one dict lookup per op call
         reason = _no_kernels[device.index] if device.index in _no_kernels else _no_kernels_reason(device)

@@ -1,153 +1,33 @@
 """The patch engine: ``patch(model, config)`` swaps modules in place and returns a report; ``unpatch`` undoes it.
 
-Model families live in ``fuseinfer/patches/`` (one file each, registered by ``model_type``). The engine checks
-the input before anything is touched, so a refused model is left exactly as it was, keeps the state needed to
-undo the patch on the model itself, and renders the report. On models with ``generate`` it also installs the
-fast-decode ``generate`` of ``fuseinfer.runtime`` (which hands unsupported calls back to transformers).
+Model families live in ``fuseinfer/patches/`` (one file each, registered by ``model_type``, each implementing
+:class:`fuseinfer.patches.base.ModelFamily`). The engine checks the input before anything is touched, so a refused
+model is left exactly as it was, keeps the state needed to undo the patch on the model itself (``state.py``), and
+renders the report. On models with ``generate`` it also installs the fast-decode ``generate`` of
+``fuseinfer.runtime`` (which hands unsupported calls back to transformers).
 """
 from __future__ import annotations
 
-import pickle
-from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
-
-import torch
 from torch import nn
 
+from . import patches
 from ._ext import extension_status
+from .config import ATTN_NAME, OPS, SUPPORTED_DTYPES, PatchConfig, PatchReport, Swap
 from .errors import FuseInferError
+from .runtime import GenerateHook, release
+from .state import STATE_ATTR, PatchState, patch_report, patch_state, unwrapped
 
-OPS = ("layer_norm", "linear", "qkv", "attention")
-ATTN_NAME = "fuseinfer"  # the attention implementation patch registers with transformers (patches/hf_attention.py)
-STATE_ATTR = "_fuseinfer_state"
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-@dataclass(frozen=True)
-class PatchConfig:
-    """What to patch.
-
-    ops: which fusions to apply, any of ``OPS``:
-      ``layer_norm`` (residual add + LayerNorm), ``linear`` (GEMM with bias / ReLU / residual epilogues),
-      ``qkv`` (q, k, v projections as one GEMM), ``attention`` (the ``"fuseinfer"`` attention implementation).
-    filter_fn: ``(module, qualified_name) -> bool``, called for each candidate module (decoder layers, attention
-      modules and the decoder's final LayerNorm); only those for which it returns True are swapped (torchao's
-      ``filter_fn`` idea).
-    """
-
-    ops: tuple[str, ...] = OPS
-    filter_fn: Callable[[nn.Module, str], bool] | None = None
-
-    def __post_init__(self):
-        if isinstance(self.ops, str):
-            object.__setattr__(self, "ops", (self.ops,))
-        if not isinstance(self.ops, (tuple, list, set, frozenset)):
-            raise FuseInferError(f"PatchConfig.ops must be a tuple of op names from {list(OPS)}, got {self.ops!r}")
-        unknown = [op for op in self.ops if op not in OPS]
-        if unknown:
-            raise FuseInferError(f"unknown op name(s) {unknown} in PatchConfig.ops; choose from {list(OPS)}")
-        if self.filter_fn is not None and not callable(self.filter_fn):
-            raise FuseInferError(f"PatchConfig.filter_fn must be a callable (module, name) -> bool, got "
-                                 f"{self.filter_fn!r}; e.g. filter_fn=lambda module, name: 'layers.0.' not in name")
-
-    def selects(self, module: nn.Module, name: str) -> bool:
-        return self.filter_fn is None or bool(self.filter_fn(module, name))
-
-    def __deepcopy__(self, memo):  # immutable: a deep copy of a patched model shares it
-        return self
-
-    def __reduce__(self):
-        """Pickling (``torch.save`` of a patched model, which records its config) keeps ``filter_fn`` where it
-        pickles; a lambda or local function does not, and is replaced by a stand-in that says so if called."""
-        fn = self.filter_fn
-        try:
-            pickle.dumps(fn)
-        except Exception:  # (pickle raises several types: PicklingError, AttributeError, TypeError)
-            fn = _UnpickledFilter(repr(fn))
-        return PatchConfig, (tuple(self.ops), fn)
-
-
-class _UnpickledFilter:
-    """Stands in for a ``filter_fn`` that could not be pickled with its patched model (the swaps it chose are in
-    the pickle; nothing calls it after loading)."""
-
-    def __init__(self, what: str):
-        self.what = what
-
-    def __call__(self, module, name):
-        raise FuseInferError(f"this PatchConfig was unpickled without its filter_fn {self.what}, which could not "
-                             "be pickled; build a new PatchConfig to patch with it")
-
-
-@dataclass
-class Swap:
-    """One module swapped: its name, the class it became, and the backend each of its ops runs on."""
-
-    name: str
-    old_class: str
-    new_class: str
-    ops: dict[str, str]  # op -> "cuda" | "reference"
-
-
-@dataclass
-class PatchReport:
-    """What ``patch`` did: the swaps, what it skipped and why, and where the kernels run."""
-
-    model_type: str
-    swaps: list[Swap] = field(default_factory=list)
-    skipped: list[tuple[str, str]] = field(default_factory=list)  # (name or op, reason)
-    attn_implementation: tuple[str, str] | None = None  # (before, after)
-    extension: str = field(default_factory=extension_status)
-
-    @property
-    def backends(self) -> dict[str, set[str]]:
-        """op -> the set of backends it runs on across all swaps."""
-        out: dict[str, set[str]] = {}
-        for swap in self.swaps:
-            for op, backend in swap.ops.items():
-                out.setdefault(op, set()).add(backend)
-        return out
-
-    def __str__(self) -> str:
-        lines = [f"fuseinfer patch report ({self.model_type}; CUDA extension: {self.extension})"]
-        if self.attn_implementation:
-            lines.append(f"  attention implementation: {self.attn_implementation[0]!r} -> "
-                         f"{self.attn_implementation[1]!r}")
-        lines.append(f"  swapped {len(self.swaps)} module(s):")
-        width = max((len(s.name) for s in self.swaps), default=0)
-        for s in self.swaps:
-            ops = ", ".join(f"{op}={backend}" for op, backend in s.ops.items())
-            lines.append(f"    {s.name:<{width}}  {s.old_class} -> {s.new_class}  [{ops}]")
-        for what, why in self.skipped:
-            lines.append(f"  skipped {what}: {why}")
-        return "\n".join(lines)
-
-
-class PatchState(NamedTuple):
-    family: object  # the family's rules object (fuseinfer/patches/<family>.py)
-    state: dict  # what the family needs to undo its swaps
-    report: PatchReport
-    config: PatchConfig
-    generate: object = None  # the model's own instance attribute ``generate`` before patching, if it had one
-
-
-def unwrapped(model):
-    """The module a ``torch.compile`` wrapper (OptimizedModule) compiles, else ``model``: patching swaps the
-    wrapped model's modules (dynamo recompiles for them), and its ``generate`` is what the wrapper exposes."""
-    return getattr(model, "_orig_mod", model) if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) \
-        else model
+__all__ = ["ATTN_NAME", "OPS", "PatchConfig", "PatchReport", "PatchState", "Swap", "patch", "patch_report",
+           "patch_state", "unpatch", "unwrapped"]
 
 
 def _family_for(model: nn.Module):
-    from .patches import FAMILIES
-
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in FAMILIES:
-        supported = ", ".join(f"{k} ({', '.join(f.architectures)})" for k, f in FAMILIES.items())
-        raise FuseInferError(
-            f"fuseinfer cannot patch {type(model).__name__} (model_type={model_type!r}); "
-            f"supported: {supported}")
-    return model_type, FAMILIES[model_type]
+    family = patches.family(model_type)
+    if family is None:
+        raise FuseInferError(f"fuseinfer cannot patch {type(model).__name__} (model_type={model_type!r}); "
+                             f"supported: {patches.supported()}")
+    return model_type, family
 
 
 def _check_tensors(model: nn.Module) -> None:
@@ -192,8 +72,6 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
     state = family.patch(model, config, report)
     object.__setattr__(model, STATE_ATTR, PatchState(family, state, report, config, model.__dict__.get("generate")))
     if hasattr(model, "generate"):
-        from .runtime import GenerateHook
-
         object.__setattr__(model, "generate", GenerateHook(model))
     return report
 
@@ -207,8 +85,6 @@ def unpatch(model: nn.Module) -> nn.Module:
                              f"this model is not patched by fuseinfer, its module {inner!r} is: "
                              f"fuseinfer.unpatch(model.get_submodule({inner!r}))")
     patched = getattr(model, STATE_ATTR)
-    from .runtime import release
-
     release(model)
     model.__dict__.pop("generate", None)
     if patched.generate is not None:
@@ -216,14 +92,3 @@ def unpatch(model: nn.Module) -> nn.Module:
     patched.family.unpatch(model, patched.state)
     object.__delattr__(model, STATE_ATTR)
     return model
-
-
-def patch_state(model: nn.Module) -> PatchState | None:
-    """What ``patch`` recorded on ``model`` (family, undo state, report, config), or None if unpatched."""
-    return getattr(unwrapped(model), STATE_ATTR, None)
-
-
-def patch_report(model: nn.Module) -> PatchReport | None:
-    """The report of the patch currently applied to ``model``, or None."""
-    state = patch_state(model)
-    return state.report if state else None

@@ -9,7 +9,7 @@ from conftest import random_opt
 import fuseinfer
 from fuseinfer.ops import opt_decode_step, opt_decode_step_ref
 from fuseinfer.ops.decode_step import AUTO_MAX_ROWS, decode_step_workspace, kernel_supports
-from fuseinfer.patches.opt import decode_step_params, forward_last_logits
+from fuseinfer.patches.opt_decode import decode_step_params, forward_last_logits
 from fuseinfer.runtime.cache import StaticKVCache
 from fuseinfer.runtime.decode import SESSIONS_ATTR
 
@@ -169,5 +169,5 @@ def test_bad_decode_kernel_setting_is_one_clear_error(monkeypatch):
     model = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=96, num_hidden_layers=1).eval()
     fuseinfer.patch(model)
     monkeypatch.setenv("FUSEINFER_DECODE_KERNEL", "yes")
-    with pytest.raises(fuseinfer.FuseInferError, match="FUSEINFER_DECODE_KERNEL must be auto, 0 or 1"):
+    with pytest.raises(fuseinfer.FuseInferError, match="FUSEINFER_DECODE_KERNEL must be one of auto, 0, 1"):
         fuseinfer.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=2)

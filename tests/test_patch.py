@@ -700,22 +700,22 @@ def test_one_kernel_step_refuses_skipped_layers_and_hooks(monkeypatch):
     any module has hooks (the per-op step, which calls the modules, runs instead)."""
     import types
 
-    from fuseinfer.patches.opt import OPTFamily
+    from fuseinfer.patches.opt_decode import decode_step_kernel
 
     monkeypatch.setenv("FUSEINFER_DECODE_KERNEL", "1")
     cache = types.SimpleNamespace(key_mask=torch.ones(1, 16, dtype=torch.bool))
     model = random_opt()
     model.model.decoder.layers[1].fc1.register_forward_hook(lambda m, i, o: o)
     fuseinfer.patch(model)
-    assert "not fully fused" in OPTFamily.decode_step_kernel(model, cache)[1]
+    assert "not fully fused" in decode_step_kernel(model, cache)[1]
     model = random_opt()
     fuseinfer.patch(model)
     handle = model.lm_head.register_forward_hook(lambda m, i, o: o)
-    assert "has hooks" in OPTFamily.decode_step_kernel(model, cache)[1]
+    assert "has hooks" in decode_step_kernel(model, cache)[1]
     handle.remove()
     handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: o)
     try:
-        assert "has hooks" in OPTFamily.decode_step_kernel(model, cache)[1]
+        assert "has hooks" in decode_step_kernel(model, cache)[1]
     finally:
         handle.remove()
     for overrides, why in ((dict(do_layer_norm_before=False), "post-LN OPT"),
@@ -724,10 +724,10 @@ def test_one_kernel_step_refuses_skipped_layers_and_hooks(monkeypatch):
                            (dict(enable_bias=False), "the kernel covers ReLU")):
         other = random_opt(**overrides)
         fuseinfer.patch(other)
-        assert why in OPTFamily.decode_step_kernel(other, cache)[1]
+        assert why in decode_step_kernel(other, cache)[1]
     attn = model.model.decoder.layers[0].self_attn  # the step would read the fused buffer, no longer q's weights
     attn.q_proj.weight.data = attn.q_proj.weight.detach().clone()
-    assert "replaced after patch" in OPTFamily.decode_step_kernel(model, cache)[1]
+    assert "replaced after patch" in decode_step_kernel(model, cache)[1]
 
 
 def test_patch_config_ops_must_be_a_tuple_of_names():

@@ -467,7 +467,7 @@ def test_fallback_reasons_are_logged_once_per_kind(caplog, monkeypatch):
 @pytest.mark.parametrize("value", ["0", "-3", "four"])
 def test_bad_graph_steps_setting_is_one_clear_error(value, monkeypatch):
     monkeypatch.setenv("FUSEINFER_DECODE_GRAPH_STEPS", value)
-    with pytest.raises(FuseInferError, match="FUSEINFER_DECODE_GRAPH_STEPS must be a positive integer"):
+    with pytest.raises(FuseInferError, match="FUSEINFER_DECODE_GRAPH_STEPS must be an integer >= 1"):
         _graph_steps()
 
 

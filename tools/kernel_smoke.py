@@ -20,7 +20,7 @@ import fuseinfer
 from fuseinfer import ops
 from fuseinfer.ops.attention import sm90_prefill
 from fuseinfer.ops.decode_step import decode_step_workspace
-from fuseinfer.patches.opt import decode_step_params
+from fuseinfer.patches.opt_decode import decode_step_params
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--part", choices=["all", "no-ring-wrap", "ring-wrap-d64", "ring-wrap-d128", "prefill"],

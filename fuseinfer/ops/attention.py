@@ -12,11 +12,9 @@ such key returns 0 (never NaN, so padded positions cannot poison later layers). 
 """
 from __future__ import annotations
 
-import contextlib
-import os
-
 import torch
 
+from .. import knobs
 from .._ext import extension, route
 from ..errors import FuseInferError
 
@@ -77,19 +75,10 @@ def _attention(
     return attention_ref(q, k, v, key_mask, q_start, scale)
 
 
-@contextlib.contextmanager
 def sm90_prefill(enabled: bool):
     """Within the block, CUDA prefills (more than 16 queries) run the wgmma kernel where the build and the GPU have
-    it (``True``) or the mma.sync one (``False``): sets FUSEINFER_ATTN_SM90, which the extension reads per call."""
-    old = os.environ.get("FUSEINFER_ATTN_SM90")
-    os.environ["FUSEINFER_ATTN_SM90"] = "1" if enabled else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["FUSEINFER_ATTN_SM90"]
-        else:
-            os.environ["FUSEINFER_ATTN_SM90"] = old
+    it (``True``) or the mma.sync one (``False``): overrides the FUSEINFER_ATTN_SM90 knob (``fuseinfer.knobs``)."""
+    return knobs.override(ATTN_SM90="1" if enabled else "0")
 
 
 def kernel_supports(q: torch.Tensor) -> bool:

@@ -2,7 +2,7 @@
 
 ``opt_decode_step`` takes one new token per row (tokens, positions: (B,) int64), writes each layer's new keys
 and values into the static caches at slot ``q_start[b]`` (int32) and attends keys ``j <= q_start[b]`` where
-``key_mask[b, j]``, exactly like the per-op decode path (``fuseinfer.patches.opt.forward_last_logits``), and
+``key_mask[b, j]``, exactly like the per-op decode path (``fuseinfer.patches.opt_decode.forward_last_logits``), and
 returns fp32 logits (B, V) (rounded to the model dtype first, like the LM head's output).
 
 On CUDA (sm_90, fp16/bf16, head dim 64 or 128, B <= 8) it runs ``csrc/decode_step.cu``: one persistent kernel

@@ -18,12 +18,11 @@ from transformers.masking_utils import (
     prepare_padding_mask,
     sdpa_mask,
 )
-
 from transformers.utils.output_capturing import _active_collector
 
+from ..config import ATTN_NAME
 from ..ops import attention
 from ..ops.attention import allowed_mask
-from ..patching import ATTN_NAME
 
 NAME = ATTN_NAME
 

@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import weakref
 from dataclasses import dataclass
 
 import torch
 
+from .. import knobs
+from ..config import OPS
 from ..errors import FuseInferError
 from ..ops.emit_tokens import emit_tokens, emit_tokens_scratch
-from ..patching import OPS, patch_state, unwrapped
+from ..state import patch_state, unwrapped
 from .cache import StaticKVCache
 
 SESSIONS_ATTR = "_fuseinfer_sessions"
@@ -105,7 +106,7 @@ class _Session:
         self.step_kernel, why = patch_state(model).family.decode_step_kernel(model, self.cache)
         self.path = "one kernel per step (fuseinfer::opt_decode_step)" if why is None else f"per op ({why})"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per replay -> graph
-        if dev.type == "cuda" and os.environ.get("FUSEINFER_CUDA_GRAPHS", "1") != "0":
+        if dev.type == "cuda" and knobs.get("FUSEINFER_CUDA_GRAPHS") != "0":
             self._capture(self.group)  # (decode steps: max_new - 1)
 
     def fits(self, capacity: int, sampling: Sampling, max_new: int, eos: torch.Tensor, pad: int) -> bool:
@@ -216,10 +217,7 @@ def decode_forward(model):
 
 
 def _graph_steps() -> int:
-    value = os.environ.get("FUSEINFER_DECODE_GRAPH_STEPS", str(GRAPH_STEPS))
-    if not value.isdigit() or int(value) < 1:
-        raise FuseInferError(f"FUSEINFER_DECODE_GRAPH_STEPS must be a positive integer, got {value!r}")
-    return int(value)
+    return knobs.get_int("FUSEINFER_DECODE_GRAPH_STEPS")
 
 
 def _group_steps(max_new: int) -> int:

@@ -152,7 +152,7 @@ def _transformers_generate(model, inputs, generation_config, kwargs):
     """The fallback: the model's own generate (its instance attribute before patching, else its class's), with the
     attention implementation it had before patching for the call (transformers' generate builds its masks, e.g.
     for a static cache, through that implementation's mask function, which must return a tensor)."""
-    from ..patching import patch_state
+    from ..state import patch_state
 
     state = patch_state(model)
     run = state.generate if state is not None and state.generate is not None else \

@@ -1,0 +1,140 @@
+"""Every ``FUSEINFER_*`` environment variable fuseinfer reads, in one table: name, default, when it is read, meaning.
+
+Python code reads a knob with :func:`get` (validated against the knob's choices, one clear error otherwise).
+The CUDA extension reads none itself: :func:`push` hands the run-time switches to it as arguments
+(``fuseinfer._C.set_knobs``) when the extension loads, and again whenever a knob is changed through
+:func:`override`. ``docs/env.md`` is generated from this table (``python -m fuseinfer.knobs > docs/env.md``) and a
+test checks that it is current and that no other module calls ``os.environ`` for a ``FUSEINFER_`` name.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+from .errors import FuseInferError
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    default: str
+    when: str  # "build", "import", "session", "call": when the value is read
+    meaning: str
+    choices: tuple[str, ...] | None = None  # None: free-form (a path, a number checked by its reader)
+    extension: bool = False  # handed to the CUDA extension by push()
+
+
+KNOBS: dict[str, Knob] = {k.name: k for k in (
+    Knob("FUSEINFER_BUILD_CUDA", "auto", "build",
+         "`auto`: build the CUDA extension when torch has CUDA and nvcc is found; `1`: build it or fail; `0`: never",
+         ("auto", "0", "1")),
+    Knob("FUSEINFER_CUDA_ARCH", "TORCH_CUDA_ARCH_LIST if set, else 9.0a", "build",
+         "compute capabilities to compile for (`;`-separated), e.g. `8.0;9.0a`; the wgmma kernels need `9.0a` "
+         "and no plain `9.0` beside it"),
+    Knob("FUSEINFER_CUTLASS_DIR", "the installed nvidia-cutlass package", "build",
+         "CUTLASS include directory for the sm_90 int8 GEMM"),
+    Knob("FUSEINFER_DISABLE_CUDA", "0", "import", "`1`: ignore a built extension (every op runs its reference)",
+         ("0", "1")),
+    Knob("FUSEINFER_PDL", "1", "import",
+         "`0`: launch kernels without programmatic dependent launch", ("0", "1"), extension=True),
+    Knob("FUSEINFER_ATTN_SM90", "1", "call",
+         "`0`: run the mma.sync attention prefill instead of the wgmma one on sm_90", ("0", "1"), extension=True),
+    Knob("FUSEINFER_GEMM_TUNE", "1", "call",
+         "`0`: take cuBLASLt's first heuristic choice for prefill-sized linears instead of timing 8 candidates "
+         "once per problem", ("0", "1"), extension=True),
+    Knob("FUSEINFER_DECODE_TRACE", "0", "import",
+         "`1`: the one-kernel decode step records per-phase timestamps (tools/profile_decode.py)", ("0", "1"),
+         extension=True),
+    Knob("FUSEINFER_DECODE_KERNEL", "auto", "session",
+         "fast decode's step as one persistent kernel: `auto` where measured faster (1-2 rows), `1` wherever it "
+         "applies, `0` never", ("auto", "0", "1")),
+    Knob("FUSEINFER_DECODE_GRAPH_STEPS", "16", "session",
+         "decode steps in fast decode's longer CUDA graph (`1`: one step per replay); a positive integer"),
+    Knob("FUSEINFER_CUDA_GRAPHS", "1", "session", "`0`: fast decode runs its step eagerly (no CUDA graphs)",
+         ("0", "1")),
+    Knob("FUSEINFER_SHARED", "../shared", "call",
+         "the shared assets folder (tests, .ci/run): models/opt-wt2-tiny and data/wikitext-2-raw"),
+    Knob("FUSEINFER_DATA_DIR", "unset", "call",
+         "folder with wiki.test.raw / wiki.valid.raw for the eval's perplexity and calibration"),
+    Knob("FUSEINFER_BENCH_DIR", "bench/results", "call", "where the benchmark scripts write their results"),
+    Knob("FUSEINFER_NVCC", "nvcc", "call", "the nvcc that bench/bench_cublaslt_sweep.py builds its helper with"),
+    Knob("FUSEINFER_GPU_TRANSFORMERS", "unset", "call",
+         "tools/gpu_check.sh: a transformers wheel to run every stage under instead of the machine's"),
+)}
+
+
+def get(name: str) -> str:
+    """The knob's value from the environment (its default when unset), checked against its choices."""
+    knob = KNOBS[name]
+    value = os.environ.get(name)
+    if value is None:
+        return knob.default
+    if knob.choices is not None and value not in knob.choices:
+        raise FuseInferError(f"{name} must be one of {', '.join(knob.choices)}, got {value!r}")
+    return value
+
+
+def get_int(name: str, minimum: int = 1) -> int:
+    """An integer knob (e.g. FUSEINFER_DECODE_GRAPH_STEPS), at least ``minimum``."""
+    value = get(name)
+    if not value.isdigit() or int(value) < minimum:
+        raise FuseInferError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def extension_values() -> dict[str, int]:
+    """The run-time switches the CUDA extension takes, as integers."""
+    return {k.name: int(get(k.name)) for k in KNOBS.values() if k.extension}
+
+
+_extension = None  # the loaded fuseinfer._C, attached by _ext.py (knobs imports nothing of fuseinfer's)
+
+
+def attach(ext) -> None:
+    """Called by ``_ext.py`` once the extension is loaded: hands it the switches now and at every override."""
+    global _extension
+    _extension = ext
+    push()
+
+
+def push() -> None:
+    """Hand the extension's switches to it (``fuseinfer._C.set_knobs``); a no-op without the extension."""
+    if _extension is not None and hasattr(_extension, "set_knobs"):
+        _extension.set_knobs(extension_values())
+
+
+@contextlib.contextmanager
+def override(**values: str):
+    """Within the block, the knobs ``values`` (names without the ``FUSEINFER_`` prefix, e.g. ``ATTN_SM90="0"``)
+    take these values, in the environment and in the extension."""
+    names = {f"FUSEINFER_{k}": str(v) for k, v in values.items()}
+    unknown = [n for n in names if n not in KNOBS]
+    if unknown:
+        raise FuseInferError(f"unknown knob(s) {unknown}; see fuseinfer.knobs.KNOBS")
+    old = {n: os.environ.get(n) for n in names}
+    os.environ.update(names)
+    try:
+        push()
+        yield
+    finally:
+        for n, v in old.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
+        push()
+
+
+def markdown() -> str:
+    """The knobs table of docs/env.md."""
+    lines = ["# Environment variables", "",
+             "Generated from `fuseinfer/knobs.py` (`python -m fuseinfer.knobs > docs/env.md`); a test checks it is "
+             "current.", "",
+             "| variable | default | read at | meaning |", "| --- | --- | --- | --- |"]
+    lines += [f"| `{k.name}` | `{k.default}` | {k.when} | {k.meaning} |" for k in KNOBS.values()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

@@ -1,0 +1,117 @@
+"""The fast-decode half of the OPT family: the per-op decode forward over fuseinfer's static cache and the
+one-kernel decode step (``fuseinfer::opt_decode_step``) with the checks that say when it applies.
+
+The runtime (``fuseinfer/runtime/decode.py``) calls these through the family interface
+(:class:`fuseinfer.patches.base.ModelFamily`); the module swaps live in ``opt.py``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import knobs
+from ..ops import decode_step as decode_step_op
+from ..ops import decode_step_workspace, opt_decode_step
+from . import hf_attention
+from .opt import (
+    FusedOPTAttention,
+    FusedOPTDecoderLayer,
+    _global_hooks,
+    _has_hooks,
+    _qkv_linked,
+    _qkv_params,
+)
+
+
+def decode_forward(model: nn.Module):
+    """The fast-decode forward for ``model``, or None with the reason it cannot take that path."""
+    if type(model).__name__ != "OPTForCausalLM":
+        return None, f"fast decode needs an OPTForCausalLM, got {type(model).__name__}"
+    if model.config._attn_implementation != hf_attention.NAME:  # patched in training mode
+        return None, ("fast decode needs the fuseinfer attention, which patch() skips in training mode: "
+                      "call model.eval() before fuseinfer.patch(model)")
+    return forward_last_logits, None
+
+
+def decode_step_kernel(model: nn.Module, cache):
+    """(step(tokens, positions, q_start) -> fp32 logits (B, V), None) running the whole decode step over
+    ``cache`` as one kernel (``fuseinfer::opt_decode_step``), or (None, why it cannot)."""
+    mode = knobs.get("FUSEINFER_DECODE_KERNEL")
+    if mode == "0":
+        return None, "the one-kernel step is off: FUSEINFER_DECODE_KERNEL=0"
+    rows = cache.key_mask.shape[0]
+    if mode == "auto" and rows > decode_step_op.AUTO_MAX_ROWS:
+        return None, (f"the one-kernel step is slower than per op above {decode_step_op.AUTO_MAX_ROWS} row(s) "
+                      "(docs/notes.md); FUSEINFER_DECODE_KERNEL=1 uses it wherever it applies")
+    cfg, dec = model.config, model.model.decoder
+    if not cfg.do_layer_norm_before or dec.project_in is not None or dec.project_out is not None:
+        return None, "post-LN OPT with projected embeddings (opt-350m) runs per op"
+    if cfg.activation_function != "relu" or not cfg.enable_bias or model.lm_head.bias is not None \
+            or not cfg.layer_norm_elementwise_affine or dec.final_layer_norm is None:
+        return None, "the kernel covers ReLU, biased linears, affine LayerNorms and a bias-free LM head"
+    layers = list(dec.layers)
+    if not all(isinstance(layer, FusedOPTDecoderLayer) and {"layer_norm", "linear"} <= layer._fuseinfer_ops
+               and isinstance(layer.self_attn, FusedOPTAttention) and hasattr(layer.self_attn, "qkv_weight")
+               and _qkv_linked(layer.self_attn, _qkv_params(layer.self_attn))
+               for layer in layers):
+        return None, ("a layer is not fully fused (patch skipped it, see the report, or its q/k/v weights were "
+                      "replaced after patch)")
+    if dec.embed_positions.offset != 2:
+        return None, ("the kernel reads positions with OPT's offset 2, the model's is "
+                      f"{dec.embed_positions.offset}")
+    if _global_hooks() or any(_has_hooks(m) for m in model.modules()):
+        return None, "a module has hooks, which the one-kernel step would bypass (the per-op step calls them)"
+    embed = dec.embed_tokens.weight
+    heads = cfg.num_attention_heads
+    if not decode_step_op.kernel_supports(rows, embed, cfg.ffn_dim, cfg.hidden_size // heads):
+        return None, (f"no kernel for {rows} rows of {embed.dtype} on {embed.device} (needs the extension, "
+                      f"sm_90, fp16/bf16, head dim 64/128, <= {decode_step_op.MAX_ROWS} rows that fit shared memory)")
+    params = decode_step_params(model)
+    if not all(p.is_contiguous() and p.data_ptr() % 16 == 0 for p in params):
+        return None, "a parameter is not contiguous and 16-byte aligned"
+    eps = layers[0].self_attn_layer_norm.eps
+    scale = layers[0].self_attn.scaling
+    workspace = decode_step_workspace(rows, cfg.hidden_size, cfg.ffn_dim, heads, cfg.hidden_size // heads,
+                                      cache.key_mask.shape[1], embed.device)
+    # tensors only: the session that keeps this step lives on the model, which it must not reference
+    pos_embed, lnf_w, lnf_b = dec.embed_positions.weight, dec.final_layer_norm.weight, dec.final_layer_norm.bias
+    lm_head = model.lm_head.weight
+
+    def step(tokens, positions, q_start):
+        return opt_decode_step(tokens, positions, q_start, cache.key_mask, embed, pos_embed, params, cache.keys,
+                               cache.values, lnf_w, lnf_b, lm_head, workspace, eps, scale)
+
+    return step, None
+
+
+def decode_step_params(model: nn.Module) -> list[torch.Tensor]:
+    """The 12 per-layer tensors ``fuseinfer::opt_decode_step`` takes, for a patched pre-LN OPTForCausalLM."""
+    params = []
+    for layer in model.model.decoder.layers:
+        a = layer.self_attn
+        params += [layer.self_attn_layer_norm.weight, layer.self_attn_layer_norm.bias, a.qkv_weight, a.qkv_bias,
+                   a.out_proj.weight, a.out_proj.bias, layer.final_layer_norm.weight, layer.final_layer_norm.bias,
+                   layer.fc1.weight, layer.fc1.bias, layer.fc2.weight, layer.fc2.bias]
+    return params
+
+
+def forward_last_logits(model: nn.Module, tokens, positions, cache, q_start) -> torch.Tensor:
+    """The fast-decode forward of a patched OPTForCausalLM over a :class:`~fuseinfer.runtime.StaticKVCache`.
+
+    tokens, positions: (B, S) int64 (OPT positions, -1 on padding); writes k/v to ``cache.write_idx``;
+    q_start: (B,) int32 slot of tokens[:, 0]. Returns fp32 logits of the last position, (B, V).
+    """
+    dec = model.model.decoder
+    h = dec.embed_tokens(tokens)  # (B, S, E_word)
+    if dec.project_in is not None:
+        h = dec.project_in(h)
+    h = h + dec.embed_positions(None, 0, position_ids=positions)  # (B, S, E)
+    mask = hf_attention.MaskInfo(cache.key_mask, q_start)
+    for layer in dec.layers:
+        h = layer(h, attention_mask=mask, past_key_values=cache)
+    h = h[:, -1:]  # (B, 1, E)
+    if dec.final_layer_norm is not None:
+        h = dec.final_layer_norm(h)
+    if dec.project_out is not None:
+        h = dec.project_out(h)
+    return model.lm_head(h)[:, -1].float()  # (B, V)
