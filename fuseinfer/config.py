@@ -18,6 +18,10 @@ from .errors import FuseInferError
 
 OPS = ("layer_norm", "linear", "qkv", "attention")
 ATTN_NAME = "fuseinfer"  # the attention implementation patch registers with transformers (patches/hf_attention.py)
+REFERENCES_ONLY = ("no fuseinfer CUDA kernel runs for this model (it is on the CPU, or the extension is not built "
+                   "for this GPU): every op runs its PyTorch reference, which is correct but slower than the unpatched "
+                   "model; for speed, put the model on a CUDA GPU with the extension built "
+                   "(pip install --no-build-isolation -e .)")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -118,4 +122,11 @@ class PatchReport:
             lines.append(f"    {s.name:<{width}}  {s.old_class} -> {s.new_class}  [{ops}]")
         for what, why in self.skipped:
             lines.append(f"  skipped {what}: {why}")
+        if self.references_only:
+            lines.append(f"  note: {REFERENCES_ONLY}")
         return "\n".join(lines)
+
+    @property
+    def references_only(self) -> bool:
+        """Whether no swapped op runs a CUDA kernel (a CPU model, or no usable extension)."""
+        return bool(self.swaps) and all(b != "cuda" for backends in self.backends.values() for b in backends)

@@ -8,14 +8,19 @@ renders the report. On models with ``generate`` it also installs the fast-decode
 """
 from __future__ import annotations
 
+import logging
+
 from torch import nn
 
 from . import patches
 from ._ext import extension_status
-from .config import ATTN_NAME, OPS, SUPPORTED_DTYPES, PatchConfig, PatchReport, Swap
+from .config import ATTN_NAME, OPS, REFERENCES_ONLY, SUPPORTED_DTYPES, PatchConfig, PatchReport, Swap
 from .errors import FuseInferError
 from .runtime import GenerateHook, release
-from .state import STATE_ATTR, PatchState, patch_report, patch_state, unwrapped
+from .state import STATE_ATTR, PatchState, config_owner, patch_report, patch_state, unwrapped
+
+logger = logging.getLogger("fuseinfer")
+_warned: list = []  # the references-only warning is logged once per process
 
 __all__ = ["ATTN_NAME", "OPS", "PatchConfig", "PatchReport", "PatchState", "Swap", "patch", "patch_report",
            "patch_state", "unpatch", "unwrapped"]
@@ -63,13 +68,16 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
     if inner is not None:
         raise FuseInferError(f"part of this model ({inner or 'the model'}) is already patched by fuseinfer: unpatch "
                              "the module that was patched before patching again")
-    if getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTN_NAME:
-        raise FuseInferError(f"this model's config already selects the {ATTN_NAME!r} attention, but the model is not "
-                             "patched: it is part of a patched model (unpatch that one) or was built on a patched "
-                             "model's config (set model.config._attn_implementation = 'sdpa' first)")
+    owner = config_owner(getattr(model, "config", None))
+    if owner is not None and any(m is model for m in owner.modules()):
+        raise FuseInferError(f"this model's config selects the {ATTN_NAME!r} attention of the patched model it is "
+                             "part of: unpatch that model, or patch the whole model instead of this part")
     _check_tensors(model)
     report = PatchReport(model_type=model_type, extension=extension_status(next(model.parameters()).device))
     state = family.patch(model, config, report)
+    if report.references_only and not _warned:
+        _warned.append(True)
+        logger.warning("fuseinfer: %s", REFERENCES_ONLY)
     object.__setattr__(model, STATE_ATTR, PatchState(family, state, report, config, model.__dict__.get("generate")))
     if hasattr(model, "generate"):
         object.__setattr__(model, "generate", GenerateHook(model))

@@ -6,6 +6,7 @@ importing the engine.
 """
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -42,3 +43,27 @@ def patch_report(model) -> PatchReport | None:
     """The report of the patch currently applied to ``model``, or None."""
     state = patch_state(model)
     return state.report if state else None
+
+
+# The config copies patched models hold (patches/opt.py gives each patched model its own copy, see README): id of
+# the copy -> (weak reference to it, weak reference to the model). Lets ``patch`` tell a part of a patched model
+# (refused) from another model built on a patched model's config (patched like any other).
+_config_owners: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def own_config(config, model) -> None:
+    """Record that ``model`` (patched) holds the config copy ``config``."""
+    _config_owners[id(config)] = (weakref.ref(config, lambda _, key=id(config): _config_owners.pop(key, None)),
+                                  weakref.ref(model))
+
+
+def disown_config(config) -> None:
+    _config_owners.pop(id(config), None)
+
+
+def config_owner(config):
+    """The patched model holding the config copy ``config``, or None."""
+    refs = _config_owners.get(id(config))
+    if refs is None or refs[0]() is not config:
+        return None
+    return refs[1]()

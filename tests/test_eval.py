@@ -456,3 +456,20 @@ def test_title_names_latency_settings_only_when_latency_ran(skip_latency):
                "settings": {"dtype": "fp32", "batch_size": 1, "prompt_len": 128, "gen_len": 32,
                             "skip_latency": skip_latency}}
     assert ("prompt 128, decode 32 tokens" in _title(results)) is not skip_latency
+
+
+def test_eval_without_arguments_runs_offline_on_cpu(tmp_path, monkeypatch):
+    """`python -m fuseinfer.eval` with no flags: the shared tiny model with the local WikiText-2 (perplexity that
+    means something), eager and fuseinfer (no torch.compile on CPU), and the warning that no kernels run here."""
+    if not (TINY / "config.json").exists():
+        pytest.skip("shared tiny model not found (FUSEINFER_SHARED)")
+    monkeypatch.setenv("FUSEINFER_SHARED", str(SHARED))
+    monkeypatch.delenv("FUSEINFER_DATA_DIR", raising=False)
+    out = tmp_path / "r.json"
+    assert main(["--output", str(out), "--repeats", "1", "--warmup", "0", "--gen-len", "4", "--prompt-len", "16",
+                 "--max-windows", "2"]) == 0
+    results = json.loads(out.read_text())
+    assert results["settings"]["model"] == str(TINY)
+    assert list(results["backends"]) == ["eager", "fuseinfer"]
+    assert results["data"]["windows"] == 2 and results["backends"]["fuseinfer"]["ppl"] > 1
+    assert any("correctness, not of speed" in w for w in results["warnings"])

@@ -495,7 +495,7 @@ def test_double_patch_and_unpatched_unpatch_are_refused():
         fuseinfer.unpatch(model)
     fuseinfer.unpatch(model.model)
     fuseinfer.patch(model, PatchConfig(filter_fn=lambda m, name: False))  # sets the attention implementation only
-    with pytest.raises(FuseInferError, match="config already selects the 'fuseinfer' attention.*part of a patched"):
+    with pytest.raises(FuseInferError, match="selects the .fuseinfer. attention of the patched model it is part of"):
         fuseinfer.patch(model.model)
     fuseinfer.unpatch(model)
     assert model.config._attn_implementation == "sdpa"

@@ -15,7 +15,7 @@ from .backends import BACKENDS
 from .errors import EvalError
 from .models import SHORT_NAMES
 from .report import output_problem, print_table, write_json, write_markdown, write_plot
-from .runner import DEFAULT_BACKENDS, DTYPES, LATENCY_DEFAULTS, Settings, run
+from .runner import DEFAULT_BACKENDS, DEFAULT_BACKENDS_CPU, DTYPES, LATENCY_DEFAULTS, Settings, run
 from .ui import ConsoleUI
 
 EXAMPLE = "python -m fuseinfer.eval --model opt-1.3b --backends eager,compile,fuseinfer --dtype fp16"
@@ -33,11 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
                 description="What fuseinfer.patch buys on your model and GPU: perplexity on WikiText-2, prefill "
                             "and decode latency, throughput and peak memory for each backend.",
                 epilog=f"example: {EXAMPLE}")
-    p.add_argument("--model", required=True,
+    p.add_argument("--model",
                    help=f"short name ({', '.join(SHORT_NAMES)}), hub id, local directory, or random:<name> "
-                        "(the real config with random weights: latency and memory only)")
-    p.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
-                   help=f"comma-separated, from: {', '.join(BACKENDS)} (default: %(default)s)")
+                        "(the real config with random weights: latency and memory only). Default: the shared "
+                        "trained tiny OPT ($FUSEINFER_SHARED/models/opt-wt2-tiny) with the local WikiText-2 where "
+                        "found, else random:opt-1.3b on CUDA / random:opt-125m on CPU: no download")
+    p.add_argument("--backends",
+                   help=f"comma-separated, from: {', '.join(BACKENDS)} (default: {','.join(DEFAULT_BACKENDS)} on "
+                        f"CUDA, {','.join(DEFAULT_BACKENDS_CPU)} on CPU)")
     p.add_argument("--dtype", choices=list(DTYPES), help="default: fp16 on cuda, fp32 on cpu")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when a GPU is visible)")
     p.add_argument("--batch-size", type=int, default=1)
@@ -62,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    return Settings(model=args.model, backends=tuple(args.backends.split(",")), dtype=args.dtype,
-                    device=args.device, batch_size=args.batch_size, prompt_len=args.prompt_len,
+    backends = tuple(args.backends.split(",")) if args.backends else None
+    return Settings(model=args.model, backends=backends, dtype=args.dtype, device=args.device,
+                    batch_size=args.batch_size, prompt_len=args.prompt_len,
                     gen_len=args.gen_len, warmup=args.warmup, repeats=args.repeats, seq_len=args.seq_len,
                     stride=args.stride, max_windows=args.max_windows, data_dir=args.data_dir, seed=args.seed,
                     skip_ppl=args.skip_ppl, skip_latency=args.skip_latency, debug=args.debug)

@@ -106,6 +106,7 @@ def settings_lines(results: dict) -> list[str]:
                      + (f", stride {data['stride']}" if data["stride"] else "") + ")")
     else:
         lines.append(f"perplexity: {results['ppl_note']}")
+    lines += [f"warning: {w}" for w in results.get("warnings", [])]
     if results["copy_gbps"]:
         lines.append(f"device copy bandwidth measured in this run: {results['copy_gbps']:.0f} GB/s (read + write)")
     lines.append(LEGEND)

@@ -10,9 +10,12 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
+from .. import knobs
+from .._ext import extension_status
 from . import data as data_mod
 from .backends import BACKENDS, Backend
 from .environment import environment
@@ -25,6 +28,9 @@ from .timing import (StepClock, allocated_mib, copy_bandwidth_gbps, free_memory,
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 DEFAULT_BACKENDS = ("eager", "compile", "fuseinfer")
+# on CPU torch.compile's timings measure Inductor's CPU code and its compile time, not what fuseinfer is for
+DEFAULT_BACKENDS_CPU = ("eager", "fuseinfer")
+DEFAULT_CPU_WINDOWS = 8  # perplexity windows of a run without --model on CPU (a few minutes on 2 cores)
 # prompt_len, gen_len, warmup, repeats: GPU defaults measure a realistic generation; CPU ones keep a smoke run short
 LATENCY_DEFAULTS = {"cuda": dict(prompt_len=512, gen_len=128, warmup=2, repeats=10),
                     "cpu": dict(prompt_len=128, gen_len=32, warmup=1, repeats=5)}
@@ -37,8 +43,8 @@ class Settings:
     cpu; prompt_len / gen_len / warmup / repeats from ``LATENCY_DEFAULTS`` for the device; seq_len the model's
     max_position_embeddings."""
 
-    model: str
-    backends: tuple[str, ...] = DEFAULT_BACKENDS
+    model: str | None = None  # None: default_model() for the device
+    backends: tuple[str, ...] | None = None  # None: DEFAULT_BACKENDS on CUDA, DEFAULT_BACKENDS_CPU on CPU
     dtype: str | None = None
     device: str | None = None
     batch_size: int = 1
@@ -150,10 +156,43 @@ def _prepare_data(plan: Plan) -> None:
                          f"({plan.data_info['protocol']} protocol)")
 
 
+def default_model(device: torch.device) -> tuple[str, str | None, str]:
+    """(model spec, data dir or None, why) for a run without --model: the shared trained tiny OPT with the local
+    WikiText-2 where they are found (so perplexity means something), else a random config sized to the device."""
+    shared = Path(knobs.get("FUSEINFER_SHARED")).expanduser()
+    if not shared.is_absolute():
+        shared = Path(__file__).resolve().parents[2] / shared
+    tiny, data = shared / "models" / "opt-wt2-tiny", shared / "data" / "wikitext-2-raw"
+    if (tiny / "config.json").is_file():
+        return str(tiny), str(data) if (data / "wiki.test.raw").is_file() else None, f"the shared tiny OPT ({tiny})"
+    spec = "random:opt-1.3b" if device.type == "cuda" else "random:opt-125m"
+    return spec, None, f"{spec}, sized to the {device.type.upper()} ({tiny} not found: perplexity skipped)"
+
+
+def kernel_warning(names, device: torch.device) -> str | None:
+    """Why the fuseinfer rows measure correctness, not speed, on ``device`` (no kernels run there), or None."""
+    if not any(n.startswith("fuseinfer") for n in names):
+        return None
+    status = extension_status(device)
+    if device.type == "cuda" and status == "built":
+        return None
+    why = "this is a CPU run" if device.type == "cpu" else f"the CUDA extension is {status}"
+    return (f"fuseinfer's CUDA kernels do not run here ({why}): its rows run the ops' PyTorch references, a check of "
+            "correctness, not of speed; on a CUDA machine `pip install --no-build-isolation -e .` builds the kernels")
+
+
 def make_plan(s: Settings) -> Plan:
     """Validate ``s`` and load what every backend shares; raises :class:`EvalError` on any problem."""
-    names = _backend_names(s.backends)
     device = _device(s.device)
+    defaulted = []
+    if s.model is None:
+        spec, data_dir, why = default_model(device)
+        s = Settings(**{**asdict(s), "model": spec, "data_dir": s.data_dir or data_dir,
+                        "max_windows": s.max_windows or (DEFAULT_CPU_WINDOWS if device.type == "cpu" else None)})
+        defaulted.append(f"no --model: {why}")
+    if s.backends is None:
+        s = Settings(**{**asdict(s), "backends": DEFAULT_BACKENDS if device.type == "cuda" else DEFAULT_BACKENDS_CPU})
+    names = _backend_names(s.backends)
     dtype_name = s.dtype or ("fp16" if device.type == "cuda" else "fp32")
     if dtype_name not in DTYPES:
         raise EvalError(f"unknown dtype {dtype_name!r}: choose from {', '.join(DTYPES)}")
@@ -167,6 +206,13 @@ def make_plan(s: Settings) -> Plan:
     plan = Plan(s, device, DTYPES[dtype_name], source, config, s.seq_len or config.max_position_embeddings, prompt)
     plan.messages.append(f"model: {source.spec} -> {source.path}"
                          + (" (random weights)" if source.random_weights else ""))
+    plan.messages += defaulted
+    if device.type == "cpu" and "compile" in names:
+        plan.warnings.append("torch.compile on CPU: its timings measure Inductor's CPU code (and minutes of "
+                             "compiling), not GPU speed")
+    warning = kernel_warning(names, device)
+    if warning:
+        plan.warnings.append(warning)
     if device.type == "cpu" and dtype_name == "fp16":
         plan.warnings.append("fp16 on CPU runs, but slowly (many CPU kernels upcast); fp32 or bf16 are faster")
     _prepare_data(plan)
@@ -348,4 +394,4 @@ def run(settings: Settings, ui) -> dict:
             row["greedy_match_eager"] = _greedy_match(tokens[name], tokens.get("eager"))
     return {"schema": "fuseinfer.eval/1", "settings": {**asdict(s), "seq_len": plan.seq_len},
             "environment": environment(plan.device), "model": _model_info(plan, stats), "data": plan.data_info,
-            "ppl_note": plan.ppl_note, "copy_gbps": copy_gbps, "backends": rows}
+            "ppl_note": plan.ppl_note, "copy_gbps": copy_gbps, "warnings": list(plan.warnings), "backends": rows}

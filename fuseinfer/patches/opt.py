@@ -36,9 +36,11 @@ from transformers.models.opt.modeling_opt import (
 )
 
 from .._ext import backend_for
+from ..errors import FuseInferError
 from ..config import PatchConfig, PatchReport, Swap
 from ..ops import add_layer_norm, linear_epilogue
 from ..ops.attention import kernel_supports
+from ..state import disown_config, own_config
 from . import hf_attention
 
 
@@ -168,6 +170,27 @@ class FusedOPTDecoderLayer(OPTDecoderLayer):
         return _norm(self.final_layer_norm, self._mlp(h, None), h, ln)
 
 
+class CheckedOPTDecoder(OPTDecoder):
+    """OPTDecoder that turns the inputs the fused modules cannot take into one clear error each: an empty batch or
+    sequence, and more positions than the model has (otherwise a reshape error and an IndexError)."""
+
+    def forward(self, input_ids=None, attention_mask=None, past_key_values=None, inputs_embeds=None, *args,
+                **kwargs):
+        x = input_ids if input_ids is not None else inputs_embeds
+        if x is not None and x.dim() >= 2 and (x.shape[0] == 0 or x.shape[1] == 0):
+            raise FuseInferError(f"empty input: {'input_ids' if input_ids is not None else 'inputs_embeds'} has "
+                                 f"shape {tuple(x.shape)}; pass at least one row of at least one token")
+        if x is not None and x.dim() >= 2 and not torch.compiler.is_compiling():
+            past = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past = int(past) if isinstance(past, int) else past
+            limit = self.config.max_position_embeddings
+            if isinstance(past, int) and past + x.shape[1] > limit:
+                raise FuseInferError(f"{past + x.shape[1]} positions ({past} cached + {x.shape[1]} new) exceed the "
+                                     f"model's max_position_embeddings ({limit}): shorten the input (e.g. "
+                                     "tokenizer(..., truncation=True, max_length=...))")
+        return super().forward(input_ids, attention_mask, past_key_values, inputs_embeds, *args, **kwargs)
+
+
 class OPTPatchRules:
     """Patch and unpatch rules for OPT models (the module swaps; ``opt_decode`` has the fast-decode parts)."""
 
@@ -195,6 +218,11 @@ class OPTPatchRules:
             if cls is FusedOPTAttention and "qkv" in ops:
                 self._fuse_qkv(module, state)
             self._swap(module, name, cls, module_ops, state, report, like)
+        for name, module in model.named_modules():  # clear errors for inputs the fused modules cannot take
+            if type(module) is OPTDecoder and report.swaps:
+                state["classes"].append((module, OPTDecoder))
+                module.__class__ = CheckedOPTDecoder
+                module._fuseinfer_ops = frozenset()
         if "attention" in ops:
             if model.training:
                 report.skipped.append(("attention", "model is in training mode; call model.eval() first"))
@@ -222,6 +250,7 @@ class OPTPatchRules:
         the state lives on the model, which must not reference itself, README's Fast decode)."""
         original, own = model.config, copy.copy(model.config)
         _replace_config(model, original, own)
+        own_config(own, model)
         return original, own
 
     @staticmethod
@@ -247,6 +276,7 @@ class OPTPatchRules:
             del module._fuseinfer_ops
         if state["config"] is not None:
             original, own = state["config"]
+            disown_config(own)
             # what else changed on the copy while patched (e.g. use_cache) carries over to the original
             original.__dict__.update({k: v for k, v in own.__dict__.items() if k != "_attn_implementation_internal"})
             _replace_config(model, own, original)

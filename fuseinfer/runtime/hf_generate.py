@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..config import ATTN_NAME
 from ..errors import FuseInferError
 from .decode import decode_forward, eos_tensor, generate, in_vocabulary, pad_id
 
@@ -158,6 +159,8 @@ def _transformers_generate(model, inputs, generation_config, kwargs):
     run = state.generate if state is not None and state.generate is not None else \
         (lambda *a, **k: type(model).generate(model, *a, **k))
     before = state.report.attn_implementation[0] if state is not None and state.report.attn_implementation else None
+    if before == ATTN_NAME:  # a model built on a patched model's config: transformers' default for the call
+        before = "sdpa"
     patched_impl = model.config._attn_implementation
     if before is not None:
         model.config._attn_implementation = before
