@@ -84,10 +84,11 @@ class FusedOps(PlainOps):
         self.qkv = {}
         for layer in model.model.decoder.layers:
             a = layer.self_attn
-            weight = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # (3E, E)
-            biases = [p.bias if p.bias is not None else torch.zeros_like(p.weight[:, 0])
-                      for p in (a.q_proj, a.k_proj, a.v_proj)]
-            self.qkv[id(a)] = (weight, torch.cat(biases))
+            with torch.no_grad():  # constants of the graph, not parameters
+                weight = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # (3E, E)
+                biases = [p.bias if p.bias is not None else torch.zeros_like(p.weight[:, 0])
+                          for p in (a.q_proj, a.k_proj, a.v_proj)]
+                self.qkv[id(a)] = (weight, torch.cat(biases))
         self._ones = {}
 
     def masks(self, attention_mask, s):
