@@ -149,6 +149,7 @@ def _consolidate(src: Path, dst: Path) -> dict:
     model.producer_name = "fuseinfer.export"
     onnx.save_model(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=mf.DATA_FILE, size_threshold=1024)
+    os.chmod(dst.parent / mf.DATA_FILE, 0o644)  # onnx creates it private; it is read by other users' runtimes
     counts = Counter(f"{n.domain + '.' if n.domain else ''}{n.op_type}" for n in model.graph.node)
     return dict(sorted(counts.items()))
 
