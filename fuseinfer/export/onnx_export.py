@@ -118,6 +118,9 @@ def to_onnx(model, out_dir, flavour: str = "fused", dtype: torch.dtype | None = 
         dynamic.update({n: {0: "batch", 2: "past_sequence"} for n in inputs[3:]})
         dynamic.update({n: {0: "batch", 2: "total_sequence"} for n in outputs[1:]})
         graph = DecoderGraph(model, flavour)
+        # the exporter sets eval mode and then restores the *wrapper's* mode on every submodule: a fresh module is
+        # in training mode, which would leave the caller's model with dropout on; restore the model's own mode
+        graph.train(model.training)
         traced = tmp / "traced"
         traced.mkdir()
         with torch.no_grad(), warnings.catch_warnings():
@@ -148,7 +151,7 @@ def _consolidate(src: Path, dst: Path) -> dict:
     model = onnx.load(str(src), load_external_data=True)
     model.producer_name = "fuseinfer.export"
     onnx.save_model(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=mf.DATA_FILE, size_threshold=1024)
+                    location=mf.DATA_FILE, size_threshold=1024, convert_attribute=True)
     os.chmod(dst.parent / mf.DATA_FILE, 0o644)  # onnx creates it private; it is read by other users' runtimes
     counts = Counter(f"{n.domain + '.' if n.domain else ''}{n.op_type}" for n in model.graph.node)
     return dict(sorted(counts.items()))
