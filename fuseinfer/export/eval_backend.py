@@ -39,8 +39,16 @@ def export_dir_for(model, flavour: str, dtype: torch.dtype) -> tuple[Path, bool]
     root = os.environ.get(ONNX_DIR_ENV)
     if not root:
         return Path(tempfile.mkdtemp(prefix=f"fuseinfer-onnx-{flavour}-")) / "export", True
-    name = f"{mf.config_hash(model.config)}-{mf.weights_fingerprint(model)}-{flavour}-{mf.DTYPE_NAMES[dtype]}"
-    return Path(root).expanduser() / name, False
+    root = Path(root).expanduser()
+    want = (mf.config_hash(model.config), mf.weights_fingerprint(model), flavour, mf.DTYPE_NAMES[dtype])
+    for found in sorted(root.glob(f"*/{mf.MANIFEST}")):  # e.g. one made by python -m fuseinfer.export --out
+        try:
+            m = mf.read(found.parent)
+        except ExportError:
+            continue
+        if (m["model"]["config_hash"], m["model"]["weights_fingerprint"], m["flavour"], m["dtype"]) == want:
+            return found.parent, False
+    return root / "-".join(want), False
 
 
 class OrtBackend(Backend):
