@@ -253,7 +253,7 @@ def assert_one_line_error(capsys, rc, *words):
 
 
 def test_unknown_backend(capsys):
-    assert_one_line_error(capsys, main(["--model", "opt-125m", "--backends", "eager,tensorrt"]), "tensorrt",
+    assert_one_line_error(capsys, main(["--model", "opt-125m", "--backends", "eager,vllm"]), "vllm",
                           "eager, compile, fuseinfer")
 
 

@@ -207,3 +207,5 @@ class FuseInferBackend(EagerBackend):
 
 
 BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (EagerBackend, CompileBackend, FuseInferBackend)}
+
+import fuseinfer.export.eval_backend  # noqa: E402,F401  registers ort, ort-plain, tensorrt (issue 37)

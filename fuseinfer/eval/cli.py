@@ -7,6 +7,7 @@ backend, missing data or device, an output file that cannot be written (checked 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from rich.console import Console
@@ -61,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", help="write the table with settings and environment as Markdown here")
     p.add_argument("--plot", help="write a PNG of latency and memory per backend here")
     p.add_argument("--debug", action="store_true", help="raise a backend's error instead of reporting it")
+    p.add_argument("--onnx-dir", help="ort / ort-plain / tensorrt: keep and reuse exports here (sets "
+                                      "$FUSEINFER_ONNX_DIR; default: a temporary export per run)")
     return p
 
 
@@ -95,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         outputs = output_files(args)  # before the run: a bad path should not wait for the end of a long run
+        if args.onnx_dir:
+            os.environ["FUSEINFER_ONNX_DIR"] = args.onnx_dir  # read by fuseinfer/export/eval_backend.py
         results = run(settings_from_args(args), ConsoleUI())
         console = Console()
         print_table(results, console if console.is_terminal else Console(width=160))

@@ -1,0 +1,213 @@
+"""Eval backends ``ort``, ``ort-plain`` and ``tensorrt`` for ``python -m fuseinfer.eval``.
+
+``ort`` / ``ort-plain``: export the loaded model (fused / plain flavour) into a temporary directory, or reuse an
+export under ``$FUSEINFER_ONNX_DIR`` (``--onnx-dir``) when its manifest matches the model (config hash, weights
+fingerprint, flavour, dtype), free the PyTorch model, and run with :class:`~fuseinfer.export.ort_runtime.OrtDecoder`
+(CUDA execution provider + IO binding on GPU, CPU provider on CPU).
+
+Memory: ONNX Runtime allocates through its own CUDA arena, which torch's peak counters (the eval's
+``peak_memory`` column) cannot see. ``details()`` adds ``device_memory``: the GPU's used memory from
+``torch.cuda.mem_get_info`` (driver count), sampled when the session is created and after every prefill, decode
+run and perplexity window, minus the count before the session existed (``baseline_mib``, taken after the PyTorch
+model was freed). The arena keeps what it grew to, so the last sample is the peak of the run.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..eval.backends import BACKENDS as EVAL_BACKENDS
+from ..eval.backends import Backend
+from . import manifest as mf
+from .errors import ExportError
+
+ONNX_DIR_ENV = "FUSEINFER_ONNX_DIR"
+
+
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    return logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+
+
+def export_dir_for(model, flavour: str, dtype: torch.dtype) -> tuple[Path, bool]:
+    """(directory to use, whether it is temporary): under $FUSEINFER_ONNX_DIR, one sub-directory per model,
+    flavour and dtype, reused across runs; else a fresh temporary directory."""
+    root = os.environ.get(ONNX_DIR_ENV)
+    if not root:
+        return Path(tempfile.mkdtemp(prefix=f"fuseinfer-onnx-{flavour}-")) / "export", True
+    root = Path(root).expanduser()
+    want = (mf.config_hash(model.config), mf.weights_fingerprint(model), flavour, mf.DTYPE_NAMES[dtype])
+    for found in sorted(root.glob(f"*/{mf.MANIFEST}")):  # e.g. one made by python -m fuseinfer.export --out
+        try:
+            m = mf.read(found.parent)
+        except ExportError:
+            continue
+        if (m["model"]["config_hash"], m["model"]["weights_fingerprint"], m["flavour"], m["dtype"]) == want:
+            return found.parent, False
+    return root / "-".join(want), False
+
+
+class OrtBackend(Backend):
+    """The model exported with onnxruntime's fused contrib ops, run by ONNX Runtime with IO binding."""
+
+    name = "ort"
+    summary = "ONNX export with onnxruntime contrib ops (SkipLayerNorm, MultiHeadAttention), IO binding"
+    flavour = "fused"
+
+    @classmethod
+    def unavailable_reason(cls, device):
+        from .ort_runtime import unavailable_reason
+
+        return unavailable_reason(device)
+
+    def prepare(self):
+        from .onnx_export import to_onnx
+        from .ort_runtime import OrtDecoder, device_used_mib
+
+        directory, self._temporary = export_dir_for(self.model, self.flavour, self.dtype)
+        self.export_reused = (directory / mf.MANIFEST).is_file()
+        if self.export_reused:
+            mf.check_matches(mf.read(directory), directory, model=self.model, flavour=self.flavour,
+                             dtype=self.dtype)
+            self.export_s = None
+        else:
+            self.export_s = to_onnx(self.model, directory, self.flavour, source=self.source.spec)["export_seconds"]
+        self.directory = directory
+        config = self.model.config
+        self.model = None  # ORT holds its own copy of the weights; the PyTorch one is freed
+        _free(self.device)
+        self.baseline_mib = device_used_mib(self.device)
+        self.ort = OrtDecoder(directory, self.device, config=config, flavour=self.flavour, dtype=self.dtype)
+        self.session_mib = self._used()
+        self.peak_mib = self.session_mib
+
+    def _used(self):
+        from .ort_runtime import device_used_mib
+
+        used = device_used_mib(self.device)
+        if used is None:
+            return None
+        value = used - self.baseline_mib
+        self.peak_mib = max(getattr(self, "peak_mib", None) or 0.0, value)
+        return value
+
+    def start(self, batch_size, max_len):
+        self.ort.start(batch_size, max_len)
+
+    def end(self):
+        if getattr(self, "ort", None) is not None:
+            self._used()
+            self.ort.end()
+
+    def prefill(self, input_ids):
+        tokens = _greedy(self.ort.prefill(input_ids))  # (B, 1)
+        return tokens
+
+    def decode_step(self, tokens):
+        return _greedy(self.ort.step(tokens))  # (B, 1)
+
+    def loss(self, input_ids, labels):
+        """Hugging Face's causal LM loss: logits upcast to fp32, shifted, mean over labels != -100."""
+        logits = self.ort.logits(input_ids).float()  # (1, L, V)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                               ignore_index=-100)
+        self._used()
+        return loss
+
+    def details(self):
+        out = {"onnx_flavour": self.flavour, "onnx_dir": None if self._temporary else str(self.directory),
+               "export_s": self.export_s, "export_reused": self.export_reused,
+               "contrib_ops": self.ort.manifest["contrib_ops"] if getattr(self, "ort", None) else None}
+        if self.device.type == "cuda":
+            out["device_memory"] = {"method": "torch.cuda.mem_get_info: GPU used minus before the session",
+                                    "baseline_mib": self.baseline_mib, "session_mib": self.session_mib,
+                                    "peak_mib": self.peak_mib}
+        return out
+
+    def close(self):
+        self.end()
+        self.ort = None
+        if getattr(self, "_temporary", False):
+            shutil.rmtree(self.directory.parent, ignore_errors=True)
+        super().close()
+
+
+class OrtPlainBackend(OrtBackend):
+    """The model exported with standard ONNX ops only, run by ONNX Runtime the same way."""
+
+    name = "ort-plain"
+    summary = "ONNX export with standard ops only (what ORT's own optimizer can do for OPT), IO binding"
+    flavour = "plain"
+
+
+class TensorRTBackend(Backend):
+    """The plain ONNX export built into a TensorRT engine and run with execute_async_v3.
+
+    Written against TensorRT's documented Python API; never run on our machines (TensorRT cannot be installed
+    there). Without ``tensorrt`` the eval reports the install hint in this row."""
+
+    name = "tensorrt"
+    summary = "TensorRT engine from the plain ONNX export (written against the documented API, never run here)"
+
+    @classmethod
+    def unavailable_reason(cls, device):
+        from .tensorrt import unavailable_reason
+
+        return unavailable_reason(device)
+
+    def prepare(self):
+        from .onnx_export import to_onnx
+        from .tensorrt import TrtDecoder, build_engine
+
+        directory, self._temporary = export_dir_for(self.model, "plain", self.dtype)
+        if not (directory / mf.MANIFEST).is_file():
+            to_onnx(self.model, directory, "plain", source=self.source.spec)
+        self.directory = directory
+        self.model = None
+        _free(self.device)
+        engine = directory / f"engine-{mf.DTYPE_NAMES[self.dtype]}.plan"
+        if not engine.is_file():
+            build_engine(directory, engine, fp16=self.dtype == torch.float16)
+        self.trt = TrtDecoder(engine, directory, self.device)
+
+    def start(self, batch_size, max_len):
+        self.trt.start(batch_size, max_len)
+
+    def end(self):
+        if getattr(self, "trt", None) is not None:
+            self.trt.end()
+
+    def prefill(self, input_ids):
+        return _greedy(self.trt.prefill(input_ids))
+
+    def decode_step(self, tokens):
+        return _greedy(self.trt.step(tokens))
+
+    def loss(self, input_ids, labels):
+        logits = self.trt.logits(input_ids).float()
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                               ignore_index=-100)
+
+    def close(self):
+        self.end()
+        self.trt = None
+        if getattr(self, "_temporary", False):
+            shutil.rmtree(self.directory.parent, ignore_errors=True)
+        super().close()
+
+
+def _free(device):
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+BACKENDS = (OrtBackend, OrtPlainBackend, TensorRTBackend)
+EVAL_BACKENDS.update({cls.name: cls for cls in BACKENDS})  # registered whichever module is imported first
+__all__ = ["OrtBackend", "OrtPlainBackend", "TensorRTBackend", "ExportError", "BACKENDS"]

@@ -1,0 +1,208 @@
+"""``to_onnx(model, out_dir, ...)``: trace :class:`~fuseinfer.export.graph.DecoderGraph` into an ONNX directory.
+
+Exporter: the TorchScript one (``torch.onnx.export(..., dynamo=False)``). Why not ``dynamo=True``: the fused
+flavour needs contrib ops, which the TorchScript exporter takes from each ``autograd.Function.symbolic`` in the
+same pass, while the dynamo exporter would need each one registered as a ``torch.library`` custom op plus an
+onnxscript translation table entry; and ``torch.export`` specialises sizes 0 and 1, so a prefill graph (past
+length 0) and a decode graph (one new token) traced from one example would need care with every dynamic dim.
+The TorchScript exporter records ``tensor.shape`` reads as Shape ops, so batch, sequence and past lengths stay
+dynamic. It is deprecated but present in torch 2.11 and 2.13 (the versions we run); it prints a
+DeprecationWarning, which this module silences.
+
+Layout of the directory (written to a temporary sibling and renamed at the end, so a failure leaves nothing):
+``model.onnx`` (graph), ``model.onnx.data`` (every weight over 1 KiB, external data: no 2 GiB protobuf limit)
+and ``fuseinfer_onnx.json`` (see manifest.py).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from . import manifest as mf
+from .errors import ExportError
+from .graph import FLAVOURS, DecoderGraph
+
+OPSET = 17  # LayerNormalization is a standard op from 17; onnxruntime 1.17+ reads it
+
+
+def io_names(num_layers: int) -> tuple[list[str], list[str]]:
+    past = [f"past_{kv}_{i}" for i in range(num_layers) for kv in ("key", "value")]
+    present = [f"present_{kv}_{i}" for i in range(num_layers) for kv in ("key", "value")]
+    return ["input_ids", "attention_mask", "num_logits_to_keep"] + past, ["logits"] + present
+
+
+def _io_spec(num_layers, heads, head_dim, vocab, dtype_name):
+    kv = ["batch", heads, "past_sequence", head_dim]
+    present = ["batch", heads, "past_sequence + sequence", head_dim]
+    inputs = [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"]},
+              {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "past_sequence + sequence"],
+               "meaning": "1 for a token, 0 for padding (left padding as in generation)"},
+              {"name": "num_logits_to_keep", "dtype": "int64", "shape": [1],
+               "meaning": "0: logits for every position; n: for the last n (prefill: 1)"}]
+    outputs = [{"name": "logits", "dtype": dtype_name, "shape": ["batch", "sequence or n", vocab]}]
+    for i in range(num_layers):
+        for name in ("key", "value"):
+            inputs.append({"name": f"past_{name}_{i}", "dtype": dtype_name, "shape": kv})
+            outputs.append({"name": f"present_{name}_{i}", "dtype": dtype_name, "shape": present})
+    return inputs, outputs
+
+
+def check_model(model) -> None:
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "model_type", None) != "opt" or not hasattr(getattr(model, "model", None), "decoder"):
+        kind = getattr(cfg, "model_type", type(model).__name__)
+        raise ExportError(f"fuseinfer.export exports OPT causal LMs (OPTForCausalLM), got a {kind!r} model; "
+                          "load an OPT checkpoint (facebook/opt-*) or use optimum's exporter for other families")
+
+
+def check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and not overwrite:
+        raise ExportError(f"output directory {out_dir} exists; pass --overwrite (overwrite=True) to replace it, "
+                          "or choose another --out")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportError(f"--out {out_dir} is a file, not a directory; choose another path")
+
+
+def _example(graph_model, device, dtype):
+    """Inputs to trace with: batch 2, 3 new tokens after 2 cached ones (no size 0 or 1, which a tracer could
+    mistake for a constant)."""
+    cfg = graph_model.config
+    heads = cfg.num_attention_heads
+    head_dim = cfg.hidden_size // heads
+    ids = torch.full((2, 3), 4, dtype=torch.long, device=device)
+    mask = torch.ones(2, 5, dtype=torch.long, device=device)
+    keep = torch.zeros(1, dtype=torch.long, device=device)
+    past = [torch.zeros(2, heads, 2, head_dim, dtype=dtype, device=device)
+            for _ in range(2 * cfg.num_hidden_layers)]
+    return (ids, mask, keep, *past)
+
+
+def to_onnx(model, out_dir, flavour: str = "fused", dtype: torch.dtype | None = None,
+            device: str | torch.device | None = None, overwrite: bool = False, opset: int = OPSET,
+            source: str | None = None) -> dict:
+    """Export an OPTForCausalLM to ``out_dir``; returns the manifest (also written as fuseinfer_onnx.json).
+
+    ``dtype`` / ``device``: export in that dtype on that device (default: the model's). The model itself is
+    never changed: a model in another dtype or on another device is copied first. ``source``: how the model was
+    named (recorded in the manifest).
+    """
+    check_model(model)
+    if flavour not in FLAVOURS:
+        raise ExportError(f"unknown flavour {flavour!r}: choose from {', '.join(FLAVOURS)}")
+    if dtype is not None and dtype not in mf.DTYPE_NAMES:
+        raise ExportError(f"unsupported dtype {dtype}: use torch.float16 or torch.float32")
+    out_dir = Path(out_dir).expanduser().absolute()
+    check_out_dir(out_dir, overwrite)
+    param = next(model.parameters())
+    dtype = dtype or param.dtype
+    device = torch.device(device) if device is not None else param.device
+    if (param.dtype, param.device.type) != (dtype, device.type):
+        model = copy.deepcopy(model).to(device=device, dtype=dtype)  # the caller's model stays as it was
+    cfg = model.config
+    start = time.perf_counter()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the export is an ordinary directory
+    try:
+        inputs, outputs = io_names(cfg.num_hidden_layers)
+        dynamic = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "total_sequence"},
+                   "logits": {0: "batch", 1: "kept_sequence"}}
+        dynamic.update({n: {0: "batch", 2: "past_sequence"} for n in inputs[3:]})
+        dynamic.update({n: {0: "batch", 2: "total_sequence"} for n in outputs[1:]})
+        graph = DecoderGraph(model, flavour)
+        # the exporter sets eval mode and then restores the *wrapper's* mode on every submodule: a fresh module is
+        # in training mode, which would leave the caller's model with dropout on; restore the model's own mode
+        graph.train(model.training)
+        traced = tmp / "traced"
+        traced.mkdir()
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
+            torch.onnx.export(graph, _example(model, device, dtype), str(traced / mf.MODEL_FILE), dynamo=False,
+                              input_names=inputs, output_names=outputs, dynamic_axes=dynamic,
+                              opset_version=opset, do_constant_folding=True, external_data=True)
+        del graph
+        ops = _consolidate(traced / mf.MODEL_FILE, tmp / mf.MODEL_FILE)
+        shutil.rmtree(traced)
+        heads = cfg.num_attention_heads
+        io_in, io_out = _io_spec(cfg.num_hidden_layers, heads, cfg.hidden_size // heads, cfg.vocab_size,
+                                 mf.DTYPE_NAMES[dtype])
+        manifest = _manifest(model, flavour, dtype, device, opset, source, ops, io_in, io_out)
+        manifest["export_seconds"] = round(time.perf_counter() - start, 2)
+        mf.write(tmp, manifest)
+        _replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _consolidate(src: Path, dst: Path) -> dict:
+    """Rewrite the exporter's output as one graph file plus one external-data file; returns op counts."""
+    import onnx
+
+    model = onnx.load(str(src), load_external_data=True)
+    model.producer_name = "fuseinfer.export"
+    onnx.save_model(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=mf.DATA_FILE, size_threshold=1024, convert_attribute=True)
+    os.chmod(dst.parent / mf.DATA_FILE, 0o644)  # onnx creates it private; it is read by other users' runtimes
+    counts = Counter(f"{n.domain + '.' if n.domain else ''}{n.op_type}" for n in model.graph.node)
+    return dict(sorted(counts.items()))
+
+
+def _manifest(model, flavour, dtype, device, opset, source, ops, inputs, outputs) -> dict:
+    import onnx
+    import transformers
+
+    import fuseinfer
+
+    cfg = model.config
+    contrib = {k.split(".", 2)[-1]: v for k, v in ops.items() if k.startswith("com.microsoft.")}
+    return {
+        "schema": mf.SCHEMA,
+        "model_file": mf.MODEL_FILE,
+        "external_data": mf.DATA_FILE,
+        "flavour": flavour,
+        "dtype": mf.DTYPE_NAMES[dtype],
+        "opset": opset,
+        "exported_on": str(device),
+        "exporter": "torch.onnx.export (TorchScript, dynamo=False)",
+        "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "transformers": transformers.__version__,
+                     "fuseinfer": fuseinfer.__version__},
+        "model": {"source": source or getattr(cfg, "_name_or_path", "") or "in-memory model",
+                  "config_hash": mf.config_hash(cfg), "weights_fingerprint": mf.weights_fingerprint(model),
+                  "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
+                  "head_dim": cfg.hidden_size // cfg.num_attention_heads, "hidden": cfg.hidden_size,
+                  "vocab": cfg.vocab_size, "max_positions": cfg.max_position_embeddings,
+                  "pad_token_id": cfg.pad_token_id},
+        "inputs": inputs,
+        "outputs": outputs,
+        "position_ids": "computed in the graph from attention_mask as OPT does: cumsum(mask) * mask - 1 over the "
+                        "whole mask, the last `sequence` columns kept, + 2 (OPT's offset) into the position table",
+        "attention": ("com.microsoft.MultiHeadAttention, unidirectional=1 (causal, offset by the past length), "
+                      "padding as attention_bias (-10000 on padded keys)") if flavour == "fused" else
+                     "MatMul / Where(causal and not padding) / Softmax(fp32) / MatMul",
+        "contrib_ops": contrib,
+        "op_counts": ops,
+        "run": ("fuseinfer.export.OrtDecoder(dir, device) (IO binding; see docs/export.md), or any ONNX Runtime: "
+                "feed input_ids, attention_mask, num_logits_to_keep and past_* (B, H, 0, D) for the prompt, then "
+                "feed present_* back as past_* with the mask grown by one column per new token"),
+    }
+
+
+def _replace(tmp: Path, out_dir: Path) -> None:
+    """Move the finished export into place; an existing directory (overwrite) is removed only after."""
+    old = None
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+        out_dir.rename(old)
+    tmp.rename(out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,339 @@
+"""fuseinfer.export: ONNX export (plain and fused), the ORT runtime and eval backends, bad input, TensorRT (skips).
+
+CPU tests use the shared tiny OPT (tiny_model_path) and random OPTs of every layout; each export is made once per
+module. GPU tests (marked gpu) check fp16 on CUDA with onnxruntime-gpu and IO binding.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, VARIANTS, WIKITEXT, random_opt
+from fuseinfer.export import ExportError, OrtDecoder, to_onnx
+from fuseinfer.export import manifest as mf
+
+pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install -e .[export])")
+import onnx  # noqa: E402
+
+ATOL = 1e-4  # fp32: ORT and PyTorch differ by summation order only
+CONTRIB = "com.microsoft"
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_exports(tiny, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {fl: (to_onnx(tiny, root / fl, flavour=fl, source="opt-wt2-tiny"), root / fl) for fl in ("fused", "plain")}
+
+
+def _padded_batch(vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (2, 12), generator=g)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0  # left padding, as in batched generation
+    return ids, mask
+
+
+def _check_logits(model, directory, flavour, prompt_len=8):
+    """Prefill (full logits) and decode steps with past, against one PyTorch forward over the whole batch."""
+    ids, mask = _padded_batch(model.config.vocab_size)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits  # (2, 12, V)
+    dec = OrtDecoder(directory, "cpu", model=model, flavour=flavour)
+    valid = mask.bool()
+    full = dec.logits(ids, mask)
+    assert (full - ref)[valid].abs().max() < ATOL
+    dec.start(2, 12)
+    got = [dec.prefill(ids[:, :prompt_len], mask[:, :prompt_len]).clone()]
+    for t in range(prompt_len, 12):
+        got.append(dec.step(ids[:, t:t + 1]).clone())
+    got = torch.cat(got, dim=1)  # logits of positions prompt_len - 1 ... 11
+    assert (got - ref[:, prompt_len - 1:]).abs().max() < ATOL
+
+
+@pytest.mark.parametrize("flavour", ["fused", "plain"])
+def test_tiny_logits_match_pytorch(tiny, tiny_exports, flavour):
+    _check_logits(tiny, tiny_exports[flavour][1], flavour)
+
+
+@pytest.mark.parametrize("variant", ["pre_ln", "post_ln_project_in_out", "no_bias", "ln_without_affine"])
+@pytest.mark.parametrize("flavour", ["fused", "plain"])
+def test_random_layouts_match_pytorch(tmp_path, variant, flavour):
+    model = random_opt(**VARIANTS[variant])
+    to_onnx(model, tmp_path / "x", flavour=flavour)
+    _check_logits(model, tmp_path / "x", flavour, prompt_len=5)
+
+
+@pytest.mark.parametrize("flavour", ["fused", "plain"])
+def test_greedy_tokens_equal_32(tiny, tiny_exports, flavour):
+    ids, _ = _padded_batch(tiny.config.vocab_size, seed=1)
+    ids = ids[:1, :10]
+    with torch.no_grad():
+        ref = tiny.generate(ids, do_sample=False, max_new_tokens=32, min_new_tokens=32, pad_token_id=1)[:, 10:]
+    dec = OrtDecoder(tiny_exports[flavour][1], "cpu")
+    dec.start(1, 42)
+    tok = dec.prefill(ids)[:, -1].argmax(-1, keepdim=True)  # (1, 1)
+    out = [tok]
+    for _ in range(31):
+        tok = dec.step(tok)[:, -1].argmax(-1, keepdim=True)
+        out.append(tok)
+    assert torch.equal(torch.cat(out, dim=1), ref)
+
+
+def test_fused_graph_holds_the_contrib_ops_it_claims(tiny, tiny_exports):
+    layers = tiny.config.num_hidden_layers
+    for flavour, (manifest, directory) in tiny_exports.items():
+        graph = onnx.load(str(directory / mf.MODEL_FILE), load_external_data=False).graph
+        found = {}
+        for node in graph.node:
+            if node.domain == CONTRIB:
+                found[node.op_type] = found.get(node.op_type, 0) + 1
+        assert found == manifest["contrib_ops"]
+        if flavour == "plain":
+            assert found == {} and all(n.domain in ("", "ai.onnx") for n in graph.node)
+        else:
+            assert found["MultiHeadAttention"] == layers
+            assert found["SkipLayerNormalization"] == 2 * layers + 1  # every residual add + LN, and the embeddings
+            assert found["FusedMatMul"] == 4 * layers + 1  # qkv, out, fc1, fc2 per layer, lm_head
+            attn = [n for n in graph.node if n.op_type == "MultiHeadAttention"][0]
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in attn.attribute}
+            assert attrs["unidirectional"] == 1 and attrs["num_heads"] == tiny.config.num_attention_heads
+            assert not any(n.op_type in ("Softmax", "LayerNormalization") for n in graph.node)
+
+
+def test_manifest_and_files(tiny, tiny_exports):
+    manifest, directory = tiny_exports["fused"]
+    assert sorted(os.listdir(directory)) == sorted([mf.MANIFEST, mf.MODEL_FILE, mf.DATA_FILE])
+    on_disk = json.loads((directory / mf.MANIFEST).read_text())
+    assert on_disk == manifest
+    assert manifest["model"]["config_hash"] == mf.config_hash(tiny.config)
+    names = [i["name"] for i in manifest["inputs"]]
+    assert names[:3] == ["input_ids", "attention_mask", "num_logits_to_keep"]
+    assert len(names) == 3 + 2 * tiny.config.num_hidden_layers
+    assert (directory / mf.DATA_FILE).stat().st_size > 0.9 * sum(p.numel() * 4 for p in tiny.parameters())
+
+
+def test_fresh_process_loads_and_matches(tiny_exports):
+    directory = tiny_exports["fused"][1]
+    dec = OrtDecoder(directory, "cpu")
+    ids = torch.arange(3, 19).view(2, 8)
+    here = dec.logits(ids)[:, -1].sum(-1)
+    code = ("import torch; from fuseinfer.export import OrtDecoder;"
+            f"d = OrtDecoder({str(directory)!r}, 'cpu');"
+            "print(d.logits(torch.arange(3, 19).view(2, 8))[:, -1].sum(-1).tolist())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    assert torch.allclose(torch.tensor(json.loads(out.stdout.strip().splitlines()[-1])), here, atol=1e-4)
+
+
+@pytest.mark.skipif(not (WIKITEXT / "wiki.test.raw").is_file(), reason=f"wiki.test.raw not found in {WIKITEXT}")
+def test_eval_rows_ppl_and_greedy_match_eager(tiny_model_path, tmp_path, monkeypatch):
+    """The eval CLI's runner with ort and ort-plain: PPL within 0.1% of eager, greedy tokens equal to eager's;
+    the second run reuses the exports kept under $FUSEINFER_ONNX_DIR."""
+    from fuseinfer.eval import Settings, run
+    from fuseinfer.eval.ui import ConsoleUI
+
+    monkeypatch.setenv("FUSEINFER_ONNX_DIR", str(tmp_path))
+    settings = Settings(model=str(tiny_model_path), backends=("eager", "ort", "ort-plain"), device="cpu",
+                        dtype="fp32", prompt_len=16, gen_len=8, warmup=0, repeats=1, seq_len=256, max_windows=3,
+                        data_dir=str(WIKITEXT), debug=True)
+    ui = ConsoleUI(quiet=True) if "quiet" in ConsoleUI.__init__.__code__.co_varnames else ConsoleUI()
+    rows = run(settings, ui)["backends"]
+    for name in ("ort", "ort-plain"):
+        assert rows[name]["status"] == "ok", rows[name]["error"]
+        assert abs(rows[name]["ppl"] / rows["eager"]["ppl"] - 1) < 1e-3
+        assert rows[name]["greedy_match_eager"] == 1.0
+        assert rows[name]["export_reused"] is False
+    assert len(os.listdir(tmp_path)) == 2
+    again = run(Settings(**{**settings.__dict__, "backends": ("ort",), "skip_ppl": True}), ui)["backends"]["ort"]
+    assert again["export_reused"] is True and again["status"] == "ok"
+
+
+# --- bad input: one clear message each, nothing half-written
+
+def test_non_opt_model_is_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+    with pytest.raises(ExportError, match="exports OPT causal LMs.*'gpt2'"):
+        to_onnx(model, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_existing_out_dir_needs_overwrite(tmp_path):
+    model = random_opt()
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="exists; pass --overwrite"):
+        to_onnx(model, tmp_path / "x")
+    assert os.listdir(tmp_path / "x") == ["keep.txt"]
+    to_onnx(model, tmp_path / "x", overwrite=True)
+    assert mf.MANIFEST in os.listdir(tmp_path / "x") and "keep.txt" not in os.listdir(tmp_path / "x")
+    assert sorted(os.listdir(tmp_path)) == ["x"]  # no temporary or old directory left
+
+
+def test_failed_export_leaves_nothing(tmp_path, monkeypatch):
+    from fuseinfer.export import onnx_export
+
+    def boom(*args):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(onnx_export, "_consolidate", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        to_onnx(random_opt(), tmp_path / "x")
+    assert os.listdir(tmp_path) == []
+
+
+def test_cli_bad_input_one_line(tmp_path):
+    (tmp_path / "x").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", "fuseinfer.export", "onnx", "--model", "random:opt-125m",
+                          "--out", str(tmp_path / "x"), "--device", "cpu"], capture_output=True, text=True,
+                         cwd=REPO, env=env, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0
+    assert "exists; pass --overwrite" in out.stderr
+
+
+def test_missing_onnxruntime_names_the_package(monkeypatch):
+    from fuseinfer.export import ort_runtime
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "onnxruntime" else real(n, *a))
+    with pytest.raises(ExportError, match="pip install onnxruntime"):
+        ort_runtime.import_onnxruntime(torch.device("cpu"))
+    from fuseinfer.eval.backends import BACKENDS
+
+    assert "onnxruntime-gpu" in BACKENDS["ort"].unavailable_reason(torch.device("cuda"))
+
+
+def test_cpu_only_onnxruntime_asked_for_cuda(monkeypatch):
+    import onnxruntime
+
+    from fuseinfer.export import ort_runtime
+
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    with pytest.raises(ExportError, match="no CUDA execution provider.*pip install onnxruntime-gpu"):
+        ort_runtime.import_onnxruntime(torch.device("cuda"))
+
+
+def test_stale_export_is_refused(tmp_path):
+    model = random_opt()
+    to_onnx(model, tmp_path / "x")
+    with pytest.raises(ExportError, match="another model configuration.*config hash"):
+        OrtDecoder(tmp_path / "x", "cpu", model=random_opt(num_hidden_layers=3))
+    with pytest.raises(ExportError, match="other weights.*fingerprint"):
+        OrtDecoder(tmp_path / "x", "cpu", model=random_opt(seed=1))
+    with pytest.raises(ExportError, match="'fused' flavour, 'plain' was asked"):
+        OrtDecoder(tmp_path / "x", "cpu", model=model, flavour="plain")
+    with pytest.raises(ExportError, match="not a fuseinfer ONNX export"):
+        OrtDecoder(tmp_path, "cpu")
+
+
+# --- TensorRT: written against the documented API, never run on our machines
+
+HAS_TRT = importlib.util.find_spec("tensorrt") is not None
+NO_TRT = "TensorRT is not installed here (it cannot be on our machines); the TensorRT path was never run"
+
+
+@pytest.mark.skipif(HAS_TRT, reason="tensorrt is installed: the real build runs in test_tensorrt_engine")
+def test_tensorrt_missing_says_how_to_install(tmp_path):
+    from fuseinfer.export.cli import main
+    from fuseinfer.export.tensorrt import unavailable_reason
+
+    assert "pip install tensorrt" in unavailable_reason()
+    assert main(["tensorrt", "--onnx", str(tmp_path), "--out", str(tmp_path / "e.plan")]) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_TRT, reason=NO_TRT)
+def test_tensorrt_engine(tmp_path):
+    from fuseinfer.export.tensorrt import TrtDecoder, build_engine
+
+    model = random_opt(dtype=torch.float16, device="cuda")
+    to_onnx(model, tmp_path / "x", flavour="plain")
+    engine = build_engine(tmp_path / "x", tmp_path / "e.plan", fp16=True, max_batch=2, max_len=64)
+    ids = torch.randint(3, 500, (2, 9), device="cuda")
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits.float()
+    got = TrtDecoder(engine, tmp_path / "x").logits(ids).float()
+    assert (got - ref).abs().max() < 5e-2
+
+
+# --- GPU: fp16 with the CUDA execution provider and IO binding
+
+def _cuda_ort_reason():
+    from fuseinfer.export.ort_runtime import unavailable_reason
+
+    return unavailable_reason(torch.device("cuda")) if torch.cuda.is_available() else "no GPU"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flavour", ["fused", "plain"])
+def test_cuda_fp16_within_twice_pytorch_error(tiny_model_path, tmp_path, flavour):
+    """Logits of ORT fp16 on CUDA within 2x PyTorch fp16's own error against the fp32 model (+ small atol); prefill
+    and decode steps with past; KV cache and logits stay on the GPU."""
+    reason = _cuda_ort_reason()
+    if reason:
+        pytest.skip(reason)
+    from transformers import AutoModelForCausalLM
+
+    fp32 = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).cuda().eval()
+    fp16 = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float16).cuda().eval()
+    to_onnx(fp16, tmp_path / "x", flavour=flavour)
+    ids = torch.randint(3, fp32.config.vocab_size, (2, 40), device="cuda")
+    with torch.no_grad():
+        ref = fp32(input_ids=ids).logits
+        torch_err = (fp16(input_ids=ids).logits.float() - ref).abs().max().item()
+    dec = OrtDecoder(tmp_path / "x", "cuda", model=fp16, flavour=flavour)
+    full = dec.logits(ids).float()
+    assert full.is_cuda and (full - ref).abs().max().item() <= 2 * torch_err + 1e-2
+    dec.start(2, 40)
+    steps = [dec.prefill(ids[:, :32]).float().clone()]
+    for t in range(32, 40):
+        steps.append(dec.step(ids[:, t:t + 1]).float().clone())
+    err = (torch.cat(steps, dim=1) - ref[:, 31:]).abs().max().item()
+    assert err <= 2 * torch_err + 1e-2, (err, torch_err)
+
+
+@pytest.mark.gpu
+def test_cuda_export_opt125m_shapes_and_reuse(tmp_path):
+    """A random opt-125m fp16 export runs batch 3 on CUDA and a fresh OrtDecoder re-loads it."""
+    reason = _cuda_ort_reason()
+    if reason:
+        pytest.skip(reason)
+    from fuseinfer.eval.models import load_config, load_model, resolve_model
+
+    src = resolve_model("random:opt-125m")
+    model = load_model(src, load_config(src), torch.float16, torch.device("cuda"), 0)
+    to_onnx(model, tmp_path / "x")
+    ids = torch.randint(3, 50000, (3, 17), device="cuda")
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits[:, -1].float()
+    got = OrtDecoder(tmp_path / "x", "cuda", model=model).logits(ids)[:, -1].float()
+    assert (got - ref).abs().max() < 0.1
+
+
+def test_model_left_untouched(tmp_path):
+    """The exporter's mode juggling must not leave the model in training mode (dropout on), nor change weights."""
+    model = random_opt(dropout=0.5)
+    ids = torch.randint(3, 500, (2, 9))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    to_onnx(model, tmp_path / "x", flavour="fused", dtype=torch.float32)
+    assert not model.training
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, before)
