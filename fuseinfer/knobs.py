@@ -18,7 +18,7 @@ from .errors import FuseInferError
 @dataclass(frozen=True)
 class Knob:
     name: str
-    default: str
+    default: str | None  # None: unset (a path the reader looks for elsewhere)
     when: str  # "build", "import", "session", "call": when the value is read
     meaning: str
     choices: tuple[str, ...] | None = None  # None: free-form (a path, a number checked by its reader)
@@ -55,16 +55,19 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          ("0", "1")),
     Knob("FUSEINFER_SHARED", "../shared", "call",
          "the shared assets folder (tests, .ci/run): models/opt-wt2-tiny and data/wikitext-2-raw"),
-    Knob("FUSEINFER_DATA_DIR", "unset", "call",
+    Knob("FUSEINFER_DATA_DIR", None, "call",
          "folder with wiki.test.raw / wiki.valid.raw for the eval's perplexity and calibration"),
     Knob("FUSEINFER_BENCH_DIR", "bench/results", "call", "where the benchmark scripts write their results"),
     Knob("FUSEINFER_NVCC", "nvcc", "call", "the nvcc that bench/bench_cublaslt_sweep.py builds its helper with"),
-    Knob("FUSEINFER_GPU_TRANSFORMERS", "unset", "call",
+    Knob("FUSEINFER_ONNX_DIR", None, "call",
+         "the eval's `ort` backends: export under (and reuse from) this folder, one sub-folder per model "
+         "(`--onnx-dir`); unset: a temporary export per run"),
+    Knob("FUSEINFER_GPU_TRANSFORMERS", None, "call",
          "tools/gpu_check.sh: a transformers wheel to run every stage under instead of the machine's"),
 )}
 
 
-def get(name: str) -> str:
+def get(name: str) -> str | None:
     """The knob's value from the environment (its default when unset), checked against its choices."""
     knob = KNOBS[name]
     value = os.environ.get(name)
@@ -73,6 +76,15 @@ def get(name: str) -> str:
     if knob.choices is not None and value not in knob.choices:
         raise FuseInferError(f"{name} must be one of {', '.join(knob.choices)}, got {value!r}")
     return value
+
+
+def set_value(name: str, value: str) -> None:
+    """Set a knob for this process and the processes it starts (e.g. a CLI flag that stands for one)."""
+    if name not in KNOBS:
+        raise FuseInferError(f"unknown knob {name}; see fuseinfer.knobs.KNOBS")
+    os.environ[name] = value
+    if KNOBS[name].extension:
+        push()
 
 
 def get_int(name: str, minimum: int = 1) -> int:
@@ -132,7 +144,8 @@ def markdown() -> str:
              "Generated from `fuseinfer/knobs.py` (`python -m fuseinfer.knobs > docs/env.md`); a test checks it is "
              "current.", "",
              "| variable | default | read at | meaning |", "| --- | --- | --- | --- |"]
-    lines += [f"| `{k.name}` | `{k.default}` | {k.when} | {k.meaning} |" for k in KNOBS.values()]
+    lines += [f"| `{k.name}` | {'unset' if k.default is None else f'`{k.default}`'} | {k.when} | {k.meaning} |"
+              for k in KNOBS.values()]
     return "\n".join(lines) + "\n"
 
 

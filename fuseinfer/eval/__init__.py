@@ -8,9 +8,10 @@ speedups over eager). Library use::
     from fuseinfer.eval import ConsoleUI, Settings, run
     results = run(Settings(model="opt-125m"), ConsoleUI())
 """
-from .backends import BACKENDS, Backend
+from .backends import Backend
 from .cli import main
 from .errors import EvalError
+from .registry import BACKENDS
 from .runner import Settings, run
 from .ui import ConsoleUI
 

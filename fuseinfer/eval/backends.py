@@ -4,7 +4,7 @@ Each backend loads its own fresh model and exposes the same small interface: ``s
 sequences needs, untimed), ``prefill`` (prompt -> first greedy token), ``decode_step`` (token -> next greedy
 token, using the cache ``prefill`` filled) and ``loss`` (one perplexity window). ``unavailable_reason`` says why a
 backend cannot run here (a missing package, say); the runner then reports the reason in its row and goes on.
-Register a new backend (ONNX Runtime, TensorRT, ...) by adding its class to ``BACKENDS``.
+A feature package adds backends by listing its classes in ``registry.py``.
 """
 from __future__ import annotations
 
@@ -206,6 +206,4 @@ class FuseInferBackend(EagerBackend):
         super().close()
 
 
-BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (EagerBackend, CompileBackend, FuseInferBackend)}
-
-import fuseinfer.export.eval_backend  # noqa: E402,F401  registers ort, ort-plain, tensorrt (issue 37)
+CORE_BACKENDS = (EagerBackend, CompileBackend, FuseInferBackend)

@@ -7,16 +7,23 @@ backend, missing data or device, an output file that cannot be written (checked 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from rich.console import Console
 
-from .backends import BACKENDS
+from .. import knobs
 from .errors import EvalError
 from .models import SHORT_NAMES
+from .registry import BACKENDS
 from .report import output_problem, print_table, write_json, write_markdown, write_plot
-from .runner import DEFAULT_BACKENDS, DEFAULT_BACKENDS_CPU, DTYPES, LATENCY_DEFAULTS, Settings, run
+from .runner import (
+    DEFAULT_BACKENDS,
+    DEFAULT_BACKENDS_CPU,
+    DTYPES,
+    LATENCY_DEFAULTS,
+    Settings,
+    run,
+)
 from .ui import ConsoleUI
 
 EXAMPLE = "python -m fuseinfer.eval --model opt-1.3b --backends eager,compile,fuseinfer --dtype fp16"
@@ -99,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         outputs = output_files(args)  # before the run: a bad path should not wait for the end of a long run
         if args.onnx_dir:
-            os.environ["FUSEINFER_ONNX_DIR"] = args.onnx_dir  # read by fuseinfer/export/eval_backend.py
+            knobs.set_value("FUSEINFER_ONNX_DIR", args.onnx_dir)  # read by fuseinfer/export/eval_backend.py
         results = run(settings_from_args(args), ConsoleUI())
         console = Console()
         print_table(results, console if console.is_terminal else Console(width=160))

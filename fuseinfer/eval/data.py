@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .. import knobs
 from .errors import EvalError
 
 TEST_FILE = "wiki.test.raw"
@@ -58,7 +59,7 @@ def _rows_from_datasets() -> list[str] | None:
 
 def load_eval_text(data_dir: str | None) -> EvalText:
     """The joined WikiText-2 test text; ``data_dir`` (or $FUSEINFER_DATA_DIR) wins over ``datasets``."""
-    data_dir = data_dir or os.environ.get(DATA_DIR_ENV)
+    data_dir = data_dir or knobs.get(DATA_DIR_ENV)
     if data_dir:
         path = Path(data_dir).expanduser() / TEST_FILE
         if not path.is_file():

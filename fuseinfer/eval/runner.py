@@ -17,14 +17,24 @@ import torch
 from .. import knobs
 from .._ext import extension_status
 from . import data as data_mod
-from .backends import BACKENDS, Backend
+from .backends import Backend
 from .environment import environment
 from .errors import EvalError
 from .metrics import derive
 from .models import ModelSource, load_config, load_tokenizer, resolve_model
 from .perplexity import Window, gptq_windows, perplexity, sliding_windows
-from .timing import (StepClock, allocated_mib, copy_bandwidth_gbps, free_memory, peak_memory, reset_peak,
-                     summarize, synchronize, time_call)
+from .registry import BACKENDS
+from .timing import (
+    StepClock,
+    allocated_mib,
+    copy_bandwidth_gbps,
+    free_memory,
+    peak_memory,
+    reset_peak,
+    summarize,
+    synchronize,
+    time_call,
+)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 DEFAULT_BACKENDS = ("eager", "compile", "fuseinfer")

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from ..errors import FuseInferError
 from ..eval.errors import EvalError
 from ..eval.models import SHORT_NAMES, load_config, load_model, resolve_model
-from ..errors import FuseInferError
 from .errors import ExportError
 
 DTYPES = {"fp16": torch.float16, "fp32": torch.float32}

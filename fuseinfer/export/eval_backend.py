@@ -13,7 +13,6 @@ model was freed). The arena keeps what it grew to, so the last sample is the pea
 """
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..eval.backends import BACKENDS as EVAL_BACKENDS
+from .. import knobs
 from ..eval.backends import Backend
 from . import manifest as mf
 from .errors import ExportError
@@ -36,7 +35,7 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
 def export_dir_for(model, flavour: str, dtype: torch.dtype) -> tuple[Path, bool]:
     """(directory to use, whether it is temporary): under $FUSEINFER_ONNX_DIR, one sub-directory per model,
     flavour and dtype, reused across runs; else a fresh temporary directory."""
-    root = os.environ.get(ONNX_DIR_ENV)
+    root = knobs.get(ONNX_DIR_ENV)
     if not root:
         return Path(tempfile.mkdtemp(prefix=f"fuseinfer-onnx-{flavour}-")) / "export", True
     root = Path(root).expanduser()
@@ -209,5 +208,4 @@ def _free(device):
 
 
 BACKENDS = (OrtBackend, OrtPlainBackend, TensorRTBackend)
-EVAL_BACKENDS.update({cls.name: cls for cls in BACKENDS})  # registered whichever module is imported first
 __all__ = ["OrtBackend", "OrtPlainBackend", "TensorRTBackend", "ExportError", "BACKENDS"]

@@ -215,7 +215,7 @@ def test_missing_onnxruntime_names_the_package(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "onnxruntime" else real(n, *a))
     with pytest.raises(ExportError, match="pip install onnxruntime"):
         ort_runtime.import_onnxruntime(torch.device("cpu"))
-    from fuseinfer.eval.backends import BACKENDS
+    from fuseinfer.eval import BACKENDS
 
     assert "onnxruntime-gpu" in BACKENDS["ort"].unavailable_reason(torch.device("cuda"))
 
