@@ -179,7 +179,7 @@ def _context(model, s: ProfileSettings) -> _Context:
 def _decode_budget(s: ProfileSettings) -> int:
     """Positions after the prompt the steps of a run use (a decode step takes one, a generate step gen_len)."""
     if s.phase == "prefill":
-        return 1
+        return 0
     if s.phase == "generate":
         return s.gen_len + 1
     return WARMUP_CALLS + s.repeats + s.wait + s.warmup + s.active + 2
@@ -266,7 +266,9 @@ def _profile_backend(cls, ctx: _Context, ceilings: dict, out_dir: Path | None, u
         with torch.no_grad():
             ui.info(f"{cls.name}: loading {s.model}")
             backend.load()
-            backend.start(s.batch_size, s.prompt_len + _decode_budget(s))
+            # (a prefill of the model's whole length: caches of that length, no room for a next token)
+            backend.start(s.batch_size, min(s.prompt_len + max(1, _decode_budget(s)),
+                                            ctx.config.max_position_embeddings))
             prepare, step = step_function(backend, s.phase, ctx.prompt.to(device), s.gen_len)
             prepare()
             for _ in range(WARMUP_CALLS):
