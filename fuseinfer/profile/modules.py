@@ -9,8 +9,9 @@ their original forward), added after patching and after the fast-decode session 
 only taken for a model without hooks), and removed on exit.
 
 ``OpRanges()`` gives fuseinfer's ops a range where they skip the dispatcher: on CUDA in eager mode the op
-wrappers call the extension directly (``_ext.route``), which the profiler would not see as an op; the range is
-named ``<op>|<input dims>|<dtypes>`` so that the analysis can cost it like a recorded op.
+wrappers call their ``_<op>_cuda`` function directly (``_ext.route`` / ``eager_cuda``), which the profiler would
+not see as an op; the range is named ``<op>|<input dims>|<dtypes>`` so that the analysis can cost it like a
+recorded op.
 """
 from __future__ import annotations
 
@@ -137,40 +138,45 @@ def parse_op_range(name: str) -> tuple[str, list, list] | None:
 
 
 class OpRanges:
-    """Context manager: fuseinfer's op wrappers open a named range (op, dims, dtypes) around the direct extension
-    calls they make on CUDA (dispatched calls are recorded as ops by the profiler itself)."""
+    """Context manager: fuseinfer's direct extension calls (``fuseinfer/ops/<op>.py``'s ``_<op>_cuda``, which the
+    op wrappers call in eager mode on CUDA instead of the dispatcher) open a named range with the op, its input
+    dims and dtypes. Calls through the dispatcher are recorded as ops by the profiler itself (the registered
+    kernels hold the original functions, so they are not wrapped twice)."""
 
     def __init__(self, nvtx: bool = False):
         self.nvtx = nvtx
-        self.patched: list[tuple[object, object]] = []
+        self.patched: list[tuple[object, str, object]] = []
 
-    def __enter__(self):
-        from .. import _ext
-
-        original = _ext.route
+    def _wrap(self, op_name: str, fn):
         nvtx = self.nvtx
 
-        def route(op, ref, cuda_impl, args, tensors):
-            if _ext.transformed() or not _ext.eager_cuda(*tensors):
-                return original(op, ref, cuda_impl, args, tensors)
-            label = op_range_name(getattr(op, "_qualified_op_name", str(op)), args)
+        def traced(*args):
+            label = op_range_name(op_name, args)
             if nvtx:
-                torch.cuda.nvtx.range_push(label.split(OP_SEPARATOR)[0])
+                torch.cuda.nvtx.range_push(op_name)
             try:
                 with torch.autograd.profiler.record_function(label):
-                    return cuda_impl(*args)
+                    return fn(*args)
             finally:
                 if nvtx:
                     torch.cuda.nvtx.range_pop()
 
+        return traced
+
+    def __enter__(self):
+        ops = torch.ops.fuseinfer
         for name, module in list(sys.modules.items()):
-            if name.startswith("fuseinfer.") and getattr(module, "route", None) is original:
-                self.patched.append((module, original))
-                module.route = route
+            if not name.startswith("fuseinfer.ops.") or module is None:
+                continue
+            for attr, fn in list(vars(module).items()):
+                op = attr[1:-len("_cuda")] if attr.startswith("_") and attr.endswith("_cuda") else None
+                if op and callable(fn) and hasattr(ops, op):
+                    self.patched.append((module, attr, fn))
+                    setattr(module, attr, self._wrap(f"fuseinfer::{op}", fn))
         return self
 
     def __exit__(self, *exc):
-        for module, original in self.patched:
-            module.route = original
+        for module, attr, fn in self.patched:
+            setattr(module, attr, fn)
         self.patched.clear()
         return False

@@ -161,3 +161,19 @@ def test_ncu_csv_and_run_with_a_stand_in_ncu(tmp_path, monkeypatch):
     assert notes == [] and kernel["ncu_dram_pct"] == 80.1 and kernel["ncu_sm_pct"] == 20.5
     args = (tmp_path / "args").read_text()
     assert "regex:^sm90_gemm" in args and "fuseinfer.profile.ncu_target" in args and "--dtype fp16" in args
+
+
+def test_op_ranges_wrap_the_direct_cuda_calls_and_restore_them():
+    import importlib
+
+    from fuseinfer.profile.modules import OpRanges
+
+    linear, attention = (importlib.import_module(f"fuseinfer.ops.{m}") for m in ("linear", "attention"))
+
+    before = linear._linear_epilogue_cuda, attention._attention_cuda
+    with OpRanges() as ranges:
+        wrapped = {(m.__name__, attr) for m, attr, _ in ranges.patched}
+        assert ("fuseinfer.ops.linear", "_linear_epilogue_cuda") in wrapped
+        assert ("fuseinfer.ops.attention", "_attention_cuda") in wrapped
+        assert linear._linear_epilogue_cuda is not before[0]
+    assert (linear._linear_epilogue_cuda, attention._attention_cuda) == before
