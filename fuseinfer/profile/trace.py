@@ -21,6 +21,7 @@ import json
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from .costs import cost_of
@@ -59,7 +60,7 @@ class HostEvent:
     def end(self) -> float:
         return self.ts + self.dur
 
-    @property
+    @cached_property
     def op_info(self) -> tuple[str, list, list, list] | None:
         """(op name, dims, dtypes, concrete inputs) if this event is an op: a recorded op or one of our op ranges."""
         if self.cat == "cpu_op":
