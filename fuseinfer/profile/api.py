@@ -1,0 +1,374 @@
+"""``profile(model, backend, phase, ...)``: profile one step of a model on a backend (and optionally a second backend
+on the same inputs) and return a :class:`ProfileResult`; with ``out`` it also writes every file (report.py).
+
+The flow per backend: load a fresh model (the eval's loading and backends), get it ready for the phase (a prefill
+before decode steps), run warm-up steps (compilation, graph capture), time ``repeats`` steps without the profiler
+(CUDA events / perf_counter, as the eval does), then run torch.profiler over wait / warm-up / active steps with
+module ranges (modules.py), write the Chrome trace and TensorBoard log, and read the trace back (trace.py) into
+tables, to which the roofline verdicts (verdict.py) are added. The profiler's overhead is the profiled step time
+over the unprofiled one.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..eval.environment import environment
+from ..eval.models import ModelSource, load_config, resolve_model
+from ..eval.runner import DTYPES, _device
+from ..eval.timing import StepClock, free_memory, summarize, synchronize, time_call
+from . import ceilings as ceilings_mod
+from .backends import PHASES, has_phase, module_backend, resolve_backend, step_function, uses_graphs
+from .errors import ProfileError
+from .modules import ModuleRanges, OpRanges
+from .trace import analyze, load_events
+from .verdict import add_verdicts, verdict_table
+
+DEFAULTS = {"cuda": dict(prompt_len=512, gen_len=32, active=3, repeats=20),
+            "cpu": dict(prompt_len=32, gen_len=4, active=2, repeats=3)}
+WARMUP_CALLS = 3  # untimed steps first: compilation (call 1), CUDA-graph recording (call 2), replays from call 3
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """What a profile depends on; None means the device's default (``DEFAULTS``; dtype fp16 on CUDA, fp32 on CPU)."""
+
+    model: str
+    backend: str = "fuseinfer"
+    phase: str = "prefill"
+    device: str | None = None
+    dtype: str | None = None
+    batch_size: int = 1
+    prompt_len: int | None = None
+    gen_len: int | None = None
+    compare: str | None = None
+    wait: int = 1
+    warmup: int = 1
+    active: int | None = None
+    repeats: int | None = None
+    seed: int = 0
+    tensorboard: bool = True
+    nvtx: bool = True
+    debug: bool = False
+
+
+@dataclass
+class BackendProfile:
+    """One backend's profile: timings, the trace's tables (``analysis``), its files and notes."""
+
+    name: str
+    summary: str
+    unprofiled_ms: dict  # {"median", "p10", "p90", "n"} of steps timed without the profiler
+    analysis: dict  # trace.analyze + verdicts: ops, kernels, kinds, layers, memory, step_ms, ...
+    verdicts: list = field(default_factory=list)
+    details: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+    files: dict = field(default_factory=dict)
+
+    @property
+    def profiled_ms(self) -> float:
+        return self.analysis["step_ms"]
+
+    @property
+    def overhead(self) -> float:
+        """Profiled step time / unprofiled step time - 1 (the profiler's own cost, syncs at step ends included)."""
+        return self.profiled_ms / self.unprofiled_ms["median"] - 1
+
+
+@dataclass
+class ProfileResult:
+    settings: dict
+    environment: dict
+    ceilings: dict
+    model: dict
+    profiles: list[BackendProfile]
+    compare: dict | None = None
+    hints: list = field(default_factory=list)
+    out_dir: str | None = None
+    files: dict = field(default_factory=dict)
+
+    @property
+    def main(self) -> BackendProfile:
+        return self.profiles[0]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for p, prof in zip(d["profiles"], self.profiles):
+            p.update(profiled_ms=prof.profiled_ms, overhead=prof.overhead)
+        return {"schema": "fuseinfer.profile/1", **d}
+
+
+@dataclass
+class _Context:
+    settings: ProfileSettings
+    device: torch.device
+    dtype: torch.dtype
+    source: ModelSource | None
+    config: object
+    prompt: torch.Tensor  # (B, P) int64 on CPU
+
+
+def check_out_dir(out: str | os.PathLike) -> Path:
+    """Create ``out`` and check it can be written; raises :class:`ProfileError` saying why not."""
+    path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ProfileError(f"cannot write to --out {out}: it is a file; pass a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".fuseinfer_profile_write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ProfileError(f"cannot write to --out {out}: {exc.strerror or exc}; choose a writable folder") from None
+    return path
+
+
+def _validate(s: ProfileSettings, model_given: bool) -> None:
+    if s.phase not in PHASES:
+        raise ProfileError(f"unknown phase {s.phase!r}: choose from {', '.join(PHASES)}")
+    for flag, value, low in (("--batch-size", s.batch_size, 1), ("--prompt-len", s.prompt_len, 1),
+                             ("--gen-len", s.gen_len, 1), ("--steps", s.active, 1), ("--repeats", s.repeats, 1),
+                             ("--wait", s.wait, 0), ("--warmup", s.warmup, 0)):
+        if value is not None and value < low:
+            raise ProfileError(f"{flag} must be at least {low}, got {value}")
+
+
+def _backend_cls(name: str, phase: str, device: torch.device, model: nn.Module | None):
+    cls = module_backend(model, name) if model is not None else resolve_backend(name)
+    if not has_phase(cls, phase):
+        raise ProfileError(f"backend {name!r} has no {phase} step (it implements "
+                           f"{', '.join(p for p in PHASES if has_phase(cls, p)) or 'none of the phases'}); "
+                           f"choose another --phase or backend")
+    reason = cls.unavailable_reason(device)
+    if reason:
+        raise ProfileError(f"backend {name!r} is not installed here: {reason}")
+    return cls
+
+
+def _context(model, s: ProfileSettings) -> _Context:
+    if isinstance(model, nn.Module):
+        p = next(model.parameters())
+        device, dtype, source, config = p.device, p.dtype, None, model.config
+        if s.device is not None and torch.device(s.device) != device:
+            raise ProfileError(f"the model is on {device}, not {s.device}: move it (model.to(...)) or leave device out")
+    else:
+        device = _device(s.device)
+        name = s.dtype or ("fp16" if device.type == "cuda" else "fp32")
+        if name not in DTYPES:
+            raise ProfileError(f"unknown dtype {name!r}: choose from {', '.join(DTYPES)}")
+        dtype, source = DTYPES[name], resolve_model(str(model))
+        config = load_config(source)
+    d = DEFAULTS[device.type]
+    s = ProfileSettings(**{**asdict(s), **{k: v for k, v in d.items() if getattr(s, k) is None},
+                           "device": str(device), "dtype": str(dtype).removeprefix("torch.")})
+    limit = config.max_position_embeddings
+    if s.prompt_len + _decode_budget(s) > limit:
+        raise ProfileError(f"--prompt-len {s.prompt_len} + the {_decode_budget(s)} positions the {s.phase} steps "
+                           f"use exceed the model's {limit} positions: lower --prompt-len")
+    prompt = torch.randint(0, config.vocab_size, (s.batch_size, s.prompt_len),
+                           generator=torch.Generator().manual_seed(s.seed))  # (B, P): the eval's prompt for a seed
+    return _Context(s, device, dtype, source, config, prompt)
+
+
+def _decode_budget(s: ProfileSettings) -> int:
+    """Positions after the prompt the steps of a run use (a decode step takes one, a generate step gen_len)."""
+    if s.phase == "prefill":
+        return 0
+    if s.phase == "generate":
+        return s.gen_len + 1
+    return WARMUP_CALLS + s.repeats + s.wait + s.warmup + s.active + 2
+
+
+def profile(model, backend: str | None = None, phase: str = "prefill", *, compare: str | nn.Module | None = None,
+            out: str | os.PathLike | None = None, ui=None, **settings) -> ProfileResult:
+    """Profile one ``phase`` step of ``model`` (a name as the eval takes it -- short name, hub id, folder,
+    ``random:<name>`` -- or an ``nn.Module`` the caller loaded, patched or not) on ``backend``; ``compare``: a second
+    backend (name, or another ``nn.Module``) profiled on the same inputs. Other settings: the fields of
+    :class:`ProfileSettings`. With ``out`` every file is written there (report.py). Raises :class:`ProfileError` for
+    bad input, before anything is loaded."""
+    from . import report
+    from .compare import compare_profiles
+    from .hints import hints_for
+
+    given = model if isinstance(model, nn.Module) else None
+    other = compare if isinstance(compare, nn.Module) else None
+    if given is not None and compare is not None and other is None:
+        raise ProfileError("profile(<nn.Module>, compare=...) takes another nn.Module to compare with, not a name")
+    s = ProfileSettings(model=model if given is None else type(model).__name__,
+                        backend=backend or ("fuseinfer" if given is None else ""), phase=phase,
+                        compare=None if compare is None else (compare if other is None else "model"), **settings)
+    _validate(s, given is not None)
+    ctx = _context(model, s)
+    s = ctx.settings
+    classes = [_backend_cls(s.backend or None, s.phase, ctx.device, given)]
+    if compare is not None:
+        classes.append(_backend_cls(s.compare, s.phase, ctx.device, other) if other is None
+                       else _backend_cls("compare", s.phase, ctx.device, other))
+        if given is None and s.compare == s.backend:
+            raise ProfileError(f"--compare {s.compare} is the profiled backend itself: choose another backend")
+    out_dir = check_out_dir(out) if out is not None else None
+    ui = ui or _SilentUI()
+    with torch.cuda.device(ctx.device) if ctx.device.type == "cuda" else contextlib.nullcontext():
+        ui.info("measuring the ceilings (copy bandwidth, GEMM rates, launch floor)")
+        ceilings = ceilings_mod.measure(ctx.device, ctx.dtype)
+        profiles = [_profile_backend(cls, ctx, ceilings, out_dir, ui) for cls in classes]
+    result = ProfileResult(settings=asdict(s), environment=environment(ctx.device), ceilings=ceilings,
+                           model=_model_info(ctx), profiles=profiles, out_dir=str(out_dir) if out_dir else None)
+    if len(profiles) > 1:
+        result.compare = compare_profiles(profiles[0], profiles[1])
+    result.hints = hints_for(result)
+    if out_dir is not None:
+        report.write_all(result, out_dir)
+    return result
+
+
+class _SilentUI:
+    def info(self, message: str) -> None:
+        pass
+
+    def warn(self, message: str) -> None:
+        pass
+
+
+def _model_info(ctx: _Context) -> dict:
+    c = ctx.config
+    return {"spec": ctx.settings.model, "path": ctx.source.path if ctx.source else None,
+            "random_weights": ctx.source.random_weights if ctx.source else None, "layers": c.num_hidden_layers,
+            "hidden": c.hidden_size, "ffn": c.ffn_dim, "heads": c.num_attention_heads, "vocab": c.vocab_size}
+
+
+def _time_unprofiled(step, phase: str, device: torch.device, repeats: int) -> dict:
+    """Median step time without the profiler: decode steps back to back with an event between steps (the eval's
+    StepClock), prefill and generate one timed call each (the eval's time_call)."""
+    if phase == "decode":
+        synchronize(device)
+        clock = StepClock(device)
+        clock.mark()
+        for _ in range(repeats):
+            step()
+            clock.mark()
+        return summarize(clock.intervals())
+    return summarize([time_call(step, device) for _ in range(repeats)])
+
+
+def _profile_backend(cls, ctx: _Context, ceilings: dict, out_dir: Path | None, ui) -> BackendProfile:
+    s, device = ctx.settings, ctx.device
+    backend = cls(ctx.source, ctx.config, ctx.dtype, device, s.seed)
+    notes: list[str] = []
+    free_memory(device)
+    try:
+        with torch.no_grad():
+            ui.info(f"{cls.name}: loading {s.model}")
+            backend.load()
+            # (a prefill of the model's whole length: caches of that length, no room for a next token)
+            backend.start(s.batch_size, min(s.prompt_len + max(1, _decode_budget(s)),
+                                            ctx.config.max_position_embeddings))
+            prepare, step = step_function(backend, s.phase, ctx.prompt.to(device), s.gen_len)
+            prepare()
+            for _ in range(WARMUP_CALLS):
+                step()
+            ui.info(f"{cls.name}: timing {s.repeats} {s.phase} steps without the profiler")
+            unprofiled = _time_unprofiled(step, s.phase, device, s.repeats)
+            hooks = backend.name != "compile"  # (hooks in a compiled model would recompile or break its graphs)
+            if not hooks:
+                notes.append("torch.compile: no module ranges (hooks would change the compiled graphs); kernels are "
+                             "sorted by the op or compiled region that launched them")
+            graphs = s.phase != "prefill" and uses_graphs(backend)
+            if graphs:
+                notes.append("decode replays CUDA graphs: the kernels of a replay count as 'cuda graph replay' (no "
+                             "module ranges run inside a graph), each with its own device time where CUPTI reports it")
+            folder = (out_dir / _safe(cls.name)) if out_dir is not None else Path(_tmpdir()) / _safe(cls.name)
+            folder.mkdir(parents=True, exist_ok=True)
+            ui.info(f"{cls.name}: profiling {s.wait} + {s.warmup} + {s.active} {s.phase} steps (wait, warm-up, active)")
+            files, cuda_memory = _run_profiler(step, backend.model, device, s, folder, hooks)
+        analysis = analyze(load_events(files["trace"]), ctx.config.hidden_size, ctx.config.ffn_dim)
+        if cuda_memory:
+            analysis["memory"]["cuda_stats"] = cuda_memory
+        if analysis["graph_launches_without_kernels"]:
+            notes.append(f"{analysis['graph_launches_without_kernels']:.0f} CUDA graph launch(es) per step whose "
+                         "kernels the profiler did not report: their time shows as idle")
+        add_verdicts(analysis, ceilings)
+        details = backend.details()
+    except ProfileError:
+        raise
+    except Exception as exc:
+        if s.debug:
+            raise
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ProfileError(f"backend {cls.name!r} failed while profiling the {s.phase} step: "
+                           f"{type(exc).__name__}: {text} (rerun with --debug for the traceback)") from None
+    finally:
+        backend.close()
+        free_memory(device)
+    if out_dir is None:
+        shutil.rmtree(folder, ignore_errors=True)
+        files = {}
+    return BackendProfile(name=cls.name, summary=cls.summary, unprofiled_ms=unprofiled, analysis=analysis,
+                          verdicts=verdict_table(analysis), details=details, notes=notes,
+                          files={k: str(v) for k, v in files.items()})
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+def _tmpdir() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="fuseinfer-profile-")
+
+
+def _tensorboard_copy(trace: Path, tb: Path) -> Path:
+    """The trace as TensorBoard's profiler plugin reads a log dir (what torch.profiler.tensorboard_trace_handler
+    writes: ``<worker>.<ms timestamp>.pt.trace.json.gz``)."""
+    import gzip
+    import time
+
+    tb.mkdir(parents=True, exist_ok=True)
+    path = tb / f"fuseinfer.{int(time.time() * 1000)}.pt.trace.json.gz"
+    with open(trace, "rb") as src, gzip.open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    return path
+
+
+def _run_profiler(step, model, device: torch.device, s: ProfileSettings, folder: Path, hooks: bool):
+    """Runs the scheduled profiler over the steps; returns ({"trace": path, "tensorboard": dir}, CUDA memory stats
+    of the profiled steps or None)."""
+    from torch.profiler import ProfilerActivity, schedule
+
+    trace = folder / "trace.json"
+    tb = folder / "tensorboard"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    nvtx = s.nvtx and device.type == "cuda"
+
+    def on_ready(prof):
+        prof.export_chrome_trace(str(trace))  # (a profile exports once: the TensorBoard copy is made from this file)
+        if s.tensorboard:
+            _tensorboard_copy(trace, tb)
+
+    cuda_memory = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    ranges = ModuleRanges(model, nvtx=nvtx) if hooks else contextlib.nullcontext()
+    with ranges, OpRanges(nvtx=nvtx), torch.profiler.profile(
+            activities=activities, schedule=schedule(wait=s.wait, warmup=s.warmup, active=s.active, repeat=1),
+            on_trace_ready=on_ready, record_shapes=True, profile_memory=True) as prof:
+        for _ in range(s.wait + s.warmup + s.active):
+            step()
+            synchronize(device)  # the step's range covers its device work
+            prof.step()
+    if device.type == "cuda":
+        cuda_memory = {"allocated_before_mib": before / 2**20,
+                       "max_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20,
+                       "max_reserved_mib": torch.cuda.max_memory_reserved(device) / 2**20}
+    files = {"trace": trace}
+    if s.tensorboard:
+        files["tensorboard"] = tb
+    return files, cuda_memory

@@ -1,0 +1,108 @@
+"""Command line of ``python -m fuseinfer.profile``.
+
+Exit codes: 0 success; 2 bad input (unknown backend or one not installed, a phase the backend lacks, an unwritable
+out dir, ``--ncu`` without ncu, unknown model, bad sizes), always one line on stderr, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+
+from ..eval.models import SHORT_NAMES
+from ..eval.runner import DTYPES
+from .api import DEFAULTS
+from .backends import PHASES, available_backends
+from .errors import ProfileError
+
+EXAMPLE = ("python -m fuseinfer.profile --model random:opt-1.3b --backend fuseinfer --compare eager --phase prefill "
+           "--prompt-len 2048 --out prof/")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ProfileError(f"{message} (see --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m fuseinfer.profile",
+                description="Where a step's time goes (ops, kernels, module kinds, layers), what bounds it (roofline "
+                            "against ceilings measured in the same run) and what to do about it (hints).",
+                epilog=f"example: {EXAMPLE}")
+    p.add_argument("--model", required=True,
+                   help=f"short name ({', '.join(SHORT_NAMES)}), hub id, local directory, or random:<name>")
+    p.add_argument("--backend", default="fuseinfer", help=f"one of {', '.join(available_backends())} "
+                                                          "(default: %(default)s)")
+    p.add_argument("--phase", default="prefill", choices=None, help=f"{' | '.join(PHASES)} (default: %(default)s)")
+    p.add_argument("--compare", help="a second backend profiled on the same inputs, side by side")
+    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when a GPU is visible)")
+    p.add_argument("--dtype", choices=list(DTYPES), help="default: fp16 on cuda, fp32 on cpu")
+    p.add_argument("--batch-size", type=int, default=1)
+    gpu, cpu = DEFAULTS["cuda"], DEFAULTS["cpu"]
+    p.add_argument("--prompt-len", type=int, help=f"prompt tokens (default {gpu['prompt_len']} cuda, "
+                                                  f"{cpu['prompt_len']} cpu)")
+    p.add_argument("--gen-len", type=int, help=f"decode steps of a generate step (default {gpu['gen_len']} cuda, "
+                                               f"{cpu['gen_len']} cpu)")
+    p.add_argument("--steps", type=int, dest="active", help=f"profiled (active) steps (default {gpu['active']} cuda, "
+                                                            f"{cpu['active']} cpu)")
+    p.add_argument("--wait", type=int, default=1, help="profiler schedule: steps skipped first (default 1)")
+    p.add_argument("--warmup", type=int, default=1, help="profiler schedule: warm-up steps traced and dropped "
+                                                         "(default 1)")
+    p.add_argument("--repeats", type=int, help=f"steps timed without the profiler (default {gpu['repeats']} cuda, "
+                                               f"{cpu['repeats']} cpu)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="folder for the trace, tables, plots and summary.md")
+    p.add_argument("--top", type=int, default=12, help="rows of the printed op / kernel tables")
+    p.add_argument("--no-tensorboard", action="store_true", help="skip the TensorBoard log dir")
+    p.add_argument("--no-nvtx", action="store_true", help="no NVTX ranges on CUDA")
+    p.add_argument("--ncu", action="store_true", help="re-run the top kernels under Nsight Compute (ncu on PATH)")
+    p.add_argument("--ncu-top", type=int, default=5, help="kernels per backend for --ncu (default 5)")
+    p.add_argument("--debug", action="store_true", help="raise a backend's error with its traceback")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from huggingface_hub.utils import logging as hub_logging
+    from transformers.utils import logging as hf_logging
+
+    from ..eval.ui import ConsoleUI
+    from . import report
+    from .api import check_out_dir, profile
+
+    hf_logging.disable_progress_bar()
+    hub_logging.set_verbosity_error()
+    try:
+        args = build_parser().parse_args(argv)
+        if args.ncu:
+            from .ncu import ncu_path
+
+            ncu_path()  # before the run: one clear line when ncu is missing
+        check_out_dir(args.out)
+        ui = ConsoleUI()
+        result = profile(args.model, args.backend, args.phase, compare=args.compare, out=args.out, ui=ui,
+                         device=args.device, dtype=args.dtype, batch_size=args.batch_size,
+                         prompt_len=args.prompt_len, gen_len=args.gen_len, active=args.active, wait=args.wait,
+                         warmup=args.warmup, repeats=args.repeats, seed=args.seed,
+                         tensorboard=not args.no_tensorboard, nvtx=not args.no_nvtx, debug=args.debug)
+        if args.ncu:
+            from pathlib import Path
+
+            from .ncu import run_ncu
+
+            for note in run_ncu(result, args.ncu_top, ui=ui):
+                ui.warn(note)
+            report.write_all(result, Path(args.out))  # again, with the ncu columns
+        console = Console()
+        report.print_result(result, console if console.is_terminal else Console(width=180), top=args.top)
+    except ProfileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # the eval's errors (unknown model, device) are ProfileError's base class
+        from ..eval.errors import EvalError
+
+        if isinstance(exc, EvalError):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        raise
+    return 0
