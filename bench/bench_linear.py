@@ -29,7 +29,6 @@ Usage: python bench/bench_linear.py [--quick] [--no-autotune] [--models opt-6.7b
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -39,6 +38,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import bench_ms, graph_calls_ms, measure_ceilings, paired_ms, paired_ratio, write_results  # noqa: E402
+
+from fuseinfer import knobs  # noqa: E402
 
 import fuseinfer._C as C  # noqa: E402
 
@@ -153,8 +154,8 @@ def main() -> None:
                 "note": "L2 flushed before every timed call (triton do_bench); ours and bare mm alternate over 5 "
                         "rounds, ours/bare = median of the per-round ratios; graph columns: back-to-back calls "
                         "over weight copies > 4x L2 in one CUDA graph, >= 50 ms warm-up, ours and cuBLAS in turn "
-                        "over 5 rounds of 10 replays, median", "pdl": os.environ.get("FUSEINFER_PDL", "1"),
-                "gemm_tune": os.environ.get("FUSEINFER_GEMM_TUNE", "1")}
+                        "over 5 rounds of 10 replays, median", "pdl": knobs.get("FUSEINFER_PDL"),
+                "gemm_tune": knobs.get("FUSEINFER_GEMM_TUNE")}
     path = write_results(args.name, settings, ceilings, rows, COLUMNS)
     print(f"wrote {path}")
 

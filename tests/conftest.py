@@ -83,3 +83,18 @@ VARIANTS = {
     "no_final_ln": dict(_remove_final_layer_norm=True),
     "ln_without_affine": dict(layer_norm_elementwise_affine=False),
 }
+
+
+@pytest.fixture
+def set_knob(monkeypatch):
+    """set_knob(name, value): set a FUSEINFER_* knob for the test, in the environment and in the CUDA extension
+    (which takes its switches from fuseinfer.knobs, not from the environment); both restored afterwards."""
+    from fuseinfer import knobs
+
+    def set_(name: str, value: str) -> None:
+        monkeypatch.setenv(name, value)
+        knobs.push()
+
+    yield set_
+    monkeypatch.undo()
+    knobs.push()

@@ -204,13 +204,13 @@ def test_gemv_requests_its_weights_before_the_pdl_wait():
 
 
 @pytest.mark.parametrize("tune", ["1", "0"])
-def test_linear_prefill_algorithm_choice(tune, monkeypatch):
+def test_linear_prefill_algorithm_choice(tune, set_knob):
     """A prefill-sized problem's cuBLASLt algorithm is chosen at its first call: timed among the heuristic's
     candidates when that call is eager (FUSEINFER_GEMM_TUNE on), the heuristic's first choice under CUDA-graph
     capture (where timing would break the capture) or with tuning off. Each problem here is new to the process
     (M differs per parameter): first seen inside a capture, which must succeed and replay correctly, then eagerly,
     where it is tuned (or not) and must meet the low-precision rule as well."""
-    monkeypatch.setenv("FUSEINFER_GEMM_TUNE", tune)
+    set_knob("FUSEINFER_GEMM_TUNE", tune)
     torch.manual_seed(1)
     m, n, k = (777 if tune == "1" else 779), 1024, 1536
     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
@@ -294,10 +294,10 @@ def _attention_paths():
 @pytest.mark.parametrize("case,path", list(_attention_paths()))
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", LOWP)
-def test_attention_kernel(case, path, d, dtype, monkeypatch):
+def test_attention_kernel(case, path, d, dtype, set_knob):
     if path == "wgmma" and not _wgmma_available():
         pytest.skip("the wgmma prefill needs an sm_90 GPU")
-    monkeypatch.setenv("FUSEINFER_ATTN_SM90", "0" if path == "mma_sync" else "1")
+    set_knob("FUSEINFER_ATTN_SM90", "0" if path == "mma_sync" else "1")
     q, k, v, key_mask, q_start = _attn_case(d=d, dtype=dtype, **ATTN_CASES[case])
     b, h, sq, _ = q.shape
     scale = d ** -0.5

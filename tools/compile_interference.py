@@ -56,8 +56,23 @@ def main():
         del compiled, plain
         torch.cuda.empty_cache()
         after_free = timed(run)
+        # the eval's own sequence: its compile backend (compiled prefill, StaticCache + reduce-overhead decode with
+        # CUDA graphs) runs a generation, closes (torch._dynamo.reset()), then the patched model prefills
+        from fuseinfer.eval.backends import CompileBackend
+
+        backend = CompileBackend(src, cfg, torch.float16, torch.device("cuda"), 2)
+        backend.load()
+        backend.start(1, 2048 + 8)
+        tok = backend.prefill(ids[:, :2040])
+        for _ in range(6):
+            tok = backend.decode_step(tok)
+        torch.cuda.synchronize()
+        backend.close()
+        torch.cuda.empty_cache()
+        after_eval_compile = timed(run)
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "before": before, "after_compile_and_reset": after_reset,
                       "after_freeing_the_compiled_model": after_free,
+                      "after_the_eval_compile_backend": after_eval_compile,
                       "allow_tf32": torch.backends.cuda.matmul.allow_tf32,
                       "fp16_reduced": torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction}))
 

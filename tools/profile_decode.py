@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import fuseinfer
+from fuseinfer import knobs
 from fuseinfer._ext import extension
 from fuseinfer.eval.models import load_config, load_model, resolve_model
 from fuseinfer.ops import linear_epilogue
@@ -124,10 +125,11 @@ def main() -> None:
     fuseinfer.patch(model)
     ids = torch.randint(3, model.config.vocab_size, (args.batch, args.context), device="cuda")
     if args.sweep:
-        knobs = [(k, v.split(",")) for k, v in (part.split("=") for part in args.sweep.split(";"))]
-        for values in itertools.product(*(vals for _, vals in knobs)):
-            setting = dict(zip((k for k, _ in knobs), values))
+        sweep = [(k, v.split(",")) for k, v in (part.split("=") for part in args.sweep.split(";"))]
+        for values in itertools.product(*(vals for _, vals in sweep)):
+            setting = dict(zip((k for k, _ in sweep), values))
             os.environ.update(setting)
+            knobs.push()  # the extension's switches come from fuseinfer.knobs
             print(setting, end=": ")
             time_step(model, ids)
         return

@@ -20,14 +20,15 @@ QUANT_CONFIGS = {"w8a16": "Int8WeightOnly", "w8a8": "Int8DynamicActivation"}
 
 
 def available_backends() -> list[str]:
-    from ..eval.backends import BACKENDS
+    from ..eval.registry import BACKENDS
 
     return list(BACKENDS) + [f"fuseinfer-{q}" for q in QUANT_CONFIGS if f"fuseinfer-{q}" not in BACKENDS]
 
 
 def resolve_backend(name: str) -> type[Backend]:
     """The backend class for ``name``; raises :class:`ProfileError` for an unknown or uninstalled one."""
-    from ..eval.backends import BACKENDS, FuseInferBackend
+    from ..eval.backends import FuseInferBackend
+    from ..eval.registry import BACKENDS
 
     if name in BACKENDS:
         return BACKENDS[name]
