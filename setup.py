@@ -70,7 +70,7 @@ setup(
     packages=find_packages(include=["fuseinfer", "fuseinfer.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "transformers>=5.17,<5.24", "safetensors", "rich", "numpy"],
-    extras_require={"test": ["pytest>=8", "matplotlib"], "plot": ["matplotlib"]},
+    extras_require={"test": ["pytest>=8", "matplotlib", "hypothesis>=6"], "plot": ["matplotlib"]},
     ext_modules=[built[0]] if built else [],
     cmdclass={"build_ext": built[1]} if built else {},
 )
