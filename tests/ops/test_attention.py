@@ -233,7 +233,7 @@ def attention_cases(draw, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_attention_matches_reference_property(device):
-    @examples(device, cpu=50, cuda=400)
+    @examples(device, cpu=50, cuda=200)
     @given(case=attention_cases(device))
     def check(case):
         q, k, v, key_mask, q_start, scale, nan_from = case
@@ -261,7 +261,7 @@ def test_attention_matches_reference_property(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_attention_opcheck_property(device):
     """opcheck (schema, fake impl, autograd registration, AOT dispatch) on drawn shapes, masks and offsets."""
-    @examples(device, cpu=3, cuda=6)
+    @examples(device, cpu=3, cuda=3)
     @given(case=attention_cases(device), grad=st.booleans())
     def check(case, grad):
         q, k, v, key_mask, q_start, scale, _ = case

@@ -117,7 +117,7 @@ def ln_cases(draw, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_add_layer_norm_matches_reference_property(device):
-    @examples(device, cpu=40, cuda=300)
+    @examples(device, cpu=40, cuda=150)
     @given(case=ln_cases(device))
     def check(case):
         x, r, w, b, store_sum = case
@@ -137,7 +137,7 @@ def test_add_layer_norm_matches_reference_property(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_add_layer_norm_opcheck_property(device):
     """opcheck (schema, fake impl, autograd registration, AOT dispatch) on drawn shapes and layouts."""
-    @examples(device, cpu=3, cuda=6)
+    @examples(device, cpu=3, cuda=3)
     @given(case=ln_cases(device), grad=st.booleans())
     def check(case, grad):
         x, r, w, b, store_sum = case

@@ -130,7 +130,7 @@ def linear_cases(draw, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_linear_epilogue_matches_reference_property(device):
-    @examples(device, cpu=40, cuda=300)
+    @examples(device, cpu=40, cuda=150)
     @given(case=linear_cases(device))
     def check(case):
         x, w, b, r, act = case
@@ -147,7 +147,7 @@ def test_linear_epilogue_matches_reference_property(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_linear_epilogue_opcheck_property(device):
     """opcheck (schema, fake impl, autograd registration, AOT dispatch) on drawn shapes and layouts."""
-    @examples(device, cpu=3, cuda=6)
+    @examples(device, cpu=3, cuda=3)
     @given(case=linear_cases(device), grad=st.booleans())
     def check(case, grad):
         x, w, b, r, act = case

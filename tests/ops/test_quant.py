@@ -101,7 +101,7 @@ def quant_cases(draw, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_int8_quantize_matches_reference_property(device):
-    @examples(device, cpu=40, cuda=200)
+    @examples(device, cpu=40, cuda=100)
     @given(x=quant_cases(device))
     def check(x):
         q, scale = ops.quantize_per_token(x)
@@ -125,7 +125,7 @@ def test_int8_quantize_matches_reference_property(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_int8_opcheck_property(device):
-    @examples(device, cpu=3, cuda=6)
+    @examples(device, cpu=3, cuda=3)
     @given(x=quant_cases(device))
     def check(x):
         torch.library.opcheck(torch.ops.fuseinfer.quantize_int8.default, (x, -1))
