@@ -70,7 +70,8 @@ setup(
     packages=find_packages(include=["fuseinfer", "fuseinfer.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "transformers>=5.17,<5.24", "safetensors", "rich", "numpy"],
-    extras_require={"test": ["pytest>=8", "matplotlib", "onnx>=1.16", "onnxruntime>=1.20"], "plot": ["matplotlib"],
+    extras_require={"test": ["pytest>=8", "matplotlib", "hypothesis>=6", "onnx>=1.16", "onnxruntime>=1.20"],
+                    "plot": ["matplotlib"],
                     "export": ["onnx>=1.16", "onnxruntime>=1.20"]},  # CUDA: onnxruntime-gpu instead
     ext_modules=[built[0]] if built else [],
     cmdclass={"build_ext": built[1]} if built else {},

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import DEVICES
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("FUSEINFER_SHARED", REPO.parent / "shared"))
@@ -27,6 +28,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", params=DEVICES)
+def device(request) -> str:
+    """'cpu', and 'cuda' marked ``gpu`` (listed as skipped without a GPU): the op tests' device parameter. Session
+    scope, so that hypothesis tests may take it too."""
+    return request.param
 
 
 @pytest.fixture(scope="session")

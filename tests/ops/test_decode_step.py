@@ -1,10 +1,13 @@
-"""fuseinfer::opt_decode_step: the reference against the per-op decode path (CPU), the op's registration
-(opcheck), and on the GPU the one-kernel step against the fp32 reference and inside fast decode."""
+"""fuseinfer::opt_decode_step (fuseinfer/ops/decode_step.py): the reference against the per-op decode path (CPU),
+the op's registration (opcheck), property tests against the reference (hypothesis: random model sizes, batch rows,
+padding and slots) on every device, and on the GPU the one-kernel step against the fp32 reference and inside fast
+decode (the FUSEINFER_DECODE_KERNEL choice)."""
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import random_opt
+from helpers import DEVICES, LOWP, assert_lowp_close, assume, examples, given, lowp_atol, st
 
 import fuseinfer
 from fuseinfer.ops import opt_decode_step, opt_decode_step_ref
@@ -83,6 +86,109 @@ def test_wrong_parameter_count_is_one_clear_error():
     args["layer_params"] = args["layer_params"][:-1]
     with pytest.raises(fuseinfer.FuseInferError, match="12 parameters and a k and v cache per layer"):
         opt_decode_step(**args)
+
+
+# ---- property tests against the reference (hypothesis) ----
+
+def _random_step_args(rows, hidden, heads, ffn, layers, vocab, capacity, pads, q_start, device, dtype=torch.float32):
+    """The op's arguments for a random pre-LN OPT (no model built): weights scaled by fan-in, LayerNorms near
+    (1, 0), caches of random keys and values, row b's new token at slot ``q_start[b]`` after ``pads[b]`` pads."""
+    d = hidden // heads
+    rand = lambda *s, scale=1.0: (torch.randn(*s) * scale).to(device=device, dtype=dtype)  # noqa: E731
+    ln = lambda: (1 + 0.1 * torch.randn(hidden)).to(device=device, dtype=dtype)  # noqa: E731
+    params = []
+    for _ in range(layers):
+        params += [ln(), rand(hidden, scale=0.1), rand(3 * hidden, hidden, scale=hidden ** -0.5),
+                   rand(3 * hidden, scale=0.1), rand(hidden, hidden, scale=hidden ** -0.5), rand(hidden, scale=0.1),
+                   ln(), rand(hidden, scale=0.1), rand(ffn, hidden, scale=hidden ** -0.5), rand(ffn, scale=0.1),
+                   rand(hidden, ffn, scale=ffn ** -0.5), rand(hidden, scale=0.1)]
+    key_mask = torch.arange(capacity)[None] >= torch.tensor(pads)[:, None]  # (B, T)
+    q_start_t = torch.tensor(q_start, dtype=torch.int32)
+    return dict(
+        tokens=torch.randint(0, vocab, (rows, 1)).to(device),
+        positions=(q_start_t - torch.tensor(pads, dtype=torch.int32)).long()[:, None].to(device),
+        q_start=q_start_t.to(device), key_mask=key_mask.to(device), embed=rand(vocab, hidden),
+        pos_embed=rand(capacity + 2, hidden), layer_params=params,
+        k_caches=[rand(rows, heads, capacity, d) for _ in range(layers)],
+        v_caches=[rand(rows, heads, capacity, d) for _ in range(layers)],
+        lnf_w=ln(), lnf_b=rand(hidden, scale=0.1), lm_head=rand(vocab, hidden, scale=hidden ** -0.5),
+        workspace=decode_step_workspace(rows, hidden, ffn, heads, d, capacity, device), eps=1e-5, scale=d ** -0.5)
+
+
+@st.composite
+def step_cases(draw, device):
+    """(OPT sizes, rows, pads, q_start, capacity, dtype): on the CPU any head count and size (odd ones too); on CUDA
+    the kernel's domain (head dim 64 or 128, hidden and ffn multiples of 32, 1-8 rows), fp16 / bf16. Rows have
+    their own padding and slot (the first token of a row at slot 0, a row whose slot is the cache's last)."""
+    seed = draw(st.integers(0, 2**32 - 1))
+    if device == "cpu":
+        heads, d = draw(st.integers(1, 4)), draw(st.integers(1, 24))
+        ffn = draw(st.integers(1, 100))
+        rows = draw(st.integers(1, 5))
+        dtype = draw(st.sampled_from([torch.float32, *LOWP]))
+    else:
+        heads, d = draw(st.integers(1, 8)), draw(st.sampled_from([64, 128]))
+        ffn = 32 * draw(st.integers(1, 64))
+        rows = draw(st.integers(1, 8))
+        dtype = draw(st.sampled_from(LOWP))
+    layers, vocab = draw(st.integers(1, 3)), draw(st.integers(4, 700))
+    capacity = draw(st.integers(1, 64 if device == "cpu" else 1200))
+    q_start = draw(st.lists(st.integers(0, capacity - 1), min_size=rows, max_size=rows))
+    pads = [draw(st.integers(0, s)) for s in q_start]  # a row's new token is never padding
+    return dict(rows=rows, hidden=heads * d, heads=heads, ffn=ffn, layers=layers, vocab=vocab, capacity=capacity,
+                pads=pads, q_start=q_start), dtype, seed
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_step_matches_reference_property(device):
+    """Logits and every written cache slot within the dtype rule of the reference run in higher precision (on
+    CUDA: the one-kernel step, which the case must select)."""
+    @examples(device, cpu=10, cuda=60)
+    @given(case=step_cases(device))
+    def check(case):
+        sizes, dtype, seed = case
+        torch.manual_seed(seed)
+        args = _random_step_args(**sizes, device=device, dtype=dtype)
+        if device == "cuda":
+            assume(kernel_supports(sizes["rows"], args["embed"], sizes["ffn"], sizes["hidden"] // sizes["heads"]))
+        hi = torch.float64 if dtype == torch.float32 else torch.float32
+        ref_args, same_args = _converted(args, hi), _converted(args, dtype)
+        ref = opt_decode_step_ref(**ref_args)
+        torch_same = opt_decode_step_ref(**same_args)
+        ours = opt_decode_step(**args)
+        assert ours.shape == (sizes["rows"], sizes["vocab"]) and ours.dtype == torch.float32
+        assert_lowp_close(ours, torch_same, ref, f"logits {sizes} {dtype}", lowp_atol(ref, dtype))
+        for i, (o, r, s) in enumerate(zip(args["k_caches"] + args["v_caches"], ref_args["k_caches"] +
+                                          ref_args["v_caches"], same_args["k_caches"] + same_args["v_caches"])):
+            assert_lowp_close(o, s, r, f"cache {i} {sizes} {dtype}", lowp_atol(r, dtype))
+    check()
+
+
+@examples("cpu", cpu=6, cuda=0)
+@given(case=step_cases("cpu"))
+def test_reference_equals_per_op_decode_path_property(case):
+    """The reference step and the patched modules (forward_last_logits over a StaticKVCache) agree on CPU, in
+    fp32, for random model sizes, rows, padding and slots."""
+    sizes, _, seed = case
+    rows, heads, layers = sizes["rows"], sizes["heads"], sizes["layers"]
+    model = random_opt(seed=seed % 1000, hidden_size=sizes["hidden"], num_attention_heads=heads,
+                       ffn_dim=sizes["ffn"], num_hidden_layers=layers, vocab_size=sizes["vocab"])
+    fuseinfer.patch(model)
+    slot = sizes["q_start"][0]  # forward_last_logits' cache has one write slot for all rows
+    pads = [min(p, slot) for p in sizes["pads"]]
+    args = _step_inputs(model, pads, [slot] * rows, sizes["capacity"], seed=seed % 1000)
+    cache = StaticKVCache(layers, rows, heads, sizes["hidden"] // heads, sizes["capacity"], torch.float32,
+                          torch.device("cpu"))
+    cache.keys = [c.clone() for c in args["k_caches"]]
+    cache.values = [c.clone() for c in args["v_caches"]]
+    cache.key_mask = args["key_mask"]
+    cache.write_idx = torch.tensor([slot])
+    with torch.no_grad():
+        per_op = forward_last_logits(model, args["tokens"], args["positions"], cache, args["q_start"])
+        ref = opt_decode_step_ref(**args)
+    torch.testing.assert_close(ref, per_op, rtol=1e-4, atol=1e-4)
+    for ours, theirs in zip(args["k_caches"] + args["v_caches"], cache.keys + cache.values):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
 # ---- GPU: the one-kernel step ----

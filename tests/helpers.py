@@ -1,0 +1,143 @@
+"""Helpers shared by the op tests (tests/ops/): the device parameter, the dtype tolerance rule, the kernel-path
+probes of the CUDA extension, and hypothesis settings sized per device.
+
+Import with ``from helpers import ...`` (tests/ is on sys.path through its rootdir conftest, as for ``conftest``).
+Property tests take ``given``, ``assume`` and ``st`` from here: where hypothesis is not installed (a GPU machine
+without the test extra) they skip with that reason instead of failing the import of every op test.
+
+Tolerance rule (flash-attention's): |ours - ref| <= 2 * |torch_same_dtype - ref| + atol (max over the tensor),
+where ``ref`` runs the op's reference on the same inputs upcast (fp32 for fp16/bf16 inputs, fp64 for fp32 ones)
+and ``torch_same_dtype`` is plain PyTorch in the inputs' dtype.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+try:
+    from hypothesis import HealthCheck, assume, given, settings
+    from hypothesis import strategies as st
+    HYPOTHESIS_MISSING = None
+except ImportError:  # (a machine without the test extra: the property tests skip, saying so; the rest runs)
+    HYPOTHESIS_MISSING = "hypothesis is not installed (pip install hypothesis; setup.py's test extra has it)"
+
+    class _Missing:
+        """Stands in for hypothesis's strategies, HealthCheck and assume: any attribute or call gives itself."""
+        def __getattr__(self, name):
+            return self
+
+        def __call__(self, *args, **kwargs):
+            return self
+
+        def __or__(self, other):
+            return self
+
+    st = HealthCheck = assume = _Missing()
+
+    def settings(*args, **kwargs):
+        return lambda f: f
+
+    def given(*args, **kwargs):
+        def skip_instead(f):
+            def skipped():  # (no parameters: pytest must not look for fixtures named like the drawn arguments)
+                pytest.skip(HYPOTHESIS_MISSING)
+            skipped.__name__, skipped.__doc__ = f.__name__, f.__doc__
+            return skipped
+        return skip_instead
+
+# every op test runs on the CPU; the CUDA param carries the gpu mark, so CPU-only runs list it as skipped
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+LOWP = [torch.float16, torch.bfloat16]
+
+
+def ref_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision the reference runs in for inputs of ``dtype``."""
+    return torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def up(t, dtype=torch.float32):
+    """``t`` in ``dtype`` (None stays None): the reference's inputs."""
+    return None if t is None else t.to(dtype)
+
+
+def lowp_atol(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """Absolute slack for the rule. fp16 / bf16: half a unit in the last place at the largest reference value (a
+    tiny tensor's values may all round exactly in PyTorch and one of ours by one rounding step the other way).
+    fp32: 1e-5 relative to that value (the fp32 kernels' tolerance before the rule: their error is summation order,
+    not one rounding, and PyTorch's can be as small as half an ulp)."""
+    big = ref.abs().max().item() if ref.numel() else 0.0
+    if dtype == torch.float32:
+        return 1e-5 * max(big, 1.0)
+    return 0.5 * torch.finfo(dtype).eps * big + 1e-6
+
+
+def assert_lowp_close(ours, torch_lowp, ref, what="", atol: float = 1e-6):
+    """|ours - ref| <= 2 * |torch_lowp - ref| + atol, max over the tensor; ``ref`` in a higher precision."""
+    assert ours.shape == torch_lowp.shape == ref.shape, f"{what}: shapes {ours.shape}, {torch_lowp.shape}, {ref.shape}"
+    if ref.numel() == 0:
+        return
+    ref = ref.double()
+    ours_err = (ours.double() - ref).abs().max().item()
+    torch_err = (torch_lowp.double() - ref).abs().max().item()
+    assert not math.isnan(ours_err), f"{what}: NaN in ours"
+    assert ours_err <= 2 * torch_err + atol, f"{what}: ours {ours_err:.3g} vs torch {torch_err:.3g} (atol {atol:.3g})"
+
+
+def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantisation-noise ratio in dB."""
+    return 10 * math.log10(ref.float().pow(2).sum().item() / (ref.float() - approx.float()).pow(2).sum().item())
+
+
+def examples(device: str, cpu: int, cuda: int):
+    """Hypothesis settings for a property test on ``device``: few examples on the CPU (CI has 2 cores; there the ops
+    run their references, so the examples mostly exercise shapes and the op plumbing), more on a GPU (the kernels).
+    No deadline (first calls compile or tune), no example database written into the checkout."""
+    slow = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+    return settings(max_examples=cpu if device == "cpu" else cuda, deadline=None, database=None,
+                    suppress_health_check=slow)
+
+
+def require_kernel():
+    """Fail (not skip) a GPU test of a kernel when the extension is not built: it would test the reference."""
+    from fuseinfer._ext import extension
+
+    if extension() is None:
+        pytest.fail("fuseinfer._C is not built: the CUDA kernel cannot be tested")
+
+
+def paths_taken(call):
+    """call()'s result and the extension's paths it took ({name: calls}, csrc/fuseinfer.h path_counts): a test that
+    means to exercise one kernel asserts it, since a silent fallback to another would pass the numerical checks."""
+    from fuseinfer._ext import extension
+    before = extension().path_counts()
+    out = call()
+    after = extension().path_counts()
+    return out, {name: after[name] - before[name] for name in after if after[name] != before[name]}
+
+
+def record_kernel_calls(monkeypatch) -> list[str]:
+    """The list that the extension's kernel entry points append their names to while the test runs."""
+    from fuseinfer import _ext
+
+    class Recording:  # the loaded extension, noting every kernel an op calls
+        def __init__(self, ext):
+            self.ext = ext
+
+        def __getattr__(self, name):
+            attr = getattr(self.ext, name)
+            if name not in ("add_layer_norm", "linear_epilogue", "attention", "kv_cache_append", "decode_step",
+                            "emit_tokens"):
+                return attr
+            return lambda *args, **kwargs: calls.append(name) or attr(*args, **kwargs)
+
+    calls = []
+    monkeypatch.setattr(_ext, "_ext", Recording(_ext.extension()))
+    return calls
+
+
+def wgmma_available() -> bool:
+    """Whether this GPU and build run the sm_90 wgmma attention prefill."""
+    import fuseinfer
+    return torch.cuda.get_device_capability() == (9, 0) and fuseinfer.cuda_extension_available()

@@ -1,0 +1,386 @@
+"""fuseinfer::attention (fuseinfer/ops/attention.py): the reference against SDPA and per-row formulas (left padding,
+decode offsets, queries without keys, unwritten cache slots), bad input, gradients, the SDPA fallback, the
+registration (opcheck), property tests against the reference (hypothesis) on every device, and the CUDA kernels
+(wgmma / mma.sync prefill, split-KV decode) with their path counts."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import (
+    DEVICES,
+    LOWP,
+    assert_lowp_close,
+    examples,
+    given,
+    lowp_atol,
+    paths_taken,
+    record_kernel_calls,
+    ref_dtype,
+    st,
+    wgmma_available,
+)
+
+from fuseinfer import FuseInferError, ops
+from fuseinfer.ops.attention import allowed_mask, attention_sdpa
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    """Each test's random inputs do not depend on which tests ran before it (a failure reproduces alone)."""
+    torch.manual_seed(0)
+
+
+def _attention_inputs(b=3, h=4, sq=113, skv=113, d=64, dtype=torch.float32, device="cpu"):
+    q, k, v = (torch.randn(b, h, s, d, dtype=dtype, device=device) for s in (sq, skv, skv))
+    return q, k, v
+
+
+def test_attention_rejects_bad_input_with_one_clear_error(device):
+    """Inputs a user could pass by mistake end in one FuseInferError naming what is expected, not in aten."""
+    q = torch.randn(2, 3, 5, 8, device=device)
+    ones = lambda *s, dtype: torch.ones(*s, dtype=dtype, device=device)  # noqa: E731
+    zeros = lambda *s, dtype: torch.zeros(*s, dtype=dtype, device=device)  # noqa: E731
+    with pytest.raises(FuseInferError, match=r"key_mask must be a \(2, 5\) bool tensor.*attention_mask.bool"):
+        ops.attention(q, q, q, ones(2, 5, dtype=torch.long))  # an HF-style 0/1 mask
+    with pytest.raises(FuseInferError, match=r"key_mask must be a \(2, 5\) bool tensor"):
+        ops.attention(q, q, q, ones(2, 4, dtype=torch.bool))
+    with pytest.raises(FuseInferError, match=r"q_start must be a \(2,\) int32 tensor"):
+        ops.attention(q, q, q, None, zeros(3, dtype=torch.int32))
+    with pytest.raises(FuseInferError, match=r"q_start must be a \(2,\) int32 tensor, got \(2,\) torch.int64"):
+        ops.attention(q, q, q, None, zeros(2, dtype=torch.int64))  # the kernel reads int32
+    with pytest.raises(FuseInferError, match="share a dtype"):
+        ops.attention(q, q.half(), q.half())
+    with pytest.raises(FuseInferError, match="D > 0"):
+        ops.attention(*(torch.randn(2, 3, 5, 0, device=device),) * 3)
+
+
+def test_attention_rejects_mismatched_shapes(device):
+    q, k, v = _attention_inputs(device=device)
+    with pytest.raises(FuseInferError, match=r"expected q \(B,H,Sq,D\)"):
+        ops.attention(q, k[:, :, :, :32], v)
+
+
+def test_attention_gradients_match_autograd_in_float64(device):
+    """dQ, dK, dV of the op (fp32 inside) against autograd of masked softmax attention in float64, with left
+    padding, per-row q_start and a query that sees no key (its output and gradients are 0)."""
+    q, k, v = (t.double().requires_grad_() for t in _attention_inputs(b=2, h=3, sq=7, skv=12, d=16, device=device))
+    key_mask = torch.arange(12, device=device)[None] >= torch.tensor([[4], [0]], device=device)
+    q_start = torch.tensor([3, 5], dtype=torch.int32, device=device)  # row 0, query 0: keys 0..3, all padding
+    g = torch.randn(2, 7, 3, 16, dtype=torch.float64, device=device)  # (B, Sq, H, D)
+    ours = torch.autograd.grad(ops.attention(q, k, v, key_mask, q_start, 0.3), (q, k, v), g)
+    allowed = allowed_mask(key_mask, q_start, 2, 7, 12, device)  # (B, 1, Sq, Skv)
+    has_key = allowed.any(-1, keepdim=True)
+    scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0)
+    out = (torch.softmax(scores, -1).masked_fill(~has_key, 0) @ v).transpose(1, 2)
+    expected = torch.autograd.grad(out, (q, k, v), g)
+    for name, a, e in zip("qkv", ours, expected):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=name)
+    assert ours[0][0, :, 0].abs().max() == 0
+
+
+def test_attention_gradients_finite_for_queries_without_keys(device):
+    """A query with no key to attend outputs 0; its gradients are 0 as well, not NaN (which would spread
+    through a model's backward)."""
+    q, k, v = (t.requires_grad_() for t in _attention_inputs(b=2, sq=3, skv=9, d=32, device=device))
+    key_mask = torch.tensor([[0] * 3 + [1] * 6, [1] * 9], dtype=torch.bool, device=device)
+    # row 0: query 0 sees keys 0..2, all masked; query 2 sees keys 3 and 4
+    out = ops.attention(q, k, v, key_mask, torch.tensor([2, 6], dtype=torch.int32, device=device), 0.2)
+    (out * torch.randn_like(out)).sum().backward()
+    assert all(t.grad.isfinite().all() for t in (q, k, v))
+    assert out[0, 0].abs().max() == 0 and q.grad[0, :, 0].abs().max() == 0
+    assert q.grad[0, :, 2].abs().min() > 0 and k.grad[0, :, :3].abs().max() == 0
+
+
+def test_attention_ref_matches_sdpa_causal(device):
+    q, k, v = _attention_inputs(device=device)
+    out = ops.attention(q, k, v, scale=0.125)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125)
+    torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_ref_left_padding_and_decode_offsets(device):
+    b, sq, skv = 3, 4, 50
+    q, k, v = _attention_inputs(b=b, sq=sq, skv=skv, device=device)
+    pads = torch.tensor([0, 7, 20])
+    key_mask = torch.arange(skv)[None, :] >= pads[:, None]  # (B, Skv): left padding
+    q_start = torch.tensor([30, 30, 30], dtype=torch.int32)  # a static cache filled to 34 of 50 slots
+    out = ops.attention(q, k, v, key_mask.to(device), q_start.to(device), 0.125)
+    for i in range(b):
+        for t in range(sq):
+            keys = slice(int(pads[i]), 30 + t + 1)
+            p = torch.softmax(torch.einsum("hd,hnd->hn", q[i, :, t], k[i, :, keys]) * 0.125, -1)  # (H, n)
+            expected = torch.einsum("hn,hnd->hd", p, v[i, :, keys])  # (H, D)
+            torch.testing.assert_close(out[i, t], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_query_without_keys_gives_zero_not_nan(device):
+    q, k, v = _attention_inputs(b=2, sq=5, skv=5, device=device)
+    key_mask = torch.tensor([[False, False, True, True, True], [True] * 5], device=device)
+    out = ops.attention(q, k, v, key_mask)
+    assert torch.isfinite(out).all()
+    assert out[0, :2].abs().max() == 0  # queries 0 and 1 of row 0 see only padding
+    assert out[0, 2:].abs().min() > 0
+
+
+def test_attention_ref_ignores_what_unseen_keys_hold(device):
+    """Cache slots no query may see (not written yet: NaN in uninitialised memory) and queries without any key
+    give what the kernels give (they never read such slots): finite values, 0 for a query without keys."""
+    q, k, v = _attention_inputs(b=2, sq=2, skv=12, device=device)
+    k[:, :, 8:], v[:, :, 8:] = float("nan"), float("nan")  # slots 8.. of both rows are unwritten
+    q_start = torch.tensor([5, -3], dtype=torch.int32, device=device)  # row 1: its two queries come before every key
+    out = ops.attention_ref(q, k, v, None, q_start, 0.125)
+    assert torch.isfinite(out).all()
+    assert out[1].abs().max() == 0
+    ref = ops.attention_ref(q[:1], k[:1, :, :7], v[:1, :, :7], None, None, 0.125)  # row 0 sees keys 0..6
+    torch.testing.assert_close(out[:1], ref)
+
+
+@pytest.mark.parametrize("d", [32, 64])
+def test_attention_sdpa_fallback_matches_reference(d, device):
+    """The CUDA fallback for cases without a kernel; device-agnostic, so checked on every device."""
+    q, k, v = _attention_inputs(b=3, sq=12, skv=40, d=d, device=device)
+    key_mask = torch.arange(40, device=device)[None, :] >= torch.tensor([0, 9, 39], device=device)[:, None]
+    q_start = torch.tensor([30, 30, 30], dtype=torch.int32, device=device)  # row 2 queries 0-8 see no key: must give 0
+    expected = ops.attention_ref(q, k, v, key_mask, q_start, 0.2)
+    got = attention_sdpa(q, k, v, key_mask, q_start, 0.2)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert got[2, :9].abs().max() == 0 and got[2, 9:].abs().max() > 0 and torch.isfinite(got).all()
+
+
+def test_attention_sdpa_fallback_zeroes_queries_without_keys(monkeypatch):
+    """CPU SDPA already gives 0 there; CUDA backends may give NaN, which the fallback must not pass on."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def nan_on_rows_without_keys(q, k, v, attn_mask, scale):
+        return sdpa(q, k, v, attn_mask=attn_mask, scale=scale).masked_fill(~attn_mask.any(-1, keepdim=True), math.nan)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", nan_on_rows_without_keys)
+    q, k, v = _attention_inputs(b=1, sq=4, skv=8, d=16)
+    got = attention_sdpa(q, k, v, torch.arange(8)[None] >= 6, torch.tensor([3], dtype=torch.int32), 0.25)
+    assert got[0, :3].abs().max() == 0 and torch.isfinite(got).all()  # queries 0-2 see keys 0-5, all masked
+
+
+def test_allowed_mask_default_is_bottom_right_causal():
+    m = allowed_mask(None, None, 1, 2, 4, "cpu")[0, 0]
+    assert m.tolist() == [[True, True, True, False], [True, True, True, True]]
+
+
+OPCHECK_CASES = {  # fp32 inputs (on CUDA: the SDPA fallback; test_opcheck_cuda takes fp16, the kernels)
+    "attention": lambda dev: (*_attention_inputs(b=2, sq=3, skv=9, d=32, device=dev),
+                              torch.ones(2, 9, dtype=torch.bool, device=dev),
+                              torch.tensor([6, 6], dtype=torch.int32, device=dev), 0.2),
+    # inputs that need gradients: the autograd formula is registered and traces under AOT autograd
+    "attention_grad": lambda dev: (*(t.requires_grad_() for t in _attention_inputs(b=2, sq=3, skv=9, d=32, device=dev)),
+                                   torch.tensor([[0] * 3 + [1] * 6, [1] * 9], dtype=torch.bool, device=dev),
+                                   torch.tensor([2, 6], dtype=torch.int32, device=dev), 0.2),  # row 0's query 0: no key
+}
+
+
+@pytest.mark.parametrize("case", sorted(OPCHECK_CASES))
+def test_opcheck(case, device):
+    torch.library.opcheck(torch.ops.fuseinfer.attention.default, OPCHECK_CASES[case](device))
+
+
+# ---- property tests against the reference (hypothesis) ----
+
+@st.composite
+def attention_cases(draw, device):
+    """(q, k, v, key_mask, q_start, scale, nan_from): batch 1-4, heads 1-4; one query (decode), a few, or a prefill;
+    head dims the kernels take (64, 128) and others (odd ones on the CPU); random left padding per row (up to all
+    of a row: no key at all), q_start None (bottom-right causal), one for all rows or per row (negative: queries
+    before every key; past Skv - Sq: a static cache's slack); q as a view into a fused QKV buffer; unwritten cache
+    slots (NaN) past the last key any query may see."""
+    torch.manual_seed(draw(st.integers(0, 2**32 - 1)))  # the tensors follow from the drawn seed (replayable)
+    cuda = device == "cuda"
+    b, h = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    sq = draw(st.one_of(st.just(1), st.integers(2, 16), st.integers(17, 80 if not cuda else 600)))
+    skv = draw(st.integers(1, 100 if not cuda else 1200))
+    d = draw(st.sampled_from([64, 128]) | (st.integers(1, 40) if not cuda else st.sampled_from([32, 64, 96, 128])))
+    dtype = draw(st.sampled_from([torch.float32, *LOWP] if not cuda else [*LOWP, *LOWP, torch.float32]))
+    pads = draw(st.sampled_from(["none", "random", "some_rows_empty"]))
+    key_mask = None
+    if pads != "none":
+        hi = skv if pads == "some_rows_empty" else max(skv - 1, 0)
+        p = torch.tensor(draw(st.lists(st.integers(0, hi), min_size=b, max_size=b)), device=device)
+        key_mask = torch.arange(skv, device=device)[None] >= p[:, None]  # (B, Skv)
+    mode = draw(st.sampled_from(["default", "shared", "per_row"]))
+    q_start = None
+    if mode != "default":
+        starts = draw(st.lists(st.integers(-sq - 2, skv + 2), min_size=1 if mode == "shared" else b,
+                               max_size=1 if mode == "shared" else b))
+        q_start = torch.tensor(starts, dtype=torch.int32, device=device).expand(b).contiguous()
+    if draw(st.booleans()):  # q (B, H, Sq, D) as a view into a fused (B, Sq, 3, H, D) projection
+        q = torch.randn(b, sq, 3, h, d, device=device)[:, :, 0].transpose(1, 2)
+    else:
+        q = torch.randn(b, h, sq, d, device=device)
+    k, v = (torch.randn(b, h, skv, d, device=device) for _ in range(2))
+    if draw(st.booleans()):  # k, v as a longer cache's first slots (a row stride > Skv * D)
+        k, v = (torch.randn(b, h, skv + 7, d, device=device)[:, :, :skv] for _ in range(2))
+    # cache slots past the last key any query may see: never written, may hold anything (on CUDA only where the
+    # kernels serve: the SDPA fallback reads every key, and the runtime's caches start zeroed)
+    last = (skv - 1 if q_start is None else int(q_start.max()) + sq - 1)
+    kernel = d in (64, 128) and dtype in LOWP
+    nan_from = last + 1 if last + 1 < skv and (not cuda or kernel) and draw(st.booleans()) else None
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    if nan_from is not None:
+        k[:, :, nan_from:] = float("nan")
+        v[:, :, nan_from:] = float("nan")
+    scale = draw(st.sampled_from([d ** -0.5, 0.3]))
+    return q, k, v, key_mask, q_start, scale, nan_from
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_matches_reference_property(device):
+    @examples(device, cpu=50, cuda=200)
+    @given(case=attention_cases(device))
+    def check(case):
+        q, k, v, key_mask, q_start, scale, nan_from = case
+        b, h, sq, d = q.shape
+        ours = ops.attention(q, k, v, key_mask, q_start, scale)  # (B, Sq, H, D)
+        assert ours.shape == (b, sq, h, d) and ours.dtype == q.dtype and ours.is_contiguous()
+        assert torch.isfinite(ours).all(), "unwritten slots or queries without keys leaked NaN"
+        allowed = allowed_mask(key_mask, q_start, b, sq, k.shape[2], q.device)  # (B, 1, Sq, Skv)
+        has_key = allowed.any(-1).view(b, sq)  # (B, Sq)
+        if (~has_key).any():
+            assert ours[~has_key].abs().max().item() == 0  # a query without keys gives 0, never NaN
+        k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)  # the references multiply masked-out NaN slots by 0
+        hi = ref_dtype(q.dtype)
+        ref = ops.attention_ref(q.to(hi), k.to(hi), v.to(hi), key_mask, q_start, scale).to(hi)
+        if device == "cuda":  # plain PyTorch in q's dtype: SDPA with the boolean mask
+            torch_same = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+            torch_same = torch_same.transpose(1, 2)
+        else:  # the reference in q's dtype (fp32 softmax, one rounding at the end), what the CPU op runs
+            torch_same = ops.attention_ref(q, k, v, key_mask, q_start, scale)
+        assert_lowp_close(ours[has_key], torch_same[has_key], ref[has_key],
+                          f"attention q{tuple(q.shape)} skv={k.shape[2]} {q.dtype}", lowp_atol(ref, q.dtype))
+    check()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_opcheck_property(device):
+    """opcheck (schema, fake impl, autograd registration, AOT dispatch) on drawn shapes, masks and offsets."""
+    @examples(device, cpu=3, cuda=3)
+    @given(case=attention_cases(device), grad=st.booleans())
+    def check(case, grad):
+        q, k, v, key_mask, q_start, scale, _ = case
+        q, k, v = (t.nan_to_num(0.0) for t in (q, k, v))  # opcheck compares outputs and gradients
+        if grad:  # fp32 for the gradient checks
+            q, k, v = (t.float().requires_grad_() for t in (q, k, v))
+        torch.library.opcheck(torch.ops.fuseinfer.attention.default, (q, k, v, key_mask, q_start, scale))
+    check()
+
+
+# ---- CUDA kernels ----
+
+def _attn_case(b, h, sq, skv, d, dtype, pads=None, q_start=None, strided_q=False, nan_from=None):
+    if strided_q:  # q as a view into a fused (B, S, 3, H, D) projection, like the patched OPT produces
+        qkv = torch.randn(b, sq, 3, h, d, device="cuda", dtype=dtype)
+        q = qkv[:, :, 0].transpose(1, 2)
+    else:
+        q = torch.randn(b, h, sq, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(b, h, skv, d, device="cuda", dtype=dtype) for _ in range(2))
+    if nan_from is not None:  # cache slots past the chunk: never written, may hold anything (must not be used)
+        k[:, :, nan_from:] = float("nan")
+        v[:, :, nan_from:] = float("nan")
+    key_mask = None
+    if pads is not None:
+        key_mask = torch.arange(skv, device="cuda")[None] >= torch.tensor(pads, device="cuda")[:, None]
+    qs = None if q_start is None else torch.tensor(q_start, device="cuda", dtype=torch.int32).expand(b).contiguous()
+    return q, k, v, key_mask, qs
+
+
+ATTN_CASES = {
+    "prefill_113_pad": dict(b=3, h=4, sq=113, skv=113, pads=[0, 5, 100]),
+    "prefill_2048": dict(b=2, h=8, sq=2048, skv=2048),
+    "prefill_2048_pad_strided": dict(b=2, h=4, sq=2048, skv=2048, pads=[0, 1000], strided_q=True),
+    "chunk_16_after_cache": dict(b=2, h=4, sq=16, skv=700, pads=[3, 0]),
+    "decode_1_ctx_8192": dict(b=8, h=8, sq=1, skv=8192),
+    "decode_1_pad": dict(b=3, h=4, sq=1, skv=333, pads=[0, 17, 300]),
+    "decode_4_static_cache": dict(b=2, h=4, sq=4, skv=1024, q_start=500, pads=[0, 9]),
+    "empty_rows": dict(b=2, h=2, sq=64, skv=64, pads=[40, 0]),
+    "prefill_259_into_cache_nan_tail": dict(b=2, h=3, sq=259, skv=1024, q_start=300, pads=[0, 7], nan_from=559),
+    "prefill_200_into_cache_nan_tail": dict(b=1, h=2, sq=200, skv=512, q_start=100, nan_from=300),
+    # per-row q_start, one negative: row 0's first 100 queries see no key, whole warpgroups compute nothing
+    "prefill_300_q_start_per_row": dict(b=2, h=3, sq=300, skv=300, q_start=[-100, 50]),
+    # more work items than SMs: each block of the persistent wgmma prefill runs several, each with a NaN tail
+    "prefill_384_many_items_nan_tail": dict(b=3, h=40, sq=384, skv=640, q_start=200, pads=[0, 33, 250],
+                                            nan_from=584),
+}
+
+
+@pytest.mark.gpu
+def test_wgmma_prefill_is_built_for_sm90():
+    """On an H100/H200 the default build (FUSEINFER_CUDA_ARCH=9.0a) must carry the wgmma prefill and pick it."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma prefill is for sm_90 GPUs")
+    from fuseinfer._ext import extension
+    assert extension().attention_prefill_kernel() == "wgmma"
+
+
+def _attention_paths():
+    """(case, kernel): cases of more than 16 queries run a prefill kernel, wgmma or mma.sync; the others split-KV."""
+    for case in sorted(ATTN_CASES):
+        paths = ("wgmma", "mma_sync") if ATTN_CASES[case]["sq"] > 16 else ("split_kv",)
+        yield from ((case, path) for path in paths)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,path", list(_attention_paths()))
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", LOWP)
+def test_attention_kernel(case, path, d, dtype, set_knob):
+    if path == "wgmma" and not wgmma_available():
+        pytest.skip("the wgmma prefill needs an sm_90 GPU")
+    set_knob("FUSEINFER_ATTN_SM90", "0" if path == "mma_sync" else "1")
+    q, k, v, key_mask, q_start = _attn_case(d=d, dtype=dtype, **ATTN_CASES[case])
+    b, h, sq, _ = q.shape
+    scale = d ** -0.5
+    ours, paths = paths_taken(lambda: ops.attention(q, k, v, key_mask, q_start, scale))  # (B, Sq, H, D)
+    assert paths == {f"attention.{path}": 1}, paths
+    assert ours.shape == (b, sq, h, d) and ours.is_contiguous()
+    k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)  # the references multiply masked-out NaN slots by 0
+    ref32 = ops.attention_ref(q.float(), k.float(), v.float(), key_mask, q_start, scale)
+    allowed = allowed_mask(key_mask, q_start, b, sq, k.shape[2], q.device)  # (B, 1, Sq, Skv)
+    has_key = allowed.any(-1).view(b, sq)  # (B, Sq)
+    assert ours[~has_key].abs().max().item() == 0 if (~has_key).any() else True
+    torch_lowp = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    torch_lowp = torch_lowp.transpose(1, 2)
+    assert_lowp_close(ours[has_key], torch_lowp[has_key], ref32[has_key], case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["attention", "attention_grad"])
+def test_opcheck_cuda(name):
+    q, k, v, key_mask, _ = _attn_case(2, 4, 9, 9, 64, torch.float16, pads=[0, 3])
+    if name == "attention_grad":  # inputs that need gradients: the kernel's forward, the reference's gradients
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.fuseinfer.attention.default, (q, k, v, key_mask, None, 0.125))
+
+
+@pytest.mark.gpu
+def test_eager_fast_path_equals_registered_op(monkeypatch):
+    """The op wrapper calls the extension directly in eager mode; the dispatcher path must run the same kernel and
+    give the same bits."""
+    calls = record_kernel_calls(monkeypatch)
+    q, k, v, key_mask, q_start = _attn_case(2, 4, 33, 33, 64, torch.float16, pads=[0, 5])
+    assert torch.equal(ops.attention(q, k, v, key_mask, q_start, 0.125),
+                       torch.ops.fuseinfer.attention(q, k, v, key_mask, q_start, 0.125))
+    assert calls == ["attention"] * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 64), (torch.float16, 32)])
+def test_attention_without_kernel_falls_back_to_sdpa_on_cuda(dtype, d, monkeypatch):
+    q, k, v, key_mask, q_start = _attn_case(3, 4, 37, 37, d, dtype, pads=[0, 5, 36])
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
+    out = ops.attention(q, k, v, key_mask, q_start, d ** -0.5)
+    assert calls == [1], "the fallback must run SDPA (once), not the kernel or the reference"
+    ref32 = ops.attention_ref(q.float(), k.float(), v.float(), key_mask, q_start, d ** -0.5)
+    assert torch.isfinite(out).all() and out[2, :36].abs().max() == 0  # row 2: queries before its only key
+    torch.testing.assert_close(out.float(), ref32, rtol=2e-3 if dtype == torch.float16 else 1e-5,
+                               atol=2e-3 if dtype == torch.float16 else 1e-5)

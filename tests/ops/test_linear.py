@@ -1,0 +1,323 @@
+"""fuseinfer::linear_epilogue (fuseinfer/ops/linear.py): the reference against the formula, bad input, gradients,
+the registration (opcheck), property tests against the reference (hypothesis) on every device, and the CUDA
+kernels (skinny GEMV, cuBLASLt) with their path counts, PDL ordering (SASS) and algorithm choice."""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import (
+    DEVICES,
+    LOWP,
+    assert_lowp_close,
+    examples,
+    given,
+    lowp_atol,
+    paths_taken,
+    record_kernel_calls,
+    ref_dtype,
+    st,
+    up,
+)
+
+from fuseinfer import FuseInferError, ops
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    """Each test's random inputs do not depend on which tests ran before it (a failure reproduces alone)."""
+    torch.manual_seed(0)
+
+
+@pytest.mark.parametrize("activation,residual", [("none", False), ("relu", False), ("none", True)])
+def test_linear_epilogue_ref_matches_formula(activation, residual, device):
+    f64 = dict(dtype=torch.float64, device=device)
+    x, w, b = torch.randn(3, 113, 96, **f64), torch.randn(123, 96, **f64), torch.randn(123, **f64)
+    r = torch.randn(3, 113, 123, **f64) if residual else None
+    expected = x @ w.T + b + (r if residual else 0)
+    expected = expected.clamp_min(0) if activation == "relu" else expected
+    torch.testing.assert_close(ops.linear_epilogue(x, w, b, r, activation), expected)
+
+
+def test_linear_epilogue_rejects_bad_input(device):
+    x, w = torch.randn(4, 8, device=device), torch.randn(6, 8, device=device)
+    rand = lambda *s, **kw: torch.randn(*s, device=device, **kw)  # noqa: E731
+    with pytest.raises(FuseInferError, match="activation must be one of"):
+        ops.linear_epilogue(x, w, activation="gelu")
+    with pytest.raises(FuseInferError, match="cannot be fused"):
+        ops.linear_epilogue(x, w, residual=rand(4, 6), activation="relu")
+    with pytest.raises(FuseInferError, match=r"expected x \(..., K\) and weight \(N, K\), got \(4, 7\)"):
+        ops.linear_epilogue(rand(4, 7), w)
+    with pytest.raises(FuseInferError, match=r"weight \(N, K\), got \(4, 8\) and \(8,\)"):
+        ops.linear_epilogue(x, rand(8))
+    with pytest.raises(FuseInferError, match=r"bias must be \(6,\), weight's N, got \(8,\)"):
+        ops.linear_epilogue(x, w, rand(8))
+    with pytest.raises(FuseInferError, match="must be in x's dtype torch.float32, got torch.float32 and torch.float16"):
+        ops.linear_epilogue(x, w, rand(6).half())
+    with pytest.raises(FuseInferError, match="must be in x's dtype torch.float16, got torch.float32"):
+        ops.linear_epilogue(x.half(), w)
+    with pytest.raises(FuseInferError, match=r"residual must be \(4, 6\) in torch.float32"):
+        ops.linear_epilogue(x, w, residual=rand(4, 6, dtype=torch.float64))
+    with pytest.raises(FuseInferError, match="residual must be"):
+        ops.linear_epilogue(x, w, residual=rand(6))  # no broadcasting: the kernel takes (M, N)
+
+
+@pytest.mark.parametrize("form", ["residual", "relu", "no_bias"])
+def test_linear_epilogue_gradients_gradcheck(form, device):
+    f64 = dict(dtype=torch.float64, device=device)
+    x, w = torch.randn(2, 5, 12, **f64), torch.randn(7, 12, **f64)
+    b = None if form == "no_bias" else torch.randn(7, **f64)
+    r = torch.randn(2, 5, 7, **f64) if form == "residual" else None
+    args = [t.requires_grad_() if t is not None else None for t in (x, w, b, r)]
+    assert torch.autograd.gradcheck(lambda *a: ops.linear_epilogue(*a, activation="relu" if form == "relu" else "none"),
+                                    args)
+
+
+@pytest.mark.parametrize("k,n", [(0, 7), (12, 0)])
+def test_linear_epilogue_gradients_with_zero_features(k, n):
+    x, w, b = torch.randn(2, 5, k, requires_grad=True), torch.randn(n, k, requires_grad=True), torch.randn(n)
+    b.requires_grad_()
+    ops.linear_epilogue(x, w, b).sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape and b.grad.shape == b.shape
+    assert x.grad.abs().sum() == 0 and w.grad.abs().sum() == 0 and b.grad.eq(10 if k == 0 else 0).all()
+
+
+OPCHECK_CASES = {  # fp32 inputs (on CUDA: cuBLASLt in fp32; test_opcheck_cuda takes fp16)
+    "linear_epilogue": lambda dev: (torch.randn(2, 7, 96, device=dev), torch.randn(123, 96, device=dev),
+                                    torch.randn(123, device=dev), torch.randn(2, 7, 123, device=dev), "none"),
+    # inputs that need gradients: the autograd formula is registered and traces under AOT autograd
+    "linear_epilogue_grad": lambda dev: tuple(torch.randn(*s, device=dev).requires_grad_()
+                                              for s in ((2, 7, 96), (123, 96), (123,))) + (None, "relu"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OPCHECK_CASES))
+def test_opcheck(case, device):
+    torch.library.opcheck(torch.ops.fuseinfer.linear_epilogue.default, OPCHECK_CASES[case](device))
+
+
+# ---- property tests against the reference (hypothesis) ----
+
+@st.composite
+def linear_cases(draw, device):
+    """(x, weight, bias, residual, activation): M of 1 row, a few (the skinny kernel takes M <= 16 on CUDA) or many;
+    odd K and N; x and the residual contiguous, 3-D, sliced or transposed; the weight contiguous or a transposed
+    view (CUDA then runs the reference); each epilogue form."""
+    torch.manual_seed(draw(st.integers(0, 2**32 - 1)))  # the tensors follow from the drawn seed (replayable)
+    cuda = device == "cuda"
+    m = draw(st.one_of(st.just(1), st.integers(2, 16), st.integers(17, 300 if not cuda else 2500)))
+    k = draw(st.one_of(st.integers(1, 9), st.integers(10, 200 if not cuda else 3000), st.sampled_from([64, 96, 1000])))
+    n = draw(st.one_of(st.integers(1, 9), st.integers(10, 200 if not cuda else 3000), st.sampled_from([123, 256])))
+    if cuda and draw(st.booleans()):  # the skinny kernel needs K % 8 == 0: make it take half the examples
+        k = max(8, k // 8 * 8)
+    dtype = draw(st.sampled_from([torch.float32, *LOWP] if not cuda else [*LOWP, torch.float32]))
+    form = draw(st.sampled_from(["none", "bias", "bias_relu", "bias_residual", "residual"]))
+    act = "relu" if form == "bias_relu" else "none"
+    lead = (m,) if m == 1 or draw(st.booleans()) else (2, (m + 1) // 2)  # x (M, K) or (B, S, K)
+    layout = draw(st.sampled_from(["contiguous", "sliced", "transposed"]))
+    if layout == "transposed" and len(lead) == 2:  # (B, S, K) as a (S, B, K) buffer's transpose
+        x = torch.randn(lead[1], lead[0], k, device=device).transpose(0, 1)
+    elif layout == "sliced":  # rows of a wider buffer
+        x = torch.randn(*lead, k + 3, device=device)[..., 1:k + 1]
+    else:
+        x = torch.randn(*lead, k, device=device)
+    w_t = draw(st.booleans()) and draw(st.booleans())  # a quarter of the weights strided
+    w = (torch.randn(k, n, device=device).t() if w_t else torch.randn(n, k, device=device)) * k ** -0.5
+    b = torch.randn(n, device=device) if form.startswith("bias") else None
+    r = torch.randn(*lead, n + 2, device=device)[..., :n] if form.endswith("residual") else None
+    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    return cast(x), cast(w), cast(b), cast(r), act
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_epilogue_matches_reference_property(device):
+    @examples(device, cpu=40, cuda=150)
+    @given(case=linear_cases(device))
+    def check(case):
+        x, w, b, r, act = case
+        ours = ops.linear_epilogue(x, w, b, r, act)
+        assert ours.shape == (*x.shape[:-1], w.shape[0]) and ours.dtype == x.dtype
+        hi = ref_dtype(x.dtype)
+        ref = ops.linear_epilogue_ref(up(x, hi), up(w, hi), up(b, hi), up(r, hi), act)
+        torch_same = ops.linear_epilogue_ref(x, w, b, r, act)  # eager PyTorch's order and rounding
+        assert_lowp_close(ours, torch_same, ref, f"linear x{tuple(x.shape)} w{tuple(w.shape)} {x.dtype} {act}",
+                          lowp_atol(ref, x.dtype))
+    check()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_epilogue_opcheck_property(device):
+    """opcheck (schema, fake impl, autograd registration, AOT dispatch) on drawn shapes and layouts."""
+    @examples(device, cpu=3, cuda=3)
+    @given(case=linear_cases(device), grad=st.booleans())
+    def check(case, grad):
+        x, w, b, r, act = case
+        if grad:  # fp32 for the gradient checks
+            x, w, b, r = (None if t is None else t.float().requires_grad_() for t in (x, w, b, r))
+        torch.library.opcheck(torch.ops.fuseinfer.linear_epilogue.default, (x, w, b, r, act))
+    check()
+
+
+# ---- CUDA kernels ----
+
+# M <= 16 runs the skinny kernel: one n-tile (M <= 8) and two (M 9-16), a partial last k-block (K = 96,
+# 1000), more 16-row tiles than SMs (N = 4000, 6144) and many k-blocks per warp (K = 8192).
+@pytest.mark.gpu
+@pytest.mark.parametrize("mnk", [(1, 2048, 2048), (7, 123, 96), (16, 6144, 2048), (12, 4000, 1000),
+                                 (3, 2056, 8192), (113, 6144, 2048), (2048, 8192, 2048), (32, 2048, 8192)])
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("epilogue", ["bias", "bias_relu", "bias_residual", "none"])
+def test_linear_epilogue_kernel(mnk, dtype, epilogue):
+    m, n, k = mnk
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype) * k ** -0.5
+    b = torch.randn(n, device="cuda", dtype=dtype) if epilogue != "none" else None
+    r = torch.randn(m, n, device="cuda", dtype=dtype) if epilogue == "bias_residual" else None
+    act = "relu" if epilogue == "bias_relu" else "none"
+    ours, paths = paths_taken(lambda: ops.linear_epilogue(x, w, b, r, act))
+    if m <= 16:
+        assert paths == {"linear.skinny": 1}, paths
+    else:
+        assert sum(paths.values()) == 1 and set(paths) <= {"linear.lt_heuristic", "linear.lt_tuned",
+                                                            "linear.lt_cached"}, paths
+    ref32 = ops.linear_epilogue_ref(x.float(), w.float(), up(b), up(r), act)
+    assert_lowp_close(ours, ops.linear_epilogue_ref(x, w, b, r, act), ref32, f"linear {mnk} {epilogue}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_linear_chain_waits_for_its_input(m):
+    """Each GEMV reads the previous one's output (x and residual). Under PDL the next kernel starts before the
+    previous ends, so a missing wait would read stale inputs: the chain must meet the low-precision rule against
+    the fp32 chain, eagerly and replayed in a CUDA graph (which must also match the eager run bit for bit)."""
+    torch.manual_seed(0)
+    ws = [torch.randn(2048, 2048, device="cuda", dtype=torch.float16) * 0.5 * 2048 ** -0.5 for _ in range(12)]
+    x = torch.randn(m, 2048, device="cuda", dtype=torch.float16)
+
+    def chain(h, linear):
+        for w in ws:
+            h = linear(h, w)
+        return h
+
+    ours = lambda h, w: ops.linear_epilogue(h, w, None, h)  # noqa: E731
+    torch_lowp = chain(x, lambda h, w: torch.nn.functional.linear(h, w) + h)
+    ref32 = chain(x.float(), lambda h, w: torch.nn.functional.linear(h, w.float()) + h)
+    eager = chain(x, ours)
+    assert_lowp_close(eager, torch_lowp, ref32, f"linear chain m={m}")
+    static_x = x.clone()
+    chain(static_x, ours)  # warm-up before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(static_x, ours)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+def test_gemv_requests_its_weights_before_the_pdl_wait():
+    """The skinny GEMV's first two k-blocks of weights are loaded before griddepcontrol.wait (ACQBULK in sm_90
+    SASS), so that they stream while the kernel before finishes. ptxas once sank the first k-block's loads below the
+    wait after an unrelated source change in the epilogue (4-13 points of copy lost, docs/notes.md); this reads the built
+    kernels' SASS so that such a change fails here and not only in a benchmark."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    import fuseinfer._C
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    cuobjdump = shutil.which("cuobjdump") or (CUDA_HOME and shutil.which(str(Path(CUDA_HOME) / "bin" / "cuobjdump")))
+    if not cuobjdump:
+        pytest.skip("cuobjdump not found (CUDA toolkit bin not on PATH)")
+    sass = subprocess.run([cuobjdump, "-sass", fuseinfer._C.__file__], capture_output=True, text=True,
+                          check=True).stdout
+    kernels, arch, name = {}, 0, None  # mangled name -> its SASS lines, for sm_90 and later
+    for line in sass.splitlines():
+        if m := re.search(r"arch = sm_(\d+)", line):
+            arch, name = int(m.group(1)), None
+        elif m := re.search(r"Function : (\S+)", line):
+            name = m.group(1) if arch >= 90 and "skinny_linear_kernel" in m.group(1) else None
+            if name:
+                kernels[name] = []
+        elif name:
+            kernels[name].append(line)
+    assert len(kernels) == 8, sorted(kernels)  # {fp16, bf16} x {one, two n-tiles} x {TAIL, not}
+    for name, lines in kernels.items():
+        n_tiles = int(re.search(r"skinny_linear_kernelI\w+?Li([12])ELb[01]E", name).group(1))
+        wait = next((i for i, line in enumerate(lines) if "ACQBULK" in line), None)
+        assert wait is not None, f"{name}: no griddepcontrol.wait (ACQBULK) in its SASS"
+        loads = sum("LDG.E.NA." in line for line in lines[:wait])  # w's L1-bypassing loads; x's are LDG.E.128
+        unroll = 4 if n_tiles == 1 else 2  # skinny_unroll: k-steps per k-block, two 16-byte loads per k-step
+        assert loads >= 2 * 2 * unroll, f"{name}: {loads} weight loads before the wait, want {4 * unroll}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tune", ["1", "0"])
+def test_linear_prefill_algorithm_choice(tune, set_knob):
+    """A prefill-sized problem's cuBLASLt algorithm is chosen at its first call: timed among the heuristic's
+    candidates when that call is eager (FUSEINFER_GEMM_TUNE on), the heuristic's first choice under CUDA-graph
+    capture (where timing would break the capture) or with tuning off. Each problem here is new to the process
+    (M differs per parameter): first seen inside a capture, which must succeed and replay correctly, then eagerly,
+    where it is tuned (or not) and must meet the low-precision rule as well."""
+    set_knob("FUSEINFER_GEMM_TUNE", tune)
+    torch.manual_seed(1)
+    m, n, k = (777 if tune == "1" else 779), 1024, 1536
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.float16) * k ** -0.5
+    b = torch.randn(n, device="cuda", dtype=torch.float16)
+    r = torch.randn(m, n, device="cuda", dtype=torch.float16)
+    ref32 = ops.linear_epilogue_ref(x.float(), w.float(), b.float(), r.float(), "none")
+    torch_lowp = ops.linear_epilogue_ref(x, w, b, r, "none")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured, paths = paths_taken(lambda: ops.linear_epilogue(x, w, b, r, "none"))
+    assert paths == {"linear.lt_captured": 1}, paths  # first choice, not cached: the eager call below chooses
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_lowp_close(captured, torch_lowp, ref32, f"linear m={m} captured first")
+    eager, paths = paths_taken(lambda: ops.linear_epilogue(x, w, b, r, "none"))
+    assert paths == {"linear.lt_tuned" if tune == "1" else "linear.lt_heuristic": 1}, paths
+    assert_lowp_close(eager, torch_lowp, ref32, f"linear m={m} eager, tune={tune}")
+    again, paths = paths_taken(lambda: ops.linear_epilogue(x, w, b, r, "none"))
+    assert paths == {"linear.lt_cached": 1}, paths
+    assert torch.equal(again, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["linear_epilogue", "linear_epilogue_strided_weight", "linear_epilogue_grad"])
+def test_opcheck_cuda(name):
+    dev = dict(device="cuda", dtype=torch.float16)
+    args = {
+        "linear_epilogue": (torch.randn(7, 96, **dev), torch.randn(128, 96, **dev), torch.randn(128, **dev), None,
+                            "relu"),
+        "linear_epilogue_strided_weight": (torch.randn(3, 96, **dev), torch.randn(96, 128, **dev).t(),  # reference
+                                           torch.randn(128, **dev), torch.randn(3, 128, **dev), "none"),
+        # inputs that need gradients: the kernel's forward, the reference's gradients
+        "linear_epilogue_grad": tuple(torch.randn(*s, **dev).requires_grad_() for s in ((7, 96), (128, 96), (128,),
+                                                                                        (7, 128))) + ("none",),
+    }[name]
+    torch.library.opcheck(torch.ops.fuseinfer.linear_epilogue.default, args)
+
+
+@pytest.mark.gpu
+def test_eager_fast_path_equals_registered_op(monkeypatch):
+    """The op wrapper calls the extension directly in eager mode; the dispatcher path must run the same kernel and
+    give the same bits."""
+    calls = record_kernel_calls(monkeypatch)
+    x = torch.randn(9, 2048, device="cuda", dtype=torch.float16)
+    wl = torch.randn(512, 2048, device="cuda", dtype=torch.float16)
+    assert torch.equal(ops.linear_epilogue(x, wl, None, None, "relu"),
+                       torch.ops.fuseinfer.linear_epilogue(x, wl, None, None, "relu"))
+    assert calls == ["linear_epilogue"] * 2
+
+
+@pytest.mark.gpu
+def test_linear_takes_the_reference_for_fp64(monkeypatch):
+    """fp64 inputs, which the kernels do not take, run the reference on CUDA instead of failing in the extension."""
+    calls = record_kernel_calls(monkeypatch)
+    x64, w64 = torch.randn(9, 256, device="cuda", dtype=torch.float64), torch.randn(64, 256, device="cuda",
+                                                                                  dtype=torch.float64)
+    torch.testing.assert_close(ops.linear_epilogue(x64, w64), x64 @ w64.T)
+    assert calls == []
