@@ -85,15 +85,18 @@ class _Plan:
 
 def _structure_reason(model: nn.Module) -> str | None:
     """Why the lean loop cannot stand in for ``model``'s patched modules (checked once per model), or None."""
+    from ..config import OPS
     from ..patches import hf_attention
     from ..patches.opt import FusedLayerNorm, FusedOPTAttention, FusedOPTDecoderLayer
-    from .decode import decode_forward
 
-    _, why = decode_forward(model)
-    if why is not None:
-        return why
+    state = patch_state(model)
+    if state is None or set(state.config.ops) != set(OPS) or state.config.filter_fn is not None:
+        return "the lean prefill needs a model patched with every op and no filter_fn: call fuseinfer.patch(model)"
+    if model.__class__.__name__ != "OPTForCausalLM":  # (__class__: a weak proxy's is its referent's)
+        return f"the lean prefill needs an OPTForCausalLM, got {model.__class__.__name__}"
     if model.config._attn_implementation != hf_attention.NAME:
-        return "the model does not run the fuseinfer attention"
+        return ("the model does not run the fuseinfer attention (patch() skips it in training mode: call "
+                "model.eval() before fuseinfer.patch(model))")
     dec = model.model.decoder
     if dec.final_layer_norm is not None and type(dec.final_layer_norm) is not FusedLayerNorm:
         return "the final LayerNorm is not patched"
