@@ -109,6 +109,8 @@ def _structure_reason(model: nn.Module) -> str | None:
                 and type(attn) is FusedOPTAttention and {"qkv", "linear", "attention"} <= attn._fuseinfer_ops
                 and getattr(attn, "qkv_weight", None) is not None):
             return f"layer {i} is not fully fused (patch skipped part of it: see the report)"
+    if not all(t.is_contiguous() for t in model.parameters()):  # the extension takes contiguous weights only
+        return "a parameter is not contiguous"
     return None
 
 
