@@ -44,7 +44,10 @@ def fuseinfer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     key_mask = prepare_padding_mask(attention_mask, kv_length, kv_offset)  # (B, >= kv_offset + Skv) or None
     if key_mask is not None:
         key_mask = key_mask[:, kv_offset:kv_offset + kv_length]  # (B, Skv) bool
-        if not torch.compiler.is_compiling() and bool(key_mask.all()):
+        # "every key is real" -> no mask reads the mask on the host: not while compiling, nor while a CUDA graph is
+        # captured (a device-to-host sync invalidates the capture: transformers 5.17's OPT always passes a mask of
+        # ones); the kernel gives the same result from the all-True mask
+        if not _tracing() and bool(key_mask.all()):
             key_mask = None
         else:
             key_mask = key_mask.contiguous()
@@ -55,6 +58,12 @@ def fuseinfer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
         q_start = torch.as_tensor(first, device=device).to(torch.int32).reshape(-1).expand(batch_size)
         q_start = q_start.contiguous()
     return MaskInfo(key_mask, q_start)
+
+
+def _tracing() -> bool:
+    """Whether values on the GPU must not be read on the host now: under torch.compile, or while the current CUDA
+    stream is being captured into a graph."""
+    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def weights_requested(module) -> bool:

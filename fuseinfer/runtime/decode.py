@@ -169,7 +169,8 @@ class _Session:
         self.step.zero_()
         self.cache.write_idx = torch.arange(p, device=dev)  # prefill writes slots [0, P) in one eager pass
         self.q_start.zero_()
-        self._emit(self.forward(self.model, ids, pos, self.cache, self.q_start))  # (advances counters: reset below)
+        from .prefill import session_prefill  # graph / lean loop / patched modules (advances counters: reset below)
+        self._emit(session_prefill(self, ids, pos))
         # decode: the first input sits at slot P with position = number of real prompt tokens
         self.positions[:b, 0] = mask.long().sum(1)
         self.positions[b:] = 0

@@ -1,0 +1,207 @@
+"""Prefill latency and time to first token (issue 41): the lean loop and the per-bucket prefill graphs against eager,
+torch.compile and today's patched forward, with the floors measured in the same run.
+
+Random-weight OPT (default opt-1.3b) fp16, prompts of random ids (no padding), for each shape B x S:
+
+* ``eager``: the unpatched model, ``model(input_ids, use_cache=False, logits_to_keep=1)``;
+* ``compile`` / ``compile_ro``: that call through ``torch.compile(model)`` (default mode) and
+  ``torch.compile(model, mode="reduce-overhead")`` (CUDA graphs), compiled in the warm-up (compile time reported);
+* ``patched``: today's path, the patched model's same call (``patched_full``: all positions' logits, the call the
+  issue timed);
+* ``prefill_lean``: ``fuseinfer.prefill(model, ids)`` (the lean loop, no cache);
+* ``begin_module`` / ``begin_lean`` / ``begin_graph``: fast decode's prefill (``_Session.begin``: the prompt into the
+  static cache and the first token chosen) with FUSEINFER_PREFILL=module (today's) / lean / graph; ``begin_auto``
+  whichever ``auto`` picks.
+
+Timing: CUDA events around each call with the GPU idle before it (so a host-bound call's launch gaps count), three
+warm-up calls each, then ``--reps`` rounds in which every implementation runs once in turn; median and p10-p90.
+Floors (same run): ``floor_weights_ms`` = bytes of the weights read once (all parameters but the position table, at
+their dtype) / copy bandwidth measured in the run; ``floor_gemm_ms`` = sum over the forward's GEMMs (per layer q/k/v,
+out_proj, fc1, fc2 at M = B*S; the LM head at M = B) of cuBLAS's own time on that shape (``torch.mm``, cold L2,
+i.e. their FLOPs at the fp16 rate cuBLAS reaches on those shapes); ``floor_ms`` = the larger (attention and
+LayerNorms are left out: the floor is a lower bound). Time to first token: wall clock of ``model.generate(ids,
+max_new_tokens=1)`` (patched, and unpatched for reference) and ``fuseinfer.generate``, synchronised, median of
+``--reps``; ``ttft_over_prefill`` = patched model.generate's TTFT / ``begin_auto``'s prefill at that shape.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bench_ms, measure_ceilings, percentile_stats, write_results  # noqa: E402
+
+import fuseinfer  # noqa: E402
+from fuseinfer.eval.models import load_config, load_model, model_stats, resolve_model  # noqa: E402
+from fuseinfer.runtime import prefill as pf  # noqa: E402
+from fuseinfer.runtime.decode import Sampling, decode_forward, session_for  # noqa: E402
+
+TARGETS_MS = {(1, 128): 1.3, (1, 512): 2.8}  # issue 41, H100
+
+
+def event_ms(fn) -> float:
+    """One call's time in ms by CUDA events, the GPU idle before it."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def wall_ms(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def gemm_floor_ms(cfg, b: int, s: int) -> tuple[float, float]:
+    """(sum of cuBLAS's times on the forward's GEMM shapes, their FLOPs) for B x S tokens (fp16, cold L2)."""
+    e, f, v, layers = cfg.hidden_size, cfg.ffn_dim, cfg.vocab_size, cfg.num_hidden_layers
+    m = b * s
+    shapes = [(m, 3 * e, e), (m, e, e), (m, f, e), (m, e, f)]
+    total_ms, flops = 0.0, 0.0
+    for rows, n, k in shapes + [(b, v, cfg.word_embed_proj_dim)]:
+        x = torch.randn(rows, k, device="cuda", dtype=torch.float16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.float16)
+        t = bench_ms(lambda: torch.mm(x, w.t()), warmup_ms=10, rep_ms=40)["median_ms"]
+        count = 1 if n == v else layers
+        total_ms += count * t
+        flops += count * 2 * rows * n * k
+    return total_ms, flops
+
+
+def set_prefill(choice: str):
+    os.environ["FUSEINFER_PREFILL"] = choice
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="random:opt-1.3b")
+    ap.add_argument("--shapes", default="1x128,1x512,8x128,8x512,1x2048")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--ttft-prompts", default="128,512")
+    ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows (saves minutes)")
+    args = ap.parse_args()
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    ceilings = measure_ceilings()
+    source = resolve_model(args.model)
+    base = load_model(source, load_config(source), torch.float16, torch.device("cuda"), seed=0)
+    base.generation_config.eos_token_id = None  # random weights: never stop early
+    cfg = base.config
+    stats = model_stats(base)
+    weight_bytes = stats.weight_bytes_per_token
+    patched = copy.deepcopy(base)
+    fuseinfer.patch(patched)
+    forward, why = decode_forward(patched)
+    assert forward is not None, why
+    compiled = {}
+    compile_s = {}
+    for knob in ("recompile_limit", "cache_size_limit"):  # 5 shapes x 2 modes must not hit dynamo's limit (8)
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 64)
+    if not args.no_compile:
+        compiled["compile"] = torch.compile(base)
+        compiled["compile_ro"] = torch.compile(base, mode="reduce-overhead")
+    no_eos = torch.empty(0, dtype=torch.long)
+    rows, graph_info = [], {}
+    for b, s in shapes:
+        ids = torch.randint(3, cfg.vocab_size, (b, s), device="cuda")
+        mask = torch.ones_like(ids)
+        session = session_for(patched, forward, b, s + 1, Sampling(), 1, no_eos, pad=cfg.pad_token_id or 0)
+        impls = {"eager": lambda: base(input_ids=ids, use_cache=False, logits_to_keep=1)}
+        for name, fn in compiled.items():
+            def call(fn=fn, ro=name == "compile_ro"):
+                if ro:
+                    torch.compiler.cudagraph_mark_step_begin()
+                return fn(input_ids=ids, use_cache=False, logits_to_keep=1)
+            impls[name] = call
+        impls["patched"] = lambda: patched(input_ids=ids, use_cache=False, logits_to_keep=1)
+        impls["patched_full"] = lambda: patched(input_ids=ids, use_cache=False)
+        impls["prefill_lean"] = lambda: fuseinfer.prefill(patched, ids)
+        for choice in ("module", "lean", "graph", "auto"):
+            impls[f"begin_{choice}"] = lambda c=choice: (set_prefill(c), session.begin(ids, mask))
+        with torch.no_grad():
+            for name, fn in impls.items():  # warm-up (compiles, graph captures)
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                if name in compiled:
+                    compile_s[f"{name} {b}x{s}"] = time.perf_counter() - t0
+                for _ in range(2):
+                    fn()
+            times = {name: [] for name in impls}
+            for _ in range(args.reps):
+                for name, fn in impls.items():
+                    times[name].append(event_ms(fn))
+        set_prefill("auto")
+        floor_gemm, flops = gemm_floor_ms(cfg, b, s)
+        floor_weights = weight_bytes / (ceilings["copy_GBps"] * 1e9) * 1e3
+        row = {"shape": f"{b}x{s}", "floor_weights_ms": floor_weights, "floor_gemm_ms": floor_gemm,
+               "floor_ms": max(floor_weights, floor_gemm), "gemm_TFLOPs_cublas": flops / (floor_gemm * 1e-3) / 1e12}
+        for name, t in times.items():
+            st = percentile_stats(t)
+            row[name] = st
+            row[f"{name}_ms"] = st["median_ms"]
+            row[f"{name}_spread"] = f"{st['p10_ms']:.3g}-{st['p90_ms']:.3g}"
+        best = min(("begin_lean", "begin_graph"), key=lambda k: row[f"{k}_ms"])
+        row["faster_new_path"] = best
+        row["auto_over_floor"] = row["begin_auto_ms"] / row["floor_ms"]
+        target = TARGETS_MS.get((b, s))
+        row["target_ms"] = target if target is not None else ""
+        if s == 2048 and b == 1:
+            row["target_ms"] = f"<= patched ({row['patched_ms']:.3g})"
+        graph_info[f"{b}x{s}"] = pf.graph_stats(session)
+        print(f"{b}x{s}: " + ", ".join(f"{k} {row[k + '_ms']:.3f}" for k in impls) +
+              f"; floor {row['floor_ms']:.3f} ms", flush=True)
+        rows.append(row)
+    # time to first token
+    ttft = {}
+    for p in [int(x) for x in args.ttft_prompts.split(",")]:
+        ids = torch.randint(3, cfg.vocab_size, (1, p), device="cuda")
+        gens = {"model.generate (patched)": lambda: patched.generate(ids, max_new_tokens=1, do_sample=False),
+                "fuseinfer.generate": lambda: fuseinfer.generate(patched, ids, max_new_tokens=1),
+                "model.generate (unpatched)": lambda: base.generate(ids, max_new_tokens=1, do_sample=False)}
+        with torch.no_grad():
+            for fn in gens.values():
+                for _ in range(3):
+                    fn()
+            per = {name: [] for name in gens}
+            for _ in range(args.reps):
+                for name, fn in gens.items():
+                    per[name].append(wall_ms(fn))
+        ttft[p] = {name: percentile_stats(t) for name, t in per.items()}
+        prefill_row = next((r for r in rows if r["shape"] == f"1x{p}"), None)
+        for r in rows:
+            if r["shape"] == f"1x{p}":
+                r["ttft_ms"] = ttft[p]["model.generate (patched)"]["median_ms"]
+                r["ttft_over_prefill"] = r["ttft_ms"] / r["begin_auto_ms"]
+        print(f"TTFT prompt {p}: " + ", ".join(f"{k} {v['median_ms']:.3f} ms" for k, v in ttft[p].items())
+              + ("" if prefill_row is None else f" (begin_auto {prefill_row['begin_auto_ms']:.3f} ms)"), flush=True)
+    names = [k[:-3] for k in rows[0] if k.endswith("_ms") and not k.startswith("floor") and k != "ttft_ms"
+             and k != "target_ms" and isinstance(rows[0][k], float)]
+    cols = ["shape", "floor_ms", "floor_weights_ms", "floor_gemm_ms", *[f"{n}_ms" for n in names],
+            "faster_new_path", "auto_over_floor", "target_ms", "ttft_ms", "ttft_over_prefill"]
+    settings = {**vars(args), "dtype": "fp16", "weight_bytes": weight_bytes, "compile_s": compile_s,
+                "prefill_graphs": graph_info, "ttft": {str(k): v for k, v in ttft.items()},
+                "length_bucket": pf.LENGTH_BUCKET, "auto_graph_max_tokens": pf.AUTO_GRAPH_MAX_TOKENS,
+                "timing": "CUDA events around each call, GPU idle before it; 3 warm-up calls each, then reps rounds "
+                          "with every implementation once per round; median (p10-p90 in the JSON and *_spread)"}
+    out = write_results("prefill", settings, ceilings, rows, cols)
+    print(out.with_suffix(".md").read_text())
+    del compiled
+    gc.collect()
+
+
+if __name__ == "__main__":
+    main()
