@@ -14,6 +14,7 @@ from . import patches
 from ._ext import extension_status
 from .config import ATTN_NAME, OPS, SUPPORTED_DTYPES, PatchConfig, PatchReport, Swap
 from .errors import FuseInferError
+from .patches import attention_backend
 from .runtime import GenerateHook, release
 from .state import STATE_ATTR, PatchState, patch_report, patch_state, unwrapped
 
@@ -68,6 +69,7 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
                              "patched: it is part of a patched model (unpatch that one) or was built on a patched "
                              "model's config (set model.config._attn_implementation = 'sdpa' first)")
     _check_tensors(model)
+    attention_backend.check(config)  # flash_attn without the package: refused before anything is touched
     report = PatchReport(model_type=model_type, extension=extension_status(next(model.parameters()).device))
     state = family.patch(model, config, report)
     object.__setattr__(model, STATE_ATTR, PatchState(family, state, report, config, model.__dict__.get("generate")))

@@ -12,7 +12,7 @@ from torch import nn
 from .. import knobs
 from ..ops import decode_step as decode_step_op
 from ..ops import decode_step_workspace, opt_decode_step
-from . import hf_attention
+from . import attention_backend, hf_attention
 from .opt import (
     FusedOPTAttention,
     FusedOPTDecoderLayer,
@@ -43,6 +43,8 @@ def decode_step_kernel(model: nn.Module, cache):
     if mode == "auto" and rows > decode_step_op.AUTO_MAX_ROWS:
         return None, (f"the one-kernel step is slower than per op above {decode_step_op.AUTO_MAX_ROWS} row(s) "
                       "(docs/notes.md); FUSEINFER_DECODE_KERNEL=1 uses it wherever it applies")
+    if attention_backend.decode_backend(model) == "sdpa":
+        return None, "attention_backend='sdpa': the one-kernel step runs fuseinfer's attention"
     cfg, dec = model.config, model.model.decoder
     if not cfg.do_layer_norm_before or dec.project_in is not None or dec.project_out is not None:
         return None, "post-LN OPT with projected embeddings (opt-350m) runs per op"
