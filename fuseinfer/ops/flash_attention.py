@@ -105,29 +105,44 @@ def _left_padded(key_mask: torch.Tensor, q_start: torch.Tensor | None, sq: int):
     return result
 
 
+def plan(q, k, key_mask, q_start) -> tuple[str | None, object]:
+    """How flash-attn-4 runs this call: ("dense" | "seqused" | "runs", (lo, hi) for "runs"), or (None, why our op
+    runs it instead); see the module docstring."""
+    fa, why = load_flash_attn()
+    if fa is None:
+        return None, f"flash-attn-4 does not import ({why})"
+    if not fa_supports(q):
+        return None, f"flash-attn-4 does not take {q.dtype} head dim {q.shape[-1]} on {q.device.type}"
+    sq, skv = q.shape[2], k.shape[2]
+    if key_mask is None and q_start is None:
+        return ("dense", None) if sq <= skv else (None, "more queries than keys without a q_start")
+    if key_mask is None:
+        return "seqused", None
+    if torch.cuda.is_current_stream_capturing():
+        return None, "a key mask inside CUDA-graph capture (its runs cannot be checked without a host sync)"
+    exact, lo, hi = _left_padded(key_mask, q_start, sq)
+    return ("runs", (lo, hi)) if exact else (None, "a row's allowed keys are not one run (a mask with holes)")
+
+
 def flash_attention_cuda(q, k, v, key_mask, q_start, scale: float) -> torch.Tensor:
     """flash-attn-4 where it covers the call exactly (module docstring), else our CUDA op -> (B, Sq, H, D)."""
-    fa, _ = load_flash_attn()
-    if fa is None or not fa_supports(q):
+    kind, info = plan(q, k, key_mask, q_start)
+    if kind is None:
         return _attention_cuda(q, k, v, key_mask, q_start, scale)
+    fa = _fa
     b, h, sq, d = q.shape
     skv = k.shape[2]
-    capturing = torch.cuda.is_current_stream_capturing()
-    if key_mask is None and q_start is None and sq <= skv:
+    if kind == "dense":
         # (B, S, H, D) views; bottom-right-aligned causal = ours with q_start = Skv - Sq
         return _out(fa.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        softmax_scale=scale, causal=True)).contiguous()
-    if key_mask is None and q_start is not None:
-        seqused = (q_start.to(torch.int32) + sq).clamp(0, skv)  # (B,) keys [0, q_start + Sq); needs q_start+Sq <= Skv
-        out = _out(fa.flash_attn_varlen_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             seqused_k=seqused, max_seqlen_k=skv, softmax_scale=scale, causal=True))
-        qpos = q_start.view(b, 1) + torch.arange(sq, device=q.device).view(1, sq)  # (B, Sq)
-        return out.masked_fill((qpos < 0).view(b, sq, 1, 1), 0.0).contiguous()
-    if key_mask is None or capturing:  # (Sq > Skv without a mask: rare, ours; a mask under capture: see docstring)
-        return _attention_cuda(q, k, v, key_mask, q_start, scale)
-    exact, lo, hi = _left_padded(key_mask, q_start, sq)
-    if not exact:
-        return _attention_cuda(q, k, v, key_mask, q_start, scale)
+    if kind == "seqused":
+        # keys [0, q_start + Sq) (the cache slots written so far; q_start + Sq <= Skv, as the cache guarantees)
+        seqused = (q_start.to(torch.int32) + sq).clamp(0, skv)  # (B,)
+        return _out(fa.flash_attn_varlen_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              seqused_k=seqused, max_seqlen_k=skv, softmax_scale=scale,
+                                              causal=True)).contiguous()
+    lo, hi = info  # "runs"
     # every (row, head) a batch entry of one head, its keys a window of the flattened cache
     qb = q.reshape(b * h, sq, 1, d)  # (B*H, Sq, 1, D)
     kb, vb = k.reshape(b * h * skv, 1, d), v.reshape(b * h * skv, 1, d)  # (B*H*Skv, 1, D); views when contiguous
