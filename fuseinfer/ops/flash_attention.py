@@ -15,8 +15,9 @@ How our mask description maps onto flash-attn-4's API (``flash_attn_func`` / ``f
   else one copy), ``cu_seqlens_k[b*H + h] = (b*H + h) * Skv + lo[b]`` gives each entry's first key and ``seqused_k =
   hi - lo`` its length. Cost: q (B, H, Sq, D) -> (B*H, Sq, 1, D) and the output back to (B, Sq, H, D) are one copy
   each (plus k/v's when they are views of the fused q/k/v GEMM, i.e. a prefill without a cache), O(S * D) against
-  attention's O(S^2 * D); and one host sync per forward to check that every row's keys are one run (cached on the
-  key_mask tensor, which transformers builds once per forward for all layers). A mask with holes runs our kernel.
+  attention's O(S^2 * D); and one host sync to check that every row's keys are one run (once per forward for
+  transformers' caches, whose key mask all layers share; per layer for fuseinfer.generate's prefill). A mask with
+  holes runs our kernel.
 * inside CUDA-graph capture (``fuseinfer.generate``) a key mask cannot be checked (no host sync there), so those calls
   run our kernel; so do fp32 inputs, head dims flash-attn-4 does not take on sm_90 (8..256, multiple of 8),
   inputs that need gradients, torch.func transforms and CPUs (the reference).
@@ -41,7 +42,7 @@ PACKAGE = "flash-attn-4"
 INSTALL_HINT = "pip install fuseinfer[flash-attn]"
 _fa = None  # the flash_attn.cute module once imported
 _fa_error: str | None = None
-_run_check: tuple | None = None  # (key_mask, version, q_start, version, Sq, result): see _left_padded
+_run_check: tuple | None = None  # (key_mask, its version, Sq, result): see _left_padded
 
 
 def load_flash_attn():
@@ -82,13 +83,14 @@ def _left_padded(key_mask: torch.Tensor, q_start: torch.Tensor | None, sq: int):
     """(exact, lo (B,) int32, hi (B,) int32): whether each row's allowed keys, ``key_mask`` within ``[0, hi)`` with
     ``hi = q_start + Sq`` (``Skv`` without q_start), are one run ``[lo, hi)`` (lo = hi for a row without keys).
 
-    One host sync, cached for the key_mask / q_start objects (held, so their ids cannot be reused) until either
-    is written to (their version counters): transformers builds one mask per forward for all layers."""
+    One host sync. Without q_start (transformers' caches) it is cached for the key_mask object (held, so its id
+    cannot be reused) until it is written to (its version counter): transformers builds one mask per forward for
+    all layers. With q_start (fuseinfer.generate's static cache) it is not: the runtime advances q_start in place
+    from a kernel, which autograd's version counter does not see."""
     global _run_check
     c = _run_check
-    if c is not None and c[0] is key_mask and c[1] == key_mask._version and c[2] is q_start and sq == c[4] \
-            and (q_start is None or c[3] == q_start._version):
-        return c[5]
+    if q_start is None and c is not None and c[0] is key_mask and c[1] == key_mask._version and sq == c[2]:
+        return c[3]
     b, skv = key_mask.shape
     dev = key_mask.device
     if q_start is None:
@@ -101,7 +103,8 @@ def _left_padded(key_mask: torch.Tensor, q_start: torch.Tensor | None, sq: int):
     lo = torch.where(count > 0, first, hi)
     exact = bool(((hi - lo) == count).all())  # the one host sync
     result = (exact, lo, hi)
-    _run_check = (key_mask, key_mask._version, q_start, None if q_start is None else q_start._version, sq, result)
+    if q_start is None:
+        _run_check = (key_mask, key_mask._version, sq, result)
     return result
 
 
@@ -118,7 +121,7 @@ def plan(q, k, key_mask, q_start) -> tuple[str | None, object]:
         return ("dense", None) if sq <= skv else (None, "more queries than keys without a q_start")
     if key_mask is None:
         return "seqused", None
-    if torch.cuda.is_current_stream_capturing():
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
         return None, "a key mask inside CUDA-graph capture (its runs cannot be checked without a host sync)"
     exact, lo, hi = _left_padded(key_mask, q_start, sq)
     return ("runs", (lo, hi)) if exact else (None, "a row's allowed keys are not one run (a mask with holes)")

@@ -36,6 +36,8 @@ def decode_forward(model: nn.Module):
 def decode_step_kernel(model: nn.Module, cache):
     """(step(tokens, positions, q_start) -> fp32 logits (B, V), None) running the whole decode step over
     ``cache`` as one kernel (``fuseinfer::opt_decode_step``), or (None, why it cannot)."""
+    if attention_backend.decode_backend(model) == "sdpa":
+        return None, "attention_backend='sdpa': the one-kernel step runs fuseinfer's attention"
     mode = knobs.get("FUSEINFER_DECODE_KERNEL")
     if mode == "0":
         return None, "the one-kernel step is off: FUSEINFER_DECODE_KERNEL=0"
@@ -43,8 +45,6 @@ def decode_step_kernel(model: nn.Module, cache):
     if mode == "auto" and rows > decode_step_op.AUTO_MAX_ROWS:
         return None, (f"the one-kernel step is slower than per op above {decode_step_op.AUTO_MAX_ROWS} row(s) "
                       "(docs/notes.md); FUSEINFER_DECODE_KERNEL=1 uses it wherever it applies")
-    if attention_backend.decode_backend(model) == "sdpa":
-        return None, "attention_backend='sdpa': the one-kernel step runs fuseinfer's attention"
     cfg, dec = model.config, model.model.decoder
     if not cfg.do_layer_norm_before or dec.project_in is not None or dec.project_out is not None:
         return None, "post-LN OPT with projected embeddings (opt-350m) runs per op"
