@@ -133,7 +133,7 @@ def run_config(mode: str, b: int, h: int, sq: int, skv: int, d: int, ext, ceilin
             with ctx() if ctx else _null():
                 out = fn()
                 torch.cuda.synchronize()
-        except RuntimeError as exc:  # backend unavailable for these inputs / this GPU
+        except Exception as exc:  # backend unavailable for these inputs / this GPU (flash-attn-4 raises other types too)
             if name.startswith("fuseinfer"):
                 raise
             rows.append({**base, "impl": name, "note": f"unavailable: {_first_line(exc)}"})
@@ -152,7 +152,7 @@ def run_config(mode: str, b: int, h: int, sq: int, skv: int, d: int, ext, ceilin
             try:
                 with ctx() if ctx else _null():
                     per_round[name].append(bench_ms(fn, **timing)["median_ms"])
-            except RuntimeError as exc:  # a baseline that ran once but fails under repetition
+            except Exception as exc:  # a baseline that ran once but fails under repetition
                 if name.startswith("fuseinfer"):
                     raise
                 rows.append({**base, "impl": name, "note": f"failed while timed: {_first_line(exc)}"})
