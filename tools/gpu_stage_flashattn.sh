@@ -2,7 +2,10 @@
 # The flash-attn-4 attention backend on the GPU (issue 40; docs/attention_backends.md): versions, an import and
 # smoke run of the package, the backend's GPU tests, and bench/bench_attention.py with its flash_attn column.
 #
-#   bash tools/gpu_stage_flashattn.sh [--full]     (default: the benchmark's --quick set; --full: every shape)
+#   bash tools/gpu_stage_flashattn.sh [tests] [bench] [--full]
+#     tests: versions, import + smoke run of the package, the backend's GPU tests; bench: bench_attention.py
+#     (default both; the benchmark's --quick set, --full: every shape). Compiled kernels are cached on disk
+#     (/tmp/fa_cute_cache) so that a later call on the same warm machine does not compile them again.
 #
 # Assumes the flash-attn-4 wheels installed with `pip install --no-deps --target /tmp/site` (FA_SITE to change it;
 # the device-command sequence is in docs/attention_backends.md) and the shared assets in .gpu_assets/ (as for
@@ -22,8 +25,18 @@ SITE=${FA_SITE:-/tmp/site}
 export PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
 export FUSEINFER_SHARED=${FUSEINFER_SHARED:-$PWD/.gpu_assets}
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} FUSEINFER_BENCH_DIR=${FUSEINFER_BENCH_DIR:-$OUT/bench}
+export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=${FLASH_ATTENTION_CUTE_DSL_CACHE_DIR:-/tmp/fa_cute_cache}
 quick=--quick
-[ "${1:-}" = "--full" ] && quick=
+do_tests=0 do_bench=0
+for arg in "$@"; do
+  case $arg in
+    --full) quick= ;;
+    tests) do_tests=1 ;;
+    bench) do_bench=1 ;;
+    *) echo "unknown argument $arg (tests, bench, --full)"; exit 2 ;;
+  esac
+done
+[ $do_tests -eq 0 ] && [ $do_bench -eq 0 ] && do_tests=1 && do_bench=1
 status=0
 fa_state="OK"
 
@@ -85,9 +98,12 @@ if ! python3 -c 'import fuseinfer._C' 2>/dev/null; then
 fi
 
 # GPU tests of the backend (they skip with the reason when flash-attn-4 does not import)
-run pytest_flashattn python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/patches/test_attention_backend.py
-rc=$?
-if [ "$rc" -ne 0 ] && [ "$fa_state" = "OK" ]; then status=1; fi
+if [ $do_tests -eq 1 ]; then
+  run pytest_flashattn python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/patches/test_attention_backend.py
+  rc=$?
+  if [ "$rc" -ne 0 ] && [ "$fa_state" = "OK" ]; then status=1; fi
+fi
+[ $do_bench -eq 1 ] || finish
 
 # the benchmark: ours, SDPA backends, cuDNN and flash_attn timed in turn (the column is skipped with the reason
 # when the package does not import or fails its mapping check)

@@ -388,3 +388,20 @@ def test_opcheck_flash_attention():
     key_mask = torch.arange(33, device="cuda")[None] >= torch.tensor([[0], [5]], device="cuda")
     torch.library.opcheck(torch.ops.fuseinfer.flash_attention.default, (q, k, v, key_mask, None, 0.125),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_bench_auto_table_needs_every_row_of_a_class_won():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import bench_attention
+
+    def row(mode, d, impl, ms, skv=512):
+        return dict(mode=mode, B=1, H=1, Sq=1, Skv=skv, D=d, impl=impl, median_ms=ms)
+    rows = [row("prefill", 64, "fuseinfer", 2.0), row("prefill", 64, "flash_attn", 1.0),
+            row("prefill_padded", 64, "fuseinfer", 2.0), row("prefill_padded", 64, "flash_attn", 1.5),
+            row("decode", 64, "fuseinfer", 1.0), row("decode", 64, "flash_attn", 0.5),
+            row("decode", 64, "fuseinfer", 1.0, skv=8192), row("decode", 64, "flash_attn", 1.5, skv=8192),
+            row("decode", 128, "fuseinfer", 1.0)]  # no flash_attn row: not won
+    assert bench_attention.auto_table(rows) == {"prefill,64": "flash_attn"}
