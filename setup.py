@@ -72,7 +72,13 @@ setup(
     install_requires=["torch>=2.11", "transformers>=5.17,<5.24", "safetensors", "rich", "numpy"],
     extras_require={"test": ["pytest>=8", "matplotlib", "hypothesis>=6", "onnx>=1.16", "onnxruntime>=1.20"],
                     "plot": ["matplotlib"],
-                    "export": ["onnx>=1.16", "onnxruntime>=1.20"]},  # CUDA: onnxruntime-gpu instead
+                    "export": ["onnx>=1.16", "onnxruntime>=1.20"],  # CUDA: onnxruntime-gpu instead
+                    # attention_backend="flash_attn" (docs/attention_backends.md): flash-attn-4 and its deps, pinned;
+                    # the -libs-cu13 flavour matches torch's CUDA 13 builds (the -libs-cu12 one is the default)
+                    "flash-attn": ["flash-attn-4==4.0.0b36", "nvidia-cutlass-dsl[cu13]==4.8.1",
+                                   "nvidia-cutlass-dsl-libs-base==4.8.1", "nvidia-cutlass-dsl-libs-core==4.8.1",
+                                   "nvidia-cutlass-dsl-libs-cu13==4.8.1", "quack-kernels==0.6.5",
+                                   "apache-tvm-ffi==0.1.15.post2", "torch-c-dlpack-ext==0.1.5", "einops==0.8.2"]},
     ext_modules=[built[0]] if built else [],
     cmdclass={"build_ext": built[1]} if built else {},
 )

@@ -23,6 +23,8 @@ REFERENCES_ONLY = ("no fuseinfer CUDA kernel runs for this model (it is on the C
                    "model; for speed, put the model on a CUDA GPU with the extension built "
                    "(pip install --no-build-isolation -e .)")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# what runs the attention op (patches/attention_backend.py, docs/attention_backends.md)
+ATTENTION_BACKENDS = ("auto", "fuseinfer", "flash_attn", "sdpa")
 
 
 @dataclass(frozen=True)
@@ -35,10 +37,15 @@ class PatchConfig:
     filter_fn: ``(module, qualified_name) -> bool``, called for each candidate module (decoder layers, attention
       modules and the decoder's final LayerNorm); only those for which it returns True are swapped (torchao's
       ``filter_fn`` idea).
+    attention_backend: what runs the ``attention`` op, one of ``ATTENTION_BACKENDS``: ``fuseinfer`` (our kernel),
+      ``flash_attn`` (the flash-attn-4 package, ``pip install fuseinfer[flash-attn]``, where its API covers the call;
+      else our kernel), ``sdpa`` (torch SDPA with a boolean mask), ``auto`` (our kernel, except the (phase, head dim)
+      classes where a committed benchmark measured the package faster); see docs/attention_backends.md.
     """
 
     ops: tuple[str, ...] = OPS
     filter_fn: Callable[[nn.Module, str], bool] | None = None
+    attention_backend: str = "auto"
 
     def __post_init__(self):
         if isinstance(self.ops, str):
@@ -51,6 +58,9 @@ class PatchConfig:
         if self.filter_fn is not None and not callable(self.filter_fn):
             raise FuseInferError(f"PatchConfig.filter_fn must be a callable (module, name) -> bool, got "
                                  f"{self.filter_fn!r}; e.g. filter_fn=lambda module, name: 'layers.0.' not in name")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise FuseInferError(f"unknown PatchConfig.attention_backend {self.attention_backend!r}; choose from "
+                                 f"{list(ATTENTION_BACKENDS)}, e.g. PatchConfig(attention_backend='flash_attn')")
 
     def selects(self, module: nn.Module, name: str) -> bool:
         return self.filter_fn is None or bool(self.filter_fn(module, name))
@@ -66,7 +76,7 @@ class PatchConfig:
             pickle.dumps(fn)
         except Exception:  # (pickle raises several types: PicklingError, AttributeError, TypeError)
             fn = _UnpickledFilter(repr(fn))
-        return PatchConfig, (tuple(self.ops), fn)
+        return PatchConfig, (tuple(self.ops), fn, self.attention_backend)
 
 
 class _UnpickledFilter:
@@ -99,6 +109,7 @@ class PatchReport:
     swaps: list[Swap] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (name or op, reason)
     attn_implementation: tuple[str, str] | None = None  # (before, after)
+    attention_backends: dict[str, str] = field(default_factory=dict)  # phase (prefill/decode) -> what runs it
     extension: str = field(default_factory=extension_status)
 
     @property
@@ -115,6 +126,8 @@ class PatchReport:
         if self.attn_implementation:
             lines.append(f"  attention implementation: {self.attn_implementation[0]!r} -> "
                          f"{self.attn_implementation[1]!r}")
+        for phase, backend in self.attention_backends.items():
+            lines.append(f"  attention {phase}: {backend}")
         lines.append(f"  swapped {len(self.swaps)} module(s):")
         width = max((len(s.name) for s in self.swaps), default=0)
         for s in self.swaps:

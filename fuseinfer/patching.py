@@ -16,6 +16,7 @@ from . import patches
 from ._ext import extension_status
 from .config import ATTN_NAME, OPS, REFERENCES_ONLY, SUPPORTED_DTYPES, PatchConfig, PatchReport, Swap
 from .errors import FuseInferError
+from .patches import attention_backend
 from .runtime import GenerateHook, release
 from .state import STATE_ATTR, PatchState, config_owner, patch_report, patch_state, unwrapped
 
@@ -73,6 +74,7 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
         raise FuseInferError(f"this model's config selects the {ATTN_NAME!r} attention of the patched model it is "
                              "part of: unpatch that model, or patch the whole model instead of this part")
     _check_tensors(model)
+    attention_backend.check(config)  # flash_attn without the package: refused before anything is touched
     report = PatchReport(model_type=model_type, extension=extension_status(next(model.parameters()).device))
     state = family.patch(model, config, report)
     if report.references_only and not _warned:

@@ -21,8 +21,8 @@ from transformers.masking_utils import (
 from transformers.utils.output_capturing import _active_collector
 
 from ..config import ATTN_NAME
-from ..ops import attention
 from ..ops.attention import allowed_mask
+from .attention_backend import attention_for
 
 NAME = ATTN_NAME
 
@@ -94,6 +94,7 @@ def fuseinfer_attention_forward(module, query, key, value, attention_mask, scali
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     if weights_requested(module):
         return eager_attention_with_weights(module, query, key, value, attention_mask, scale)
+    attention = attention_for(module, query.shape[2])  # the patch's backend for this phase (attention_backend.py)
     if isinstance(attention_mask, MaskInfo):
         return attention(query, key, value, attention_mask.key_mask, attention_mask.q_start, scale), None
     if attention_mask is None:  # called without a mask: OPT is causal

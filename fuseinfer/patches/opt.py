@@ -41,7 +41,7 @@ from ..config import PatchConfig, PatchReport, Swap
 from ..ops import add_layer_norm, linear_epilogue
 from ..ops.attention import kernel_supports
 from ..state import disown_config, own_config
-from . import hf_attention
+from . import attention_backend, hf_attention
 
 
 def _original_forward(module: nn.Module, x: torch.Tensor) -> bool:
@@ -196,7 +196,7 @@ class OPTPatchRules:
 
     def patch(self, model: nn.Module, config: PatchConfig, report: PatchReport) -> dict:
         ops = frozenset(config.ops)
-        state = {"classes": [], "qkv": [], "config": None}
+        state = {"classes": [], "qkv": [], "config": None, "attn_backends": []}
         like = next(model.parameters())  # what a parameter-free module's ops run on
         layer_ops = ops & {"layer_norm", "linear"}
         attn_ops = ops & {"qkv", "linear", "attention"} - ({"attention"} if model.training else set())
@@ -231,6 +231,10 @@ class OPTPatchRules:
                 before = model.config._attn_implementation
                 model.config._attn_implementation = hf_attention.NAME
                 report.attn_implementation = (before, hf_attention.NAME)
+                head_dim = model.config.hidden_size // model.config.num_attention_heads
+                names = attention_backend.resolve(config, head_dim)
+                state["attn_backends"] = attention_backend.install(model, names, (OPTAttention,))
+                report.attention_backends = attention_backend.describe(names, config, like, head_dim)
         if not report.swaps:
             report.skipped.append(("all modules", "no OPT module matched the config's ops and filter_fn"))
         return state
@@ -280,6 +284,7 @@ class OPTPatchRules:
             # what else changed on the copy while patched (e.g. use_cache) carries over to the original
             original.__dict__.update({k: v for k, v in own.__dict__.items() if k != "_attn_implementation_internal"})
             _replace_config(model, own, original)
+        attention_backend.uninstall(state.get("attn_backends", ()))
 
 
 def _replace_config(model: nn.Module, old, new) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 from .. import knobs
 from ..ops import decode_step as decode_step_op
 from ..ops import decode_step_workspace, opt_decode_step
-from . import hf_attention
+from . import attention_backend, hf_attention
 from .opt import (
     FusedOPTAttention,
     FusedOPTDecoderLayer,
@@ -36,6 +36,8 @@ def decode_forward(model: nn.Module):
 def decode_step_kernel(model: nn.Module, cache):
     """(step(tokens, positions, q_start) -> fp32 logits (B, V), None) running the whole decode step over
     ``cache`` as one kernel (``fuseinfer::opt_decode_step``), or (None, why it cannot)."""
+    if attention_backend.decode_backend(model) == "sdpa":
+        return None, "attention_backend='sdpa': the one-kernel step runs fuseinfer's attention"
     mode = knobs.get("FUSEINFER_DECODE_KERNEL")
     if mode == "0":
         return None, "the one-kernel step is off: FUSEINFER_DECODE_KERNEL=0"
