@@ -178,9 +178,9 @@ def _cli_error(capsys, *args) -> str:
 
 
 def test_cli_unknown_backend(capsys, tmp_path):
-    err = _cli_error(capsys, "--model", "random:opt-125m", "--device", "cpu", "--backend", "tensorrt", "--out",
+    err = _cli_error(capsys, "--model", "random:opt-125m", "--device", "cpu", "--backend", "vllm", "--out",
                      str(tmp_path))
-    assert "unknown backend 'tensorrt'" in err and "eager" in err
+    assert "unknown backend 'vllm'" in err and "eager" in err
 
 
 def test_cli_backend_not_installed(capsys, tmp_path):
