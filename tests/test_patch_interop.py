@@ -91,7 +91,7 @@ def test_bad_inputs_to_the_patched_forward_are_one_clear_error():
     with pytest.raises(FuseInferError, match="exceed the model's max_position_embeddings"):
         model(input_ids=too_long)
     fuseinfer.unpatch(model)
-    assert type(model.model.decoder).__name__ == "OPTDecoder"
+    assert not model.model.decoder._forward_pre_hooks  # the check is gone with the patch
 
 
 def test_report_says_when_only_references_run():

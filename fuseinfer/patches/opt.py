@@ -170,25 +170,27 @@ class FusedOPTDecoderLayer(OPTDecoderLayer):
         return _norm(self.final_layer_norm, self._mlp(h, None), h, ln)
 
 
-class CheckedOPTDecoder(OPTDecoder):
-    """OPTDecoder that turns the inputs the fused modules cannot take into one clear error each: an empty batch or
-    sequence, and more positions than the model has (otherwise a reshape error and an IndexError)."""
-
-    def forward(self, input_ids=None, attention_mask=None, past_key_values=None, inputs_embeds=None, *args,
-                **kwargs):
-        x = input_ids if input_ids is not None else inputs_embeds
-        if x is not None and x.dim() >= 2 and (x.shape[0] == 0 or x.shape[1] == 0):
-            raise FuseInferError(f"empty input: {'input_ids' if input_ids is not None else 'inputs_embeds'} has "
-                                 f"shape {tuple(x.shape)}; pass at least one row of at least one token")
-        if x is not None and x.dim() >= 2 and not torch.compiler.is_compiling():
-            past = past_key_values.get_seq_length() if past_key_values is not None else 0
-            past = int(past) if isinstance(past, int) else past
-            limit = self.config.max_position_embeddings
-            if isinstance(past, int) and past + x.shape[1] > limit:
-                raise FuseInferError(f"{past + x.shape[1]} positions ({past} cached + {x.shape[1]} new) exceed the "
-                                     f"model's max_position_embeddings ({limit}): shorten the input (e.g. "
-                                     "tokenizer(..., truncation=True, max_length=...))")
-        return super().forward(input_ids, attention_mask, past_key_values, inputs_embeds, *args, **kwargs)
+def check_decoder_inputs(decoder, args, kwargs):
+    """Forward pre-hook that ``patch`` puts on the decoder: the inputs the fused modules cannot take become one clear
+    error each (an empty batch or sequence, more positions than the model has) instead of a reshape error and an
+    IndexError. Shapes only: no device sync, so it stays capturable."""
+    x = kwargs.get("input_ids", args[0] if args else None)
+    name = "input_ids"
+    if x is None:
+        x, name = kwargs.get("inputs_embeds"), "inputs_embeds"
+    if x is None or x.dim() < 2:
+        return None
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        raise FuseInferError(f"empty input: {name} has shape {tuple(x.shape)}; pass at least one row of at least one "
+                             "token")
+    cache = kwargs.get("past_key_values")
+    past = cache.get_seq_length() if cache is not None and not torch.compiler.is_compiling() else 0
+    limit = decoder.config.max_position_embeddings
+    if isinstance(past, int) and past + x.shape[1] > limit:
+        raise FuseInferError(f"{past + x.shape[1]} positions ({past} cached + {x.shape[1]} new) exceed the model's "
+                             f"max_position_embeddings ({limit}): shorten the input (e.g. tokenizer(..., "
+                             "truncation=True, max_length=...))")
+    return None
 
 
 class OPTPatchRules:
@@ -218,11 +220,8 @@ class OPTPatchRules:
             if cls is FusedOPTAttention and "qkv" in ops:
                 self._fuse_qkv(module, state)
             self._swap(module, name, cls, module_ops, state, report, like)
-        for name, module in model.named_modules():  # clear errors for inputs the fused modules cannot take
-            if type(module) is OPTDecoder and report.swaps:
-                state["classes"].append((module, OPTDecoder))
-                module.__class__ = CheckedOPTDecoder
-                module._fuseinfer_ops = frozenset()
+        state["hooks"] = [module.register_forward_pre_hook(check_decoder_inputs, with_kwargs=True)
+                          for module in model.modules() if isinstance(module, OPTDecoder) and report.swaps]
         if "attention" in ops:
             if model.training:
                 report.skipped.append(("attention", "model is in training mode; call model.eval() first"))
@@ -275,6 +274,8 @@ class OPTPatchRules:
                 if p.bias is not None:
                     p.bias.data = p.bias.detach().clone()
             del attn.qkv_weight, attn.qkv_bias, attn._fuseinfer_qkv_params
+        for handle in state.get("hooks", ()):
+            handle.remove()
         for module, cls in state["classes"]:
             module.__class__ = cls
             del module._fuseinfer_ops
@@ -301,7 +302,7 @@ def _has_hooks(module: nn.Module) -> bool:
     or a forward replaced on the instance (accelerate's hooks, ``_hf_hook``, work that way)."""
     hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
     return _forward_replaced(module) or bool(module._backward_hooks or module._backward_pre_hooks) or \
-        any(getattr(h, "__module__", None) != "transformers.utils.output_capturing" for h in hooks)
+        any(getattr(h, "__module__", None) not in ("transformers.utils.output_capturing", __name__) for h in hooks)
 
 
 def _forward_replaced(module: nn.Module) -> bool:
