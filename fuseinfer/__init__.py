@@ -2,15 +2,18 @@
 
     report = fuseinfer.patch(model)   # swaps modules, returns a PatchReport
     fuseinfer.unpatch(model)          # restores the original model exactly
+    fuseinfer.patch(model, fuseinfer.PatchConfig(quant=fuseinfer.Int8WeightOnly()))  # int8 weights (W8A16)
 """
 from ._ext import cuda_extension_available, extension_status
 from .errors import FuseInferError
 from .patching import OPS, PatchConfig, PatchReport, patch, patch_report, patch_state, unpatch
+from .quant import Int8WeightOnly, QuantConfig, load_quantized, save_quantized
 from .runtime import generate
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "OPS", "FuseInferError", "PatchConfig", "PatchReport", "cuda_extension_available", "extension_status",
-    "generate", "patch", "patch_report", "patch_state", "unpatch", "__version__",
+    "OPS", "FuseInferError", "Int8WeightOnly", "PatchConfig", "PatchReport", "QuantConfig", "cuda_extension_available",
+    "extension_status", "generate", "load_quantized", "patch", "patch_report", "patch_state", "save_quantized",
+    "unpatch", "__version__",
 ]

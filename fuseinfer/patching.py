@@ -16,6 +16,7 @@ from torch import nn
 
 from ._ext import extension_status
 from .errors import FuseInferError
+from .quant.config import QuantConfig
 
 OPS = ("layer_norm", "linear", "qkv", "attention")
 ATTN_NAME = "fuseinfer"  # the attention implementation patch registers with transformers (patches/hf_attention.py)
@@ -33,10 +34,13 @@ class PatchConfig:
     filter_fn: ``(module, qualified_name) -> bool``, called for each candidate module (decoder layers, attention
       modules and the decoder's final LayerNorm); only those for which it returns True are swapped (torchao's
       ``filter_fn`` idea).
+    quant: a quantization config (``fuseinfer.Int8WeightOnly()``), applied to the linears of the swapped modules
+      after the swaps (``fuseinfer/quant``), or None.
     """
 
     ops: tuple[str, ...] = OPS
     filter_fn: Callable[[nn.Module, str], bool] | None = None
+    quant: QuantConfig | None = None
 
     def __post_init__(self):
         if isinstance(self.ops, str):
@@ -49,6 +53,9 @@ class PatchConfig:
         if self.filter_fn is not None and not callable(self.filter_fn):
             raise FuseInferError(f"PatchConfig.filter_fn must be a callable (module, name) -> bool, got "
                                  f"{self.filter_fn!r}; e.g. filter_fn=lambda module, name: 'layers.0.' not in name")
+        if self.quant is not None and not isinstance(self.quant, QuantConfig):
+            raise FuseInferError(f"PatchConfig.quant must be a quantization config such as fuseinfer.Int8WeightOnly(), "
+                                 f"got {self.quant!r}")
 
     def selects(self, module: nn.Module, name: str) -> bool:
         return self.filter_fn is None or bool(self.filter_fn(module, name))
@@ -64,7 +71,7 @@ class PatchConfig:
             pickle.dumps(fn)
         except Exception:  # (pickle raises several types: PicklingError, AttributeError, TypeError)
             fn = _UnpickledFilter(repr(fn))
-        return PatchConfig, (tuple(self.ops), fn)
+        return PatchConfig, (tuple(self.ops), fn, self.quant)
 
 
 class _UnpickledFilter:
@@ -98,6 +105,7 @@ class PatchReport:
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (name or op, reason)
     attn_implementation: tuple[str, str] | None = None  # (before, after)
     extension: str = field(default_factory=extension_status)
+    quant: object = None  # what PatchConfig.quant did (fuseinfer.quant.weight_only.QuantReport), or None
 
     @property
     def backends(self) -> dict[str, set[str]]:
@@ -120,6 +128,8 @@ class PatchReport:
             lines.append(f"    {s.name:<{width}}  {s.old_class} -> {s.new_class}  [{ops}]")
         for what, why in self.skipped:
             lines.append(f"  skipped {what}: {why}")
+        if self.quant is not None:
+            lines.append(str(self.quant))
         return "\n".join(lines)
 
 
@@ -129,6 +139,7 @@ class PatchState(NamedTuple):
     report: PatchReport
     config: PatchConfig
     generate: object = None  # the model's own instance attribute ``generate`` before patching, if it had one
+    quant: object = None  # PatchConfig.quant's state (its ``undo(model)`` runs in unpatch), or None
 
 
 def unwrapped(model):
@@ -150,9 +161,9 @@ def _family_for(model: nn.Module):
     return model_type, FAMILIES[model_type]
 
 
-def _check_tensors(model: nn.Module) -> None:
+def _check_tensors(model: nn.Module, allow_meta: bool = False) -> None:
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.is_meta:
+        if t.is_meta and not allow_meta:
             raise FuseInferError(
                 f"{name} is on the meta device: load real weights before patching "
                 "(e.g. from_pretrained without init_empty_weights, or model.to_empty() then load a state_dict)")
@@ -177,7 +188,9 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
                              "e.g. fuseinfer.patch(model, fuseinfer.PatchConfig(ops=('linear',)))")
     model_type, family = _family_for(model)
     if hasattr(model, STATE_ATTR):
-        raise FuseInferError("this model is already patched; call fuseinfer.unpatch(model) before patching again")
+        quant = getattr(model, STATE_ATTR).config.quant
+        raise FuseInferError("this model is already patched" + (f" and quantized ({quant.scheme})" if quant else "")
+                             + "; call fuseinfer.unpatch(model) before patching again")
     inner = next((name for name, m in model.named_modules() if hasattr(m, STATE_ATTR)
                   or type(m).__module__.startswith("fuseinfer.")), None)
     if inner is not None:
@@ -187,10 +200,18 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
         raise FuseInferError(f"this model's config already selects the {ATTN_NAME!r} attention, but the model is not "
                              "patched: it is part of a patched model (unpatch that one) or was built on a patched "
                              "model's config (set model.config._attn_implementation = 'sdpa' first)")
-    _check_tensors(model)
+    _check_tensors(model, allow_meta=config.quant is not None and config.quant._empty)  # (load_quantized's build)
     report = PatchReport(model_type=model_type, extension=extension_status(next(model.parameters()).device))
     state = family.patch(model, config, report)
-    object.__setattr__(model, STATE_ATTR, PatchState(family, state, report, config, model.__dict__.get("generate")))
+    quant = None
+    if config.quant is not None:  # after the swaps: quantizes the linears of the swapped modules
+        try:
+            quant = config.quant.quantize(model, report)
+        except FuseInferError:  # refused before changing anything: the model goes back as it was
+            family.unpatch(model, state)
+            raise
+    object.__setattr__(model, STATE_ATTR, PatchState(family, state, report, config, model.__dict__.get("generate"),
+                                                     quant))
     if hasattr(model, "generate"):
         from .runtime import GenerateHook
 
@@ -207,12 +228,16 @@ def unpatch(model: nn.Module) -> nn.Module:
                              f"this model is not patched by fuseinfer, its module {inner!r} is: "
                              f"fuseinfer.unpatch(model.get_submodule({inner!r}))")
     patched = getattr(model, STATE_ATTR)
+    if patched.quant is not None:  # refuses (model untouched) when the original weights were not kept
+        patched.quant.check_undo()
     from .runtime import release
 
     release(model)
     model.__dict__.pop("generate", None)
     if patched.generate is not None:
         object.__setattr__(model, "generate", patched.generate)
+    if patched.quant is not None:
+        patched.quant.undo(model)
     patched.family.unpatch(model, patched.state)
     object.__delattr__(model, STATE_ATTR)
     return model

@@ -34,10 +34,11 @@ from transformers.models.opt.modeling_opt import OPTAttention, OPTDecoder, OPTDe
 
 from .._ext import backend_for
 from ..errors import FuseInferError
-from ..ops import add_layer_norm, decode_step_workspace, linear_epilogue, opt_decode_step
+from ..ops import add_layer_norm, decode_step_workspace, opt_decode_step
 from ..ops import decode_step as decode_step_op
 from ..ops.attention import kernel_supports
-from ..patching import PatchConfig, PatchReport, Swap
+from ..patching import PatchConfig, PatchReport, Swap, patch_state
+from ..quant.linear import fused_linear
 from . import hf_attention
 
 
@@ -102,7 +103,7 @@ class FusedOPTAttention(OPTAttention):
         ops = self._fuseinfer_ops
         bsz, tgt_len, _ = hidden_states.shape
         if "qkv" in ops and _qkv_fused(self):
-            qkv = linear_epilogue(hidden_states, self.qkv_weight, self.qkv_bias)  # (B, S, 3E)
+            qkv = fused_linear(self, hidden_states)  # (B, S, 3E); int8 weights when quantized
             q, k, v = qkv.view(bsz, tgt_len, 3, self.num_heads, self.head_dim).unbind(2)  # 3 x (B, S, H, D)
         else:
             q, k, v = (proj(hidden_states).view(bsz, tgt_len, self.num_heads, self.head_dim)
@@ -125,7 +126,7 @@ class FusedOPTAttention(OPTAttention):
         attn, weights = attn_fn(self, q, k, v, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
         attn = attn.reshape(bsz, tgt_len, -1)  # (B, S, E)
         if "linear" in ops:
-            return linear_epilogue(attn, self.out_proj.weight, self.out_proj.bias, residual), weights
+            return fused_linear(self.out_proj, attn, residual), weights
         out = self.out_proj(attn)
         return (out if residual is None else residual + out), weights
 
@@ -139,9 +140,9 @@ class FusedOPTDecoderLayer(OPTDecoderLayer):
         """fc2(act(fc1(x))) + residual; x: (..., E)."""
         if "linear" in self._fuseinfer_ops:
             relu = self.activation_fn.__class__.__name__ == "ReLU"
-            h = linear_epilogue(x, self.fc1.weight, self.fc1.bias, activation="relu" if relu else "none")
+            h = fused_linear(self.fc1, x, activation="relu" if relu else "none")
             h = h if relu else self.activation_fn(h)
-            return linear_epilogue(h, self.fc2.weight, self.fc2.bias, residual)
+            return fused_linear(self.fc2, h, residual)
         out = self.fc2(self.activation_fn(self.fc1(x)))
         return out if residual is None else residual + out
 
@@ -191,6 +192,8 @@ class OPTFamily:
             raise FuseInferError(f"FUSEINFER_DECODE_KERNEL must be auto, 0 or 1, got {mode!r}")
         if mode == "0":
             return None, "the one-kernel step is off: FUSEINFER_DECODE_KERNEL=0"
+        if patch_state(model).config.quant is not None:
+            return None, "the one-kernel step streams fp16/bf16 weights; a quantized model runs per op (int8 kernels)"
         rows = cache.key_mask.shape[0]
         if mode == "auto" and rows > decode_step_op.AUTO_MAX_ROWS:
             return None, (f"the one-kernel step is slower than per op above {decode_step_op.AUTO_MAX_ROWS} row(s) "
