@@ -207,3 +207,6 @@ class FuseInferBackend(EagerBackend):
 
 
 BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (EagerBackend, CompileBackend, FuseInferBackend)}
+from fuseinfer.quant.eval_backend import FuseInferW8A16Backend  # noqa: E402 (subclasses FuseInferBackend above)
+
+BACKENDS[FuseInferW8A16Backend.name] = FuseInferW8A16Backend

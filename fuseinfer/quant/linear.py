@@ -41,6 +41,14 @@ class Int8WeightOnlyLinear(QuantizedLinear):
     def fused(self, x, residual=None, activation: str = "none"):
         return int8_linear(x, self.qweight, self.scale, self.bias, residual, activation)
 
+    def _apply(self, fn, recurse=True):
+        """``model.half()`` / ``.to(dtype)`` convert every floating-point tensor: the scales stay fp32 (the kernels'
+        format; a round trip through fp16 may round them)."""
+        super()._apply(fn, recurse)
+        if self.scale.dtype != torch.float32 and not self.scale.is_meta:
+            self.scale = self.scale.float()
+        return self
+
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight this layer computes with, (N, K) in ``dtype``."""
         return dequantize_weight(self.qweight, self.scale, dtype)
