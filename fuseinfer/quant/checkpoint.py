@@ -126,14 +126,16 @@ def load_quantized(directory, device="cpu", model=None, ops=None):
             raise FuseInferError(f"the checkpoint is {dtype}, the model {next(model.parameters()).dtype}: "
                                  f"model.to({dtype}) first")
         device = next(model.parameters()).device
+        ties = tied_parameters(model)
         model.to("meta")
     else:
         saved._attn_implementation = "sdpa"
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(saved, dtype=dtype, attn_implementation="sdpa")
+        ties = tied_parameters(model)
     model.eval()
     patch(model, PatchConfig(ops=tuple(ops or quant.get("ops") or ()) or PatchConfig().ops, quant=qconfig))
-    model.to_empty(device=device)
+    to_empty_keep_ties(model, device, ties)
     with safe_open(str(directory / WEIGHTS), framework="pt") as f:
         stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -147,6 +149,27 @@ def load_quantized(directory, device="cpu", model=None, ops=None):
                              f"{sorted(unexpected)[:3]}")
     _refresh_report(model)
     return model
+
+
+def tied_parameters(model) -> list:
+    """Groups of (module, name) holding one Parameter object (tied embeddings), for ``to_empty_keep_ties``."""
+    owners: dict[int, list] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((module, name))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def to_empty_keep_ties(model, device, ties=None) -> None:
+    """``model.to_empty(device=device)``, then the parameters that were one object (``ties``, default: now) are made
+    one again (moving to or from the meta device gives each module its own new Parameter)."""
+    ties = tied_parameters(model) if ties is None else ties
+    model.to_empty(device=device)
+    for group in ties:
+        first = group[0][0]._parameters[group[0][1]]
+        for module, name in group[1:]:
+            module._parameters[name] = first
 
 
 def _refresh_report(model) -> None:

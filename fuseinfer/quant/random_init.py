@@ -15,6 +15,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from .checkpoint import _refresh_report, to_empty_keep_ties
 from .config import Int8WeightOnly
 from .linear import Int8WeightOnlyLinear
 
@@ -38,7 +39,7 @@ def random_quantized_opt(name: str = "opt-66b", device="cuda", dtype=torch.float
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").eval()
     qconfig = dataclasses.replace(config or Int8WeightOnly(), keep_original=None, _empty=True)
     patch(model, PatchConfig(**({"ops": ops} if ops else {}), quant=qconfig))
-    model.to_empty(device=device)
+    to_empty_keep_ties(model, device)
     gen = torch.Generator(device=device).manual_seed(seed)
     std = cfg.init_std
     with torch.no_grad():
@@ -62,7 +63,5 @@ def random_quantized_opt(name: str = "opt-66b", device="cuda", dtype=torch.float
                 module.weight.normal_(0.0, std, generator=gen)
                 if module.padding_idx is not None:
                     module.weight[module.padding_idx].zero_()
-    from .checkpoint import _refresh_report
-
     _refresh_report(model)
     return model
