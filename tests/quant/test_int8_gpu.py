@@ -102,7 +102,7 @@ def test_dequantize_kernel_is_bit_exact(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_patched_model_on_gpu_matches_the_cpu_reference_path_and_fast_decode(dtype):
+def test_patched_model_on_gpu_matches_the_cpu_reference_path_and_fast_decode(dtype, monkeypatch):
     ext()
     cpu = random_opt(hidden_size=256, num_attention_heads=4, ffn_dim=1024)
     gpu = random_opt(hidden_size=256, num_attention_heads=4, ffn_dim=1024).to("cuda", dtype)
@@ -117,16 +117,12 @@ def test_patched_model_on_gpu_matches_the_cpu_reference_path_and_fast_decode(dty
     assert sqnr_db(ref, got) > (30 if dtype == torch.float16 else 22)
     assert sqnr_db(cpu(ids[:, :5]).logits, step) > (30 if dtype == torch.float16 else 22)
     out = fuseinfer.generate(gpu, ids[:, :8].cuda(), max_new_tokens=12)  # static cache + CUDA graphs, per op
-    session = next(iter(gpu.__dict__["_fuseinfer_sessions"].values())) if "_fuseinfer_sessions" in gpu.__dict__ \
-        else None
-    if session is not None:
-        assert "quantized" in session.path and session.graphs
-    greedy = ids[:, :8].cuda()
-    with torch.no_grad():
-        for _ in range(12):
-            greedy = torch.cat([greedy, gpu(greedy).logits[:, -1:].argmax(-1)], 1)
-    agree = (out == greedy).float().mean().item()
-    assert agree > 0.9, agree  # (fp16 rounding of graph vs eager prefill-style steps may flip near-ties)
+    session = next(iter(gpu.__dict__["_fuseinfer_sessions"].values()))
+    assert "quantized" in session.path and session.graphs
+    # the same steps without graphs (the same kernels, eagerly): identical tokens
+    fuseinfer.runtime.release(gpu)
+    monkeypatch.setenv("FUSEINFER_CUDA_GRAPHS", "0")
+    assert torch.equal(fuseinfer.generate(gpu, ids[:, :8].cuda(), max_new_tokens=12), out)
 
 
 def test_checkpoint_round_trip_on_gpu(tmp_path):
