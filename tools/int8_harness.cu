@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <random>
 #include <vector>
 
@@ -59,7 +60,11 @@ int run_gemv(int m, int n, int k, bool with_bias, bool with_residual, bool relu,
   CHECK(cudaMemcpy(db, bias.data(), n * sizeof(T), cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(dr, res.data(), res.size() * sizeof(T), cudaMemcpyHostToDevice));
   int8::SkinnyParams p{dx, dq, ds, with_bias ? db : nullptr, with_residual ? dr : nullptr, dy, m, n, k, relu};
-  const bool tail = (k / 16) % (4 * (m <= 8 ? 2 : 1)) != 0;
+  const int chunks_per_block = 4 * (m <= 8 ? 2 : 1);
+  const bool tail = (k / 16) % chunks_per_block != 0;
+  // the host's contract (int8_linear.cu): at most k-blocks warps and at most `tiles` blocks
+  warps = std::max(1, std::min(warps, (k / 16 + chunks_per_block - 1) / chunks_per_block));
+  blocks = std::max(1, std::min(blocks, (n + 15) / 16));
   if (m <= 8) {
     tail ? launch<T, 1, true>(p, warps, blocks) : launch<T, 1, false>(p, warps, blocks);
   } else {

@@ -33,6 +33,15 @@ class FuseInferW8A16Backend(FuseInferBackend):
         self.decode = "not run"
         self.weight_bytes = weight_bytes_per_token(self.model)
 
+    def close(self):
+        """Release the runtime's cache and graphs and drop the model; no unpatch (the fp16 weights were freed, so
+        unpatch refuses, and nothing needs the original model back)."""
+        from ..eval.backends import Backend
+
+        if self.model is not None:
+            fuseinfer.runtime.release(self.model)
+        Backend.close(self)
+
     def details(self):
         quant = self.report.quant
         return {**super().details(), "quant_scheme": quant.scheme, "quantized_weights": len(quant.entries),
