@@ -1,5 +1,6 @@
 // Python bindings of the fuseinfer CUDA extension (module fuseinfer._C).
 #include "fuseinfer.h"
+#include "quant.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fuseinfer CUDA kernels; call through the fuseinfer::* torch.library ops, not directly";
@@ -17,4 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kernels_run_on", &fuseinfer::kernels_run_on);
   m.def("path_counts", &fuseinfer::path_counts);
   m.def("set_knobs", &fuseinfer::set_knobs);
+  m.def("int8_linear", &fuseinfer::int8_linear_cuda);
+  m.def("int8_dequantize", &fuseinfer::int8_dequantize_cuda);
+  m.def("quantize_int8_rows", &fuseinfer::quantize_int8_rows_cuda);
+  m.def("int8_path_counts", &fuseinfer::int8_path_counts);
 }

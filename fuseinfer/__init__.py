@@ -2,11 +2,13 @@
 
     report = fuseinfer.patch(model)   # swaps modules, returns a PatchReport
     fuseinfer.unpatch(model)          # restores the original model exactly
+    fuseinfer.patch(model, fuseinfer.PatchConfig(quant=fuseinfer.Int8WeightOnly()))  # int8 weights (W8A16)
 """
 from ._ext import cuda_extension_available, extension_status
 from .config import OPS, PatchConfig, PatchReport
 from .errors import FuseInferError
 from .patching import patch, unpatch
+from .quant import Int8WeightOnly, QuantConfig, load_quantized, save_quantized
 from .runtime import generate
 from .runtime.prefill import prefill
 from .state import patch_report, patch_state
@@ -14,6 +16,7 @@ from .state import patch_report, patch_state
 __version__ = "0.2.0"
 
 __all__ = [
-    "OPS", "FuseInferError", "PatchConfig", "PatchReport", "cuda_extension_available", "extension_status",
-    "generate", "patch", "patch_report", "prefill", "patch_state", "unpatch", "__version__",
+    "OPS", "FuseInferError", "Int8WeightOnly", "PatchConfig", "PatchReport", "QuantConfig", "cuda_extension_available",
+    "extension_status", "generate", "load_quantized", "patch", "patch_report", "patch_state", "prefill", "save_quantized",
+    "unpatch", "__version__",
 ]

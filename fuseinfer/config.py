@@ -15,6 +15,7 @@ from torch import nn
 
 from ._ext import extension_status
 from .errors import FuseInferError
+from .quant.config import QuantConfig
 
 OPS = ("layer_norm", "linear", "qkv", "attention")
 ATTN_NAME = "fuseinfer"  # the attention implementation patch registers with transformers (patches/hf_attention.py)
@@ -46,6 +47,7 @@ class PatchConfig:
     ops: tuple[str, ...] = OPS
     filter_fn: Callable[[nn.Module, str], bool] | None = None
     attention_backend: str = "auto"
+    quant: QuantConfig | None = None
 
     def __post_init__(self):
         if isinstance(self.ops, str):
@@ -58,6 +60,9 @@ class PatchConfig:
         if self.filter_fn is not None and not callable(self.filter_fn):
             raise FuseInferError(f"PatchConfig.filter_fn must be a callable (module, name) -> bool, got "
                                  f"{self.filter_fn!r}; e.g. filter_fn=lambda module, name: 'layers.0.' not in name")
+        if self.quant is not None and not isinstance(self.quant, QuantConfig):
+            raise FuseInferError(f"PatchConfig.quant must be a quantization config such as fuseinfer.Int8WeightOnly(), "
+                                 f"got {self.quant!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise FuseInferError(f"unknown PatchConfig.attention_backend {self.attention_backend!r}; choose from "
                                  f"{list(ATTENTION_BACKENDS)}, e.g. PatchConfig(attention_backend='flash_attn')")
@@ -76,7 +81,7 @@ class PatchConfig:
             pickle.dumps(fn)
         except Exception:  # (pickle raises several types: PicklingError, AttributeError, TypeError)
             fn = _UnpickledFilter(repr(fn))
-        return PatchConfig, (tuple(self.ops), fn, self.attention_backend)
+        return PatchConfig, (tuple(self.ops), fn, self.attention_backend, self.quant)
 
 
 class _UnpickledFilter:
@@ -109,6 +114,7 @@ class PatchReport:
     swaps: list[Swap] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (name or op, reason)
     attn_implementation: tuple[str, str] | None = None  # (before, after)
+    quant: object = None  # what PatchConfig.quant did (fuseinfer.quant.weight_only.QuantReport), or None
     attention_backends: dict[str, str] = field(default_factory=dict)  # phase (prefill/decode) -> what runs it
     extension: str = field(default_factory=extension_status)
 
@@ -135,6 +141,8 @@ class PatchReport:
             lines.append(f"    {s.name:<{width}}  {s.old_class} -> {s.new_class}  [{ops}]")
         for what, why in self.skipped:
             lines.append(f"  skipped {what}: {why}")
+        if self.quant is not None:
+            lines.append(str(self.quant))
         if self.references_only:
             lines.append(f"  note: {REFERENCES_ONLY}")
         return "\n".join(lines)

@@ -36,9 +36,9 @@ def _family_for(model: nn.Module):
     return model_type, family
 
 
-def _check_tensors(model: nn.Module) -> None:
+def _check_tensors(model: nn.Module, allow_meta: bool = False) -> None:
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.is_meta:
+        if t.is_meta and not allow_meta:
             raise FuseInferError(
                 f"{name} is on the meta device: load real weights before patching "
                 "(e.g. from_pretrained without init_empty_weights, or model.to_empty() then load a state_dict)")
@@ -63,7 +63,9 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
                              "e.g. fuseinfer.patch(model, fuseinfer.PatchConfig(ops=('linear',)))")
     model_type, family = _family_for(model)
     if hasattr(model, STATE_ATTR):
-        raise FuseInferError("this model is already patched; call fuseinfer.unpatch(model) before patching again")
+        quant = getattr(model, STATE_ATTR).config.quant
+        raise FuseInferError("this model is already patched" + (f" and quantized ({quant.scheme})" if quant else "")
+                             + "; call fuseinfer.unpatch(model) before patching again")
     inner = next((name for name, m in model.named_modules() if hasattr(m, STATE_ATTR)
                   or type(m).__module__.startswith("fuseinfer.")), None)
     if inner is not None:
@@ -73,14 +75,22 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
     if owner is not None and any(m is model for m in owner.modules()):
         raise FuseInferError(f"this model's config selects the {ATTN_NAME!r} attention of the patched model it is "
                              "part of: unpatch that model, or patch the whole model instead of this part")
-    _check_tensors(model)
+    _check_tensors(model, allow_meta=config.quant is not None and config.quant._empty)  # (load_quantized's build)
     attention_backend.check(config)  # flash_attn without the package: refused before anything is touched
     report = PatchReport(model_type=model_type, extension=extension_status(next(model.parameters()).device))
     state = family.patch(model, config, report)
+    quant = None
+    if config.quant is not None:  # after the swaps: quantizes the linears of the swapped modules
+        try:
+            quant = config.quant.quantize(model, report)
+        except FuseInferError:  # refused before changing anything: the model goes back as it was
+            family.unpatch(model, state)
+            raise
     if report.references_only and not _warned:
         _warned.append(True)
         logger.warning("fuseinfer: %s", REFERENCES_ONLY)
-    object.__setattr__(model, STATE_ATTR, PatchState(family, state, report, config, model.__dict__.get("generate")))
+    object.__setattr__(model, STATE_ATTR, PatchState(family, state, report, config, model.__dict__.get("generate"),
+                                                     quant))
     if hasattr(model, "generate"):
         object.__setattr__(model, "generate", GenerateHook(model))
     return report
@@ -95,10 +105,14 @@ def unpatch(model: nn.Module) -> nn.Module:
                              f"this model is not patched by fuseinfer, its module {inner!r} is: "
                              f"fuseinfer.unpatch(model.get_submodule({inner!r}))")
     patched = getattr(model, STATE_ATTR)
+    if patched.quant is not None:  # refuses (model untouched) when the original weights were not kept
+        patched.quant.check_undo()
     release(model)
     model.__dict__.pop("generate", None)
     if patched.generate is not None:
         object.__setattr__(model, "generate", patched.generate)
+    if patched.quant is not None:
+        patched.quant.undo(model)
     patched.family.unpatch(model, patched.state)
     object.__delattr__(model, STATE_ATTR)
     return model

@@ -25,6 +25,7 @@ class PatchState(NamedTuple):
     report: PatchReport
     config: PatchConfig
     generate: object = None  # the model's own instance attribute ``generate`` before patching, if it had one
+    quant: object = None  # PatchConfig.quant's state (its ``undo(model)`` runs in unpatch), or None
 
 
 def unwrapped(model):

@@ -5,6 +5,8 @@ another package's backends (and nothing imports in a cycle)."""
 from __future__ import annotations
 
 from ..export.eval_backend import BACKENDS as EXPORT_BACKENDS
+from ..quant.eval_backend import FuseInferW8A16Backend
 from .backends import CORE_BACKENDS, Backend
 
-BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (*CORE_BACKENDS, *EXPORT_BACKENDS)}
+BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (*CORE_BACKENDS, FuseInferW8A16Backend,
+                                                                  *EXPORT_BACKENDS)}

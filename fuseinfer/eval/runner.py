@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -398,8 +398,10 @@ def run(settings: Settings, ui) -> dict:
             rows[name], backend_stats, tokens[name] = run_backend(BACKENDS[name], plan, ui)
             stats = stats or backend_stats
     for name, row in rows.items():
-        if stats is not None:
-            row.update(derive(row, stats, s.batch_size, s.prompt_len, s.gen_len, copy_gbps, rows.get("eager")))
+        if stats is not None:  # (a backend that stores weights differently, e.g. int8, states its bytes per token)
+            own = replace(stats, weight_bytes_per_token=row["weight_bytes_per_token"]) \
+                if row.get("weight_bytes_per_token") else stats
+            row.update(derive(row, own, s.batch_size, s.prompt_len, s.gen_len, copy_gbps, rows.get("eager")))
         if name != "eager":
             row["greedy_match_eager"] = _greedy_match(tokens[name], tokens.get("eager"))
     return {"schema": "fuseinfer.eval/1", "settings": {**asdict(s), "seq_len": plan.seq_len},

@@ -1,11 +1,11 @@
 """Fused ops: each module holds a pure-PyTorch reference and a ``fuseinfer::<name>`` torch.library custom op
 that runs the CUDA kernel when the extension is built and the tensors are on CUDA, the reference otherwise.
-``quant`` is the exception: int8 quantisation as references only (no custom op or kernel yet, and nothing in
-fuseinfer calls it).
+``quant`` (int8 quantize / dequantize) and ``int8_linear`` (W8A16 GEMM) serve ``fuseinfer.quant``.
 """
 from .attention import attention, attention_ref
 from .decode_step import decode_step_workspace, opt_decode_step, opt_decode_step_ref
 from .emit_tokens import emit_tokens, emit_tokens_ref, emit_tokens_scratch
+from .int8_linear import dequantize_weight, int8_linear, int8_linear_ref
 from .kv_cache import kv_cache_append, kv_cache_append_ref
 from .layer_norm import add_layer_norm, add_layer_norm_ref
 from .linear import linear_epilogue, linear_epilogue_ref
@@ -13,7 +13,7 @@ from .quant import dequantize, dequantize_int8_ref, quantize_int8_ref, quantize_
 
 __all__ = [
     "add_layer_norm", "add_layer_norm_ref", "attention", "attention_ref", "decode_step_workspace", "dequantize",
-    "dequantize_int8_ref", "emit_tokens", "emit_tokens_ref", "emit_tokens_scratch", "kv_cache_append",
-    "kv_cache_append_ref", "linear_epilogue", "linear_epilogue_ref",
+    "dequantize_int8_ref", "dequantize_weight", "emit_tokens", "emit_tokens_ref", "emit_tokens_scratch",
+    "int8_linear", "int8_linear_ref", "kv_cache_append", "kv_cache_append_ref", "linear_epilogue", "linear_epilogue_ref",
     "opt_decode_step", "opt_decode_step_ref", "quantize_int8_ref", "quantize_per_channel", "quantize_per_token",
 ]

@@ -1,14 +1,25 @@
 """Symmetric int8 quantisation: per-token (activations) and per-channel (weights).
 
 ``q = round(x / scale)`` clamped to [-127, 127] with ``scale = amax(|x|) / 127`` taken over ``dim``
-(kept as a size-1 dim, fp32). Per-token quantisation of activations (M, K) reduces over K (``dim=-1``);
-per-channel quantisation of an nn.Linear weight (N, K), one scale per output channel, also reduces over K.
+(kept as a size-1 dim, fp32); ``round`` is round-half-to-even (``torch.round``; ``__float2int_rn`` /
+``rintf`` in the kernels, whose fp32 division is IEEE like PyTorch's, so q and the scale are bit-identical to
+the reference). Per-token quantisation of activations (M, K) reduces over K (``dim=-1``); per-channel
+quantisation of an nn.Linear weight (N, K), one scale per output channel, also reduces over K.
+
+On CUDA (``csrc/quant.cu``) the last-dim reduction (both of the above) runs one kernel per call: a block per row
+computes the row's absolute maximum, then quantizes the row (re-read from L1/L2) with one 8-byte store per 8
+values; ``dequantize`` of a 2-D q with one scale per row runs the int8 -> fp16/bf16 kernel of
+``csrc/int8_linear.cu``. Other dims run the reference. W8A16 (``fuseinfer.Int8WeightOnly``) quantizes its
+weights with ``quantize_per_channel``.
 """
 from __future__ import annotations
 
 import torch
 
+from .._ext import extension
 from ..errors import FuseInferError
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 QMAX = 127.0
 
@@ -36,6 +47,16 @@ def _quantize_int8(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tenso
     return quantize_int8_ref(x, dim)
 
 
+@_quantize_int8.register_kernel("cuda")
+def _quantize_int8_cuda(x, dim):
+    ext = extension(x.device)
+    if ext is None or not hasattr(ext, "quantize_int8_rows") or dim not in (-1, x.dim() - 1) or x.numel() == 0 \
+            or x.dtype not in KERNEL_DTYPES:
+        return quantize_int8_ref(x, dim)
+    q, scale = ext.quantize_int8_rows(x.reshape(-1, x.shape[-1]).contiguous())  # (R, K) int8, (R,) fp32
+    return q.view(x.shape), scale.view(*x.shape[:-1], 1)
+
+
 @_quantize_int8.register_fake
 def _(x, dim):
     shape = list(x.shape)
@@ -46,6 +67,15 @@ def _(x, dim):
 @torch.library.custom_op("fuseinfer::dequantize_int8", mutates_args=())
 def _dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return dequantize_int8_ref(q, scale, dtype)
+
+
+@_dequantize_int8.register_kernel("cuda")
+def _dequantize_int8_cuda(q, scale, dtype):
+    ext = extension(q.device)
+    rows = q.dim() == 2 and scale.shape == (q.shape[0], 1) and scale.dtype == torch.float32
+    if ext is None or not hasattr(ext, "int8_dequantize") or not rows or dtype not in KERNEL_DTYPES or q.numel() == 0:
+        return dequantize_int8_ref(q, scale, dtype)
+    return ext.int8_dequantize(q.contiguous(), scale.reshape(-1).contiguous(), dtype)
 
 
 @_dequantize_int8.register_fake

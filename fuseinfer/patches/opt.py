@@ -38,7 +38,8 @@ from transformers.models.opt.modeling_opt import (
 from .._ext import backend_for
 from ..errors import FuseInferError
 from ..config import PatchConfig, PatchReport, Swap
-from ..ops import add_layer_norm, linear_epilogue
+from ..ops import add_layer_norm
+from ..quant.linear import fused_linear
 from ..ops.attention import kernel_supports
 from ..state import disown_config, own_config
 from . import attention_backend, hf_attention
@@ -105,7 +106,7 @@ class FusedOPTAttention(OPTAttention):
         ops = self._fuseinfer_ops
         bsz, tgt_len, _ = hidden_states.shape
         if "qkv" in ops and _qkv_fused(self):
-            qkv = linear_epilogue(hidden_states, self.qkv_weight, self.qkv_bias)  # (B, S, 3E)
+            qkv = fused_linear(self, hidden_states)  # (B, S, 3E); int8 weights when quantized
             q, k, v = qkv.view(bsz, tgt_len, 3, self.num_heads, self.head_dim).unbind(2)  # 3 x (B, S, H, D)
         else:
             q, k, v = (proj(hidden_states).view(bsz, tgt_len, self.num_heads, self.head_dim)
@@ -128,7 +129,7 @@ class FusedOPTAttention(OPTAttention):
         attn, weights = attn_fn(self, q, k, v, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
         attn = attn.reshape(bsz, tgt_len, -1)  # (B, S, E)
         if "linear" in ops:
-            return linear_epilogue(attn, self.out_proj.weight, self.out_proj.bias, residual), weights
+            return fused_linear(self.out_proj, attn, residual), weights
         out = self.out_proj(attn)
         return (out if residual is None else residual + out), weights
 
@@ -142,9 +143,9 @@ class FusedOPTDecoderLayer(OPTDecoderLayer):
         """fc2(act(fc1(x))) + residual; x: (..., E)."""
         if "linear" in self._fuseinfer_ops:
             relu = self.activation_fn.__class__.__name__ == "ReLU"
-            h = linear_epilogue(x, self.fc1.weight, self.fc1.bias, activation="relu" if relu else "none")
+            h = fused_linear(self.fc1, x, activation="relu" if relu else "none")
             h = h if relu else self.activation_fn(h)
-            return linear_epilogue(h, self.fc2.weight, self.fc2.bias, residual)
+            return fused_linear(self.fc2, h, residual)
         out = self.fc2(self.activation_fn(self.fc1(x)))
         return out if residual is None else residual + out
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .. import knobs
+from ..state import patch_state
 from ..ops import decode_step as decode_step_op
 from ..ops import decode_step_workspace, opt_decode_step
 from . import attention_backend, hf_attention
@@ -41,6 +42,8 @@ def decode_step_kernel(model: nn.Module, cache):
     mode = knobs.get("FUSEINFER_DECODE_KERNEL")
     if mode == "0":
         return None, "the one-kernel step is off: FUSEINFER_DECODE_KERNEL=0"
+    if patch_state(model).config.quant is not None:
+        return None, "the one-kernel step streams fp16/bf16 weights; a quantized model runs per op (int8 kernels)"
     rows = cache.key_mask.shape[0]
     if mode == "auto" and rows > decode_step_op.AUTO_MAX_ROWS:
         return None, (f"the one-kernel step is slower than per op above {decode_step_op.AUTO_MAX_ROWS} row(s) "

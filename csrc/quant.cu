@@ -1,0 +1,57 @@
+// Row-wise symmetric int8 quantization (fuseinfer::quantize_int8 over the last dim): per token of activations
+// (M, K) and per output channel of weights (N, K). Device code: int8::quantize_rows_kernel (int8_kernels.cuh).
+#include "int8_kernels.cuh"
+#include "quant.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+namespace fuseinfer {
+namespace {
+
+template <typename T>
+void launch_quantize(const at::Tensor& x, at::Tensor& q, at::Tensor& scale, cudaStream_t stream) {
+  const int64_t rows = x.size(0), k = x.size(1);
+  constexpr int V = 16 / sizeof(T);
+  const bool vec = k % V == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  // about four 16-byte loads per thread and row: 32 .. 512 threads
+  const int64_t loads = vec ? k / V : k;
+  const int threads = static_cast<int>(std::min<int64_t>(512, std::max<int64_t>(32, (loads / 4 + 31) / 32 * 32)));
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(rows, 32LL * sms));
+  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+  if (vec) {
+    int8::quantize_rows_kernel<T, true><<<blocks, threads, 0, stream>>>(xp, q.data_ptr<int8_t>(),
+                                                                          scale.data_ptr<float>(), rows, k);
+  } else {
+    int8::quantize_rows_kernel<T, false><<<blocks, threads, 0, stream>>>(xp, q.data_ptr<int8_t>(),
+                                                                           scale.data_ptr<float>(), rows, k);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> quantize_int8_rows_cuda(const at::Tensor& x) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "quantize_int8_rows: x must be a contiguous (R, K) "
+              "CUDA tensor");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat,
+              "quantize_int8_rows: x must be float16, bfloat16 or float32, got ", dtype);
+  const at::cuda::CUDAGuard guard(x.device());
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
+  if (x.size(0) == 0) return {q, scale};
+  TORCH_CHECK(x.size(1) > 0, "quantize_int8_rows: rows must not be empty (the reference handles K = 0)");
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (dtype == at::kHalf) {
+    launch_quantize<__half>(x, q, scale, stream);
+  } else if (dtype == at::kBFloat16) {
+    launch_quantize<__nv_bfloat16>(x, q, scale, stream);
+  } else {
+    launch_quantize<float>(x, q, scale, stream);
+  }
+  return {q, scale};
+}
+
+}  // namespace fuseinfer

@@ -1,0 +1,24 @@
+"""Quantization for fuseinfer: configs for ``PatchConfig(quant=...)``, quantized modules, checkpoints.
+
+    fuseinfer.patch(model, fuseinfer.PatchConfig(quant=fuseinfer.Int8WeightOnly()))   # W8A16
+    fuseinfer.save_quantized(model, "dir");  model = fuseinfer.load_quantized("dir", device="cuda")
+
+See docs/quantization.md.
+"""
+from .config import Int8WeightOnly, QuantConfig
+
+__all__ = ["Int8WeightOnly", "QuantConfig", "load_quantized", "save_quantized"]
+
+
+def save_quantized(model, directory):
+    """Write a quantized (patched) model to ``directory``: config.json (with the scheme) + model.safetensors."""
+    from .checkpoint import save_quantized as save
+
+    return save(model, directory)
+
+
+def load_quantized(directory, device="cpu", model=None, ops=None):
+    """Build the model saved by ``save_quantized`` (no re-quantization); see ``fuseinfer.quant.checkpoint``."""
+    from .checkpoint import load_quantized as load
+
+    return load(directory, device=device, model=model, ops=ops)

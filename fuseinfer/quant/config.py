@@ -1,0 +1,71 @@
+"""Quantization configs: what ``PatchConfig(quant=...)`` takes (torchao's config-object style).
+
+``QuantConfig`` is the common base: the patch engine calls ``config.quantize(model, report)`` once, after the model
+family's swaps, and ``state.undo(model)`` in ``unpatch`` before the family's undo. Each scheme subclasses it
+(``Int8WeightOnly`` here; SmoothQuant W8A8 alongside) and returns its own state object.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import FuseInferError
+
+KEEP_ORIGINAL = (None, "cpu")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Base of the quantization schemes. Subclasses implement :meth:`quantize`.
+
+    include_lm_head: also quantize the LM head (off by default: OPT ties it to the input embeddings, which stay in
+      the model's dtype, so quantizing it adds an int8 copy instead of saving memory; it still halves the bytes a
+      decode step reads for it).
+    keep_original: ``None`` (default) frees the original weights, so ``unpatch`` cannot restore them and refuses;
+      ``"cpu"`` keeps a bit-exact copy of every replaced weight in host memory (2 bytes per fp16 weight quantized:
+      2.6 GB for OPT-1.3b) so that ``unpatch`` restores the model exactly.
+    """
+
+    include_lm_head: bool = False
+    keep_original: str | None = None
+    # internal: build the quantized layout with empty int8 / scale tensors instead of quantizing (load_quantized and
+    # random_init fill them; the engine then accepts a model on the meta device)
+    _empty: bool = field(default=False, repr=False, compare=False)
+
+    scheme = ""  # the name checkpoints record
+
+    def __post_init__(self):
+        if not isinstance(self.include_lm_head, bool):
+            raise FuseInferError(f"include_lm_head must be True or False, got {self.include_lm_head!r}")
+        if self.keep_original not in KEEP_ORIGINAL:
+            raise FuseInferError(f"keep_original must be None (free the originals; unpatch then refuses) or 'cpu' "
+                                 f"(keep a copy in host memory so unpatch restores them), got {self.keep_original!r}")
+
+    def quantize(self, model, report):
+        """Quantize the patched ``model`` in place, adding to ``report``; returns a state with ``undo(model)``.
+        Raises FuseInferError, leaving the model as the family's patch left it, for input it cannot quantize."""
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        """What a checkpoint's config.json records about the scheme."""
+        return {"scheme": self.scheme, "include_lm_head": self.include_lm_head}
+
+
+@dataclass(frozen=True)
+class Int8WeightOnly(QuantConfig):
+    """W8A16: decoder linears (q/k/v fused, out_proj, fc1, fc2; the LM head with ``include_lm_head``) stored as
+    int8 (N, K) with one fp32 scale per output channel, symmetric (``scale = max|w_row| / 127``,
+    ``q = round(w / scale)`` clamped to [-127, 127], rounding half to even as ``torch.round``); activations stay in
+    the model's dtype. Decode (<= 16 tokens) runs a GEMV that streams the int8 weights; prefill dequantizes each
+    weight to the model's dtype and runs the fp16/bf16 GEMM (``fuseinfer/ops/int8_linear.py``)."""
+
+    scheme = "int8_weight_only"
+
+    def quantize(self, model, report):
+        from .weight_only import quantize_weight_only
+
+        return quantize_weight_only(model, self, report)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "bits": 8, "symmetric": True, "granularity": "per_output_channel",
+                "scale_dtype": "float32", "rounding": "half_to_even", "weight_layout": "int8 (N, K), scale (N,)",
+                "qkv": "fused (3E, E) when patch fuses q/k/v"}

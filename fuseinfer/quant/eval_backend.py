@@ -1,0 +1,49 @@
+"""The ``fuseinfer-w8a16`` backend of ``python -m fuseinfer.eval``: fuseinfer's backend with int8 weight-only
+quantization (``PatchConfig(quant=Int8WeightOnly())``), the same columns, plus the bytes of its weights: the
+decode GB/s column counts the int8 model's bytes (``weight_bytes_per_token`` below, which the runner uses for this
+row), so it compares with the copy bandwidth as fp16's does."""
+from __future__ import annotations
+
+import fuseinfer
+
+from ..eval.backends import FuseInferBackend
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of the tensors one decode step reads: every parameter and buffer once (shared ones once), all but the
+    position table (one row of it is read) -- the eval's ModelStats rule, counted on the quantized model."""
+    seen, total = set(), 0
+    skip = model.model.decoder.embed_positions.weight.data_ptr()
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.numel() == 0 or t.data_ptr() in seen or t.data_ptr() == skip:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+class FuseInferW8A16Backend(FuseInferBackend):
+    """fuseinfer with int8 weights (per-output-channel fp32 scales), fp16 activations; W8A16 decode GEMV."""
+
+    name = "fuseinfer-w8a16"
+    summary = "fuseinfer.patch + Int8WeightOnly: int8 weights, W8A16 kernels; static cache + CUDA-graph decode"
+
+    def prepare(self):
+        self.report = fuseinfer.patch(self.model, fuseinfer.PatchConfig(quant=fuseinfer.Int8WeightOnly()))
+        self.decode = "not run"
+        self.weight_bytes = weight_bytes_per_token(self.model)
+
+    def close(self):
+        """Release the runtime's cache and graphs and drop the model; no unpatch (the fp16 weights were freed, so
+        unpatch refuses, and nothing needs the original model back)."""
+        from ..eval.backends import Backend
+
+        if self.model is not None:
+            fuseinfer.runtime.release(self.model)
+        Backend.close(self)
+
+    def details(self):
+        quant = self.report.quant
+        return {**super().details(), "quant_scheme": quant.scheme, "quantized_weights": len(quant.entries),
+                "quant_bytes_saved": quant.bytes_saved, "weight_bytes_per_token": self.weight_bytes,
+                "weight_bytes_per_token_fp": self.stats.weight_bytes_per_token}

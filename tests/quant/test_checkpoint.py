@@ -1,0 +1,68 @@
+"""save_quantized / load_quantized on CPU: identical logits after a round trip, no re-quantization, the recorded
+scheme, and the refusals (unquantized model, not a checkpoint, a different architecture)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import fuseinfer
+from fuseinfer import FuseInferError, Int8WeightOnly, PatchConfig
+from tests.conftest import random_opt
+
+
+@pytest.mark.parametrize("lm_head", [False, True])
+def test_round_trip_gives_identical_logits_and_tensors(tmp_path, lm_head):
+    model = random_opt(dtype=torch.float16).float()  # fp32 on CPU
+    ids = torch.randint(0, 512, (2, 9))
+    fuseinfer.patch(model, PatchConfig(quant=Int8WeightOnly(include_lm_head=lm_head)))
+    fuseinfer.save_quantized(model, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())["fuseinfer_quantization"]
+    assert cfg["scheme"] == "int8_weight_only" and cfg["rounding"] == "half_to_even" and cfg["bits"] == 8
+    assert cfg["include_lm_head"] is lm_head and "model.decoder.layers.0.self_attn.qkv_proj" in cfg["modules"]
+    loaded = fuseinfer.load_quantized(tmp_path)
+    a, b = model.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+    assert lm_head or loaded.lm_head.weight is loaded.model.decoder.embed_tokens.weight
+    with pytest.raises(FuseInferError, match="keep_original=None"):
+        fuseinfer.unpatch(loaded)
+
+
+def test_load_does_not_quantize(tmp_path, monkeypatch):
+    model = random_opt()
+    fuseinfer.patch(model, PatchConfig(quant=Int8WeightOnly()))
+    fuseinfer.save_quantized(model, tmp_path)
+    import fuseinfer.quant.weight_only as wo
+
+    monkeypatch.setattr(wo, "quantize_per_channel", lambda w: pytest.fail("load_quantized re-quantized a weight"))
+    fuseinfer.load_quantized(tmp_path)
+
+
+def test_load_into_a_given_model_and_into_a_different_architecture(tmp_path):
+    model = random_opt()
+    ids = torch.randint(0, 512, (1, 7))
+    fuseinfer.patch(model, PatchConfig(quant=Int8WeightOnly()))
+    fuseinfer.save_quantized(model, tmp_path)
+    same = random_opt(seed=5)
+    fuseinfer.load_quantized(tmp_path, model=same)
+    assert torch.equal(same(ids).logits, model(ids).logits)
+    other = random_opt(hidden_size=96, num_attention_heads=3)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(FuseInferError, match="different architecture.*hidden_size: checkpoint 64, model 96"):
+        fuseinfer.load_quantized(tmp_path, model=other)
+    assert fuseinfer.patch_state(other) is None
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+
+
+def test_refusals(tmp_path):
+    model = random_opt()
+    with pytest.raises(FuseInferError, match="this one is not quantized"):
+        fuseinfer.save_quantized(model, tmp_path)
+    with pytest.raises(FuseInferError, match="not a fuseinfer quantized checkpoint"):
+        fuseinfer.load_quantized(tmp_path)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    with pytest.raises(FuseInferError, match="not a fuseinfer quantized checkpoint|no 'fuseinfer_quantization'"):
+        fuseinfer.load_quantized(tmp_path)
