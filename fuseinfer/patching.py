@@ -17,6 +17,7 @@ from ._ext import extension_status
 from .config import ATTN_NAME, OPS, REFERENCES_ONLY, SUPPORTED_DTYPES, PatchConfig, PatchReport, Swap
 from .errors import FuseInferError
 from .patches import attention_backend
+from .quant.apply import quantize
 from .runtime import GenerateHook, release
 from .state import STATE_ATTR, PatchState, config_owner, patch_report, patch_state, unwrapped
 
@@ -82,7 +83,7 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
     quant = None
     if config.quant is not None:  # after the swaps: quantizes the linears of the swapped modules
         try:
-            quant = config.quant.quantize(model, report)
+            quant = quantize(config.quant, model, report)
         except FuseInferError:  # refused before changing anything: the model goes back as it was
             family.unpatch(model, state)
             raise

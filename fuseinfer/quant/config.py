@@ -1,8 +1,8 @@
 """Quantization configs: what ``PatchConfig(quant=...)`` takes (torchao's config-object style).
 
-``QuantConfig`` is the common base: the patch engine calls ``config.quantize(model, report)`` once, after the model
-family's swaps, and ``state.undo(model)`` in ``unpatch`` before the family's undo. Each scheme subclasses it
-(``Int8WeightOnly`` here; SmoothQuant W8A8 alongside) and returns its own state object.
+``QuantConfig`` is the common base. The configs are plain data: ``quant/apply.py`` maps each one to the code that
+quantizes, which the patch engine calls once, after the model family's swaps (and ``state.undo(model)`` in
+``unpatch`` before the family's undo).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ KEEP_ORIGINAL = (None, "cpu")
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """Base of the quantization schemes. Subclasses implement :meth:`quantize`.
+    """Base of the quantization schemes (each registered in ``quant/apply.py``).
 
     include_lm_head: also quantize the LM head (off by default: OPT ties it to the input embeddings, which stay in
       the model's dtype, so quantizing it adds an int8 copy instead of saving memory; it still halves the bytes a
@@ -40,11 +40,6 @@ class QuantConfig:
             raise FuseInferError(f"keep_original must be None (free the originals; unpatch then refuses) or 'cpu' "
                                  f"(keep a copy in host memory so unpatch restores them), got {self.keep_original!r}")
 
-    def quantize(self, model, report):
-        """Quantize the patched ``model`` in place, adding to ``report``; returns a state with ``undo(model)``.
-        Raises FuseInferError, leaving the model as the family's patch left it, for input it cannot quantize."""
-        raise NotImplementedError
-
     def describe(self) -> dict:
         """What a checkpoint's config.json records about the scheme."""
         return {"scheme": self.scheme, "include_lm_head": self.include_lm_head}
@@ -59,11 +54,6 @@ class Int8WeightOnly(QuantConfig):
     weight to the model's dtype and runs the fp16/bf16 GEMM (``fuseinfer/ops/int8_linear.py``)."""
 
     scheme = "int8_weight_only"
-
-    def quantize(self, model, report):
-        from .weight_only import quantize_weight_only
-
-        return quantize_weight_only(model, self, report)
 
     def describe(self) -> dict:
         return {**super().describe(), "bits": 8, "symmetric": True, "granularity": "per_output_channel",
