@@ -139,7 +139,7 @@ def load_quantized(directory, device="cpu", model=None, ops=None):
     patch(model, PatchConfig(ops=tuple(ops or quant.get("ops") or ()) or PatchConfig().ops, quant=qconfig))
     to_empty_keep_ties(model, device, ties)
     with safe_open(str(directory / WEIGHTS), framework="pt") as f:
-        stored = {k: tuple(f.get_slice(k).get_shape()) for k in f}
+        stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     wrong = [f"{k}: stored {stored[k]}, model {expected[k]}" for k in stored if k in expected and stored[k] !=
              expected[k]]
