@@ -32,7 +32,9 @@ def quantize_int8_ref(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Te
         amax = x.new_zeros(shape, dtype=torch.float32)
     else:
         amax = x.detach().float().abs().amax(dim=dim, keepdim=True)
-    scale = (amax / QMAX).clamp_min(torch.finfo(torch.float32).tiny)  # all-zero rows: q = 0, no 0/0
+    # a tensor divisor: IEEE division on every device (a Python scalar divisor makes CUDA multiply by its reciprocal,
+    # one ulp off the CPU's result and the kernel's)
+    scale = (amax / torch.full_like(amax, QMAX)).clamp_min(torch.finfo(torch.float32).tiny)  # all-zero rows: q = 0
     q = torch.round(x.float() / scale).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, scale
 
@@ -51,7 +53,7 @@ def _quantize_int8(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tenso
 def _quantize_int8_cuda(x, dim):
     ext = extension(x.device)
     if ext is None or not hasattr(ext, "quantize_int8_rows") or dim not in (-1, x.dim() - 1) or x.numel() == 0 \
-            or x.dtype not in KERNEL_DTYPES:
+            or x.dtype not in KERNEL_DTYPES or not x.is_contiguous():  # (q keeps x's strides, as the fake says)
         return quantize_int8_ref(x, dim)
     q, scale = ext.quantize_int8_rows(x.reshape(-1, x.shape[-1]).contiguous())  # (R, K) int8, (R,) fp32
     return q.view(x.shape), scale.view(*x.shape[:-1], 1)

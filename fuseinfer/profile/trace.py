@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import gzip
 import json
+import re
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -78,8 +79,18 @@ def load_events(path: str | Path) -> list[dict]:
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as f:
-        data = json.load(f)
+        text = f.read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        # torch's trace writer does not escape string arguments in "Concrete Inputs" (e.g. ["", ""relu""]): empty
+        # that field (nothing here reads it) and parse again
+        data = json.loads(_CONCRETE_INPUTS.sub('"Concrete Inputs": []', text))
     return data["traceEvents"] if isinstance(data, dict) else data
+
+
+# the whole "Concrete Inputs" field of an event's args, whatever (unescaped) strings it holds, up to the next key
+_CONCRETE_INPUTS = re.compile(r'"Concrete Inputs": \[.*?\](?=, "|\s*\})', re.S)
 
 
 def _is_launch(name: str) -> bool:

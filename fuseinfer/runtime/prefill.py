@@ -92,6 +92,12 @@ def _structure_reason(model: nn.Module) -> str | None:
     state = patch_state(model)
     if state is None or set(state.config.ops) != set(OPS) or state.config.filter_fn is not None:
         return "the lean prefill needs a model patched with every op and no filter_fn: call fuseinfer.patch(model)"
+    if state.config.quant is not None:
+        return "a quantized model runs its patched modules (their int8 linears)"
+    if state.config.attention_backend not in ("auto", "fuseinfer") or any(
+            set(getattr(m, "__dict__", {}).get("_fuseinfer_attn_backends", {}).values()) - {"fuseinfer"}
+            for m in model.modules()):
+        return f"attention_backend={state.config.attention_backend!r} runs in the patched modules"
     if model.__class__.__name__ != "OPTForCausalLM":  # (__class__: a weak proxy's is its referent's)
         return f"the lean prefill needs an OPTForCausalLM, got {model.__class__.__name__}"
     if model.config._attn_implementation != hf_attention.NAME:
