@@ -98,6 +98,7 @@ class PatchReport:
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (name or op, reason)
     attn_implementation: tuple[str, str] | None = None  # (before, after)
     extension: str = field(default_factory=extension_status)
+    placement: dict[str, str] = field(default_factory=dict)  # module -> device (accelerate) or tensor parallel
 
     @property
     def backends(self) -> dict[str, set[str]]:
@@ -120,6 +121,10 @@ class PatchReport:
             lines.append(f"    {s.name:<{width}}  {s.old_class} -> {s.new_class}  [{ops}]")
         for what, why in self.skipped:
             lines.append(f"  skipped {what}: {why}")
+        if self.placement:
+            from .parallel.placement import summary
+
+            lines += summary(self.placement)
         return "\n".join(lines)
 
 
@@ -151,11 +156,15 @@ def _family_for(model: nn.Module):
 
 
 def _check_tensors(model: nn.Module) -> None:
+    from .parallel.placement import offloaded_tensor_names
+
+    offloaded = offloaded_tensor_names(model)  # on meta between calls: accelerate's hooks load them (patch skips them)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.is_meta:
+        if t.is_meta and name not in offloaded:
             raise FuseInferError(
-                f"{name} is on the meta device: load real weights before patching "
-                "(e.g. from_pretrained without init_empty_weights, or model.to_empty() then load a state_dict)")
+                f"{name} is on the meta device and no accelerate hook offloads it, so its weights were never loaded: "
+                "load real weights before patching (e.g. from_pretrained without init_empty_weights, or "
+                "model.to_empty() then load a state_dict)")
     for name, p in model.named_parameters():
         if p.dtype not in SUPPORTED_DTYPES:
             raise FuseInferError(f"{name} has dtype {p.dtype}; fuseinfer patches fp16, bf16 and fp32 models: "
@@ -190,6 +199,9 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
     _check_tensors(model)
     report = PatchReport(model_type=model_type, extension=extension_status(next(model.parameters()).device))
     state = family.patch(model, config, report)
+    from .parallel.placement import placement
+
+    report.placement = placement(model, report)  # where each module runs, for a model accelerate placed
     object.__setattr__(model, STATE_ATTR, PatchState(family, state, report, config, model.__dict__.get("generate")))
     if hasattr(model, "generate"):
         from .runtime import GenerateHook

@@ -37,6 +37,7 @@ from ..errors import FuseInferError
 from ..ops import add_layer_norm, decode_step_workspace, linear_epilogue, opt_decode_step
 from ..ops import decode_step as decode_step_op
 from ..ops.attention import kernel_supports
+from ..parallel import placement
 from ..patching import PatchConfig, PatchReport, Swap
 from . import hf_attention
 
@@ -277,6 +278,7 @@ class OPTFamily:
         report.swaps.append(Swap(name, type(module).__name__, cls.__name__, _backends(module, ops, like)))
         module.__class__ = cls
         module._fuseinfer_ops = frozenset(ops)
+        placement.swap_forward(module, cls, state)  # under an accelerate hook: the hook calls cls.forward
 
     @staticmethod
     def _own_config(model: nn.Module):
@@ -306,6 +308,7 @@ class OPTFamily:
                 if p.bias is not None:
                     p.bias.data = p.bias.detach().clone()
             del attn.qkv_weight, attn.qkv_bias, attn._fuseinfer_qkv_params
+        placement.restore_forwards(state)
         for module, cls in state["classes"]:
             module.__class__ = cls
             del module._fuseinfer_ops
@@ -342,8 +345,9 @@ def _bypass_reason(module: nn.Module, ops, like: torch.Tensor) -> str | None:
     """Why ``module`` must stay unswapped, or None: its fused forward reads the parameters of the submodules
     listed here instead of calling them, so each must be a plain, hook-free nn.Linear / nn.LayerNorm; and the
     fused ops take their weights in the activations' dtype (``like``'s, the model's first parameter)."""
-    if _forward_replaced(module):
-        return "its forward is replaced on the instance (e.g. accelerate's hooks): the fused forward would not run"
+    why = placement.bypass_reason(module)  # accelerate: offloaded modules stay, hooked ones run fused
+    if why is not None:
+        return why
     dtypes = {p.dtype for p in module.parameters()} - {like.dtype}
     if dtypes:
         return (f"it has {'/'.join(sorted(str(d) for d in dtypes))} parameters in a {like.dtype} model: the fused ops "
