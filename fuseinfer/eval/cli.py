@@ -7,6 +7,7 @@ backend, missing data or device, an output file that cannot be written (checked 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from rich.console import Console
@@ -58,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", help="write the table with settings and environment as Markdown here")
     p.add_argument("--plot", help="write a PNG of latency and memory per backend here")
     p.add_argument("--debug", action="store_true", help="raise a backend's error instead of reporting it")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size: launch with torchrun --nproc-per-node N -m fuseinfer.eval ... --tp N "
+                        "(fuseinfer backend only; rank 0 prints and writes)")
     return p
 
 
@@ -66,7 +70,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     device=args.device, batch_size=args.batch_size, prompt_len=args.prompt_len,
                     gen_len=args.gen_len, warmup=args.warmup, repeats=args.repeats, seq_len=args.seq_len,
                     stride=args.stride, max_windows=args.max_windows, data_dir=args.data_dir, seed=args.seed,
-                    skip_ppl=args.skip_ppl, skip_latency=args.skip_latency, debug=args.debug)
+                    skip_ppl=args.skip_ppl, skip_latency=args.skip_latency, debug=args.debug, tp=args.tp)
 
 
 def output_files(args: argparse.Namespace) -> list[tuple]:
@@ -91,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         outputs = output_files(args)  # before the run: a bad path should not wait for the end of a long run
-        results = run(settings_from_args(args), ConsoleUI())
+        lead = args.tp == 1 or os.environ.get("RANK", "0") == "0"  # under --tp, rank 0 prints and writes
+        results = run(settings_from_args(args), ConsoleUI(None if lead else Console(quiet=True)))
+        if not lead:
+            return 0
         console = Console()
         print_table(results, console if console.is_terminal else Console(width=160))
         for flag, path, write in outputs:

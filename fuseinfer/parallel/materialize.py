@@ -95,4 +95,4 @@ def meta_model(config, dtype: torch.dtype):
 
 def random_model(config, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> nn.Module:
     """The eval's ``random:`` model: built on meta, each parameter drawn on ``device`` (``random_init``)."""
-    return materialize(meta_model(config, dtype), device, random_init(seed))
+    return materialize(meta_model(config, dtype), device, random_init(seed, getattr(config, "init_std", 0.02)))
