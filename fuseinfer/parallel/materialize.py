@@ -39,12 +39,12 @@ def random_init(seed: int = 0, std: float = 0.02) -> Init:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device | str, init: Init | None = None,
-                shard: Shard | None = None) -> nn.Module:
-    """Give every parameter of ``model`` a real tensor on ``device``: a meta parameter from ``init`` (required then),
-    another one copied; with ``shard``, only the slice it names (copied from the host slice, not the whole tensor).
-    One full parameter at a time is on the device besides the model. Tied parameters stay one object."""
-    device = torch.device(device)
+def materialize(model: nn.Module, device, init: Init | None = None, shard: Shard | None = None) -> nn.Module:
+    """Give every parameter of ``model`` a real tensor on ``device`` (a device, or ``name -> device`` to follow a
+    device map): a meta parameter from ``init`` (required then), another one copied; with ``shard``, only the slice
+    it names (copied from the host slice, not the whole tensor). One full parameter at a time is on the device
+    besides the model. Tied parameters stay one object (on the device of the first name that holds them)."""
+    where = device if callable(device) else (lambda name, d=torch.device(device): d)
     made: dict[int, nn.Parameter | None] = {}
     for prefix, module in model.named_modules():
         for pname, param in list(module._parameters.items()):
@@ -52,13 +52,13 @@ def materialize(model: nn.Module, device: torch.device | str, init: Init | None 
                 continue
             name = f"{prefix}.{pname}".lstrip(".")
             if id(param) not in made:
-                made[id(param)] = _make(name, param, device, init, shard)
+                made[id(param)] = _make(name, param, torch.device(where(name)), init, shard)
             module._parameters[pname] = made[id(param)]
         for bname, buf in list(module._buffers.items()):
             if buf is not None and buf.is_meta:
                 raise FuseInferError(f"buffer {prefix}.{bname} is on the meta device and has no initializer")
             if buf is not None:
-                module._buffers[bname] = buf.to(device)
+                module._buffers[bname] = buf.to(where(f"{prefix}.{bname}".lstrip(".")))
     return model
 
 
@@ -96,3 +96,16 @@ def meta_model(config, dtype: torch.dtype):
 def random_model(config, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> nn.Module:
     """The eval's ``random:`` model: built on meta, each parameter drawn on ``device`` (``random_init``)."""
     return materialize(meta_model(config, dtype), device, random_init(seed, getattr(config, "init_std", 0.02)))
+
+
+def device_map_lookup(device_map: dict) -> Callable[[str], torch.device]:
+    """name -> device of an accelerate device map ({module prefix: device}; the longest matching prefix wins)."""
+
+    def where(name: str) -> torch.device:
+        best = max((k for k in device_map if k == "" or name == k or name.startswith(k + ".")), key=len, default=None)
+        if best is None:
+            raise FuseInferError(f"{name} is not covered by the device map")
+        dev = device_map[best]
+        return torch.device(f"cuda:{dev}" if isinstance(dev, int) else dev)
+
+    return where
