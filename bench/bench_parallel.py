@@ -439,7 +439,8 @@ def main_report() -> int:
                                ("single_opt-30b", "OPT-30b fp16 one GPU decode", "")):
         r = res.get(key)
         if r and "decode_ms_per_token" in r:
-            lines.append(f"| {label} | {_ms(r['decode_ms_per_token'])} ms/token ({r['x_floor']:.2f}x the weight-read "
+            lines.append(f"| {label} | {_ms(r['decode_ms_per_token'])} ms/token, {r['grouped_ms_per_token']:.2f} in "
+                         f"{r['group_steps']}-step replays ({r['x_floor']:.2f}x the weight-read "
                          f"floor {r['floor_ms']:.1f} ms = {r['weight_gb_per_gpu']:.1f} GB / {r['copy_gbps']:.0f} GB/s); "
                          f"peak {', '.join(f'{g:.1f}' for g in r['peak_gib_per_gpu'])} GiB per GPU; graphs: {r['graphs']} "
                          f"| {target} |")

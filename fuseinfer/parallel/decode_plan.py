@@ -5,6 +5,7 @@ and whether the one-kernel step and CUDA graphs apply (``DecodePlan``). For a pl
 runtime's default."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +24,10 @@ def decode_refusals(model: nn.Module) -> tuple[str | None, str | None]:
     """(why the one-kernel step is not used, why CUDA graphs are not used) for a tensor-parallel model."""
     if tp_info(model) is None:
         return None, None
+    no_graphs = "FUSEINFER_TP_GRAPHS=0: the tensor-parallel step runs eagerly" \
+        if os.environ.get("FUSEINFER_TP_GRAPHS", "1") == "0" else None
     return ("tensor parallel: the one-kernel step has no all-reduce between its phases (the per-op step, NCCL "
-            "all-reduces included, is captured instead)"), None
+            "all-reduces included, is captured instead)"), no_graphs
 
 
 @dataclass(frozen=True)
