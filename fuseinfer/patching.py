@@ -162,9 +162,9 @@ def _check_tensors(model: nn.Module) -> None:
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t.is_meta and name not in offloaded:
             raise FuseInferError(
-                f"{name} is on the meta device and no accelerate hook offloads it, so its weights were never loaded: "
-                "load real weights before patching (e.g. from_pretrained without init_empty_weights, or "
-                "model.to_empty() then load a state_dict)")
+                f"{name} is on the meta device: load real weights before patching (no accelerate hook offloads it, "
+                "so it was never loaded; e.g. from_pretrained without init_empty_weights, or model.to_empty() then "
+                "load a state_dict)")
     for name, p in model.named_parameters():
         if p.dtype not in SUPPORTED_DTYPES:
             raise FuseInferError(f"{name} has dtype {p.dtype}; fuseinfer patches fp16, bf16 and fp32 models: "

@@ -55,6 +55,8 @@ def forward(model: nn.Module, fn):
 def plan(model: nn.Module) -> DecodePlan:
     """The DecodePlan of ``model``; logs (once per reason) why CUDA graphs are off."""
     no_kernel, no_graphs = decode_refusals(model)
+    if no_kernel is None and placement.is_hooked(model):
+        no_kernel = "the model is placed by accelerate: its hooks run per module (the per-op step calls them)"
     devices = None
     split = placement.graph_refusal(model)
     if split is not None:

@@ -78,6 +78,26 @@ def _accelerate_wrapped(module: nn.Module) -> bool:
         and old.__func__ is type(module).forward
 
 
+def passive_hook(module: nn.Module) -> bool:
+    """Whether ``module``'s only hooks are accelerate's execution-device hooks that a fused parent may bypass:
+    ``dispatch_model`` puts one (no offload, no output move) on every submodule of a placed block besides the
+    block's own, and they only move inputs to the device where the module's tensors already are (the block's hook
+    moved them there). A hook of another kind, or tensors elsewhere, is not passive."""
+    hooks = _hooks(module)
+    if not hooks or not _accelerate_wrapped(module):
+        return False
+    for hook in hooks:
+        if type(hook).__name__ != "AlignDevicesHook" or hook.offload or hook.io_same_device \
+                or hook.execution_device is None:
+            return False
+        dev = hook.execution_device
+        dev = torch.device(f"cuda:{dev}" if isinstance(dev, int) else dev)
+        tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+        if any(t.device != dev for t in tensors):
+            return False
+    return True
+
+
 def bypass_reason(module: nn.Module) -> str | None:
     """Why ``module`` must stay unswapped because of how it is placed, or None (no hook, or accelerate's hook,
     under which the fused forward runs after ``swap_forward``)."""

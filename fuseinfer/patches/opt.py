@@ -332,7 +332,8 @@ def _has_hooks(module: nn.Module) -> bool:
     states and the attention weights, which the fused modules return as the originals do), backward (pre-)hooks,
     or a forward replaced on the instance (accelerate's hooks, ``_hf_hook``, work that way)."""
     hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
-    return _forward_replaced(module) or bool(module._backward_hooks or module._backward_pre_hooks) or \
+    return (_forward_replaced(module) and not placement.passive_hook(module)) or \
+        bool(module._backward_hooks or module._backward_pre_hooks) or \
         any(getattr(h, "__module__", None) != "transformers.utils.output_capturing" for h in hooks)
 
 

@@ -97,7 +97,7 @@ def test_meta_weights_without_offload_keep_the_load_message():
     model = _model()
     with torch.device("meta"):
         model.model.decoder.layers[0].fc1.weight = torch.nn.Parameter(torch.empty(128, 64))
-    with pytest.raises(fuseinfer.FuseInferError, match="no accelerate hook offloads it"):
+    with pytest.raises(fuseinfer.FuseInferError, match="meta device: load real weights.*no accelerate hook offloads it"):
         fuseinfer.patch(model)
     assert fuseinfer.patch_state(model) is None
 
@@ -121,3 +121,26 @@ def test_split_kv_cache_writes_like_the_static_cache():
         cache.write_idx = torch.tensor([4, 5, 6])
         cache.update(k, v, 1)
     assert torch.equal(static.keys[1], split.keys[1]) and torch.equal(static.values[1], split.values[1])
+
+
+def test_dispatch_model_with_disk_offload(tmp_path):
+    """accelerate's dispatch_model, as from_pretrained(device_map=...) calls it: a hook on each block plus passive
+    execution-device hooks on every submodule (which the fused forward may bypass), one layer offloaded to disk."""
+    from accelerate import dispatch_model
+
+    plain = _model(3)
+    device_map = {"model.decoder.embed_tokens": "cpu", "model.decoder.embed_positions": "cpu", "lm_head": "cpu",
+                  "model.decoder.final_layer_norm": "cpu", "model.decoder.layers.0": "cpu",
+                  "model.decoder.layers.1": "disk", "model.decoder.layers.2": "cpu"}
+    model = dispatch_model(copy.deepcopy(plain), device_map, main_device="cpu", offload_dir=str(tmp_path))
+    assert placement.passive_hook(model.model.decoder.layers[0].fc1)  # dispatch_model hooks every submodule
+    ids = torch.randint(2, 512, (2, 9))
+    before = _hook_state(model)
+    report = fuseinfer.patch(model)
+    swapped = {s.name for s in report.swaps}
+    assert {"model.decoder.layers.0", "model.decoder.layers.0.self_attn", "model.decoder.layers.2"} <= swapped
+    assert "offloaded by accelerate (disk)" in dict(report.skipped)["model.decoder.layers.1"]
+    torch.testing.assert_close(model(ids).logits, plain(ids).logits, atol=1e-5, rtol=1e-5)
+    fuseinfer.unpatch(model)
+    after = _hook_state(model)
+    assert all(all(a is b for a, b in zip(after[n], before[n])) for n in before)
