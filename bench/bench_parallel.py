@@ -67,9 +67,10 @@ def weight_bytes(model) -> int:
     position table (one row is read)."""
     pos = model.model.decoder.embed_positions.weight
     seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen and p is not pos and not p.is_meta:
-            seen.add(id(p))
+    for p in model.parameters():  # (by storage: accelerate's hooks re-wrap tied weights in new Parameter objects)
+        key = (p.device, p.data_ptr())
+        if key not in seen and p is not pos and not p.is_meta:
+            seen.add(key)
             total += p.numel() * p.element_size()
     return total
 
@@ -198,6 +199,8 @@ def tp_speed(short: str, results: dict, prefill: bool) -> None:
         log(json.dumps(row))
     results[f"tp_{short}"] = row
     free(model)
+    del model
+    free()
 
 
 def tp_correctness(results: dict) -> None:
@@ -262,7 +265,7 @@ def tp_correctness(results: dict) -> None:
 def main_tp() -> dict:
     from fuseinfer.parallel import init_distributed
 
-    init_distributed(timeout_s=600)
+    init_distributed(timeout_s=180)  # a hang ends in 3 minutes with NCCL's error, not at the stage's timeout
     import torch.distributed as dist
 
     results: dict = {}
@@ -373,6 +376,8 @@ def device_map_66b(results: dict) -> None:
     log(json.dumps(row, default=str))
     fuseinfer.unpatch(model)
     free(model)
+    del model
+    free()
 
 
 def main_single() -> dict:

@@ -37,6 +37,9 @@ class DecodePlan:
     no_kernel: str | None = None
     no_graphs: str | None = None
     devices: tuple | None = None  # per-layer devices of a model split over several, else None
+    # torch.cuda.graph's capture_error_mode: under tensor parallel, "thread_local", so that NCCL's watchdog thread
+    # may query its events while this thread captures (in "global" mode CUDA forbids that process-wide)
+    capture_mode: str = "global"
 
 
 def refusal(model: nn.Module) -> str | None:
@@ -62,7 +65,7 @@ def plan(model: nn.Module) -> DecodePlan:
     if split is not None:
         no_graphs, devices = split, tuple(placement.layer_devices(model))
         placement._log_once(f"fast decode: {split}")
-    return DecodePlan(no_kernel, no_graphs, devices)
+    return DecodePlan(no_kernel, no_graphs, devices, "thread_local" if tp_info(model) is not None else "global")
 
 
 def kv_cache(model: nn.Module, decode_plan: DecodePlan, layers: int, batch: int, heads: int, head_dim: int,

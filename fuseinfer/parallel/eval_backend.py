@@ -3,6 +3,7 @@ model sharded by ``tensor_parallel`` over the N ranks; the one-GPU backends repo
 rank runs the same plan; only rank 0 prints and writes (fuseinfer/eval/cli.py)."""
 from __future__ import annotations
 
+import atexit
 import os
 
 import torch
@@ -25,9 +26,18 @@ def tp_device(tp: int, device: str | None) -> torch.device:
         raise EvalError(f"--device {device} with --tp: each rank takes its own GPU (LOCAL_RANK); pass --device cuda "
                         "or leave it out (--device cpu runs gloo on CPU, for tests)")
     try:
-        return init_distributed("gloo" if device == "cpu" else None)
+        device = init_distributed("gloo" if device == "cpu" else None)
     except FuseInferError as exc:
         raise EvalError(str(exc)) from None
+    atexit.register(_leave)
+    return device
+
+
+def _leave() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def tp_backend(cls: type[Backend], tp: int) -> type[Backend]:

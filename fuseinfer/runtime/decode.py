@@ -109,6 +109,7 @@ class _Session:
         self.path = "one kernel per step (fuseinfer::opt_decode_step)" if why is None else f"per op ({why})"
         self.path += f"; eager, {plan.no_graphs}" if plan.no_graphs else ""
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per replay -> graph
+        self.capture_mode = plan.capture_mode
         if dev.type == "cuda" and os.environ.get("FUSEINFER_CUDA_GRAPHS", "1") != "0" and not plan.no_graphs:
             self._capture(self.group)  # (decode steps: max_new - 1)
 
@@ -147,7 +148,7 @@ class _Session:
         pool = None
         for n in sorted({1, steps}):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_mode):
                 for _ in range(n):
                     self._decode_step()
             pool = graph.pool()
