@@ -49,6 +49,8 @@ if ! python3 -c 'import fuseinfer._C' 2>/dev/null; then
   run import python3 -c 'import fuseinfer._C' || finish 1
 fi
 TORCHRUN=(python3 -m torch.distributed.run --standalone --nproc-per-node 2)
+# accelerate placement on the GPUs: dispatched over 1 GPU + CPU offload and over 2 GPUs, patched vs unpatched
+run pytest_gpu timeout 300 python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/parallel
 # TP=2: OPT-1.3b logits vs fp32, tiny-model tokens vs one GPU, OPT-66b decode/prefill/memory, OPT-30b decode
 if ! run tp timeout 420 "${TORCHRUN[@]}" bench/bench_parallel.py tp; then
   # (the stage stays FAILED) figures without CUDA graphs, in case capturing the NCCL all-reduces is what failed
