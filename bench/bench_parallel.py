@@ -478,6 +478,7 @@ def main_report() -> int:
 
 
 if __name__ == "__main__":
+    torch.set_grad_enabled(False)  # inference only (tiny model's checkpoint parameters require grad)
     what = sys.argv[1] if len(sys.argv) > 1 else ""
     if what == "tp":
         main_tp()
