@@ -6,6 +6,7 @@ packages import them without importing the engine, and nothing imports in a cycl
 """
 from __future__ import annotations
 
+import collections
 import pickle
 from dataclasses import dataclass, field
 from typing import Callable
@@ -115,6 +116,7 @@ class PatchReport:
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (name or op, reason)
     attn_implementation: tuple[str, str] | None = None  # (before, after)
     quant: object = None  # what PatchConfig.quant did (fuseinfer.quant.weight_only.QuantReport), or None
+    placement: dict[str, str] = field(default_factory=dict)  # module -> device (accelerate) or tensor parallel
     attention_backends: dict[str, str] = field(default_factory=dict)  # phase (prefill/decode) -> what runs it
     extension: str = field(default_factory=extension_status)
 
@@ -143,6 +145,12 @@ class PatchReport:
             lines.append(f"  skipped {what}: {why}")
         if self.quant is not None:
             lines.append(str(self.quant))
+        if "tensor_parallel" in self.placement:
+            lines.append(f"  tensor parallel: {self.placement['tensor_parallel']}")
+        elif self.placement:
+            counts = collections.Counter(self.placement.values())
+            lines.append("  placement (accelerate): " + ", ".join(f"{n} module(s) on {dev}"
+                                                                  for dev, n in sorted(counts.items())))
         if self.references_only:
             lines.append(f"  note: {REFERENCES_ONLY}")
         return "\n".join(lines)

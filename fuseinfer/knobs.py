@@ -53,6 +53,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "decode steps in fast decode's longer CUDA graph (`1`: one step per replay); a positive integer"),
     Knob("FUSEINFER_CUDA_GRAPHS", "1", "session", "`0`: fast decode runs its step eagerly (no CUDA graphs)",
          ("0", "1")),
+    Knob("FUSEINFER_TP_GRAPHS", "1", "session",
+         "`0`: a tensor-parallel model's decode step runs eagerly (its CUDA graphs hold NCCL all-reduces)", ("0", "1")),
     Knob("FUSEINFER_PREFILL", "auto", "call",
          "fast decode's prefill (docs/prefill.md): `auto` (CUDA graphs per prompt-length bucket up to "
          "`AUTO_GRAPH_MAX_TOKENS`, else the lean layer loop), `graph` (graphs wherever they apply), `lean` (the "

@@ -17,6 +17,7 @@ from ._ext import extension_status
 from .config import ATTN_NAME, OPS, REFERENCES_ONLY, SUPPORTED_DTYPES, PatchConfig, PatchReport, Swap
 from .errors import FuseInferError
 from .patches import attention_backend
+from .parallel.placement import offloaded_tensor_names, placement
 from .quant.apply import quantize
 from .runtime import GenerateHook, release
 from .state import STATE_ATTR, PatchState, config_owner, patch_report, patch_state, unwrapped
@@ -38,11 +39,13 @@ def _family_for(model: nn.Module):
 
 
 def _check_tensors(model: nn.Module, allow_meta: bool = False) -> None:
+    offloaded = offloaded_tensor_names(model)  # on meta between calls: accelerate's hooks load them (patch skips them)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.is_meta and not allow_meta:
+        if t.is_meta and not allow_meta and name not in offloaded:
             raise FuseInferError(
-                f"{name} is on the meta device: load real weights before patching "
-                "(e.g. from_pretrained without init_empty_weights, or model.to_empty() then load a state_dict)")
+                f"{name} is on the meta device: load real weights before patching (no accelerate hook offloads it, "
+                "so it was never loaded; e.g. from_pretrained without init_empty_weights, or model.to_empty() then "
+                "load a state_dict)")
     for name, p in model.named_parameters():
         if p.dtype not in SUPPORTED_DTYPES:
             raise FuseInferError(f"{name} has dtype {p.dtype}; fuseinfer patches fp16, bf16 and fp32 models: "
@@ -80,6 +83,7 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
     attention_backend.check(config)  # flash_attn without the package: refused before anything is touched
     report = PatchReport(model_type=model_type, extension=extension_status(next(model.parameters()).device))
     state = family.patch(model, config, report)
+    report.placement = placement(model, report)  # where each module runs, for a model accelerate placed
     quant = None
     if config.quant is not None:  # after the swaps: quantizes the linears of the swapped modules
         try:

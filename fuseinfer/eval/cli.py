@@ -7,6 +7,7 @@ backend, missing data or device, an output file that cannot be written (checked 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from rich.console import Console
@@ -71,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="raise a backend's error instead of reporting it")
     p.add_argument("--onnx-dir", help="ort / ort-plain / tensorrt: keep and reuse exports here (sets "
                                       "$FUSEINFER_ONNX_DIR; default: a temporary export per run)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size: launch with torchrun --nproc-per-node N -m fuseinfer.eval ... --tp N "
+                        "(fuseinfer backend only; rank 0 prints and writes)")
     return p
 
 
@@ -80,7 +84,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     batch_size=args.batch_size, prompt_len=args.prompt_len,
                     gen_len=args.gen_len, warmup=args.warmup, repeats=args.repeats, seq_len=args.seq_len,
                     stride=args.stride, max_windows=args.max_windows, data_dir=args.data_dir, seed=args.seed,
-                    skip_ppl=args.skip_ppl, skip_latency=args.skip_latency, debug=args.debug)
+                    skip_ppl=args.skip_ppl, skip_latency=args.skip_latency, debug=args.debug, tp=args.tp)
 
 
 def output_files(args: argparse.Namespace) -> list[tuple]:
@@ -107,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         outputs = output_files(args)  # before the run: a bad path should not wait for the end of a long run
         if args.onnx_dir:
             knobs.set_value("FUSEINFER_ONNX_DIR", args.onnx_dir)  # read by fuseinfer/export/eval_backend.py
-        results = run(settings_from_args(args), ConsoleUI())
+        lead = args.tp == 1 or os.environ.get("RANK", "0") == "0"  # under --tp, rank 0 prints and writes
+        results = run(settings_from_args(args), ConsoleUI(None if lead else Console(quiet=True)))
+        if not lead:
+            return 0
         console = Console()
         print_table(results, console if console.is_terminal else Console(width=160))
         for flag, path, write in outputs:

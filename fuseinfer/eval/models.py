@@ -110,16 +110,16 @@ def load_config(source: ModelSource):
 def load_model(source: ModelSource, config, dtype: torch.dtype, device: torch.device, seed: int) -> nn.Module:
     """A fresh model in eval mode on ``device`` in ``dtype`` with HF's default (sdpa) attention.
 
-    Random weights are created directly on the device in the target dtype (no fp32 CPU copy), seeded by ``seed``.
+    Random weights are drawn directly on the device, one parameter at a time (``fuseinfer.parallel.random_model``:
+    no host copy), seeded by ``seed`` and each parameter's name.
     Checkpoints load straight to the device when accelerate is installed, else to CPU in ``dtype`` and then move.
     """
     from transformers import AutoModelForCausalLM
 
-    if source.random_weights:
-        torch.manual_seed(seed)
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-        return model.eval()
+    if source.random_weights:  # built on meta, each parameter drawn on the device (fuseinfer/parallel)
+        from ..parallel.materialize import random_model
+
+        return random_model(config, dtype, device, seed)
     kwargs = {"device_map": {"": device}} if importlib.util.find_spec("accelerate") else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, attn_implementation="sdpa", **kwargs)

@@ -70,6 +70,7 @@ class Settings:
     skip_ppl: bool = False
     skip_latency: bool = False
     debug: bool = False  # re-raise a backend's error instead of reporting it in its row
+    tp: int = 1  # tensor-parallel ranks (torchrun --nproc-per-node tp); fuseinfer/parallel/eval_backend.py
 
 
 @dataclass
@@ -115,6 +116,20 @@ def _device(name: str | None) -> torch.device:
         raise EvalError(f"--device {name}: only {torch.cuda.device_count()} CUDA GPU(s) visible, "
                         f"use cuda:0 ... cuda:{torch.cuda.device_count() - 1}")
     return device
+
+
+def _tp_device(tp: int, device: str | None) -> torch.device:
+    from ..parallel.eval_backend import tp_device
+
+    return tp_device(tp, device)
+
+
+def _tp_backend(cls, tp: int):
+    if tp == 1:
+        return cls
+    from ..parallel.eval_backend import tp_backend
+
+    return tp_backend(cls, tp)
 
 
 def _check_sizes(s: Settings, max_positions: int) -> None:
@@ -193,7 +208,9 @@ def kernel_warning(names, device: torch.device) -> str | None:
 
 def make_plan(s: Settings) -> Plan:
     """Validate ``s`` and load what every backend shares; raises :class:`EvalError` on any problem."""
-    device = _device(s.device)
+    if s.tp < 1:
+        raise EvalError(f"--tp must be at least 1, got {s.tp}")
+    device = _device(s.device) if s.tp == 1 else _tp_device(s.tp, s.device)
     defaulted = []
     if s.model is None:
         spec, data_dir, why = default_model(device)
@@ -351,7 +368,7 @@ def run_backend(cls: type[Backend], plan: Plan, ui) -> tuple[dict, object, torch
     except EvalError:
         raise
     except Exception as exc:  # compile failures, OOM, missing kernels: reported in the row, the others go on
-        if s.debug:
+        if s.debug or s.tp > 1:  # (under --tp a rank that went on would leave its peers waiting in a collective)
             raise
         row.update(status="error", error=_one_line(exc))
         ui.warn(f"{cls.name}: {row['error']}")
@@ -395,7 +412,7 @@ def run(settings: Settings, ui) -> dict:
     with torch.cuda.device(plan.device) if plan.device.type == "cuda" else contextlib.nullcontext():
         copy_gbps = None if s.skip_latency else copy_bandwidth_gbps(plan.device)
         for name in s.backends:
-            rows[name], backend_stats, tokens[name] = run_backend(BACKENDS[name], plan, ui)
+            rows[name], backend_stats, tokens[name] = run_backend(_tp_backend(BACKENDS[name], s.tp), plan, ui)
             stats = stats or backend_stats
     for name, row in rows.items():
         if stats is not None:  # (a backend that stores weights differently, e.g. int8, states its bytes per token)

@@ -41,6 +41,7 @@ from ..config import PatchConfig, PatchReport, Swap
 from ..ops import add_layer_norm
 from ..quant.linear import fused_linear
 from ..ops.attention import kernel_supports
+from ..parallel import placement
 from ..state import disown_config, own_config
 from . import attention_backend, hf_attention
 
@@ -245,6 +246,7 @@ class OPTPatchRules:
         report.swaps.append(Swap(name, type(module).__name__, cls.__name__, _backends(module, ops, like)))
         module.__class__ = cls
         module._fuseinfer_ops = frozenset(ops)
+        placement.swap_forward(module, cls, state)  # under an accelerate hook: the hook calls cls.forward
 
     @staticmethod
     def _own_config(model: nn.Module):
@@ -277,6 +279,7 @@ class OPTPatchRules:
             del attn.qkv_weight, attn.qkv_bias, attn._fuseinfer_qkv_params
         for handle in state.get("hooks", ()):
             handle.remove()
+        placement.restore_forwards(state)
         for module, cls in state["classes"]:
             module.__class__ = cls
             del module._fuseinfer_ops
@@ -302,7 +305,8 @@ def _has_hooks(module: nn.Module) -> bool:
     states and the attention weights, which the fused modules return as the originals do), backward (pre-)hooks,
     or a forward replaced on the instance (accelerate's hooks, ``_hf_hook``, work that way)."""
     hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
-    return _forward_replaced(module) or bool(module._backward_hooks or module._backward_pre_hooks) or \
+    return (_forward_replaced(module) and not placement.passive_hook(module)) or \
+        bool(module._backward_hooks or module._backward_pre_hooks) or \
         any(getattr(h, "__module__", None) not in ("transformers.utils.output_capturing", __name__) for h in hooks)
 
 
@@ -315,8 +319,9 @@ def _bypass_reason(module: nn.Module, ops, like: torch.Tensor) -> str | None:
     """Why ``module`` must stay unswapped, or None: its fused forward reads the parameters of the submodules
     listed here instead of calling them, so each must be a plain, hook-free nn.Linear / nn.LayerNorm; and the
     fused ops take their weights in the activations' dtype (``like``'s, the model's first parameter)."""
-    if _forward_replaced(module):
-        return "its forward is replaced on the instance (e.g. accelerate's hooks): the fused forward would not run"
+    why = placement.bypass_reason(module)  # accelerate: offloaded modules stay, hooked ones run fused
+    if why is not None:
+        return why
     dtypes = {p.dtype for p in module.parameters()} - {like.dtype}
     if dtypes:
         return (f"it has {'/'.join(sorted(str(d) for d in dtypes))} parameters in a {like.dtype} model: the fused ops "

@@ -30,6 +30,7 @@ from .. import knobs
 from ..config import OPS
 from ..errors import FuseInferError
 from ..ops.emit_tokens import emit_tokens, emit_tokens_scratch
+from ..parallel import decode_plan
 from ..state import patch_state, unwrapped
 from .cache import StaticKVCache
 
@@ -87,8 +88,9 @@ class _Session:
         self.max_new = -(-max_new // CAPACITY_ROUND) * CAPACITY_ROUND  # room for a later call's few more tokens
         self.group = _group_steps(max_new)  # steps per replay of the longer graph
         dev = p.device
-        self.cache = cache if cache is not None else StaticKVCache(
-            cfg.num_hidden_layers, bucket, heads, cfg.hidden_size // heads, capacity, p.dtype, dev)
+        plan = decode_plan.plan(model)  # placed (accelerate) or tensor-parallel models: fuseinfer/parallel
+        self.cache = cache if cache is not None else decode_plan.kv_cache(
+            model, plan, cfg.num_hidden_layers, bucket, heads, cfg.hidden_size // heads, capacity, p.dtype, dev)
         self.weights = weights  # _weights_key(model): where the tensors the graphs read were (see session_for)
         self.eos_host = eos  # (n_eos,) int64 on the CPU, may be empty: what fits() compares
         self.eos = eos.to(dev)
@@ -103,10 +105,13 @@ class _Session:
         self.scratch = emit_tokens_scratch(bucket, dev)
         self.batch = bucket  # real rows of the current call (set by begin)
         # The decode step: one kernel for the whole model where it has one, else the patched modules per op
-        self.step_kernel, why = patch_state(model).family.decode_step_kernel(model, self.cache)
+        self.step_kernel, why = (None, plan.no_kernel) if plan.no_kernel else \
+            patch_state(model).family.decode_step_kernel(model, self.cache)
         self.path = "one kernel per step (fuseinfer::opt_decode_step)" if why is None else f"per op ({why})"
+        self.path += f"; eager, {plan.no_graphs}" if plan.no_graphs else ""
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per replay -> graph
-        if dev.type == "cuda" and knobs.get("FUSEINFER_CUDA_GRAPHS") != "0":
+        self.capture_mode = plan.capture_mode
+        if dev.type == "cuda" and knobs.get("FUSEINFER_CUDA_GRAPHS") != "0" and not plan.no_graphs:
             self._capture(self.group)  # (decode steps: max_new - 1)
 
     def fits(self, capacity: int, sampling: Sampling, max_new: int, eos: torch.Tensor, pad: int) -> bool:
@@ -144,7 +149,7 @@ class _Session:
         pool = None
         for n in sorted({1, steps}):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_mode):
                 for _ in range(n):
                     self._decode_step()
             pool = graph.pool()
@@ -214,7 +219,11 @@ def decode_forward(model):
     if state is None or set(state.config.ops) != set(OPS) or state.config.filter_fn is not None:
         return None, ("fuseinfer.generate needs a model patched with every op and no filter_fn: "
                       "call fuseinfer.patch(model) first")
-    return state.family.decode_forward(model)
+    why = decode_plan.refusal(model)  # accelerate offload: transformers' generate runs it
+    if why is not None:
+        return None, why
+    forward, why = state.family.decode_forward(model)
+    return decode_plan.forward(model, forward), why
 
 
 def _graph_steps() -> int:

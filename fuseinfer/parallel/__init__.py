@@ -1,0 +1,24 @@
+"""Models larger than one GPU: accelerate placement (``placement``: patch works under accelerate's hooks and
+offload) and tensor parallel over torch.distributed (``tensor_parallel``), plus big random models built on the
+meta device and materialized on their GPU (``materialize``). See docs/multi_gpu.md.
+
+Names are imported on first use, so that ``import fuseinfer`` does not import transformers or torch.distributed's
+process groups.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "tensor_parallel": "sharding", "tp_info": "sharding", "TPInfo": "sharding",
+    "init_distributed": "dist", "no_multicast_env": "dist",
+    "materialize": "materialize", "random_init": "materialize", "random_model": "materialize",
+    "meta_model": "materialize",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
