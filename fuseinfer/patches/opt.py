@@ -222,7 +222,7 @@ class OPTPatchRules:
             if cls is FusedOPTAttention and "qkv" in ops:
                 self._fuse_qkv(module, state)
             self._swap(module, name, cls, module_ops, state, report, like)
-        state["hooks"] = [module.register_forward_pre_hook(check_decoder_inputs, with_kwargs=True)
+        state["input_checks"] = [module.register_forward_pre_hook(check_decoder_inputs, with_kwargs=True)
                           for module in model.modules() if isinstance(module, OPTDecoder) and report.swaps]
         if "attention" in ops:
             if model.training:
@@ -277,7 +277,7 @@ class OPTPatchRules:
                 if p.bias is not None:
                     p.bias.data = p.bias.detach().clone()
             del attn.qkv_weight, attn.qkv_bias, attn._fuseinfer_qkv_params
-        for handle in state.get("hooks", ()):
+        for handle in state.get("input_checks", ()):
             handle.remove()
         placement.restore_forwards(state)
         for module, cls in state["classes"]:
