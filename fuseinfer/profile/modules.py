@@ -123,7 +123,9 @@ def _describe(args: tuple) -> tuple[list, list]:
 
 def op_range_name(op_name: str, args: tuple) -> str:
     dims, types = _describe(args)
-    return OP_SEPARATOR.join((op_name, json.dumps(dims, separators=(",", ":")), json.dumps(types, separators=(",", ":"))))
+    # no double quote in the name: torch's Chrome-trace writer does not escape them (the dtypes go ';'-joined)
+    return OP_SEPARATOR.join((op_name, json.dumps(dims, separators=(",", ":")),
+                              ";".join(t.replace(";", ",").replace('"', "'") for t in types)))
 
 
 def parse_op_range(name: str) -> tuple[str, list, list] | None:
@@ -132,7 +134,7 @@ def parse_op_range(name: str) -> tuple[str, list, list] | None:
     if len(parts) != 3 or "::" not in parts[0]:
         return None
     try:
-        return parts[0], json.loads(parts[1]), json.loads(parts[2])
+        return parts[0], json.loads(parts[1]), parts[2].split(";") if parts[2] else []
     except ValueError:
         return None
 

