@@ -202,8 +202,10 @@ def _middle_generate(model, inputs, generation_config, kwargs, max_length: int):
     dev = next(model.parameters()).device
     try:
         with torch.cuda.device(dev) if dev.type == "cuda" else _null():
+            # (the patched attention stays selected: every forward of the call runs fuseinfer's decode forward)
             out = _transformers_generate(model, inputs, generation_config,
-                                         {**kwargs, "past_key_values": FusedCache(model, forward, max_length)})
+                                         {**kwargs, "past_key_values": FusedCache(model, forward, max_length)},
+                                         switch_attention=False)
             if dev.type == "cuda":
                 torch.cuda.current_stream(dev).synchronize()
             return out
@@ -220,7 +222,7 @@ def _null():
     return contextlib.nullcontext()
 
 
-def _transformers_generate(model, inputs, generation_config, kwargs):
+def _transformers_generate(model, inputs, generation_config, kwargs, switch_attention: bool = True):
     """The fallback: the model's own generate (its instance attribute before patching, else its class's), with the
     attention implementation it had before patching for the call (transformers' generate builds its masks, e.g.
     for a static cache, through that implementation's mask function, which must return a tensor)."""
@@ -231,7 +233,7 @@ def _transformers_generate(model, inputs, generation_config, kwargs):
         (lambda *a, **k: type(model).generate(model, *a, **k))
     before = state.report.attn_implementation[0] if state is not None and state.report.attn_implementation else None
     patched_impl = model.config._attn_implementation
-    if before is not None:
+    if before is not None and switch_attention:
         model.config._attn_implementation = before
     try:
         return run(inputs, generation_config=generation_config, **kwargs)
