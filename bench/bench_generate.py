@@ -105,7 +105,7 @@ def main() -> None:
                 row["x_hf_beam4"] = med[name] / med["hf_beam4"]
             rows.append(row)
             print(row, flush=True)
-        del ids
+        del impls
         torch.cuda.empty_cache()
     settings = {"model": args.model, "dtype": "fp16", "context": args.context, "new_tokens": args.new,
                 "min_new_tokens": args.new, "hf_beam_cache": beam_cache,

@@ -16,6 +16,11 @@ is being chosen. On CPU, or with FUSEINFER_CUDA_GRAPHS=0, the same step runs eag
 Sessions (cache + graphs, one per bucket) stay on the model between calls, so repeated calls reuse them and
 allocate nothing, until the model's tensors move (``model.to``: a session records where they were, and the next
 call drops every session); ``release(model)`` (or ``fuseinfer.unpatch``) frees them.
+
+A call's logits processors (``processors.py``: repetition penalty, n-gram and bad-word bans, min length, suppressed
+tokens) and warpers run inside the step before the token choice; its argument checks are ``args.prepare_call``'s;
+a streamer and stop strings are served at the stop checks (``host_watch.py``). Calls on one model are serialised
+by ``model_lock(model)``.
 """
 from __future__ import annotations
 
@@ -27,7 +32,6 @@ import weakref
 import torch
 
 from .. import knobs
-from ..config import OPS
 from ..errors import FuseInferError
 from ..ops.emit_tokens import emit_tokens, emit_tokens_scratch
 from ..state import patch_state, unwrapped
