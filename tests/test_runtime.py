@@ -147,12 +147,13 @@ def test_one_session_across_calls_with_other_eos_pad_and_lengths(tiny_model_path
 def test_unsupported_setting_in_the_generation_config_falls_back(tiny_model_path, caplog):
     model, tok = _load(tiny_model_path)
     enc = tok(PROMPTS[:2], return_tensors="pt", padding=True)
-    model.generation_config.repetition_penalty = 1.5
+    model.generation_config.update(return_dict_in_generate=True, output_hidden_states=True)
     ref = model.generate(**enc, max_new_tokens=8, do_sample=False)
     fuseinfer.patch(model)
     with caplog.at_level(logging.WARNING, logger="fuseinfer"):
-        assert torch.equal(model.generate(**enc, max_new_tokens=8, do_sample=False), ref)
-    assert "falls back to transformers" in caplog.text and "repetition_penalty" in caplog.text
+        out = model.generate(**enc, max_new_tokens=8, do_sample=False)
+    assert torch.equal(out.sequences, ref.sequences) and len(out.hidden_states) == len(ref.hidden_states)
+    assert "falls back to transformers" in caplog.text and "output_hidden_states" in caplog.text
 
 
 def test_sampling_settings_are_validated(tiny_model_path):
@@ -186,16 +187,17 @@ def test_sampling_distribution_matches_transformers_warpers(temperature, top_k, 
     torch.testing.assert_close(ours, warped.softmax(-1), rtol=1e-5, atol=1e-7)
 
 
-def test_unsupported_generate_falls_back_with_logged_reason(tiny_model_path, caplog):
+def test_beam_search_takes_the_middle_path_with_logged_reason(tiny_model_path, caplog):
     model, tok = _load(tiny_model_path)
     enc = tok(PROMPTS[:2], return_tensors="pt", padding=True)
     ref = model.generate(**enc, max_new_tokens=8, num_beams=2)
     fuseinfer.patch(model)
-    with caplog.at_level(logging.WARNING, logger="fuseinfer"):
+    with caplog.at_level(logging.INFO, logger="fuseinfer"):
         out = model.generate(**enc, max_new_tokens=8, num_beams=2)
     assert torch.equal(out, ref)
-    assert "falls back to transformers: unsupported generate() arguments ['num_beams']" in caplog.text
-    assert SESSIONS_ATTR not in model.__dict__
+    assert "takes the middle path (transformers' loop, fused static-cache forward): unsupported generate() " \
+           "arguments ['num_beams']" in caplog.text
+    assert set(model.__dict__[SESSIONS_ATTR]) == {("hf", 4)}  # 2 prompts x 2 beams, no fast-path session
 
 
 @pytest.mark.parametrize("case", ["partial_patch", "patched_in_training_mode", "use_cache_false"])
@@ -461,7 +463,7 @@ def test_fallback_reasons_are_logged_once_per_kind(caplog, monkeypatch):
     with caplog.at_level(logging.WARNING, logger="fuseinfer"):
         for extra in (1, 2, 3):  # the same reason with other numbers
             assert model.generate(ids, max_length=limit + extra, do_sample=False) is ids
-    assert caplog.text.count("do not fit the model's positions") == 1
+    assert caplog.text.count("exceeds the model's max_position_embeddings") == 1
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "four"])

@@ -100,11 +100,12 @@ def decode_step_params(model: nn.Module) -> list[torch.Tensor]:
     return params
 
 
-def forward_last_logits(model: nn.Module, tokens, positions, cache, q_start) -> torch.Tensor:
+def forward_last_logits(model: nn.Module, tokens, positions, cache, q_start, keep: int = 0) -> torch.Tensor:
     """The fast-decode forward of a patched OPTForCausalLM over a :class:`~fuseinfer.runtime.StaticKVCache`.
 
     tokens, positions: (B, S) int64 (OPT positions, -1 on padding); writes k/v to ``cache.write_idx``;
-    q_start: (B,) int32 slot of tokens[:, 0]. Returns fp32 logits of the last position, (B, V).
+    q_start: (B,) int32 slot of tokens[:, 0]. Returns fp32 logits of the last position, (B, V); with ``keep`` > 0
+    those of the last ``keep`` positions, (B, keep, V) (transformers' loop verifying assisted candidates).
     """
     dec = model.model.decoder
     h = dec.embed_tokens(tokens)  # (B, S, E_word)
@@ -114,9 +115,10 @@ def forward_last_logits(model: nn.Module, tokens, positions, cache, q_start) -> 
     mask = hf_attention.MaskInfo(cache.key_mask, q_start)
     for layer in dec.layers:
         h = layer(h, attention_mask=mask, past_key_values=cache)
-    h = h[:, -1:]  # (B, 1, E)
+    h = h[:, -(keep or 1):]  # (B, keep or 1, E)
     if dec.final_layer_norm is not None:
         h = dec.final_layer_norm(h)
     if dec.project_out is not None:
         h = dec.project_out(h)
-    return model.lm_head(h)[:, -1].float()  # (B, V)
+    logits = model.lm_head(h).float()
+    return logits if keep else logits[:, -1]  # (B, keep, V) or (B, V)

@@ -16,56 +16,34 @@ is being chosen. On CPU, or with FUSEINFER_CUDA_GRAPHS=0, the same step runs eag
 Sessions (cache + graphs, one per bucket) stay on the model between calls, so repeated calls reuse them and
 allocate nothing, until the model's tensors move (``model.to``: a session records where they were, and the next
 call drops every session); ``release(model)`` (or ``fuseinfer.unpatch``) frees them.
+
+A call's logits processors (``processors.py``: repetition penalty, n-gram and bad-word bans, min length, suppressed
+tokens) and warpers run inside the step before the token choice; its argument checks are ``args.prepare_call``'s;
+a streamer and stop strings are served at the stop checks (``host_watch.py``). Calls on one model are serialised
+by ``model_lock(model)``.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import weakref
-from dataclasses import dataclass
 
 import torch
 
 from .. import knobs
-from ..config import OPS
 from ..errors import FuseInferError
 from ..ops.emit_tokens import emit_tokens, emit_tokens_scratch
 from ..parallel import decode_plan
 from ..state import patch_state, unwrapped
+from .args import Call, Sampling, decode_forward, eos_tensor, in_vocabulary, pad_id, prepare_call  # noqa: F401
 from .cache import StaticKVCache
+from .processors import Processors, Rule
 
 SESSIONS_ATTR = "_fuseinfer_sessions"
 STOP_CHECK_EVERY = 16
 GRAPH_STEPS = 16  # steps per replay of the longer graph (FUSEINFER_DECODE_GRAPH_STEPS)
 CAPACITY_ROUND = 128
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Next-token rule: greedy, or sampling after temperature, top-k and top-p (transformers' order)."""
-
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-
-    def scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits (B, V) fp32 -> scores (B, V) whose first maximum per row is the next token."""
-        if not self.do_sample:
-            return logits
-        logits = logits / self.temperature
-        if self.top_k:
-            kth = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if self.top_p is not None and self.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, dim=-1)  # ascending, like TopPLogitsWarper
-            cum = sorted_logits.softmax(-1).cumsum(-1)
-            drop = cum <= 1 - self.top_p
-            drop[:, -1] = False  # keep at least the most likely token
-            logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
-        probs = logits.softmax(-1)
-        # Exponential race: argmax(p / E), E ~ Exp(1), samples from p and is CUDA-graph safe
-        return probs / torch.empty_like(probs).exponential_()
 
 
 class _Session:
@@ -78,13 +56,15 @@ class _Session:
         return type(None), ()
 
     def __init__(self, model, forward, bucket: int, capacity: int, sampling: Sampling, max_new: int,
-                 eos: torch.Tensor, pad: int, weights: tuple, cache: StaticKVCache | None = None):
-        """cache: a cache of this bucket and capacity to reuse (a session it belonged to is no longer run)."""
+                 eos: torch.Tensor, pad: int, weights: tuple, cache: StaticKVCache | None = None,
+                 rule: Rule = Rule()):
+        """cache: a cache of this bucket and capacity to reuse (a session it belonged to is no longer run);
+        rule: the logits processors and per-step outputs the graphs include (processors.py)."""
         cfg, p = model.config, next(model.parameters())
         heads = cfg.num_attention_heads
         # (the model holds its sessions: a weak reference back keeps it free of reference cycles)
         self.model, self.forward, self.bucket, self.capacity = weakref.proxy(model), forward, bucket, capacity
-        self.sampling, self.pad = sampling, pad
+        self.sampling, self.pad, self.rule = sampling, pad, rule
         self.max_new = -(-max_new // CAPACITY_ROUND) * CAPACITY_ROUND  # room for a later call's few more tokens
         self.group = _group_steps(max_new)  # steps per replay of the longer graph
         dev = p.device
@@ -103,6 +83,11 @@ class _Session:
         self.out = torch.full((bucket, self.max_new), pad, dtype=torch.long, device=dev)  # (B, max_new)
         self.alive = torch.ones(self.max_new, dtype=torch.bool, device=dev)  # any row unfinished after step i
         self.scratch = emit_tokens_scratch(bucket, dev)
+        vocab = model.get_output_embeddings().out_features
+        self.proc = Processors(rule, bucket, capacity, vocab, dev) if rule.active else None
+        # per-step outputs of return_dict_in_generate, (B, max_new, V) fp32, only when asked for
+        self.scores_out = torch.zeros(bucket, self.max_new, vocab, device=dev) if rule.output_scores else None
+        self.logits_out = torch.zeros(bucket, self.max_new, vocab, device=dev) if rule.output_logits else None
         self.batch = bucket  # real rows of the current call (set by begin)
         # The decode step: one kernel for the whole model where it has one, else the patched modules per op
         self.step_kernel, why = (None, plan.no_kernel) if plan.no_kernel else \
@@ -114,21 +99,31 @@ class _Session:
         if dev.type == "cuda" and knobs.get("FUSEINFER_CUDA_GRAPHS") != "0" and not plan.no_graphs:
             self._capture(self.group)  # (decode steps: max_new - 1)
 
-    def fits(self, capacity: int, sampling: Sampling, max_new: int, eos: torch.Tensor, pad: int) -> bool:
+    def fits(self, capacity: int, sampling: Sampling, max_new: int, eos: torch.Tensor, pad: int,
+             rule: Rule = Rule()) -> bool:
         """Whether this session serves a call: room enough, a long enough graph, the same token rule."""
         return (self.capacity >= capacity and self.max_new >= max_new
                 and (not self.graphs or self.group >= _group_steps(max_new))
-                and self.sampling == sampling
+                and self.sampling == sampling and self.rule == rule
                 and self.pad == pad and torch.equal(self.eos_host, eos))
 
     def _emit(self, logits: torch.Tensor) -> None:
         """Choose the next tokens from logits (B, V), record them and the stop state at ``step``, advance every
-        counter (one kernel on CUDA: fuseinfer::emit_tokens)."""
-        emit_tokens(self.sampling.scores(logits), self.eos, self.pad, self.tokens, self.positions, self.q_start,
+        counter (one kernel on CUDA: fuseinfer::emit_tokens). Before the choice: the call's logits processors and
+        warpers in transformers' order, and the per-step outputs where asked for."""
+        scores = self.proc(logits, self.step) if self.proc is not None else logits
+        scores = self.sampling.warp(scores)
+        if self.scores_out is not None:
+            self.scores_out.index_copy_(1, self.step, scores[:, None])
+        if self.logits_out is not None:
+            self.logits_out.index_copy_(1, self.step, logits[:, None])
+        emit_tokens(self.sampling.choose(scores), self.eos, self.pad, self.tokens, self.positions, self.q_start,
                     self.decode_idx, self.step, self.unfinished, self.out, self.alive, self.scratch)
 
     def _decode_step(self) -> None:
         """One token for every row; advances all counters (everything here is captured in the graph)."""
+        if self.proc is not None:  # the input tokens join the history the processors read (at their slot)
+            self.proc.record(self.tokens, self.decode_idx)
         if self.step_kernel is not None:  # writes k/v at q_start, which equals decode_idx for every row
             logits = self.step_kernel(self.tokens, self.positions, self.q_start)
         else:
@@ -174,6 +169,8 @@ class _Session:
         self.step.zero_()
         self.cache.write_idx = torch.arange(p, device=dev)  # prefill writes slots [0, P) in one eager pass
         self.q_start.zero_()
+        if self.proc is not None:
+            self.proc.begin(ids[:b], mask.to(dev), self.bucket)
         from .prefill import session_prefill  # graph / lean loop / patched modules (advances counters: reset below)
         self._emit(session_prefill(self, ids, pos))
         # decode: the first input sits at slot P with position = number of real prompt tokens
@@ -195,35 +192,26 @@ class _Session:
                 self._decode_step()
         return self.tokens[:self.batch]
 
-    def run(self, input_ids: torch.Tensor, mask: torch.Tensor, max_new: int) -> torch.Tensor:
-        """input_ids, mask: (B, P) left-padded -> generated tokens (B, n <= max_new)."""
+    def run(self, input_ids: torch.Tensor, mask: torch.Tensor, max_new: int, watch=None) -> torch.Tensor:
+        """input_ids, mask: (B, P) left-padded -> generated tokens (B, n <= max_new). ``watch``: a
+        :class:`~fuseinfer.runtime.host_watch.HostWatch` (streamer, stop strings) that looks at the tokens at every
+        stop check instead of the device's stop flag, and makes the result."""
         self.begin(input_ids, mask)
         group = max(self.graphs, default=1)  # steps per replay while that many are left
         i, unchecked = 1, 0  # tokens so far, steps since the last stop check
         while i < max_new:
             if unchecked >= STOP_CHECK_EVERY:
                 unchecked = 0
-                if not bool(self.alive[i - 1]):
+                if (watch.check(self, i) if watch is not None else not bool(self.alive[i - 1])):
                     break
             n = group if max_new - i >= group else 1
             self.advance(n)
             i, unchecked = i + n, unchecked + n
+        if watch is not None:
+            return watch.finish(self, i)
         alive = self.alive[:max_new].cpu()
         n = int(alive.logical_not().nonzero()[0]) + 1 if not alive.all() else max_new
         return self.out[:self.batch, :n]
-
-
-def decode_forward(model):
-    """(the fast-decode forward of ``model``, None), or (None, why ``model`` cannot take the fast path)."""
-    state = patch_state(model)
-    if state is None or set(state.config.ops) != set(OPS) or state.config.filter_fn is not None:
-        return None, ("fuseinfer.generate needs a model patched with every op and no filter_fn: "
-                      "call fuseinfer.patch(model) first")
-    why = decode_plan.refusal(model)  # accelerate offload: transformers' generate runs it
-    if why is not None:
-        return None, why
-    forward, why = state.family.decode_forward(model)
-    return decode_plan.forward(model, forward), why
 
 
 def _graph_steps() -> int:
@@ -239,93 +227,105 @@ def _bucket(batch: int) -> int:
     return 1 << (batch - 1).bit_length()
 
 
-def eos_tensor(eos) -> torch.Tensor:
-    """EOS ids as given to generate (None, an int, a list, a tensor of any shape) -> (n_eos,) int64 on the CPU."""
-    if eos is None:
-        return torch.empty(0, dtype=torch.long)
-    return torch.as_tensor(eos, dtype=torch.long, device="cpu").flatten()
+_LOCKS: "weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
 
 
-def pad_id(pad_token_id, eos: torch.Tensor) -> int:
-    """The pad token fast decode uses: the given one, else the first EOS id (as transformers does), else 0."""
-    return int(pad_token_id) if pad_token_id is not None else (int(eos[0]) if eos.numel() else 0)
-
-
-def in_vocabulary(model, token: int) -> bool:
-    """Whether ``token`` can be embedded: fast decode feeds the pad token to finished rows and to the rows of a
-    batch bucket that the call does not fill."""
-    return 0 <= token < model.get_input_embeddings().num_embeddings
+def model_lock(model) -> threading.RLock:
+    """The lock that serialises generate calls on ``model``: its sessions (static cache, step buffers, graphs) are
+    one per batch bucket, shared by every caller, so a call holds the lock from its checks to its result.
+    Re-entrant: ``model.generate`` holds it while it calls ``fuseinfer.generate``."""
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(model)
+        if lock is None:
+            lock = _LOCKS[model] = threading.RLock()
+        return lock
 
 
 @torch.no_grad()
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
              do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
-             top_p: float | None = None, eos_token_id=None, pad_token_id: int | None = None) -> torch.Tensor:
+             top_p: float | None = None, eos_token_id=None, pad_token_id: int | None = None, **settings):
     """Generate with the static cache and CUDA-graph decode; returns (B, P + n) token ids like HF generate.
 
     ``model`` must be patched with all ops. Prompts must be left-padded (or not padded). Generation stops
     after ``max_new_tokens`` or once every row has produced an EOS (rows that finished get ``pad_token_id``).
+    ``settings``: transformers' ``min_p``, ``min_new_tokens``, ``min_length``, ``repetition_penalty``,
+    ``no_repeat_ngram_size``, ``bad_words_ids``, ``suppress_tokens``, ``begin_suppress_tokens``,
+    ``stop_strings`` (with ``tokenizer``), ``streamer`` (handed chunks of about ``STOP_CHECK_EVERY`` tokens),
+    ``return_dict_in_generate`` with ``output_scores`` / ``output_logits`` (see docs/generate.md). Calls on one
+    model from several threads run one at a time (``model_lock``).
     """
     model = unwrapped(model)  # a torch.compile wrapper: the model it wraps
-    forward, why = decode_forward(model)
-    if forward is None:
-        raise FuseInferError(why)
-    if input_ids.dim() != 2:
-        raise FuseInferError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
-    if min(input_ids.shape) == 0:
-        raise FuseInferError(f"input_ids must hold at least one row of at least one token, got shape "
-                             f"{tuple(input_ids.shape)}")
-    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-    if mask.shape != input_ids.shape:
-        raise FuseInferError(f"attention_mask shape {tuple(mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
-    if not bool(mask[:, -1].all()):
-        raise FuseInferError("fuseinfer.generate needs left padding: set tokenizer.padding_side = 'left'")
+    with model_lock(model):
+        call = prepare_call(model, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,
+                            eos_token_id, pad_token_id, **settings)
+        if not isinstance(call, Call):
+            raise FuseInferError(call.message)
+        return run_call(model, input_ids, call)
+
+
+def run_call(model, input_ids: torch.Tensor, call: Call):
+    """Run a checked call (``prepare_call``) on the fast path; the caller holds ``model_lock(model)``."""
+    if call.streamer is not None:
+        call.streamer.put(input_ids.cpu())  # the prompt first, as transformers does
+    if call.max_new < 1:
+        if call.streamer is not None:
+            call.streamer.end()
+        return _result(call, input_ids, None, 0, None)
     b, p = input_ids.shape
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise FuseInferError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-    limit = model.config.max_position_embeddings
-    if p + max_new_tokens > limit:
-        raise FuseInferError(f"prompt ({p}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                             f"max_position_embeddings ({limit})")
-    if max_new_tokens < 1:
-        return input_ids
-    if do_sample and not temperature > 0:  # (written so that NaN fails too)
-        raise FuseInferError(f"temperature must be > 0 when do_sample=True, got {temperature!r}")
-    if do_sample and top_k is not None and (not isinstance(top_k, int) or top_k < 0):
-        raise FuseInferError(f"top_k must be a non-negative integer (0 or None: no top-k), got {top_k!r}")
-    if do_sample and top_p is not None and not 0 <= top_p <= 1:
-        raise FuseInferError(f"top_p must be in [0, 1] (1 or None: no top-p), got {top_p!r}")
-    sampling = Sampling(do_sample, float(temperature), top_k, top_p) if do_sample else Sampling()
-    eos = eos_tensor(eos_token_id)
-    pad = pad_id(pad_token_id, eos)
-    if not in_vocabulary(model, pad):
-        raise FuseInferError(f"pad_token_id {pad} is not a token of the model's vocabulary "
-                             f"(0..{model.get_input_embeddings().num_embeddings - 1})")
     dev = next(model.parameters()).device
+    watch = None
+    if call.streamer is not None or call.stop_strings is not None:
+        from .host_watch import HostWatch
+
+        watch = HostWatch(input_ids, call.eos, call.pad, call.streamer, call.stop_strings)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():  # graphs on the model's GPU
-        session = session_for(model, forward, b, p + max_new_tokens, sampling, max_new_tokens, eos, pad)
-        new = session.run(input_ids.to(dev), mask.to(dev), max_new_tokens)
-    return torch.cat([input_ids, new.to(input_ids.device)], dim=1)
+        session = session_for(model, call.forward, b, p + call.max_new, call.sampling, call.max_new, call.eos,
+                              call.pad, call.rule)
+        new = session.run(input_ids.to(dev), call.mask.to(dev), call.max_new, watch)
+        out = _result(call, input_ids, new, new.shape[1], session)
+        if dev.type == "cuda":  # the result is copied out of the session's buffers before the next caller runs
+            torch.cuda.current_stream(dev).synchronize()
+    return out
+
+
+def _result(call: Call, input_ids: torch.Tensor, new, n: int, session):
+    """The token ids (B, P + n), or transformers' GenerateDecoderOnlyOutput for return_dict_in_generate."""
+    sequences = input_ids if new is None else torch.cat([input_ids, new.to(input_ids.device)], dim=1)
+    if not call.return_dict:
+        return sequences
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    def steps(buf):
+        if buf is None or session is None:
+            return None
+        return tuple(buf[:session.batch, t].clone() for t in range(n))  # (B, V) fp32 per step
+
+    return GenerateDecoderOnlyOutput(sequences=sequences,
+                                     scores=steps(session.scores_out) if call.rule.output_scores else None,
+                                     logits=steps(session.logits_out) if call.rule.output_logits else None,
+                                     attentions=None, hidden_states=None, past_key_values=None)
 
 
 def session_for(model, forward, batch: int, max_len: int, sampling: Sampling, max_new: int, eos: torch.Tensor,
-                pad: int) -> _Session:
+                pad: int, rule: Rule = Rule()) -> _Session:
     """The model's session for this batch bucket, made anew only when the cached one does not fit."""
     capacity = min(model.config.max_position_embeddings, -(-max_len // CAPACITY_ROUND) * CAPACITY_ROUND)
     sessions = model.__dict__.setdefault(SESSIONS_ATTR, {})
     weights = _weights_key(model)
-    if any(s is not None and s.weights != weights for s in sessions.values()):
+    if any(s is not None and getattr(s, "weights", weights) != weights for s in sessions.values()):
         sessions.clear()  # the model's tensors moved: every bucket's cache and graphs belong to the old ones
     bucket = _bucket(batch)
     session = sessions.get(bucket)  # (None in a deep or pickled copy of the model: see _Session)
-    if session is None or not session.fits(capacity, sampling, max_new, eos, pad):
+    if session is None or not session.fits(capacity, sampling, max_new, eos, pad, rule):
         sessions.pop(bucket, None)  # free the old graphs (and the cache, unless reused) before allocating anew
         cache = session.cache if session is not None and session.capacity >= capacity else None
         if cache is not None:  # other settings only (the token rule, EOS, pad, more new tokens): same cache
             capacity = session.capacity
         del session
         session = sessions[bucket] = _Session(model, forward, bucket, capacity, sampling, max_new, eos, pad,
-                                              weights, cache)
+                                              weights, cache, rule)
     return session
 
 

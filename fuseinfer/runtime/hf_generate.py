@@ -1,6 +1,16 @@
-"""``model.generate`` for patched models: takes the fast decode path when the call is one it supports
-(greedy or sampling with temperature / top-k / top-p, batch >= 1 with left padding, within the model's
-positions), and otherwise hands the call to transformers unchanged, logging why once per reason."""
+"""``model.generate`` for patched models. Three paths, in order:
+
+1. the fast path (``fuseinfer.generate``: static cache, graph-replayed decode steps with the token choice and the
+   logits processors inside the graph) when every setting of the call is one it runs (``_FAST``);
+2. the middle path (``hf_cache.py``) for the other settings of transformers' loop (beam search, assisted
+   decoding, custom logits processors / stopping criteria, ...): transformers' loop, the model's forward one
+   graph replay per decode step over fuseinfer's static cache;
+3. transformers' generate unchanged (the model's own cache), logging the reason once per kind of reason, for what
+   neither serves (e.g. ``output_attentions``, a cache passed in, right padding).
+
+The argument checks are ``args.prepare_call``'s, shared with ``fuseinfer.generate``. Calls on one model from
+several threads run one at a time (``decode.model_lock``).
+"""
 from __future__ import annotations
 
 import logging
@@ -12,43 +22,53 @@ import torch
 
 from ..config import ATTN_NAME
 from ..errors import FuseInferError
-from .decode import decode_forward, eos_tensor, generate, in_vocabulary, pad_id
+from .args import Call, check_shapes, decode_forward, eos_tensor, in_vocabulary, pad_id, prepare_call
+from .decode import model_lock, run_call
 
 if TYPE_CHECKING:  # transformers is imported when the hook runs, so that ``import fuseinfer`` does not load it
     from transformers import GenerationConfig
 
 logger = logging.getLogger("fuseinfer")
-_HANDLED = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
-            "pad_token_id"}
+# settings the fast path runs (generation config fields or keyword arguments)
+_FAST = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "min_p", "eos_token_id",
+         "pad_token_id", "min_new_tokens", "min_length", "repetition_penalty", "no_repeat_ngram_size",
+         "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "stop_strings", "return_dict_in_generate",
+         "output_scores", "output_logits"}
 _HARMLESS = {"bos_token_id", "decoder_start_token_id", "use_cache", "transformers_version", "_from_model_config",
              "output_attentions", "output_hidden_states"}
-_KWARGS = _HANDLED | {"input_ids", "attention_mask", "use_cache"}
+_KWARGS = _FAST | {"input_ids", "attention_mask", "use_cache", "streamer", "tokenizer"}
+# what only transformers' own generate serves: outputs the fused forward does not make, a cache of the caller's
+_NOT_MIDDLE = {"past_key_values", "cache_implementation", "inputs_embeds", "custom_generate", "synced_gpus",
+               "output_attentions", "output_hidden_states", "cache_config", "prefill_chunk_size"}
 _logged: set[str] = set()
 
 
-def _fast_path_reason(model, input_ids, kwargs, configs: list, get, defaults: dict) -> str | None:
-    """None when the call can take the fast path, else why not."""
-    extra = sorted(set(kwargs) - _KWARGS)
-    if extra:
-        return f"unsupported generate() arguments {extra}"
-    keys = set().union(*(c.to_diff_dict() for c in configs)) - _HANDLED - _HARMLESS
-    unsupported = sorted(k for k in keys if (value := get(k)) is not None and value != defaults.get(k))
-    if unsupported:
-        return f"generation config sets {unsupported}"
+def _reasons(model, input_ids, kwargs, configs: list, get, defaults: dict) -> tuple[str | None, bool]:
+    """(None, _) when the call can take the fast path, else (why not, whether the middle path can serve it)."""
     if get("use_cache") is False:
-        return "use_cache=False"
+        return "use_cache=False", False
     if model.generation_config is configs[0] and model.config._get_generation_parameters():
-        return "generation settings on model.config (transformers refuses them: use model.generation_config)"
+        return "generation settings on model.config (transformers refuses them: use model.generation_config)", False
     if model.training:
-        return "model is in training mode"
+        return "model is in training mode", False
     why = decode_forward(model)[1]
     if why is not None:
-        return why
+        return why, False
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        return "input_ids must be a (batch, length) tensor"
+        return "input_ids must be a (batch, length) tensor", False
     if input_ids.device != next(model.parameters()).device:
-        return "input_ids are on another device than the model"
-    return None
+        return "input_ids are on another device than the model", False
+    set_keys = set().union(*(c.to_diff_dict() for c in configs)) | set(kwargs)
+    wants = {k for k in set_keys if (value := get(k)) is not None and value != defaults.get(k)}
+    if get("return_dict_in_generate") and (get("output_attentions") or get("output_hidden_states")):
+        return "output_attentions / output_hidden_states (the fused forward does not make them)", False
+    extra = sorted(set(kwargs) - _KWARGS)
+    if extra:
+        return f"unsupported generate() arguments {extra}", not (set(extra) & _NOT_MIDDLE)
+    unsupported = sorted(wants - _FAST - _HARMLESS - _KWARGS)
+    if unsupported:
+        return f"generation config sets {unsupported}", not (set(unsupported) & _NOT_MIDDLE)
+    return None, True
 
 
 def _resolver(model, generation_config, kwargs):
@@ -116,40 +136,94 @@ class GenerateHook:
 
 def patched_generate(model, inputs=None, generation_config: GenerationConfig | None = None, **kwargs):
     """Drop-in ``generate`` installed by ``fuseinfer.patch`` on models that have one."""
+    with model_lock(model):  # the sessions, and the attention setting the fallback switches, are per model
+        return _generate(model, inputs, generation_config, kwargs)
+
+
+def _generate(model, inputs, generation_config, kwargs):
     input_ids = kwargs.get("input_ids", inputs)
     configs, get, defaults = _resolver(model, generation_config, kwargs)
-    reason = _fast_path_reason(model, input_ids, kwargs, configs, get, defaults)
+    reason, middle = _reasons(model, input_ids, kwargs, configs, get, defaults)
     if reason is None and inputs is not None and "input_ids" in kwargs:
-        reason = "both inputs and input_ids given"  # (transformers refuses the call)
-    if reason is None:
+        reason, middle = "both inputs and input_ids given", False  # (transformers refuses the call)
+    max_new, mask, pad, eos = None, None, get("pad_token_id"), eos_tensor(get("eos_token_id"))
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and (reason is None or middle):
         max_new = _max_new_tokens(model, input_ids.shape[1], configs, kwargs, get)
-        pad, eos = get("pad_token_id"), eos_tensor(get("eos_token_id"))
         mask = kwargs.get("attention_mask")
         if mask is None:
             mask = _inferred_mask(input_ids, pad, eos)
-        if type(max_new) is not int or max_new < 1:
-            reason = f"max_new_tokens={max_new!r} (the fast path takes a positive int)"
-        elif input_ids.shape[1] + max_new > model.config.max_position_embeddings:
-            reason = f"{max_new} new tokens after a prompt of {input_ids.shape[1]} do not fit the model's positions"
-        elif min(input_ids.shape) == 0:
-            reason = f"an empty batch or prompt, input_ids of shape {tuple(input_ids.shape)}"
-        elif mask is not None and not bool(mask[:, -1].all()):
-            reason = "right padding (use tokenizer.padding_side = 'left')"
-        elif not in_vocabulary(model, fed_pad := pad_id(pad, eos)):
-            reason = f"pad token {fed_pad} (pad_token_id, else the first EOS id) is not in the model's vocabulary"
-    if reason is not None:
-        key = re.sub(r"\d+", "N", reason)  # once per kind of reason, whatever its numbers
-        if key not in _logged:
-            _logged.add(key)
-            logger.warning("fuseinfer: model.generate falls back to transformers: %s", reason)
-        return _transformers_generate(model, inputs, generation_config, kwargs)
-    temperature = get("temperature")
-    return generate(model, input_ids, mask, max_new_tokens=max_new, do_sample=bool(get("do_sample")),
-                    temperature=1.0 if temperature is None else temperature, top_k=get("top_k"), top_p=get("top_p"),
-                    eos_token_id=eos, pad_token_id=pad)
+    if reason is None:
+        call = prepare_call(model, input_ids, mask, max_new, bool(get("do_sample")), get("temperature"),
+                            get("top_k"), get("top_p"), eos, pad, min_p=get("min_p"),
+                            min_new_tokens=get("min_new_tokens"), min_length=get("min_length"),
+                            repetition_penalty=get("repetition_penalty"),
+                            no_repeat_ngram_size=get("no_repeat_ngram_size"), bad_words_ids=get("bad_words_ids"),
+                            suppress_tokens=get("suppress_tokens"),
+                            begin_suppress_tokens=get("begin_suppress_tokens"), stop_strings=get("stop_strings"),
+                            tokenizer=kwargs.get("tokenizer"), streamer=kwargs.get("streamer"),
+                            return_dict_in_generate=bool(get("return_dict_in_generate")),
+                            output_scores=bool(get("output_scores")), output_logits=bool(get("output_logits")))
+        if isinstance(call, Call):
+            if call.max_new < 1:  # (transformers' own checks for a call that makes no token)
+                return _transformers_generate(model, inputs, generation_config, kwargs)
+            return run_call(model, input_ids, call)
+        if call.invalid:
+            raise FuseInferError(call.message)
+        reason, middle = call.message, False
+    if middle:
+        problem = check_shapes(model, input_ids, mask, max_new)
+        if problem is None and not in_vocabulary(model, pad_id(pad, eos)):
+            problem = "pad token (pad_token_id, else the first EOS id) is not in the model's vocabulary"
+        if problem is None and max_new < 1:
+            problem = "no new tokens"
+        if problem is None:
+            _log(f"model.generate takes the middle path (transformers' loop, fused static-cache forward): {reason}",
+                 logging.INFO)
+            return _middle_generate(model, inputs, generation_config, kwargs, input_ids.shape[1] + max_new)
+        reason = f"{reason}; {getattr(problem, 'message', problem)}"
+    _log(f"model.generate falls back to transformers: {reason}")
+    return _transformers_generate(model, inputs, generation_config, kwargs)
 
 
-def _transformers_generate(model, inputs, generation_config, kwargs):
+def _log(message: str, level: int = logging.WARNING) -> None:
+    key = re.sub(r"\d+", "N", message)  # once per kind of reason, whatever its numbers
+    if key not in _logged:
+        _logged.add(key)
+        logger.log(level, "fuseinfer: %s", message)
+
+
+def _middle_generate(model, inputs, generation_config, kwargs, max_length: int):
+    """transformers' generate with a FusedCache and the model's forward wrapped for it (for this call only)."""
+    from .hf_cache import FusedCache, forward_over_fused_cache
+
+    forward = decode_forward(model)[0]
+    had = "forward" in model.__dict__
+    before = model.__dict__.get("forward")
+    model.forward = forward_over_fused_cache(model)
+    dev = next(model.parameters()).device
+    try:
+        with torch.cuda.device(dev) if dev.type == "cuda" else _null():
+            # (the patched attention stays selected: every forward of the call runs fuseinfer's decode forward)
+            out = _transformers_generate(model, inputs, generation_config,
+                                         {**kwargs, "past_key_values": FusedCache(model, forward, max_length)},
+                                         switch_attention=False)
+            if dev.type == "cuda":
+                torch.cuda.current_stream(dev).synchronize()
+            return out
+    finally:
+        if had:
+            model.forward = before
+        else:
+            del model.forward
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _transformers_generate(model, inputs, generation_config, kwargs, switch_attention: bool = True):
     """The fallback: the model's own generate (its instance attribute before patching, else its class's), with the
     attention implementation it had before patching for the call (transformers' generate builds its masks, e.g.
     for a static cache, through that implementation's mask function, which must return a tensor)."""
@@ -162,7 +236,7 @@ def _transformers_generate(model, inputs, generation_config, kwargs):
     if before == ATTN_NAME:  # a model built on a patched model's config: transformers' default for the call
         before = "sdpa"
     patched_impl = model.config._attn_implementation
-    if before is not None:
+    if before is not None and switch_attention:
         model.config._attn_implementation = before
     try:
         return run(inputs, generation_config=generation_config, **kwargs)

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# GPU stage of issue 34 section 1 (model.generate paths, concurrency): the gpu tests of tests/runtime/ and
+# bench/bench_generate.py. Writes logs and results to $OUT and one tarball $OUT/generate_results.tar.gz.
+# Needs the extension built (pip install --no-deps --no-build-isolation -e .) and FUSEINFER_SHARED.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT/generate"
+export FUSEINFER_BENCH_DIR="$OUT/generate"
+export FUSEINFER_SHARED=${FUSEINFER_SHARED:-$(pwd)/shared}
+rc=0
+python -m pytest -q -m gpu tests/runtime/ tests/test_runtime.py -p no:cacheprovider \
+    > "$OUT/generate/pytest_gpu.log" 2>&1 || rc=1
+tail -3 "$OUT/generate/pytest_gpu.log"
+timeout 420 python bench/bench_generate.py > "$OUT/generate/bench_generate.log" 2>&1 || rc=1
+tail -40 "$OUT/generate/bench_generate.log"
+tar -czf "$OUT/generate_results.tar.gz" -C "$OUT" generate
+exit $rc
