@@ -16,4 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("emit_tokens_scratch_ints", &fuseinfer::emit_tokens_scratch_ints);
   m.def("kernels_run_on", &fuseinfer::kernels_run_on);
   m.def("path_counts", &fuseinfer::path_counts);
+  m.def("add_layer_norm_quant", &fuseinfer::add_layer_norm_quant_cuda);
+  m.def("w8a8_linear", &fuseinfer::w8a8_linear_cuda);
+  m.def("w8a8_gemm_unavailable", &fuseinfer::w8a8_gemm_unavailable);
 }
