@@ -114,6 +114,7 @@ void w8a8_linear_cuda(const at::Tensor& x_q, const at::Tensor& x_scale, const at
               " N=", n);
   TORCH_CHECK(m <= INT32_MAX && n <= INT32_MAX && k <= INT32_MAX, "w8a8_linear: dimensions must fit int32");
   TORCH_CHECK(aligned16(x_q.data_ptr()) && aligned16(w_q.data_ptr()) && aligned16(out.data_ptr()) &&
+              aligned16(x_scale.data_ptr()) && aligned16(w_scale.data_ptr()) &&
               (!has_residual || aligned16(residual->data_ptr())) && (!has_bias || aligned16(bias->data_ptr())),
               "w8a8_linear: tensors must be 16-byte aligned");
   if (m == 0 || n == 0) return;

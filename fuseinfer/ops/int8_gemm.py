@@ -113,13 +113,20 @@ def _w8a8_linear_cuda(x_q, x_scale, w_q, w_scale, bias, residual, activation, ou
             or not _kernel_ok(ext, x_q.device) or k % 16 or n % 8):
         return _int_mm_fallback(x_q, x_scale, w_q, w_scale, bias, residual, activation, out_dtype)
     lead = x_q.shape[:-1]
-    x2 = x_q.reshape(-1, k).contiguous()  # (M, K)
+    x2 = _aligned(x_q.reshape(-1, k))  # (M, K)
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)  # (M, N)
-    r2 = None if residual is None else residual.reshape(m, n).contiguous()
-    ext.w8a8_linear(x2, x_scale.reshape(m).contiguous(), w_q.contiguous(), w_scale.reshape(n).contiguous(),
-                    None if bias is None else bias.contiguous(), r2, activation == "relu", out)
+    r2 = None if residual is None else _aligned(residual.reshape(m, n))
+    ext.w8a8_linear(x2, _aligned(x_scale.reshape(m)), _aligned(w_q), _aligned(w_scale.reshape(n)),
+                    None if bias is None else _aligned(bias), r2, activation == "relu", out)
     return out.view(*lead, n)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous with a 16-byte aligned start (TMA and the epilogue's vector loads need it): a copy only for
+    views that are not."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 @_w8a8_linear.register_fake

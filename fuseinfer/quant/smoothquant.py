@@ -315,42 +315,51 @@ def w8a8_forward(x_int8, x_scale, w_int8, w_scale, bias=None, residual=None, act
 
 class W8A8Linear(nn.Module):
     """An nn.Linear with int8 weights (per output channel, symmetric, round half to even) whose input is quantised
-    per token at run time (dynamic). Same call signature as the linear it replaces; ``activation`` ("relu") is fused
-    into the GEMM epilogue when the module it replaces is followed by one (fc1)."""
+    per token at run time (dynamic). ``forward(x)`` replaces the linear as is; ``fused(x, residual, activation)`` is
+    the call the patched forwards make (the int8 weight-only branch's ``fused_linear`` protocol), with the residual
+    and ReLU in the GEMM epilogue; ``forward_quantized(x_q, x_scale, ...)`` takes activations already quantised by
+    ``add_layer_norm_quant`` (the fused LayerNorm path)."""
 
-    def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                 activation: str = "none"):
+    def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.register_buffer("weight_q", weight_q)         # (N, K) int8
         self.register_buffer("weight_scale", weight_scale)  # (N, 1) fp32
         self.register_buffer("bias", bias)                  # (N,) or None
-        self.activation = activation
         self.in_features, self.out_features = weight_q.shape[1], weight_q.shape[0]
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, activation: str = "none") -> W8A8Linear:
+    def from_linear(cls, linear: nn.Linear) -> W8A8Linear:
         q, scale = quantize_int8_ref(linear.weight.detach(), -1)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(q, scale, bias, activation)
+        return cls(q, scale, bias)
 
     def dequantized_weight(self, dtype=torch.float32) -> torch.Tensor:
         return (self.weight_q.float() * self.weight_scale).to(dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_quantized(self, x_q, x_scale, residual=None, activation: str = "none",
+                          out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        """x_q (..., K) int8, x_scale (..., 1) fp32 -> (..., N) out_dtype."""
+        bias = None if self.bias is None else self.bias.to(out_dtype)
+        return w8a8_forward(x_q, x_scale, self.weight_q, self.weight_scale, bias, residual, activation, out_dtype)
+
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None = None, activation: str = "none"):
+        """act(x @ W.T + bias + residual) with x quantised per token first; x (..., K) -> (..., N) in x's dtype."""
         if x.dtype not in OUT_DTYPES:
             raise FuseInferError(f"W8A8Linear: input dtype must be one of {OUT_DTYPES}, got {x.dtype}")
         q, s = quantize_int8_ref(x.detach(), -1)  # per token, dynamic: (..., K) int8, (..., 1) fp32
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return w8a8_linear(q, s, self.weight_q, self.weight_scale, bias, residual, self.activation, x.dtype)
+        return self.forward_quantized(q, s, residual, activation, x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, activation={self.activation}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights and activations"
 
 
 def quantize_linears_w8a8(model) -> list[str]:
     """Swap every decoder linear (q/k/v, out_proj, fc1, fc2) of an OPT model for a :class:`W8A8Linear`, in place;
-    the names swapped. The reference path: the ReLU after fc1 stays where the model has it (activation "none"), so
-    the model's own forward runs unchanged. Not reversible by itself (the fused patch keeps the originals)."""
+    the names swapped. The reference path: the model's own forward runs unchanged (fc1's ReLU stays a module). Not
+    reversible by itself (the fused patch of the quant API keeps the originals)."""
     _decoder_layers(model)
     wanted = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.split(".")[-1] in wanted

@@ -208,3 +208,28 @@ def test_smoothquant_matters_on_the_outlier_model_gpu(tiny_model_path):
           f"({100 * (ppl_smooth / ppl_fp - 1):+.2f}%)")
     assert ppl_naive >= 1.20 * ppl_fp
     assert abs(ppl_smooth / ppl_fp - 1) <= 0.02
+
+
+def test_w8a8_linear_module_paths_agree():
+    """W8A8Linear: ``fused`` (quantise inside) equals LayerNorm -> ``add_layer_norm_quant`` -> ``forward_quantized``
+    (the fused-LayerNorm path) exactly, and both stay close to the fp32 linear (SQNR >= 30 dB)."""
+    import math
+
+    from fuseinfer.ops.layer_norm_quant import add_layer_norm_quant
+
+    torch.manual_seed(0)
+    ln, lin = torch.nn.LayerNorm(64), torch.nn.Linear(64, 48)
+    with torch.no_grad():
+        ln.weight.add_(0.1 * torch.randn(64))
+        x, r = torch.randn(3, 5, 64), torch.randn(3, 5, 48)
+        mod = sq.W8A8Linear.from_linear(lin)
+        y = ln(x)
+        a = mod.fused(y, residual=r)
+        q, s, _ = add_layer_norm_quant(x, None, ln.weight, ln.bias, ln.eps)
+        b = mod.forward_quantized(q, s, residual=r, out_dtype=torch.float32)
+        assert torch.equal(a, b)
+        ref = lin(y) + r
+        sqnr = 10 * math.log10(ref.pow(2).sum() / (ref - a).pow(2).sum())
+        assert sqnr >= 30, sqnr
+        relu = mod.fused(y, activation="relu")
+        assert (relu >= 0).all() and torch.allclose(relu, torch.relu(mod(y)))
