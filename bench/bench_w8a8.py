@@ -4,7 +4,10 @@ Part 1, GEMM (``w8a8_gemm`` results): OPT-1.3b and OPT-6.7b prefill shapes, M = 
 linear with the epilogue it has in the model (q/k/v fused: + bias; out_proj, fc2: + bias + residual; fc1: + bias,
 ReLU). Implementations, timed in turn over rounds (common.paired_ms; "x" columns are medians of per-round ratios):
   ours      fuseinfer.ops.w8a8_linear: int8 x int8 -> int32 wgmma (CUTLASS sm90) with the per-token x per-channel
-            scales, bias, residual / ReLU in the epilogue, fp16 out (the backend actually used is recorded per row);
+            scales, bias, residual / ReLU in the epilogue, fp16 out (the backend actually used is recorded per row),
+            its tile configuration chosen by M (FUSEINFER_W8A8_TILE=auto); ``large`` columns: the same op forced to
+            the 256x128 cooperative configuration (FUSEINFER_W8A8_TILE=large, set before each call: ~1 us of host
+            time against >= 50 us GEMMs), to choose the default;
   cublas    bare cuBLAS fp16 ``torch.mm(x, w.T)`` (no bias, no epilogue: the issue's baseline);
   int_mm    ``torch._int_mm`` (int32 out) followed by the rescale + epilogue in separate PyTorch ops, the path
             torchao-style W8A8 takes on H100; ``int_mm bare`` is torch._int_mm alone.
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -45,7 +49,8 @@ MODELS = {"opt-1.3b": (2048, 8192), "opt-6.7b": (4096, 16384)}  # hidden E, ffn 
 DTYPE = torch.float16
 EPS = 1e-5
 GEMM_COLUMNS = ["model", "layer", "M", "N", "K", "backend", "ours ms", "cublas ms", "int_mm ms", "int_mm bare ms",
-                "ours TOPS", "cublas TFLOPs", "% fp16 rate", "x cublas", "x int_mm", "sqnr dB"]
+                "ours TOPS", "cublas TFLOPs", "% fp16 rate", "x cublas", "x int_mm", "sqnr dB", "large ms",
+                "large x cublas"]
 LN_COLUMNS = ["form", "N", "rows", "elements", "where", "ours ms", "eager ms", "compile ms", "ours GB/s", "% copy",
               "x eager", "x compile", "warm ms", "warm compile ms", "warm x compile"]
 WARM_CALLS = 20
@@ -89,8 +94,16 @@ def bench_gemm(quick: bool, ceilings: dict) -> list[dict]:
                 ref = w8a8_linear_ref(xq, xs, wq, ws, bias, res, act, torch.float32)
                 sq = sqnr_db(ref, out)
                 assert sq >= 60.0, f"{model} {name} M={m}: SQNR {sq:.1f} dB against the exact reference"
+                def ours(tile):  # FUSEINFER_W8A8_TILE is read by the kernel's host code on every call
+                    os.environ["FUSEINFER_W8A8_TILE"] = tile
+                    return w8a8_linear(xq, xs, wq, ws, bias, res, act, DTYPE)
+
+                large = ours("large")
+                sq_large = sqnr_db(ref, large)
+                assert sq_large >= 60.0, f"{model} {name} M={m} large tiles: SQNR {sq_large:.1f} dB"
                 t = paired_ms({
-                    "ours": lambda: w8a8_linear(xq, xs, wq, ws, bias, res, act, DTYPE),
+                    "ours": lambda: ours("auto"),
+                    "ours_large": lambda: ours("large"),
                     "cublas": lambda: torch.mm(x, w.t()),
                     "int_mm": lambda: int_mm_rescale(xq, xs, wq_t, ws_row, bias, res, act),
                     "int_mm_bare": lambda: torch._int_mm(xq, wq_t),
@@ -106,7 +119,10 @@ def bench_gemm(quick: bool, ceilings: dict) -> list[dict]:
                     "% fp16 rate": 100 * ours_tops / ceilings["matmul_fp16_TFLOPs"],
                     "x cublas": paired_ratio(t["cublas"], t["ours"]), "x int_mm": paired_ratio(t["int_mm"], t["ours"]),
                     "sqnr dB": sq, "times": t,
+                    "large ms": t["ours_large"]["median_ms"],
+                    "large x cublas": paired_ratio(t["cublas"], t["ours_large"]),
                 })
+                os.environ["FUSEINFER_W8A8_TILE"] = "auto"
                 print(" | ".join(f"{c}={rows[-1][c]:.4g}" if isinstance(rows[-1][c], float) else f"{c}={rows[-1][c]}"
                                  for c in GEMM_COLUMNS), flush=True)
                 del x, w, xq, wq, res, out, ref

@@ -18,6 +18,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -73,6 +74,19 @@ int sm_count(int device) {
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// FUSEINFER_W8A8_TILE: auto (default), small, medium or large forces that tile configuration
+// (w8a8_gemm_sm90.cuh), for benchmarking; read on every call so a benchmark can switch it between calls.
+int forced_config() {
+  const char* v = std::getenv("FUSEINFER_W8A8_TILE");
+  if (v == nullptr) return 0;
+  const std::string s(v);
+  if (s == "small") return 1;
+  if (s == "medium") return 2;
+  if (s == "large") return 3;
+  TORCH_CHECK(s == "auto" || s.empty(), "FUSEINFER_W8A8_TILE must be auto, small, medium or large, got ", s);
+  return 0;
+}
 
 }  // namespace
 #endif
@@ -133,6 +147,7 @@ void w8a8_linear_cuda(const at::Tensor& x_q, const at::Tensor& x_scale, const at
   p.k = static_cast<int>(k);
   p.relu = relu;
   p.sm_count = sm_count(x_q.get_device());
+  p.config = forced_config();
   p.workspace = nullptr;
   if (k == 0) {  // an empty reduction: out = act(bias + residual); CUTLASS is not asked to handle K = 0
     at::Tensor z = at::zeros({m, n}, out.options().dtype(at::kFloat));

@@ -50,6 +50,7 @@ struct GemmParams {
   int m, n, k;
   bool relu;
   int sm_count;
+  int config;              // 0: by M; 1, 2, 3: force the small / medium / large tile configuration (below)
   void* workspace;         // workspace_bytes() bytes (may be null when that is 0)
 };
 
@@ -213,26 +214,49 @@ struct Sm90Gemm {
   }
 };
 
-// The configurations (kept few: each is a minute of nvcc). Large M: 128x128x128 CTA tiles in clusters of 2 along
-// M (B tiles multicast), ping-pong consumer warp groups, vLLM's default for int8 at M > 128. Small M: 64-row tiles.
+// The configurations (kept few: each is most of a minute of nvcc per output dtype), chosen by M, or forced through
+// GemmParams::config (FUSEINFER_W8A8_TILE, read in w8a8_gemm_sm90.cu) so the benchmark can time each:
+//   kSmall  (M <= 128): 64x128x128 CTA tiles, ping-pong consumer warp groups, no cluster;
+//   kMedium (default for M > 128): 128x128x128 tiles in clusters of 2 along M (B tiles multicast), ping-pong: vLLM's
+//           default for int8 at M > 128;
+//   kLarge  (alternative for large M, timed by bench/bench_w8a8.py): 256x128x128 tiles, cluster 2x1, cooperative
+//           (both consumer warp groups on one tile, 128 rows each): half the B traffic per output of kMedium.
 using KPingpong = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-using EWs = cutlass::epilogue::TmaWarpSpecialized;
+using KCooperative = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+using EPingpong = cutlass::epilogue::TmaWarpSpecialized;
+using ECooperative = cutlass::epilogue::TmaWarpSpecializedCooperative;
 template <class ElementD>
-using GemmLarge = Sm90Gemm<ElementD, Shape<_128, _128, _128>, Shape<_2, _1, _1>, KPingpong, EWs>;
+using GemmSmall = Sm90Gemm<ElementD, Shape<_64, _128, _128>, Shape<_1, _1, _1>, KPingpong, EPingpong>;
 template <class ElementD>
-using GemmSmall = Sm90Gemm<ElementD, Shape<_64, _128, _128>, Shape<_1, _1, _1>, KPingpong, EWs>;
+using GemmMedium = Sm90Gemm<ElementD, Shape<_128, _128, _128>, Shape<_2, _1, _1>, KPingpong, EPingpong>;
+template <class ElementD>
+using GemmLarge = Sm90Gemm<ElementD, Shape<_256, _128, _128>, Shape<_2, _1, _1>, KCooperative, ECooperative>;
 
-constexpr int kSmallM = 128;  // M <= kSmallM takes GemmSmall
+constexpr int kSmallM = 128;  // M <= kSmallM takes GemmSmall by default
+
+// 0: auto (by M); 1, 2, 3: small, medium, large
+inline int pick_config(GemmParams const& p) {
+  if (p.config >= 1 && p.config <= 3) return p.config;
+  return p.m <= kSmallM ? 1 : 2;
+}
 
 // Entry points, instantiated per output dtype in w8a8_gemm_sm90.cu (fp16) and w8a8_gemm_sm90_bf16.cu (bf16) so
 // the two compile in parallel.
 template <class ElementD>
 size_t workspace_bytes(GemmParams const& p) {
-  return p.m <= kSmallM ? GemmSmall<ElementD>::workspace_bytes(p) : GemmLarge<ElementD>::workspace_bytes(p);
+  switch (pick_config(p)) {
+    case 1: return GemmSmall<ElementD>::workspace_bytes(p);
+    case 3: return GemmLarge<ElementD>::workspace_bytes(p);
+    default: return GemmMedium<ElementD>::workspace_bytes(p);
+  }
 }
 template <class ElementD>
 const char* run(GemmParams const& p, cudaStream_t stream) {
-  return p.m <= kSmallM ? GemmSmall<ElementD>::run(p, stream) : GemmLarge<ElementD>::run(p, stream);
+  switch (pick_config(p)) {
+    case 1: return GemmSmall<ElementD>::run(p, stream);
+    case 3: return GemmLarge<ElementD>::run(p, stream);
+    default: return GemmMedium<ElementD>::run(p, stream);
+  }
 }
 
 }  // namespace w8a8

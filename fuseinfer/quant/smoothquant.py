@@ -41,7 +41,7 @@ from torch import nn
 
 from ..errors import FuseInferError
 from ..ops.int8_gemm import OUT_DTYPES, w8a8_linear
-from ..ops.quant import quantize_int8_ref
+from ..ops.quant import quantize_int8_ref, quantize_per_token
 
 CALIBRATION_FILE = "wiki.valid.raw"
 DATA_DIR_ENV = "FUSEINFER_DATA_DIR"
@@ -346,7 +346,9 @@ class W8A8Linear(nn.Module):
         """act(x @ W.T + bias + residual) with x quantised per token first; x (..., K) -> (..., N) in x's dtype."""
         if x.dtype not in OUT_DTYPES:
             raise FuseInferError(f"W8A8Linear: input dtype must be one of {OUT_DTYPES}, got {x.dtype}")
-        q, s = quantize_int8_ref(x.detach(), -1)  # per token, dynamic: (..., K) int8, (..., 1) fp32
+        # per token, dynamic: (..., K) int8, (..., 1) fp32; the fuseinfer::quantize_int8 op (its CUDA kernel comes
+        # with the int8 weight-only branch; the same numbers as quantize_int8_ref)
+        q, s = quantize_per_token(x)
         return self.forward_quantized(q, s, residual, activation, x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

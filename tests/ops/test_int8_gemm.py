@@ -151,6 +151,19 @@ def test_kernel_matches_reference(m, dtype, epi):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", ["small", "medium", "large"])
+@pytest.mark.parametrize("m", [64, 300, 1000])
+def test_each_tile_configuration(tile, m, monkeypatch):
+    """Every CUTLASS configuration forced (FUSEINFER_W8A8_TILE) at M below, inside and past its tile, with the residual
+    and ReLU paths; K not a multiple of the 128-wide K tile."""
+    monkeypatch.setenv("FUSEINFER_W8A8_TILE", tile)
+    for epi, act in (("residual", "none"), ("bias", "relu")):
+        args = make_inputs(m, 264, 272, torch.float16, residual=epi == "residual", device="cuda", seed=m)
+        out = w8a8_linear(*args, activation=act, out_dtype=torch.float16)
+        _tolerance_check(out, args, act)
+
+
+@pytest.mark.gpu
 def test_sm90_kernel_serves_h100():
     """On an sm_90 GPU with a CUTLASS build the kernel (not the fallback) runs: the backend says so, and the result
     differs from nothing but rounding. Skips, naming why, elsewhere."""
