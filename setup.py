@@ -10,6 +10,10 @@ Build knobs (environment variables):
                          GPU the build has no kernels for, the ops run their PyTorch references and the patch
                          report says so.
   MAX_JOBS               parallel compile jobs (torch's own knob; default: torch's choice).
+  FUSEINFER_CUTLASS_DIR  CUTLASS headers for the sm_90 W8A8 int8 GEMM (csrc/w8a8_gemm_sm90*.cu): a CUTLASS checkout
+                         (include/cutlass/cutlass.h) or an unpacked nvidia-cutlass wheel (cutlass_library/source);
+                         default: the installed nvidia-cutlass package, if any. Without CUTLASS that op is compiled
+                         as a stub that says so, and fuseinfer.ops.w8a8_linear takes its torch._int_mm fallback.
 
 torch must be importable at build time for the extension, so build it with
 ``pip install --no-build-isolation -e .``; under build isolation torch is absent and the install is pure Python.
@@ -23,6 +27,30 @@ from setuptools import find_packages, setup
 MODE = os.environ.get("FUSEINFER_BUILD_CUDA", "auto").lower()
 if MODE not in ("auto", "0", "1"):
     raise SystemExit(f"FUSEINFER_BUILD_CUDA must be auto, 0 or 1, got {MODE!r}")
+
+
+def cutlass_include_dirs():
+    """[CUTLASS include, CUTLASS tools/util/include] from $FUSEINFER_CUTLASS_DIR or the installed nvidia-cutlass
+    package (found without importing it), or [] with the reason printed."""
+    import importlib.util
+
+    root = os.environ.get("FUSEINFER_CUTLASS_DIR")
+    if root:
+        roots = [root, os.path.join(root, "cutlass_library", "source"), os.path.join(root, "source")]
+    else:
+        spec = importlib.util.find_spec("cutlass_library")
+        roots = [os.path.join(p, "source") for p in (spec.submodule_search_locations or [])] if spec else []
+    for r in roots:
+        include = os.path.join(r, "include")
+        util = os.path.join(r, "tools", "util", "include")
+        if os.path.isfile(os.path.join(include, "cutlass", "cutlass.h")) and os.path.isdir(util):
+            return [os.path.abspath(include), os.path.abspath(util)]
+    if root:
+        raise SystemExit(f"FUSEINFER_CUTLASS_DIR={root} holds no CUTLASS headers (include/cutlass/cutlass.h and "
+                         "tools/util/include, or cutlass_library/source/... of the nvidia-cutlass wheel)")
+    print("fuseinfer: CUTLASS not found (pip install nvidia-cutlass or set FUSEINFER_CUTLASS_DIR): the W8A8 int8 "
+          "GEMM is built as a stub and w8a8_linear falls back to torch._int_mm")
+    return []
 
 
 def cuda_extension():
@@ -45,13 +73,18 @@ def cuda_extension():
             archs = [a.split("+")[0] for a in arch.replace(" ", ";").split(";")]
             # the wgmma kernel only where an sm_90 GPU is sure to load the sm_90a code (no plain 9.0 beside it)
             defines = ["-DFUSEINFER_SM90A"] if "9.0a" in archs and "9.0" not in archs else []
+            # CUTLASS (the W8A8 GEMM): its headers, and FUSEINFER_CUTLASS so that file compiles its kernels (sm_90a
+            # turns on CUTLASS_ARCH_MMA_SM90A_ENABLED by itself through __CUDA_ARCH_FEAT_SM90_ALL)
+            cutlass = cutlass_include_dirs()
+            cutlass_defines = ["-DFUSEINFER_CUTLASS"] if cutlass else []
             nvcc_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo",
                           "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
-                          "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"] + defines
+                          "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"] + defines \
+                + cutlass_defines
             ext = CUDAExtension(
                 "fuseinfer._C",
                 sources=sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*.cu")),
-                include_dirs=[os.path.abspath("csrc")],
+                include_dirs=[os.path.abspath("csrc")] + cutlass,
                 extra_compile_args={"cxx": ["-O3", "-std=c++17"] + defines, "nvcc": nvcc_flags},
                 libraries=["cublasLt"],
             )
@@ -78,7 +111,8 @@ setup(
                     "flash-attn": ["flash-attn-4==4.0.0b36", "nvidia-cutlass-dsl[cu13]==4.8.1",
                                    "nvidia-cutlass-dsl-libs-base==4.8.1", "nvidia-cutlass-dsl-libs-core==4.8.1",
                                    "nvidia-cutlass-dsl-libs-cu13==4.8.1", "quack-kernels==0.6.5",
-                                   "apache-tvm-ffi==0.1.15.post2", "torch-c-dlpack-ext==0.1.5", "einops==0.8.2"]},
+                                   "apache-tvm-ffi==0.1.15.post2", "torch-c-dlpack-ext==0.1.5", "einops==0.8.2"],
+                    "w8a8": ["nvidia-cutlass>=4.2"]},  # build-time headers of the sm_90 int8 GEMM
     ext_modules=[built[0]] if built else [],
     cmdclass={"build_ext": built[1]} if built else {},
 )

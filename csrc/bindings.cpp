@@ -22,4 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_dequantize", &fuseinfer::int8_dequantize_cuda);
   m.def("quantize_int8_rows", &fuseinfer::quantize_int8_rows_cuda);
   m.def("int8_path_counts", &fuseinfer::int8_path_counts);
+  m.def("add_layer_norm_quant", &fuseinfer::add_layer_norm_quant_cuda);
+  m.def("w8a8_linear", &fuseinfer::w8a8_linear_cuda);
+  m.def("w8a8_gemm_unavailable", &fuseinfer::w8a8_gemm_unavailable);
 }

@@ -95,4 +95,24 @@ enum class Path : int {
 void count_path(Path path);
 std::map<std::string, int64_t> path_counts();
 
+// --- W8A8 (issue 36) ---
+// s = x + residual (rounded to x's dtype; s = x when residual is undefined), y = LayerNorm(s) * weight + bias rounded
+// to x's dtype, then per-token symmetric int8: scale = max(amax|y| / 127, FLT_MIN), q = clamp(rint(y / scale), ±127).
+// x, residual: (..., N) contiguous fp16/bf16/fp32; weight, bias: (N,) or undefined. Returns (q int8 (..., N),
+// scale fp32 (..., 1), s (..., N) or empty when store_sum is false). See layer_norm_quant.cu.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_layer_norm_quant_cuda(
+    const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+    double eps, bool store_sum);
+
+// out = act(x_q @ w_q^T * x_scale[m] * w_scale[n] + bias[n] + residual[m, n]) on sm_90a (CUTLASS int8 wgmma, the
+// dequantisation in the epilogue; w8a8_gemm_sm90.cu). x_q: (M, K) int8, w_q: (N, K) int8, x_scale: M fp32,
+// w_scale: N fp32, bias: (N,), residual: (M, N), out: (M, N) preallocated, fp16 or bf16 (bias and residual in out's
+// dtype); all contiguous, K % 16 == 0, N % 8 == 0; act = ReLU when relu.
+void w8a8_linear_cuda(const at::Tensor& x_q, const at::Tensor& x_scale, const at::Tensor& w_q,
+                      const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias,
+                      const c10::optional<at::Tensor>& residual, bool relu, at::Tensor& out);
+// "" when w8a8_linear_cuda runs on CUDA device `device`, else why not (built without CUTLASS or sm_90a, not sm_90).
+std::string w8a8_gemm_unavailable(int64_t device);
+
 }  // namespace fuseinfer

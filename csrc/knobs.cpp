@@ -7,11 +7,12 @@
 
 namespace fuseinfer {
 namespace {
-std::atomic<int> values[static_cast<int>(Knob::kCount)] = {{1}, {1}, {1}, {0}};
+std::atomic<int> values[static_cast<int>(Knob::kCount)] = {{1}, {1}, {1}, {0}, {0}};
 const std::map<std::string, Knob> names = {{"FUSEINFER_PDL", Knob::kPdl},
                                            {"FUSEINFER_ATTN_SM90", Knob::kAttnSm90},
                                            {"FUSEINFER_GEMM_TUNE", Knob::kGemmTune},
-                                           {"FUSEINFER_DECODE_TRACE", Knob::kDecodeTrace}};
+                                           {"FUSEINFER_DECODE_TRACE", Knob::kDecodeTrace},
+                                           {"FUSEINFER_W8A8_TILE", Knob::kW8A8Tile}};
 }  // namespace
 
 int knob(Knob k) { return values[static_cast<int>(k)].load(std::memory_order_relaxed); }

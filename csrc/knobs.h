@@ -8,9 +8,9 @@
 
 namespace fuseinfer {
 
-enum class Knob : int { kPdl, kAttnSm90, kGemmTune, kDecodeTrace, kCount };
+enum class Knob : int { kPdl, kAttnSm90, kGemmTune, kDecodeTrace, kW8A8Tile, kCount };
 
-// The knob's current value (defaults before set_knobs: PDL 1, ATTN_SM90 1, GEMM_TUNE 1, DECODE_TRACE 0).
+// The knob's current value (defaults before set_knobs: PDL 1, ATTN_SM90 1, GEMM_TUNE 1, DECODE_TRACE 0, W8A8_TILE 0).
 int knob(Knob k);
 // Sets the knobs named in `values` (FUSEINFER_PDL, FUSEINFER_ATTN_SM90, FUSEINFER_GEMM_TUNE, FUSEINFER_DECODE_TRACE);
 // an unknown name is an error.

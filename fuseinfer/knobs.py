@@ -46,6 +46,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("FUSEINFER_DECODE_TRACE", "0", "import",
          "`1`: the one-kernel decode step records per-phase timestamps (tools/profile_decode.py)", ("0", "1"),
          extension=True),
+    Knob("FUSEINFER_W8A8_TILE", "auto", "call",
+         "the W8A8 CUTLASS GEMM's tile configuration: `auto` by M, or `small` / `medium` / `large` forced (benchmarks)",
+         ("auto", "small", "medium", "large"), extension=True),
     Knob("FUSEINFER_DECODE_KERNEL", "auto", "session",
          "fast decode's step as one persistent kernel: `auto` where measured faster (1-2 rows), `1` wherever it "
          "applies, `0` never", ("auto", "0", "1")),
@@ -103,7 +106,8 @@ def get_int(name: str, minimum: int = 1) -> int:
 
 def extension_values() -> dict[str, int]:
     """The run-time switches the CUDA extension takes, as integers."""
-    return {k.name: int(get(k.name)) for k in KNOBS.values() if k.extension}
+    return {k.name: int(v) if (v := get(k.name)).isdigit() else k.choices.index(v)
+            for k in KNOBS.values() if k.extension}
 
 
 _extension = None  # the loaded fuseinfer._C, attached by _ext.py (knobs imports nothing of fuseinfer's)

@@ -7,7 +7,9 @@ from .decode_step import decode_step_workspace, opt_decode_step, opt_decode_step
 from .emit_tokens import emit_tokens, emit_tokens_ref, emit_tokens_scratch
 from .int8_linear import dequantize_weight, int8_linear, int8_linear_ref
 from .kv_cache import kv_cache_append, kv_cache_append_ref
+from .int8_gemm import w8a8_linear, w8a8_linear_ref
 from .layer_norm import add_layer_norm, add_layer_norm_ref
+from .layer_norm_quant import add_layer_norm_quant, add_layer_norm_quant_ref
 from .linear import linear_epilogue, linear_epilogue_ref
 from .quant import dequantize, dequantize_int8_ref, quantize_int8_ref, quantize_per_channel, quantize_per_token
 
@@ -16,4 +18,5 @@ __all__ = [
     "dequantize_int8_ref", "dequantize_weight", "emit_tokens", "emit_tokens_ref", "emit_tokens_scratch",
     "int8_linear", "int8_linear_ref", "kv_cache_append", "kv_cache_append_ref", "linear_epilogue", "linear_epilogue_ref",
     "opt_decode_step", "opt_decode_step_ref", "quantize_int8_ref", "quantize_per_channel", "quantize_per_token",
+    "add_layer_norm_quant", "add_layer_norm_quant_ref", "w8a8_linear", "w8a8_linear_ref",
 ]

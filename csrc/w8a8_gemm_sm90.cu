@@ -1,0 +1,166 @@
+// W8A8 linear on Hopper: out = act(x_q @ w_q^T * x_scale[m] * w_scale[n] + bias[n] + residual[m, n]).
+//
+// The kernels are CUTLASS sm90 warp-specialized int8 wgmma GEMMs with the dequantisation in the epilogue
+// (w8a8_gemm_sm90.cuh). This file holds the host entry point (checks, dispatch by output dtype) and the fp16
+// instantiations; w8a8_gemm_sm90_bf16.cu holds the bf16 ones (separate files so nvcc compiles them in parallel).
+//
+// Built only with CUTLASS's headers (setup.py defines FUSEINFER_CUTLASS when it finds them, see
+// FUSEINFER_CUTLASS_DIR) and for sm_90a (FUSEINFER_SM90A); otherwise w8a8_gemm_unavailable() says why and the
+// Python op (fuseinfer/ops/int8_gemm.py) takes its documented fallback (torch._int_mm + rescale).
+// CUTLASS's device asserts are function calls, which make ptxas serialise the wgmma pipeline (warning C7510):
+// compiled out here, before any header brings in <cassert>.
+#ifndef NDEBUG
+#define NDEBUG
+#endif
+#include "fuseinfer.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#if defined(FUSEINFER_CUTLASS) && defined(FUSEINFER_SM90A)
+#include "w8a8_gemm_sm90.cuh"
+
+namespace fuseinfer {
+namespace w8a8 {
+// fp16 here, bf16 in w8a8_gemm_sm90_bf16.cu
+size_t workspace_bytes_f16(GemmParams const& p) { return workspace_bytes<cutlass::half_t>(p); }
+const char* run_f16(GemmParams const& p, cudaStream_t s) { return run<cutlass::half_t>(p, s); }
+size_t workspace_bytes_bf16(GemmParams const& p);
+const char* run_bf16(GemmParams const& p, cudaStream_t s);
+}  // namespace w8a8
+}  // namespace fuseinfer
+#endif
+
+namespace fuseinfer {
+
+std::string w8a8_gemm_unavailable(int64_t device) {
+#if !defined(FUSEINFER_CUTLASS)
+  (void)device;
+  return "fuseinfer._C was built without CUTLASS (pip install nvidia-cutlass or set FUSEINFER_CUTLASS_DIR to a "
+         "CUTLASS checkout, then rebuild: pip install --no-build-isolation -e .)";
+#elif !defined(FUSEINFER_SM90A)
+  (void)device;
+  return "fuseinfer._C was built without sm_90a (FUSEINFER_CUDA_ARCH=9.0a), which the int8 wgmma GEMM needs";
+#else
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, static_cast<int>(device)));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, static_cast<int>(device)));
+  if (major != 9 || minor != 0) {
+    return "the int8 wgmma GEMM needs an sm_90 GPU (H100/H200); this one is sm_" + std::to_string(major) +
+           std::to_string(minor);
+  }
+  return "";
+#endif
+}
+
+#if defined(FUSEINFER_CUTLASS) && defined(FUSEINFER_SM90A)
+namespace {
+
+int sm_count(int device) {
+  static std::mutex mutex;
+  static std::vector<int> counts;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (device >= static_cast<int>(counts.size())) counts.resize(device + 1, 0);
+  if (counts[device] == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device));
+  }
+  return counts[device];
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// The FUSEINFER_W8A8_TILE knob (knobs.h; 0 auto, 1 small, 2 medium, 3 large) forces that tile configuration
+// (w8a8_gemm_sm90.cuh), for benchmarking; read on every call so a benchmark can switch it between calls.
+int forced_config() { return knob(Knob::kW8A8Tile); }
+
+}  // namespace
+#endif
+
+void w8a8_linear_cuda(const at::Tensor& x_q, const at::Tensor& x_scale, const at::Tensor& w_q,
+                      const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias,
+                      const c10::optional<at::Tensor>& residual, bool relu, at::Tensor& out) {
+#if !(defined(FUSEINFER_CUTLASS) && defined(FUSEINFER_SM90A))
+  (void)x_q; (void)x_scale; (void)w_q; (void)w_scale; (void)bias; (void)residual; (void)relu; (void)out;
+  TORCH_CHECK(false, "w8a8_linear: ", w8a8_gemm_unavailable(0));
+#else
+  TORCH_CHECK(x_q.is_cuda() && x_q.scalar_type() == at::kChar && x_q.dim() == 2 && x_q.is_contiguous(),
+              "w8a8_linear: x_q must be a contiguous (M, K) int8 CUDA tensor");
+  TORCH_CHECK(w_q.scalar_type() == at::kChar && w_q.dim() == 2 && w_q.is_contiguous() &&
+              w_q.size(1) == x_q.size(1) && w_q.device() == x_q.device(),
+              "w8a8_linear: w_q must be a contiguous (N, K) int8 tensor on x_q's device");
+  const int64_t m = x_q.size(0), k = x_q.size(1), n = w_q.size(0);
+  TORCH_CHECK(x_scale.scalar_type() == at::kFloat && x_scale.is_contiguous() && x_scale.numel() == m &&
+              x_scale.device() == x_q.device(), "w8a8_linear: x_scale must be M contiguous fp32 values");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == n &&
+              w_scale.device() == x_q.device(), "w8a8_linear: w_scale must be N contiguous fp32 values");
+  const auto dtype = out.scalar_type();
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "w8a8_linear: output must be float16 or bfloat16");
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == m && out.size(1) == n &&
+              out.device() == x_q.device(), "w8a8_linear: out must be a contiguous (M, N) tensor on x_q's device");
+  const bool has_bias = bias.has_value() && bias->defined();
+  const bool has_residual = residual.has_value() && residual->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == n &&
+                bias->device() == x_q.device(), "w8a8_linear: bias must be (N,) contiguous in the output dtype");
+  }
+  if (has_residual) {
+    TORCH_CHECK(residual->scalar_type() == dtype && residual->is_contiguous() && residual->size(0) == m &&
+                residual->size(1) == n && residual->device() == x_q.device(),
+                "w8a8_linear: residual must be (M, N) contiguous in the output dtype");
+  }
+  // TMA: 16-byte aligned base addresses and row strides (K int8, N 16-bit values)
+  TORCH_CHECK(k % 16 == 0 && n % 8 == 0, "w8a8_linear: the sm90 kernel needs K % 16 == 0 and N % 8 == 0, got K=", k,
+              " N=", n);
+  TORCH_CHECK(m <= INT32_MAX && n <= INT32_MAX && k <= INT32_MAX, "w8a8_linear: dimensions must fit int32");
+  TORCH_CHECK(aligned16(x_q.data_ptr()) && aligned16(w_q.data_ptr()) && aligned16(out.data_ptr()) &&
+              aligned16(x_scale.data_ptr()) && aligned16(w_scale.data_ptr()) &&
+              (!has_residual || aligned16(residual->data_ptr())) && (!has_bias || aligned16(bias->data_ptr())),
+              "w8a8_linear: tensors must be 16-byte aligned");
+  if (m == 0 || n == 0) return;
+
+  const at::cuda::CUDAGuard guard(x_q.device());
+  w8a8::GemmParams p;
+  p.a = static_cast<const int8_t*>(x_q.data_ptr());
+  p.b = static_cast<const int8_t*>(w_q.data_ptr());
+  p.a_scale = x_scale.data_ptr<float>();
+  p.w_scale = w_scale.data_ptr<float>();
+  p.bias = has_bias ? bias->data_ptr() : nullptr;
+  p.residual = has_residual ? residual->data_ptr() : nullptr;
+  p.out = out.data_ptr();
+  p.m = static_cast<int>(m);
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(k);
+  p.relu = relu;
+  p.sm_count = sm_count(x_q.get_device());
+  p.config = forced_config();
+  p.workspace = nullptr;
+  if (k == 0) {  // an empty reduction: out = act(bias + residual); CUTLASS is not asked to handle K = 0
+    at::Tensor z = at::zeros({m, n}, out.options().dtype(at::kFloat));
+    if (has_bias) z.add_(bias->to(at::kFloat));
+    if (has_residual) z.add_(residual->to(at::kFloat));
+    if (relu) z.clamp_min_(0);
+    out.copy_(z);
+    return;
+  }
+
+  const bool f16 = dtype == at::kHalf;
+  const size_t bytes = f16 ? w8a8::workspace_bytes_f16(p) : w8a8::workspace_bytes_bf16(p);
+  at::Tensor workspace;
+  if (bytes > 0) {
+    workspace = at::empty({static_cast<int64_t>(bytes)}, x_q.options().dtype(at::kByte));
+    p.workspace = workspace.data_ptr();
+  }
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const char* error = f16 ? w8a8::run_f16(p, stream) : w8a8::run_bf16(p, stream);
+  TORCH_CHECK(error[0] == '\0', "w8a8_linear: ", error, " (M=", m, " N=", n, " K=", k, ")");
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+#endif
+}
+
+}  // namespace fuseinfer

@@ -1,0 +1,263 @@
+// W8A8 GEMM on sm_90a (Hopper wgmma, TMA, warp-specialized persistent kernels) built from CUTLASS 3.x/4.x sm90
+// collectives, with the dequantisation in an epilogue visitor tree (EVT):
+//
+//   out[m, n] = act(acc[m, n] * a_scale[m] * w_scale[n] + bias[n] + residual[m, n])      (fp32 math, one rounding)
+//
+//   acc = x_q (M, K) int8 @ w_q (N, K)^T int8, exact in int32;
+//   a_scale (M,) fp32 per token, w_scale (N,) fp32 per output channel, bias (N,) and residual (M, N) in the output
+//   dtype (fp16 / bf16), each optional at run time; act = ReLU or identity, chosen at run time (max with 0 or -inf).
+//
+// The approach (CollectiveBuilder mainloop on int8 row-major A / column-major B, int32 accumulators, a
+// per-row x per-column scale EVT) follows vLLM's csrc/quantization/cutlass_w8a8/scaled_mm_c3x*.cu
+// (Apache-2.0, (c) the vLLM project), whose ScaledEpilogueBias is the tree below without residual and ReLU.
+//
+// Optional operands without extra template instantiations: bias is a row broadcast whose null pointer reads as 0
+// (CUTLASS's EnableNullptr); the residual is the epilogue's C operand fetched by TMA, and ResidualFetch (below)
+// turns that load off at run time when there is no residual (C's pointer is then D's, so the TMA descriptor stays
+// valid; nothing is read through it).
+//
+// This header is included only by the w8a8_gemm_sm90*.cu files, and only when FUSEINFER_CUTLASS is defined.
+#pragma once
+
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp>
+#include <cutlass/functional.h>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/numeric_types.h>
+#include <cutlass/util/packed_stride.hpp>
+#include <cute/tensor.hpp>
+
+#include <cstdint>
+
+namespace fuseinfer {
+namespace w8a8 {
+
+using namespace cute;
+namespace fusion = cutlass::epilogue::fusion;
+
+// What one call needs; pointers are device pointers, rows are contiguous.
+struct GemmParams {
+  const int8_t* a;         // (M, K) activations, int8
+  const int8_t* b;         // (N, K) weights, int8 (nn.Linear layout)
+  const float* a_scale;    // (M,)
+  const float* w_scale;    // (N,)
+  const void* bias;        // (N,) output dtype, or null
+  const void* residual;    // (M, N) output dtype, or null
+  void* out;               // (M, N) output dtype
+  int m, n, k;
+  bool relu;
+  int sm_count;
+  int config;              // 0: by M; 1, 2, 3: force the small / medium / large tile configuration (below)
+  void* workspace;         // workspace_bytes() bytes (may be null when that is 0)
+};
+
+// The residual as the epilogue's C operand (Sm90SrcFetch), except that whether C is loaded at all is a run-time
+// argument: with `enabled` false the collective epilogue skips C's TMA loads and this node yields zeros.
+template <class Element>
+struct ResidualFetch {
+  struct SharedStorage {};
+  struct Arguments {
+    bool enabled = false;
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const&) { return true; }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+
+  CUTLASS_HOST_DEVICE ResidualFetch() {}
+  CUTLASS_HOST_DEVICE ResidualFetch(Params const& params, SharedStorage const&) : enabled(params.enabled) {}
+
+  bool enabled = false;
+
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return enabled; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return enabled; }
+  CUTLASS_DEVICE bool is_zero() const { return !enabled; }
+
+  template <class... Args>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(fusion::ProducerLoadArgs<Args...> const&) {
+    return fusion::EmptyProducerLoadCallbacks{};
+  }
+
+  template <class SrcTensor>
+  struct ConsumerStoreCallbacks : fusion::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(SrcTensor const& tCrC, bool enabled) : tCrC(tCrC), enabled(enabled) {}
+    SrcTensor const& tCrC;  // (CPY, CPY_M, CPY_N), filled by the collective only when enabled
+    bool enabled;
+
+    template <typename ElementAccumulator, int FragmentSize>
+    CUTLASS_DEVICE cutlass::Array<typename SrcTensor::value_type, FragmentSize>
+    visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int, int) {
+      using Frag = cutlass::Array<typename SrcTensor::value_type, FragmentSize>;
+      if (enabled) return recast<Frag>(tCrC)(epi_v);
+      Frag zeros;
+      zeros.fill(typename SrcTensor::value_type(0));
+      return zeros;
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(fusion::ConsumerStoreArgs<Args...> const& args) {
+    return ConsumerStoreCallbacks<cute::remove_cvref_t<decltype(args.tCrC)>>(args.tCrC, enabled);
+  }
+};
+
+// The epilogue tree for a CTA tile shape; ElementD is cutlass::half_t or cutlass::bfloat16_t.
+template <class TileShape, class ElementD>
+struct Epilogue {
+  using RN = std::integral_constant<cutlass::FloatRoundStyle, cutlass::FloatRoundStyle::round_to_nearest>;
+  static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
+
+  using Acc = fusion::Sm90AccFetch;                                                               // int32
+  using WScale = fusion::Sm90RowBroadcast<0, TileShape, float, float, Stride<_0, _1, _0>>;        // (N,)
+  using AScale = fusion::Sm90ColBroadcast<0, TileShape, float, float, Stride<_1, _0, _0>>;        // (M,)
+  using Bias = fusion::Sm90RowBroadcast<0, TileShape, ElementD, float, Stride<_0, _1, _0>>;       // (N,), null = 0
+  using Residual = ResidualFetch<ElementD>;                                                       // (M, N) via C
+  using Floor = fusion::Sm90ScalarBroadcast<float>;                                               // 0 or -inf
+
+  // t0 = w_scale[n] * acc
+  using T0 = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, float, float, kRound>, WScale, Acc>;
+  // t1 = a_scale[m] * t0 + bias[n]
+  using T1 = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiply_add, float, float, kRound>, AScale, T0, Bias>;
+  // t2 = t1 + residual[m, n]
+  using T2 = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::plus, float, float, kRound>, T1, Residual>;
+  // out = max(t2, floor) rounded to ElementD
+  using Tree = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::maximum, ElementD, float, kRound>, T2, Floor>;
+
+  static typename Tree::Arguments arguments(GemmParams const& p) {
+    typename WScale::Arguments w_scale{p.w_scale, 0.f, {}};
+    typename AScale::Arguments a_scale{p.a_scale, 0.f, {}};
+    typename Bias::Arguments bias{static_cast<ElementD const*>(p.bias), ElementD(0), {}};
+    typename Residual::Arguments residual{p.residual != nullptr};
+    typename Floor::Arguments floor{};
+    floor.scalars[0] = p.relu ? 0.f : -cutlass::platform::numeric_limits<float>::infinity();
+    typename T0::Arguments t0{w_scale, {}, {}};
+    typename T1::Arguments t1{a_scale, t0, bias, {}};
+    typename T2::Arguments t2{t1, residual, {}};
+    return typename Tree::Arguments{t2, floor, {}};
+  }
+};
+
+// One CUTLASS kernel: CTA tile, cluster shape and schedule (a handful of these, chosen by M on the host).
+template <class ElementD, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+struct Sm90Gemm {
+  using EpilogueTree = Epilogue<TileShape, ElementD>;
+  using ElementC = ElementD;  // the residual
+  using LayoutA = cutlass::layout::RowMajor;     // (M, K), K contiguous
+  using LayoutB = cutlass::layout::ColumnMajor;  // (K, N) column-major = (N, K) row-major
+  using LayoutCD = cutlass::layout::RowMajor;    // (M, N)
+  static constexpr int kAlignAB = 16;            // 16 int8 = 16 bytes (TMA)
+  static constexpr int kAlignCD = 8;             // 8 x 16-bit = 16 bytes
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, int32_t, float,
+      ElementC, LayoutCD, kAlignCD, ElementD, LayoutCD, kAlignCD,
+      EpilogueSchedule, typename EpilogueTree::Tree>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, int8_t, LayoutA, kAlignAB, int8_t, LayoutB, kAlignAB,
+      int32_t, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
+                                                      CollectiveEpilogue, cutlass::gemm::PersistentScheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  static typename Gemm::Arguments arguments(GemmParams const& p) {
+    using StrideA = typename Gemm::GemmKernel::StrideA;
+    using StrideB = typename Gemm::GemmKernel::StrideB;
+    using StrideC = typename Gemm::GemmKernel::StrideC;
+    using StrideD = typename Gemm::GemmKernel::StrideD;
+    const StrideA stride_a = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(p.m, p.k, 1));
+    const StrideB stride_b = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(p.n, p.k, 1));
+    const StrideC stride_c = cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(p.m, p.n, 1));
+    const StrideD stride_d = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(p.m, p.n, 1));
+    // without a residual C points at D (same shape, dtype and strides: a valid TMA descriptor, never read)
+    auto c = static_cast<ElementC const*>(p.residual ? p.residual : p.out);
+    cutlass::KernelHardwareInfo hw;
+    hw.sm_count = p.sm_count;
+    typename Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {p.m, p.n, p.k, 1},
+        {p.a, stride_a, p.b, stride_b},
+        {EpilogueTree::arguments(p), c, stride_c, static_cast<ElementD*>(p.out), stride_d},
+        hw};
+    return args;
+  }
+
+  static size_t workspace_bytes(GemmParams const& p) { return Gemm::get_workspace_size(arguments(p)); }
+
+  // "" on success, else what CUTLASS said.
+  static const char* run(GemmParams const& p, cudaStream_t stream) {
+    Gemm gemm;
+    const auto args = arguments(p);
+    if (gemm.can_implement(args) != cutlass::Status::kSuccess) return "CUTLASS can_implement failed";
+    if (gemm.initialize(args, p.workspace, stream) != cutlass::Status::kSuccess) return "CUTLASS initialize failed";
+    if (gemm.run(stream) != cutlass::Status::kSuccess) return "CUTLASS kernel launch failed";
+    return "";
+  }
+};
+
+// The configurations (kept few: each is most of a minute of nvcc per output dtype), chosen by M, or forced through
+// GemmParams::config (FUSEINFER_W8A8_TILE, read in w8a8_gemm_sm90.cu) so the benchmark can time each:
+//   kSmall  (M <= 128): 64x128x128 CTA tiles, ping-pong consumer warp groups, no cluster;
+//   kMedium (default for M > 128): 128x128x128 tiles in clusters of 2 along M (B tiles multicast), ping-pong: vLLM's
+//           default for int8 at M > 128;
+//   kLarge  (alternative for large M, timed by bench/bench_w8a8.py): 256x128x128 tiles, cluster 2x1, cooperative
+//           (both consumer warp groups on one tile, 128 rows each): half the B traffic per output of kMedium.
+using KPingpong = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+using KCooperative = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+using EPingpong = cutlass::epilogue::TmaWarpSpecialized;
+using ECooperative = cutlass::epilogue::TmaWarpSpecializedCooperative;
+template <class ElementD>
+using GemmSmall = Sm90Gemm<ElementD, Shape<_64, _128, _128>, Shape<_1, _1, _1>, KPingpong, EPingpong>;
+template <class ElementD>
+using GemmMedium = Sm90Gemm<ElementD, Shape<_128, _128, _128>, Shape<_2, _1, _1>, KPingpong, EPingpong>;
+template <class ElementD>
+using GemmLarge = Sm90Gemm<ElementD, Shape<_256, _128, _128>, Shape<_2, _1, _1>, KCooperative, ECooperative>;
+
+constexpr int kSmallM = 128;  // M <= kSmallM takes GemmSmall by default
+
+// 0: auto (by M); 1, 2, 3: small, medium, large
+inline int pick_config(GemmParams const& p) {
+  if (p.config >= 1 && p.config <= 3) return p.config;
+  return p.m <= kSmallM ? 1 : 2;
+}
+
+// Entry points, instantiated per output dtype in w8a8_gemm_sm90.cu (fp16) and w8a8_gemm_sm90_bf16.cu (bf16) so
+// the two compile in parallel.
+template <class ElementD>
+size_t workspace_bytes(GemmParams const& p) {
+  switch (pick_config(p)) {
+    case 1: return GemmSmall<ElementD>::workspace_bytes(p);
+    case 3: return GemmLarge<ElementD>::workspace_bytes(p);
+    default: return GemmMedium<ElementD>::workspace_bytes(p);
+  }
+}
+template <class ElementD>
+const char* run(GemmParams const& p, cudaStream_t stream) {
+  switch (pick_config(p)) {
+    case 1: return GemmSmall<ElementD>::run(p, stream);
+    case 3: return GemmLarge<ElementD>::run(p, stream);
+    default: return GemmMedium<ElementD>::run(p, stream);
+  }
+}
+
+}  // namespace w8a8
+}  // namespace fuseinfer

@@ -1,0 +1,80 @@
+"""Residual add + LayerNorm + per-token int8 quantisation in one pass, the input side of a W8A8 linear.
+
+    s = x + residual,  y = LayerNorm(s) * weight + bias  (rounded to x's dtype, as ``add_layer_norm``),
+    q, scale = per-token symmetric int8 of y  (``quantize_int8_ref(y, -1)``: scale = amax|y| / 127, q = round(y/scale))
+
+Returns ``(q, scale, s)``: q (..., N) int8, scale (..., 1) fp32, s (..., N) (empty unless ``store_sum``). y itself is
+never materialised by the kernel (``csrc/layer_norm_quant.cu``): it goes straight to the int8 GEMM
+(``fuseinfer.ops.int8_gemm.w8a8_linear``) whose epilogue multiplies by ``scale``. With SmoothQuant the smoothing
+factors are already folded into ``weight`` and ``bias`` (``fuseinfer.quant.smoothquant``).
+"""
+from __future__ import annotations
+
+import torch
+
+from .._ext import eager_cuda, extension, transformed
+from ..errors import FuseInferError
+from .layer_norm import add_layer_norm_ref
+from .quant import quantize_int8_ref
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # csrc/layer_norm_quant.cu; others: the reference
+MAX_N = 16384  # the kernel's largest row
+
+
+def add_layer_norm_quant_ref(x, residual, weight, bias, eps: float, store_sum: bool):
+    """Pure-PyTorch reference: (q int8 (..., N), scale fp32 (..., 1), s (..., N) or empty)."""
+    y, s = add_layer_norm_ref(x, residual, weight, bias, eps, store_sum)
+    q, scale = quantize_int8_ref(y, -1)
+    return q, scale, s
+
+
+@torch.library.custom_op("fuseinfer::add_layer_norm_quant", mutates_args=())
+def _add_layer_norm_quant(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, bias: torch.Tensor | None,
+    eps: float, store_sum: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _contiguous(x, *add_layer_norm_quant_ref(x, residual, weight, bias, eps, store_sum))
+
+
+def _contiguous(x, q, scale, s):
+    """Outputs contiguous, as the kernel returns them, and never an input (s is x itself without a residual)."""
+    return q.contiguous(), scale.contiguous(), (s.clone(memory_format=torch.contiguous_format) if s is x
+                                                else s.contiguous())
+
+
+@_add_layer_norm_quant.register_kernel("cuda")
+def _add_layer_norm_quant_cuda(x, residual, weight, bias, eps, store_sum):
+    ext = extension(x.device)
+    if (ext is None or x.dtype not in KERNEL_DTYPES or not hasattr(ext, "add_layer_norm_quant")
+            or x.shape[-1] > MAX_N):
+        return _contiguous(x, *add_layer_norm_quant_ref(x, residual, weight, bias, eps, store_sum))
+    return ext.add_layer_norm_quant(x.contiguous(), None if residual is None else residual.contiguous(),
+                                    None if weight is None else weight.contiguous(),
+                                    None if bias is None else bias.contiguous(), eps, store_sum)
+
+
+@_add_layer_norm_quant.register_fake
+def _(x, residual, weight, bias, eps, store_sum):
+    return (torch.empty_like(x, dtype=torch.int8, memory_format=torch.contiguous_format),
+            x.new_empty(*x.shape[:-1], 1, dtype=torch.float32),
+            x.new_empty(x.shape) if store_sum else x.new_empty(0))
+
+
+def add_layer_norm_quant(x, residual=None, weight=None, bias=None, eps: float = 1e-5, store_sum: bool = False):
+    """Fused residual add + LayerNorm + per-token int8 quantisation over the last dim -> ``(q, scale, s)``.
+    Not differentiable (int8 output)."""
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise FuseInferError(f"add_layer_norm_quant: residual must have x's shape and dtype {tuple(x.shape)} "
+                             f"{x.dtype}, got {tuple(residual.shape)} {residual.dtype}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (t.shape != x.shape[-1:] or t.dtype != x.dtype):
+            raise FuseInferError(f"add_layer_norm_quant: {name} must be ({x.shape[-1]},) in {x.dtype}, got "
+                                 f"{tuple(t.shape)} {t.dtype}")
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise FuseInferError(f"add_layer_norm_quant: x must be (..., N) with N > 0, got {tuple(x.shape)}")
+    args = (x, residual, weight, bias, eps, store_sum)
+    if transformed():
+        return add_layer_norm_quant_ref(*args)
+    if eager_cuda(x, residual, weight, bias):  # (skips the dispatcher's Python layer, as the other ops do)
+        return _add_layer_norm_quant_cuda(*args)
+    return torch.ops.fuseinfer.add_layer_norm_quant(*args)
