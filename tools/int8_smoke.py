@@ -1,11 +1,15 @@
 """Runs each int8 CUDA kernel once on small odd shapes (decode GEMV fp16/bf16 with one and two n-tiles, with and
 without a K tail, each epilogue; the prefill dequantize + GEMM; row quantize; dequantize) and a small W8A16 model;
 the target of compute-sanitizer (memcheck, racecheck, synccheck) in tools/gpu_stage_int8.sh."""
+import sys
+from pathlib import Path
+
 import torch
 
 import fuseinfer
 from fuseinfer import ops
-from tests.conftest import random_opt
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from conftest import random_opt  # noqa: E402
 
 assert torch.cuda.is_available()
 torch.manual_seed(0)

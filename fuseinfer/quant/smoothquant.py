@@ -250,7 +250,7 @@ def smoothing_plan(model) -> tuple[list[SmoothGroup], list[tuple[str, str]]]:
 def smoothing_factors(act_max: torch.Tensor, weights: list[torch.Tensor], alpha: float) -> torch.Tensor:
     """s (K,) fp32 = max|X_j|^alpha / max|W[:, j]|^(1 - alpha) over the linears ``weights`` (each (N_i, K))."""
     w_max = torch.stack([w.detach().float().abs().amax(0) for w in weights]).amax(0)  # (K,)
-    a = act_max.float().clamp_min(MIN_SCALE)
+    a = act_max.float().to(w_max.device).clamp_min(MIN_SCALE)
     s = a.pow(alpha) / w_max.clamp_min(MIN_SCALE).pow(1 - alpha)
     return s.clamp_min(MIN_SCALE)
 

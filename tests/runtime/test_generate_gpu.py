@@ -68,6 +68,12 @@ def test_middle_path_replays_a_graph_per_decode_step(tiny_model_path):
     tok = AutoTokenizer.from_pretrained(tiny_model_path, padding_side="left")
     enc = tok(PROMPTS, return_tensors="pt", padding=True).to("cuda")
     fuseinfer.patch(model)
-    model.generate(**enc, max_new_tokens=8, num_beams=2)
-    graph = model.__dict__["_fuseinfer_sessions"][("hf", 8)]
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Identity(LogitsProcessor):  # a custom processor: transformers' loop, the fused forward (beams: see below)
+        def __call__(self, input_ids, scores):
+            return scores
+
+    model.generate(**enc, max_new_tokens=8, logits_processor=LogitsProcessorList([Identity()]))
+    graph = model.__dict__["_fuseinfer_sessions"][("hf", enc.input_ids.shape[0])]
     assert graph.graph is not None  # captured at the first decode step
