@@ -103,7 +103,9 @@ setup(
     packages=find_packages(include=["fuseinfer", "fuseinfer.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "transformers>=5.17,<5.24", "safetensors", "rich", "numpy"],
-    extras_require={"test": ["pytest>=8", "matplotlib", "hypothesis>=6", "onnx>=1.16", "onnxruntime>=1.20"],
+    extras_require={"test": ["pytest>=8", "matplotlib", "hypothesis>=6", "onnx>=1.16", "onnxruntime>=1.20",
+                             "onnxscript", "accelerate>=1.0"],
+                    "multi-gpu": ["accelerate>=1.0"],
                     "plot": ["matplotlib"],
                     "export": ["onnx>=1.16", "onnxruntime>=1.20"],  # CUDA: onnxruntime-gpu instead
                     # attention_backend="flash_attn" (docs/attention_backends.md): flash-attn-4 and its deps, pinned;
