@@ -8,7 +8,7 @@ from ._ext import cuda_extension_available, extension_status
 from .config import OPS, PatchConfig, PatchReport
 from .errors import FuseInferError
 from .patching import patch, unpatch
-from .quant import Int8WeightOnly, QuantConfig, load_quantized, save_quantized
+from .quant import Int8WeightOnly, QuantConfig, SmoothQuantW8A8, load_quantized, save_quantized
 from .runtime import generate
 from .runtime.prefill import prefill
 from .state import patch_report, patch_state
@@ -16,7 +16,7 @@ from .state import patch_report, patch_state
 __version__ = "0.2.0"
 
 __all__ = [
-    "OPS", "FuseInferError", "Int8WeightOnly", "PatchConfig", "PatchReport", "QuantConfig", "cuda_extension_available",
+    "OPS", "FuseInferError", "Int8WeightOnly", "PatchConfig", "PatchReport", "QuantConfig", "SmoothQuantW8A8", "cuda_extension_available",
     "extension_status", "generate", "load_quantized", "patch", "patch_report", "patch_state", "prefill", "save_quantized",
     "unpatch", "__version__",
 ]

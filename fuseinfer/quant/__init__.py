@@ -5,9 +5,9 @@
 
 See docs/quantization.md.
 """
-from .config import Int8WeightOnly, QuantConfig
+from .config import Int8WeightOnly, QuantConfig, SmoothQuantW8A8
 
-__all__ = ["Int8WeightOnly", "QuantConfig", "load_quantized", "save_quantized"]
+__all__ = ["Int8WeightOnly", "QuantConfig", "SmoothQuantW8A8", "load_quantized", "save_quantized"]
 
 
 def save_quantized(model, directory):

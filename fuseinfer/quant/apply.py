@@ -7,10 +7,11 @@ family's patch left it, for input it cannot quantize.
 from __future__ import annotations
 
 from ..errors import FuseInferError
-from .config import Int8WeightOnly, QuantConfig
+from .config import Int8WeightOnly, QuantConfig, SmoothQuantW8A8
+from .w8a8 import quantize_w8a8
 from .weight_only import quantize_weight_only
 
-HANDLERS = {Int8WeightOnly: quantize_weight_only}
+HANDLERS = {Int8WeightOnly: quantize_weight_only, SmoothQuantW8A8: quantize_w8a8}
 
 
 def quantize(config: QuantConfig, model, report):

@@ -6,6 +6,7 @@ quantizes, which the patch engine calls once, after the model family's swaps (an
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from ..errors import FuseInferError
@@ -59,3 +60,48 @@ class Int8WeightOnly(QuantConfig):
         return {**super().describe(), "bits": 8, "symmetric": True, "granularity": "per_output_channel",
                 "scale_dtype": "float32", "rounding": "half_to_even", "weight_layout": "int8 (N, K), scale (N,)",
                 "qkv": "fused (3E, E) when patch fuses q/k/v"}
+
+
+@dataclass(frozen=True)
+class SmoothQuantW8A8(QuantConfig):
+    """W8A8 with SmoothQuant (Xiao et al. 2022; ``fuseinfer/quant/smoothquant.py``): the decoder linears (q/k/v,
+    out_proj, fc1, fc2) get int8 weights (per output channel, symmetric) and int8 activations (per token, dynamic),
+    after the activation outliers are moved into the weights by the smoothing factors
+    ``s_j = max|X_j|^alpha / max|W[:, j]|^(1 - alpha)`` (folded into the LayerNorms / producing linears).
+
+    alpha: migration strength in [0, 1] (0.5, the paper's choice for OPT; 0 = no smoothing, naive W8A8).
+    calibration: the activation maxima: a ``CalibrationStats`` (``smoothquant.calibrate``), a path to saved stats
+      (``*.safetensors``), a calibration text file or a folder holding wiki.valid.raw; None: $FUSEINFER_DATA_DIR's
+      wiki.valid.raw. Text is calibrated on the model at ``patch`` time (``samples`` windows of ``seq_len`` tokens).
+    tokenizer: the tokenizer for calibration text; None loads the model's own (``config.name_or_path``).
+    """
+
+    alpha: float = 0.5
+    calibration: object = None
+    samples: int = 128
+    seq_len: int = 512
+    tokenizer: object = field(default=None, repr=False, compare=False)
+
+    scheme = "smoothquant_w8a8"
+
+    def __post_init__(self):
+        super().__post_init__()
+        from .smoothquant import CalibrationStats, check_alpha
+
+        check_alpha(self.alpha)
+        for name in ("samples", "seq_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "samples" else 2):
+                raise FuseInferError(f"SmoothQuantW8A8 {name} must be an integer >= {1 if name == 'samples' else 2}, "
+                                     f"got {v!r}")
+        if self.calibration is not None and not isinstance(self.calibration, (str, os.PathLike, CalibrationStats)):
+            raise FuseInferError(f"SmoothQuantW8A8 calibration= must be None (wiki.valid.raw from "
+                                 f"$FUSEINFER_DATA_DIR), a text file / folder / saved-stats path, or a "
+                                 f"CalibrationStats, got {type(self.calibration).__name__}")
+        if self.include_lm_head:
+            raise FuseInferError("SmoothQuantW8A8 quantizes the decoder linears only (the LM head's input is the "
+                                 "final LayerNorm's, not calibrated): use include_lm_head=False")
+
+    def describe(self) -> dict:
+        return {**super().describe(), "bits": 8, "alpha": self.alpha, "weights": "int8 per output channel, symmetric",
+                "activations": "int8 per token, dynamic, symmetric", "qkv": "fused (3E, E) when patch fuses q/k/v"}

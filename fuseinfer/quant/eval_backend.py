@@ -47,3 +47,23 @@ class FuseInferW8A16Backend(FuseInferBackend):
         return {**super().details(), "quant_scheme": quant.scheme, "quantized_weights": len(quant.entries),
                 "quant_bytes_saved": quant.bytes_saved, "weight_bytes_per_token": self.weight_bytes,
                 "weight_bytes_per_token_fp": self.stats.weight_bytes_per_token}
+
+
+class FuseInferW8A8Backend(FuseInferW8A16Backend):
+    """fuseinfer with SmoothQuant W8A8 (alpha 0.5): int8 weights and per-token int8 activations. Calibration text:
+    wiki.valid.raw of $FUSEINFER_DATA_DIR (the WikiText-2 folder), 128 windows of 512 tokens, calibrated at
+    prepare time with the model's own tokenizer (its directory / hub cache); the calibration time is in details()."""
+
+    name = "fuseinfer-w8a8"
+    summary = "fuseinfer.patch + SmoothQuantW8A8: int8 weights and activations (SmoothQuant alpha 0.5)"
+
+    def prepare(self):
+        self.report = fuseinfer.patch(self.model, fuseinfer.PatchConfig(quant=fuseinfer.SmoothQuantW8A8()))
+        self.decode = "not run"
+        self.weight_bytes = weight_bytes_per_token(self.model)
+
+    def details(self):
+        quant = self.report.quant
+        return {**super().details(), "quant_alpha": quant.smoothing.alpha if quant.smoothing else None,
+                "calibration_source": quant.calibration_source, "calibration_samples": quant.calibration_samples,
+                "calibration_seconds": round(quant.calibration_seconds, 3)}

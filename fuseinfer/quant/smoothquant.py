@@ -42,6 +42,7 @@ from torch import nn
 from ..errors import FuseInferError
 from ..ops.int8_gemm import OUT_DTYPES, w8a8_linear
 from ..ops.quant import quantize_int8_ref, quantize_per_token
+from .linear import QuantizedLinear
 
 CALIBRATION_FILE = "wiki.valid.raw"
 DATA_DIR_ENV = "FUSEINFER_DATA_DIR"
@@ -313,7 +314,7 @@ def w8a8_forward(x_int8, x_scale, w_int8, w_scale, bias=None, residual=None, act
     return w8a8_linear(x_int8, x_scale, w_int8, w_scale, bias, residual, activation, out_dtype)
 
 
-class W8A8Linear(nn.Module):
+class W8A8Linear(QuantizedLinear):
     """An nn.Linear with int8 weights (per output channel, symmetric, round half to even) whose input is quantised
     per token at run time (dynamic). ``forward(x)`` replaces the linear as is; ``fused(x, residual, activation)`` is
     the call the patched forwards make (the int8 weight-only branch's ``fused_linear`` protocol), with the residual

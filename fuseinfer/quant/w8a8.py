@@ -1,0 +1,214 @@
+"""SmoothQuant W8A8 (``SmoothQuantW8A8``) through ``patch``: calibrate, smooth, swap the linears, and undo it.
+
+Runs after the model family's swaps (``patching.patch``), in this order, every check before the first change:
+
+1. the calibration statistics: given (``CalibrationStats`` or a saved ``.safetensors``), or measured now with
+   ``smoothquant.calibrate`` on calibration text. The fused forwards read the linears' weights instead of calling
+   them, so the calibration hooks would see nothing; a no-op global module forward hook is registered meanwhile,
+   under which every fused module runs its original forward (``patches/opt.py: _original_forward``), calling each
+   ``nn.Linear`` (the q/k/v weights are views of the fused (3E, E) buffer, so the numbers are the same);
+2. ``smoothquant.smooth`` (checks the statistics against the model first; post-LN OPT: only fc2's and out_proj's
+   inputs, as ``smoothing_plan`` says); smoothing writes the q/k/v rows in place, so the (3E, E) buffer follows;
+3. the linears of the swapped modules become :class:`~fuseinfer.quant.smoothquant.W8A8Linear` (int8 weights per
+   output channel, activations quantized per token at run time), which ``fused_linear`` dispatches; the fused q/k/v
+   becomes one (3E, E) W8A8Linear ``self_attn.qkv_proj`` with :class:`W8A8QKVSlice` views as q/k/v_proj.
+
+``keep_original="cpu"`` keeps host copies of every tensor smoothing or quantization replaces (the LayerNorms', the
+linears'), so ``unpatch`` restores the model bit for bit; otherwise ``unpatch`` refuses.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import FuseInferError
+from ..ops.quant import quantize_int8_ref, quantize_per_token
+from .linear import QuantizedLinear
+from .smoothquant import CalibrationStats, SmoothReport, W8A8Linear, _decoder_layers, calibrate, smooth, \
+    smoothing_plan, w8a8_forward
+from .weight_only import QuantEntry, QuantReport, WeightOnlyState, _placeholder, _targets
+
+
+@dataclass
+class W8A8Report(QuantReport):
+    """``PatchReport.quant`` for SmoothQuant W8A8: the weights (as QuantReport), the smoothing, the calibration."""
+
+    smoothing: SmoothReport | None = None
+    calibration_source: str = ""
+    calibration_samples: int = 0
+    calibration_seconds: float = 0.0  # 0 when the statistics were given
+
+    def __str__(self) -> str:
+        how = f"measured in {self.calibration_seconds:.2f} s" if self.calibration_seconds else "given"
+        lines = [super().__str__(),
+                 f"  calibration: {self.calibration_samples} sample(s) from {self.calibration_source} ({how})"]
+        if self.smoothing is not None:
+            lines += ["  " + line for line in self.smoothing.summary().splitlines()]
+        return "\n".join(lines)
+
+
+class W8A8QKVSlice(nn.Module):
+    """q_proj / k_proj / v_proj of an attention module whose q/k/v are one (3E, E) W8A8Linear (``qkv_proj``): rows
+    [index * E, (index + 1) * E) of it, for the original forward (training mode, global hooks). No tensor of its
+    own; ``weight`` / ``bias`` registered as None (see ``quant.linear.QKVSlice``)."""
+
+    def __init__(self, qkv: W8A8Linear, index: int, embed_dim: int):
+        super().__init__()
+        object.__setattr__(self, "_qkv", qkv)  # a sibling, not a child
+        self.index, self.embed_dim = index, embed_dim
+        self.register_parameter("weight", None)
+        self.register_parameter("bias", None)
+
+    def forward(self, x):  # (..., E) -> (..., E)
+        rows = slice(self.index * self.embed_dim, (self.index + 1) * self.embed_dim)
+        q = self._qkv
+        xq, xs = quantize_per_token(x)  # (..., E) int8, (..., 1) fp32
+        bias = None if q.bias is None else q.bias[rows].to(x.dtype)
+        return w8a8_forward(xq, xs, q.weight_q[rows], q.weight_scale[rows], bias, None, "none", x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"rows {self.index * self.embed_dim}:{(self.index + 1) * self.embed_dim} of the W8A8 qkv_proj"
+
+
+@contextlib.contextmanager
+def _original_forwards():
+    """Every fused module runs its original forward (calling its nn.Linear children) while a global module hook is
+    registered; this one does nothing."""
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _tokenizer(model, config):
+    if config.tokenizer is not None:
+        return config.tokenizer
+    path = getattr(getattr(model, "config", None), "name_or_path", "")
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise FuseInferError(f"calibration text needs the model's tokenizer, which could not be loaded from "
+                             f"{path!r} ({type(exc).__name__}): pass SmoothQuantW8A8(tokenizer=...) or "
+                             "calibration=CalibrationStats") from None
+
+
+def _stats(model, config) -> tuple[CalibrationStats, float]:
+    """(statistics, seconds spent calibrating; 0 when given)."""
+    cal = config.calibration
+    if isinstance(cal, CalibrationStats):
+        return cal, 0.0
+    if cal is not None and Path(cal).suffix == ".safetensors":
+        return CalibrationStats.load(cal), 0.0
+    from .smoothquant import calibration_text
+
+    calibration_text(cal)  # no calibration data: the error naming calibration=, before the tokenizer is loaded
+    tok = _tokenizer(model, config)
+    t0 = time.perf_counter()
+    with _original_forwards(), torch.no_grad():
+        stats = calibrate(model, tok, cal, samples=config.samples, seq_len=config.seq_len)
+    return stats, time.perf_counter() - t0
+
+
+def _kept(t: torch.Tensor | None, keep) -> torch.Tensor | None:
+    return None if t is None or keep != "cpu" else t.detach().to("cpu", copy=True)
+
+
+@dataclass
+class W8A8State(WeightOnlyState):
+    """WeightOnlyState's linears and q/k/v, plus the LayerNorm parameters smoothing changed: (param, kept copy)."""
+
+    params: list = field(default_factory=list)
+
+    def undo(self, model: nn.Module) -> None:
+        self.check_undo()
+        from ..patches.opt import _link_qkv
+
+        for param, kept in self.params:  # every Parameter smoothing or quantization changed
+            param.data = kept.to(param.device)
+        for parent, attr, original, _, _ in reversed(self.linears):
+            setattr(parent, attr, original)
+        for attn, projs, _ in reversed(self.qkvs):
+            attn._modules.pop("qkv_proj")
+            q, k, v = projs
+            bias = None if q.bias is None else torch.cat([q.bias, k.bias, v.bias])  # (3E,)
+            attn.register_buffer("qkv_weight", torch.cat([q.weight, k.weight, v.weight]), persistent=False)
+            attn.register_buffer("qkv_bias", bias, persistent=False)
+            for name, proj in zip(("q_proj", "k_proj", "v_proj"), projs):
+                setattr(attn, name, proj)
+            _link_qkv(attn)  # the projections' weights and biases become views of the buffers again
+
+
+def _quantize(w: torch.Tensor, bias: torch.Tensor | None) -> W8A8Linear:
+    with torch.no_grad():
+        q, scale = quantize_int8_ref(w.detach(), -1)  # (N, K) int8, (N, 1) fp32
+    return W8A8Linear(q, scale, None if bias is None else bias.detach().clone())
+
+
+def quantize_w8a8(model: nn.Module, config, report) -> W8A8State:
+    """SmoothQuant W8A8 of the swapped modules' linears (see the module docstring); returns the state."""
+    for n, m in model.named_modules():
+        if isinstance(m, (QuantizedLinear, W8A8QKVSlice)):
+            raise FuseInferError(f"this model is already quantized ({n} is a {type(m).__name__}): load the "
+                                 "unquantized model to quantize it with SmoothQuantW8A8")
+    _decoder_layers(model)  # OPT only
+    targets = _targets(model, config, report)
+    if not targets:
+        raise FuseInferError("nothing to quantize: the PatchConfig's ops and filter_fn left no decoder linear "
+                             "patched; select at least one decoder layer or attention module")
+    keep = config.keep_original
+    stats, seconds = _stats(model, config)
+    # every Parameter smoothing or quantization changes (LayerNorms, producing linears, quantized linears; the
+    # q/k/v ones are views of the (3E, E) buffer, rebuilt from them on undo), kept before the first change
+    kept_params = {}
+    if keep == "cpu":
+        modules = dict(model.named_modules())
+        groups, _ = smoothing_plan(model)
+        owners = [modules[g.source] for g in groups] + [modules[n] for g in groups for n in g.targets]
+        owners += [t.parent._modules[t.attr] for t in targets if t.attr]
+        owners += [t.parent._modules[n] for t in targets if not t.attr for n in ("q_proj", "k_proj", "v_proj")]
+        for m in owners:
+            for p in (m.weight, m.bias):
+                if p is not None and id(p) not in kept_params:
+                    kept_params[id(p)] = (p, _kept(p, keep))
+    smoothing = smooth(model, stats, config.alpha)
+    qreport = W8A8Report(config.scheme, kept_original=keep, smoothing=smoothing, calibration_source=stats.source,
+                         calibration_samples=stats.samples, calibration_seconds=seconds)
+    state = W8A8State(config, params=list(kept_params.values()))
+    for t in targets:
+        if t.attr:
+            lin = t.parent._modules[t.attr]
+            w = lin.weight
+            new = _quantize(w, lin.bias)
+            before = w.numel() * w.element_size()
+            state.linears.append((t.parent, t.attr, lin, None, False))
+            setattr(t.parent, t.attr, new)
+            lin.weight.data = _placeholder(w)
+        else:
+            attn = t.parent
+            w = attn.qkv_weight  # (3E, E), smoothed in place through the q/k/v views
+            new = _quantize(w, attn.qkv_bias)
+            before = w.numel() * w.element_size()
+            projs = tuple(attn._modules[n] for n in ("q_proj", "k_proj", "v_proj"))
+            state.qkvs.append((attn, projs, None))
+            attn.qkv_proj = new
+            embed = w.shape[0] // 3
+            for i, (name, proj) in enumerate(zip(("q_proj", "k_proj", "v_proj"), projs)):
+                setattr(attn, name, W8A8QKVSlice(new, i, embed))
+                proj.weight.data = _placeholder(w)
+                if proj.bias is not None:
+                    proj.bias.data = _placeholder(w)
+            attn.register_buffer("qkv_weight", None, persistent=False)
+            attn.register_buffer("qkv_bias", None, persistent=False)
+            attn._fuseinfer_qkv_params = (None,) * 6
+        after = new.weight_q.numel() + 4 * new.weight_scale.numel()
+        qreport.entries.append(QuantEntry(t.name, tuple(new.weight_q.shape), before, after))
+    report.quant = qreport
+    return state
