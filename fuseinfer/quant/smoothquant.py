@@ -334,6 +334,14 @@ class W8A8Linear(QuantizedLinear):
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(q, scale, bias)
 
+    def _apply(self, fn, recurse=True):
+        """``model.half()`` / ``.to(dtype)`` convert every floating-point tensor: the weight scales stay fp32 (the
+        kernel's format; a round trip through fp16 may round them)."""
+        super()._apply(fn, recurse)
+        if self.weight_scale.dtype != torch.float32 and not self.weight_scale.is_meta:
+            self.weight_scale = self.weight_scale.float()
+        return self
+
     def dequantized_weight(self, dtype=torch.float32) -> torch.Tensor:
         return (self.weight_q.float() * self.weight_scale).to(dtype)
 
