@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from fuseinfer.profile import ProfileError, profile
 from fuseinfer.profile.trace import analyze, load_events
