@@ -21,16 +21,8 @@ stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(build test sanitize)
 status=0
 
-run() {  # run NAME CMD...: logs to $OUT/NAME.log, remembers failure
-  local name=$1; shift
-  echo "=== $name: $*"
-  local t0=$SECONDS
-  "$@" 2>&1 | tee "$OUT/$name.log"
-  local rc=${PIPESTATUS[0]}
-  echo "=== $name: exit $rc after $((SECONDS - t0)) s"
-  [ "$rc" -eq 0 ] || status=1
-  return "$rc"
-}
+RUN_LOGS="$OUT"
+. tools/gpu_run.sh  # run NAME CMD...: logs to $RUN_LOGS/NAME.log, remembers failure
 
 finish() {  # finish CODE: pack $OUT into one file (the device tool returns few), print the summary, exit CODE
   (cd "$OUT" && tar czf /tmp/gpu_check.tar.gz . && rm -rf ./* && mv /tmp/gpu_check.tar.gz .)

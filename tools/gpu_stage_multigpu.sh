@@ -20,16 +20,8 @@ export FUSEINFER_BENCH_DIR=${FUSEINFER_BENCH_DIR:-$OUT/bench}
 mkdir -p "$FUSEINFER_BENCH_DIR"
 status=0
 
-run() {  # run NAME CMD...: logs to $OUT/NAME.log, remembers failure
-  local name=$1; shift
-  echo "=== $name: $*"
-  local t0=$SECONDS
-  "$@" 2>&1 | tee "$OUT/$name.log"
-  local rc=${PIPESTATUS[0]}
-  echo "=== $name: exit $rc after $((SECONDS - t0)) s"
-  [ "$rc" -eq 0 ] || status=1
-  return "$rc"
-}
+RUN_LOGS="$OUT"
+. tools/gpu_run.sh  # run NAME CMD...: logs to $RUN_LOGS/NAME.log, remembers failure
 
 finish() {
   (cd "$OUT" && tar czf /tmp/multigpu.tar.gz --exclude multigpu.tar.gz . && find . -mindepth 1 ! -name multigpu.tar.gz -delete &&

@@ -15,15 +15,8 @@ export FUSEINFER_BENCH_DIR=${FUSEINFER_BENCH_DIR:-$OUT/prefill/bench}
 export PYTHONUNBUFFERED=1
 status=0
 
-run() {  # run NAME CMD...: logs to $OUT/prefill/NAME.log, remembers failure
-  local name=$1; shift
-  echo "=== $name: $*"
-  local t0=$SECONDS
-  "$@" 2>&1 | tee "$OUT/prefill/$name.log"
-  local rc=${PIPESTATUS[0]}
-  echo "=== $name: exit $rc after $((SECONDS - t0)) s"
-  [ "$rc" -eq 0 ] || status=1
-}
+RUN_LOGS="$OUT/prefill"
+. tools/gpu_run.sh  # run NAME CMD...: logs to $RUN_LOGS/NAME.log, remembers failure
 
 python3 -c 'import fuseinfer._C' || { echo "fuseinfer._C is not built: run tools/gpu_check.sh build first"; exit 2; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/prefill/gpu.txt"

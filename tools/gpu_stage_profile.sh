@@ -15,16 +15,8 @@ mkdir -p "$P"
 export PYTHONUNBUFFERED=1
 status=0
 
-run() {  # run NAME CMD...: logs to $P/NAME.log, remembers failure
-  local name=$1; shift
-  echo "=== $name: $*"
-  local t0=$SECONDS
-  "$@" 2>&1 | tee "$P/$name.log"
-  local rc=${PIPESTATUS[0]}
-  echo "=== $name: exit $rc after $((SECONDS - t0)) s"
-  [ "$rc" -eq 0 ] || status=1
-  return "$rc"
-}
+RUN_LOGS="$P"
+. tools/gpu_run.sh  # run NAME CMD...: logs to $RUN_LOGS/NAME.log, remembers failure
 
 MODEL=random:opt-1.3b
 run profile_prefill python3 -m fuseinfer.profile --model $MODEL --backend fuseinfer --compare eager --phase prefill \
