@@ -17,26 +17,16 @@ import argparse
 import copy
 import gc
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import measure_ceilings, percentile_stats, write_results  # noqa: E402
+from common import measure_ceilings, percentile_stats, wall_ms, write_results  # noqa: E402
 
 import fuseinfer  # noqa: E402
 from fuseinfer.eval.metrics import decode_bytes_per_step  # noqa: E402
 from fuseinfer.eval.models import load_config, load_model, model_stats, resolve_model  # noqa: E402
-
-
-def wall_ms(fn) -> float:
-    """Wall time of fn() in ms, synchronised before and after."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def ms_per_token(gen, ids, new_tokens: int, repeats: int) -> dict:

@@ -26,21 +26,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import measure_ceilings, write_results  # noqa: E402
+from common import event_ms, measure_ceilings, write_results  # noqa: E402
 
 import fuseinfer  # noqa: E402
 from fuseinfer.eval.models import load_config, load_model, resolve_model  # noqa: E402
-
-
-def event_ms(fn) -> float:
-    """GPU time of fn() in ms between two CUDA events (host synchronised after)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def main() -> None:

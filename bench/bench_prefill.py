@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_ms, measure_ceilings, percentile_stats, write_results  # noqa: E402
+from common import bench_ms, event_ms, measure_ceilings, percentile_stats, wall_ms, write_results  # noqa: E402
 
 import fuseinfer  # noqa: E402
 from fuseinfer.eval.models import load_config, load_model, model_stats, resolve_model  # noqa: E402
@@ -44,25 +44,6 @@ from fuseinfer.runtime import prefill as pf  # noqa: E402
 from fuseinfer.runtime.decode import Sampling, decode_forward, session_for  # noqa: E402
 
 TARGETS_MS = {(1, 128): 1.3, (1, 512): 2.8}  # issue 41, H100
-
-
-def event_ms(fn) -> float:
-    """One call's time in ms by CUDA events, the GPU idle before it."""
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)
-
-
-def wall_ms(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def gemm_floor_ms(cfg, b: int, s: int) -> tuple[float, float]:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
 
-from fuseinfer.eval.timing import copy_bandwidth_gbps, summarize
+from fuseinfer.eval.timing import copy_bandwidth_gbps, summarize, time_call
 
 RESULTS_DIR = Path(os.environ.get("FUSEINFER_BENCH_DIR", Path(__file__).resolve().parent / "results"))
 
@@ -92,6 +93,20 @@ def graph_calls_ms(groups: dict, rounds: int = 5, replays: int = 10, warmup_ms: 
                 torch.cuda.synchronize()
                 times[name].append(start.elapsed_time(end) / n_calls)
     return {name: percentile_stats(t) for name, t in times.items()}
+
+
+def wall_ms(fn) -> float:
+    """Wall time of fn() in ms, the GPU synchronised before and after (host work included, e.g. a generate call's)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def event_ms(fn) -> float:
+    """GPU time of one fn() call in ms by CUDA events, the GPU idle before it (fuseinfer.eval.timing.time_call)."""
+    return time_call(fn, torch.device("cuda"))
 
 
 def percentile_stats(times: list) -> dict:
