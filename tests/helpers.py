@@ -141,3 +141,16 @@ def wgmma_available() -> bool:
     """Whether this GPU and build run the sm_90 wgmma attention prefill."""
     import fuseinfer
     return torch.cuda.get_device_capability() == (9, 0) and fuseinfer.cuda_extension_available()
+
+
+def state(model) -> dict:
+    """A copy of the model's state dict (to check later that a refused call left the model untouched)."""
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_state(model, before: dict) -> None:
+    """The model's tensors are bit for bit those of ``before`` (a ``state(model)`` taken earlier)."""
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for k in before:
+        assert torch.equal(after[k], before[k]), k

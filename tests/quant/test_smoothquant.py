@@ -12,6 +12,7 @@ import torch
 from fuseinfer import FuseInferError
 from fuseinfer.quant import smoothquant as sq
 from conftest import WIKITEXT, random_opt
+from helpers import assert_same_state, state
 
 SEQ_LEN, WINDOWS = 2048, 2        # GPTQ protocol windows of the tiny model's full context, a few to stay fast
 CAL_SAMPLES, CAL_SEQ_LEN = 8, 512  # calibration on the validation split
@@ -27,17 +28,6 @@ def fake_stats(model, seed=0, outliers=True):
             a[:3] *= 50
         act[name] = a
     return sq.CalibrationStats(act, 1, 8, "fake")
-
-
-def state(model):
-    return {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def assert_same_state(model, before):
-    after = model.state_dict()
-    assert after.keys() == before.keys()
-    for k in before:
-        assert torch.equal(after[k], before[k]), k
 
 
 @pytest.mark.parametrize("variant", ["pre_ln", "post_ln"])

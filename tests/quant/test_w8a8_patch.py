@@ -13,6 +13,7 @@ import fuseinfer
 from fuseinfer import FuseInferError, PatchConfig, SmoothQuantW8A8
 from fuseinfer.quant import smoothquant as sq
 from conftest import WIKITEXT
+from helpers import assert_same_state, state
 
 CAL = dict(samples=2, seq_len=128)
 
@@ -27,17 +28,6 @@ def tiny(tiny_model_path):
     model = OPTForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     stats = sq.calibrate(model, tok, data_dir=WIKITEXT, **CAL)
     return model, tok, stats
-
-
-def state(model):
-    return {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def assert_same_state(model, before):
-    after = model.state_dict()
-    assert after.keys() == before.keys()
-    for k in before:
-        assert torch.equal(after[k], before[k]), k
 
 
 def logits(model, ids):

@@ -11,6 +11,7 @@ from torch import nn
 import fuseinfer
 from fuseinfer import FuseInferError, Int8WeightOnly, PatchConfig
 from fuseinfer.quant.linear import Int8WeightOnlyLinear, QKVSlice
+from helpers import state
 from tests.conftest import VARIANTS, random_opt
 
 QUANT = PatchConfig(quant=Int8WeightOnly())
@@ -36,10 +37,6 @@ def fake_quant_model(model, include_lm_head=False):
         if include_lm_head:
             ref.lm_head.weight = nn.Parameter(fake_quant(ref.lm_head.weight))
     return ref
-
-
-def state(model):
-    return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
