@@ -28,8 +28,12 @@ class FuseInferW8A16Backend(FuseInferBackend):
     name = "fuseinfer-w8a16"
     summary = "fuseinfer.patch + Int8WeightOnly: int8 weights, W8A16 kernels; static cache + CUDA-graph decode"
 
+    @staticmethod
+    def quant_config():
+        return fuseinfer.Int8WeightOnly()
+
     def prepare(self):
-        self.report = fuseinfer.patch(self.model, fuseinfer.PatchConfig(quant=fuseinfer.Int8WeightOnly()))
+        self.report = fuseinfer.patch(self.model, fuseinfer.PatchConfig(quant=self.quant_config()))
         self.decode = "not run"
         self.weight_bytes = weight_bytes_per_token(self.model)
 
@@ -57,10 +61,9 @@ class FuseInferW8A8Backend(FuseInferW8A16Backend):
     name = "fuseinfer-w8a8"
     summary = "fuseinfer.patch + SmoothQuantW8A8: int8 weights and activations (SmoothQuant alpha 0.5)"
 
-    def prepare(self):
-        self.report = fuseinfer.patch(self.model, fuseinfer.PatchConfig(quant=fuseinfer.SmoothQuantW8A8()))
-        self.decode = "not run"
-        self.weight_bytes = weight_bytes_per_token(self.model)
+    @staticmethod
+    def quant_config():
+        return fuseinfer.SmoothQuantW8A8()
 
     def details(self):
         quant = self.report.quant
