@@ -86,7 +86,7 @@ class _Plan:
 def _structure_reason(model: nn.Module) -> str | None:
     """Why the lean loop cannot stand in for ``model``'s patched modules (checked once per model), or None."""
     from ..config import OPS
-    from ..patches import hf_attention
+    from ..patches import attention_backend, hf_attention
     from ..patches.opt import FusedLayerNorm, FusedOPTAttention, FusedOPTDecoderLayer
 
     state = patch_state(model)
@@ -94,9 +94,8 @@ def _structure_reason(model: nn.Module) -> str | None:
         return "the lean prefill needs a model patched with every op and no filter_fn: call fuseinfer.patch(model)"
     if state.config.quant is not None:
         return "a quantized model runs its patched modules (their int8 linears)"
-    if state.config.attention_backend not in ("auto", "fuseinfer") or any(
-            set(getattr(m, "__dict__", {}).get("_fuseinfer_attn_backends", {}).values()) - {"fuseinfer"}
-            for m in model.modules()):
+    backends = {n for m in model.modules() for n in m.__dict__.get(attention_backend.ATTR, {}).values()}
+    if backends - {"fuseinfer"}:  # (what patch resolved the config's backend to, per phase)
         return f"attention_backend={state.config.attention_backend!r} runs in the patched modules"
     if model.__class__.__name__ != "OPTForCausalLM":  # (__class__: a weak proxy's is its referent's)
         return f"the lean prefill needs an OPTForCausalLM, got {model.__class__.__name__}"
