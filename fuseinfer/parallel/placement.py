@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import types
-from collections import Counter
 
 import torch
 from torch import nn
@@ -170,14 +169,6 @@ def _inherited_device(model: nn.Module, name: str) -> torch.device | None:
             if dev is not None:
                 return torch.device(f"cuda:{dev}" if isinstance(dev, int) else dev)
     return None
-
-
-def summary(where: dict[str, str]) -> list[str]:
-    """Report lines: how many patched / skipped modules run where."""
-    if "tensor_parallel" in where:
-        return [f"  tensor parallel: {where['tensor_parallel']}"]
-    counts = Counter(where.values())
-    return ["  placement (accelerate): " + ", ".join(f"{n} module(s) on {dev}" for dev, n in sorted(counts.items()))]
 
 
 # ---- fast decode on placed models -----------------------------------------------------------------------------
