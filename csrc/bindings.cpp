@@ -2,6 +2,9 @@
 #include "fuseinfer.h"
 #include "quant.h"
 
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fuseinfer CUDA kernels; call through the fuseinfer::* torch.library ops, not directly";
   m.def("add_layer_norm", &fuseinfer::add_layer_norm_cuda);
@@ -25,4 +28,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_layer_norm_quant", &fuseinfer::add_layer_norm_quant_cuda);
   m.def("w8a8_linear", &fuseinfer::w8a8_linear_cuda);
   m.def("w8a8_gemm_unavailable", &fuseinfer::w8a8_gemm_unavailable);
+  // a CUDA stream of its own for one CUDA graph's capture (fuseinfer/runtime/graphs.py says why); never destroyed:
+  // graphs.py keeps it in a free list for the next capture
+  m.def("new_stream", [](int64_t device) {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    cudaStream_t stream;
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    return reinterpret_cast<int64_t>(stream);
+  });
 }

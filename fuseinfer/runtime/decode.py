@@ -38,6 +38,7 @@ from ..parallel import decode_plan
 from ..state import patch_state, unwrapped
 from .args import Call, Sampling, decode_forward, eos_tensor, in_vocabulary, pad_id, prepare_call  # noqa: F401
 from .cache import StaticKVCache
+from .graphs import capture_stream
 from .processors import Processors, Rule
 
 SESSIONS_ATTR = "_fuseinfer_sessions"
@@ -144,7 +145,8 @@ class _Session:
         pool = None
         for n in sorted({1, steps}):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_mode):
+            with torch.cuda.graph(graph, pool=pool, stream=capture_stream(graph, self.tokens.device),
+                                  capture_error_mode=self.capture_mode):
                 for _ in range(n):
                     self._decode_step()
             pool = graph.pool()

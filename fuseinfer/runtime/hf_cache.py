@@ -25,6 +25,7 @@ from .. import knobs
 from ..errors import FuseInferError
 from ..state import patch_state
 from .cache import StaticKVCache
+from .graphs import capture_stream
 from .decode import CAPACITY_ROUND, SESSIONS_ATTR, _weights_key
 
 KEY = "hf"  # sessions[(KEY, rows)] -> ForwardGraph
@@ -70,7 +71,7 @@ class ForwardGraph:
                 self._step()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, stream=capture_stream(self.graph, self.device)):
             self.logits = self._step()
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, start: int,

@@ -176,10 +176,6 @@ def _generate(model, inputs, generation_config, kwargs):
             problem = "pad token (pad_token_id, else the first EOS id) is not in the model's vocabulary"
         if problem is None and max_new < 1:
             problem = "no new tokens"
-        if problem is None and (get("num_beams") or 1) > 1 and input_ids.is_cuda:
-            # the first H200 run of beam search on the middle path ended in an illegal memory access (docs/notes.md);
-            # until that is found, CUDA beam search runs transformers' own generate
-            problem = "beam search on CUDA is not yet served by the middle path (docs/generate.md)"
         if problem is None:
             _log(f"model.generate takes the middle path (transformers' loop, fused static-cache forward): {reason}",
                  logging.INFO)

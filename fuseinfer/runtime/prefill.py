@@ -38,6 +38,7 @@ from ..errors import FuseInferError
 from ..ops import add_layer_norm, attention, linear_epilogue
 from ..ops.kv_cache import kv_cache_append
 from ..state import patch_state, unwrapped
+from .graphs import capture_stream
 
 LENGTH_BUCKET = 128  # prompt lengths round up to a multiple of this in the graph path (<= 127 padded tokens)
 # graphs where bucket rows x bucket length <= this (auto); above it the GPU time dwarfs the lean loop's host time
@@ -409,7 +410,7 @@ class PrefillGraph:
             for _ in range(2):
                 self._forward(session)
         torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(self.graph, pool=pool):
+        with torch.cuda.graph(self.graph, pool=pool, stream=capture_stream(self.graph, self.ids.device)):
             self.logits = self._forward(session)  # (Bb, V) fp32, in the graph's pool
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
