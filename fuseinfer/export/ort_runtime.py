@@ -130,11 +130,12 @@ class OrtDecoder:
         if self.device.type == "cuda":  # ordered with torch by stream waits: no need to wait for the GPU after a run
             self.run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
         self.past_names = [f"past_{kv}_{i}" for i in range(self.layers) for kv in ("key", "value")]
+        self.present_names = ["present" + name[4:] for name in self.past_names]
         self.kind = "cuda" if self.device.type == "cuda" else "cpu"
         self.index = self.device.index or 0
         self.keep_one = torch.ones(1, dtype=torch.int64)  # CPU: a host input by design
         self.keep_all = torch.zeros(1, dtype=torch.int64)
-        self.buffers = None
+        self.buffers = self.ptrs = None
         self.host_bind_s, self.runs = 0.0, 0  # host time spent building IO bindings, and the number of runs
 
     # --- binding helpers
@@ -147,9 +148,6 @@ class OrtDecoder:
     def _bind_out(self, binding, name, t: torch.Tensor):
         binding.bind_output(name, self.kind, self.index, NP_TYPES[t.dtype], tuple(t.shape), t.data_ptr())
 
-    def _view(self, flat: torch.Tensor, b: int, length: int) -> torch.Tensor:
-        return flat[: b * self.heads * length * self.head_dim].view(b, self.heads, length, self.head_dim)
-
     # --- generation
     def start(self, batch_size: int, max_len: int) -> None:
         """Allocate the ping-pong KV buffers, the logits buffer and an all-ones mask for ``batch_size`` x
@@ -157,12 +155,15 @@ class OrtDecoder:
         n = batch_size * self.heads * max_len * self.head_dim
         kw = dict(dtype=self.dtype, device=self.device)
         self.buffers = [[torch.empty(n, **kw), torch.empty(n, **kw)] for _ in range(2 * self.layers)]
+        # the buffers' addresses, (past, present) per cache tensor, swapped after each run: binding by address
+        # and shape needs no tensor views per step (the IO binding is most of the host time of a decode step)
+        self.ptrs = [(a.data_ptr(), b.data_ptr()) for a, b in self.buffers]
         self.ones = torch.ones(batch_size * max_len, dtype=torch.int64, device=self.device)
         self.step_logits = torch.empty(batch_size, 1, self.vocab, **kw)
         self.batch, self.max_len, self.length, self.mask = batch_size, max_len, 0, None
 
     def end(self) -> None:
-        self.buffers = self.ones = self.step_logits = self.mask = None
+        self.buffers = self.ptrs = self.ones = self.step_logits = self.mask = None
 
     def _run(self, input_ids, mask, keep, logits_out) -> torch.Tensor:
         b, s = input_ids.shape
@@ -174,9 +175,14 @@ class OrtDecoder:
         self._bind_in(binding, "attention_mask", mask, alive)
         self._bind_in(binding, "num_logits_to_keep", keep, alive)
         self._bind_out(binding, "logits", logits_out)
-        for name, bufs in zip(self.past_names, self.buffers):
-            self._bind_in(binding, name, self._view(bufs[0], b, self.length), alive)
-            self._bind_out(binding, "present" + name[4:], self._view(bufs[1], b, self.length + s))
+        past = (b, self.heads, self.length, self.head_dim)  # (B, H, P, D) at the start of each flat buffer
+        present = (b, self.heads, self.length + s, self.head_dim)
+        kind, index, np_type = self.kind, self.index, NP_TYPES[self.dtype]
+        for past_name, present_name, (past_ptr, present_ptr) in zip(self.past_names, self.present_names, self.ptrs):
+            # an empty past (prefill) is bound at address 0, as torch's data_ptr of an empty view gives and ORT
+            # represents a tensor of no elements
+            binding.bind_input(past_name, kind, index, np_type, past, past_ptr if self.length else 0)
+            binding.bind_output(present_name, kind, index, np_type, present, present_ptr)
         self.host_bind_s += time.perf_counter() - t0
         self.runs += 1
         if self.stream is None:
@@ -186,8 +192,7 @@ class OrtDecoder:
             self.stream.wait_stream(current)  # ORT reads what torch wrote (ids, mask, KV, ...)
             self.session.run_with_iobinding(binding, self.run_options)
             current.wait_stream(self.stream)  # torch reads logits / frees the inputs after ORT is done
-        for bufs in self.buffers:
-            bufs.reverse()  # present becomes the next past
+        self.ptrs = [(present_ptr, past_ptr) for past_ptr, present_ptr in self.ptrs]  # present is the next past
         self.length += s
         return logits_out
 
@@ -217,7 +222,7 @@ class OrtDecoder:
         """All logits (B, S, V) of one fresh sequence (no cache kept): perplexity and tests. A generation in
         progress (``start``/``prefill``/``step``) is left as it was."""
         b, s = input_ids.shape
-        names = ("buffers", "ones", "step_logits", "batch", "max_len", "length", "mask")
+        names = ("buffers", "ptrs", "ones", "step_logits", "batch", "max_len", "length", "mask")
         saved = {k: getattr(self, k, None) for k in names}
         self.start(b, s)
         try:

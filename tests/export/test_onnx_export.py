@@ -376,3 +376,23 @@ def test_model_left_untouched(tmp_path):
     assert not model.training
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, before)
+
+
+def test_gpu_stage_scripts_run_on_cpu(tiny_exports, tmp_path):
+    """The scripts tools/gpu_stage_export.sh runs once, blind, on the GPU (bench/ort_profile.py, the summary) run
+    here on the CPU provider against the tiny exports: a Python error in them would cost the GPU run its figures."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "bench/ort_profile.py", str(tiny_exports["fused"][1]),
+                          str(tiny_exports["plain"][1]), str(tmp_path / "ort_profile.md"), "16", "4"],
+                         capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    profile = json.loads((tmp_path / "ort_profile.json").read_text())
+    assert set(profile) == {"fused", "plain"} and all(p["logits_finite"] for p in profile.values())
+    assert profile["fused"]["ort_host_us"]["decode"]["MultiHeadAttention"] > 0
+    (tmp_path / "export_fused.json").write_text(json.dumps({"export_s": 1.0, "wall_s": 9.0, "load_s": 2.0,
+                                                            "contrib_ops": {"MultiHeadAttention": 4}}))
+    out = subprocess.run([sys.executable, "tools/export_stage_summary.py", str(tmp_path)], capture_output=True,
+                         text=True, cwd=REPO, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "fused: to_onnx 1 s, whole CLI process 9 s" in out.stdout and "plain: no result" in out.stdout
+    assert "fresh-process load" in out.stdout
