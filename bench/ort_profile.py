@@ -52,7 +52,7 @@ def run(dec, prompt, steps):
 def ort_summary(trace_file, first_run, runs_per_pass):
     """Host us per op type (and provider) of the pass whose runs are [first_run, first_run + runs_per_pass): run 0
     of the pass is the prefill, the others decode steps."""
-    events = json.load(open(trace_file))
+    events = json.loads(Path(trace_file).read_text())
     runs = sorted((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])
     runs = runs[first_run:first_run + runs_per_pass]
     out = {"prefill": defaultdict(float), "decode": defaultdict(float), "providers": defaultdict(set)}
@@ -99,11 +99,11 @@ def main():
         prefill_s, step_s = run(dec, prompt, steps)  # pass 2: timed, ORT-profiled
         bind_us = 1e6 * (dec.host_bind_s - bind0) / (dec.runs - runs0)
         dec.start(1, prompt_len + 1)
-        pre = gpu_kernels(lambda: dec.prefill(prompt))  # pass 3: CUPTI
+        pre = gpu_kernels(lambda dec=dec: dec.prefill(prompt))  # pass 3: CUPTI
         dec.start(1, prompt_len + steps + 1)
         tok = dec.prefill(prompt)[:, -1].argmax(-1, keepdim=True)
 
-        def decode(tok=tok):
+        def decode(tok=tok, dec=dec):
             for _ in range(steps):
                 tok = dec.step(tok)[:, -1].argmax(-1, keepdim=True)
 
@@ -139,7 +139,7 @@ def main():
             whole = sum(k[1] for k in kernels) or 1
             lines += [f"| {k[:80]} | {t / per:.1f} | {c // per} | {100 * t / whole:.1f} |" for k, t, c in kernels[:8]]
         lines.append("")
-        del dec
+        dec = None  # frees this session before the next one loads
     if "fused" in result and "plain" in result:
         f, p = result["fused"], result["plain"]
         lines.append(f"fused / plain: prefill {f['prefill_ms'] / p['prefill_ms']:.2f}x, decode "

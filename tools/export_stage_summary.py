@@ -40,8 +40,8 @@ def export_lines(r: Path) -> list[str]:
             continue
         wall, export_s = d.get("wall_s"), d.get("export_s")
         ok = wall is not None and wall < EXPORT_TARGET_S
-        out.append(f"- {flavour} ({d.get('dtype')}): to_onnx {fmt(export_s)} s, whole CLI process {fmt(wall)} s (model load "
-                   f"{fmt(d.get('load_s'))} s) -> target < {EXPORT_TARGET_S} s: {'met' if ok else 'NOT met'}; "
+        out.append(f"- {flavour} ({d.get('dtype')}): to_onnx {fmt(export_s)} s, whole CLI process {fmt(wall)} s "
+                   f"(model load {fmt(d.get('load_s'))} s) -> target < {EXPORT_TARGET_S} s: {'met' if ok else 'NOT met'}; "
                    f"contrib ops {d.get('contrib_ops')}")
     return out
 
@@ -67,8 +67,8 @@ def eval_lines(r: Path, name: str, title: str) -> list[str]:
     if not d:
         return [f"## {title}: no result (see the stage log)"]
     rows, st = d["backends"], d.get("settings", {})
-    title = (f"{title}: {st.get('model')} {st.get('dtype')} on {d.get('environment', {}).get('gpu') or st.get('device')}"
-             f", batch {st.get('batch_size')}, prompt {st.get('prompt_len')}, {st.get('gen_len')} new tokens")
+    where = d.get("environment", {}).get("gpu") or st.get("device")
+    title = (f"{title}: {st.get('model')} {st.get('dtype')} on {where}, batch {st.get('batch_size')}, prompt {st.get('prompt_len')}, {st.get('gen_len')} new tokens")
     out = [f"## {title}", "", "| backend | prefill ms | decode ms/tok | tok/s | peak MiB | greedy = eager | note |",
            "|---|---|---|---|---|---|---|"]
     for n, row in rows.items():

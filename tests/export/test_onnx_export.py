@@ -389,10 +389,10 @@ def test_gpu_stage_scripts_run_on_cpu(tiny_exports, tmp_path):
     profile = json.loads((tmp_path / "ort_profile.json").read_text())
     assert set(profile) == {"fused", "plain"} and all(p["logits_finite"] for p in profile.values())
     assert profile["fused"]["ort_host_us"]["decode"]["MultiHeadAttention"] > 0
-    (tmp_path / "export_fused.json").write_text(json.dumps({"export_s": 1.0, "wall_s": 9.0, "load_s": 2.0,
-                                                            "contrib_ops": {"MultiHeadAttention": 4}}))
+    fake = {"export_s": 1.0, "wall_s": 9.0, "load_s": 2.0, "dtype": "fp16", "contrib_ops": {"MultiHeadAttention": 4}}
+    (tmp_path / "export_fused.json").write_text(json.dumps(fake))
     out = subprocess.run([sys.executable, "tools/export_stage_summary.py", str(tmp_path)], capture_output=True,
                          text=True, cwd=REPO, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "fused: to_onnx 1 s, whole CLI process 9 s" in out.stdout and "plain: no result" in out.stdout
+    assert "fused (fp16): to_onnx 1 s, whole CLI process 9 s" in out.stdout and "plain: no result" in out.stdout
     assert "fresh-process load" in out.stdout
