@@ -150,11 +150,29 @@ def _consolidate(src: Path, dst: Path) -> dict:
 
     model = onnx.load(str(src), load_external_data=True)
     model.producer_name = "fuseinfer.export"
+    _drop_unused_optional_outputs(model.graph)
     onnx.save_model(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=mf.DATA_FILE, size_threshold=1024, convert_attribute=True)
     os.chmod(dst.parent / mf.DATA_FILE, 0o644)  # onnx creates it private; it is read by other users' runtimes
     counts = Counter(f"{n.domain + '.' if n.domain else ''}{n.op_type}" for n in model.graph.node)
     return dict(sorted(counts.items()))
+
+
+# optional outputs a consumer of the graph never needs: SkipLayerNormalization's mean and inv_std_var (training
+# outputs; the CUDA kernel does not write them) and the last one's input_skip_bias_sum
+OPTIONAL_OUTPUTS = {"SkipLayerNormalization": (1, 2, 3)}
+
+
+def _drop_unused_optional_outputs(graph) -> None:
+    """Name unused optional outputs "" (ONNX's "not requested"), as onnxruntime's own fusions emit them, so no
+    runtime computes or allocates them; trailing ones are removed."""
+    used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    for node in graph.node:
+        for i in OPTIONAL_OUTPUTS.get(node.op_type, ()) if node.domain == "com.microsoft" else ():
+            if i < len(node.output) and node.output[i] not in used:
+                node.output[i] = ""
+        while node.output and node.output[-1] == "" and len(node.output) > 1:
+            node.output.pop()
 
 
 def _manifest(model, flavour, dtype, device, opset, source, ops, inputs, outputs) -> dict:

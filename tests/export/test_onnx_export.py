@@ -113,6 +113,32 @@ def test_fused_graph_holds_the_contrib_ops_it_claims(tiny, tiny_exports):
             assert not any(n.op_type in ("Softmax", "LayerNormalization") for n in graph.node)
 
 
+def test_unused_optional_outputs_are_dropped(tiny_exports):
+    """SkipLayerNormalization's training outputs (mean, inv_std_var) are not requested: the CUDA kernel does not
+    write them; the last one's residual sum is dropped too."""
+    graph = onnx.load(str(tiny_exports["fused"][1] / mf.MODEL_FILE), load_external_data=False).graph
+    sln = [n for n in graph.node if n.op_type == "SkipLayerNormalization"]
+    assert all(list(n.output[1:3]) == ["", ""] for n in sln[:-1]) and all(n.output[3] for n in sln[:-1])
+    assert list(sln[-1].output) == [sln[-1].output[0]] and sln[-1].output[0]
+
+
+def test_cuda_run_must_not_fall_back_to_cpu():
+    """A session that came up without the CUDA provider (its libraries did not load) is refused."""
+    from fuseinfer.export.ort_runtime import check_providers
+
+    class Session:
+        def __init__(self, providers):
+            self.providers = providers
+
+        def get_providers(self):
+            return self.providers
+
+    with pytest.raises(ExportError, match="without the CUDA execution provider.*CPUExecutionProvider"):
+        check_providers(Session(["CPUExecutionProvider"]), torch.device("cuda"), "1.31.1")
+    check_providers(Session(["CUDAExecutionProvider", "CPUExecutionProvider"]), torch.device("cuda"), "1.31.1")
+    check_providers(Session(["CPUExecutionProvider"]), torch.device("cpu"), "1.31.1")
+
+
 def test_manifest_and_files(tiny, tiny_exports):
     manifest, directory = tiny_exports["fused"]
     assert sorted(os.listdir(directory)) == sorted([mf.MANIFEST, mf.MODEL_FILE, mf.DATA_FILE])
@@ -280,32 +306,46 @@ def _cuda_ort_reason():
     return unavailable_reason(torch.device("cuda")) if torch.cuda.is_available() else "no GPU"
 
 
+def _fp16_check(tiny_model_path, tmp_path, flavour, device):
+    """Export the tiny model in fp16 on ``device`` and run it there through IO binding (CPU provider or CUDA
+    provider): logits within 2x PyTorch fp16's own error against fp32 (+ small atol), a left-padded batch,
+    prefill + decode steps with the KV cache; the same code on CPU (CI) and on the GPU."""
+    from transformers import AutoModelForCausalLM
+
+    from fuseinfer.export.check import logit_errors, within_tolerance
+
+    fp32 = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).to(device).eval()
+    fp16 = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float16).to(device).eval()
+    to_onnx(fp16, tmp_path / "x", flavour=flavour)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, fp32.config.vocab_size, (2, 40), generator=g).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding
+    try:
+        dec = OrtDecoder(tmp_path / "x", device, model=fp16, flavour=flavour)
+    except ExportError as exc:
+        if device == "cpu" and "lack fp16 kernels" in str(exc):
+            pytest.skip(f"this onnxruntime has no CPU fp16 kernels for the {flavour} graph: {exc}")
+        raise
+    errors = logit_errors(tmp_path / "x", fp32, fp16, device, ids, mask, prompt_len=32, decoder=dec)
+    assert errors["padded"] and within_tolerance(errors), errors
+    return dec
+
+
+@pytest.mark.parametrize("flavour", ["fused", "plain"])
+def test_cpu_fp16_io_binding_within_twice_pytorch_error(tiny_model_path, tmp_path, flavour):
+    _fp16_check(tiny_model_path, tmp_path, flavour, "cpu")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("flavour", ["fused", "plain"])
 def test_cuda_fp16_within_twice_pytorch_error(tiny_model_path, tmp_path, flavour):
-    """Logits of ORT fp16 on CUDA within 2x PyTorch fp16's own error against the fp32 model (+ small atol); prefill
-    and decode steps with past; KV cache and logits stay on the GPU."""
+    """As the CPU test, with the CUDA provider: KV cache and logits stay on the GPU, ORT on its own stream."""
     reason = _cuda_ort_reason()
     if reason:
         pytest.skip(reason)
-    from transformers import AutoModelForCausalLM
-
-    fp32 = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).cuda().eval()
-    fp16 = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float16).cuda().eval()
-    to_onnx(fp16, tmp_path / "x", flavour=flavour)
-    ids = torch.randint(3, fp32.config.vocab_size, (2, 40), device="cuda")
-    with torch.no_grad():
-        ref = fp32(input_ids=ids).logits
-        torch_err = (fp16(input_ids=ids).logits.float() - ref).abs().max().item()
-    dec = OrtDecoder(tmp_path / "x", "cuda", model=fp16, flavour=flavour)
-    full = dec.logits(ids).float()
-    assert full.is_cuda and (full - ref).abs().max().item() <= 2 * torch_err + 1e-2
-    dec.start(2, 40)
-    steps = [dec.prefill(ids[:, :32]).float().clone()]
-    for t in range(32, 40):
-        steps.append(dec.step(ids[:, t:t + 1]).float().clone())
-    err = (torch.cat(steps, dim=1) - ref[:, 31:]).abs().max().item()
-    assert err <= 2 * torch_err + 1e-2, (err, torch_err)
+    dec = _fp16_check(tiny_model_path, tmp_path, flavour, "cuda")
+    assert "CUDAExecutionProvider" in dec.session.get_providers() and dec.stream is not None
 
 
 @pytest.mark.gpu
@@ -336,3 +376,23 @@ def test_model_left_untouched(tmp_path):
     assert not model.training
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, before)
+
+
+def test_gpu_stage_scripts_run_on_cpu(tiny_exports, tmp_path):
+    """The scripts tools/gpu_stage_export.sh runs once, blind, on the GPU (bench/ort_profile.py, the summary) run
+    here on the CPU provider against the tiny exports: a Python error in them would cost the GPU run its figures."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "bench/ort_profile.py", str(tiny_exports["fused"][1]),
+                          str(tiny_exports["plain"][1]), str(tmp_path / "ort_profile.md"), "16", "4"],
+                         capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    profile = json.loads((tmp_path / "ort_profile.json").read_text())
+    assert set(profile) == {"fused", "plain"} and all(p["logits_finite"] for p in profile.values())
+    assert profile["fused"]["ort_host_us"]["decode"]["MultiHeadAttention"] > 0
+    fake = {"export_s": 1.0, "wall_s": 9.0, "load_s": 2.0, "dtype": "fp16", "contrib_ops": {"MultiHeadAttention": 4}}
+    (tmp_path / "export_fused.json").write_text(json.dumps(fake))
+    out = subprocess.run([sys.executable, "tools/export_stage_summary.py", str(tmp_path)], capture_output=True,
+                         text=True, cwd=REPO, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "fused (fp16): to_onnx 1 s, whole CLI process 9 s" in out.stdout and "plain: no result" in out.stdout
+    assert "fresh-process load" in out.stdout
