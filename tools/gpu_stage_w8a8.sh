@@ -59,6 +59,21 @@ find_cutlass() {  # exports FUSEINFER_CUTLASS_DIR from the carried wheel when no
   echo "CUTLASS: $whl unpacked in $FUSEINFER_CUTLASS_DIR"
 }
 
+e2e_eval() {  # e2e_eval MODEL BACKENDS: prefill 1x2047 (+ 1 decoded) in one eval run; a W8A8 row that failed (no
+  # W8A8 model has run fast decode's CUDA graphs on a GPU before) is rerun with fp16 fuseinfer, both without decode
+  # graphs (FUSEINFER_CUDA_GRAPHS=0 also turns off fuseinfer's prefill graphs: like for like, marked _nographs)
+  local json="$W/eval_$1_prefill_2047.json"
+  run "eval_$1_prefill" timeout 300 python3 -m fuseinfer.eval --model "random:$1" --dtype fp16 --backends "$2" \
+    --skip-ppl --prompt-len 2047 --gen-len 1 --repeats 10 --calibration-samples 32 --output "$json"
+  if ! python3 -c 'import json, sys; sys.exit(json.load(open(sys.argv[1]))["backends"]["fuseinfer-w8a8"]["status"] != "ok")' \
+      "$json" 2>/dev/null; then
+    echo "W8A8 row of $1 failed: rerun without CUDA graphs"
+    run "eval_$1_prefill_nographs" env FUSEINFER_CUDA_GRAPHS=0 timeout 300 python3 -m fuseinfer.eval \
+      --model "random:$1" --dtype fp16 --backends fuseinfer,fuseinfer-w8a8 --skip-ppl --prompt-len 2047 --gen-len 1 \
+      --repeats 10 --calibration-samples 32 --output "$W/eval_$1_prefill_2047_nographs.json"
+  fi
+}
+
 HAS_SM90='import torch, fuseinfer._C
 from fuseinfer.ops.int8_gemm import w8a8_backend, w8a8_unavailable_reason
 d = torch.device("cuda"); b = w8a8_backend(d); print("w8a8 backend:", b, w8a8_unavailable_reason(d) or "")
@@ -89,17 +104,13 @@ for stage in "${stages[@]}"; do
     e2e)
       # prefill of 2047 tokens (+ 1 decoded: the 2048 positions); random weights are calibrated on random token ids
       # (no tokenizer), 32 windows of 512 (the time is reported apart, not in prefill)
-      run eval_opt-1.3b_prefill timeout 300 python3 -m fuseinfer.eval --model random:opt-1.3b --dtype fp16 \
-        --backends eager,fuseinfer,fuseinfer-w8a8 --skip-ppl --prompt-len 2047 --gen-len 1 --repeats 10 \
-        --calibration-samples 32 --output "$W/eval_opt-1.3b_prefill_2047.json"
-      run eval_opt-6.7b_prefill timeout 300 python3 -m fuseinfer.eval --model random:opt-6.7b --dtype fp16 \
-        --backends fuseinfer,fuseinfer-w8a8 --skip-ppl --prompt-len 2047 --gen-len 1 --repeats 10 \
-        --calibration-samples 32 --output "$W/eval_opt-6.7b_prefill_2047.json"
+      e2e_eval opt-1.3b eager,fuseinfer,fuseinfer-w8a8
+      e2e_eval opt-6.7b fuseinfer,fuseinfer-w8a8
       run eval_tiny_ppl timeout 300 python3 -m fuseinfer.eval --model "$FUSEINFER_SHARED/models/opt-wt2-tiny" \
         --dtype fp16 --backends fuseinfer,fuseinfer-w8a8 --skip-latency \
         --data-dir "$FUSEINFER_SHARED/data/wikitext-2-raw" --output "$W/eval_tiny_ppl.json"
-      run w8a8_eval_summary python3 bench/quant_eval_summary.py w8a8_eval "$W/eval_opt-1.3b_prefill_2047.json" \
-        "$W/eval_opt-6.7b_prefill_2047.json" "$W/eval_tiny_ppl.json" ;;
+      run w8a8_eval_summary python3 bench/quant_eval_summary.py w8a8_eval "$W"/eval_opt-*_prefill_2047*.json \
+        "$W/eval_tiny_ppl.json" ;;
     *) echo "unknown stage $stage"; finish 2 ;;
   esac
 done

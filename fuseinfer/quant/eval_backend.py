@@ -87,11 +87,12 @@ class FuseInferW8A8Backend(FuseInferW8A16Backend):
         config, self.calibration_seconds = self.quant_config(), None
         given = config.calibration
         if self.source.random_weights and not (isinstance(given, str) and given.endswith(".safetensors")):
+            seq = min(self.SEQ_LEN, self.model.config.max_position_embeddings)
             gen = torch.Generator().manual_seed(self.seed)
-            ids = torch.randint(0, self.model.config.vocab_size, (1, config.samples * self.SEQ_LEN), generator=gen)
+            ids = torch.randint(0, self.model.config.vocab_size, (1, config.samples * seq), generator=gen)
             t0 = time.perf_counter()
             with torch.no_grad():
-                stats = calibrate(self.model, ids=ids, samples=config.samples, seq_len=self.SEQ_LEN)
+                stats = calibrate(self.model, ids=ids, samples=config.samples, seq_len=seq)
             self.calibration_seconds = time.perf_counter() - t0
             stats.source = f"random token ids (seed {self.seed}): a random-weight model has no tokenizer"
             config = self.quant_config(calibration=stats, samples=config.samples)
