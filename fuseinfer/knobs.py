@@ -71,6 +71,12 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("FUSEINFER_ONNX_DIR", None, "call",
          "the eval's `ort` backends: export under (and reuse from) this folder, one sub-folder per model "
          "(`--onnx-dir`); unset: a temporary export per run"),
+    Knob("FUSEINFER_CALIBRATION_DATA", None, "call",
+         "the eval's `fuseinfer-w8a8` backend: calibration text file, folder with wiki.valid.raw, or saved "
+         "SmoothQuant statistics (`.safetensors`) (`--calibration-data`); unset: wiki.valid.raw of `--data-dir` / "
+         "`$FUSEINFER_DATA_DIR`"),
+    Knob("FUSEINFER_CALIBRATION_SAMPLES", "128", "call",
+         "the eval's `fuseinfer-w8a8` backend: calibration windows of 512 tokens (`--calibration-samples`)"),
     Knob("FUSEINFER_GPU_TRANSFORMERS", None, "call",
          "tools/gpu_check.sh: a transformers wheel to run every stage under instead of the machine's"),
 )}

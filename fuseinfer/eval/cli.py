@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="raise a backend's error instead of reporting it")
     p.add_argument("--onnx-dir", help="ort / ort-plain / tensorrt: keep and reuse exports here (sets "
                                       "$FUSEINFER_ONNX_DIR; default: a temporary export per run)")
+    p.add_argument("--calibration-data", help="fuseinfer-w8a8: calibration text file, folder with wiki.valid.raw, or "
+                                              "saved SmoothQuant statistics (.safetensors) (sets "
+                                              "$FUSEINFER_CALIBRATION_DATA; default: wiki.valid.raw of --data-dir)")
+    p.add_argument("--calibration-samples", type=int, help="fuseinfer-w8a8: calibration windows of 512 tokens "
+                                                           "(default 128)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size: launch with torchrun --nproc-per-node N -m fuseinfer.eval ... --tp N "
                         "(fuseinfer backend only; rank 0 prints and writes)")
@@ -111,6 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         outputs = output_files(args)  # before the run: a bad path should not wait for the end of a long run
         if args.onnx_dir:
             knobs.set_value("FUSEINFER_ONNX_DIR", args.onnx_dir)  # read by fuseinfer/export/eval_backend.py
+        if args.calibration_data or args.data_dir:  # read by fuseinfer/quant/eval_backend.py (fuseinfer-w8a8)
+            knobs.set_value("FUSEINFER_CALIBRATION_DATA", args.calibration_data or args.data_dir)
+        if args.calibration_samples is not None:
+            if args.calibration_samples < 1:
+                raise EvalError(f"--calibration-samples must be >= 1, got {args.calibration_samples}")
+            knobs.set_value("FUSEINFER_CALIBRATION_SAMPLES", str(args.calibration_samples))
         lead = args.tp == 1 or os.environ.get("RANK", "0") == "0"  # under --tp, rank 0 prints and writes
         results = run(settings_from_args(args), ConsoleUI(None if lead else Console(quiet=True)))
         if not lead:

@@ -279,6 +279,10 @@ def _profile_backend(cls, ctx: _Context, ceilings: dict, out_dir: Path | None, u
             if not hooks:
                 notes.append("torch.compile: no module ranges (hooks would change the compiled graphs); kernels are "
                              "sorted by the op or compiled region that launched them")
+            if hooks and s.phase != "decode" and _fast_prefill(backend.model):
+                notes.append("the profiled steps run the patched modules: the module ranges' hooks turn off fast "
+                             "prefill (runtime/prefill.py: its lean loop and CUDA graphs), which the unprofiled "
+                             "step runs; the profiler overhead column includes that difference")
             graphs = s.phase != "prefill" and uses_graphs(backend)
             if graphs:
                 notes.append("decode replays CUDA graphs: the kernels of a replay count as 'cuda graph replay' (no "
@@ -312,6 +316,15 @@ def _profile_backend(cls, ctx: _Context, ceilings: dict, out_dir: Path | None, u
     return BackendProfile(name=cls.name, summary=cls.summary, unprofiled_ms=unprofiled, analysis=analysis,
                           verdicts=verdict_table(analysis), details=details, notes=notes,
                           files={k: str(v) for k, v in files.items()})
+
+
+def _fast_prefill(model) -> bool:
+    """Whether a patched model's prefill would take fast prefill's lean loop / graphs (which module hooks turn off)."""
+    from .. import knobs
+    from ..state import patch_state
+
+    return model is not None and patch_state(model) is not None and knobs.get("FUSEINFER_PREFILL") != "module" \
+        and patch_state(model).config.quant is None
 
 
 def _safe(name: str) -> str:

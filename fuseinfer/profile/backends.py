@@ -16,7 +16,7 @@ from .errors import ProfileError
 
 PHASES = ("prefill", "decode", "generate")
 # fuseinfer-<suffix> -> the name of the fuseinfer config class that PatchConfig(quant=...) takes
-QUANT_CONFIGS = {"w8a16": "Int8WeightOnly", "w8a8": "Int8DynamicActivation"}
+QUANT_CONFIGS = {"w8a16": "Int8WeightOnly", "w8a8": "SmoothQuantW8A8"}
 
 
 def available_backends() -> list[str]:

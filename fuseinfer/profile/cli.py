@@ -25,7 +25,8 @@ class _Parser(argparse.ArgumentParser):
         raise ProfileError(f"{message} (see --help)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(out_required: bool = True) -> argparse.ArgumentParser:
+    """The CLI's flags; ``out_required=False`` for ``ncu_target``, which writes nothing."""
     p = _Parser(prog="python -m fuseinfer.profile",
                 description="Where a step's time goes (ops, kernels, module kinds, layers), what bounds it (roofline "
                             "against ceilings measured in the same run) and what to do about it (hints).",
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, help=f"steps timed without the profiler (default {gpu['repeats']} cuda, "
                                                f"{cpu['repeats']} cpu)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="folder for the trace, tables, plots and summary.md")
+    p.add_argument("--out", required=out_required, help="folder for the trace, tables, plots and summary.md")
     p.add_argument("--top", type=int, default=12, help="rows of the printed op / kernel tables")
     p.add_argument("--no-tensorboard", action="store_true", help="skip the TensorBoard log dir")
     p.add_argument("--no-nvtx", action="store_true", help="no NVTX ranges on CUDA")

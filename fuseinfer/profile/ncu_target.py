@@ -14,7 +14,7 @@ STEPS = 4  # ncu skips the first two launches of each kernel (warm-up)
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(out_required=False).parse_args(argv)  # (run_ncu passes the model flags, no --out)
     s = ProfileSettings(model=args.model, backend=args.backend, phase=args.phase, device=args.device,
                         dtype=args.dtype, batch_size=args.batch_size, prompt_len=args.prompt_len,
                         gen_len=args.gen_len, seed=args.seed, repeats=1)

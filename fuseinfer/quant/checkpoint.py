@@ -4,10 +4,13 @@ Format: ``dir/config.json`` is the model's Hugging Face config with a ``fuseinfe
 scheme's ``describe()``: bits, granularity, scale dtype, rounding; the PatchConfig ops; the quantized module names
 and the fuseinfer version), and ``dir/model.safetensors`` the patched model's state dict (int8 ``qweight`` and fp32
 ``scale`` per quantized linear, the fused q/k/v as ``self_attn.qkv_proj``; everything else in the model's dtype;
-tied tensors stored once by ``safetensors.torch.save_model``).
+tied tensors stored once by ``safetensors.torch.save_model``). SmoothQuant W8A8 models (``SmoothQuantW8A8``) save
+the same way: int8 ``weight_q`` and fp32 ``weight_scale`` (N, 1) per linear, their biases, and the LayerNorms with
+the smoothing factors already folded in; the config records alpha and the calibration source.
 
-Loading builds the model on the meta device, applies ``patch`` with the recorded ops and an
-``Int8WeightOnly`` that only lays out empty int8 / scale tensors, allocates everything on ``device``
+Loading builds the model on the meta device, applies ``patch`` with the recorded ops and the scheme's config in its
+empty-layout form (``Int8WeightOnly`` / ``SmoothQuantW8A8`` with ``_empty``: int8 / scale tensors laid out, nothing
+quantized, calibrated or smoothed), allocates everything on ``device``
 (``to_empty``: the int8 model's size, never an fp16 copy) and loads the tensors, strictly (every key, every shape).
 
 Why not transformers' quantizer hooks (``HfQuantizer`` / ``quantization_config``): the layout depends on
@@ -46,7 +49,8 @@ def save_quantized(model, directory) -> Path:
     state = patch_state(model)
     if state is None or state.config.quant is None:
         raise FuseInferError("save_quantized takes a model quantized by fuseinfer.patch(model, fuseinfer.PatchConfig("
-                             "quant=fuseinfer.Int8WeightOnly())); this one is not quantized")
+                             "quant=fuseinfer.Int8WeightOnly() or fuseinfer.SmoothQuantW8A8())); this one is not "
+                             "quantized")
     if getattr(model, "config", None) is None:
         raise FuseInferError("save_quantized needs a Hugging Face model with a config")
     directory = Path(directory)
@@ -57,6 +61,9 @@ def save_quantized(model, directory) -> Path:
     config[CONFIG_KEY] = {
         **state.config.quant.describe(), "ops": list(state.config.ops),
         "modules": [e.name for e in state.report.quant.entries], "fuseinfer_version": __version__,
+        **({"calibration_source": state.report.quant.calibration_source,
+            "calibration_samples": state.report.quant.calibration_samples}
+           if getattr(state.report.quant, "calibration_source", "") else {}),
         "architectures": [type(model).__name__], "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
     }
     tmp = directory / (WEIGHTS + ".tmp")
@@ -80,12 +87,17 @@ def _read(directory: Path) -> tuple[dict, dict]:
 
 
 def _quant_config(quant: dict):
-    from .config import Int8WeightOnly
+    """The config that lays out the checkpoint's scheme with empty tensors (``_empty``: no quantization, and for
+    SmoothQuant no calibration or smoothing; the saved tensors hold their results)."""
+    from .config import Int8WeightOnly, SmoothQuantW8A8
 
-    if quant.get("scheme") != Int8WeightOnly.scheme:
-        raise FuseInferError(f"this checkpoint's scheme {quant.get('scheme')!r} is not supported by this fuseinfer "
-                             f"(supported: {Int8WeightOnly.scheme!r})")
-    return dataclasses.replace(Int8WeightOnly(include_lm_head=bool(quant.get("include_lm_head"))), _empty=True)
+    scheme = quant.get("scheme")
+    if scheme == Int8WeightOnly.scheme:
+        return dataclasses.replace(Int8WeightOnly(include_lm_head=bool(quant.get("include_lm_head"))), _empty=True)
+    if scheme == SmoothQuantW8A8.scheme:
+        return dataclasses.replace(SmoothQuantW8A8(alpha=float(quant.get("alpha", 0.5))), _empty=True)
+    raise FuseInferError(f"this checkpoint's scheme {scheme!r} is not supported by this fuseinfer "
+                         f"(supported: {Int8WeightOnly.scheme!r}, {SmoothQuantW8A8.scheme!r})")
 
 
 def load_quantized(directory, device="cpu", model=None, ops=None):

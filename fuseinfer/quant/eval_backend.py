@@ -54,19 +54,55 @@ class FuseInferW8A16Backend(FuseInferBackend):
 
 
 class FuseInferW8A8Backend(FuseInferW8A16Backend):
-    """fuseinfer with SmoothQuant W8A8 (alpha 0.5): int8 weights and per-token int8 activations. Calibration text:
-    wiki.valid.raw of $FUSEINFER_DATA_DIR (the WikiText-2 folder), 128 windows of 512 tokens, calibrated at
-    prepare time with the model's own tokenizer (its directory / hub cache); the calibration time is in details()."""
+    """fuseinfer with SmoothQuant W8A8 (alpha 0.5): int8 weights and per-token int8 activations.
+
+    Calibration (``--calibration-data`` / ``--calibration-samples``, through the knobs FUSEINFER_CALIBRATION_DATA /
+    FUSEINFER_CALIBRATION_SAMPLES): a text file or a folder holding wiki.valid.raw (default: that of ``--data-dir``
+    / $FUSEINFER_DATA_DIR), tokenized with the model's own tokenizer, ``samples`` windows of 512 tokens; or saved
+    statistics (``.safetensors``). A ``random:`` model has no tokenizer (and its weights no meaning): it is
+    calibrated on seeded random token ids instead, which the row's ``calibration_source`` says. The calibration
+    time is measured apart from the load time and reported in details() (``calibration_seconds``)."""
 
     name = "fuseinfer-w8a8"
     summary = "fuseinfer.patch + SmoothQuantW8A8: int8 weights and activations (SmoothQuant alpha 0.5)"
+    SEQ_LEN = 512
 
     @staticmethod
-    def quant_config():
-        return fuseinfer.SmoothQuantW8A8()
+    def quant_config(calibration=None, samples: int | None = None):
+        from .. import knobs
+
+        if samples is None:
+            samples = knobs.get_int("FUSEINFER_CALIBRATION_SAMPLES")
+        if calibration is None:
+            calibration = knobs.get("FUSEINFER_CALIBRATION_DATA")
+        return fuseinfer.SmoothQuantW8A8(calibration=calibration, samples=samples)
+
+    def prepare(self):
+        import time
+
+        import torch
+
+        from .smoothquant import calibrate
+
+        config, self.calibration_seconds = self.quant_config(), None
+        given = config.calibration
+        if self.source.random_weights and not (isinstance(given, str) and given.endswith(".safetensors")):
+            seq = min(self.SEQ_LEN, self.model.config.max_position_embeddings)
+            gen = torch.Generator().manual_seed(self.seed)
+            ids = torch.randint(0, self.model.config.vocab_size, (1, config.samples * seq), generator=gen)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                stats = calibrate(self.model, ids=ids, samples=config.samples, seq_len=seq)
+            self.calibration_seconds = time.perf_counter() - t0
+            stats.source = f"random token ids (seed {self.seed}): a random-weight model has no tokenizer"
+            config = self.quant_config(calibration=stats, samples=config.samples)
+        self.report = fuseinfer.patch(self.model, fuseinfer.PatchConfig(quant=config))
+        self.decode = "not run"
+        self.weight_bytes = weight_bytes_per_token(self.model)
 
     def details(self):
         quant = self.report.quant
+        seconds = self.calibration_seconds if self.calibration_seconds is not None else quant.calibration_seconds
         return {**super().details(), "quant_alpha": quant.smoothing.alpha if quant.smoothing else None,
                 "calibration_source": quant.calibration_source, "calibration_samples": quant.calibration_samples,
-                "calibration_seconds": round(quant.calibration_seconds, 3)}
+                "calibration_seconds": round(seconds, 3)}

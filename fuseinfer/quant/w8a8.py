@@ -146,7 +146,14 @@ class W8A8State(WeightOnlyState):
             _link_qkv(attn)  # the projections' weights and biases become views of the buffers again
 
 
-def _quantize(w: torch.Tensor, bias: torch.Tensor | None) -> W8A8Linear:
+def _quantize(w: torch.Tensor, bias: torch.Tensor | None, empty: bool = False) -> W8A8Linear:
+    """(N, K) weight -> W8A8Linear; with ``empty``, uninitialized tensors of its layout on w's device (what
+    ``load_quantized`` fills from a checkpoint; w may be on the meta device)."""
+    if empty:
+        n, k = w.shape
+        return W8A8Linear(torch.empty(n, k, dtype=torch.int8, device=w.device),
+                          torch.empty(n, 1, dtype=torch.float32, device=w.device),
+                          None if bias is None else torch.empty_like(bias))
     with torch.no_grad():
         q, scale = quantize_int8_ref(w.detach(), -1)  # (N, K) int8, (N, 1) fp32
     return W8A8Linear(q, scale, None if bias is None else bias.detach().clone())
@@ -163,6 +170,8 @@ def quantize_w8a8(model: nn.Module, config, report) -> W8A8State:
     if not targets:
         raise FuseInferError("nothing to quantize: the PatchConfig's ops and filter_fn left no decoder linear "
                              "patched; select at least one decoder layer or attention module")
+    if config._empty:  # the layout of a saved W8A8 model (checkpoint.load_quantized): no calibration, no smoothing
+        return _empty_layout(model, config, targets, report)
     keep = config.keep_original
     stats, seconds = _stats(model, config)
     # every Parameter smoothing or quantization changes (LayerNorms, producing linears, quantized linears; the
@@ -210,5 +219,42 @@ def quantize_w8a8(model: nn.Module, config, report) -> W8A8State:
             attn._fuseinfer_qkv_params = (None,) * 6
         after = new.weight_q.numel() + 4 * new.weight_scale.numel()
         qreport.entries.append(QuantEntry(t.name, tuple(new.weight_q.shape), before, after))
+    report.quant = qreport
+    return state
+
+
+def _empty_layout(model: nn.Module, config, targets, report) -> W8A8State:
+    """Swap in W8A8Linears with uninitialized tensors (and the q/k/v slices) as ``quantize_w8a8`` would, without
+    calibrating or smoothing: a checkpoint's tensors (the smoothed LayerNorms and biases among them) are loaded
+    into them next. The originals are freed (unpatch refuses)."""
+    qreport = W8A8Report(config.scheme, kept_original=None, calibration_source="a saved W8A8 checkpoint")
+    state = W8A8State(config)
+    for t in targets:
+        if t.attr:
+            lin = t.parent._modules[t.attr]
+            w = lin.weight
+            new = _quantize(w, lin.bias, empty=True)
+            state.linears.append((t.parent, t.attr, lin, None, False))
+            setattr(t.parent, t.attr, new)
+            lin.weight.data = _placeholder(w)
+        else:
+            attn = t.parent
+            w = attn.qkv_weight  # (3E, E)
+            new = _quantize(w, attn.qkv_bias, empty=True)
+            projs = tuple(attn._modules[n] for n in ("q_proj", "k_proj", "v_proj"))
+            state.qkvs.append((attn, projs, None))
+            attn.qkv_proj = new
+            embed = w.shape[0] // 3
+            for i, (name, proj) in enumerate(zip(("q_proj", "k_proj", "v_proj"), projs)):
+                setattr(attn, name, W8A8QKVSlice(new, i, embed))
+                proj.weight.data = _placeholder(w)
+                if proj.bias is not None:
+                    proj.bias.data = _placeholder(w)
+            attn.register_buffer("qkv_weight", None, persistent=False)
+            attn.register_buffer("qkv_bias", None, persistent=False)
+            attn._fuseinfer_qkv_params = (None,) * 6
+        before = w.numel() * w.element_size()
+        qreport.entries.append(QuantEntry(t.name, tuple(new.weight_q.shape), before,
+                                          new.weight_q.numel() + 4 * new.weight_scale.numel()))
     report.quant = qreport
     return state

@@ -162,6 +162,12 @@ def test_ncu_csv_and_run_with_a_stand_in_ncu(tmp_path, monkeypatch):
     assert notes == [] and kernel["ncu_dram_pct"] == 80.1 and kernel["ncu_sm_pct"] == 20.5
     args = (tmp_path / "args").read_text()
     assert "regex:^sm90_gemm" in args and "fuseinfer.profile.ncu_target" in args and "--dtype fp16" in args
+    # the target's parser takes exactly what run_ncu passes (no --out: it writes nothing)
+    from fuseinfer.profile.cli import build_parser
+
+    argv = ncu.target_args(settings, "fuseinfer")
+    parsed = build_parser(out_required=False).parse_args(argv[argv.index("fuseinfer.profile.ncu_target") + 1:])
+    assert parsed.out is None and parsed.phase == "decode" and parsed.prompt_len == 16 and parsed.dtype == "fp16"
 
 
 def test_op_ranges_wrap_the_direct_cuda_calls_and_restore_them():

@@ -66,3 +66,32 @@ def test_refusals(tmp_path):
     model.save_pretrained(tmp_path, safe_serialization=True)
     with pytest.raises(FuseInferError, match="not a fuseinfer quantized checkpoint|no 'fuseinfer_quantization'"):
         fuseinfer.load_quantized(tmp_path)
+
+
+def test_w8a8_round_trip_gives_identical_logits(tmp_path, monkeypatch):
+    """A SmoothQuant W8A8 model (calibrated on token ids, smoothed, quantized) saves and loads without calibrating
+    or quantizing again: same tensors (the smoothed LayerNorms included), identical logits, the scheme recorded."""
+    from fuseinfer import SmoothQuantW8A8
+    from fuseinfer.quant import smoothquant as sq
+
+    model = random_opt(dtype=torch.float16).float()
+    ids = torch.randint(0, 512, (1, 256), generator=torch.Generator().manual_seed(0))
+    stats = sq.calibrate(model, ids=ids, samples=2, seq_len=128)
+    fuseinfer.patch(model, PatchConfig(quant=SmoothQuantW8A8(alpha=0.5, calibration=stats)))
+    fuseinfer.save_quantized(model, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())["fuseinfer_quantization"]
+    assert cfg["scheme"] == "smoothquant_w8a8" and cfg["alpha"] == 0.5 and cfg["calibration_source"] == "token ids"
+    import fuseinfer.quant.w8a8 as w8
+
+    monkeypatch.setattr(w8, "_stats", lambda *a: pytest.fail("load_quantized calibrated again"))
+    monkeypatch.setattr(w8, "smooth", lambda *a: pytest.fail("load_quantized smoothed again"))
+    loaded = fuseinfer.load_quantized(tmp_path)
+    a, b = model.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(k.endswith("qkv_proj.weight_q") for k in a)
+    x = torch.randint(0, 512, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, loaded(x).logits)
+    assert "a saved W8A8 checkpoint" in str(fuseinfer.patch_report(loaded))
+    with pytest.raises(FuseInferError, match="keep_original"):
+        fuseinfer.unpatch(loaded)

@@ -141,3 +141,31 @@ def test_eval_backend_is_registered():
 
     cls = BACKENDS["fuseinfer-w8a8"]
     assert "SmoothQuantW8A8" in cls.summary
+
+
+def test_eval_backend_calibration_flags_and_random_weights(monkeypatch):
+    """--calibration-data / --calibration-samples reach the fuseinfer-w8a8 backend (through their knobs); a
+    random-weight model is calibrated on seeded token ids, and the calibration time is reported apart."""
+    from types import SimpleNamespace
+
+    from fuseinfer.eval.cli import build_parser
+    from fuseinfer.eval.registry import BACKENDS
+    from tests.conftest import random_opt
+
+    args = build_parser().parse_args(["--calibration-data", "cal.txt", "--calibration-samples", "3"])
+    assert (args.calibration_data, args.calibration_samples) == ("cal.txt", 3)
+    cls = BACKENDS["fuseinfer-w8a8"]
+    monkeypatch.setenv("FUSEINFER_CALIBRATION_DATA", "/some/folder")
+    monkeypatch.setenv("FUSEINFER_CALIBRATION_SAMPLES", "3")
+    config = cls.quant_config()
+    assert config.calibration == "/some/folder" and config.samples == 3
+    monkeypatch.setenv("FUSEINFER_CALIBRATION_SAMPLES", "2")
+    monkeypatch.delenv("FUSEINFER_CALIBRATION_DATA")
+    backend = cls(SimpleNamespace(random_weights=True), None, torch.float32, torch.device("cpu"), 0)
+    backend.model = random_opt()
+    backend.stats = SimpleNamespace(weight_bytes_per_token=1)
+    backend.prepare()
+    details = backend.details()
+    assert details["calibration_samples"] == 2 and details["calibration_seconds"] > 0
+    assert details["calibration_source"].startswith("random token ids")
+    assert details["quantized_weights"] == 2 * 4  # q/k/v fused, out_proj, fc1, fc2 per layer
