@@ -87,6 +87,8 @@ def _worker(rank: int, size: int, init_file: str, out_dir: str) -> None:
     result["generate_equal"] = torch.equal(fuseinfer.generate(model, ids, max_new_tokens=6), want)
     result["hf_generate_equal"] = torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), want)
     result["path"] = model._fuseinfer_sessions[2].path
+    beams = dict(max_new_tokens=4, num_beams=2, do_sample=False)  # transformers' loop over fuseinfer's cache
+    result["beam_equal"] = torch.equal(model.generate(ids, **beams), reference.generate(ids, **beams))
     fuseinfer.unpatch(model)
     result["unfused_err"] = (model(ids).logits - expected).abs().max().item()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -105,7 +107,7 @@ def test_tp2_matches_the_unsharded_model(tp_results):
     for r in tp_results:
         assert r["shard_shapes"] == [[32, 64], [64, 64]]  # q_proj rows (E/2, E), fc2 columns (E, F/2)
         assert r["logits_err"] < 1e-5 and r["unfused_err"] < 1e-5
-        assert r["generate_equal"] and r["hf_generate_equal"]
+        assert r["generate_equal"] and r["hf_generate_equal"] and r["beam_equal"]
         assert "tensor parallel" in r["path"] and "TPFusedOPTDecoderLayer" in r["report"]
     assert tp_results[0]["row_bias"] and not tp_results[1]["row_bias"]  # fc2's bias on rank 0 only
 
