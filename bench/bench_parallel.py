@@ -116,7 +116,8 @@ def weight_bytes(model) -> int:
     position table (one row is read)."""
     pos = model.model.decoder.embed_positions.weight
     seen, total = set(), 0
-    for p in model.parameters():  # (by storage: accelerate's hooks re-wrap tied weights in new Parameter objects)
+    quant = [b for n, b in model.named_buffers() if n.endswith((".qweight", ".scale"))]  # int8 weights, scales
+    for p in [*model.parameters(), *quant]:  # (by storage: accelerate's hooks re-wrap tied weights in new objects)
         key = (p.device, p.data_ptr())
         if key not in seen and p is not pos and not p.is_meta:
             seen.add(key)
