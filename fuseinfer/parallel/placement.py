@@ -41,8 +41,11 @@ def _hooks(module: nn.Module) -> list:
 
 
 def is_hooked(model: nn.Module) -> bool:
-    """Whether accelerate placed ``model`` (a device map recorded, or a hook on any module)."""
-    return bool(getattr(model, "hf_device_map", None)) or any(_hooks(m) for m in model.modules())
+    """Whether accelerate placed ``model``: a hook on any module, or a device map over several devices (a map with
+    one device, as ``from_pretrained(device_map={"": "cuda:0"})`` may record, placed it without hooks: a plain
+    model on that device)."""
+    device_map = getattr(model, "hf_device_map", None) or {}
+    return len({str(d) for d in device_map.values()}) > 1 or any(_hooks(m) for m in model.modules())
 
 
 def offload_device(module: nn.Module) -> str | None:

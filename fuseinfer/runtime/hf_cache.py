@@ -24,7 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .. import knobs
 from ..errors import FuseInferError
 from ..state import patch_state
-from .cache import StaticKVCache
+from ..parallel import decode_plan
 from .graphs import capture_stream
 from .decode import CAPACITY_ROUND, SESSIONS_ATTR, _weights_key
 
@@ -47,14 +47,19 @@ class ForwardGraph:
         self.model, self.forward, self.rows, self.capacity = weakref.proxy(model), forward, rows, capacity
         self.weights = weights  # see decode.session_for: where the tensors the graph reads were
         dev = self.device = p.device
-        self.cache = StaticKVCache(cfg.num_hidden_layers, rows, heads, cfg.hidden_size // heads, capacity, p.dtype,
-                                   dev)
+        # tensor-parallel (this rank's heads, no one-kernel step) and device_map models (a cache per layer device,
+        # no graph) as fast decode runs them (fuseinfer/parallel/decode_plan.py)
+        plan = decode_plan.plan(model)
+        self.cache = decode_plan.kv_cache(model, plan, cfg.num_hidden_layers, rows, heads, cfg.hidden_size // heads,
+                                          capacity, p.dtype, dev)
+        self.capture_mode = plan.capture_mode
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=dev)  # (B, 1)
         self.positions = torch.zeros(rows, 1, dtype=torch.long, device=dev)  # (B, 1) OPT positions
         self.q_start = torch.zeros(rows, dtype=torch.int32, device=dev)  # (B,) slot of the new token
         self.decode_idx = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) the same slot
-        self.step_kernel, _ = patch_state(model).family.decode_step_kernel(model, self.cache)
-        self.use_graph = dev.type == "cuda" and knobs.get("FUSEINFER_CUDA_GRAPHS") != "0"
+        self.step_kernel = None if plan.no_kernel else patch_state(model).family.decode_step_kernel(model,
+                                                                                                  self.cache)[0]
+        self.use_graph = dev.type == "cuda" and knobs.get("FUSEINFER_CUDA_GRAPHS") != "0" and not plan.no_graphs
         self.graph, self.logits = None, None  # logits: (B, V) fp32, the graph's output
 
     def _step(self) -> torch.Tensor:
@@ -71,7 +76,8 @@ class ForwardGraph:
                 self._step()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=capture_stream(self.graph, self.device)):
+        with torch.cuda.graph(self.graph, stream=capture_stream(self.graph, self.device),
+                              capture_error_mode=self.capture_mode):
             self.logits = self._step()
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, start: int,

@@ -53,11 +53,25 @@ def _worker(rank: int, size: int, init_file: str, out_dir: str) -> None:
     result["heads_untouched"] = all(torch.equal(v, three_heads.state_dict()[k]) for k, v in state.items())
     result["disagree"] = _error(lambda: tensor_parallel(_model(num_hidden_layers=2 + rank)))
     result["size"] = _error(lambda: tensor_parallel(_model(), tp_size=4))
-    dispatched = _model()
-    dispatched.hf_device_map = {"model.decoder.layers.0": "cpu", "model.decoder.layers.1": "cpu"}
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    dispatched = _model()  # (as dispatch_model leaves it: a hook on each block)
+    add_hook_to_module(dispatched.model.decoder.layers[0], AlignDevicesHook(execution_device="cpu"))
+    one_device = _model()  # from_pretrained(device_map={"": "cpu"}) records a map but adds no hook: accepted
+    one_device.hf_device_map = {"": "cpu"}
+    result["one_device_map_ok"] = sharding._local_error(one_device, 2, None, torch.device("cpu"), "gloo", None)
     result["dispatched"] = _error(lambda: tensor_parallel(dispatched))
     result["cuda_on_gloo"] = _error(lambda: tensor_parallel(_model(), device="cuda:0"))
     result["one_rank"] = _error(lambda: tensor_parallel(_model() if rank == 0 else _model().train()))
+    # a failure while sharding on one rank only (an OOM, say): every rank raises it, none waits on the other
+    from fuseinfer.parallel import meta_model, random_init
+
+    def init(name, shape, dtype, device):
+        if rank == 1 and name.endswith("layers.1.fc1.weight"):
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return random_init(0)(name, shape, dtype, device)
+
+    result["shard_fails"] = _error(lambda: tensor_parallel(meta_model(_model().config, torch.float32), init=init))
     # the real thing
     model = _model()
     reference = copy.deepcopy(model)
@@ -73,6 +87,8 @@ def _worker(rank: int, size: int, init_file: str, out_dir: str) -> None:
     result["generate_equal"] = torch.equal(fuseinfer.generate(model, ids, max_new_tokens=6), want)
     result["hf_generate_equal"] = torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), want)
     result["path"] = model._fuseinfer_sessions[2].path
+    beams = dict(max_new_tokens=4, num_beams=2, do_sample=False)  # transformers' loop over fuseinfer's cache
+    result["beam_equal"] = torch.equal(model.generate(ids, **beams), reference.generate(ids, **beams))
     fuseinfer.unpatch(model)
     result["unfused_err"] = (model(ids).logits - expected).abs().max().item()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -91,7 +107,7 @@ def test_tp2_matches_the_unsharded_model(tp_results):
     for r in tp_results:
         assert r["shard_shapes"] == [[32, 64], [64, 64]]  # q_proj rows (E/2, E), fc2 columns (E, F/2)
         assert r["logits_err"] < 1e-5 and r["unfused_err"] < 1e-5
-        assert r["generate_equal"] and r["hf_generate_equal"]
+        assert r["generate_equal"] and r["hf_generate_equal"] and r["beam_equal"]
         assert "tensor parallel" in r["path"] and "TPFusedOPTDecoderLayer" in r["report"]
     assert tp_results[0]["row_bias"] and not tp_results[1]["row_bias"]  # fc2's bias on rank 0 only
 
@@ -103,8 +119,10 @@ def test_tp_bad_input_raises_on_every_rank(tp_results):
         assert "ranks disagree on the model" in r["disagree"]
         assert "tp_size=4 but the process group has 2 rank(s)" in r["size"]
         assert "dispatched by accelerate" in r["dispatched"]
+        assert r["one_device_map_ok"] is None
         assert "needs the NCCL backend" in r["cuda_on_gloo"]
         assert r["one_rank"].startswith("rank 1: the model is in training mode")
+        assert r["shard_fails"].startswith("rank 1: RuntimeError: CUDA out of memory (simulated)")
 
 
 def test_tensor_parallel_needs_a_process_group():
