@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..parallel import decode_plan
+from ..parallel import decode_plan, placement
 from ..state import patch_state
 from .processors import Rule, bad_words, repetition_penalty_skips_padding
 
@@ -109,6 +109,8 @@ def decode_forward(model):
     if state is None or set(state.config.ops) != set(OPS) or state.config.filter_fn is not None:
         return None, ("fuseinfer.generate needs a model patched with every op and no filter_fn: "
                       "call fuseinfer.patch(model) first")
+    if not placement.is_hooked(model):  # (one walk over the modules; decode_plan's two checks would make two)
+        return state.family.decode_forward(model)
     why = decode_plan.refusal(model)  # accelerate offload: transformers' generate runs it
     if why is not None:
         return None, why
@@ -154,9 +156,11 @@ def prepare_call(model, input_ids, attention_mask=None, max_new_tokens: int = 20
                  min_new_tokens=None, min_length=None, repetition_penalty=None, no_repeat_ngram_size=None,
                  bad_words_ids=None, suppress_tokens=None, begin_suppress_tokens=None, stop_strings=None,
                  tokenizer=None, streamer=None, return_dict_in_generate=False, output_scores=False,
-                 output_logits=False) -> Call | Problem:
-    """Check a generate call (transformers' meaning for every argument) and describe what fast decode runs."""
-    forward, why = decode_forward(model)
+                 output_logits=False, checked_forward=None) -> Call | Problem:
+    """Check a generate call (transformers' meaning for every argument) and describe what fast decode runs.
+    ``checked_forward``: ``decode_forward(model)``'s forward where the caller has just asked for it (saves a walk
+    over the model's modules)."""
+    forward, why = (checked_forward, None) if checked_forward is not None else decode_forward(model)
     if forward is None:
         return Problem(why)
     problem = check_shapes(model, input_ids, attention_mask, max_new_tokens)

@@ -8,9 +8,17 @@ decoder layers unchanged.
 """
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from ..ops.kv_cache import kv_cache_append
+
+
+# What fast decode made, for tests and benchmarks (only ever incremented: read a difference): sessions built
+# ("session"), decode graph sets captured ("decode_graphs"), caches allocated ("cache", decode.py), prefill graphs
+# captured ("prefill_graph", prefill.py). Kept here, the module both import.
+COUNTS: collections.Counter = collections.Counter()
 
 
 class StaticKVCache:

@@ -13,9 +13,15 @@ once ``STOP_CHECK_EVERY`` or more steps ran since it last looked. Within a graph
 choice are chained with programmatic dependent launch, so a step's weight stream starts while the previous token
 is being chosen. On CPU, or with FUSEINFER_CUDA_GRAPHS=0, the same step runs eagerly over the same static cache.
 
-Sessions (cache + graphs, one per bucket) stay on the model between calls, so repeated calls reuse them and
-allocate nothing, until the model's tensors move (``model.to``: a session records where they were, and the next
-call drops every session); ``release(model)`` (or ``fuseinfer.unpatch``) frees them.
+Sessions (graphs and step buffers) stay on the model between calls, so repeated calls reuse them and allocate
+nothing. A session serves one setting (token rule, logits processors, EOS, pad); a batch bucket keeps up to
+``SESSIONS_PER_BUCKET`` of them (least recently used dropped first), all over the bucket's one KV cache (calls are
+serialised per model, and each call's prefill rewrites the cache and its mask), so that callers who alternate
+settings (``model.generate`` with the generation config's EOS / pad, ``fuseinfer.generate`` without) do not rebuild
+a session and capture its graphs at every call. A session's decode graphs are captured by the first call that
+decodes (one that makes a single token needs none). Sessions live until the model's tensors move (``model.to``: a
+session records where they were, and the next call drops every session); ``release(model)`` (or
+``fuseinfer.unpatch``) frees them. ``COUNTS`` counts sessions built and graphs captured (tests, benchmarks).
 
 A call's logits processors (``processors.py``: repetition penalty, n-gram and bad-word bans, min length, suppressed
 tokens) and warpers run inside the step before the token choice; its argument checks are ``args.prepare_call``'s;
@@ -24,8 +30,8 @@ by ``model_lock(model)``.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
-import itertools
 import threading
 import weakref
 
@@ -37,7 +43,7 @@ from ..ops.emit_tokens import emit_tokens, emit_tokens_scratch
 from ..parallel import decode_plan
 from ..state import patch_state, unwrapped
 from .args import Call, Sampling, decode_forward, eos_tensor, in_vocabulary, pad_id, prepare_call  # noqa: F401
-from .cache import StaticKVCache
+from .cache import COUNTS, StaticKVCache  # noqa: F401 (COUNTS: re-exported)
 from .graphs import capture_stream
 from .processors import Processors, Rule
 
@@ -45,6 +51,7 @@ SESSIONS_ATTR = "_fuseinfer_sessions"
 STOP_CHECK_EVERY = 16
 GRAPH_STEPS = 16  # steps per replay of the longer graph (FUSEINFER_DECODE_GRAPH_STEPS)
 CAPACITY_ROUND = 128
+SESSIONS_PER_BUCKET = 4  # settings kept per batch bucket (each: its step buffers, processors, decode graphs)
 
 
 class _Session:
@@ -97,7 +104,9 @@ class _Session:
         self.path += f"; eager, {plan.no_graphs}" if plan.no_graphs else ""
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per replay -> graph
         self.capture_mode = plan.capture_mode
-        if dev.type == "cuda" and knobs.get("FUSEINFER_CUDA_GRAPHS") != "0" and not plan.no_graphs:
+        self.graphs_on = _graphs_enabled(dev, plan)  # decode graphs: captured by the first call that decodes
+        COUNTS["session"] += 1
+        if self.graphs_on and max_new > 1:  # (a caller of begin/advance, e.g. the eval, gets them at once)
             self._capture(self.group)  # (decode steps: max_new - 1)
 
     def fits(self, capacity: int, sampling: Sampling, max_new: int, eos: torch.Tensor, pad: int,
@@ -105,8 +114,12 @@ class _Session:
         """Whether this session serves a call: room enough, a long enough graph, the same token rule."""
         return (self.capacity >= capacity and self.max_new >= max_new
                 and (not self.graphs or self.group >= _group_steps(max_new))
-                and self.sampling == sampling and self.rule == rule
-                and self.pad == pad and torch.equal(self.eos_host, eos))
+                and self.settings == settings_key(sampling, rule, eos, pad))
+
+    @property
+    def settings(self) -> tuple:
+        """What the session's graphs bake in besides sizes (its key in the bucket's LRU)."""
+        return settings_key(self.sampling, self.rule, self.eos_host, self.pad)
 
     def _emit(self, logits: torch.Tensor) -> None:
         """Choose the next tokens from logits (B, V), record them and the stop state at ``step``, advance every
@@ -133,24 +146,15 @@ class _Session:
         self._emit(logits)
 
     def _capture(self, steps: int) -> None:
-        """Graphs of one step and (steps > 1) of ``steps`` steps in a row, sharing one memory pool."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the graph (allocator, cuBLAS handles, kernels)
-            for _ in range(2):
-                self.step.zero_()  # keep the writes inside out[:, 0], whatever max_new is
-                self._decode_step()
-        torch.cuda.current_stream().wait_stream(side)
-        self.step.zero_()
-        pool = None
-        for n in sorted({1, steps}):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=capture_stream(graph, self.tokens.device),
-                                  capture_error_mode=self.capture_mode):
-                for _ in range(n):
-                    self._decode_step()
-            pool = graph.pool()
-            self.graphs[n] = graph
+        """Graphs of one step and (steps > 1) of ``steps`` steps in a row, sharing one memory pool. The warm-up
+        steps run for real: the counters are reset first, so that they write cache slots 0 and 1 and
+        out[:, 0] whatever the last call left (a deferred capture follows a call whose decode_idx may sit at the
+        cache's end); the next begin() rewrites all of it."""
+        COUNTS["decode_graphs"] += 1
+        self.group = steps
+        for t in (self.positions, self.q_start, self.decode_idx, self.step):
+            t.zero_()
+        self.graphs = capture_graphs(self._decode_step, sorted({1, steps}), self.step, self.capture_mode)
 
     def begin(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Prefill left-padded input_ids, mask (B, P) into the cache; returns the first new tokens (B, 1)."""
@@ -198,6 +202,8 @@ class _Session:
         """input_ids, mask: (B, P) left-padded -> generated tokens (B, n <= max_new). ``watch``: a
         :class:`~fuseinfer.runtime.host_watch.HostWatch` (streamer, stop strings) that looks at the tokens at every
         stop check instead of the device's stop flag, and makes the result."""
+        if self.graphs_on and not self.graphs and max_new > 1:  # the session's first call that decodes
+            self._capture(_group_steps(max_new))
         self.begin(input_ids, mask)
         group = max(self.graphs, default=1)  # steps per replay while that many are left
         i, unchecked = 1, 0  # tokens so far, steps since the last stop check
@@ -223,6 +229,41 @@ def _graph_steps() -> int:
 def _group_steps(max_new: int) -> int:
     """Steps in the longer graph of a session for ``max_new`` new tokens (its decode steps are max_new - 1)."""
     return min(_graph_steps(), max(1, max_new - 1))
+
+
+def capture_graphs(step, counts: list, step_counter: torch.Tensor, mode: str) -> dict:
+    """{n: CUDA graph of ``step()`` n times in a row} for n in ``counts``, one memory pool, after two warm-up
+    steps on a side stream (allocator, cuBLAS handles, kernels); ``step_counter`` is zeroed before each warm-up
+    step and before the capture, so the warm-up writes stay in out[:, 0]. (Tests on the CPU stand in an eager
+    replay here.)"""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step_counter.zero_()  # keep the writes inside out[:, 0], whatever max_new is
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    step_counter.zero_()
+    graphs, pool = {}, None
+    for n in counts:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=capture_stream(graph, step_counter.device),
+                              capture_error_mode=mode):
+            for _ in range(n):
+                step()
+        pool = graph.pool()
+        graphs[n] = graph
+    return graphs
+
+
+def _graphs_enabled(dev: torch.device, plan) -> bool:
+    """Whether sessions on ``dev`` replay CUDA graphs (tests on the CPU stand in a fake capture here)."""
+    return dev.type == "cuda" and knobs.get("FUSEINFER_CUDA_GRAPHS") != "0" and not plan.no_graphs
+
+
+def settings_key(sampling: Sampling, rule: Rule, eos: torch.Tensor, pad: int) -> tuple:
+    """A session's settings as a hashable key: (token rule, processors, EOS ids, pad id)."""
+    return sampling, rule, tuple(eos.tolist()), int(pad)
 
 
 def _bucket(batch: int) -> int:
@@ -310,30 +351,91 @@ def _result(call: Call, input_ids: torch.Tensor, new, n: int, session):
                                      attentions=None, hidden_states=None, past_key_values=None)
 
 
-def session_for(model, forward, batch: int, max_len: int, sampling: Sampling, max_new: int, eos: torch.Tensor,
-                pad: int, rule: Rule = Rule()) -> _Session:
-    """The model's session for this batch bucket, made anew only when the cached one does not fit."""
-    capacity = min(model.config.max_position_embeddings, -(-max_len // CAPACITY_ROUND) * CAPACITY_ROUND)
-    sessions = model.__dict__.setdefault(SESSIONS_ATTR, {})
+class _Sessions(dict):
+    """A model's fast-decode state (``model.__dict__[SESSIONS_ATTR]``): batch bucket -> the session its last call
+    ran, ("hf", rows) -> the middle path's ForwardGraph (hf_cache.py). ``lru[bucket]``: every session of that
+    bucket by settings (``settings_key``), least recently used first, at most SESSIONS_PER_BUCKET, all over one
+    cache. The sessions do not reference each other or this dict (no reference cycle through the model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lru: dict[int, collections.OrderedDict] = {}
+
+    def clear(self) -> None:
+        super().clear()
+        self.lru.clear()
+
+    def drop_bucket(self, bucket: int) -> None:
+        """Free a bucket's sessions (graphs, buffers) and its cache."""
+        self.pop(bucket, None)
+        self.lru.pop(bucket, None)
+
+    def __deepcopy__(self, memo):  # a deep copy of the model starts without sessions (graphs cannot be copied)
+        return _Sessions()
+
+    def __reduce__(self):  # so does a pickled (torch.save) model
+        return _Sessions, ()
+
+
+def sessions_of(model) -> tuple[_Sessions, tuple]:
+    """(the model's sessions, its weights key), every session dropped first if the model's tensors moved."""
+    sessions = model.__dict__.get(SESSIONS_ATTR)
+    if not isinstance(sessions, _Sessions):
+        sessions = model.__dict__[SESSIONS_ATTR] = _Sessions()
     weights = _weights_key(model)
     if any(s is not None and getattr(s, "weights", weights) != weights for s in sessions.values()):
         sessions.clear()  # the model's tensors moved: every bucket's cache and graphs belong to the old ones
+    return sessions, weights
+
+
+def session_for(model, forward, batch: int, max_len: int, sampling: Sampling, max_new: int, eos: torch.Tensor,
+                pad: int, rule: Rule = Rule()) -> _Session:
+    """The model's session for this batch bucket and these settings. Made anew only when none of the bucket's
+    sessions has these settings (then over the bucket's cache), when the one that has them is too short for
+    max_new (the same), or when the bucket's cache is too small (then every session of the bucket goes, and a
+    larger cache comes)."""
+    capacity = min(model.config.max_position_embeddings, -(-max_len // CAPACITY_ROUND) * CAPACITY_ROUND)
+    sessions, weights = sessions_of(model)
     bucket = _bucket(batch)
-    session = sessions.get(bucket)  # (None in a deep or pickled copy of the model: see _Session)
-    if session is None or not session.fits(capacity, sampling, max_new, eos, pad, rule):
-        sessions.pop(bucket, None)  # free the old graphs (and the cache, unless reused) before allocating anew
-        cache = session.cache if session is not None and session.capacity >= capacity else None
-        if cache is not None:  # other settings only (the token rule, EOS, pad, more new tokens): same cache
-            capacity = session.capacity
-        del session
-        session = sessions[bucket] = _Session(model, forward, bucket, capacity, sampling, max_new, eos, pad,
-                                              weights, cache, rule)
+    lru = sessions.lru.setdefault(bucket, collections.OrderedDict())
+    key = settings_key(sampling, rule, eos, pad)
+    session = lru.get(key)
+    if session is not None and session.fits(capacity, sampling, max_new, eos, pad, rule):
+        lru.move_to_end(key)
+        sessions[bucket] = session
+        return session
+    current = sessions.get(bucket)  # (None in a deep or pickled copy of the model: see _Session)
+    cache = current.cache if current is not None else None
+    if cache is not None and current.capacity < capacity:
+        cache = None  # too small: every session of the bucket reads it (graphs, step kernel)
+    if cache is None:
+        sessions.drop_bucket(bucket)  # free the old graphs and cache before allocating anew
+        lru = sessions.lru[bucket] = collections.OrderedDict()
+        COUNTS["cache"] += 1
+    else:
+        capacity = current.capacity
+        lru.pop(key, None)  # (too short for max_new, or none has these settings)
+        while len(lru) >= SESSIONS_PER_BUCKET:
+            lru.popitem(last=False)
+    del session, current
+    session = _Session(model, forward, bucket, capacity, sampling, max_new, eos, pad, weights, cache, rule)
+    lru[key] = sessions[bucket] = session
     return session
 
 
 def _weights_key(model) -> tuple:
-    """Where and how the model's tensors are stored: a session's graphs and step kernel read them there."""
-    return tuple((t.data_ptr(), t.dtype, t.device) for t in itertools.chain(model.parameters(), model.buffers()))
+    """Where and how the model's tensors are stored: a session's graphs and step kernel read them there. (Checked
+    at every call: a walk over the modules' own dicts, about 4x cheaper than ``parameters()`` and ``buffers()``,
+    whose generators and de-duplication cost ~1 ms a call on a 24-layer model; a tied tensor appears twice.)"""
+    key, stack = [], [model]
+    while stack:
+        m = stack.pop()
+        for tensors in (m._parameters, m._buffers):
+            for t in tensors.values():
+                if t is not None:
+                    key.append((t.data_ptr(), t.dtype, t.device))
+        stack.extend(c for c in m._modules.values() if c is not None)
+    return tuple(key)
 
 
 def release(model) -> None:

@@ -25,8 +25,8 @@ from .. import knobs
 from ..errors import FuseInferError
 from ..state import patch_state
 from ..parallel import decode_plan
+from .decode import CAPACITY_ROUND, sessions_of
 from .graphs import capture_stream
-from .decode import CAPACITY_ROUND, SESSIONS_ATTR, _weights_key
 
 KEY = "hf"  # sessions[(KEY, rows)] -> ForwardGraph
 
@@ -197,10 +197,7 @@ class FusedCache(Cache):
 
 def graph_for(model, forward, rows: int, max_length: int) -> ForwardGraph:
     """The model's ForwardGraph for ``rows`` rows with room for ``max_length`` tokens (made anew when it has not)."""
-    sessions = model.__dict__.setdefault(SESSIONS_ATTR, {})
-    weights = _weights_key(model)
-    if any(s is not None and getattr(s, "weights", weights) != weights for s in sessions.values()):
-        sessions.clear()  # the model's tensors moved (see decode.session_for)
+    sessions, weights = sessions_of(model)  # (dropped if the model's tensors moved: see decode.session_for)
     capacity = min(model.config.max_position_embeddings, -(-max_length // CAPACITY_ROUND) * CAPACITY_ROUND)
     graph = sessions.get((KEY, rows))
     if graph is None or graph.capacity < capacity:

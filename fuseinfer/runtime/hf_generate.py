@@ -43,15 +43,16 @@ _NOT_MIDDLE = {"past_key_values", "cache_implementation", "inputs_embeds", "cust
 _logged: set[str] = set()
 
 
-def _reasons(model, input_ids, kwargs, configs: list, get, defaults: dict) -> tuple[str | None, bool]:
-    """(None, _) when the call can take the fast path, else (why not, whether the middle path can serve it)."""
+def _reasons(model, input_ids, kwargs, configs: list, get, defaults: dict, checked: tuple) -> tuple[str | None, bool]:
+    """(None, _) when the call can take the fast path, else (why not, whether the middle path can serve it).
+    checked: ``decode_forward(model)``."""
     if get("use_cache") is False:
         return "use_cache=False", False
     if model.generation_config is configs[0] and model.config._get_generation_parameters():
         return "generation settings on model.config (transformers refuses them: use model.generation_config)", False
     if model.training:
         return "model is in training mode", False
-    why = decode_forward(model)[1]
+    why = checked[1]
     if why is not None:
         return why, False
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -143,7 +144,8 @@ def patched_generate(model, inputs=None, generation_config: GenerationConfig | N
 def _generate(model, inputs, generation_config, kwargs):
     input_ids = kwargs.get("input_ids", inputs)
     configs, get, defaults = _resolver(model, generation_config, kwargs)
-    reason, middle = _reasons(model, input_ids, kwargs, configs, get, defaults)
+    checked = decode_forward(model)  # (once per call: it walks the model's modules)
+    reason, middle = _reasons(model, input_ids, kwargs, configs, get, defaults, checked)
     if reason is None and inputs is not None and "input_ids" in kwargs:
         reason, middle = "both inputs and input_ids given", False  # (transformers refuses the call)
     max_new, mask, pad, eos = None, None, get("pad_token_id"), eos_tensor(get("eos_token_id"))
@@ -162,7 +164,8 @@ def _generate(model, inputs, generation_config, kwargs):
                             begin_suppress_tokens=get("begin_suppress_tokens"), stop_strings=get("stop_strings"),
                             tokenizer=kwargs.get("tokenizer"), streamer=kwargs.get("streamer"),
                             return_dict_in_generate=bool(get("return_dict_in_generate")),
-                            output_scores=bool(get("output_scores")), output_logits=bool(get("output_logits")))
+                            output_scores=bool(get("output_scores")), output_logits=bool(get("output_logits")),
+                            checked_forward=checked[0])
         if isinstance(call, Call):
             if call.max_new < 1:  # (transformers' own checks for a call that makes no token)
                 return _transformers_generate(model, inputs, generation_config, kwargs)

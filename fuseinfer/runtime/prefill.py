@@ -14,8 +14,9 @@ another dtype; else the patched modules run as before):
   prompt-length bucket (a multiple of ``LENGTH_BUCKET`` tokens), a CUDA graph of the lean loop over the session's
   static cache. A prompt of ``p`` tokens is right-padded to its bucket: the padding's keys land in cache slots
   ``[p, bucket)``, which the causal bound hides until decode overwrites them, and the logits are taken at
-  position ``p - 1``. Graphs are captured on a bucket's first use, share one memory pool per session and go with
-  the session (``fuseinfer.runtime.release``).
+  position ``p - 1``. Graphs are captured on a bucket's first use, belong to the session's KV cache (so every
+  session of a batch bucket, one per setting, replays the same ones: decode.py), share one memory pool per cache
+  and go with it (``fuseinfer.runtime.release``).
 
 ``FUSEINFER_PREFILL`` picks: ``auto`` (graphs up to ``AUTO_GRAPH_MAX_TOKENS`` bucket tokens on CUDA, the lean
 loop elsewhere), ``graph`` (graphs wherever they apply), ``lean`` or ``module`` (the patched modules, as before).
@@ -38,12 +39,14 @@ from ..errors import FuseInferError
 from ..ops import add_layer_norm, attention, linear_epilogue
 from ..ops.kv_cache import kv_cache_append
 from ..state import patch_state, unwrapped
+from .cache import COUNTS
 from .graphs import capture_stream
 
 LENGTH_BUCKET = 128  # prompt lengths round up to a multiple of this in the graph path (<= 127 padded tokens)
 # graphs where bucket rows x bucket length <= this (auto); above it the GPU time dwarfs the lean loop's host time
 AUTO_GRAPH_MAX_TOKENS = 4096
-_graphs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # session -> {length bucket: PrefillGraph}
+# KV cache -> {length bucket: PrefillGraph} (a graph holds only a weak reference to its cache)
+_graphs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 PLAN_KEY = "prefill_plan"  # where the plan is kept in the patch state's family dict
 
 
@@ -345,7 +348,7 @@ def session_prefill(session, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     if choice != "module" and lean_reason(model, weights=False) is None:
         graph = _graph_for(session, ids.shape[1], choice)
         if graph is not None:
-            return graph.run(ids, pos)
+            return graph.run(ids, pos, session.pad)
         if lean_reason(model) is None:
             return lean_logits(model, ids, pos, session.cache, session.q_start)
     return session.forward(model, ids, pos, session.cache, session.q_start)
@@ -360,7 +363,7 @@ def _graph_for(session, p: int, choice: str):
     length = length_bucket(p)
     if length > session.capacity or (choice == "auto" and session.bucket * length > AUTO_GRAPH_MAX_TOKENS):
         return None
-    graphs = _graphs.setdefault(session, {})
+    graphs = _graphs.setdefault(session.cache, {})
     graph = graphs.get(length)
     if graph is None:
         if lean_reason(session.model) is not None:  # the weights, unchecked by the caller
@@ -371,18 +374,23 @@ def _graph_for(session, p: int, choice: str):
 
 
 def graph_stats(session) -> dict:
-    """{length bucket: {'capture_ms', 'pool_bytes'}} of a session's prefill graphs (for the benchmark)."""
-    return {n: {"capture_ms": g.capture_ms, "pool_bytes": g.pool_bytes} for n, g in _graphs.get(session, {}).items()}
+    """{length bucket: {'capture_ms', 'pool_bytes'}} of the prefill graphs of a session's cache (the benchmark)."""
+    return {n: {"capture_ms": g.capture_ms, "pool_bytes": g.pool_bytes}
+            for n, g in _graphs.get(session.cache, {}).items()}
 
 
 class PrefillGraph:
-    """A CUDA graph of the lean loop over a session's cache for prompts right-padded to ``length`` tokens."""
+    """A CUDA graph of the lean loop over a session's cache for prompts right-padded to ``length`` tokens. It reads
+    nothing of the session but its model and cache, so every session over that cache replays it."""
 
     def __init__(self, session, length: int, pool=None):
-        """pool: another prefill graph's memory pool to share (graphs of one session never run concurrently, and
-        each graph's logits are consumed before the next replay)."""
-        self.session = weakref.proxy(session)
+        """pool: another prefill graph's memory pool to share (graphs of one cache never run concurrently: calls
+        are serialised per model, and each graph's logits are consumed before the next replay)."""
+        COUNTS["prefill_graph"] += 1
+        self.model = session.model  # (a weak proxy)
+        self.cache = weakref.proxy(session.cache)  # (the cache keys _graphs: a strong reference would keep it)
         bucket, dev = session.bucket, session.tokens.device
+        self.q_start = torch.zeros(bucket, dtype=torch.int32, device=dev)  # (Bb,) prefill starts at slot 0
         self.length = length
         self.ids = torch.full((bucket, length), session.pad, dtype=torch.long, device=dev)  # (Bb, L)
         self.pos = torch.full((bucket, length), -1, dtype=torch.long, device=dev)  # (Bb, L)
@@ -392,35 +400,35 @@ class PrefillGraph:
         self.logits = None
         torch.cuda.synchronize(dev)
         before, start = torch.cuda.memory_reserved(dev), time.perf_counter()
-        self._capture(session, pool)
+        self._capture(pool)
         torch.cuda.synchronize(dev)
         self.capture_ms = (time.perf_counter() - start) * 1e3  # two warm-up runs + the capture
         self.pool_bytes = torch.cuda.memory_reserved(dev) - before  # what the capture reserved (0 when shared)
         self.pool = self.graph.pool()
 
-    def _forward(self, session) -> torch.Tensor:
-        plan, _ = _plan(session.model)
-        cache = session.cache
-        return _run(plan, self.ids, self.pos, cache.key_mask, session.q_start, cache, self.slots, self.last)
+    def _forward(self) -> torch.Tensor:
+        plan, _ = _plan(self.model)
+        cache = self.cache
+        return _run(plan, self.ids, self.pos, cache.key_mask, self.q_start, cache, self.slots, self.last)
 
-    def _capture(self, session, pool) -> None:
+    def _capture(self, pool) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up outside the graph (cuBLASLt's choice, attention's buffers)
             for _ in range(2):
-                self._forward(session)
+                self._forward()
         torch.cuda.current_stream().wait_stream(side)
         with torch.cuda.graph(self.graph, pool=pool, stream=capture_stream(self.graph, self.ids.device)):
-            self.logits = self._forward(session)  # (Bb, V) fp32, in the graph's pool
+            self.logits = self._forward()  # (Bb, V) fp32, in the graph's pool
 
-    def run(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, pad: int) -> torch.Tensor:
         """ids, pos (Bb, P <= length) -> fp32 logits (Bb, V) of position P - 1; valid until the next replay of a
-        graph of this session's pool."""
+        graph of this cache's pool. pad: the token the right padding holds (any embeddable id: it is hidden)."""
         p = ids.shape[1]
         self.ids[:, :p].copy_(ids)
         self.pos[:, :p].copy_(pos)
         if p < self.length:  # right padding: its k/v go to slots the causal bound hides until decode writes them
-            self.ids[:, p:].fill_(self.session.pad)
+            self.ids[:, p:].fill_(pad)
             self.pos[:, p:].fill_(-1)
         self.last.fill_(p - 1)
         self.graph.replay()

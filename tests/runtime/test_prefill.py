@@ -316,12 +316,12 @@ def test_prefill_graph_logits_and_tokens(prompt, monkeypatch):
     with torch.no_grad():
         ref32 = m32(input_ids=ids, attention_mask=mask).logits[:, -1]
         torch16 = m16(input_ids=ids, attention_mask=mask).logits[:, -1]
-    graph = pf._graphs[session][pf.length_bucket(prompt)]
+    graph = pf._graphs[session.cache][pf.length_bucket(prompt)]
     session.cache.key_mask.zero_()
     session.cache.key_mask[:, :prompt] = mask.bool()
     session.cache.key_mask[:, prompt:] = True
     session.q_start.zero_()
-    logits = graph.run(ids, pos).clone()
+    logits = graph.run(ids, pos, session.pad).clone()
     _fp16_rule(logits, torch16, ref32, "prefill graph")
 
 
