@@ -19,9 +19,18 @@ Floors (same run): ``floor_weights_ms`` = bytes of the weights read once (all pa
 their dtype) / copy bandwidth measured in the run; ``floor_gemm_ms`` = sum over the forward's GEMMs (per layer q/k/v,
 out_proj, fc1, fc2 at M = B*S; the LM head at M = B) of cuBLAS's own time on that shape (``torch.mm``, cold L2,
 i.e. their FLOPs at the fp16 rate cuBLAS reaches on those shapes); ``floor_ms`` = the larger (attention and
-LayerNorms are left out: the floor is a lower bound). Time to first token: wall clock of ``model.generate(ids,
-max_new_tokens=1)`` (patched, and unpatched for reference) and ``fuseinfer.generate``, synchronised, median of
-``--reps``; ``ttft_over_prefill`` = patched model.generate's TTFT / ``begin_auto``'s prefill at that shape.
+LayerNorms are left out: the floor is a lower bound).
+
+Time to first token (TTFT), per prompt length in ``--ttft-prompts`` (batch 1): the wall clock of one whole call
+that returns one new token, ``torch.cuda.synchronize()`` before and after, so it counts the host's argument checks
+and session lookup, the prefill (graph replay), the first-token choice and the result's copy, i.e. what a caller
+waits for. Callers: ``model.generate(ids, max_new_tokens=1)`` on the patched model (the generation config's EOS and
+pad), ``fuseinfer.generate(patched, ids, max_new_tokens=1)`` (no EOS, pad 0) and the unpatched model's
+``model.generate`` for reference. Each caller is warmed up with 3 calls (its session and graphs made); then
+``--reps`` rounds call every caller once in turn, so the two patched styles alternate on one model as an app mixing
+them would; median and p10-p90. ``ttft_rebuilds`` records the runtime's ``COUNTS`` over the timed rounds (sessions,
+caches, decode / prefill graphs made: 0 expected, each style keeps its session). ``ttft_over_prefill`` = patched
+model.generate's TTFT / ``begin_auto``'s prefill at that shape (issue 41 target: <= 1.2).
 """
 from __future__ import annotations
 
@@ -41,7 +50,7 @@ from common import bench_ms, event_ms, measure_ceilings, percentile_stats, wall_
 import fuseinfer  # noqa: E402
 from fuseinfer.eval.models import load_config, load_model, model_stats, resolve_model  # noqa: E402
 from fuseinfer.runtime import prefill as pf  # noqa: E402
-from fuseinfer.runtime.decode import Sampling, decode_forward, session_for  # noqa: E402
+from fuseinfer.runtime.decode import COUNTS, Sampling, decode_forward, session_for  # noqa: E402
 
 TARGETS_MS = {(1, 128): 1.3, (1, 512): 2.8}  # issue 41, H100
 
@@ -147,28 +156,30 @@ def main() -> None:
               f"; floor {row['floor_ms']:.3f} ms", flush=True)
         rows.append(row)
     # time to first token
-    ttft = {}
+    ttft, ttft_rebuilds = {}, {}
     for p in [int(x) for x in args.ttft_prompts.split(",")]:
         ids = torch.randint(3, cfg.vocab_size, (1, p), device="cuda")
         gens = {"model.generate (patched)": lambda: patched.generate(ids, max_new_tokens=1, do_sample=False),
                 "fuseinfer.generate": lambda: fuseinfer.generate(patched, ids, max_new_tokens=1),
                 "model.generate (unpatched)": lambda: base.generate(ids, max_new_tokens=1, do_sample=False)}
         with torch.no_grad():
-            # each caller timed in a block of its own: the two generate entry points pass different EOS / pad ids,
-            # and a fast-decode session serves one setting per batch bucket (alternating rebuilds it every call)
-            per = {name: [] for name in gens}
-            for name, fn in gens.items():
+            for fn in gens.values():  # warm-up: each style's session, prefill graph and first call
                 for _ in range(3):
                     fn()
-                for _ in range(args.reps):
+            before = dict(COUNTS)
+            per = {name: [] for name in gens}
+            for _ in range(args.reps):  # the styles alternate (each keeps its own session per batch bucket)
+                for name, fn in gens.items():
                     per[name].append(wall_ms(fn))
+            ttft_rebuilds[p] = {k: v - before.get(k, 0) for k, v in COUNTS.items() if v != before.get(k, 0)}
         ttft[p] = {name: percentile_stats(t) for name, t in per.items()}
         prefill_row = next((r for r in rows if r["shape"] == f"1x{p}"), None)
         for r in rows:
             if r["shape"] == f"1x{p}":
                 r["ttft_ms"] = ttft[p]["model.generate (patched)"]["median_ms"]
                 r["ttft_over_prefill"] = r["ttft_ms"] / r["begin_auto_ms"]
-        print(f"TTFT prompt {p}: " + ", ".join(f"{k} {v['median_ms']:.3f} ms" for k, v in ttft[p].items())
+        print(f"TTFT prompt {p} (sessions/graphs made while timed: {ttft_rebuilds[p] or 'none'}): "
+              + ", ".join(f"{k} {v['median_ms']:.3f} ms" for k, v in ttft[p].items())
               + ("" if prefill_row is None else f" (begin_auto {prefill_row['begin_auto_ms']:.3f} ms)"), flush=True)
     names = [k[:-3] for k in rows[0] if k.endswith("_ms") and not k.startswith("floor") and k != "ttft_ms"
              and k != "target_ms" and isinstance(rows[0][k], float)]
@@ -176,6 +187,10 @@ def main() -> None:
             "faster_new_path", "auto_over_floor", "target_ms", "ttft_ms", "ttft_over_prefill"]
     settings = {**vars(args), "dtype": "fp16", "weight_bytes": weight_bytes, "compile_s": compile_s,
                 "prefill_graphs": graph_info, "ttft": {str(k): v for k, v in ttft.items()},
+                "ttft_rebuilds": {str(k): v for k, v in ttft_rebuilds.items()},
+                "ttft_timing": "wall clock of one max_new_tokens=1 call, GPU synchronised before and after (host "
+                               "checks + prefill + first token + result copy); 3 warm-up calls per caller, then "
+                               "rounds alternating the callers",
                 "length_bucket": pf.LENGTH_BUCKET, "auto_graph_max_tokens": pf.AUTO_GRAPH_MAX_TOKENS,
                 "timing": "CUDA events around each call, GPU idle before it; 3 warm-up calls each, then reps rounds "
                           "with every implementation once per round; median (p10-p90 in the JSON and *_spread)"}

@@ -43,7 +43,7 @@ from ..ops.emit_tokens import emit_tokens, emit_tokens_scratch
 from ..parallel import decode_plan
 from ..state import patch_state, unwrapped
 from .args import Call, Sampling, decode_forward, eos_tensor, in_vocabulary, pad_id, prepare_call  # noqa: F401
-from .cache import COUNTS, StaticKVCache  # noqa: F401 (COUNTS: re-exported)
+from .cache import COUNTS, StaticKVCache  # (COUNTS: re-exported for tests and benchmarks)
 from .graphs import capture_stream
 from .processors import Processors, Rule
 

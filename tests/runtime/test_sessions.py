@@ -80,7 +80,7 @@ def test_alternating_call_styles_do_not_rebuild(graphs, request):
     sessions = model.__dict__[SESSIONS_ATTR]
     lru = sessions.lru[2]
     assert len(lru) == 2  # two settings (EOS/pad), one session each; max_new 1 and 12 share it
-    (cache,) = {id(s.cache) for s in lru.values()}  # one cache for the bucket
+    assert len({id(s.cache) for s in lru.values()}) == 1  # one cache for the bucket
     if graphs == "fake_graphs":
         assert all(s.graphs for s in lru.values())  # captured by the first call that decoded
 
@@ -160,3 +160,38 @@ def test_copies_and_pickles_start_without_sessions(tmp_path):
     assert not clone.__dict__[SESSIONS_ATTR] and not clone.__dict__[SESSIONS_ATTR].lru
     assert torch.equal(fuseinfer.generate(clone, torch.tensor([[5, 6, 7]]), max_new_tokens=2),
                        fuseinfer.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=2))
+
+
+@pytest.mark.gpu
+def test_alternating_call_styles_replay_without_recapture_cuda(tiny_model_path):
+    """On the GPU (real decode and prefill graphs): the two call styles in turn, 1 and 12 new tokens, capture
+    nothing after their warm-up and give the tokens each gives alone."""
+    from transformers import AutoModelForCausalLM
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run tools/gpu_check.sh on the device)")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float16).cuda().eval()
+    fuseinfer.patch(model)
+    ids = torch.randint(3, 8000, (2, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    ids = ids.masked_fill(mask == 0, 1)
+    styles = {
+        "hf1": lambda: model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False),
+        "fi1": lambda: fuseinfer.generate(model, ids, mask, max_new_tokens=1),
+        "hf12": lambda: model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False),
+        "fi12": lambda: fuseinfer.generate(model, ids, mask, max_new_tokens=12),
+    }
+    alone = {}
+    for name, fn in styles.items():
+        fuseinfer.runtime.release(model)
+        alone[name] = fn()
+    fuseinfer.runtime.release(model)
+    for fn in styles.values():
+        fn()
+    before = _counts()
+    for _ in range(3):
+        for name, fn in styles.items():
+            assert torch.equal(fn(), alone[name]), name
+    assert _counts() == before
+    assert before["prefill_graph"] >= 1 and before["decode_graphs"] >= 2  # graphs ran (FUSEINFER_PREFILL=auto)
