@@ -415,7 +415,8 @@ def test_graphs_fit_the_steps_a_call_takes(tiny_model_path, max_new, group):
     fuseinfer.runtime.release(model)
     short = fuseinfer.generate(model, enc.input_ids, enc.attention_mask, max_new_tokens=max_new)
     (session,) = model.__dict__[SESSIONS_ATTR].values()
-    assert set(session.graphs) == {1, min(_graph_steps(), group)}
+    # (a call that decodes nothing, max_new_tokens=1, captures no decode graph: runtime/decode.py)
+    assert set(session.graphs) == (set() if max_new == 1 else {1, min(_graph_steps(), group)})
     assert torch.equal(short, long[:, :short.shape[1]])
 
 
