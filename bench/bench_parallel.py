@@ -77,6 +77,7 @@ def sync_all() -> None:
 
 def reset_peak(dev: torch.device) -> None:
     if dev.type == "cuda":
+        torch.empty(0, device=dev)  # (the allocator of a device not used yet refuses: "Invalid device argument")
         torch.cuda.reset_peak_memory_stats(dev)
 
 
