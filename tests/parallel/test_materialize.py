@@ -35,6 +35,9 @@ def test_a_shard_is_the_slice_of_the_whole():
     q_full, q_shard = full.model.decoder.layers[0].self_attn.q_proj.weight, \
         shard.model.decoder.layers[0].self_attn.q_proj.weight
     assert q_shard.shape == (32, 64) and torch.equal(q_shard, q_full[32:])
+    # a shard owns its own storage: a view of the whole parameter would keep the other ranks' slices alive
+    assert q_shard.untyped_storage().nbytes() == q_shard.nbytes
+    assert all(p.untyped_storage().nbytes() == p.nbytes for p in shard.parameters())
     drop = materialize(meta_model(_config(), torch.float32), "cpu", random_init(1),
                        lambda n: "drop" if n.endswith("fc2.bias") else None)
     assert drop.model.decoder.layers[0].fc2.bias is None
