@@ -202,6 +202,20 @@ def prefill_ms(model, ids: torch.Tensor, sync, repeats: int = 3) -> dict:
     return summarize(events_ms(fn, repeats, sync))
 
 
+def mem_phase(dev: torch.device, phases: dict, name: str) -> None:
+    """Record the memory of the phase that just ended -- allocated now and the peak since the last phase (both
+    GiB, torch.cuda.memory_allocated / max_memory_allocated) -- then reset the peak, so each phase's peak is its
+    own: which phase (build, patch / shard, decode graphs, prefill) sets the run's peak (issue 39: 98.9 GiB per GPU
+    at OPT-66b TP=2 against 61.6 GiB of weights). None on CPU."""
+    if dev.type != "cuda":
+        phases[name] = None
+        return
+    sync(dev)
+    phases[name] = {"allocated_gib": torch.cuda.memory_allocated(dev) / 2**30,
+                    "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30}
+    torch.cuda.reset_peak_memory_stats(dev)
+
+
 def peak_gib(dev: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
 
@@ -226,16 +240,24 @@ def tp_speed(short: str, prefill: bool, int8: bool = False) -> dict:
     dev = _rank_device()
     reset_peak(dev)
     config = fuseinfer.PatchConfig(quant=fuseinfer.Int8WeightOnly()) if int8 else None
+    phases: dict = {}
+    mem_phase(dev, phases, "start")
     model, _, build_s = tp_model(short, config)
+    mem_phase(dev, phases, "build + shard + patch (tensor_parallel)")
     copy = copy_bandwidth_gbps(dev)
+    mem_phase(dev, phases, "copy-bandwidth probe")
     wbytes = weight_bytes(model)
     cfg = model.config
     row = {"model": short + (" int8 weight-only" if int8 else ""), "tp": dist.get_world_size(), "build_s": build_s,
            "weight_gb_per_gpu": wbytes / 1e9, "copy_gbps": copy, "floor_ms": floor_ms(wbytes, copy)}
     row.update(fuseinfer_decode(model, prompt(CTX, cfg.vocab_size), GEN, lambda: sync(dev)))
+    mem_phase(dev, phases, "decode (session, KV cache, graph capture + replays)")
     if prefill:
         row["prefill_ms"] = prefill_ms(model, prompt(PREFILL if not SMALL else 64, cfg.vocab_size), lambda: sync(dev))
-    row["peak_gib_per_gpu"] = _gather(peak_gib(dev))
+        mem_phase(dev, phases, f"prefill 1x{PREFILL if not SMALL else 64}")
+    peaks = [p["peak_gib"] for p in phases.values() if p]
+    row["peak_gib_per_gpu"] = _gather(max(peaks) if peaks else peak_gib(dev))
+    row["memory_phases_per_gpu"] = _gather(phases)
     row["ranks_agree"] = all(t == row.get("tokens") for t in _gather(row.get("tokens")))
     if "decode_ms_per_token" in row and row["floor_ms"]:
         row["x_floor"] = row["decode_ms_per_token"]["median"] / row["floor_ms"]
@@ -361,16 +383,23 @@ def main_tp(parts: list[str]) -> int:
 def single_30b() -> dict:
     dev = device(0)
     reset_peak(dev)
+    phases: dict = {}
+    mem_phase(dev, phases, "start")
     t0 = time.perf_counter()
     model = random_model(opt_config("opt-30b"), dtype(), dev, SEED)
     sync(dev)
     build_s = time.perf_counter() - t0
+    mem_phase(dev, phases, "build")
     fuseinfer.patch(model)
+    mem_phase(dev, phases, "patch")
     wbytes, copy = weight_bytes(model), copy_bandwidth_gbps(dev)
     row = {"model": "opt-30b", "gpus": 1, "build_s": build_s, "weight_gb_per_gpu": wbytes / 1e9, "copy_gbps": copy,
            "floor_ms": floor_ms(wbytes, copy)}
     row.update(fuseinfer_decode(model, prompt(CTX, model.config.vocab_size), GEN, lambda: sync(dev)))
-    row["peak_gib_per_gpu"] = [peak_gib(dev)]
+    mem_phase(dev, phases, "decode (session, KV cache, graph capture + replays)")
+    peaks = [p["peak_gib"] for p in phases.values() if p]
+    row["peak_gib_per_gpu"] = [max(peaks) if peaks else None]
+    row["memory_phases_per_gpu"] = [phases]
     if "decode_ms_per_token" in row and row["floor_ms"]:
         row["x_floor"] = row["decode_ms_per_token"]["median"] / row["floor_ms"]
     log(json.dumps(row))
@@ -604,12 +633,29 @@ def main_report() -> int:
     eager = sorted(k for k, v in parts.items() if v["environment"].get("tp_graphs_env") == "0")
     lines += ["", f"Parts re-run eagerly (FUSEINFER_TP_GRAPHS=0, after the graph run failed): {eager or 'none'}. "
               "OPT-66b int8 weight-only on one GPU: bench/bench_opt66b_int8.py (the int8 stage)."]
+    lines += memory_phase_lines(res)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / "parallel.md").write_text("\n".join(lines) + "\n")
     (RESULTS_DIR / "parallel.json").write_text(json.dumps({"parts": parts, "errors": errors, "pass": ok}, indent=1,
                                                           default=str))
     print("\n".join(lines))
     return 0 if ok else 1
+
+
+def memory_phase_lines(res: dict) -> list[str]:
+    """parallel.md's memory section: per part and GPU, allocated after each phase and the phase's own peak (GiB;
+    peaks reset between phases), so the phase that sets the reported peak shows."""
+    rows = []
+    for key, r in res.items():
+        for rank, phases in enumerate((r or {}).get("memory_phases_per_gpu") or []):
+            for name, m in (phases or {}).items():
+                if m:
+                    rows.append(f"| {key} | {rank} | {name} | {m['allocated_gib']:.2f} | {m['peak_gib']:.2f} |")
+    if not rows:
+        return []
+    return ["", "### Memory by phase (GiB per GPU; torch.cuda.memory_allocated after the phase, "
+            "max_memory_allocated during it, peak reset between phases)", "",
+            "| part | GPU | phase | allocated after | peak during |", "|---|---|---|---|---|"] + rows
 
 
 def main(argv: list[str]) -> int:

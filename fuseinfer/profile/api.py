@@ -70,10 +70,29 @@ class BackendProfile:
     details: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     files: dict = field(default_factory=dict)
+    # the module-range pass (a second profiled pass with hooks; for a CUDA-graph decode the per-op step): kinds,
+    # layers, step_ms, busy_ms, idle_ms, idle_label, unit, label. None: the kinds come from the un-hooked pass
+    attribution: dict | None = None
 
     @property
     def profiled_ms(self) -> float:
+        """Wall-clock step of the un-hooked profiled pass (the profiler's own cost included)."""
         return self.analysis["step_ms"]
+
+    @property
+    def busy_ms(self) -> float:
+        """Device busy time per step of the un-hooked pass (kernel time on CUDA, op time on CPU)."""
+        return self.analysis["busy_ms"]
+
+    @property
+    def step_ms(self) -> float:
+        """The table's step time: the median unprofiled step, timed before any profiler ran in this process."""
+        return self.unprofiled_ms["median"]
+
+    @property
+    def kinds(self) -> dict:
+        """The analysis the per-module tables come from (the attribution pass where there is one)."""
+        return self.attribution or self.analysis
 
     @property
     def overhead(self) -> float:
@@ -100,7 +119,7 @@ class ProfileResult:
     def to_dict(self) -> dict:
         d = asdict(self)
         for p, prof in zip(d["profiles"], self.profiles):
-            p.update(profiled_ms=prof.profiled_ms, overhead=prof.overhead)
+            p.update(profiled_ms=prof.profiled_ms, overhead=prof.overhead, busy_ms=prof.busy_ms, step_ms=prof.step_ms)
         return {"schema": "fuseinfer.profile/1", **d}
 
 
@@ -217,7 +236,12 @@ def profile(model, backend: str | None = None, phase: str = "prefill", *, compar
     with torch.cuda.device(ctx.device) if ctx.device.type == "cuda" else contextlib.nullcontext():
         ui.info("measuring the ceilings (copy bandwidth, GEMM rates, launch floor)")
         ceilings = ceilings_mod.measure(ctx.device, ctx.dtype)
-        profiles = [_profile_backend(cls, ctx, ceilings, out_dir, ui) for cls in classes]
+        # every backend's unprofiled steps first, before any profiler session in this process: a finished
+        # torch.profiler session can leave CUPTI attached (pytorch/pytorch#144455: no cuptiFinalize unless
+        # TEARDOWN_CUPTI=1), which slows later launches -- the eager decode step timed after fuseinfer's profile was
+        # 47 ms against the eval's 8 ms on the H200 (bench/results/profile/check_decode.log)
+        unprofiled = [_time_backend(cls, ctx, ui) for cls in classes]
+        profiles = [_profile_backend(cls, ctx, ceilings, out_dir, ui, u) for cls, u in zip(classes, unprofiled)]
     result = ProfileResult(settings=asdict(s), environment=environment(ctx.device), ceilings=ceilings,
                            model=_model_info(ctx), profiles=profiles, out_dir=str(out_dir) if out_dir else None)
     if len(profiles) > 1:
@@ -257,41 +281,107 @@ def _time_unprofiled(step, phase: str, device: torch.device, repeats: int) -> di
     return summarize([time_call(step, device) for _ in range(repeats)])
 
 
-def _profile_backend(cls, ctx: _Context, ceilings: dict, out_dir: Path | None, ui) -> BackendProfile:
+def _ready(backend, ctx: _Context):
+    """Start the backend's caches for the run, run ``prepare`` and the warm-up steps; returns the step function."""
+    s = ctx.settings
+    # (a prefill of the model's whole length: caches of that length, no room for a next token)
+    backend.start(s.batch_size, min(s.prompt_len + max(1, _decode_budget(s)), ctx.config.max_position_embeddings))
+    prepare, step = step_function(backend, s.phase, ctx.prompt.to(ctx.device), s.gen_len)
+    prepare()
+    for _ in range(WARMUP_CALLS):
+        step()
+    return step
+
+
+def _failed(cls, s: ProfileSettings, exc: Exception) -> ProfileError:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return ProfileError(f"backend {cls.name!r} failed while profiling the {s.phase} step: "
+                        f"{type(exc).__name__}: {text} (rerun with --debug for the traceback)")
+
+
+def _time_backend(cls, ctx: _Context, ui) -> dict:
+    """The backend's unprofiled step (the eval's timing), on a fresh model, with no profiler and no hooks."""
     s, device = ctx.settings, ctx.device
     backend = cls(ctx.source, ctx.config, ctx.dtype, device, s.seed)
-    notes: list[str] = []
     free_memory(device)
     try:
         with torch.no_grad():
             ui.info(f"{cls.name}: loading {s.model}")
             backend.load()
-            # (a prefill of the model's whole length: caches of that length, no room for a next token)
-            backend.start(s.batch_size, min(s.prompt_len + max(1, _decode_budget(s)),
-                                            ctx.config.max_position_embeddings))
-            prepare, step = step_function(backend, s.phase, ctx.prompt.to(device), s.gen_len)
-            prepare()
-            for _ in range(WARMUP_CALLS):
-                step()
+            step = _ready(backend, ctx)
             ui.info(f"{cls.name}: timing {s.repeats} {s.phase} steps without the profiler")
-            unprofiled = _time_unprofiled(step, s.phase, device, s.repeats)
+            return _time_unprofiled(step, s.phase, device, s.repeats)
+    except ProfileError:
+        raise
+    except Exception as exc:
+        if s.debug:
+            raise
+        raise _failed(cls, s, exc) from None
+    finally:
+        backend.close()
+        free_memory(device)
+
+
+# the attribution pass of a decode that replays one CUDA graph per step: the same step op by op (knobs.override)
+PER_OP_STEP = {"CUDA_GRAPHS": "0", "DECODE_KERNEL": "0"}
+
+
+def _profile_backend(cls, ctx: _Context, ceilings: dict, out_dir: Path | None, ui, unprofiled: dict) -> BackendProfile:
+    """Two profiled passes on a fresh model: (1) without module hooks -- the kernel / op tables, the verdicts, the
+    device busy time and the profiled wall-clock step; (2) with the module-range hooks -- the time per module kind and
+    per layer (``attribution``). Hooks change what runs (they turn off fuseinfer's fast prefill; no range runs inside
+    a CUDA graph), so no figure of the step comes from pass 2. A decode that replays CUDA graphs has no module inside
+    its one replay: pass 2 runs the per-op step instead (``PER_OP_STEP``), labelled so."""
+    from .. import knobs
+
+    s, device = ctx.settings, ctx.device
+    backend = cls(ctx.source, ctx.config, ctx.dtype, device, s.seed)
+    notes: list[str] = []
+    free_memory(device)
+    folder = (out_dir / _safe(cls.name)) if out_dir is not None else Path(_tmpdir()) / _safe(cls.name)
+    attribution = None
+    try:
+        with torch.no_grad():
+            ui.info(f"{cls.name}: loading {s.model} for the profiled passes")
+            backend.load()
+            step = _ready(backend, ctx)
             hooks = backend.name != "compile"  # (hooks in a compiled model would recompile or break its graphs)
             if not hooks:
                 notes.append("torch.compile: no module ranges (hooks would change the compiled graphs); kernels are "
                              "sorted by the op or compiled region that launched them")
-            if hooks and s.phase != "decode" and _fast_prefill(backend.model):
-                notes.append("the profiled steps run the patched modules: the module ranges' hooks turn off fast "
-                             "prefill (runtime/prefill.py: its lean loop and CUDA graphs), which the unprofiled "
-                             "step runs; the profiler overhead column includes that difference")
             graphs = s.phase != "prefill" and uses_graphs(backend)
-            if graphs:
-                notes.append("decode replays CUDA graphs: the kernels of a replay count as 'cuda graph replay' (no "
-                             "module ranges run inside a graph), each with its own device time where CUPTI reports it")
-            folder = (out_dir / _safe(cls.name)) if out_dir is not None else Path(_tmpdir()) / _safe(cls.name)
             folder.mkdir(parents=True, exist_ok=True)
-            ui.info(f"{cls.name}: profiling {s.wait} + {s.warmup} + {s.active} {s.phase} steps (wait, warm-up, active)")
-            files, cuda_memory = _run_profiler(step, backend.model, device, s, folder, hooks)
+            ui.info(f"{cls.name}: profiling {s.wait} + {s.warmup} + {s.active} {s.phase} steps without module hooks")
+            files, cuda_memory = _run_profiler(step, backend.model, device, s, folder, False, "trace.json")
+            if hooks:
+                label = "module ranges (hooks)"
+                if graphs:
+                    label = ("per-op step (FUSEINFER_CUDA_GRAPHS=0, FUSEINFER_DECODE_KERNEL=0): the decode step is "
+                             "one CUDA graph replay, inside which no per-module attribution is possible")
+                    notes.append("per-module times come from the per-op decode step (no CUDA graph, no one-kernel "
+                                 "step), the same layers op by op; the step time, kernel table and busy time are "
+                                 "the graph replay's")
+                    backend.end()
+                    with knobs.override(**PER_OP_STEP):
+                        step = _ready(backend, ctx)
+                        mfiles, _ = _run_profiler(step, backend.model, device, s, folder, True, "trace_modules.json")
+                else:
+                    if s.phase != "decode" and _fast_prefill(backend.model):
+                        label += ": the hooks turn off fast prefill (runtime/prefill.py), so this pass runs the " \
+                                 "module path; the step time and kernel table come from the un-hooked pass"
+                    ui.info(f"{cls.name}: profiling the {s.phase} steps again with module ranges")
+                    mfiles, _ = _run_profiler(step, backend.model, device, s, folder, True, "trace_modules.json")
+                files["trace_modules"] = mfiles["trace"]
         analysis = analyze(load_events(files["trace"]), ctx.config.hidden_size, ctx.config.ffn_dim)
+        if hooks:
+            m = analyze(load_events(files["trace_modules"]), ctx.config.hidden_size, ctx.config.ffn_dim)
+            attribution = {k: m[k] for k in ("unit", "kinds", "layers", "ops", "step_ms", "busy_ms", "idle_ms",
+                                                  "idle_label")}
+            attribution["label"] = label
+            _label_kinds(analysis, m)
+        if graphs:
+            notes.append("decode replays CUDA graphs: in the kernel table the kernels of a replay count as 'cuda "
+                         "graph replay', each with its own device time where CUPTI reports it")
         if cuda_memory:
             analysis["memory"]["cuda_stats"] = cuda_memory
         if analysis["graph_launches_without_kernels"]:
@@ -304,9 +394,7 @@ def _profile_backend(cls, ctx: _Context, ceilings: dict, out_dir: Path | None, u
     except Exception as exc:
         if s.debug:
             raise
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise ProfileError(f"backend {cls.name!r} failed while profiling the {s.phase} step: "
-                           f"{type(exc).__name__}: {text} (rerun with --debug for the traceback)") from None
+        raise _failed(cls, s, exc) from None
     finally:
         backend.close()
         free_memory(device)
@@ -315,7 +403,17 @@ def _profile_backend(cls, ctx: _Context, ceilings: dict, out_dir: Path | None, u
         files = {}
     return BackendProfile(name=cls.name, summary=cls.summary, unprofiled_ms=unprofiled, analysis=analysis,
                           verdicts=verdict_table(analysis), details=details, notes=notes,
-                          files={k: str(v) for k, v in files.items()})
+                          files={k: str(v) for k, v in files.items()}, attribution=attribution)
+
+
+def _label_kinds(analysis: dict, hooked: dict) -> None:
+    """The un-hooked pass's op / kernel rows take the kind the hooked pass gave the same op with the same input
+    dims (without module ranges every op is 'other'); ops only the un-hooked pass runs keep theirs."""
+    kinds = {(r["op"], repr(r["dims"])): (r["kind"], r["coarse"]) for r in hooked["ops"] if r["kind"] != "other"}
+    for r in analysis["ops"]:
+        r["kind"], r["coarse"] = kinds.get((r["op"], repr(r["dims"])), (r["kind"], r["coarse"]))
+    for r in analysis["kernels"]:
+        r["kind"], r["coarse"] = kinds.get((r["op"], repr(r.get("op_dims"))), (r["kind"], r["coarse"]))
 
 
 def _fast_prefill(model) -> bool:
@@ -350,13 +448,14 @@ def _tensorboard_copy(trace: Path, tb: Path) -> Path:
     return path
 
 
-def _run_profiler(step, model, device: torch.device, s: ProfileSettings, folder: Path, hooks: bool):
+def _run_profiler(step, model, device: torch.device, s: ProfileSettings, folder: Path, hooks: bool,
+                  name: str = "trace.json"):
     """Runs the scheduled profiler over the steps; returns ({"trace": path, "tensorboard": dir}, CUDA memory stats
     of the profiled steps or None)."""
     from torch.profiler import ProfilerActivity, schedule
 
-    trace = folder / "trace.json"
-    tb = folder / "tensorboard"
+    trace = folder / name
+    tb = folder / ("tensorboard" if name == "trace.json" else "tensorboard_modules")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     nvtx = s.nvtx and device.type == "cuda"
 

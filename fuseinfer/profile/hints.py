@@ -40,7 +40,7 @@ def hints_for(result) -> list[dict]:
                          "references, so profile on a GPU to see what patching buys",
                          f"device {device}, step {step:.2f} ms"))
     attention = [r for r in a["ops"] if r["coarse"] == "attention" and r.get("op_class") == "attention"]
-    att_share, att_pct = _share(a, "attention"), _weighted(attention)
+    att_share, att_pct = _share(prof.kinds, "attention"), _weighted(attention)
     if att_share >= ATTENTION_SHARE:
         pct = f", its core at {att_pct:.0%} of its roofline" if att_pct is not None else ""
         advice = ("patch with fuseinfer.PatchConfig(ops=('attention', 'qkv')) for the fused attention kernel and the "
@@ -82,7 +82,7 @@ def hints_for(result) -> list[dict]:
             out.append(_hint("gemm", "the GEMMs are near the measured GEMM rate: little is left in them; int8 "
                              f"activations and weights (W8A8) raise the roof{gain}",
                              f"compute-bound ops: {share:.0%} of the step at {pct:.0%} of the GEMM roofline"))
-    fusible = _share(a, "residual") + _share(a, "layernorm")
+    fusible = _share(prof.kinds, "residual") + _share(prof.kinds, "layernorm")
     if not patched and fusible >= FUSIBLE_SHARE:
         out.append(_hint("fusion", "patch with PatchConfig(ops=('layer_norm', 'linear')): residual adds ride in the "
                          "LayerNorm kernel and in the out_proj / fc2 GEMM epilogues",
@@ -95,7 +95,7 @@ def hints_for(result) -> list[dict]:
     if result.compare:
         c = result.compare
         best = max(c["by_kind"], key=lambda r: r["saved_ms"])
-        acc = f"; the per-kind savings account for {c['accounted']:.0%} of the measured difference" \
+        acc = f"; the per-kind savings account for {c['accounted']:.0%} of the busy-time difference" \
             if c["accounted"] is not None else ""
         out.append(_hint("compare", f"{c['main']} vs {c['base']}: most time saved in {best['kind']}",
                          f"{c['speedup']:.2f}x end to end; {best['kind']} {best['base_ms']:.3f} -> "

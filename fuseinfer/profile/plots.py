@@ -7,6 +7,11 @@ from .compare import coarse_times
 from .trace import COARSE_ORDER
 
 
+def _times(p) -> dict:
+    """Busy ms by coarse kind (attribution pass) plus the un-hooked pass's idle, so a bar is the profiled step."""
+    return {**coarse_times(p.kinds), "idle": p.analysis["idle_ms"]}
+
+
 def write_plots(result, out: Path) -> dict[str, str]:
     """Writes the figures into ``out``; returns {name: path}; {} without matplotlib."""
     try:
@@ -19,10 +24,10 @@ def write_plots(result, out: Path) -> dict[str, str]:
     files = {}
     # time by coarse kind, one stacked bar per backend
     fig, ax = plt.subplots(figsize=(8, 1.2 + 0.7 * len(result.profiles)))
-    kinds = [k for k in COARSE_ORDER if any(coarse_times(p.analysis).get(k, 0) > 0 for p in result.profiles)]
+    kinds = [k for k in COARSE_ORDER if any(_times(p).get(k, 0) > 0 for p in result.profiles)]
     cmap = plt.get_cmap("tab10")
     for i, p in enumerate(result.profiles):
-        times, left = coarse_times(p.analysis), 0.0
+        times, left = _times(p), 0.0
         for j, k in enumerate(kinds):
             v = times.get(k, 0.0)
             ax.barh(i, v, left=left, color="lightgrey" if k == "idle" else cmap(j % 10),

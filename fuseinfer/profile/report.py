@@ -47,13 +47,14 @@ def print_result(result, console: Console | None = None, top: int = TOP) -> None
     console.print(f"ceilings (measured now): copy {c['copy_gbps']:.3g} GB/s; GEMM TFLOP/s {gemm}; launch floor "
                   f"{c['launch_floor_us']:.2f} µs")
     t = Table(title="step time")
-    for h in ("backend", "step ms (no profiler)", "profiled ms", "overhead", "busy", "launches/step", "notes"):
+    for h in ("backend", "step ms (no profiler)", "busy ms", "profiled wall ms", "overhead", "busy", "launches/step",
+              "notes"):
         t.add_column(h)
     for p in result.profiles:
         a = p.analysis
         u = p.unprofiled_ms
-        t.add_row(p.name, f"{u['median']:.3f} [{u['p10']:.3f}-{u['p90']:.3f}]", f"{p.profiled_ms:.3f}",
-                  f"{p.overhead:+.0%}", _pct(a["busy_ms"] / a["step_ms"] if a["step_ms"] else None),
+        t.add_row(p.name, f"{u['median']:.3f} [{u['p10']:.3f}-{u['p90']:.3f}]", f"{a['busy_ms']:.3f}",
+                  f"{p.profiled_ms:.3f}", f"{p.overhead:+.0%}", _pct(a["busy_ms"] / a["step_ms"] if a["step_ms"] else None),
                   f"{a['launches_per_step']:.0f}", "; ".join(p.notes)[:120])
     console.print(t)
     for p in result.profiles:
@@ -70,8 +71,8 @@ def print_result(result, console: Console | None = None, top: int = TOP) -> None
 
 
 def _print_kinds(console, p) -> None:
-    a = p.analysis
-    t = Table(title=f"{p.name}: time by module kind (device ms per step)")
+    a = p.kinds
+    t = Table(title=f"{p.name}: time by module kind ({a['unit']} ms per step; {a.get('label', 'un-hooked pass')})")
     for h in ("kind", "coarse", "device ms", "share", "host ms"):
         t.add_column(h)
     for r in a["kinds"]:
@@ -116,8 +117,9 @@ def _print_compare(console, c) -> None:
     console.print(t)
     acc = _pct(c["accounted"])
     console.print(f"end to end: {c['step_ms']['base']:.3f} -> {c['step_ms']['main']:.3f} ms ({c['speedup']:.2f}x); "
-                  f"per-kind savings {c['saved_by_kind_ms']:.3f} ms = {acc} of the measured difference "
-                  f"{c['measured_difference_ms']:.3f} ms; {len(c['disappeared'])} {c['unit']}s disappeared "
+                  f"step difference {c['measured_difference_ms']:.3f} ms = busy {c['busy_difference_ms']:.3f} ms + "
+                  f"host/idle {c['host_idle_difference_ms']:.3f} ms; per-kind busy savings "
+                  f"{c['saved_by_kind_ms']:.3f} ms = {acc} of the busy difference; {len(c['disappeared'])} {c['unit']}s disappeared "
                   f"({c['disappeared_ms']:.3f} ms), {len(c['new'])} new")
 
 
@@ -142,11 +144,12 @@ def write_backend_files(p, folder: Path) -> None:
     a = p.analysis
     _write_csv(folder / "ops.csv", a["ops"], OP_FIELDS)
     _write_csv(folder / "kernels.csv", a["kernels"], KERNEL_FIELDS)
+    a = p.kinds  # (modules.csv and layers.csv: the attribution pass)
     kinds = a["kinds"] + [{"kind": a["idle_label"], "coarse": "idle", "device_ms": a["idle_ms"], "host_ms": None,
                            "share": a["idle_ms"] / a["step_ms"] if a["step_ms"] else None}]
     _write_csv(folder / "modules.csv", kinds, ["kind", "coarse", "device_ms", "share", "host_ms"])
     _write_csv(folder / "layers.csv", a["layers"], ["layer", "device_ms"])
-    (folder / "memory.json").write_text(json.dumps(a["memory"], indent=1))
+    (folder / "memory.json").write_text(json.dumps(p.analysis["memory"], indent=1))
     p.files.update({k: str(folder / f) for k, f in (("ops", "ops.csv"), ("kernels", "kernels.csv"),
                                                      ("modules", "modules.csv"), ("layers", "layers.csv"),
                                                      ("memory", "memory.json"))})
@@ -203,20 +206,25 @@ def summary_markdown(result, top: int = TOP) -> str:
         rows.append([p.name, f"{u['median']:.3f} [{u['p10']:.3f}-{u['p90']:.3f}]", f"{p.profiled_ms:.3f}",
                      f"{p.overhead:+.0%}", f"{a['busy_ms']:.3f}", f"{a['idle_ms']:.3f}",
                      f"{a['launches_per_step']:.0f}"])
-    lines += _md_table(["backend", "step ms, no profiler (median [p10-p90])", "profiled step ms",
-                        "profiler overhead", "busy ms", "idle ms", "launches / step"], rows)
-    lines += ["Profiled steps end with a device sync so that each step's range covers its device work; the overhead "
-              "column is profiled / unprofiled - 1.", ""]
+    lines += _md_table(["backend", "step ms, no profiler (median [p10-p90])", "profiled wall ms",
+                        "profiler overhead (wall clock)", "busy ms", "idle ms", "launches / step"], rows)
+    lines += ["The step time is the unprofiled one, timed for every backend before any profiler ran in the process. "
+              "Busy ms is the device time per step of the first profiled pass (no module hooks; kernel events on "
+              "CUDA, op time on CPU); the profiled wall ms and the overhead (profiled wall / unprofiled - 1) are the "
+              "profiler's own cost, the steps ending with a device sync. The module-kind tables come from a second "
+              "pass with module hooks (labelled in each table).", ""]
     for p in result.profiles:
         a = p.analysis
         lines += [f"## {p.name}", "", p.summary + (f" ({p.details.get('decode')})" if p.details.get("decode") else ""),
                   ""]
         lines += [f"- note: {n}" for n in p.notes] + ([""] if p.notes else [])
-        lines += ["### Time by module kind", ""]
+        k = p.kinds
+        lines += ["### Time by module kind", "", f"From: {k.get('label', 'the un-hooked pass')} (that pass's step "
+                  f"{k['step_ms']:.3f} ms, busy {k['busy_ms']:.3f} ms).", ""]
         krows = [[r["kind"], r["coarse"], f"{r['device_ms']:.3f}", _pct(r["share"]), f"{r['host_ms']:.3f}"]
-                 for r in a["kinds"]]
-        krows.append([a["idle_label"], "idle", f"{a['idle_ms']:.3f}", _pct(a["idle_ms"] / a["step_ms"]), ""])
-        lines += _md_table(["kind", "coarse", f"{a['unit']} ms / step", "share", "host ms"], krows)
+                 for r in k["kinds"]]
+        krows.append([k["idle_label"], "idle", f"{k['idle_ms']:.3f}", _pct(k["idle_ms"] / k["step_ms"]), ""])
+        lines += _md_table(["kind", "coarse", f"{k['unit']} ms / step", "share", "host ms"], krows)
         lines += ["### Verdicts by op class", ""]
         lines += _md_table(["op class", "verdict", "ms / step", "share", "% of roofline (time-weighted)"],
                            [[r["op_class"], r["verdict"], f"{r['device_ms']:.3f}", _pct(r["share"]),
@@ -261,8 +269,11 @@ def summary_markdown(result, top: int = TOP) -> str:
                            [[r["kind"], f"{r['base_ms']:.3f}", f"{r['main_ms']:.3f}", f"{r['saved_ms']:+.3f}"]
                             for r in cmp["by_kind"]])
         lines += [f"End to end (no profiler): {cmp['step_ms']['base']:.3f} -> {cmp['step_ms']['main']:.3f} ms, "
-                  f"{cmp['speedup']:.2f}x. The per-kind savings ({cmp['saved_by_kind_ms']:.3f} ms) account for "
-                  f"{_pct(cmp['accounted'])} of the measured difference ({cmp['measured_difference_ms']:.3f} ms). "
+                  f"{cmp['speedup']:.2f}x: a difference of {cmp['measured_difference_ms']:.3f} ms = device busy "
+                  f"{cmp['busy_difference_ms']:.3f} ms (un-hooked passes) + host / idle "
+                  f"{cmp['host_idle_difference_ms']:.3f} ms. The per-kind busy savings ({cmp['saved_by_kind_ms']:.3f} "
+                  f"ms; kinds from {cmp['main']}: {cmp['attribution']['main']}; {cmp['base']}: "
+                  f"{cmp['attribution']['base']}) account for {_pct(cmp['accounted'])} of the busy difference. "
                   f"{len(cmp['disappeared'])} {cmp['unit']}s of {cmp['base']} do not run in {cmp['main']} "
                   f"({cmp['disappeared_ms']:.3f} ms per step): "
                   + ", ".join(f"`{d['name'][:60]}` {d['base_ms']:.3f} ms" for d in cmp["disappeared"][:6]) + ".", ""]
