@@ -299,18 +299,13 @@ def _failed(cls, s: ProfileSettings, exc: Exception) -> ProfileError:
                         f"{type(exc).__name__}: {text} (rerun with --debug for the traceback)")
 
 
-def _time_backend(cls, ctx: _Context, ui) -> dict:
-    """The backend's unprofiled step (the eval's timing), on a fresh model, with no profiler and no hooks."""
-    s, device = ctx.settings, ctx.device
-    backend = cls(ctx.source, ctx.config, ctx.dtype, device, s.seed)
+@contextlib.contextmanager
+def _backend_errors(cls, s: ProfileSettings, backend, device):
+    """Around a backend's work: a clean allocator first; any failure but a ProfileError becomes one ProfileError
+    naming the backend and phase (the traceback with --debug); the backend closed and its memory freed after."""
     free_memory(device)
     try:
-        with torch.no_grad():
-            ui.info(f"{cls.name}: loading {s.model}")
-            backend.load()
-            step = _ready(backend, ctx)
-            ui.info(f"{cls.name}: timing {s.repeats} {s.phase} steps without the profiler")
-            return _time_unprofiled(step, s.phase, device, s.repeats)
+        yield
     except ProfileError:
         raise
     except Exception as exc:
@@ -320,6 +315,18 @@ def _time_backend(cls, ctx: _Context, ui) -> dict:
     finally:
         backend.close()
         free_memory(device)
+
+
+def _time_backend(cls, ctx: _Context, ui) -> dict:
+    """The backend's unprofiled step (the eval's timing), on a fresh model, with no profiler and no hooks."""
+    s, device = ctx.settings, ctx.device
+    backend = cls(ctx.source, ctx.config, ctx.dtype, device, s.seed)
+    with _backend_errors(cls, s, backend, device), torch.no_grad():
+        ui.info(f"{cls.name}: loading {s.model}")
+        backend.load()
+        step = _ready(backend, ctx)
+        ui.info(f"{cls.name}: timing {s.repeats} {s.phase} steps without the profiler")
+        return _time_unprofiled(step, s.phase, device, s.repeats)
 
 
 # the attribution pass of a decode that replays one CUDA graph per step: the same step op by op (knobs.override)
@@ -337,10 +344,9 @@ def _profile_backend(cls, ctx: _Context, ceilings: dict, out_dir: Path | None, u
     s, device = ctx.settings, ctx.device
     backend = cls(ctx.source, ctx.config, ctx.dtype, device, s.seed)
     notes: list[str] = []
-    free_memory(device)
     folder = (out_dir / _safe(cls.name)) if out_dir is not None else Path(_tmpdir()) / _safe(cls.name)
     attribution = None
-    try:
+    with _backend_errors(cls, s, backend, device):
         with torch.no_grad():
             ui.info(f"{cls.name}: loading {s.model} for the profiled passes")
             backend.load()
@@ -389,15 +395,6 @@ def _profile_backend(cls, ctx: _Context, ceilings: dict, out_dir: Path | None, u
                          "kernels the profiler did not report: their time shows as idle")
         add_verdicts(analysis, ceilings)
         details = backend.details()
-    except ProfileError:
-        raise
-    except Exception as exc:
-        if s.debug:
-            raise
-        raise _failed(cls, s, exc) from None
-    finally:
-        backend.close()
-        free_memory(device)
     if out_dir is None:
         shutil.rmtree(folder, ignore_errors=True)
         files = {}

@@ -192,35 +192,46 @@ def quantize_w8a8(model: nn.Module, config, report) -> W8A8State:
                          calibration_samples=stats.samples, calibration_seconds=seconds)
     state = W8A8State(config, params=list(kept_params.values()))
     for t in targets:
-        if t.attr:
-            lin = t.parent._modules[t.attr]
-            w = lin.weight
-            new = _quantize(w, lin.bias)
-            before = w.numel() * w.element_size()
-            state.linears.append((t.parent, t.attr, lin, None, False))
-            setattr(t.parent, t.attr, new)
-            lin.weight.data = _placeholder(w)
-        else:
-            attn = t.parent
-            w = attn.qkv_weight  # (3E, E), smoothed in place through the q/k/v views
-            new = _quantize(w, attn.qkv_bias)
-            before = w.numel() * w.element_size()
-            projs = tuple(attn._modules[n] for n in ("q_proj", "k_proj", "v_proj"))
-            state.qkvs.append((attn, projs, None))
-            attn.qkv_proj = new
-            embed = w.shape[0] // 3
-            for i, (name, proj) in enumerate(zip(("q_proj", "k_proj", "v_proj"), projs)):
-                setattr(attn, name, W8A8QKVSlice(new, i, embed))
-                proj.weight.data = _placeholder(w)
-                if proj.bias is not None:
-                    proj.bias.data = _placeholder(w)
-            attn.register_buffer("qkv_weight", None, persistent=False)
-            attn.register_buffer("qkv_bias", None, persistent=False)
-            attn._fuseinfer_qkv_params = (None,) * 6
+        w, bias = _target_weight(t)  # (N, K); q/k/v: (3E, E), smoothed in place through the q/k/v views
+        new = _quantize(w, bias)
+        before = w.numel() * w.element_size()
+        _swap_in(state, t, new, w)
         after = new.weight_q.numel() + 4 * new.weight_scale.numel()
         qreport.entries.append(QuantEntry(t.name, tuple(new.weight_q.shape), before, after))
     report.quant = qreport
     return state
+
+
+def _target_weight(t) -> tuple:
+    """The weight and bias a target quantizes: a linear's, or an attention's fused q/k/v buffers."""
+    if t.attr:
+        lin = t.parent._modules[t.attr]
+        return lin.weight, lin.bias
+    return t.parent.qkv_weight, t.parent.qkv_bias
+
+
+def _swap_in(state: W8A8State, t, new, w: torch.Tensor) -> None:
+    """Put ``new`` in the target's place, remembered in ``state`` for unpatch: a linear, or the fused q/k/v of an
+    attention (q_proj/k_proj/v_proj become slices of ``new``); the replaced tensors become placeholders."""
+    if t.attr:
+        lin = t.parent._modules[t.attr]
+        state.linears.append((t.parent, t.attr, lin, None, False))
+        setattr(t.parent, t.attr, new)
+        lin.weight.data = _placeholder(w)
+        return
+    attn = t.parent
+    projs = tuple(attn._modules[n] for n in ("q_proj", "k_proj", "v_proj"))
+    state.qkvs.append((attn, projs, None))
+    attn.qkv_proj = new
+    embed = w.shape[0] // 3
+    for i, (name, proj) in enumerate(zip(("q_proj", "k_proj", "v_proj"), projs)):
+        setattr(attn, name, W8A8QKVSlice(new, i, embed))
+        proj.weight.data = _placeholder(w)
+        if proj.bias is not None:
+            proj.bias.data = _placeholder(w)
+    attn.register_buffer("qkv_weight", None, persistent=False)
+    attn.register_buffer("qkv_bias", None, persistent=False)
+    attn._fuseinfer_qkv_params = (None,) * 6
 
 
 def _empty_layout(model: nn.Module, config, targets, report) -> W8A8State:
@@ -230,30 +241,10 @@ def _empty_layout(model: nn.Module, config, targets, report) -> W8A8State:
     qreport = W8A8Report(config.scheme, kept_original=None, calibration_source="a saved W8A8 checkpoint")
     state = W8A8State(config)
     for t in targets:
-        if t.attr:
-            lin = t.parent._modules[t.attr]
-            w = lin.weight
-            new = _quantize(w, lin.bias, empty=True)
-            state.linears.append((t.parent, t.attr, lin, None, False))
-            setattr(t.parent, t.attr, new)
-            lin.weight.data = _placeholder(w)
-        else:
-            attn = t.parent
-            w = attn.qkv_weight  # (3E, E)
-            new = _quantize(w, attn.qkv_bias, empty=True)
-            projs = tuple(attn._modules[n] for n in ("q_proj", "k_proj", "v_proj"))
-            state.qkvs.append((attn, projs, None))
-            attn.qkv_proj = new
-            embed = w.shape[0] // 3
-            for i, (name, proj) in enumerate(zip(("q_proj", "k_proj", "v_proj"), projs)):
-                setattr(attn, name, W8A8QKVSlice(new, i, embed))
-                proj.weight.data = _placeholder(w)
-                if proj.bias is not None:
-                    proj.bias.data = _placeholder(w)
-            attn.register_buffer("qkv_weight", None, persistent=False)
-            attn.register_buffer("qkv_bias", None, persistent=False)
-            attn._fuseinfer_qkv_params = (None,) * 6
+        w, bias = _target_weight(t)
+        new = _quantize(w, bias, empty=True)
         before = w.numel() * w.element_size()
+        _swap_in(state, t, new, w)
         qreport.entries.append(QuantEntry(t.name, tuple(new.weight_q.shape), before,
                                           new.weight_q.numel() + 4 * new.weight_scale.numel()))
     report.quant = qreport
