@@ -177,24 +177,16 @@ def _outlier_experiment(tiny_model_path, device, dtype):
     return ppl_fp, ppl_naive, ppl_smooth
 
 
-def test_smoothquant_matters_on_the_outlier_model_cpu(tiny_model_path):
-    """Issue 36's outlier test on the CPU reference path (fp32 activations, exact int8 GEMMs)."""
-    ppl_fp, ppl_naive, ppl_smooth = _outlier_experiment(tiny_model_path, torch.device("cpu"), torch.float32)
-    print(f"outlier model (x300, 4 ch/LN) fp32 ppl {ppl_fp:.3f}, naive W8A8 {ppl_naive:.3f} "
-          f"({100 * (ppl_naive / ppl_fp - 1):+.2f}%), SmoothQuant W8A8 {ppl_smooth:.3f} "
-          f"({100 * (ppl_smooth / ppl_fp - 1):+.2f}%)")
-    assert ppl_naive >= 1.20 * ppl_fp
-    assert abs(ppl_smooth / ppl_fp - 1) <= 0.02
-
-
-@pytest.mark.gpu
-def test_smoothquant_matters_on_the_outlier_model_gpu(tiny_model_path):
-    """The same on the H100 in fp16: every W8A8 linear runs the sm90 kernel (or the documented fallback elsewhere)."""
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.float32),
+                                           pytest.param("cuda", torch.float16, marks=pytest.mark.gpu)])
+def test_smoothquant_matters_on_the_outlier_model(tiny_model_path, device, dtype):
+    """Issue 36's outlier test: on the CPU the reference path (fp32 activations, exact int8 GEMMs); on the GPU fp16,
+    every W8A8 linear running the sm90 kernel (or the documented fallback elsewhere)."""
     from fuseinfer.ops.int8_gemm import w8a8_backend
 
-    ppl_fp, ppl_naive, ppl_smooth = _outlier_experiment(tiny_model_path, torch.device("cuda"), torch.float16)
-    print(f"[{w8a8_backend(torch.device('cuda'))}] fp16 ppl {ppl_fp:.3f}, naive W8A8 {ppl_naive:.3f} "
-          f"({100 * (ppl_naive / ppl_fp - 1):+.2f}%), SmoothQuant W8A8 {ppl_smooth:.3f} "
+    ppl_fp, ppl_naive, ppl_smooth = _outlier_experiment(tiny_model_path, torch.device(device), dtype)
+    print(f"[{w8a8_backend(torch.device(device))}] outlier model (x300, 4 ch/LN) {dtype} ppl {ppl_fp:.3f}, naive W8A8 "
+          f"{ppl_naive:.3f} ({100 * (ppl_naive / ppl_fp - 1):+.2f}%), SmoothQuant W8A8 {ppl_smooth:.3f} "
           f"({100 * (ppl_smooth / ppl_fp - 1):+.2f}%)")
     assert ppl_naive >= 1.20 * ppl_fp
     assert abs(ppl_smooth / ppl_fp - 1) <= 0.02
