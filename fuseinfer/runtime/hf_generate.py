@@ -182,7 +182,8 @@ def _generate(model, inputs, generation_config, kwargs):
         if problem is None:
             _log(f"model.generate takes the middle path (transformers' loop, fused static-cache forward): {reason}",
                  logging.INFO)
-            return _middle_generate(model, inputs, generation_config, kwargs, input_ids.shape[1] + max_new)
+            return _middle_generate(model, inputs, generation_config, kwargs, input_ids.shape[1] + max_new,
+                                    checked[0])
         reason = f"{reason}; {getattr(problem, 'message', problem)}"
     _log(f"model.generate falls back to transformers: {reason}")
     return _transformers_generate(model, inputs, generation_config, kwargs)
@@ -195,11 +196,12 @@ def _log(message: str, level: int = logging.WARNING) -> None:
         logger.log(level, "fuseinfer: %s", message)
 
 
-def _middle_generate(model, inputs, generation_config, kwargs, max_length: int):
+def _middle_generate(model, inputs, generation_config, kwargs, max_length: int, forward=None):
     """transformers' generate with a FusedCache and the model's forward wrapped for it (for this call only)."""
     from .hf_cache import FusedCache, forward_over_fused_cache
 
-    forward = decode_forward(model)[0]
+    if forward is None:  # (_generate passes the one it checked)
+        forward = decode_forward(model)[0]
     had = "forward" in model.__dict__
     before = model.__dict__.get("forward")
     model.forward = forward_over_fused_cache(model)
