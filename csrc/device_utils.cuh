@@ -1,5 +1,5 @@
-// Device helpers shared by the kernels: fp32 <-> element-type conversion, warp reductions and the m16n8k16
-// tensor-core mma.
+// Device helpers shared by the kernels: the PDL wait / trigger, fp32 <-> element-type conversion, warp reductions
+// and the m16n8k16 tensor-core mma.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -8,6 +8,21 @@
 #include <type_traits>
 
 namespace fuseinfer {
+
+// Programmatic dependent launch (sm_90+; the contract is in launch.h, which launches kernels with it).
+// Waits until the previous kernel in the stream has completed and its memory is visible (no-op without PDL).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Allows the next kernel in the stream to be launched before this one completes (no-op without PDL).
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
 
 // One element to fp32 (exact for every type: a bf16 is the top half of an fp32) and back (round to nearest even).
 __device__ __forceinline__ float to_float(float v) { return v; }

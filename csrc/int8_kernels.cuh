@@ -10,20 +10,7 @@
 #include <type_traits>
 
 #include "device_utils.cuh"
-#ifdef FUSEINFER_KERNEL_HARNESS
-namespace fuseinfer {
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-}  // namespace fuseinfer
-#else
+#ifndef FUSEINFER_KERNEL_HARNESS  // (the standalone harness has no torch: device_utils.cuh has the PDL calls)
 #include "launch.h"
 #endif
 

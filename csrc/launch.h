@@ -25,6 +25,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
+#include "device_utils.cuh"
 #include "knobs.h"
 
 #include <algorithm>
@@ -36,20 +37,6 @@
 #include <utility>
 
 namespace fuseinfer {
-
-// Waits until the previous kernel in the stream has completed and its memory is visible (no-op without PDL).
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
-// Allows the next kernel in the stream to be launched before this one completes (no-op without PDL).
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
 
 // PDL is used when the FUSEINFER_PDL knob is on (default; knobs.h) and the current device is sm_90 or newer.
 inline bool pdl_enabled() {
