@@ -10,15 +10,15 @@ whose producer warp streams every weight (and the attention's cached keys and va
 the consumer warps compute, handing activations between phases as epoch-tagged words (no grid barrier), so the
 ~200 kernel boundaries of the per-op step are gone. ``workspace`` holds the kernel's scratch (activations,
 attention partials and counters, launch counters); make it with :func:`decode_step_workspace` once per cache and
-keep it. Elsewhere the op runs :func:`opt_decode_step_ref`.
+keep it. Elsewhere the op runs :func:`opt_decode_step_ref`. Token ids below the vocabulary size and positions
+within the model's are the caller's to guarantee: the kernel does not check them on the device (the reference
+raises), as the fast-decode runtime only feeds it ids it produced and positions it counted.
 
 int8 weight-only models (``Int8WeightOnly``): ``weight_scales`` holds 4 fp32 (N,) per-output-channel scales per layer
 (qkv, out_proj, fc1, fc2, see ``SCALED``) and those four matrices of ``layer_params`` are int8 (N, K); each linear
 then computes ``act(x @ (q * scale).T + bias (+ residual))`` like ``fuseinfer::int8_linear`` (the kernel streams
 the int8 tiles and applies the scale to the fp32 accumulator, docs/quantization.md "int8 in the one-kernel step").
-Empty ``weight_scales``: fp16/bf16 weights. The LM head is never quantized here. Token ids below the vocabulary size and positions
-within the model's are the caller's to guarantee: the kernel does not check them on the device (the reference
-raises), as the fast-decode runtime only feeds it ids it produced and positions it counted.
+Empty ``weight_scales``: fp16/bf16 weights. The LM head is never quantized here.
 """
 from __future__ import annotations
 

@@ -140,11 +140,15 @@ def decode_step_params(model: nn.Module) -> list[torch.Tensor]:
         a = layer.self_attn
         qkv = a._modules.get("qkv_proj")
         qkv_w, qkv_b = (a.qkv_weight, a.qkv_bias) if qkv is None else (qkv.qweight, qkv.bias)
-        weight = lambda lin: lin.qweight if hasattr(lin, "qweight") else lin.weight  # noqa: E731
         params += [layer.self_attn_layer_norm.weight, layer.self_attn_layer_norm.bias, qkv_w, qkv_b,
-                   weight(a.out_proj), a.out_proj.bias, layer.final_layer_norm.weight, layer.final_layer_norm.bias,
-                   weight(layer.fc1), layer.fc1.bias, weight(layer.fc2), layer.fc2.bias]
+                   _weight(a.out_proj), a.out_proj.bias, layer.final_layer_norm.weight, layer.final_layer_norm.bias,
+                   _weight(layer.fc1), layer.fc1.bias, _weight(layer.fc2), layer.fc2.bias]
     return params
+
+
+def _weight(linear: nn.Module) -> torch.Tensor:
+    """The weight the step streams: an int8 linear's int8 (N, K) ``qweight``, else the (N, K) ``weight``."""
+    return linear.qweight if isinstance(linear, Int8WeightOnlyLinear) else linear.weight
 
 
 def forward_last_logits(model: nn.Module, tokens, positions, cache, q_start, keep: int = 0) -> torch.Tensor:

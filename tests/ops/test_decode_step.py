@@ -415,7 +415,8 @@ def test_int8_opcheck_cuda():
 @pytest.mark.gpu
 def test_int8_fast_decode_takes_the_kernel_and_matches_per_op_tokens(tiny_model_path, monkeypatch):
     """The trained tiny model in fp16, int8 weight-only: fast decode runs the one-kernel step (batch 1 and a padded
-    batch of 5, FUSEINFER_DECODE_KERNEL=1) and gives the per-op int8 step's greedy tokens (FUSEINFER_DECODE_KERNEL=0)."""
+    batch of 5, FUSEINFER_DECODE_KERNEL=1) and gives the per-op int8 step's greedy tokens
+    (FUSEINFER_DECODE_KERNEL=0)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float16).cuda().eval()
