@@ -428,7 +428,7 @@ def test_int8_fast_decode_takes_the_kernel_and_matches_per_op_tokens(tiny_model_
     out = {}
     for kernel in ("0", "1"):
         monkeypatch.setenv("FUSEINFER_DECODE_KERNEL", kernel)
-        model.__dict__.pop(SESSIONS_ATTR, None)  # a fresh session per setting
+        fuseinfer.runtime.release(model)  # fresh sessions (the step is chosen when a session is built)
         out[kernel] = (fuseinfer.generate(model, ids, mask, max_new_tokens=32),
                        fuseinfer.generate(model, ids[:1], max_new_tokens=32))
         sessions = model.__dict__[SESSIONS_ATTR]
