@@ -34,8 +34,14 @@
 // Numerics follow the per-op path: fp32 accumulation and statistics, one rounding to the model dtype at
 // each point where the per-op path stores a tensor.
 // docs/notes.md ("Fast decode: the one-kernel step") has the measurements and the trace findings.
+// int8 weight-only models (Q8, docs/quantization.md "int8 in the one-kernel step"): the four decoder matrices
+// stream as int8 tiles (the same 1 KiB rows per stage, so 1024 k per stage), a tile's first stage also carries its
+// 16 fp32 per-channel scales (in row 1's padding); consume converts the int8 weights to fp16/bf16 in registers
+// (exact), runs the same mmas with fp32 accumulation, and multiplies each output's dot product by its scale once,
+// in the epilogue, before the bias and residual. The LM head stays fp16/bf16. Q8 = false is the fp16/bf16 kernel.
 #include "device_utils.cuh"
 #include "fuseinfer.h"
+#include "int8_kernels.cuh"
 #include "launch.h"
 #include "sm90.cuh"
 
@@ -92,6 +98,9 @@ struct StepParams {
   uint64_t *q, *kv_new;  // (B, E), (B, 2 E) tagged: the new token's query, key and value
   uint64_t *attn, *ffn;  // (B, E), (B, F) tagged
   LayerWeights layer[kMaxLayers];
+  // Q8: fp32 per-output-channel scales of layer l's qkv, out_proj, fc1, fc2 (null otherwise). After layer[], so
+  // outside the shared-memory copy (params_bytes): only the producer reads them, from the parameter space.
+  const float* wscale[kMaxLayers][4];
 };
 
 // Trace row of a block (FUSEINFER_DECODE_TRACE=1): the consumers' timestamps (ns) at the 2 + kTracePhases *
@@ -262,26 +271,42 @@ struct Ring {
 
 // Producer (the whole warp): every stage of this block's tiles of w (N x K), in the consumers' order. A tile's
 // first stage also carries its 16 bias values (bias: null or N elements, N a multiple of 16), in the padding of
-// its first row, so the epilogue does not wait for a global load.
-__device__ void produce(Ring& ring, const void* w, const void* bias, int n, int k, uint64_t policy) {
+// its first row, so the epilogue does not wait for a global load. Q8: w is int8, a stage holds kQ8Chunk k of each
+// row (the same bytes), and the tile's first stage also carries its 16 fp32 scales (scale: N floats, 16-byte
+// aligned) in the padding of its second row.
+constexpr int kQ8Chunk = 2 * kChunk;  // int8 k elements per ring stage
+constexpr int kScaleOffset = kStageRow + kChunk * 2;  // byte offset in a stage of the tile's scales (row 1's padding)
+static_assert(kTileRows * 4 <= kStageRow - kChunk * 2, "a tile's fp32 scales fit a row's padding");
+
+template <bool Q8 = false>
+__device__ void produce(Ring& ring, const void* w, const void* bias, int n, int k, uint64_t policy,
+                        const float* scale = nullptr) {
+  constexpr int kElem = Q8 ? 1 : 2;                  // bytes per weight
+  constexpr int kStageK = Q8 ? kQ8Chunk : kChunk;    // k per stage
   const int lane = threadIdx.x & 31;
   const char* base = static_cast<const char*>(w);
   const int tiles = (n + kTileRows - 1) / kTileRows;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int rows = min(kTileRows, n - tile * kTileRows);
-    for (int k0 = 0; k0 < k; k0 += kChunk) {
-      const uint32_t bytes = min(kChunk, k - k0) * 2;
+    for (int k0 = 0; k0 < k; k0 += kStageK) {
+      const uint32_t bytes = min(kStageK, k - k0) * kElem;
       const bool with_bias = bias != nullptr && k0 == 0;
+      const bool with_scale = Q8 && k0 == 0;
       ring.wait(&ring.empty[ring.index], ring.phase ^ 1);
-      if (lane == 0) mbar_expect_tx(&ring.full[ring.index], bytes * rows + (with_bias ? kTileRows * 2 : 0));
+      if (lane == 0) {
+        mbar_expect_tx(&ring.full[ring.index],
+                       bytes * rows + (with_bias ? kTileRows * 2 : 0) + (with_scale ? kTileRows * 4 : 0));
+      }
       __syncwarp();
       char* dst = ring.stages + ring.index * kStageBytes;
       if (lane < rows) {
-        bulk_copy(dst + lane * kStageRow, base + (static_cast<int64_t>(tile * kTileRows + lane) * k + k0) * 2, bytes,
-                  &ring.full[ring.index], policy);
+        bulk_copy(dst + lane * kStageRow, base + (static_cast<int64_t>(tile * kTileRows + lane) * k + k0) * kElem,
+                  bytes, &ring.full[ring.index], policy);
       } else if (lane == kTileRows && with_bias) {
         bulk_copy(dst + kChunk * 2, static_cast<const char*>(bias) + tile * kTileRows * 2, kTileRows * 2,
                   &ring.full[ring.index], policy);
+      } else if (lane == kTileRows + 1 && with_scale) {
+        bulk_copy(dst + kScaleOffset, scale + tile * kTileRows, kTileRows * 4, &ring.full[ring.index], policy);
       }
       ring.advance();
     }
@@ -293,35 +318,68 @@ __device__ void produce(Ring& ring, const void* w, const void* bias, int n, int 
 // (j: the tile's index among this block's; bias from the ring when Epilogue::kBias) is added to the accumulated
 // dot product, epi.keep(j, sum) sees every sum and epi.store(token, n, sum) stores it; a tagged epilogue (kPairs)
 // stores outputs n and n + 1 (even n) together from the even thread, store(token, n, sum_n, sum_n+1).
-template <typename T, typename Epilogue>
+// Q8: int8 w; a warp step covers 64 k (lane (g, t): 16 weights of rows g and g + 8, k = 16 t .. 16 t + 15 of the
+// step, one 16-byte load each as in the fp16 path), converted to T in registers, four mmas; the sum of a tile's
+// output is its dot product times the channel's scale (from the tile's first stage), then plus epi.pre's extra.
+template <typename T, bool Q8 = false, typename Epilogue>
 __device__ void consume(Ring& ring, const char* x, int x_stride, int m, int n, int k,
                         float (*partial)[kConsumerWarps][kTileRows][kMaxTokens + 1], int& pbuf, const Epilogue& epi) {
+  constexpr int kStageK = Q8 ? kQ8Chunk : kChunk;  // k per stage
+  constexpr int kStepK = Q8 ? 64 : 32;             // k per warp step
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const char* xrow = x + min(g, m - 1) * x_stride + t * 16;  // token g (clamped: its outputs are dropped)
+  // token g (clamped: its outputs are dropped), at this lane's first k of a step
+  const char* xrow = x + min(g, m - 1) * x_stride + t * (kStepK / 4) * 2;
   const int tiles = (n + kTileRows - 1) / kTileRows;
   const int out_row = threadIdx.x % kTileRows, out_token = threadIdx.x / kTileRows;
   for (int tile = blockIdx.x, j = 0; tile < tiles; tile += gridDim.x, ++j) {
     const int col = tile * kTileRows + out_row;
     const bool owner = out_token < m && col < n;
     float extra = 0.f;
+    [[maybe_unused]] float wscale = 0.f;  // Q8: this output's channel scale
     float acc[4] = {0.f, 0.f, 0.f, 0.f}, acc2[4] = {0.f, 0.f, 0.f, 0.f};  // two chains of dependent mmas
-    for (int k0 = 0; k0 < k; k0 += kChunk) {
-      const int steps = min(kChunk, k - k0) / 32;
+    for (int k0 = 0; k0 < k; k0 += kStageK) {
+      const int steps = min(kStageK, k - k0) / kStepK;
       ring.wait(&ring.full[ring.index], ring.phase);
       const char* w = ring.stages + ring.index * kStageBytes + t * 16;
       if (k0 == 0 && owner) {
         const T* bias = reinterpret_cast<const T*>(ring.stages + ring.index * kStageBytes + kChunk * 2);
         extra = epi.pre(out_token, col, j, Epilogue::kBias ? to_float(bias[out_row]) : 0.f);
+        if constexpr (Q8) {
+          wscale = reinterpret_cast<const float*>(ring.stages + ring.index * kStageBytes + kScaleOffset)[out_row];
+        }
       }
       for (int s = warp; s < steps; s += kConsumerWarps) {
         const uint4 lo = *reinterpret_cast<const uint4*>(w + g * kStageRow + s * 64);
         const uint4 hi = *reinterpret_cast<const uint4*>(w + (g + 8) * kStageRow + s * 64);
-        const uint4 xv = *reinterpret_cast<const uint4*>(xrow + (k0 + s * 32) * 2);
-        const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y};
-        const uint32_t a1[4] = {lo.z, hi.z, lo.w, hi.w};
-        mma_16816<T>(acc, a0, xv.x, xv.y);
-        mma_16816<T>(acc2, a1, xv.z, xv.w);
+        if constexpr (Q8) {
+          // 16 int8 weights per row -> 8 words of T pairs: row g's are l[0..7], row g + 8's h[0..7] (k order)
+          const uint4 x0 = *reinterpret_cast<const uint4*>(xrow + (k0 + s * 64) * 2);       // k 16 t .. + 7
+          const uint4 x1 = *reinterpret_cast<const uint4*>(xrow + (k0 + s * 64) * 2 + 16);  // k 16 t + 8 .. + 15
+          uint32_t l[8], h[8];
+          int8::i8x4_to_x4<T>(lo.x, l[0], l[1]);
+          int8::i8x4_to_x4<T>(lo.y, l[2], l[3]);
+          int8::i8x4_to_x4<T>(lo.z, l[4], l[5]);
+          int8::i8x4_to_x4<T>(lo.w, l[6], l[7]);
+          int8::i8x4_to_x4<T>(hi.x, h[0], h[1]);
+          int8::i8x4_to_x4<T>(hi.y, h[2], h[3]);
+          int8::i8x4_to_x4<T>(hi.z, h[4], h[5]);
+          int8::i8x4_to_x4<T>(hi.w, h[6], h[7]);
+          const uint32_t a0[4] = {l[0], h[0], l[1], h[1]};  // k 0-3 of the lane's 16, with x0.x, x0.y
+          const uint32_t a1[4] = {l[2], h[2], l[3], h[3]};  // k 4-7, x0.z, x0.w
+          const uint32_t a2[4] = {l[4], h[4], l[5], h[5]};  // k 8-11, x1.x, x1.y
+          const uint32_t a3[4] = {l[6], h[6], l[7], h[7]};  // k 12-15, x1.z, x1.w
+          mma_16816<T>(acc, a0, x0.x, x0.y);
+          mma_16816<T>(acc2, a1, x0.z, x0.w);
+          mma_16816<T>(acc, a2, x1.x, x1.y);
+          mma_16816<T>(acc2, a3, x1.z, x1.w);
+        } else {
+          const uint4 xv = *reinterpret_cast<const uint4*>(xrow + (k0 + s * 32) * 2);
+          const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y};
+          const uint32_t a1[4] = {lo.z, hi.z, lo.w, hi.w};
+          mma_16816<T>(acc, a0, xv.x, xv.y);
+          mma_16816<T>(acc2, a1, xv.z, xv.w);
+        }
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(&ring.empty[ring.index]);
@@ -338,8 +396,15 @@ __device__ void consume(Ring& ring, const char* x, int x_stride, int m, int n, i
     consumers_sync();
     float s = extra;
     if (owner) {
+      if constexpr (Q8) {
+        float dot = 0.f;
 #pragma unroll
-      for (int v = 0; v < kConsumerWarps; ++v) s += part[v][out_row][out_token];
+        for (int v = 0; v < kConsumerWarps; ++v) dot += part[v][out_row][out_token];
+        s = fmaf(dot, wscale, extra);  // the scale once per output, on the fp32 dot product
+      } else {
+#pragma unroll
+        for (int v = 0; v < kConsumerWarps; ++v) s += part[v][out_row][out_token];
+      }
       epi.keep(j, s);
     }
     if constexpr (Epilogue::kPairs) {  // outputs n, n + 1 sit in lanes 2j, 2j + 1 (N is even: same owner)
@@ -779,7 +844,7 @@ struct LogitsEpilogue {  // fp32 logits, rounded to the model dtype first like t
   }
 };
 
-template <typename T, int D>
+template <typename T, int D, bool Q8>
 __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_constant__ StepParams params) {
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[32], empty[32];
@@ -828,16 +893,16 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
     int slices = 0;
     for (int l = 0; l < p.layers; ++l) {
       const LayerWeights& L = p.layer[l];
-      produce(ring, L.wqkv, L.bqkv, 3 * p.e, p.e, policy);
+      produce<Q8>(ring, L.wqkv, L.bqkv, 3 * p.e, p.e, policy, params.wscale[l][0]);
       if (l == 0) {
         pdl_wait();
         asm volatile("bar.sync 2, %0;\n" ::"n"(kThreads) : "memory");  // the consumers have stored the slots
         slices = attention_slices(p);
       }
       produce_attention<D>(ring, p, L, slices, policy);
-      produce(ring, L.wo, L.bo, p.e, p.e, policy);
-      produce(ring, L.w1, L.b1, p.f, p.e, policy);
-      produce(ring, L.w2, L.b2, p.e, p.f, policy);
+      produce<Q8>(ring, L.wo, L.bo, p.e, p.e, policy, params.wscale[l][1]);
+      produce<Q8>(ring, L.w1, L.b1, p.f, p.e, policy, params.wscale[l][2]);
+      produce<Q8>(ring, L.w2, L.b2, p.e, p.f, policy, params.wscale[l][3]);
       if (trace != nullptr && threadIdx.x == kConsumers) trace[2 + kTracePhases * p.layers + 2 * l] = ring.wait_ns;
     }
     produce(ring, p.lm_head, nullptr, p.vocab, p.e, policy);
@@ -874,23 +939,23 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
     const LayerWeights& L = p.layer[l];
     const uint32_t epoch = epoch0 + l + 1;
     const int ev = 1 + kTracePhases * l;
-    consume<T>(ring, x, p.x_stride, p.m, 3 * p.e, p.e, partial, pbuf,
+    consume<T, Q8>(ring, x, p.x_stride, p.m, 3 * p.e, p.e, partial, pbuf,
                QkvEpilogue<T>{p.q, p.kv_new, static_cast<T*>(L.k_cache),
                               static_cast<T*>(L.v_cache), p.q_start, p.e, p.heads, p.capacity, D, epoch});
     mark(ev);
     attention<T, D>(ring, p, slices, epoch, l, &partial[pbuf][0][0][0]);
     mark(ev + 1);
     stage_rows(p, x, p.attn, p.e, epoch);
-    consume<T>(ring, x, p.x_stride, p.m, p.e, p.e, partial, pbuf,
+    consume<T, Q8>(ring, x, p.x_stride, p.m, p.e, p.e, partial, pbuf,
                ResidualEpilogue<T>{p.h[1], p.h[0], p.e, epoch, &kept, l > 0});
     mark(ev + 2);
     layer_norm_rows<T>(p, x, lnp, static_cast<const T*>(L.ln2_w), static_cast<const T*>(L.ln2_b), p.h[0], nullptr,
                        epoch, ln_stat);
-    consume<T>(ring, x, p.x_stride, p.m, p.f, p.e, partial, pbuf,
+    consume<T, Q8>(ring, x, p.x_stride, p.m, p.f, p.e, partial, pbuf,
                ReluEpilogue<T>{p.ffn, p.f, epoch});
     mark(ev + 3);
     stage_rows(p, x, p.ffn, p.f, epoch);
-    consume<T>(ring, x, p.x_stride, p.m, p.e, p.f, partial, pbuf,
+    consume<T, Q8>(ring, x, p.x_stride, p.m, p.e, p.f, partial, pbuf,
                ResidualEpilogue<T>{p.h[0], p.h[1], p.e, epoch, &kept, true});
     mark(ev + 4);
     const bool last = l + 1 == p.layers;
@@ -975,8 +1040,10 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
                             const at::Tensor& key_mask, const at::Tensor& embed, const at::Tensor& pos_embed,
                             const std::vector<at::Tensor>& layer_params, std::vector<at::Tensor> k_caches,
                             std::vector<at::Tensor> v_caches, const at::Tensor& lnf_w, const at::Tensor& lnf_b,
-                            const at::Tensor& lm_head, at::Tensor& workspace, double eps, double scale) {
+                            const at::Tensor& lm_head, at::Tensor& workspace, double eps, double scale,
+                            const std::vector<at::Tensor>& weight_scales) {
   const c10::cuda::CUDAGuard guard(embed.device());
+  const bool q8 = !weight_scales.empty();  // int8 weight-only: layer weights int8, 4 fp32 scale vectors per layer
   const auto dtype = embed.scalar_type();
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers >= 1 && layers <= kMaxLayers && v_caches.size() == k_caches.size() &&
@@ -988,6 +1055,8 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
   const int64_t heads = k_caches[0].size(1), capacity = k_caches[0].size(2), head_dim = k_caches[0].size(3);
   TORCH_CHECK(head_dim == 64 || head_dim == 128, "decode_step: head dim 64 or 128 only");
   TORCH_CHECK(heads * head_dim == e && e % 32 == 0 && f % 32 == 0, "decode_step: unsupported hidden sizes");
+  TORCH_CHECK(!q8 || (static_cast<int64_t>(weight_scales.size()) == 4 * layers && e % 64 == 0 && f % 64 == 0),
+              "decode_step: int8 weights need 4 scale vectors per layer and hidden / ffn sizes multiple of 64");
   TORCH_CHECK(decode_step_fits(m, e, f), "decode_step: ", m, " rows of hidden ", e, " / ffn ", f,
               " do not fit in shared memory");
   TORCH_CHECK(positions.numel() == m && q_start.numel() == m && q_start.scalar_type() == at::kInt &&
@@ -1010,6 +1079,19 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
   check(lnf_w, {e}, "final LayerNorm weight");
   check(lnf_b, {e}, "final LayerNorm bias");
   check(lm_head, {vocab, e}, "lm_head");
+  // a layer weight: the model dtype, or int8 with its (N,) fp32 scales (q8)
+  auto check_weight = [&](const at::Tensor& w, int64_t rows, int64_t cols, int64_t layer, int which, const char* what) {
+    if (!q8) return check(w, {rows, cols}, what);
+    const at::Tensor& sc = weight_scales[4 * layer + which];
+    TORCH_CHECK(w.device() == embed.device() && w.scalar_type() == at::kChar && w.is_contiguous() &&
+                    w.sizes().equals({rows, cols}) && reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
+                "decode_step: ", what, " must be a contiguous, 16-byte aligned [", rows, ", ", cols,
+                "] int8 tensor on the model's device");
+    TORCH_CHECK(sc.device() == embed.device() && sc.scalar_type() == at::kFloat && sc.is_contiguous() &&
+                    sc.sizes().equals({rows}) && reinterpret_cast<uintptr_t>(sc.data_ptr()) % 16 == 0,
+                "decode_step: the scales of ", what, " must be a contiguous, 16-byte aligned [", rows,
+                "] float32 tensor on the model's device");
+  };
   const auto layout = workspace_layout(m, e, f, heads, head_dim, capacity);
   TORCH_CHECK(workspace.device() == embed.device() && workspace.is_contiguous() &&
                   workspace.nbytes() >= static_cast<size_t>(layout.back()),
@@ -1055,15 +1137,15 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
     const at::Tensor* w = &layer_params[12 * l];
     check(w[0], {e}, "self_attn_layer_norm.weight");
     check(w[1], {e}, "self_attn_layer_norm.bias");
-    check(w[2], {3 * e, e}, "qkv weight");
+    check_weight(w[2], 3 * e, e, l, 0, "qkv weight");
     check(w[3], {3 * e}, "qkv bias");
-    check(w[4], {e, e}, "out_proj.weight");
+    check_weight(w[4], e, e, l, 1, "out_proj.weight");
     check(w[5], {e}, "out_proj.bias");
     check(w[6], {e}, "final_layer_norm.weight");
     check(w[7], {e}, "final_layer_norm.bias");
-    check(w[8], {f, e}, "fc1.weight");
+    check_weight(w[8], f, e, l, 2, "fc1.weight");
     check(w[9], {f}, "fc1.bias");
-    check(w[10], {e, f}, "fc2.weight");
+    check_weight(w[10], e, f, l, 3, "fc2.weight");
     check(w[11], {e}, "fc2.bias");
     check(k_caches[l], {k_caches[0].size(0), heads, capacity, head_dim}, "k cache");
     check(v_caches[l], {k_caches[0].size(0), heads, capacity, head_dim}, "v cache");
@@ -1072,6 +1154,9 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
                               w[4].data_ptr(), w[5].data_ptr(), w[6].data_ptr(),  w[7].data_ptr(),
                               w[8].data_ptr(), w[9].data_ptr(), w[10].data_ptr(), w[11].data_ptr(),
                               k_caches[l].data_ptr(), v_caches[l].data_ptr()};
+    for (int i = 0; i < 4; ++i) {
+      p.wscale[l][i] = q8 ? weight_scales[4 * l + i].data_ptr<float>() : nullptr;
+    }
   }
 
   const auto* props = at::cuda::getCurrentDeviceProperties();
@@ -1094,11 +1179,18 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
     launch_kernel_with(attrs, pdl_enabled() ? 2 : 1, kernel, props->multiProcessorCount, kThreads, smem,
                        at::cuda::getCurrentCUDAStream(), p);
   };
-  if (dtype == at::kHalf) {
-    head_dim == 64 ? launch(decode_step_kernel<__half, 64>) : launch(decode_step_kernel<__half, 128>);
+  if (q8) {
+    if (dtype == at::kHalf) {
+      head_dim == 64 ? launch(decode_step_kernel<__half, 64, true>) : launch(decode_step_kernel<__half, 128, true>);
+    } else {
+      head_dim == 64 ? launch(decode_step_kernel<__nv_bfloat16, 64, true>)
+                     : launch(decode_step_kernel<__nv_bfloat16, 128, true>);
+    }
+  } else if (dtype == at::kHalf) {
+    head_dim == 64 ? launch(decode_step_kernel<__half, 64, false>) : launch(decode_step_kernel<__half, 128, false>);
   } else {
-    head_dim == 64 ? launch(decode_step_kernel<__nv_bfloat16, 64>)
-                   : launch(decode_step_kernel<__nv_bfloat16, 128>);
+    head_dim == 64 ? launch(decode_step_kernel<__nv_bfloat16, 64, false>)
+                   : launch(decode_step_kernel<__nv_bfloat16, 128, false>);
   }
   return logits;
 }

@@ -52,12 +52,14 @@ void kv_cache_append_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Te
 // cache slot each row writes and attends up to), key_mask (B, T) bool; layer_params: 12 per layer (LN1 w, b,
 // qkv w (3E, E), b, out_proj w, b, LN2 w, b, fc1 w, b, fc2 w, b); k_caches, v_caches: (B, H, T, D) per layer,
 // written at q_start. workspace: decode_step_workspace_bytes() bytes, zeroed once, kept between calls.
-// Returns fp32 logits (B, V), rounded to the model dtype first like the LM head's output.
+// Returns fp32 logits (B, V), rounded to the model dtype first like the LM head's output. weight_scales: empty, or
+// (int8 weight-only) 4 fp32 (N,) per layer for the int8 qkv, out_proj, fc1 and fc2 weights of layer_params.
 at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& q_start,
                             const at::Tensor& key_mask, const at::Tensor& embed, const at::Tensor& pos_embed,
                             const std::vector<at::Tensor>& layer_params, std::vector<at::Tensor> k_caches,
                             std::vector<at::Tensor> v_caches, const at::Tensor& lnf_w, const at::Tensor& lnf_b,
-                            const at::Tensor& lm_head, at::Tensor& workspace, double eps, double scale);
+                            const at::Tensor& lm_head, at::Tensor& workspace, double eps, double scale,
+                            const std::vector<at::Tensor>& weight_scales);
 int64_t decode_step_workspace_bytes(int64_t m, int64_t e, int64_t f, int64_t heads, int64_t head_dim,
                                     int64_t capacity);
 // With FUSEINFER_DECODE_TRACE=1 in the environment, the (blocks, 2 + 8 * layers) trace of the last

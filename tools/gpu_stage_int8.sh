@@ -6,6 +6,7 @@
 #
 #   bash tools/gpu_stage_int8.sh            # everything, ~5-6 min on an H100 (each step has a time limit)
 #   bash tools/gpu_stage_int8.sh quick      # memcheck + the GEMV bench only
+#   bash tools/gpu_stage_int8.sh step       # only the int8 one-kernel decode step (~3-4 min): see part 0 below
 #   BENCH_QUANT=1 bash tools/gpu_stage_int8.sh   # also the quantize kernels vs eager / torch.compile (~1 min)
 #
 # Writes logs and results under $OUT/int8 and packs them into $OUT/int8_stage.tar.gz; exits 1 if any step failed.
@@ -35,6 +36,35 @@ run() {  # run NAME TIMEOUT_S CMD...
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$R/gpu.txt"
 python3 -c 'import fuseinfer._C as C; assert hasattr(C, "int8_linear"), "rebuild: fuseinfer._C lacks int8_linear"' ||
   { echo "fuseinfer._C with the int8 kernels is not built"; exit 1; }
+
+# 0. the int8 one-kernel decode step (csrc/decode_step.cu, Q8; docs/quantization.md "int8 in the one-kernel
+# step"), first run on a GPU: its GPU tests (int8 kernel vs the fp32 int8 reference, opcheck, fast decode taking it
+# with the per-op int8 step's greedy tokens; and the fp16/bf16 step's tests, whose kernel shares the code), memcheck
+# and racecheck (gated like gpu_check's ring-wrap parts: only hazards other than a TMA-filled stage's reuse fail) of
+# kernel_smoke's int8-step part, then OPT-1.3b batch 1 ms/token: fp16 fuseinfer vs W8A16 with the step (default
+# FUSEINFER_DECODE_KERNEL=auto takes it at batch 1; the row's "decode" says "step: one kernel") and W8A16 per op
+# (FUSEINFER_DECODE_KERNEL=0, the 0.928 ms/token path) in one run each. Target (issue 35): W8A16 <= 0.55 ms/token.
+if [ "$mode" = step ] || [ "$mode" = all ]; then
+  run step_pytest 300 python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/ops/test_decode_step.py
+  run step_memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/kernel_smoke.py \
+    --part int8-step
+  run step_racecheck 240 compute-sanitizer --tool racecheck python3 tools/kernel_smoke.py --part int8-step
+  run step_racecheck_gate 30 python3 tools/racecheck_tma.py "$R/step_racecheck.log"
+  run step_eval_opt-1.3b_b1 240 python3 -m fuseinfer.eval --model random:opt-1.3b --dtype fp16 \
+    --backends fuseinfer,fuseinfer-w8a16 --skip-ppl --batch-size 1 --prompt-len 512 --gen-len 128 --repeats 5 \
+    --output "$R/step_eval_opt-1.3b_b1.json"
+  run step_eval_opt-1.3b_b1_per_op 240 env FUSEINFER_DECODE_KERNEL=0 python3 -m fuseinfer.eval --model random:opt-1.3b \
+    --dtype fp16 --backends fuseinfer-w8a16 --skip-ppl --batch-size 1 --prompt-len 512 --gen-len 128 --repeats 5 \
+    --output "$R/step_eval_opt-1.3b_b1_per_op.json"
+  run step_eval_summary 60 python3 bench/quant_eval_summary.py int8_step_eval "$R/step_eval_opt-1.3b_b1.json" \
+    "$R/step_eval_opt-1.3b_b1_per_op.json"
+  grep -ho '"decode": "[^"]*"' "$R"/step_eval_*.json | tee "$R/step_paths.txt"  # which step each row took
+  if [ "$mode" = step ]; then
+    (cd "$OUT" && tar czf int8_stage.tar.gz int8)
+    echo "gpu_stage_int8 step: $([ $status -eq 0 ] && echo PASS || echo FAIL); results in $OUT/int8_stage.tar.gz"
+    exit $status
+  fi
+fi
 
 # 1. memcheck of the int8 kernels (small odd shapes + a small W8A16 model's fast decode)
 run memcheck_int8 240 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/int8_smoke.py

@@ -1,11 +1,13 @@
 """Runs every CUDA kernel once on small odd shapes; the target of compute-sanitizer in tools/gpu_check.sh.
 
-    python tools/kernel_smoke.py [--part all|no-ring-wrap|ring-wrap-d64|ring-wrap-d128|prefill]
+    python tools/kernel_smoke.py [--part all|no-ring-wrap|ring-wrap-d64|ring-wrap-d128|prefill|int8-step]
 
 ``ring-wrap-d64`` and ``ring-wrap-d128`` are the one-kernel decode step with long contexts (head dim 64 and 128),
 whose weight and key/value streams go round each block's ring of shared-memory stages many times;
 ``prefill`` is the attention prefills over enough key tiles to wrap the wgmma kernel's ring of TMA-filled stages,
-and into a cache tail it zeroes after the TMA write; ``no-ring-wrap`` is everything else. gpu_check's racecheck
+and into a cache tail it zeroes after the TMA write; ``int8-step`` is the one-kernel step of int8 weight-only models
+(int8 weight tiles through the ring: a short step per dtype and a long-context one whose ring wraps; racecheck it
+through tools/racecheck_tma.py like the ring-wrap parts); ``no-ring-wrap`` is everything else. gpu_check's racecheck
 gates the two decode parts on hazards other than a TMA write's (tools/racecheck_tma.py), since racecheck reports
 the reuse of a TMA-filled stage even in a correct ring (tools/racecheck_ring.cu); each runs in its own process, so
 that one's flood of reports does not use up racecheck's hazard records before the other runs. The other two parts
@@ -19,12 +21,12 @@ from transformers import OPTConfig, OPTForCausalLM
 import fuseinfer
 from fuseinfer import ops
 from fuseinfer.ops.attention import sm90_prefill
-from fuseinfer.ops.decode_step import decode_step_workspace
-from fuseinfer.patches.opt_decode import decode_step_params
+from fuseinfer.ops.decode_step import decode_step_workspace, kernel_supports
+from fuseinfer.patches.opt_decode import decode_step_params, decode_step_weight_scales
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--part", choices=["all", "no-ring-wrap", "ring-wrap-d64", "ring-wrap-d128", "prefill"],
-                    default="all")
+parser.add_argument("--part", default="all",
+                    choices=["all", "no-ring-wrap", "ring-wrap-d64", "ring-wrap-d128", "prefill", "int8-step"])
 part = parser.parse_args().part
 assert torch.cuda.is_available()
 torch.manual_seed(0)
@@ -64,14 +66,17 @@ def other_kernels():
         ops.kv_cache_append(cache, cache.clone(), kv, kv, torch.tensor([3, 9, 10, 11, 39], device="cuda"))
 
 
-def decode_step(dtype, layers, hidden, heads, ffn, capacity, slots, pad):
+def decode_step(dtype, layers, hidden, heads, ffn, capacity, slots, pad, int8=False):
     """The one-kernel decode step of a random pre-LN OPT, one row per slot in ``slots`` (this step's cache
-    slot), with the first ``pad`` keys of row 1 masked (left padding)."""
+    slot), with the first ``pad`` keys of row 1 masked (left padding); ``int8``: quantized with Int8WeightOnly
+    (the kernel's int8 weight stream), asserted to take the kernel."""
     cfg = OPTConfig(vocab_size=1000, hidden_size=hidden, num_hidden_layers=layers, ffn_dim=ffn,
                     num_attention_heads=heads, max_position_embeddings=capacity + 2, word_embed_proj_dim=hidden)
     model = OPTForCausalLM(cfg).eval().to("cuda", dtype)
-    fuseinfer.patch(model)
+    fuseinfer.patch(model, fuseinfer.PatchConfig(quant=fuseinfer.Int8WeightOnly()) if int8 else None)
     dec, rows, d = model.model.decoder, len(slots), hidden // heads
+    scales = decode_step_weight_scales(model)
+    assert bool(scales) == int8 and kernel_supports(rows, dec.embed_tokens.weight, ffn, d, int8=int8)
     caches = [torch.randn(rows, heads, capacity, d, device="cuda", dtype=dtype) for _ in range(2 * layers)]
     key_mask = torch.ones(rows, capacity, dtype=torch.bool, device="cuda")
     key_mask[1, :pad] = False
@@ -82,7 +87,8 @@ def decode_step(dtype, layers, hidden, heads, ffn, capacity, slots, pad):
         ops.opt_decode_step(tokens, positions, q_start, key_mask, dec.embed_tokens.weight, dec.embed_positions.weight,
                             decode_step_params(model), caches[0::2], caches[1::2], dec.final_layer_norm.weight,
                             dec.final_layer_norm.bias, model.lm_head.weight,
-                            decode_step_workspace(rows, hidden, ffn, heads, d, capacity, "cuda"), 1e-5, d ** -0.5)
+                            decode_step_workspace(rows, hidden, ffn, heads, d, capacity, "cuda"), 1e-5, d ** -0.5,
+                            scales)
 
 
 def emit_tokens():
@@ -106,6 +112,10 @@ if part in ("all", "ring-wrap-d64"):
     decode_step(torch.float16, 4, 512, 8, 2048, 1536, [1100, 1500], 600)
 if part in ("all", "ring-wrap-d128"):
     decode_step(torch.bfloat16, 4, 512, 4, 2048, 1536, [1499, 1100], 300)
+if part in ("all", "int8-step"):
+    for dtype in (torch.float16, torch.bfloat16):
+        decode_step(dtype, 2, 256, 4, 512, 96, [70, 50, 70], 20, int8=True)
+    decode_step(torch.float16, 3, 512, 4, 2048, 1536, [1499, 1100], 300, int8=True)  # d128, rings wrap
 # prefills of 3-8 key tiles, where the wgmma kernel's ring of three TMA-filled stages wraps, and prefills into a
 # cache whose keys past the chunk the kernel zeroes in its last tile (a generic write after the TMA write); the
 # last one has more work items than an H100 has SMs, so blocks of the persistent kernel run several

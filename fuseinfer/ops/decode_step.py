@@ -13,6 +13,12 @@ attention partials and counters, launch counters); make it with :func:`decode_st
 keep it. Elsewhere the op runs :func:`opt_decode_step_ref`. Token ids below the vocabulary size and positions
 within the model's are the caller's to guarantee: the kernel does not check them on the device (the reference
 raises), as the fast-decode runtime only feeds it ids it produced and positions it counted.
+
+int8 weight-only models (``Int8WeightOnly``): ``weight_scales`` holds 4 fp32 (N,) per-output-channel scales per layer
+(qkv, out_proj, fc1, fc2, see ``SCALED``) and those four matrices of ``layer_params`` are int8 (N, K); each linear
+then computes ``act(x @ (q * scale).T + bias (+ residual))`` like ``fuseinfer::int8_linear`` (the kernel streams
+the int8 tiles and applies the scale to the fp32 accumulator, docs/quantization.md "int8 in the one-kernel step").
+Empty ``weight_scales``: fp16/bf16 weights. The LM head is never quantized here.
 """
 from __future__ import annotations
 
@@ -22,8 +28,10 @@ import torch.nn.functional as F
 from .._ext import eager_cuda, extension
 from ..errors import FuseInferError
 from .attention import attention_ref
+from .int8_linear import int8_linear_ref
 
 PARAMS_PER_LAYER = 12  # LN1 w, b, qkv w, b, out_proj w, b, LN2 w, b, fc1 w, b, fc2 w, b
+SCALED = (2, 4, 8, 10)  # indices in a layer's params of the weights an int8 model quantizes (qkv, out, fc1, fc2)
 MAX_ROWS = 8
 # FUSEINFER_DECODE_KERNEL=auto (the default) runs the kernel for batch buckets up to this many rows: where it
 # was measured faster than the per-op step (docs/notes.md, "Fast decode: the one-kernel step": H100, random
@@ -32,9 +40,14 @@ AUTO_MAX_ROWS = 2
 
 
 def opt_decode_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches, v_caches,
-                        lnf_w, lnf_b, lm_head, workspace, eps: float, scale: float) -> torch.Tensor:
+                        lnf_w, lnf_b, lm_head, workspace, eps: float, scale: float,
+                        weight_scales=()) -> torch.Tensor:
     """Pure-PyTorch reference (in the tensors' dtype; pass fp32 copies for an fp32 reference). Writes the caches
-    in place; ``workspace`` is not used. Slots must lie in the cache."""
+    in place; ``workspace`` is not used. Slots must lie in the cache. With ``weight_scales`` (int8 weights) each
+    linear is ``int8_linear_ref`` with the per-op path's fused residual / ReLU, so it equals the per-op int8 step."""
+    if weight_scales:
+        return _int8_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches,
+                              v_caches, lnf_w, lnf_b, lm_head, eps, scale, weight_scales)
     m = tokens.numel()
     e = embed.shape[1]
     _, heads, _, d = k_caches[0].shape
@@ -55,23 +68,51 @@ def opt_decode_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, 
     return F.linear(x, lm_head).float()  # (M, V)
 
 
+def _int8_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches, v_caches, lnf_w,
+                   lnf_b, lm_head, eps, scale, weight_scales) -> torch.Tensor:
+    """The reference step of an int8 weight-only model: the weights of ``SCALED`` are int8 (N, K), dequantized with
+    their scales (fp32, (N,)) by ``int8_linear_ref``; the residual adds and the ReLU fused as the per-op forward
+    fuses them (``patches/opt.py``: out_proj and fc2 take the residual, fc1 the ReLU)."""
+    m = tokens.numel()
+    e = embed.shape[1]
+    _, heads, _, d = k_caches[0].shape
+    rows, slots = torch.arange(m, device=tokens.device), q_start.long()
+    h = embed[tokens.view(m)] + pos_embed[positions.view(m) + 2]  # (M, E)
+    for layer, (k_cache, v_cache) in enumerate(zip(k_caches, v_caches)):
+        ln1_w, ln1_b, wqkv, bqkv, wo, bo, ln2_w, ln2_b, w1, b1, w2, b2 = \
+            layer_params[PARAMS_PER_LAYER * layer:PARAMS_PER_LAYER * (layer + 1)]
+        s_qkv, s_o, s_1, s_2 = weight_scales[len(SCALED) * layer:len(SCALED) * (layer + 1)]
+        x = F.layer_norm(h, (e,), ln1_w, ln1_b, eps)
+        q, k, v = int8_linear_ref(x, wqkv, s_qkv, bqkv, None, "none").view(m, 3, heads, d).unbind(1)  # 3 x (M, H, D)
+        k_cache[rows, :, slots] = k
+        v_cache[rows, :, slots] = v
+        attn = attention_ref(q.unsqueeze(2), k_cache[:m], v_cache[:m], key_mask[:m], q_start[:m], scale)  # (M,1,H,D)
+        h = int8_linear_ref(attn.reshape(m, e), wo, s_o, bo, h, "none")
+        x = F.layer_norm(h, (e,), ln2_w, ln2_b, eps)
+        h = int8_linear_ref(int8_linear_ref(x, w1, s_1, b1, None, "relu"), w2, s_2, b2, h, "none")
+    x = F.layer_norm(h, (e,), lnf_w, lnf_b, eps)
+    return F.linear(x, lm_head).float()  # (M, V)
+
+
 @torch.library.custom_op("fuseinfer::opt_decode_step", mutates_args=("k_caches", "v_caches", "workspace"))
 def _opt_decode_step(
     tokens: torch.Tensor, positions: torch.Tensor, q_start: torch.Tensor, key_mask: torch.Tensor,
     embed: torch.Tensor, pos_embed: torch.Tensor, layer_params: list[torch.Tensor], k_caches: list[torch.Tensor],
     v_caches: list[torch.Tensor], lnf_w: torch.Tensor, lnf_b: torch.Tensor, lm_head: torch.Tensor,
-    workspace: torch.Tensor, eps: float, scale: float,
+    workspace: torch.Tensor, eps: float, scale: float, weight_scales: list[torch.Tensor],
 ) -> torch.Tensor:
     return opt_decode_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches,
-                               v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale)
+                               v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale, weight_scales)
 
 
-def kernel_supports(rows: int, embed: torch.Tensor, ffn: int, head_dim: int) -> bool:
-    """Whether the CUDA kernel serves a step of ``rows`` tokens for this model (else the reference runs)."""
+def kernel_supports(rows: int, embed: torch.Tensor, ffn: int, head_dim: int, int8: bool = False) -> bool:
+    """Whether the CUDA kernel serves a step of ``rows`` tokens for this model (else the reference runs); ``int8``:
+    with int8 weights, whose k-steps of 64 need hidden and ffn sizes that are multiples of 64."""
     ext = extension(embed.device)
+    multiple = 64 if int8 else 32
     return (ext is not None and embed.is_cuda and torch.cuda.get_device_capability(embed.device)[0] >= 9
             and embed.dtype in (torch.float16, torch.bfloat16) and head_dim in (64, 128)
-            and 1 <= rows <= MAX_ROWS and embed.shape[1] % 32 == 0 and ffn % 32 == 0
+            and 1 <= rows <= MAX_ROWS and embed.shape[1] % multiple == 0 and ffn % multiple == 0
             and bool(ext.decode_step_fits(rows, embed.shape[1], ffn)))
 
 
@@ -85,28 +126,49 @@ def decode_step_workspace(rows: int, hidden: int, ffn: int, heads: int, head_dim
 
 @_opt_decode_step.register_kernel("cuda")
 def _opt_decode_step_cuda(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches,
-                          v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale):
-    if not kernel_supports(tokens.numel(), embed, layer_params[8].shape[0], k_caches[0].shape[-1]):
+                          v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale, weight_scales):
+    if not kernel_supports(tokens.numel(), embed, layer_params[8].shape[0], k_caches[0].shape[-1],
+                           int8=bool(weight_scales)):
         return opt_decode_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params,
-                                   k_caches, v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale)
+                                   k_caches, v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale, weight_scales)
     return extension().decode_step(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches,
-                                   v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale)
+                                   v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale, list(weight_scales))
 
 
 @_opt_decode_step.register_fake
 def _(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches, v_caches, lnf_w, lnf_b,
-      lm_head, workspace, eps, scale):
+      lm_head, workspace, eps, scale, weight_scales):
     return embed.new_empty(tokens.numel(), lm_head.shape[0], dtype=torch.float32)
 
 
+def _check_int8(layer_params, weight_scales, layers: int) -> None:
+    """One clear error for int8 weights / scales that do not match what the kernel and the reference read."""
+    if len(weight_scales) != len(SCALED) * layers:
+        raise FuseInferError(f"int8 step: expected {len(SCALED)} weight scales per layer (qkv, out_proj, fc1, fc2), "
+                             f"got {len(weight_scales)} for {layers} layer(s)")
+    for layer in range(layers):
+        for i, index in enumerate(SCALED):
+            w = layer_params[PARAMS_PER_LAYER * layer + index]
+            s = weight_scales[len(SCALED) * layer + i]
+            if w.dtype != torch.int8 or w.dim() != 2 or s.dtype != torch.float32 or tuple(s.shape) != (w.shape[0],):
+                raise FuseInferError(
+                    f"int8 step: layer {layer} parameter {index} must be an int8 (N, K) weight with (N,) float32 "
+                    f"scales, got {w.dtype} {tuple(w.shape)} and {s.dtype} {tuple(s.shape)} (quantize the model "
+                    "with PatchConfig(quant=Int8WeightOnly()) and pass opt_decode.decode_step_weight_scales(model))")
+
+
 def opt_decode_step(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches, v_caches,
-                    lnf_w, lnf_b, lm_head, workspace, eps: float, scale: float) -> torch.Tensor:
+                    lnf_w, lnf_b, lm_head, workspace, eps: float, scale: float, weight_scales=()) -> torch.Tensor:
     """One decode step; see the module docstring. Returns fp32 logits (B, V)."""
     if len(layer_params) != PARAMS_PER_LAYER * len(k_caches) or len(k_caches) != len(v_caches) or not k_caches:
         raise FuseInferError(f"expected {PARAMS_PER_LAYER} parameters and a k and v cache per layer, got "
                              f"{len(layer_params)} parameters and {len(k_caches)}/{len(v_caches)} caches")
+    weight_scales = list(weight_scales)
+    if weight_scales:
+        _check_int8(layer_params, weight_scales, len(k_caches))
     if eager_cuda(embed):
         return _opt_decode_step_cuda(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches,
-                                     v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale)
+                                     v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale, weight_scales)
     return torch.ops.fuseinfer.opt_decode_step(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params,
-                                               k_caches, v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale)
+                                               k_caches, v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale,
+                                               weight_scales)

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from .. import knobs
+from ..quant.config import Int8WeightOnly
+from ..quant.linear import Int8WeightOnlyLinear
 from ..state import patch_state
 from ..ops import decode_step as decode_step_op
 from ..ops import decode_step_workspace, opt_decode_step
@@ -42,8 +44,11 @@ def decode_step_kernel(model: nn.Module, cache):
     mode = knobs.get("FUSEINFER_DECODE_KERNEL")
     if mode == "0":
         return None, "the one-kernel step is off: FUSEINFER_DECODE_KERNEL=0"
-    if patch_state(model).config.quant is not None:
-        return None, "the one-kernel step streams fp16/bf16 weights; a quantized model runs per op (int8 kernels)"
+    quant = patch_state(model).config.quant
+    if quant is not None:
+        why = _int8_unsupported(model, quant)
+        if why is not None:
+            return None, why
     rows = cache.key_mask.shape[0]
     if mode == "auto" and rows > decode_step_op.AUTO_MAX_ROWS:
         return None, (f"the one-kernel step is slower than per op above {decode_step_op.AUTO_MAX_ROWS} row(s) "
@@ -68,11 +73,14 @@ def decode_step_kernel(model: nn.Module, cache):
         return None, "a module has hooks, which the one-kernel step would bypass (the per-op step calls them)"
     embed = dec.embed_tokens.weight
     heads = cfg.num_attention_heads
-    if not decode_step_op.kernel_supports(rows, embed, cfg.ffn_dim, cfg.hidden_size // heads):
+    int8 = quant is not None
+    if not decode_step_op.kernel_supports(rows, embed, cfg.ffn_dim, cfg.hidden_size // heads, int8=int8):
         return None, (f"no kernel for {rows} rows of {embed.dtype} on {embed.device} (needs the extension, "
-                      f"sm_90, fp16/bf16, head dim 64/128, <= {decode_step_op.MAX_ROWS} rows that fit shared memory)")
+                      f"sm_90, fp16/bf16, head dim 64/128, <= {decode_step_op.MAX_ROWS} rows that fit shared memory"
+                      f"{'; int8: hidden and ffn sizes multiples of 64' if int8 else ''})")
     params = decode_step_params(model)
-    if not all(p.is_contiguous() and p.data_ptr() % 16 == 0 for p in params):
+    weight_scales = decode_step_weight_scales(model)
+    if not all(p.is_contiguous() and p.data_ptr() % 16 == 0 for p in params + weight_scales):
         return None, "a parameter is not contiguous and 16-byte aligned"
     eps = layers[0].self_attn_layer_norm.eps
     scale = layers[0].self_attn.scaling
@@ -84,20 +92,63 @@ def decode_step_kernel(model: nn.Module, cache):
 
     def step(tokens, positions, q_start):
         return opt_decode_step(tokens, positions, q_start, cache.key_mask, embed, pos_embed, params, cache.keys,
-                               cache.values, lnf_w, lnf_b, lm_head, workspace, eps, scale)
+                               cache.values, lnf_w, lnf_b, lm_head, workspace, eps, scale, weight_scales)
 
     return step, None
 
 
+def _int8_unsupported(model: nn.Module, quant) -> str | None:
+    """Why the one-kernel step cannot run this quantized model, or None: it takes Int8WeightOnly models whose
+    every decoder linear (the fused q/k/v, out_proj, fc1, fc2) is an Int8WeightOnlyLinear with an int8 (N, K)
+    weight and fp32 (N,) scales, and whose LM head is unquantized (the default, include_lm_head=False)."""
+    if not isinstance(quant, Int8WeightOnly):
+        return (f"the one-kernel step streams fp16/bf16 or int8 weight-only weights; {type(quant).__name__} runs "
+                "per op")
+    if type(model.lm_head) is not nn.Linear:
+        return ("the one-kernel step keeps the LM head in fp16/bf16: quantize with include_lm_head=False (the "
+                "default) to use it")
+    for i, layer in enumerate(model.model.decoder.layers):
+        attn = layer.self_attn
+        for name, lin in (("self_attn.qkv_proj", attn._modules.get("qkv_proj")), ("self_attn.out_proj", attn.out_proj),
+                          ("fc1", layer.fc1), ("fc2", layer.fc2)):
+            if type(lin) is not Int8WeightOnlyLinear or lin.qweight.dtype != torch.int8 or lin.qweight.dim() != 2 \
+                    or lin.scale.dtype != torch.float32 or lin.scale.shape != (lin.qweight.shape[0],) \
+                    or lin.bias is None:
+                return (f"layer {i}'s {name} is not an int8 weight-only linear with an int8 (N, K) weight, fp32 "
+                        "scales and a bias (filter_fn left it unquantized?): the int8 one-kernel step quantizes "
+                        "every decoder linear")
+    return None
+
+
+def decode_step_weight_scales(model: nn.Module) -> list[torch.Tensor]:
+    """The per-output-channel fp32 scales of an int8 weight-only model, 4 per layer (qkv, out_proj, fc1, fc2:
+    ``decode_step.SCALED``), for ``fuseinfer::opt_decode_step``; [] when the model's linears are not quantized."""
+    scales = []
+    for layer in model.model.decoder.layers:
+        lins = (layer.self_attn._modules.get("qkv_proj"), layer.self_attn.out_proj, layer.fc1, layer.fc2)
+        if not any(isinstance(lin, Int8WeightOnlyLinear) for lin in lins):
+            continue
+        scales += [lin.scale for lin in lins]
+    return scales
+
+
 def decode_step_params(model: nn.Module) -> list[torch.Tensor]:
-    """The 12 per-layer tensors ``fuseinfer::opt_decode_step`` takes, for a patched pre-LN OPTForCausalLM."""
+    """The 12 per-layer tensors ``fuseinfer::opt_decode_step`` takes, for a patched pre-LN OPTForCausalLM; of an
+    int8 weight-only model, its int8 weights (and the fused q/k/v's int8 weight and bias) in their place."""
     params = []
     for layer in model.model.decoder.layers:
         a = layer.self_attn
-        params += [layer.self_attn_layer_norm.weight, layer.self_attn_layer_norm.bias, a.qkv_weight, a.qkv_bias,
-                   a.out_proj.weight, a.out_proj.bias, layer.final_layer_norm.weight, layer.final_layer_norm.bias,
-                   layer.fc1.weight, layer.fc1.bias, layer.fc2.weight, layer.fc2.bias]
+        qkv = a._modules.get("qkv_proj")
+        qkv_w, qkv_b = (a.qkv_weight, a.qkv_bias) if qkv is None else (qkv.qweight, qkv.bias)
+        params += [layer.self_attn_layer_norm.weight, layer.self_attn_layer_norm.bias, qkv_w, qkv_b,
+                   _weight(a.out_proj), a.out_proj.bias, layer.final_layer_norm.weight, layer.final_layer_norm.bias,
+                   _weight(layer.fc1), layer.fc1.bias, _weight(layer.fc2), layer.fc2.bias]
     return params
+
+
+def _weight(linear: nn.Module) -> torch.Tensor:
+    """The weight the step streams: an int8 linear's int8 (N, K) ``qweight``, else the (N, K) ``weight``."""
+    return linear.qweight if isinstance(linear, Int8WeightOnlyLinear) else linear.weight
 
 
 def forward_last_logits(model: nn.Module, tokens, positions, cache, q_start, keep: int = 0) -> torch.Tensor:

@@ -228,18 +228,21 @@ def _fi_kv_append(c: Call) -> Cost | None:  # (k_cache, v_cache, k, v, slots): r
 @register_cost("fuseinfer::opt_decode_step")
 def _fi_decode_step(c: Call) -> Cost | None:
     """The whole decode step: every 2-D weight of the layers and the LM head read once (2 flops per weight per
-    row), embedding rows, the caches (capacity: an upper bound), the logits (fp32) written."""
+    row), embedding rows, the caches (capacity: an upper bound), the logits (fp32) written. With weight scales
+    (argument 15: an int8 weight-only model) the layers' 2-D weights are int8 (1 byte) plus their fp32 scales."""
     m = c.numel(0)
     params = c.dims[6] if len(c.dims) > 6 else []
     layers = [d for d in params if isinstance(d, list)]
     weights = [math.prod(d) for d in layers if len(d) == 2]
+    scales = [d for d in (c.dims[15] if len(c.dims) > 15 else []) if isinstance(d, list)]
     es = c.esize(4)
     lm = c.shape(11)
     head = math.prod(lm) if lm else 0
     vectors = sum(math.prod(d) for d in layers if len(d) == 1)
     caches = sum(math.prod(d) for d in (c.dims[7] if len(c.dims) > 7 else []) if isinstance(d, list)) * 2
     flops = 2.0 * m * (sum(weights) + head)
-    moved = (sum(weights) + head + vectors + caches) * es + m * (lm[0] if lm else 0) * 4
+    weight_bytes = sum(weights) + 4 * sum(math.prod(d) for d in scales) if scales else sum(weights) * es
+    moved = weight_bytes + (head + vectors + caches) * es + m * (lm[0] if lm else 0) * 4
     return Cost(flops, moved, "step", c.precision(4))
 
 

@@ -12,7 +12,7 @@ from helpers import DEVICES, LOWP, assert_lowp_close, assume, examples, given, l
 import fuseinfer
 from fuseinfer.ops import opt_decode_step, opt_decode_step_ref
 from fuseinfer.ops.decode_step import AUTO_MAX_ROWS, decode_step_workspace, kernel_supports
-from fuseinfer.patches.opt_decode import decode_step_params, forward_last_logits
+from fuseinfer.patches.opt_decode import decode_step_params, decode_step_weight_scales, forward_last_logits
 from fuseinfer.runtime.cache import StaticKVCache
 from fuseinfer.runtime.decode import SESSIONS_ATTR
 
@@ -38,7 +38,8 @@ def _step_inputs(model, pads, q_start, capacity, seed=1):
         k_caches=caches[0::2], v_caches=caches[1::2], lnf_w=dec.final_layer_norm.weight,
         lnf_b=dec.final_layer_norm.bias, lm_head=model.lm_head.weight,
         workspace=decode_step_workspace(rows, cfg.hidden_size, cfg.ffn_dim, heads, d, capacity, embed.device),
-        eps=dec.layers[0].self_attn_layer_norm.eps, scale=d ** -0.5)
+        eps=dec.layers[0].self_attn_layer_norm.eps, scale=d ** -0.5,
+        weight_scales=decode_step_weight_scales(model))  # [] unless the model is int8 weight-only
     args["layer_params"] = [p.detach() for p in args["layer_params"]]  # no autograd (opcheck would test it)
     return {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
 
@@ -47,7 +48,7 @@ def _converted(args, dtype):
     """A copy of the step's arguments with floating tensors in ``dtype`` (caches copied, never shared)."""
     conv = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
     out = {k: (conv(v) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
-    out["layer_params"] = [conv(p) for p in args["layer_params"]]
+    out["layer_params"] = [conv(p) for p in args["layer_params"]]  # (int8 weights stay int8, scales fp32)
     out["k_caches"] = [c.to(dtype, copy=True) for c in args["k_caches"]]
     out["v_caches"] = [c.to(dtype, copy=True) for c in args["v_caches"]]
     return out
@@ -277,3 +278,162 @@ def test_bad_decode_kernel_setting_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("FUSEINFER_DECODE_KERNEL", "yes")
     with pytest.raises(fuseinfer.FuseInferError, match="FUSEINFER_DECODE_KERNEL must be one of auto, 0, 1"):
         fuseinfer.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=2)
+
+
+# ---- int8 weight-only models (Int8WeightOnly): the step with int8 weights and per-channel scales ----
+
+INT8 = fuseinfer.PatchConfig(quant=fuseinfer.Int8WeightOnly())
+
+
+def _int8_stub_cache(rows, capacity=32):
+    """What decode_step_kernel reads of a cache before it builds the step: the key mask's shape."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(key_mask=torch.ones(rows, capacity, dtype=torch.bool))
+
+
+@torch.no_grad()
+def test_int8_reference_equals_per_op_int8_decode_path(tiny_model_path):
+    """The int8 reference step and the patched int8 modules (forward_last_logits) agree on CPU, logits and caches,
+    on the trained tiny model in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    fuseinfer.patch(model, INT8)
+    args = _step_inputs(model, pads=[0, 5], q_start=[20, 20], capacity=24)
+    assert len(args["weight_scales"]) == 4 * model.config.num_hidden_layers
+    assert all(args["layer_params"][12 * i + j].dtype == torch.int8 for i in range(4) for j in (2, 4, 8, 10))
+    cfg = model.config
+    cache = StaticKVCache(cfg.num_hidden_layers, 2, cfg.num_attention_heads, 64, 24, torch.float32,
+                          torch.device("cpu"))
+    cache.keys = [c.clone() for c in args["k_caches"]]
+    cache.values = [c.clone() for c in args["v_caches"]]
+    cache.key_mask = args["key_mask"]
+    cache.write_idx = torch.tensor([20])
+    per_op = forward_last_logits(model, args["tokens"], args["positions"], cache, args["q_start"])
+    ref = opt_decode_step_ref(**args)
+    torch.testing.assert_close(ref, per_op, rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(args["k_caches"] + args["v_caches"], cache.keys + cache.values):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    # and it is not the fp16 step's math: the dequantized weights differ from the original ones
+    fp_ref = opt_decode_step_ref(**{**args, "weight_scales": [], "layer_params": [
+        p if p.dtype != torch.int8 else p.float() * s[:, None]
+        for p, s in zip(args["layer_params"], _scales_by_param(args))]})
+    torch.testing.assert_close(fp_ref, ref, rtol=1e-4, atol=1e-4)  # dequantized fp32 weights: the same step
+
+
+def _scales_by_param(args):
+    """For each of the step's parameters its int8 scale (or None), aligned with layer_params."""
+    scales = iter(args["weight_scales"])
+    return [next(scales) if p.dtype == torch.int8 else None for p in args["layer_params"]]
+
+
+def test_int8_opcheck_cpu():
+    model = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=128, num_hidden_layers=2)
+    fuseinfer.patch(model, INT8)
+    args = _step_inputs(model, pads=[0, 2, 5], q_start=[7, 7, 7], capacity=12)
+    assert len(args["weight_scales"]) == 8
+    torch.library.opcheck(torch.ops.fuseinfer.opt_decode_step.default, tuple(args.values()))
+
+
+def test_int8_bad_scales_are_one_clear_error():
+    model = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=128, num_hidden_layers=2)
+    fuseinfer.patch(model, INT8)
+    args = _step_inputs(model, pads=[0], q_start=[3], capacity=8)
+    with pytest.raises(fuseinfer.FuseInferError, match="expected 4 weight scales per layer"):
+        opt_decode_step(**{**args, "weight_scales": args["weight_scales"][:-1]})
+    bad = list(args["weight_scales"])
+    bad[1] = bad[1].half()
+    with pytest.raises(fuseinfer.FuseInferError, match="layer 0 parameter 4 must be an int8"):
+        opt_decode_step(**{**args, "weight_scales": bad})
+
+
+def test_decode_step_kernel_takes_int8_weight_only_models():
+    """decode_step_kernel no longer refuses Int8WeightOnly: on this CPU it stops at the kernel check (no extension),
+    not at the quantization; the LM head quantized, or a layer left unquantized, are refused with the reason."""
+    from fuseinfer.patches.opt_decode import _int8_unsupported, decode_step_kernel
+
+    model = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=128, num_hidden_layers=2)
+    fuseinfer.patch(model, INT8)
+    step, why = decode_step_kernel(model, _int8_stub_cache(1))
+    assert step is None and why.startswith("no kernel") and "multiples of 64" in why
+    assert _int8_unsupported(model, fuseinfer.patch_state(model).config.quant) is None
+    assert "object runs per op" in _int8_unsupported(model, object())  # another scheme (e.g. W8A8)
+
+    head = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=128, num_hidden_layers=2)
+    fuseinfer.patch(head, fuseinfer.PatchConfig(quant=fuseinfer.Int8WeightOnly(include_lm_head=True)))
+    assert "include_lm_head=False" in decode_step_kernel(head, _int8_stub_cache(1))[1]
+
+    part = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=128, num_hidden_layers=2)
+    fuseinfer.patch(part, fuseinfer.PatchConfig(quant=fuseinfer.Int8WeightOnly(),
+                                                filter_fn=lambda m, name: "layers.1" not in name))
+    assert "layer 1's self_attn.qkv_proj is not an int8" in decode_step_kernel(part, _int8_stub_cache(1))[1]
+
+
+INT8_GPU_CASES = {  # hidden and ffn multiples of 64 (the int8 k-step)
+    "b1_d64": (dict(hidden_size=256, num_attention_heads=4, ffn_dim=1024), [0], [40], 64),
+    "b3_d64_pad": (dict(hidden_size=512, num_attention_heads=8, ffn_dim=1536), [0, 9, 30], [70, 70, 50], 96),
+    "b2_d128_long": (dict(hidden_size=512, num_attention_heads=4, ffn_dim=2048), [0, 600], [1100, 1500], 1536),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(INT8_GPU_CASES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_int8_kernel_matches_fp32_reference(case, dtype):
+    """The one-kernel step with int8 weights against the int8 reference in fp32 (the same int8 weights and scales),
+    within twice the reference's own error in the model dtype; and repeated launches give the same logits."""
+    overrides, pads, q_start, capacity = INT8_GPU_CASES[case]
+    model = random_opt(device="cuda", dtype=dtype, num_hidden_layers=3, vocab_size=4000,
+                       max_position_embeddings=2048, **overrides)
+    fuseinfer.patch(model, INT8)
+    args = _step_inputs(model, pads, q_start, capacity)
+    assert args["weight_scales"] and args["layer_params"][2].dtype == torch.int8
+    assert kernel_supports(len(pads), args["embed"], overrides["ffn_dim"], args["k_caches"][0].shape[-1], int8=True)
+    ref_args, lowp_args = _converted(args, torch.float32), _converted(args, dtype)
+    ref32 = opt_decode_step_ref(**ref_args)
+    torch_lowp = opt_decode_step_ref(**lowp_args)
+    ours = opt_decode_step(**args)
+    err, torch_err = (ours - ref32).abs().max().item(), (torch_lowp - ref32).abs().max().item()
+    assert err <= 2 * torch_err + 1e-6, f"logits: ours {err:.3g} vs torch {torch_err:.3g}"
+    for ours_c, ref_c, lowp_c in zip(args["k_caches"] + args["v_caches"], ref_args["k_caches"] + ref_args["v_caches"],
+                                     lowp_args["k_caches"] + lowp_args["v_caches"]):
+        e, te = (ours_c.float() - ref_c).abs().max().item(), (lowp_c.float() - ref_c).abs().max().item()
+        assert e <= 2 * te + 1e-6, f"cache: ours {e:.3g} vs torch {te:.3g}"
+    for _ in range(3):
+        assert torch.equal(opt_decode_step(**args), ours)
+
+
+@pytest.mark.gpu
+def test_int8_opcheck_cuda():
+    model = random_opt(device="cuda", dtype=torch.float16, hidden_size=256, num_attention_heads=4, ffn_dim=512)
+    fuseinfer.patch(model, INT8)
+    args = _step_inputs(model, pads=[0, 2, 5], q_start=[20, 20, 20], capacity=64)
+    torch.library.opcheck(torch.ops.fuseinfer.opt_decode_step.default, tuple(args.values()))
+
+
+@pytest.mark.gpu
+def test_int8_fast_decode_takes_the_kernel_and_matches_per_op_tokens(tiny_model_path, monkeypatch):
+    """The trained tiny model in fp16, int8 weight-only: fast decode runs the one-kernel step (batch 1 and a padded
+    batch of 5, FUSEINFER_DECODE_KERNEL=1) and gives the per-op int8 step's greedy tokens
+    (FUSEINFER_DECODE_KERNEL=0)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float16).cuda().eval()
+    fuseinfer.patch(model, INT8)
+    ids = torch.randint(3, 8192, (5, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = mask[3, :20] = 0
+    ids = ids.masked_fill(mask == 0, model.config.pad_token_id)
+    out = {}
+    for kernel in ("0", "1"):
+        monkeypatch.setenv("FUSEINFER_DECODE_KERNEL", kernel)
+        fuseinfer.runtime.release(model)  # fresh sessions (the step is chosen when a session is built)
+        out[kernel] = (fuseinfer.generate(model, ids, mask, max_new_tokens=32),
+                       fuseinfer.generate(model, ids[:1], max_new_tokens=32))
+        sessions = model.__dict__[SESSIONS_ATTR]
+        for bucket in (1, 8):
+            assert sessions[bucket].path.startswith("one kernel" if kernel == "1" else "per op"), \
+                (kernel, bucket, sessions[bucket].path)
+    assert torch.equal(out["1"][0], out["0"][0])
+    assert torch.equal(out["1"][1], out["0"][1])

@@ -184,3 +184,19 @@ def test_op_ranges_wrap_the_direct_cuda_calls_and_restore_them():
         assert ("fuseinfer.ops.attention", "_attention_cuda") in wrapped
         assert linear._linear_epilogue_cuda is not before[0]
     assert (linear._linear_epilogue_cuda, attention._attention_cuda) == before
+
+
+def test_decode_step_cost_counts_int8_weights_at_one_byte():
+    """fuseinfer::opt_decode_step of one layer (E = 64, F = 128, V = 100): fp16 weights at 2 bytes; with weight scales
+    (argument 15, an int8 weight-only model) the layer's matrices at 1 byte plus 4 bytes per scale."""
+    e, f, v = 64, 128, 100
+    layer = [[e], [e], [3 * e, e], [3 * e], [e, e], [e], [e], [e], [f, e], [f], [e, f], [e]]
+    dims = [[1, 1], [1, 1], [1], [1, 16], [v, e], [18, e], layer, [[1, 1, 16, e]], [[1, 1, 16, e]], [e], [e], [v, e],
+            [8], [], []]
+    types = ["torch.int64"] * 3 + ["torch.bool"] + ["torch.float16"] * 2 + [""] * 3 + ["torch.float16"] * 3 + \
+        ["torch.uint8", "float", "float"]
+    matrices = 3 * e * e + e * e + 2 * f * e
+    fp16 = costs.cost_of("fuseinfer::opt_decode_step", dims, types)
+    int8 = costs.cost_of("fuseinfer::opt_decode_step", dims + [[[3 * e], [e], [f], [e]]], types + [""])
+    assert fp16.flops == int8.flops == 2 * (matrices + v * e)
+    assert fp16.bytes - int8.bytes == matrices - 4 * (3 * e + e + f + e)
