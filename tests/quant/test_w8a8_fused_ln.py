@@ -173,3 +173,42 @@ def test_swapped_linear_or_weight_only_model_keeps_the_modules():
     w16 = random_opt().eval()
     fuseinfer.patch(w16, PatchConfig(quant=fuseinfer.Int8WeightOnly()))
     assert "Int8WeightOnly model runs its patched modules" in pf.lean_reason(w16)
+
+
+# ---- GPU: the kernels (add_layer_norm_quant, quantize_int8_rows, the sm90 W8A8 GEMM) in the lean loop / graph ----
+
+def _gpu_w8a8(dtype):
+    base = random_opt(hidden_size=256, num_attention_heads=4, ffn_dim=1024, num_hidden_layers=3,
+                      max_position_embeddings=512)
+    stats = _stats(base)
+    model = base.to("cuda", dtype)
+    fuseinfer.patch(model, PatchConfig(quant=SmoothQuantW8A8(calibration=stats)))
+    return model
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_lean_loop_and_graph_equal_the_w8a8_modules(dtype, set_knob):
+    """On CUDA the lean loop calls the extension directly (the sm90 GEMM where it is built): it must give what the
+    patched modules give (the same kernels in the same order: logits equal up to the LM head's row count), and
+    generate must choose the same tokens through the prefill graph, the lean loop and the modules."""
+    from fuseinfer.ops.int8_gemm import w8a8_backend
+    from fuseinfer.runtime.cache import COUNTS
+
+    model = _gpu_w8a8(dtype)
+    assert pf.lean_reason(model) is None
+    print("w8a8 backend:", w8a8_backend(torch.device("cuda"), dtype))
+    ids = _ids(model.config.vocab_size, rows=2, length=150).cuda()
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits[:, -1].float()
+    ours = fuseinfer.prefill(model, ids)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=2e-2 * ref.abs().max().item())
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    out = {}
+    for choice in ("graph", "lean", "module"):
+        set_knob("FUSEINFER_PREFILL", choice)
+        fuseinfer.runtime.release(model)
+        before = COUNTS["prefill_graph"]
+        out[choice] = fuseinfer.generate(model, ids[:1], max_new_tokens=8)
+        assert (COUNTS["prefill_graph"] > before) == (choice == "graph")
+    assert torch.equal(out["graph"], out["lean"]) and torch.equal(out["lean"], out["module"])
