@@ -2,7 +2,8 @@
 # W8A8 SmoothQuant (issue 36) on the GPU machine: the kernels' memcheck, the GEMM / LayerNorm+quantize benchmarks,
 # the outlier test on the GPU, and the end-to-end eval rows.
 #
-#   bash tools/gpu_stage_w8a8.sh [stage ...]   stages: cutlass build sanitize outlier bench e2e (default: all, in order)
+#   bash tools/gpu_stage_w8a8.sh [stage ...]   stages: cutlass build sanitize outlier paths bench e2e (default: all,
+#                                              in order; the fused-LN / lean-prefill check alone: cutlass build paths e2e)
 #
 # build is skipped when fuseinfer._C already has the sm90 CUTLASS kernel (gpu_check.sh build with CUTLASS 4.2
 # headers); otherwise it needs .whl/nvidia_cutlass-*.whl carried (or FUSEINFER_CUTLASS_DIR / nvidia-cutlass
@@ -16,6 +17,12 @@
 #                                        OPT-6.7b prefill 1x2047 W8A8 vs fp16 fuseinfer, tiny-model PPL W8A8 vs fp16
 #                                        (bench/quant_eval_summary.py: prefill / fp16, PPL / fp16 - 1, calibration s)
 #   outlier.log                          the outlier model on the GPU: fp16, naive W8A8, SmoothQuant W8A8 PPL
+#   paths_test.log                       GPU tests of the W8A8 layer's add_layer_norm_quant path and of W8A8 models in
+#                                        the lean prefill loop / prefill graph (same logits and tokens as the modules)
+#   bench/w8a8_prefill.{json,md}         OPT-1.3b prefill 1x2047/512/128, one run: fp16 graph vs W8A8 modules with
+#                                        the old unfused LN -> quantize, W8A8 modules with add_layer_norm_quant, W8A8
+#                                        lean loop, W8A8 prefill graph, and the W8A8 GEMMs alone (their floor)
+#   prefill_path.log                     the prefill path each e2e W8A8 row took (must be the lean loop / graphs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fuseinfer-gpu}
@@ -25,7 +32,7 @@ export FUSEINFER_SHARED=${FUSEINFER_SHARED:-$PWD/.gpu_assets}
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} FUSEINFER_BUILD_CUDA=1
 export FUSEINFER_BENCH_DIR=${FUSEINFER_BENCH_DIR:-$W/bench} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(cutlass build sanitize outlier bench e2e)
+[ ${#stages[@]} -eq 0 ] && stages=(cutlass build sanitize outlier paths bench e2e)
 status=0
 
 run() {  # run NAME CMD...: logs to $W/NAME.log, remembers failure
@@ -65,6 +72,14 @@ e2e_eval() {  # e2e_eval MODEL BACKENDS: prefill 1x2047 (+ 1 decoded) in one eva
   local json="$W/eval_$1_prefill_2047.json"
   run "eval_$1_prefill" timeout 300 python3 -m fuseinfer.eval --model "random:$1" --dtype fp16 --backends "$2" \
     --skip-ppl --prompt-len 2047 --gen-len 1 --repeats 10 --calibration-samples 32 --output "$json"
+  # the W8A8 row must have run the lean loop (prefill graphs at 1x2047), not the patched modules
+  python3 - "$json" <<'PY' 2>&1 | tee -a "$W/prefill_path.log" || status=1
+import json, sys
+row = json.load(open(sys.argv[1]))["backends"]["fuseinfer-w8a8"]
+path = row.get("prefill_path", "(none recorded)")
+print(f"{sys.argv[1]}: fuseinfer-w8a8 status {row['status']}, prefill path: {path}")
+sys.exit(0 if row["status"] != "ok" or path.startswith("lean loop") else 1)
+PY
   if ! python3 -c 'import json, sys; sys.exit(json.load(open(sys.argv[1]))["backends"]["fuseinfer-w8a8"]["status"] != "ok")' \
       "$json" 2>/dev/null; then
     echo "W8A8 row of $1 failed: rerun without CUDA graphs"
@@ -98,6 +113,9 @@ for stage in "${stages[@]}"; do
     outlier)  # SmoothQuant must matter: naive W8A8 >= +20% PPL, SmoothQuant within 2% of fp16 (prints the three)
       run outlier timeout 240 python3 -m pytest -q -ra -p no:cacheprovider -s -m gpu tests/quant/test_smoothquant.py \
         -k outlier ;;
+    paths)  # the fused LN + quantize layer and W8A8 through the lean loop / prefill graph, then where the time goes
+      run paths_test timeout 240 python3 -m pytest -q -ra -p no:cacheprovider -s -m gpu tests/quant/test_w8a8_fused_ln.py
+      run bench_w8a8_prefill timeout 300 python3 bench/bench_w8a8_prefill.py --reps 20 ;;
     bench)
       run bench_w8a8_gemm timeout 300 python3 bench/bench_w8a8.py --part gemm
       run bench_w8a8_ln timeout 300 python3 bench/bench_w8a8.py --part ln --quick ;;

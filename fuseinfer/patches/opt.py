@@ -6,6 +6,12 @@ the swapped modules' own hooks and parameters stay as they are):
 * ``OPTDecoderLayer`` -> :class:`FusedOPTDecoderLayer`: residual add fused into the LayerNorm (post-LN) or into
   the out_proj/fc2 GEMM epilogue (pre-LN, which then normalises the stream with the fused LN kernel);
   fc1 + bias + ReLU as one GEMM;
+* SmoothQuant W8A8 (pre-LN, ``layer_norm`` and ``linear`` patched): each LayerNorm whose output only feeds W8A8
+  linears (q/k/v fused; fc1) runs as ``add_layer_norm_quant``, which emits the int8 activations and per-token
+  scales those GEMMs read (the smoothing factors are already folded into the LayerNorm's weight and bias); the
+  fp16 LayerNorm output is never formed. fc2's input (fc1's ReLU output) and out_proj's (attention's) are
+  quantized per token by ``quantize_int8`` (the sm90 GEMM has no int8-output epilogue: a per-token scale needs the
+  whole row, spread over several CTAs);
 * ``OPTAttention`` -> :class:`FusedOPTAttention`: q/k/v as one GEMM (q/k/v weights become views of one
   (3E, E) buffer, so no memory is added), unscaled q with the scale applied inside the attention kernel,
   out_proj + bias (+ residual) fused;
@@ -39,7 +45,8 @@ from .._ext import backend_for
 from ..errors import FuseInferError
 from ..config import PatchConfig, PatchReport, Swap
 from ..ops import add_layer_norm
-from ..quant.linear import fused_linear
+from ..ops.layer_norm_quant import add_layer_norm_quant
+from ..quant.linear import fused_linear, int8_input
 from ..ops.attention import kernel_supports
 from ..parallel import placement
 from ..state import disown_config, own_config
@@ -78,6 +85,12 @@ def _norm(ln: nn.LayerNorm, x, residual, fused: bool):
     return ln(x if residual is None else residual + x)
 
 
+def _norm_quant(ln: nn.LayerNorm, x):
+    """LayerNorm(x) with ``ln``'s parameters, quantized per token in the same kernel: (x_q int8 (..., E), x_scale
+    fp32 (..., 1)), what ``quantize_per_token`` of ``_norm``'s output gives (the same rounding to x's dtype first)."""
+    return add_layer_norm_quant(x, None, ln.weight, ln.bias, ln.eps)[:2]
+
+
 class FusedOPTAttention(OPTAttention):
     """OPTAttention with a fused q/k/v GEMM, the scale folded into attention and a fused out_proj epilogue."""
 
@@ -99,14 +112,20 @@ class FusedOPTAttention(OPTAttention):
             _link_qkv(self)
 
     def forward(self, hidden_states, past_key_values=None, attention_mask=None, output_attentions=False,
-                residual=None, **kwargs):
+                residual=None, quantized=None, **kwargs):
+        """quantized: (x_q (B, S, E) int8, x_scale (B, S, 1) fp32), the LayerNorm output already quantized per token
+        for the W8A8 q/k/v (``FusedOPTDecoderLayer._int8_qkv`` checked that this forward is fused and takes it);
+        hidden_states then gives only the shape and dtype."""
         if _original_forward(self, hidden_states):
             out, weights = super().forward(hidden_states, past_key_values, attention_mask, output_attentions,
                                            **kwargs)
             return (out if residual is None else residual + out), weights
         ops = self._fuseinfer_ops
         bsz, tgt_len, _ = hidden_states.shape
-        if "qkv" in ops and _qkv_fused(self):
+        if quantized is not None:  # W8A8 q/k/v on add_layer_norm_quant's output: (B, S, 3E)
+            qkv = self._modules["qkv_proj"].forward_quantized(*quantized, None, "none", hidden_states.dtype)
+            q, k, v = qkv.view(bsz, tgt_len, 3, self.num_heads, self.head_dim).unbind(2)  # 3 x (B, S, H, D)
+        elif "qkv" in ops and _qkv_fused(self):
             qkv = fused_linear(self, hidden_states)  # (B, S, 3E); int8 weights when quantized
             q, k, v = qkv.view(bsz, tgt_len, 3, self.num_heads, self.head_dim).unbind(2)  # 3 x (B, S, H, D)
         else:
@@ -140,11 +159,27 @@ class FusedOPTDecoderLayer(OPTDecoderLayer):
 
     _fuseinfer_ops: frozenset = frozenset()
 
-    def _mlp(self, x, residual):
-        """fc2(act(fc1(x))) + residual; x: (..., E)."""
+    def _int8_qkv(self, h):
+        """The W8A8 q/k/v reading self_attn_layer_norm's output when this forward can hand it int8 activations
+        (the attention's fused forward runs, q/k/v fused and quantized), else None. h: the layer's input."""
+        attn = self.self_attn
+        if not (isinstance(attn, FusedOPTAttention) and "qkv" in attn._fuseinfer_ops) or _original_forward(attn, h):
+            return None
+        return int8_input(attn)
+
+    def _int8_fc1(self):
+        """fc1 when it is a W8A8 linear the fused MLP calls (it then takes final_layer_norm's output in int8)."""
+        return int8_input(self.fc1) if "linear" in self._fuseinfer_ops else None
+
+    def _mlp(self, x, residual, quantized=None):
+        """fc2(act(fc1(x))) + residual; x: (..., E). quantized: (x_q, x_scale), x quantized per token for a W8A8
+        fc1 (x is then only the dtype's source)."""
         if "linear" in self._fuseinfer_ops:
             relu = self.activation_fn.__class__.__name__ == "ReLU"
-            h = fused_linear(self.fc1, x, activation="relu" if relu else "none")
+            if quantized is not None:  # fc1 (+ bias, ReLU) on add_layer_norm_quant's output: (..., F) in x's dtype
+                h = self.fc1.forward_quantized(*quantized, None, "relu" if relu else "none", x.dtype)
+            else:
+                h = fused_linear(self.fc1, x, activation="relu" if relu else "none")
             h = h if relu else self.activation_fn(h)
             return fused_linear(self.fc2, h, residual)
         out = self.fc2(self.activation_fn(self.fc1(x)))
@@ -160,11 +195,15 @@ class FusedOPTDecoderLayer(OPTDecoderLayer):
         attn_kwargs = dict(past_key_values=past_key_values, position_ids=position_ids,
                            attention_mask=attention_mask, **kwargs)
         if self.do_layer_norm_before:  # pre-LN: the residual add rides in the out_proj / fc2 epilogue
-            x = _norm(self.self_attn_layer_norm, h, None, ln)
-            if isinstance(self.self_attn, FusedOPTAttention):
-                h = self.self_attn(x, residual=h, **attn_kwargs)[0]
+            if ln and self._int8_qkv(h) is not None:  # W8A8: LayerNorm + per-token quantize in one pass
+                xq = _norm_quant(self.self_attn_layer_norm, h)
+                h = self.self_attn(h, residual=h, quantized=xq, **attn_kwargs)[0]
+            elif isinstance(self.self_attn, FusedOPTAttention):
+                h = self.self_attn(_norm(self.self_attn_layer_norm, h, None, ln), residual=h, **attn_kwargs)[0]
             else:  # attention left unpatched by the config's filter_fn
-                h = h + self.self_attn(x, **attn_kwargs)[0]
+                h = h + self.self_attn(_norm(self.self_attn_layer_norm, h, None, ln), **attn_kwargs)[0]
+            if ln and self._int8_fc1() is not None:
+                return self._mlp(h, residual=h, quantized=_norm_quant(self.final_layer_norm, h))
             return self._mlp(_norm(self.final_layer_norm, h, None, ln), residual=h)
         # post-LN (opt-350m): the residual add rides in the LayerNorm
         a = self.self_attn(h, **attn_kwargs)[0]

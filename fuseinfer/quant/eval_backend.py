@@ -103,6 +103,14 @@ class FuseInferW8A8Backend(FuseInferW8A16Backend):
     def details(self):
         quant = self.report.quant
         seconds = self.calibration_seconds if self.calibration_seconds is not None else quant.calibration_seconds
-        return {**super().details(), "quant_alpha": quant.smoothing.alpha if quant.smoothing else None,
+        from ..runtime.prefill import lean_reason, mode
+
+        why = None if self.model is None else lean_reason(self.model)
+        # the path fast decode's prefill takes (what the prefill column timed): the lean loop, as a CUDA graph per
+        # prompt-length bucket where FUSEINFER_PREFILL allows, or the patched modules and why
+        path = (f"lean loop (FUSEINFER_PREFILL={mode()}: graphs on CUDA up to the auto limit)" if why is None
+                else f"patched modules ({why})")
+        return {**super().details(), "prefill_path": path,
+                "quant_alpha": quant.smoothing.alpha if quant.smoothing else None,
                 "calibration_source": quant.calibration_source, "calibration_samples": quant.calibration_samples,
                 "calibration_seconds": round(seconds, 3)}

@@ -17,6 +17,10 @@ from ..ops.int8_linear import dequantize_weight
 class QuantizedLinear(nn.Module):
     """Base of the quantized linears: ``fused(x, residual, activation)`` is what the fused forwards call."""
 
+    # whether ``forward_quantized(x_q, x_scale, residual, activation, out_dtype)`` takes per-token int8 activations
+    # (W8A8): the fused decoder layer then feeds it add_layer_norm_quant's output instead of a fp16 LayerNorm output
+    takes_int8 = False
+
     def fused(self, x, residual=None, activation: str = "none"):
         raise NotImplementedError
 
@@ -79,6 +83,15 @@ class QKVSlice(nn.Module):
 
     def extra_repr(self) -> str:
         return f"rows {self.index * self.embed_dim}:{(self.index + 1) * self.embed_dim} of the int8 qkv_proj"
+
+
+def int8_input(module: nn.Module | None) -> QuantizedLinear | None:
+    """The linear that reads ``module``'s input if it takes per-token int8 activations (``takes_int8``): the module
+    itself, or the quantized fused q/k/v (``qkv_proj``) of an attention module; else None."""
+    if module is None:
+        return None
+    linear = module if isinstance(module, QuantizedLinear) else module._modules.get("qkv_proj")
+    return linear if getattr(linear, "takes_int8", False) else None
 
 
 def fused_linear(module: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None,

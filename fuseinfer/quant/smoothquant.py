@@ -321,6 +321,8 @@ class W8A8Linear(QuantizedLinear):
     and ReLU in the GEMM epilogue; ``forward_quantized(x_q, x_scale, ...)`` takes activations already quantised by
     ``add_layer_norm_quant`` (the fused LayerNorm path)."""
 
+    takes_int8 = True
+
     def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.register_buffer("weight_q", weight_q)         # (N, K) int8

@@ -18,6 +18,12 @@ another dtype; else the patched modules run as before):
   session of a batch bucket, one per setting, replays the same ones: decode.py), share one memory pool per cache
   and go with it (``fuseinfer.runtime.release``).
 
+SmoothQuant W8A8 models (``PatchConfig(quant=SmoothQuantW8A8(...))``, no filter_fn) take both paths too, with the
+ops of the patched W8A8 modules (``patches/opt.py``): pre-LN, ``add_layer_norm_quant`` feeds the q/k/v and fc1
+GEMMs int8 activations with per-token scales, and attention's and fc1's outputs are quantized per token
+(``quantize_int8``) for out_proj and fc2; every GEMM is ``w8a8_linear`` (on an sm_90 GPU with the CUTLASS kernel,
+straight into the extension). Int8 weight-only models keep their patched modules.
+
 ``FUSEINFER_PREFILL`` picks: ``auto`` (graphs up to ``AUTO_GRAPH_MAX_TOKENS`` bucket tokens on CUDA, the lean
 loop elsewhere), ``graph`` (graphs wherever they apply), ``lean`` or ``module`` (the patched modules, as before).
 ``fuseinfer.prefill(model, input_ids, attention_mask)`` is the lean loop without a cache, for callers who need
@@ -37,6 +43,9 @@ from .. import knobs
 from .._ext import extension
 from ..errors import FuseInferError
 from ..ops import add_layer_norm, attention, linear_epilogue
+from ..ops.int8_gemm import w8a8_backend, w8a8_linear
+from ..ops.layer_norm_quant import add_layer_norm_quant
+from ..ops.quant import quantize_per_token
 from ..ops.kv_cache import kv_cache_append
 from ..state import patch_state, unwrapped
 from .cache import COUNTS
@@ -78,13 +87,50 @@ class _Plan:
         self.called = tuple(m for m in (model.model, dec, model.lm_head, *dec_calls,
                                         *(m for layer in dec.layers for m in (layer, layer.self_attn)))
                             if m is not None)
-        # the layers' q/k/v: (attention, its projections' linked parameters, the weight rows' byte step)
-        self.qkv = tuple((lyr.attn, lyr.attn._fuseinfer_qkv_params,
-                          lyr.attn.qkv_weight.numel() // 3 * lyr.attn.qkv_weight.element_size())
-                         for lyr in self.layers)
+        # SmoothQuant W8A8: every decoder linear a W8A8Linear (q/k/v fused as ``qkv_proj``), checked by
+        # _structure_reason; the lean loop reads their int8 weights, scales and biases at each call
+        self.w8a8 = model_quant(model) is not None
+        if self.w8a8:
+            # the quantized linears per layer, (qkv_proj, out_proj, fc1, fc2): _w8a8_intact checks they are still
+            # the modules' children at each call
+            self.qkv = ()
+            self.linears = tuple((lyr.attn._modules["qkv_proj"], lyr.attn._modules["out_proj"],
+                                  lyr.layer._modules["fc1"], lyr.layer._modules["fc2"]) for lyr in self.layers)
+            # the sm90 kernel takes K % 16 == 0 and N % 8 == 0 (OPT's sizes all do); else the op wrapper dispatches
+            self.w8a8_aligned = all(lin.weight_q.shape[1] % 16 == 0 and lin.weight_q.shape[0] % 8 == 0
+                                    for lins in self.linears for lin in lins)
+        else:
+            # the layers' q/k/v: (attention, its projections' linked parameters, the weight rows' byte step)
+            self.qkv = tuple((lyr.attn, lyr.attn._fuseinfer_qkv_params,
+                              lyr.attn.qkv_weight.numel() // 3 * lyr.attn.qkv_weight.element_size())
+                             for lyr in self.layers)
         self.heads = model.config.num_attention_heads
         self.head_dim = model.config.hidden_size // self.heads
         self.layer_count = len(dec.layers)
+
+
+def model_quant(model: nn.Module):
+    """The patch's SmoothQuantW8A8 config when the model is W8A8-quantized, else None."""
+    from ..quant.config import SmoothQuantW8A8
+
+    state = patch_state(model)
+    quant = None if state is None else state.config.quant
+    return quant if isinstance(quant, SmoothQuantW8A8) else None
+
+
+def _w8a8_layer_reason(layer: nn.Module) -> str | None:
+    """Why a patched layer's linears are not all W8A8 linears the lean loop can call (q/k/v fused), or None."""
+    from ..quant.linear import int8_input
+
+    attn = layer.self_attn
+    lins = {"q/k/v": int8_input(attn), "out_proj": int8_input(attn._modules.get("out_proj")),
+            "fc1": int8_input(layer._modules.get("fc1")), "fc2": int8_input(layer._modules.get("fc2"))}
+    missing = [n for n, lin in lins.items() if lin is None]
+    if missing:
+        return f"{', '.join(missing)} not W8A8-quantized"
+    if not all(t.is_contiguous() for lin in lins.values() for t in lin.buffers()):
+        return "a W8A8 weight or scale is not contiguous"
+    return None
 
 
 def _structure_reason(model: nn.Module) -> str | None:
@@ -96,8 +142,10 @@ def _structure_reason(model: nn.Module) -> str | None:
     state = patch_state(model)
     if state is None or set(state.config.ops) != set(OPS) or state.config.filter_fn is not None:
         return "the lean prefill needs a model patched with every op and no filter_fn: call fuseinfer.patch(model)"
-    if state.config.quant is not None:
-        return "a quantized model runs its patched modules (their int8 linears)"
+    w8a8 = model_quant(model) is not None
+    if state.config.quant is not None and not w8a8:
+        return (f"a {type(state.config.quant).__name__} model runs its patched modules (their int8 linears); "
+                "the lean prefill takes fp16/bf16 and SmoothQuantW8A8 models")
     backends = {n for m in model.modules() for n in m.__dict__.get(attention_backend.ATTR, {}).values()}
     if backends - {"fuseinfer"}:  # (what patch resolved the config's backend to, per phase)
         return f"attention_backend={state.config.attention_backend!r} runs in the patched modules"
@@ -116,8 +164,11 @@ def _structure_reason(model: nn.Module) -> str | None:
         attn = layer.self_attn
         if not (type(layer) is FusedOPTDecoderLayer and {"layer_norm", "linear"} <= layer._fuseinfer_ops
                 and type(attn) is FusedOPTAttention and {"qkv", "linear", "attention"} <= attn._fuseinfer_ops
-                and getattr(attn, "qkv_weight", None) is not None):
+                and (w8a8 or getattr(attn, "qkv_weight", None) is not None)):
             return f"layer {i} is not fully fused (patch skipped part of it: see the report)"
+        why = _w8a8_layer_reason(layer) if w8a8 else None
+        if why is not None:
+            return f"layer {i}: {why}"
     if not all(t.is_contiguous() for t in model.parameters()):  # the extension takes contiguous weights only
         return "a parameter is not contiguous"
     return None
@@ -160,7 +211,9 @@ def lean_reason(model: nn.Module, weights: bool = True) -> str | None:
                               or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
                               or "forward" in m.__dict__ or "_hf_hook" in m.__dict__):
         return "a module has hooks, which the lean loop would bypass"
-    if weights and not _qkv_intact(plan):
+    if weights and plan.w8a8 and not _w8a8_intact(plan):
+        return "a W8A8 linear was replaced after patch (the lean loop would not call it)"
+    if weights and not plan.w8a8 and not _qkv_intact(plan):
         return "a q/k/v projection's weight was replaced after patch (the fused q/k/v GEMM would not see it)"
     return None
 
@@ -181,6 +234,16 @@ def _qkv_intact(plan: _Plan) -> bool:
             b, bstep = bias.data_ptr(), bias.numel() // 3 * bias.element_size()
             if linked[1].data_ptr() != b or linked[3].data_ptr() != b + bstep or linked[5].data_ptr() != b + 2 * bstep:
                 return False
+    return True
+
+
+def _w8a8_intact(plan: _Plan) -> bool:
+    """Every layer's W8A8 linears are still the ones the plan recorded (a module swapped in after patch is not)."""
+    for lyr, (qkv, out, fc1, fc2) in zip(plan.layers, plan.linears):
+        amods, mods = lyr.attn._modules, lyr.layer._modules
+        if amods["qkv_proj"] is not qkv or amods["out_proj"] is not out or mods["fc1"] is not fc1 \
+                or mods["fc2"] is not fc2:
+            return False
     return True
 
 
@@ -206,6 +269,43 @@ class _Ops:
             self.linear = linear_epilogue
             self.attention = attention
             self.append = kv_cache_append
+        self.dtype = like.dtype
+
+
+class _W8A8Ops(_Ops):
+    """_Ops plus the W8A8 ones over 2-D activations: LayerNorm + per-token quantize, per-token quantize, and the
+    int8 GEMM with its epilogue. Straight into the extension where the sm90 kernel serves every linear (``direct``
+    and ``w8a8_backend`` is ``cutlass-sm90``, the plan's shapes aligned), else the op wrappers (references on CPU,
+    ``torch._int_mm`` + rescale on other GPUs), which choose as the patched W8A8 modules' calls do."""
+
+    def __init__(self, like: torch.Tensor, head_dim: int, aligned: bool):
+        super().__init__(like, head_dim)
+        ext = extension(like.device) if like.is_cuda else None
+        kernel = self.direct and aligned and w8a8_backend(like.device, like.dtype) == "cutlass-sm90"
+        if self.direct:  # (x contiguous (M, E)) -> (q int8 (M, E), scale fp32 (M, 1))
+            self.ln_quant = lambda x, r, w, b, eps: ext.add_layer_norm_quant(x, r, w, b, eps, False)[:2]
+            self.quant = ext.quantize_int8_rows  # (M, K) contiguous -> (q (M, K), scale (M,))
+        else:
+            self.ln_quant = lambda x, r, w, b, eps: add_layer_norm_quant(x, r, w, b, eps)[:2]
+            self.quant = quantize_per_token
+        self.w8a8 = self._kernel if kernel else self._wrapper
+        self._ext = ext
+
+    def _kernel(self, xq, xs, lin, residual, activation: str) -> torch.Tensor:
+        """xq (M, K) int8, xs M fp32 per-token scales -> (M, N): ``fuseinfer._C.w8a8_linear`` (the CUTLASS sm90
+        kernel), without the wrapper's checks (the plan checked the shapes; every tensor here is contiguous)."""
+        b = lin._buffers
+        bias = b["bias"]
+        out = torch.empty(xq.shape[0], b["weight_q"].shape[0], dtype=self.dtype, device=xq.device)  # (M, N)
+        self._ext.w8a8_linear(xq, xs.view(-1), b["weight_q"], b["weight_scale"].view(-1),
+                              None if bias is None else bias.to(self.dtype), residual, activation == "relu", out)
+        return out
+
+    def _wrapper(self, xq, xs, lin, residual, activation: str) -> torch.Tensor:
+        b = lin._buffers
+        bias = b["bias"]
+        return w8a8_linear(xq, xs.view(-1, 1), b["weight_q"], b["weight_scale"],
+                           None if bias is None else bias.to(self.dtype), residual, activation, self.dtype)
 
 
 def _param(module: nn.Module, name: str):
@@ -248,6 +348,41 @@ def _layers(plan: _Plan, ops: _Ops, h: torch.Tensor, b: int, s: int, key_mask, q
     return h
 
 
+def _layers_w8a8(plan: _Plan, ops: _W8A8Ops, h: torch.Tensor, b: int, s: int, key_mask, q_start, cache, slots):
+    """_layers for a SmoothQuant W8A8 model: the same ops in the same order as its patched modules (pre-LN: the
+    LayerNorms quantize in the same pass; post-LN: the LayerNorm output is the residual stream, so it is quantized
+    apart). h (B*S, E) -> (B*S, E)."""
+    heads, d = plan.heads, plan.head_dim
+    for i, (lyr, (qkv_l, out_l, fc1_l, fc2_l)) in enumerate(zip(plan.layers, plan.linears)):
+        layer, attn = lyr.layer, lyr.attn
+        mods = layer._modules
+        ln1, ln2 = _ln_args(mods["self_attn_layer_norm"]), _ln_args(mods["final_layer_norm"])
+        act = "relu" if lyr.relu else "none"
+        if plan.pre_ln:
+            qkv = ops.w8a8(*ops.ln_quant(h, None, *ln1), qkv_l, None, "none")  # (B*S, 3E)
+        else:
+            qkv = ops.w8a8(*ops.quant(h), qkv_l, None, "none")
+        q, k, v = qkv.view(b, s, 3, heads, d).unbind(2)  # 3 x (B, S, H, D)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
+        if cache is not None:
+            ops.append(cache.keys[i], cache.values[i], k, v, slots)
+            k, v = cache.keys[i], cache.values[i]  # (B, H, T, D)
+        a = ops.attention(q, k, v, key_mask, q_start, attn.scaling).view(b * s, heads * d)  # (B*S, E)
+        if plan.pre_ln:  # residual adds in the out_proj / fc2 epilogues
+            h = ops.w8a8(*ops.quant(a), out_l, h, "none")
+            f = ops.w8a8(*ops.ln_quant(h, None, *ln2), fc1_l, None, act)  # (B*S, F)
+            f = f if lyr.relu else layer.activation_fn(f)
+            h = ops.w8a8(*ops.quant(f), fc2_l, h, "none")
+        else:  # post-LN (opt-350m): the residual adds in the LayerNorms
+            a = ops.w8a8(*ops.quant(a), out_l, None, "none")
+            h = ops.ln(a, h, *ln1)
+            f = ops.w8a8(*ops.quant(h), fc1_l, None, act)
+            f = f if lyr.relu else layer.activation_fn(f)
+            f = ops.w8a8(*ops.quant(f), fc2_l, None, "none")
+            h = ops.ln(f, h, *ln2)
+    return h
+
+
 def _fc1(ops: _Ops, lyr: _Layer, layer: nn.Module, fc1: nn.Module, x: torch.Tensor) -> torch.Tensor:
     f = ops.linear(x, fc1._parameters["weight"], fc1._parameters["bias"], None, "relu" if lyr.relu else "none")
     return f if lyr.relu else layer.activation_fn(f)
@@ -277,8 +412,12 @@ def _head(plan: _Plan, ops: _Ops, h: torch.Tensor) -> torch.Tensor:
 def _run(plan: _Plan, tokens, positions, key_mask, q_start, cache, slots, last=None) -> torch.Tensor:
     """The lean loop: fp32 logits (B, V) at position ``last`` ((1,) int64 on the device; None: the last one)."""
     b, s = tokens.shape
-    ops = _Ops(plan.lm_head.weight, plan.head_dim)
-    h = _layers(plan, ops, _embed(plan, tokens, positions), b, s, key_mask, q_start, cache, slots)
+    if plan.w8a8:
+        ops = _W8A8Ops(plan.lm_head.weight, plan.head_dim, plan.w8a8_aligned)
+        h = _layers_w8a8(plan, ops, _embed(plan, tokens, positions), b, s, key_mask, q_start, cache, slots)
+    else:
+        ops = _Ops(plan.lm_head.weight, plan.head_dim)
+        h = _layers(plan, ops, _embed(plan, tokens, positions), b, s, key_mask, q_start, cache, slots)
     h = h.view(b, s, -1)
     h = h[:, -1] if last is None else h.index_select(1, last).view(b, -1)  # (B, E)
     return _head(plan, ops, h)

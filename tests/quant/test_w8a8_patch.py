@@ -169,3 +169,4 @@ def test_eval_backend_calibration_flags_and_random_weights(monkeypatch):
     assert details["calibration_samples"] == 2 and details["calibration_seconds"] > 0
     assert details["calibration_source"].startswith("random token ids")
     assert details["quantized_weights"] == 2 * 4  # q/k/v fused, out_proj, fc1, fc2 per layer
+    assert details["prefill_path"].startswith("lean loop")  # W8A8 prefill runs the lean loop / prefill graphs
