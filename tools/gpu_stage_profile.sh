@@ -13,7 +13,7 @@
 #                           time_by_kind.png, roofline.png, memory_<backend>.png, compare.csv, profile.json and per
 #                           backend <backend>/{ops,kernels,modules,layers}.csv + memory.json; the eval JSONs; the
 #                           checks (check_*.log: step time vs eval, compare by kind, verdict tables); the run logs
-#   profile_traces.tar      the Chrome traces (trace.json, gzipped; Perfetto opens .json.gz) when together < 15 MiB,
+#   profile_traces.tar      the Chrome traces (trace.json and the module pass trace_modules.json, gzipped; Perfetto opens .json.gz) when together < 15 MiB,
 #                           else left out (the TensorBoard log dirs, a gzip of the same trace, are never returned)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,7 +48,7 @@ run check_decode python3 tools/check_profile_vs_eval.py "$P/decode/profile.json"
 find "$P" -name tensorboard -type d -prune -exec rm -rf {} +
 T="$OUT/profile_traces"
 mkdir -p "$T"
-for trace in "$P"/*/*/trace.json; do
+for trace in "$P"/*/*/trace*.json; do
   [ -f "$trace" ] || continue
   rel=${trace#"$P"/}
   mkdir -p "$T/$(dirname "$rel")"

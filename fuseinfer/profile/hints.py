@@ -39,7 +39,8 @@ def hints_for(result) -> list[dict]:
         out.append(_hint("cpu", "fuseinfer's kernels are CUDA kernels: on CPU a patched model runs their PyTorch "
                          "references, so profile on a GPU to see what patching buys",
                          f"device {device}, step {step:.2f} ms"))
-    attention = [r for r in a["ops"] if r["coarse"] == "attention" and r.get("op_class") == "attention"]
+    ops = prof.cost_analysis["ops"]  # (the op-by-op pass where the step replays CUDA graphs)
+    attention = [r for r in ops if r["coarse"] == "attention" and r.get("op_class") == "attention"]
     att_share, att_pct = _share(prof.kinds, "attention"), _weighted(attention)
     if att_share >= ATTENTION_SHARE:
         pct = f", its core at {att_pct:.0%} of its roofline" if att_pct is not None else ""
@@ -48,7 +49,7 @@ def hints_for(result) -> list[dict]:
                   "attention is already fused; what is left is its roofline gap (a longer prompt raises its intensity)")
         out.append(_hint("attention", advice, f"attention (q/k/v, core, out_proj) is {att_share:.0%} of the "
                          f"{phase} step{pct}"))
-    gemv = [r for r in a["ops"] if r.get("op_class") in ("gemv", "step") and r["verdict"] == "memory-bound"]
+    gemv = [r for r in ops if r.get("op_class") in ("gemv", "step") and r["verdict"] == "memory-bound"]
     gemv_share = sum(r["share"] for r in gemv)
     if phase in ("decode", "generate") and gemv_share >= MEMORY_BOUND_SHARE:
         out.append(_hint("weights", "the step streams weights: int8 weight-only quantisation "
@@ -68,7 +69,7 @@ def hints_for(result) -> list[dict]:
                          "(fused modules, torch.compile)",
                          f"{a['idle_label']}: {a['idle_ms']:.2f} ms of the {step:.2f} ms step "
                          f"({a['idle_ms'] / step:.0%})"))
-    compute = [r for r in a["ops"] if r["verdict"] == "compute-bound"]
+    compute = [r for r in ops if r["verdict"] == "compute-bound"]
     pct = _weighted(compute)
     if compute and pct is not None:
         share = sum(r["share"] for r in compute)
@@ -87,7 +88,7 @@ def hints_for(result) -> list[dict]:
         out.append(_hint("fusion", "patch with PatchConfig(ops=('layer_norm', 'linear')): residual adds ride in the "
                          "LayerNorm kernel and in the out_proj / fc2 GEMM epilogues",
                          f"LayerNorm + residual adds: {fusible:.0%} of the step"))
-    top = max(a["ops"], key=lambda r: r["device_ms"], default=None)
+    top = max(ops, key=lambda r: r["device_ms"], default=None)
     if top is not None and top["device_ms"] > 0:
         pct = f" at {top['pct_roofline']:.0%} of its roofline" if top.get("pct_roofline") is not None else ""
         out.append(_hint("top", f"the largest item is {top['op']} ({top['kind']}): start there",

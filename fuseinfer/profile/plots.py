@@ -50,7 +50,7 @@ def write_plots(result, out: Path) -> dict[str, str]:
         ax.plot(xs, [min(tf * 1e12, x * bw) / 1e12 for x in xs], lw=1, label=f"roof: {prec} {tf:.3g} TFLOP/s")
     markers = "os^Dv"
     for i, p in enumerate(result.profiles):
-        rows = [r for r in p.analysis["ops"] if r.get("ai") and r.get("achieved_tflops") and r["device_ms"] > 0]
+        rows = [r for r in p.cost_analysis["ops"] if r.get("ai") and r.get("achieved_tflops") and r["device_ms"] > 0]
         if rows:
             total = sum(r["device_ms"] for r in rows)
             ax.scatter([r["ai"] for r in rows], [r["achieved_tflops"] for r in rows], marker=markers[i % 5],

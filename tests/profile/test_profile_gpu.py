@@ -22,14 +22,15 @@ def test_prefill_kernels_by_module_kind_and_verdicts(tmp_path):
         a = p.analysis
         assert a["unit"] == "kernel" and a["kernels"] and a["launches_per_step"] > 0
         _sums_to_step(a)
-        kinds = {k["kind"] for k in a["kinds"] if k["device_ms"] > 0}
+        # (fuseinfer's prefill replays a CUDA graph at this shape: kinds and op costs come from its op-by-op pass)
+        kinds = {k["kind"] for k in p.kinds["kinds"] if k["device_ms"] > 0}
         assert {"qkv", "out_proj", "attn_core", "fc1", "fc2", "layernorm", "lm_head"} <= kinds, (p.name, kinds)
-        gemms = [o for o in a["ops"] if o.get("op_class") == "gemm" and o["device_ms"] > 0]
+        gemms = [o for o in p.cost_analysis["ops"] if o.get("op_class") == "gemm" and o["device_ms"] > 0]
         assert gemms and all(o["verdict"] in ("compute-bound", "memory-bound") for o in gemms)
         assert all(k["verdict"] for k in a["kernels"])
         assert a["memory"]["cuda_stats"]["max_allocated_mib"] > a["memory"]["cuda_stats"]["allocated_before_mib"]
     # fuseinfer's direct extension calls are costed like recorded ops (modules.OpRanges)
-    ops = {o["op"] for o in r.profiles[0].analysis["ops"]}
+    ops = {o["op"] for o in r.profiles[0].cost_analysis["ops"]}
     assert {"fuseinfer::linear_epilogue", "fuseinfer::attention", "fuseinfer::add_layer_norm"} <= ops
     assert r.compare["speedup"] > 0 and r.compare["disappeared"]
     assert (tmp_path / "fuseinfer" / "trace.json").is_file() and (tmp_path / "summary.md").is_file()
