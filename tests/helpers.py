@@ -154,3 +154,58 @@ def assert_same_state(model, before: dict) -> None:
     assert after.keys() == before.keys()
     for k in before:
         assert torch.equal(after[k], before[k]), k
+
+
+# ---- the lean prefill loop against the patched modules (tests/quant, tests/runtime) ----
+
+def fuseinfer_op_counts(fn):
+    """Counter of fuseinfer::* op calls during fn() under no_grad (on CPU every wrapper goes through the dispatcher,
+    which the profiler records; on CUDA the wrappers call the extension directly, so count on CPU)."""
+    import collections
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, torch.no_grad():
+        fn()
+    return collections.Counter(e.name for e in prof.events() if e.name.startswith("fuseinfer::"))
+
+
+def cache_run(fn, model, ids):
+    """fn(model, ids, positions, cache, q_start) over a fresh 64-slot static KV cache on the model's device (a
+    prefill into slots [0, S)): (its logits, the last layer's keys and values of those slots)."""
+    from fuseinfer.runtime.cache import StaticKVCache
+
+    cfg, p = model.config, next(model.parameters())
+    heads = cfg.num_attention_heads
+    cache = StaticKVCache(cfg.num_hidden_layers, ids.shape[0], heads, cfg.hidden_size // heads, 64, p.dtype, p.device)
+    cache.key_mask[:] = True
+    cache.write_idx = torch.arange(ids.shape[1], device=p.device)
+    pos = torch.arange(ids.shape[1], device=p.device).expand(ids.shape)
+    q_start = torch.zeros(ids.shape[0], dtype=torch.int32, device=p.device)
+    with torch.no_grad():
+        logits = fn(model, ids, pos, cache, q_start)
+    return logits, cache.keys[-1][:, :, :ids.shape[1]].clone(), cache.values[-1][:, :, :ids.shape[1]].clone()
+
+
+def assert_lean_equals_modules(model, ids, gemm_op: str):
+    """The lean prefill loop takes ``model`` and gives its patched modules' logits and cache contents bit for bit
+    (on CPU), with the same fuseinfer ops (``gemm_op`` 4 times per layer; the LM head on the last position only)."""
+    from fuseinfer import prefill
+    from fuseinfer.patches.opt_decode import forward_last_logits
+    from fuseinfer.runtime import prefill as pf
+
+    assert pf.lean_reason(model) is None
+    ours, ref = cache_run(pf.lean_logits, model, ids), cache_run(forward_last_logits, model, ids)
+    for a, b in zip(ours, ref):  # logits, last layer's keys and values
+        assert torch.equal(a, b)
+    lean = fuseinfer_op_counts(lambda: prefill(model, ids))
+    mods = fuseinfer_op_counts(lambda: model(input_ids=ids))
+    assert lean == mods and lean[gemm_op] == 4 * model.config.num_hidden_layers
+
+
+def assert_same_tokens_lean_and_modules(model, ids, set_knob):
+    """fuseinfer.generate chooses the same tokens with the lean prefill and with the modules (FUSEINFER_PREFILL)."""
+    import fuseinfer
+
+    lean = fuseinfer.generate(model, ids, max_new_tokens=6)
+    set_knob("FUSEINFER_PREFILL", "module")
+    fuseinfer.runtime.release(model)
+    assert torch.equal(fuseinfer.generate(model, ids, max_new_tokens=6), lean)

@@ -46,7 +46,7 @@ from ..errors import FuseInferError
 from ..config import PatchConfig, PatchReport, Swap
 from ..ops import add_layer_norm
 from ..ops.layer_norm_quant import add_layer_norm_quant
-from ..quant.linear import fused_linear, int8_input
+from ..quant.linear import decode_rows, fused_linear, int8_input
 from ..ops.attention import kernel_supports
 from ..parallel import placement
 from ..state import disown_config, own_config
@@ -194,15 +194,18 @@ class FusedOPTDecoderLayer(OPTDecoderLayer):
         h = hidden_states  # (B, S, E)
         attn_kwargs = dict(past_key_values=past_key_values, position_ids=position_ids,
                            attention_mask=attention_mask, **kwargs)
+        # W8A8 at prefill: LayerNorm + per-token quantize in one pass feeds the int8 GEMMs; at decode on CUDA the
+        # W8A8 linears run the W8A16 GEMV on fp16 activations (quant/linear.py decode_rows), so the LayerNorm is fp16
+        int8_ln = ln and not decode_rows(h)
         if self.do_layer_norm_before:  # pre-LN: the residual add rides in the out_proj / fc2 epilogue
-            if ln and self._int8_qkv(h) is not None:  # W8A8: LayerNorm + per-token quantize in one pass
+            if int8_ln and self._int8_qkv(h) is not None:
                 xq = _norm_quant(self.self_attn_layer_norm, h)
                 h = self.self_attn(h, residual=h, quantized=xq, **attn_kwargs)[0]
             elif isinstance(self.self_attn, FusedOPTAttention):
                 h = self.self_attn(_norm(self.self_attn_layer_norm, h, None, ln), residual=h, **attn_kwargs)[0]
             else:  # attention left unpatched by the config's filter_fn
                 h = h + self.self_attn(_norm(self.self_attn_layer_norm, h, None, ln), **attn_kwargs)[0]
-            if ln and self._int8_fc1() is not None:
+            if int8_ln and self._int8_fc1() is not None:
                 return self._mlp(h, residual=h, quantized=_norm_quant(self.final_layer_norm, h))
             return self._mlp(_norm(self.final_layer_norm, h, None, ln), residual=h)
         # post-LN (opt-350m): the residual add rides in the LayerNorm

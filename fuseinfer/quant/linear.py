@@ -14,6 +14,18 @@ from ..ops import int8_linear, linear_epilogue
 from ..ops.int8_linear import dequantize_weight
 
 
+# rows up to which a W8A8 linear on CUDA runs the int8 weight-only GEMV instead of quantizing its input (the
+# int8_linear kernel's own GEMV limit): decode reads every weight once per token, so its time is the weight bytes,
+# which are the same int8 bytes either way; quantizing the activations there costs a pass and buys nothing
+DECODE_ROWS = 16
+
+
+def decode_rows(x: torch.Tensor) -> bool:
+    """Whether x (..., K) is a decode-sized input on CUDA (at most DECODE_ROWS rows): W8A8 linears then run the
+    int8 weight-only GEMV on their int8 weights (fp16/bf16 activations, per-channel weight scales)."""
+    return x.is_cuda and x.numel() <= DECODE_ROWS * x.shape[-1]
+
+
 class QuantizedLinear(nn.Module):
     """Base of the quantized linears: ``fused(x, residual, activation)`` is what the fused forwards call."""
 

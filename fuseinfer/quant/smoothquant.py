@@ -42,7 +42,8 @@ from torch import nn
 from ..errors import FuseInferError
 from ..ops.int8_gemm import OUT_DTYPES, w8a8_linear
 from ..ops.quant import quantize_int8_ref, quantize_per_token
-from .linear import QuantizedLinear
+from ..ops.int8_linear import int8_linear
+from .linear import QuantizedLinear, decode_rows
 
 CALIBRATION_FILE = "wiki.valid.raw"
 DATA_DIR_ENV = "FUSEINFER_DATA_DIR"
@@ -357,8 +358,10 @@ class W8A8Linear(QuantizedLinear):
         """act(x @ W.T + bias + residual) with x quantised per token first; x (..., K) -> (..., N) in x's dtype."""
         if x.dtype not in OUT_DTYPES:
             raise FuseInferError(f"W8A8Linear: input dtype must be one of {OUT_DTYPES}, got {x.dtype}")
-        # per token, dynamic: (..., K) int8, (..., 1) fp32; the fuseinfer::quantize_int8 op (its CUDA kernel comes
-        # with the int8 weight-only branch; the same numbers as quantize_int8_ref)
+        if decode_rows(x):  # decode on CUDA: the W8A16 GEMV on the same int8 weights (quant/linear.py DECODE_ROWS)
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return int8_linear(x, self.weight_q, self.weight_scale.view(-1), bias, residual, activation)
+        # per token, dynamic: (..., K) int8, (..., 1) fp32 (the fuseinfer::quantize_int8 op)
         q, s = quantize_per_token(x)
         return self.forward_quantized(q, s, residual, activation, x.dtype)
 

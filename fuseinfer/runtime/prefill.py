@@ -22,7 +22,10 @@ SmoothQuant W8A8 models (``PatchConfig(quant=SmoothQuantW8A8(...))``, no filter_
 ops of the patched W8A8 modules (``patches/opt.py``): pre-LN, ``add_layer_norm_quant`` feeds the q/k/v and fc1
 GEMMs int8 activations with per-token scales, and attention's and fc1's outputs are quantized per token
 (``quantize_int8``) for out_proj and fc2; every GEMM is ``w8a8_linear`` (on an sm_90 GPU with the CUTLASS kernel,
-straight into the extension). Int8 weight-only models keep their patched modules.
+straight into the extension). At decode-sized prompts on CUDA (at most 16 rows, ``quant/linear.py`` DECODE_ROWS)
+their linears run the int8 weight-only GEMV instead, as the patched modules do. Int8 weight-only (W8A16) models take
+both paths with fp16 LayerNorms and ``int8_linear`` for every decoder linear (the GEMV up to 16 rows, dequantize +
+cuBLASLt above); their LM head must be fp16 (``include_lm_head=False``, the default).
 
 ``FUSEINFER_PREFILL`` picks: ``auto`` (graphs up to ``AUTO_GRAPH_MAX_TOKENS`` bucket tokens on CUDA, the lean
 loop elsewhere), ``graph`` (graphs wherever they apply), ``lean`` or ``module`` (the patched modules, as before).
@@ -42,12 +45,13 @@ from torch import nn
 from .. import knobs
 from .._ext import extension
 from ..errors import FuseInferError
-from ..ops import add_layer_norm, attention, linear_epilogue
+from ..ops import add_layer_norm, attention, int8_linear, linear_epilogue
 from ..ops.int8_gemm import w8a8_backend, w8a8_linear
 from ..ops.layer_norm_quant import add_layer_norm_quant
 from ..ops.quant import quantize_per_token
 from ..ops.kv_cache import kv_cache_append
 from ..state import patch_state, unwrapped
+from ..quant.linear import decode_rows
 from .cache import COUNTS
 from .graphs import capture_stream
 
@@ -87,18 +91,21 @@ class _Plan:
         self.called = tuple(m for m in (model.model, dec, model.lm_head, *dec_calls,
                                         *(m for layer in dec.layers for m in (layer, layer.self_attn)))
                             if m is not None)
-        # SmoothQuant W8A8: every decoder linear a W8A8Linear (q/k/v fused as ``qkv_proj``), checked by
-        # _structure_reason; the lean loop reads their int8 weights, scales and biases at each call
-        self.w8a8 = model_quant(model) is not None
-        if self.w8a8:
-            # the quantized linears per layer, (qkv_proj, out_proj, fc1, fc2): _w8a8_intact checks they are still
+        # int8 models (SmoothQuant W8A8, or weight-only W8A16): every decoder linear quantized (q/k/v fused as
+        # ``qkv_proj``), checked by _structure_reason; the lean loop reads their int8 weights, scales and biases at
+        # each call
+        self.quant = quant_kind(model)
+        self.w8a8 = self.quant == "w8a8"
+        self.linears = ()
+        if self.quant is not None:
+            # the quantized linears per layer, (qkv_proj, out_proj, fc1, fc2): _linears_intact checks they are still
             # the modules' children at each call
             self.qkv = ()
             self.linears = tuple((lyr.attn._modules["qkv_proj"], lyr.attn._modules["out_proj"],
                                   lyr.layer._modules["fc1"], lyr.layer._modules["fc2"]) for lyr in self.layers)
             # the sm90 kernel takes K % 16 == 0 and N % 8 == 0 (OPT's sizes all do); else the op wrapper dispatches
-            self.w8a8_aligned = all(lin.weight_q.shape[1] % 16 == 0 and lin.weight_q.shape[0] % 8 == 0
-                                    for lins in self.linears for lin in lins)
+            self.w8a8_aligned = self.w8a8 and all(lin.weight_q.shape[1] % 16 == 0 and lin.weight_q.shape[0] % 8 == 0
+                                                  for lins in self.linears for lin in lins)
         else:
             # the layers' q/k/v: (attention, its projections' linked parameters, the weight rows' byte step)
             self.qkv = tuple((lyr.attn, lyr.attn._fuseinfer_qkv_params,
@@ -118,18 +125,34 @@ def model_quant(model: nn.Module):
     return quant if isinstance(quant, SmoothQuantW8A8) else None
 
 
-def _w8a8_layer_reason(layer: nn.Module) -> str | None:
-    """Why a patched layer's linears are not all W8A8 linears the lean loop can call (q/k/v fused), or None."""
-    from ..quant.linear import int8_input
+def quant_kind(model: nn.Module) -> str | None:
+    """'w8a8' (SmoothQuantW8A8), 'w8a16' (Int8WeightOnly) or None (not quantized) for a patched model."""
+    from ..quant.config import Int8WeightOnly
+
+    state = patch_state(model)
+    quant = None if state is None else state.config.quant
+    if model_quant(model) is not None:
+        return "w8a8"
+    return "w8a16" if isinstance(quant, Int8WeightOnly) else None
+
+
+def _int8_layer_reason(layer: nn.Module, kind: str) -> str | None:
+    """Why a patched layer's linears are not all int8 linears of ``kind`` the lean loop can call (q/k/v fused as
+    ``qkv_proj``), or None."""
+    from ..quant.linear import Int8WeightOnlyLinear, int8_input
 
     attn = layer.self_attn
-    lins = {"q/k/v": int8_input(attn), "out_proj": int8_input(attn._modules.get("out_proj")),
-            "fc1": int8_input(layer._modules.get("fc1")), "fc2": int8_input(layer._modules.get("fc2"))}
+    parts = {"q/k/v": attn._modules.get("qkv_proj"), "out_proj": attn._modules.get("out_proj"),
+             "fc1": layer._modules.get("fc1"), "fc2": layer._modules.get("fc2")}
+    if kind == "w8a8":
+        lins = {n: int8_input(m) for n, m in parts.items()}
+    else:
+        lins = {n: m if type(m) is Int8WeightOnlyLinear else None for n, m in parts.items()}
     missing = [n for n, lin in lins.items() if lin is None]
     if missing:
-        return f"{', '.join(missing)} not W8A8-quantized"
+        return f"{', '.join(missing)} not {kind.upper()}-quantized"
     if not all(t.is_contiguous() for lin in lins.values() for t in lin.buffers()):
-        return "a W8A8 weight or scale is not contiguous"
+        return "an int8 weight or scale is not contiguous"
     return None
 
 
@@ -142,10 +165,10 @@ def _structure_reason(model: nn.Module) -> str | None:
     state = patch_state(model)
     if state is None or set(state.config.ops) != set(OPS) or state.config.filter_fn is not None:
         return "the lean prefill needs a model patched with every op and no filter_fn: call fuseinfer.patch(model)"
-    w8a8 = model_quant(model) is not None
-    if state.config.quant is not None and not w8a8:
+    kind = quant_kind(model)
+    if state.config.quant is not None and kind is None:
         return (f"a {type(state.config.quant).__name__} model runs its patched modules (their int8 linears); "
-                "the lean prefill takes fp16/bf16 and SmoothQuantW8A8 models")
+                "the lean prefill takes fp16/bf16, Int8WeightOnly and SmoothQuantW8A8 models")
     backends = {n for m in model.modules() for n in m.__dict__.get(attention_backend.ATTR, {}).values()}
     if backends - {"fuseinfer"}:  # (what patch resolved the config's backend to, per phase)
         return f"attention_backend={state.config.attention_backend!r} runs in the patched modules"
@@ -164,9 +187,9 @@ def _structure_reason(model: nn.Module) -> str | None:
         attn = layer.self_attn
         if not (type(layer) is FusedOPTDecoderLayer and {"layer_norm", "linear"} <= layer._fuseinfer_ops
                 and type(attn) is FusedOPTAttention and {"qkv", "linear", "attention"} <= attn._fuseinfer_ops
-                and (w8a8 or getattr(attn, "qkv_weight", None) is not None)):
+                and (kind is not None or getattr(attn, "qkv_weight", None) is not None)):
             return f"layer {i} is not fully fused (patch skipped part of it: see the report)"
-        why = _w8a8_layer_reason(layer) if w8a8 else None
+        why = _int8_layer_reason(layer, kind) if kind is not None else None
         if why is not None:
             return f"layer {i}: {why}"
     if not all(t.is_contiguous() for t in model.parameters()):  # the extension takes contiguous weights only
@@ -211,9 +234,9 @@ def lean_reason(model: nn.Module, weights: bool = True) -> str | None:
                               or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
                               or "forward" in m.__dict__ or "_hf_hook" in m.__dict__):
         return "a module has hooks, which the lean loop would bypass"
-    if weights and plan.w8a8 and not _w8a8_intact(plan):
-        return "a W8A8 linear was replaced after patch (the lean loop would not call it)"
-    if weights and not plan.w8a8 and not _qkv_intact(plan):
+    if weights and plan.quant is not None and not _linears_intact(plan):
+        return "an int8 linear was replaced after patch (the lean loop would not call it)"
+    if weights and plan.quant is None and not _qkv_intact(plan):
         return "a q/k/v projection's weight was replaced after patch (the fused q/k/v GEMM would not see it)"
     return None
 
@@ -237,8 +260,8 @@ def _qkv_intact(plan: _Plan) -> bool:
     return True
 
 
-def _w8a8_intact(plan: _Plan) -> bool:
-    """Every layer's W8A8 linears are still the ones the plan recorded (a module swapped in after patch is not)."""
+def _linears_intact(plan: _Plan) -> bool:
+    """Every layer's int8 linears are still the ones the plan recorded (a module swapped in after patch is not)."""
     for lyr, (qkv, out, fc1, fc2) in zip(plan.layers, plan.linears):
         amods, mods = lyr.attn._modules, lyr.layer._modules
         if amods["qkv_proj"] is not qkv or amods["out_proj"] is not out or mods["fc1"] is not fc1 \
@@ -270,6 +293,23 @@ class _Ops:
             self.attention = attention
             self.append = kv_cache_append
         self.dtype = like.dtype
+
+    def lin(self, spec, x, residual, activation: str) -> torch.Tensor:
+        """act(x @ W.T + bias + residual); spec (weight (N, K), bias (N,) or None); x (M, K) -> (M, N)."""
+        return self.linear(x, spec[0], spec[1], residual, activation)
+
+
+class _Int8Ops(_Ops):
+    """_Ops whose linears have int8 weights and fp16/bf16 activations (W8A16, and W8A8 linears at decode-sized
+    inputs): ``int8_linear`` straight into the extension where the fused ops are, else the op wrapper."""
+
+    def __init__(self, like: torch.Tensor, head_dim: int):
+        super().__init__(like, head_dim)
+        self.int8 = extension(like.device).int8_linear if self.direct else int8_linear
+
+    def lin(self, spec, x, residual, activation: str) -> torch.Tensor:
+        """spec (qweight (N, K) int8, scale (N,) fp32, bias (N,) or None); x (M, K) -> (M, N)."""
+        return self.int8(x, spec[0], spec[1], spec[2], residual, activation)
 
 
 class _W8A8Ops(_Ops):
@@ -316,34 +356,56 @@ def _ln_args(ln: nn.LayerNorm):
     return ln._parameters.get("weight"), ln._parameters.get("bias"), ln.eps
 
 
+def _fp_specs(lyr: _Layer) -> tuple:
+    """A fp16/bf16 layer's linears as (weight, bias) pairs: (q/k/v fused, out_proj, fc1, fc2), read at each call."""
+    attn, mods = lyr.attn, lyr.layer._modules
+    out, fc1, fc2 = attn._modules["out_proj"]._parameters, mods["fc1"]._parameters, mods["fc2"]._parameters
+    return ((attn._buffers["qkv_weight"], attn._buffers["qkv_bias"]), (out["weight"], out["bias"]),
+            (fc1["weight"], fc1["bias"]), (fc2["weight"], fc2["bias"]))
+
+
+def _int8_specs(linears: tuple, dtype: torch.dtype) -> tuple:
+    """A layer's int8 linears (Int8WeightOnlyLinear or W8A8Linear) as (qweight, scale (N,), bias) triples."""
+    specs = []
+    for lin in linears:
+        b = lin._buffers
+        if "qweight" in b:  # Int8WeightOnlyLinear (its bias a Parameter or, for the fused q/k/v, a buffer)
+            bias = lin._parameters["bias"] if "bias" in lin._parameters else b.get("bias")
+            specs.append((b["qweight"], b["scale"], bias))
+        else:  # W8A8Linear: (N, 1) scales
+            bias = b["bias"]
+            specs.append((b["weight_q"], b["weight_scale"].view(-1), None if bias is None else bias.to(dtype)))
+    return tuple(specs)
+
+
 def _layers(plan: _Plan, ops: _Ops, h: torch.Tensor, b: int, s: int, key_mask, q_start, cache, slots):
     """h (B*S, E) after the embeddings -> (B*S, E) after the last decoder layer. With ``cache`` k/v go to its
-    ``slots`` and attention reads the whole cache; without, attention reads this prompt's k/v."""
+    ``slots`` and attention reads the whole cache; without, attention reads this prompt's k/v. The linears are
+    fp16/bf16 (``_Ops``) or have int8 weights (``_Int8Ops``: the plan's quantized linears)."""
     heads, d = plan.heads, plan.head_dim
     for i, lyr in enumerate(plan.layers):
         layer, attn = lyr.layer, lyr.attn
         mods = layer._modules
-        fc1, fc2 = mods["fc1"], mods["fc2"]
+        qkv_w, out_w, fc1_w, fc2_w = _int8_specs(plan.linears[i], ops.dtype) if plan.linears else _fp_specs(lyr)
         ln1, ln2 = _ln_args(mods["self_attn_layer_norm"]), _ln_args(mods["final_layer_norm"])
         x = ops.ln(h, None, *ln1) if plan.pre_ln else h  # (B*S, E)
-        qkv = ops.linear(x, attn._buffers["qkv_weight"], attn._buffers["qkv_bias"], None, "none")  # (B*S, 3E)
+        qkv = ops.lin(qkv_w, x, None, "none")  # (B*S, 3E)
         q, k, v = qkv.view(b, s, 3, heads, d).unbind(2)  # 3 x (B, S, H, D)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
         if cache is not None:
             ops.append(cache.keys[i], cache.values[i], k, v, slots)
             k, v = cache.keys[i], cache.values[i]  # (B, H, T, D)
         a = ops.attention(q, k, v, key_mask, q_start, attn.scaling).view(b * s, heads * d)  # (B*S, E)
-        out = attn._modules["out_proj"]
         if plan.pre_ln:  # residual adds in the out_proj / fc2 epilogues, as FusedOPTDecoderLayer does
-            h = ops.linear(a, out._parameters["weight"], out._parameters["bias"], h, "none")
+            h = ops.lin(out_w, a, h, "none")
             x = ops.ln(h, None, *ln2)
-            f = _fc1(ops, lyr, layer, fc1, x)
-            h = ops.linear(f, fc2._parameters["weight"], fc2._parameters["bias"], h, "none")
+            f = _fc1(ops, lyr, layer, fc1_w, x)
+            h = ops.lin(fc2_w, f, h, "none")
         else:  # post-LN (opt-350m): the residual adds in the LayerNorms
-            a = ops.linear(a, out._parameters["weight"], out._parameters["bias"], None, "none")
+            a = ops.lin(out_w, a, None, "none")
             h = ops.ln(a, h, *ln1)
-            f = _fc1(ops, lyr, layer, fc1, h)
-            f = ops.linear(f, fc2._parameters["weight"], fc2._parameters["bias"], None, "none")
+            f = _fc1(ops, lyr, layer, fc1_w, h)
+            f = ops.lin(fc2_w, f, None, "none")
             h = ops.ln(f, h, *ln2)
     return h
 
@@ -383,8 +445,8 @@ def _layers_w8a8(plan: _Plan, ops: _W8A8Ops, h: torch.Tensor, b: int, s: int, ke
     return h
 
 
-def _fc1(ops: _Ops, lyr: _Layer, layer: nn.Module, fc1: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    f = ops.linear(x, fc1._parameters["weight"], fc1._parameters["bias"], None, "relu" if lyr.relu else "none")
+def _fc1(ops: _Ops, lyr: _Layer, layer: nn.Module, spec, x: torch.Tensor) -> torch.Tensor:
+    f = ops.lin(spec, x, None, "relu" if lyr.relu else "none")
     return f if lyr.relu else layer.activation_fn(f)
 
 
@@ -412,12 +474,13 @@ def _head(plan: _Plan, ops: _Ops, h: torch.Tensor) -> torch.Tensor:
 def _run(plan: _Plan, tokens, positions, key_mask, q_start, cache, slots, last=None) -> torch.Tensor:
     """The lean loop: fp32 logits (B, V) at position ``last`` ((1,) int64 on the device; None: the last one)."""
     b, s = tokens.shape
-    if plan.w8a8:
+    h = _embed(plan, tokens, positions)  # (B*S, E)
+    if plan.w8a8 and not decode_rows(h):
         ops = _W8A8Ops(plan.lm_head.weight, plan.head_dim, plan.w8a8_aligned)
-        h = _layers_w8a8(plan, ops, _embed(plan, tokens, positions), b, s, key_mask, q_start, cache, slots)
-    else:
-        ops = _Ops(plan.lm_head.weight, plan.head_dim)
-        h = _layers(plan, ops, _embed(plan, tokens, positions), b, s, key_mask, q_start, cache, slots)
+        h = _layers_w8a8(plan, ops, h, b, s, key_mask, q_start, cache, slots)
+    else:  # fp16/bf16, W8A16, or W8A8 at decode-sized inputs on CUDA (the GEMV, as the patched modules run it)
+        ops = _Int8Ops(plan.lm_head.weight, plan.head_dim) if plan.quant else _Ops(plan.lm_head.weight, plan.head_dim)
+        h = _layers(plan, ops, h, b, s, key_mask, q_start, cache, slots)
     h = h.view(b, s, -1)
     h = h[:, -1] if last is None else h.index_select(1, last).view(b, -1)  # (B, E)
     return _head(plan, ops, h)

@@ -17,11 +17,11 @@ import copy
 import pytest
 import torch
 from conftest import VARIANTS, random_opt
+from helpers import assert_lean_equals_modules, assert_same_tokens_lean_and_modules, fuseinfer_op_counts
 
 import fuseinfer
 from fuseinfer import PatchConfig, SmoothQuantW8A8
 from fuseinfer.patches.opt import FusedOPTDecoderLayer
-from fuseinfer.patches.opt_decode import forward_last_logits
 from fuseinfer.quant import smoothquant as sq
 from fuseinfer.runtime import prefill as pf
 
@@ -45,13 +45,6 @@ def _ids(vocab, rows=2, length=24):
     return torch.randint(3, vocab, (rows, length), generator=torch.Generator().manual_seed(0))
 
 
-def _op_counts(fn) -> collections.Counter:
-    """fuseinfer::* op calls during fn() (on CPU every wrapper goes through the dispatcher, which the profiler
-    records; on CUDA the wrappers call the extension directly)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, torch.no_grad():
-        fn()
-    return collections.Counter(e.name for e in prof.events() if e.name.startswith("fuseinfer::"))
-
 
 @pytest.fixture
 def unfused(monkeypatch):
@@ -67,7 +60,7 @@ def test_pre_ln_layer_runs_add_layer_norm_quant(unfused):
     _, model = _w8a8()
     ids = _ids(model.config.vocab_size)
     layers = model.config.num_hidden_layers
-    fused = _op_counts(lambda: model(input_ids=ids))
+    fused = fuseinfer_op_counts(lambda: model(input_ids=ids))
     # per layer: 2 fused LN+quant, 4 W8A8 GEMMs, 2 quantize (attention output -> out_proj, fc1 output -> fc2);
     # the decoder's final LayerNorm is the one fp16 LayerNorm left
     assert fused["fuseinfer::add_layer_norm_quant"] == 2 * layers
@@ -77,7 +70,7 @@ def test_pre_ln_layer_runs_add_layer_norm_quant(unfused):
     with torch.no_grad():
         got = model(input_ids=ids).logits
     unfused()
-    plain = _op_counts(lambda: model(input_ids=ids))
+    plain = fuseinfer_op_counts(lambda: model(input_ids=ids))
     assert plain["fuseinfer::add_layer_norm_quant"] == 0
     assert plain["fuseinfer::add_layer_norm"] == 2 * layers + 1
     assert plain["fuseinfer::quantize_int8"] == 4 * layers
@@ -106,41 +99,18 @@ def test_fused_path_within_w8a8_tolerance_of_the_reference_path(variant):
 def test_post_ln_layer_keeps_the_fp16_layernorm():
     """Post-LN (opt-350m): the LayerNorm output is the residual stream, so it is formed and quantized apart."""
     _, model = _w8a8("post_ln_project_in_out")
-    counts = _op_counts(lambda: model(input_ids=_ids(model.config.vocab_size)))
+    counts = fuseinfer_op_counts(lambda: model(input_ids=_ids(model.config.vocab_size)))
     assert counts["fuseinfer::add_layer_norm_quant"] == 0
     assert counts["fuseinfer::quantize_int8"] == 4 * model.config.num_hidden_layers
 
 
 # ---- W8A8 through the lean prefill loop ----
 
-def _cache_run(fn, model, ids):
-    from fuseinfer.runtime.cache import StaticKVCache
-
-    cfg, p = model.config, next(model.parameters())
-    heads = cfg.num_attention_heads
-    cache = StaticKVCache(cfg.num_hidden_layers, ids.shape[0], heads, cfg.hidden_size // heads, 64, p.dtype, p.device)
-    cache.key_mask[:] = True
-    cache.write_idx = torch.arange(ids.shape[1])
-    pos = torch.arange(ids.shape[1]).expand(ids.shape)
-    q_start = torch.zeros(ids.shape[0], dtype=torch.int32)
-    with torch.no_grad():
-        logits = fn(model, ids, pos, cache, q_start)
-    return logits, cache.keys[-1][:, :, :ids.shape[1]].clone(), cache.values[-1][:, :, :ids.shape[1]].clone()
-
 
 @pytest.mark.parametrize("variant", W8A8_VARIANTS)
 def test_lean_loop_takes_w8a8_models_and_equals_the_patched_modules(variant):
     _, model = _w8a8(variant)
-    assert pf.lean_reason(model) is None
-    ids = _ids(model.config.vocab_size)
-    ref = _cache_run(forward_last_logits, model, ids)
-    ours = _cache_run(pf.lean_logits, model, ids)
-    for a, b in zip(ours, ref):  # logits, last layer's keys and values: bit for bit on CPU
-        assert torch.equal(a, b)
-    # the same ops as the patched modules (the LM head on the last position only: the final LN on B rows)
-    lean = _op_counts(lambda: fuseinfer.prefill(model, ids))
-    mods = _op_counts(lambda: model(input_ids=ids))
-    assert lean == mods and lean["fuseinfer::w8a8_linear"] == 4 * model.config.num_hidden_layers
+    assert_lean_equals_modules(model, _ids(model.config.vocab_size), "fuseinfer::w8a8_linear")
 
 
 def test_fuseinfer_prefill_of_a_w8a8_model_equals_its_forward():
@@ -155,24 +125,20 @@ def test_fuseinfer_prefill_of_a_w8a8_model_equals_its_forward():
 
 def test_generate_same_tokens_through_lean_and_module_prefill(set_knob):
     _, model = _w8a8()
-    ids = _ids(model.config.vocab_size, rows=1, length=20)
-    lean = fuseinfer.generate(model, ids, max_new_tokens=6)
-    set_knob("FUSEINFER_PREFILL", "module")
-    fuseinfer.runtime.release(model)
-    assert torch.equal(fuseinfer.generate(model, ids, max_new_tokens=6), lean)
+    assert_same_tokens_lean_and_modules(model, _ids(model.config.vocab_size, rows=1, length=20), set_knob)
 
 
-def test_swapped_linear_or_weight_only_model_keeps_the_modules():
+def test_swapped_linear_or_int8_lm_head_keeps_the_modules():
     _, model = _w8a8()
     assert pf.lean_reason(model) is None
     fc1 = model.model.decoder.layers[0].fc1
     model.model.decoder.layers[0].fc1 = copy.deepcopy(fc1)  # a module put in after patch: not the plan's
-    assert "W8A8 linear was replaced" in pf.lean_reason(model)
+    assert "int8 linear was replaced" in pf.lean_reason(model)
     model.model.decoder.layers[0].fc1 = fc1
     assert pf.lean_reason(model) is None
-    w16 = random_opt().eval()
-    fuseinfer.patch(w16, PatchConfig(quant=fuseinfer.Int8WeightOnly()))
-    assert "Int8WeightOnly model runs its patched modules" in pf.lean_reason(w16)
+    w16 = random_opt().eval()  # (int8 weight-only models take the lean loop: tests/quant/test_w8a16_prefill.py)
+    fuseinfer.patch(w16, PatchConfig(quant=fuseinfer.Int8WeightOnly(include_lm_head=True)))
+    assert "LM head" in pf.lean_reason(w16)
 
 
 # ---- GPU: the kernels (add_layer_norm_quant, quantize_int8_rows, the sm90 W8A8 GEMM) in the lean loop / graph ----
@@ -212,3 +178,39 @@ def test_gpu_lean_loop_and_graph_equal_the_w8a8_modules(dtype, set_knob):
         out[choice] = fuseinfer.generate(model, ids[:1], max_new_tokens=8)
         assert (COUNTS["prefill_graph"] > before) == (choice == "graph")
     assert torch.equal(out["graph"], out["lean"]) and torch.equal(out["lean"], out["module"])
+
+
+@pytest.mark.gpu
+def test_gpu_decode_rows_run_the_w8a16_gemv(monkeypatch):
+    """At decode-sized inputs on CUDA (<= 16 rows) the W8A8 linears run the int8 weight-only GEMV on their int8
+    weights: no per-token quantize and no fused LayerNorm + quantize; the lean loop does the same, so fast decode's
+    prefill of a short prompt and the modules agree; above 16 rows the W8A8 GEMM runs again."""
+    from fuseinfer.patches import opt as opt_mod
+
+    model = _gpu_w8a8(torch.float16)
+    layers = model.config.num_hidden_layers
+    calls = collections.Counter()
+
+    def counting(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+    monkeypatch.setattr(sq, "int8_linear", counting("int8_linear", sq.int8_linear))
+    monkeypatch.setattr(sq, "quantize_per_token", counting("quantize", sq.quantize_per_token))
+    monkeypatch.setattr(opt_mod, "_norm_quant", counting("norm_quant", opt_mod._norm_quant))
+    ids = _ids(model.config.vocab_size, rows=1, length=12).cuda()
+    with torch.no_grad():
+        short = model(input_ids=ids).logits[:, -1].float()
+    assert calls == {"int8_linear": 4 * layers}, calls
+    calls.clear()
+    with torch.no_grad():
+        model(input_ids=_ids(model.config.vocab_size, rows=1, length=40).cuda())
+    assert calls["int8_linear"] == 0 and calls["norm_quant"] == 2 * layers, calls
+    # the lean loop takes the same path at 12 rows: same logits as the modules
+    torch.testing.assert_close(fuseinfer.prefill(model, ids), short, rtol=0, atol=1e-2 * short.abs().max().item())
+    # one linear against the fp32 product with its dequantized weight
+    lin = model.model.decoder.layers[0].fc2
+    x = torch.randn(3, lin.in_features, device="cuda", dtype=torch.float16)
+    ref = x.float() @ lin.dequantized_weight(torch.float32).T + lin.bias.float()
+    torch.testing.assert_close(lin.fused(x).float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
