@@ -50,8 +50,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "the W8A8 CUTLASS GEMM's tile configuration: `auto` by M, or `small` / `medium` / `large` forced (benchmarks)",
          ("auto", "small", "medium", "large"), extension=True),
     Knob("FUSEINFER_DECODE_KERNEL", "auto", "session",
-         "fast decode's step as one persistent kernel: `auto` where measured faster (1-2 rows), `1` wherever it "
-         "applies, `0` never", ("auto", "0", "1")),
+         "fast decode's step as one persistent kernel: `auto` where measured faster (1-2 rows; int8 weight-only "
+         "models up to hidden size 2048), `1` wherever it applies, `0` never", ("auto", "0", "1")),
     Knob("FUSEINFER_DECODE_GRAPH_STEPS", "16", "session",
          "decode steps in fast decode's longer CUDA graph (`1`: one step per replay); a positive integer"),
     Knob("FUSEINFER_CUDA_GRAPHS", "1", "session", "`0`: fast decode runs its step eagerly (no CUDA graphs)",

@@ -37,6 +37,10 @@ MAX_ROWS = 8
 # was measured faster than the per-op step (docs/notes.md, "Fast decode: the one-kernel step": H100, random
 # OPT-1.3b fp16, context 512).
 AUTO_MAX_ROWS = 2
+# ... and, for int8 weight-only models, hidden sizes up to this. Measured on an H200, batch 1, prompt 128, 64 decoded
+# tokens (bench/bench_opt66b_int8.py, one machine; docs/notes.md), step vs per op in ms/token: OPT-1.3b 0.784 vs 0.911
+# (prompt 512, the eval), OPT-6.7b 2.95 vs 2.43, OPT-13b 5.93 vs 4.61, OPT-66b 27.9 vs 19.0.
+AUTO_INT8_MAX_HIDDEN = 2048
 
 
 def opt_decode_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches, v_caches,

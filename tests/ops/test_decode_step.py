@@ -370,6 +370,24 @@ def test_decode_step_kernel_takes_int8_weight_only_models():
     assert "layer 1's self_attn.qkv_proj is not an int8" in decode_step_kernel(part, _int8_stub_cache(1))[1]
 
 
+def test_auto_takes_the_int8_step_only_up_to_its_measured_hidden_size(monkeypatch, set_knob):
+    """FUSEINFER_DECODE_KERNEL=auto sends int8 weight-only models wider than AUTO_INT8_MAX_HIDDEN per op (measured
+    slower there), saying why; FUSEINFER_DECODE_KERNEL=1 still tries the kernel; fp16 models are not affected."""
+    from fuseinfer.ops import decode_step as decode_step_op
+    from fuseinfer.patches.opt_decode import decode_step_kernel
+
+    model = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=128, num_hidden_layers=2)
+    fuseinfer.patch(model, INT8)
+    monkeypatch.setattr(decode_step_op, "AUTO_INT8_MAX_HIDDEN", 32)
+    assert "slower than per op above hidden size 32" in decode_step_kernel(model, _int8_stub_cache(1))[1]
+    set_knob("FUSEINFER_DECODE_KERNEL", "1")
+    assert decode_step_kernel(model, _int8_stub_cache(1))[1].startswith("no kernel")
+    set_knob("FUSEINFER_DECODE_KERNEL", "auto")
+    fp = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=128, num_hidden_layers=2)
+    fuseinfer.patch(fp)
+    assert decode_step_kernel(fp, _int8_stub_cache(1))[1].startswith("no kernel")
+
+
 INT8_GPU_CASES = {  # hidden and ffn multiples of 64 (the int8 k-step)
     "b1_d64": (dict(hidden_size=256, num_attention_heads=4, ffn_dim=1024), [0], [40], 64),
     "b3_d64_pad": (dict(hidden_size=512, num_attention_heads=8, ffn_dim=1536), [0, 9, 30], [70, 70, 50], 96),
