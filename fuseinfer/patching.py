@@ -52,6 +52,13 @@ def _check_tensors(model: nn.Module, allow_meta: bool = False) -> None:
                                  "load the model with dtype=torch.float16 (or bfloat16 / float32)")
 
 
+def warn_if_references_only(report: PatchReport) -> None:
+    """Log, once per process, that no fuseinfer CUDA kernel runs for a patched model (every op its reference)."""
+    if report.references_only and not _warned:
+        _warned.append(True)
+        logger.warning("fuseinfer: %s", REFERENCES_ONLY)
+
+
 def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
     """Swap ``model``'s modules for fused ones in place; returns a :class:`PatchReport`.
 
@@ -91,9 +98,8 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
         except FuseInferError:  # refused before changing anything: the model goes back as it was
             family.unpatch(model, state)
             raise
-    if report.references_only and not _warned:
-        _warned.append(True)
-        logger.warning("fuseinfer: %s", REFERENCES_ONLY)
+    if not (config.quant is not None and config.quant._empty):  # (a meta build warns once its tensors are placed)
+        warn_if_references_only(report)
     object.__setattr__(model, STATE_ATTR, PatchState(family, state, report, config, model.__dict__.get("generate"),
                                                      quant))
     if hasattr(model, "generate"):

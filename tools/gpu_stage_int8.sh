@@ -7,6 +7,8 @@
 #   bash tools/gpu_stage_int8.sh            # everything, ~5-6 min on an H100 (each step has a time limit)
 #   bash tools/gpu_stage_int8.sh quick      # memcheck + the GEMV bench only
 #   bash tools/gpu_stage_int8.sh step       # only the int8 one-kernel decode step (~3-4 min): see part 0 below
+#   bash tools/gpu_stage_int8.sh evals      # parts 1-3 (memcheck, GEMV bench, eval rows), ~4 min
+#   bash tools/gpu_stage_int8.sh opt66b     # part 4 only (OPT-66b int8 on one GPU), ~3-5 min
 #   BENCH_QUANT=1 bash tools/gpu_stage_int8.sh   # also the quantize kernels vs eager / torch.compile (~1 min)
 #
 # Writes logs and results under $OUT/int8 and packs them into $OUT/int8_stage.tar.gz; exits 1 if any step failed.
@@ -66,6 +68,7 @@ if [ "$mode" = step ] || [ "$mode" = all ]; then
   fi
 fi
 
+if [ "$mode" != opt66b ]; then
 # 1. memcheck of the int8 kernels (small odd shapes + a small W8A16 model's fast decode)
 run memcheck_int8 240 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/int8_smoke.py
 # 2. int8 GEMV (M = 1, 8, 16) and prefill vs fp16 and the copy ceiling
@@ -90,6 +93,9 @@ if [ "$mode" != quick ]; then
     --output "$R/eval_tiny_ppl.json"
   run int8_eval_summary 60 python3 bench/quant_eval_summary.py int8_eval "${evals[@]}" "$R/eval_prefill_2040.json" \
     "$R/eval_tiny_ppl.json"
+fi
+fi
+if [ "$mode" = all ] || [ "$mode" = opt66b ]; then
   # 4. OPT-66b int8 on one GPU (random weights drawn and quantized layer by layer on the GPU)
   run opt66b 420 python3 bench/bench_opt66b_int8.py --model opt-66b --batch 1 --prompt 128 --gen 64
 fi

@@ -195,3 +195,6 @@ def _refresh_report(model) -> None:
     p = next(model.parameters())
     for swap in report.swaps:
         swap.ops = {op: (backend_for(p) if "(" not in b else b) for op, b in swap.ops.items()}
+    from ..patching import warn_if_references_only
+
+    warn_if_references_only(report)  # (patch skipped it: on the meta device every op looked like a reference)
