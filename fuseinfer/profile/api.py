@@ -403,6 +403,9 @@ def _profile_backend(cls, ctx: _Context, ceilings: dict, out_dir: Path | None, u
                         label += ": the hooks turn off fast prefill (runtime/prefill.py), so this pass runs the " \
                                  "module path; the step time and kernel table come from the un-hooked pass"
                     ui.info(f"{cls.name}: profiling the {s.phase} steps again with module ranges")
+                    if s.phase == "decode":  # a fresh sequence: the cache's budget covers one profiled run
+                        backend.end()
+                        step = _ready(backend, ctx)
                     mfiles, _ = _run_profiler(step, backend.model, device, s, folder, True, "trace_modules.json")
                 files["trace_modules"] = mfiles["trace"]
         analysis = analyze(load_events(files["trace"]), ctx.config.hidden_size, ctx.config.ffn_dim)

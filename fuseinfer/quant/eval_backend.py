@@ -108,8 +108,11 @@ class FuseInferW8A8Backend(FuseInferW8A16Backend):
         why = None if self.model is None else lean_reason(self.model)
         # the path fast decode's prefill takes (what the prefill column timed): the lean loop, as a CUDA graph per
         # prompt-length bucket where FUSEINFER_PREFILL allows, or the patched modules and why
-        path = (f"lean loop (FUSEINFER_PREFILL={mode()}: graphs on CUDA up to the auto limit)" if why is None
-                else f"patched modules ({why})")
+        if mode() == "module":
+            path = "patched modules (FUSEINFER_PREFILL=module)"
+        else:
+            path = (f"lean loop (FUSEINFER_PREFILL={mode()}: graphs on CUDA up to the auto limit)" if why is None
+                    else f"patched modules ({why})")
         return {**super().details(), "prefill_path": path,
                 "quant_alpha": quant.smoothing.alpha if quant.smoothing else None,
                 "calibration_source": quant.calibration_source, "calibration_samples": quant.calibration_samples,

@@ -51,7 +51,7 @@ from ..ops.layer_norm_quant import add_layer_norm_quant
 from ..ops.quant import quantize_per_token
 from ..ops.kv_cache import kv_cache_append
 from ..state import patch_state, unwrapped
-from ..quant.linear import decode_rows
+from ..quant.linear import DECODE_ROWS, decode_rows
 from .cache import COUNTS
 from .graphs import capture_stream
 
@@ -103,6 +103,10 @@ class _Plan:
             self.qkv = ()
             self.linears = tuple((lyr.attn._modules["qkv_proj"], lyr.attn._modules["out_proj"],
                                   lyr.layer._modules["fc1"], lyr.layer._modules["fc2"]) for lyr in self.layers)
+            # q_proj / k_proj / v_proj: the quantizer's slices of qkv_proj; a projection swapped in after patch
+            # makes the modules run three projections (opt._qkv_fused), so the lean loop must not run qkv_proj
+            self.slices = tuple(tuple(lyr.attn._modules[n] for n in ("q_proj", "k_proj", "v_proj"))
+                                for lyr in self.layers)
             # the sm90 kernel takes K % 16 == 0 and N % 8 == 0 (OPT's sizes all do); else the op wrapper dispatches
             self.w8a8_aligned = self.w8a8 and all(lin.weight_q.shape[1] % 16 == 0 and lin.weight_q.shape[0] % 8 == 0
                                                   for lins in self.linears for lin in lins)
@@ -261,11 +265,13 @@ def _qkv_intact(plan: _Plan) -> bool:
 
 
 def _linears_intact(plan: _Plan) -> bool:
-    """Every layer's int8 linears are still the ones the plan recorded (a module swapped in after patch is not)."""
-    for lyr, (qkv, out, fc1, fc2) in zip(plan.layers, plan.linears):
+    """Every layer's int8 linears and q/k/v slices are still the ones the plan recorded (a module swapped in after
+    patch is not)."""
+    for lyr, (qkv, out, fc1, fc2), (q, k, v) in zip(plan.layers, plan.linears, plan.slices):
         amods, mods = lyr.attn._modules, lyr.layer._modules
         if amods["qkv_proj"] is not qkv or amods["out_proj"] is not out or mods["fc1"] is not fc1 \
-                or mods["fc2"] is not fc2:
+                or mods["fc2"] is not fc2 or amods["q_proj"] is not q or amods["k_proj"] is not k \
+                or amods["v_proj"] is not v:
             return False
     return True
 
@@ -305,7 +311,9 @@ class _Int8Ops(_Ops):
 
     def __init__(self, like: torch.Tensor, head_dim: int):
         super().__init__(like, head_dim)
-        self.int8 = extension(like.device).int8_linear if self.direct else int8_linear
+        ext = extension(like.device) if self.direct else None
+        # (an extension built without the int8 ops: the wrapper, which falls back to the reference as well)
+        self.int8 = ext.int8_linear if ext is not None and hasattr(ext, "int8_linear") else int8_linear
 
     def lin(self, spec, x, residual, activation: str) -> torch.Tensor:
         """spec (qweight (N, K) int8, scale (N,) fp32, bias (N,) or None); x (M, K) -> (M, N)."""
@@ -564,6 +572,10 @@ def _graph_for(session, p: int, choice: str):
         return None
     length = length_bucket(p)
     if length > session.capacity or (choice == "auto" and session.bucket * length > AUTO_GRAPH_MAX_TOKENS):
+        return None
+    if session.bucket * p <= DECODE_ROWS and quant_kind(session.model) is not None:
+        # int8 linears at <= DECODE_ROWS rows run the GEMV (the modules and the lean loop); a graph pads the prompt
+        # to its 128-token bucket, which would switch them to the prefill GEMM (another computation for W8A8)
         return None
     graphs = _graphs.setdefault(session.cache, {})
     graph = graphs.get(length)

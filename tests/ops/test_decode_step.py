@@ -315,7 +315,7 @@ def test_int8_reference_equals_per_op_int8_decode_path(tiny_model_path):
     torch.testing.assert_close(ref, per_op, rtol=1e-5, atol=1e-5)
     for ours, theirs in zip(args["k_caches"] + args["v_caches"], cache.keys + cache.values):
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
-    # and it is not the fp16 step's math: the dequantized weights differ from the original ones
+    # and the int8 reference is the fp step run on the dequantized weights (the scales applied once per weight)
     fp_ref = opt_decode_step_ref(**{**args, "weight_scales": [], "layer_params": [
         p if p.dtype != torch.int8 else p.float() * s[:, None]
         for p, s in zip(args["layer_params"], _scales_by_param(args))]})

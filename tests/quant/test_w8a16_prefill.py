@@ -50,6 +50,15 @@ def test_int8_lm_head_or_swapped_linear_keeps_the_modules():
     assert "int8 linear was replaced" in pf.lean_reason(model)
     model.model.decoder.layers[1].fc2 = fc2
     assert pf.lean_reason(model) is None
+    attn = model.model.decoder.layers[0].self_attn  # a q/k/v projection swapped in: the modules run three GEMMs
+    q = attn.q_proj
+    attn.q_proj = torch.nn.Linear(q.embed_dim, q.embed_dim)
+    assert "int8 linear was replaced" in pf.lean_reason(model)
+    ids = _ids(model.config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(fuseinfer.prefill(model, ids), model(input_ids=ids).logits[:, -1])
+    attn.q_proj = q
+    assert pf.lean_reason(model) is None
 
 
 def test_generate_same_tokens_through_lean_and_module_prefill(set_knob):
@@ -82,3 +91,14 @@ def test_gpu_lean_loop_and_graph_equal_the_w8a16_modules(dtype, set_knob):
         out[choice] = fuseinfer.generate(model, ids, max_new_tokens=8)
         assert (COUNTS["prefill_graph"] > before) == (choice == "graph")
     assert torch.equal(out["graph"], out["lean"]) and torch.equal(out["lean"], out["module"])
+    # a prompt of <= 16 rows runs the GEMV in the modules and the lean loop: no graph (its 128-token bucket would
+    # switch the linears to the prefill GEMM)
+    short = ids[:, :9]
+    set_knob("FUSEINFER_PREFILL", "graph")
+    fuseinfer.runtime.release(model)
+    before = COUNTS["prefill_graph"]
+    graph_tokens = fuseinfer.generate(model, short, max_new_tokens=4)
+    assert COUNTS["prefill_graph"] == before
+    set_knob("FUSEINFER_PREFILL", "module")
+    fuseinfer.runtime.release(model)
+    assert torch.equal(fuseinfer.generate(model, short, max_new_tokens=4), graph_tokens)

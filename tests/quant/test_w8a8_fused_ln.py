@@ -207,8 +207,12 @@ def test_gpu_decode_rows_run_the_w8a16_gemv(monkeypatch):
     with torch.no_grad():
         model(input_ids=_ids(model.config.vocab_size, rows=1, length=40).cuda())
     assert calls["int8_linear"] == 0 and calls["norm_quant"] == 2 * layers, calls
-    # the lean loop takes the same path at 12 rows: same logits as the modules
+    # the lean loop takes the same path at 12 rows (the int8 ops, not the W8A8 layers): same logits as the modules
+    monkeypatch.setattr(pf, "_layers_w8a8", lambda *a, **k: pytest.fail("the lean loop ran W8A8 GEMMs at 12 rows"))
+    monkeypatch.setattr(pf._Int8Ops, "lin", counting("lean_int8", pf._Int8Ops.lin))
+    calls.clear()
     torch.testing.assert_close(fuseinfer.prefill(model, ids), short, rtol=0, atol=1e-2 * short.abs().max().item())
+    assert calls["lean_int8"] == 4 * layers, calls
     # one linear against the fp32 product with its dequantized weight
     lin = model.model.decoder.layers[0].fc2
     x = torch.randn(3, lin.in_features, device="cuda", dtype=torch.float16)
