@@ -209,3 +209,19 @@ def assert_same_tokens_lean_and_modules(model, ids, set_knob):
     set_knob("FUSEINFER_PREFILL", "module")
     fuseinfer.runtime.release(model)
     assert torch.equal(fuseinfer.generate(model, ids, max_new_tokens=6), lean)
+
+
+def assert_same_tokens_graph_lean_modules(model, ids, set_knob, max_new_tokens: int = 8):
+    """fuseinfer.generate chooses the same tokens with the prefill graph (captured by that choice only), the lean
+    loop and the modules (FUSEINFER_PREFILL=graph / lean / module)."""
+    import fuseinfer
+    from fuseinfer.runtime.cache import COUNTS
+
+    out = {}
+    for choice in ("graph", "lean", "module"):
+        set_knob("FUSEINFER_PREFILL", choice)
+        fuseinfer.runtime.release(model)
+        before = COUNTS["prefill_graph"]
+        out[choice] = fuseinfer.generate(model, ids, max_new_tokens=max_new_tokens)
+        assert (COUNTS["prefill_graph"] > before) == (choice == "graph")
+    assert torch.equal(out["graph"], out["lean"]) and torch.equal(out["lean"], out["module"])

@@ -95,7 +95,6 @@ class _Plan:
         # ``qkv_proj``), checked by _structure_reason; the lean loop reads their int8 weights, scales and biases at
         # each call
         self.quant = quant_kind(model)
-        self.w8a8 = self.quant == "w8a8"
         self.linears = ()
         if self.quant is not None:
             # the quantized linears per layer, (qkv_proj, out_proj, fc1, fc2): _linears_intact checks they are still
@@ -108,7 +107,7 @@ class _Plan:
             self.slices = tuple(tuple(lyr.attn._modules[n] for n in ("q_proj", "k_proj", "v_proj"))
                                 for lyr in self.layers)
             # the sm90 kernel takes K % 16 == 0 and N % 8 == 0 (OPT's sizes all do); else the op wrapper dispatches
-            self.w8a8_aligned = self.w8a8 and all(lin.weight_q.shape[1] % 16 == 0 and lin.weight_q.shape[0] % 8 == 0
+            self.w8a8_aligned = self.quant == "w8a8" and all(lin.weight_q.shape[1] % 16 == 0 and lin.weight_q.shape[0] % 8 == 0
                                                   for lins in self.linears for lin in lins)
         else:
             # the layers' q/k/v: (attention, its projections' linked parameters, the weight rows' byte step)
@@ -120,22 +119,13 @@ class _Plan:
         self.layer_count = len(dec.layers)
 
 
-def model_quant(model: nn.Module):
-    """The patch's SmoothQuantW8A8 config when the model is W8A8-quantized, else None."""
-    from ..quant.config import SmoothQuantW8A8
-
-    state = patch_state(model)
-    quant = None if state is None else state.config.quant
-    return quant if isinstance(quant, SmoothQuantW8A8) else None
-
-
 def quant_kind(model: nn.Module) -> str | None:
     """'w8a8' (SmoothQuantW8A8), 'w8a16' (Int8WeightOnly) or None (not quantized) for a patched model."""
-    from ..quant.config import Int8WeightOnly
+    from ..quant.config import Int8WeightOnly, SmoothQuantW8A8
 
     state = patch_state(model)
     quant = None if state is None else state.config.quant
-    if model_quant(model) is not None:
+    if isinstance(quant, SmoothQuantW8A8):
         return "w8a8"
     return "w8a16" if isinstance(quant, Int8WeightOnly) else None
 
@@ -386,11 +376,23 @@ def _int8_specs(linears: tuple, dtype: torch.dtype) -> tuple:
     return tuple(specs)
 
 
+def _attend(plan: _Plan, ops: _Ops, i: int, attn: nn.Module, qkv: torch.Tensor, b: int, s: int, key_mask, q_start,
+            cache, slots) -> torch.Tensor:
+    """Layer ``i``'s attention from its fused q/k/v output (B*S, 3E) -> (B*S, E). With ``cache`` k/v go to its
+    ``slots`` and attention reads the whole cache; without, attention reads this prompt's k/v."""
+    heads, d = plan.heads, plan.head_dim
+    q, k, v = qkv.view(b, s, 3, heads, d).unbind(2)  # 3 x (B, S, H, D)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
+    if cache is not None:
+        ops.append(cache.keys[i], cache.values[i], k, v, slots)
+        k, v = cache.keys[i], cache.values[i]  # (B, H, T, D)
+    return ops.attention(q, k, v, key_mask, q_start, attn.scaling).view(b * s, heads * d)
+
+
 def _layers(plan: _Plan, ops: _Ops, h: torch.Tensor, b: int, s: int, key_mask, q_start, cache, slots):
     """h (B*S, E) after the embeddings -> (B*S, E) after the last decoder layer. With ``cache`` k/v go to its
     ``slots`` and attention reads the whole cache; without, attention reads this prompt's k/v. The linears are
     fp16/bf16 (``_Ops``) or have int8 weights (``_Int8Ops``: the plan's quantized linears)."""
-    heads, d = plan.heads, plan.head_dim
     for i, lyr in enumerate(plan.layers):
         layer, attn = lyr.layer, lyr.attn
         mods = layer._modules
@@ -398,12 +400,7 @@ def _layers(plan: _Plan, ops: _Ops, h: torch.Tensor, b: int, s: int, key_mask, q
         ln1, ln2 = _ln_args(mods["self_attn_layer_norm"]), _ln_args(mods["final_layer_norm"])
         x = ops.ln(h, None, *ln1) if plan.pre_ln else h  # (B*S, E)
         qkv = ops.lin(qkv_w, x, None, "none")  # (B*S, 3E)
-        q, k, v = qkv.view(b, s, 3, heads, d).unbind(2)  # 3 x (B, S, H, D)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
-        if cache is not None:
-            ops.append(cache.keys[i], cache.values[i], k, v, slots)
-            k, v = cache.keys[i], cache.values[i]  # (B, H, T, D)
-        a = ops.attention(q, k, v, key_mask, q_start, attn.scaling).view(b * s, heads * d)  # (B*S, E)
+        a = _attend(plan, ops, i, attn, qkv, b, s, key_mask, q_start, cache, slots)  # (B*S, E)
         if plan.pre_ln:  # residual adds in the out_proj / fc2 epilogues, as FusedOPTDecoderLayer does
             h = ops.lin(out_w, a, h, "none")
             x = ops.ln(h, None, *ln2)
@@ -422,7 +419,6 @@ def _layers_w8a8(plan: _Plan, ops: _W8A8Ops, h: torch.Tensor, b: int, s: int, ke
     """_layers for a SmoothQuant W8A8 model: the same ops in the same order as its patched modules (pre-LN: the
     LayerNorms quantize in the same pass; post-LN: the LayerNorm output is the residual stream, so it is quantized
     apart). h (B*S, E) -> (B*S, E)."""
-    heads, d = plan.heads, plan.head_dim
     for i, (lyr, (qkv_l, out_l, fc1_l, fc2_l)) in enumerate(zip(plan.layers, plan.linears)):
         layer, attn = lyr.layer, lyr.attn
         mods = layer._modules
@@ -432,12 +428,7 @@ def _layers_w8a8(plan: _Plan, ops: _W8A8Ops, h: torch.Tensor, b: int, s: int, ke
             qkv = ops.w8a8(*ops.ln_quant(h, None, *ln1), qkv_l, None, "none")  # (B*S, 3E)
         else:
             qkv = ops.w8a8(*ops.quant(h), qkv_l, None, "none")
-        q, k, v = qkv.view(b, s, 3, heads, d).unbind(2)  # 3 x (B, S, H, D)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
-        if cache is not None:
-            ops.append(cache.keys[i], cache.values[i], k, v, slots)
-            k, v = cache.keys[i], cache.values[i]  # (B, H, T, D)
-        a = ops.attention(q, k, v, key_mask, q_start, attn.scaling).view(b * s, heads * d)  # (B*S, E)
+        a = _attend(plan, ops, i, attn, qkv, b, s, key_mask, q_start, cache, slots)  # (B*S, E)
         if plan.pre_ln:  # residual adds in the out_proj / fc2 epilogues
             h = ops.w8a8(*ops.quant(a), out_l, h, "none")
             f = ops.w8a8(*ops.ln_quant(h, None, *ln2), fc1_l, None, act)  # (B*S, F)
@@ -483,7 +474,7 @@ def _run(plan: _Plan, tokens, positions, key_mask, q_start, cache, slots, last=N
     """The lean loop: fp32 logits (B, V) at position ``last`` ((1,) int64 on the device; None: the last one)."""
     b, s = tokens.shape
     h = _embed(plan, tokens, positions)  # (B*S, E)
-    if plan.w8a8 and not decode_rows(h):
+    if plan.quant == "w8a8" and not decode_rows(h):
         ops = _W8A8Ops(plan.lm_head.weight, plan.head_dim, plan.w8a8_aligned)
         h = _layers_w8a8(plan, ops, h, b, s, key_mask, q_start, cache, slots)
     else:  # fp16/bf16, W8A16, or W8A8 at decode-sized inputs on CUDA (the GEMV, as the patched modules run it)

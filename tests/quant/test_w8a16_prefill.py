@@ -12,7 +12,8 @@ import copy
 import pytest
 import torch
 from conftest import VARIANTS, random_opt
-from helpers import assert_lean_equals_modules, assert_same_tokens_lean_and_modules
+from helpers import (assert_lean_equals_modules, assert_same_tokens_graph_lean_modules,
+                     assert_same_tokens_lean_and_modules)
 
 import fuseinfer
 from fuseinfer import Int8WeightOnly, PatchConfig
@@ -82,15 +83,8 @@ def test_gpu_lean_loop_and_graph_equal_the_w8a16_modules(dtype, set_knob):
         ours = fuseinfer.prefill(model, ids)
         torch.testing.assert_close(ours, ref, rtol=0, atol=1e-2 * ref.abs().max().item())
         assert (ours.argmax(-1) == ref.argmax(-1)).all()
-    out = {}
     ids = _ids(model.config.vocab_size, rows=1, length=150).cuda()
-    for choice in ("graph", "lean", "module"):
-        set_knob("FUSEINFER_PREFILL", choice)
-        fuseinfer.runtime.release(model)
-        before = COUNTS["prefill_graph"]
-        out[choice] = fuseinfer.generate(model, ids, max_new_tokens=8)
-        assert (COUNTS["prefill_graph"] > before) == (choice == "graph")
-    assert torch.equal(out["graph"], out["lean"]) and torch.equal(out["lean"], out["module"])
+    assert_same_tokens_graph_lean_modules(model, ids, set_knob)
     # a prompt of <= 16 rows runs the GEMV in the modules and the lean loop: no graph (its 128-token bucket would
     # switch the linears to the prefill GEMM)
     short = ids[:, :9]

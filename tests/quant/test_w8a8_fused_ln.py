@@ -17,7 +17,8 @@ import copy
 import pytest
 import torch
 from conftest import VARIANTS, random_opt
-from helpers import assert_lean_equals_modules, assert_same_tokens_lean_and_modules, fuseinfer_op_counts
+from helpers import (assert_lean_equals_modules, assert_same_tokens_graph_lean_modules,
+                     assert_same_tokens_lean_and_modules, fuseinfer_op_counts)
 
 import fuseinfer
 from fuseinfer import PatchConfig, SmoothQuantW8A8
@@ -159,7 +160,6 @@ def test_gpu_lean_loop_and_graph_equal_the_w8a8_modules(dtype, set_knob):
     patched modules give (the same kernels in the same order: logits equal up to the LM head's row count), and
     generate must choose the same tokens through the prefill graph, the lean loop and the modules."""
     from fuseinfer.ops.int8_gemm import w8a8_backend
-    from fuseinfer.runtime.cache import COUNTS
 
     model = _gpu_w8a8(dtype)
     assert pf.lean_reason(model) is None
@@ -170,14 +170,7 @@ def test_gpu_lean_loop_and_graph_equal_the_w8a8_modules(dtype, set_knob):
     ours = fuseinfer.prefill(model, ids)
     torch.testing.assert_close(ours, ref, rtol=0, atol=2e-2 * ref.abs().max().item())
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
-    out = {}
-    for choice in ("graph", "lean", "module"):
-        set_knob("FUSEINFER_PREFILL", choice)
-        fuseinfer.runtime.release(model)
-        before = COUNTS["prefill_graph"]
-        out[choice] = fuseinfer.generate(model, ids[:1], max_new_tokens=8)
-        assert (COUNTS["prefill_graph"] > before) == (choice == "graph")
-    assert torch.equal(out["graph"], out["lean"]) and torch.equal(out["lean"], out["module"])
+    assert_same_tokens_graph_lean_modules(model, ids[:1], set_knob)
 
 
 @pytest.mark.gpu
