@@ -258,7 +258,7 @@ ELEMENTWISE = ("aten::add", "aten::add_", "aten::mul", "aten::mul_", "aten::sub"
 
 def _elementwise(c: Call) -> Cost | None:
     sizes = [c.numel(i) for i in range(len(c.dims)) if c.shape(i)]
-    if not sizes:
+    if not sizes or max(sizes) == 0:  # (only scalars, or empty tensors: nothing moved, no cost to model)
         return None
     out = max(sizes)
     tensor_bytes = sum(c.nbytes(i) for i in range(len(c.dims)) if c.shape(i))

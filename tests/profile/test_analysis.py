@@ -38,6 +38,13 @@ def test_attention_costs_count_causal_pairs():
     assert decode.flops == 4 * 2 * 100 * 64
 
 
+def test_elementwise_cost_of_empty_tensors_is_no_cost_model():
+    """An elementwise op on empty tensors (a fill_ of a 0-length slice) moves nothing: no cost rather than 0 FLOPs
+    and 0 bytes, whose verdict would flip between launch-bound and "no cost model" with the host's speed."""
+    assert costs.cost_of("aten::fill_", [[1, 0], []], ["float", "Scalar"]) is None
+    assert costs.cost_of("aten::fill_", [[2, 3], []], ["float", "Scalar"]).bytes == 2 * 2 * 3 * 4
+
+
 def test_register_cost_for_a_new_op():
     costs.register_cost("fuseinfer::int8_test_linear", costs.linear_cost(0, 1, 2))
     try:
