@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# "Nothing slower": the eval table of this tree against a baseline tree, back to back on one GPU, in one process
+# each, alternating base / new so that clock drift falls on both.
+#
+#   bash tools/stage_baseline.sh REV            # here: packs REV's fuseinfer/ csrc/ setup.py into .stage/base.tar.gz
+#   OUT=... bash tools/gpu_stage_baseline.sh    # on the GPU machine, after `gpu_check.sh build` (carry .stage)
+#
+# The baseline reuses this tree's built extension when its csrc/ is identical, else builds its own (~150 s).
+# Writes base_*.json / new_*.json and compare.md (tools/compare_evals.py) to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/fuseinfer-baseline}
+mkdir -p "$OUT"
+RUN_LOGS="$OUT"
+. tools/gpu_run.sh
+BASE_TAR=${BASE_TAR:-.stage/base.tar.gz}
+BASE=/tmp/fuseinfer-base
+BACKENDS=${BASELINE_BACKENDS:-fuseinfer,fuseinfer-w8a16,fuseinfer-w8a8}
+rm -rf "$BASE" && mkdir -p "$BASE" && tar xzf "$BASE_TAR" -C "$BASE" || { echo "no baseline at $BASE_TAR"; exit 2; }
+if diff -rq csrc "$BASE/csrc" >/dev/null; then
+  cp fuseinfer/_C*.so "$BASE/fuseinfer/" && echo "baseline: csrc identical, this tree's extension reused"
+else
+  (cd "$BASE" && run base_build python3 setup.py -q build_ext --inplace) || exit 1
+fi
+NEW=$PWD
+ev() {  # ev TREE TAG PROMPT GEN
+  (cd "$1" && PYTHONPATH="$1" run "$2_p$3" python3 -m fuseinfer.eval --model random:opt-1.3b --dtype fp16 \
+    --backends "$BACKENDS" --skip-ppl --batch-size 1 --prompt-len "$3" --gen-len "$4" --data-dir "$FUSEINFER_SHARED/data/wikitext-2-raw" \
+    --output "$OUT/$2_p$3.json")
+}
+ev "$BASE" base 512 64
+ev "$NEW" new 512 64
+ev "$NEW" new 2040 8
+ev "$BASE" base 2040 8
+python3 tools/compare_evals.py "$OUT"/base_p512.json "$OUT"/new_p512.json "$OUT"/base_p2040.json "$OUT"/new_p2040.json \
+  | tee "$OUT/compare.md"
+exit "$status"
