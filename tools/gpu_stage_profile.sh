@@ -9,7 +9,7 @@
 #                                                   on PATH and may read the counters; ~1 min more per kernel)
 #
 # Returns two files in $OUT:
-#   profile_results.tar.gz  what bench/results/profile/ commits (small): per phase (prefill/, decode/) summary.md,
+#   profile_results.tar.gz  what bench/results/<gpu>/profile/ commits (small): per phase (prefill/, decode/) summary.md,
 #                           time_by_kind.png, roofline.png, memory_<backend>.png, compare.csv, profile.json and per
 #                           backend <backend>/{ops,kernels,modules,layers}.csv + memory.json; the eval JSONs; the
 #                           checks (check_*.log: step time vs eval, compare by kind, verdict tables); the run logs

@@ -34,11 +34,11 @@ PARAMS_PER_LAYER = 12  # LN1 w, b, qkv w, b, out_proj w, b, LN2 w, b, fc1 w, b, 
 SCALED = (2, 4, 8, 10)  # indices in a layer's params of the weights an int8 model quantizes (qkv, out, fc1, fc2)
 MAX_ROWS = 8
 # FUSEINFER_DECODE_KERNEL=auto (the default) runs the kernel for batch buckets up to this many rows: where it
-# was measured faster than the per-op step (docs/notes.md, "Fast decode: the one-kernel step": H100, random
+# was measured faster than the per-op step (docs/history.md, "Fast decode (H100)": H100, random
 # OPT-1.3b fp16, context 512).
 AUTO_MAX_ROWS = 2
 # ... and, for int8 weight-only models, hidden sizes up to this. Measured on an H200, batch 1, prompt 128, 64 decoded
-# tokens (bench/bench_opt66b_int8.py, one machine; docs/notes.md), step vs per op in ms/token: OPT-1.3b 0.784 vs 0.911
+# tokens (bench/bench_opt66b_int8.py, one machine; docs/history.md), step vs per op in ms/token: OPT-1.3b 0.784 vs 0.911
 # (prompt 512, the eval), OPT-6.7b 2.95 vs 2.43, OPT-13b 5.93 vs 4.61, OPT-66b 27.9 vs 19.0.
 AUTO_INT8_MAX_HIDDEN = 2048
 

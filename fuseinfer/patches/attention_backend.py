@@ -24,7 +24,7 @@ from ..ops.flash_attention import INSTALL_HINT, fa_supports, flash_attention, lo
 ATTR = "_fuseinfer_attn_backends"  # on each attention module while patched: {"prefill": name, "decode": name}
 PHASES = ("prefill", "decode")
 
-# (phase, head_dim) -> "flash_attn" where bench/results/attention*.json measured flash-attn-4 faster than our kernel
+# (phase, head_dim) -> "flash_attn" where bench/results/<gpu>/attention*.json measured flash-attn-4 faster than our kernel
 # over that class's shapes (bench_attention.py prints the rows to copy here). No H100 measurement yet: empty.
 AUTO_TABLE: dict[tuple[str, int], str] = {}
 

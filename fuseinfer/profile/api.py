@@ -257,7 +257,7 @@ def profile(model, backend: str | None = None, phase: str = "prefill", *, compar
         # every backend's unprofiled steps first, before any profiler session in this process: a finished
         # torch.profiler session can leave CUPTI attached (pytorch/pytorch#144455: no cuptiFinalize unless
         # TEARDOWN_CUPTI=1), which slows later launches -- the eager decode step timed after fuseinfer's profile was
-        # 47 ms against the eval's 8 ms on the H200 (bench/results/profile/check_decode.log)
+        # 47 ms against the eval's 8 ms on the H200 (docs/history.md, "Profiler (H200)")
         unprofiled = [_time_backend(cls, ctx, ui) for cls in classes]
         profiles = [_profile_backend(cls, ctx, ceilings, out_dir, ui, u) for cls, u in zip(classes, unprofiled)]
     result = ProfileResult(settings=asdict(s), environment=environment(ctx.device), ceilings=ceilings,

@@ -218,7 +218,7 @@ def test_linear_chain_waits_for_its_input(m):
 def test_gemv_requests_its_weights_before_the_pdl_wait():
     """The skinny GEMV's first two k-blocks of weights are loaded before griddepcontrol.wait (ACQBULK in sm_90
     SASS), so that they stream while the kernel before finishes. ptxas once sank the first k-block's loads below the
-    wait after an unrelated source change in the epilogue (4-13 points of copy lost, docs/notes.md); this reads the built
+    wait after an unrelated source change in the epilogue (4-13 points of copy lost, docs/history.md); this reads the built
     kernels' SASS so that such a change fails here and not only in a benchmark."""
     import re
     import shutil
