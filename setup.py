@@ -246,7 +246,7 @@ def cuda_extension(mode: str):
                                  os.path.join(HERE, "build", "cuda-link"))
         # the wgmma kernel only where an sm_90 GPU is sure to load the sm_90a code (no plain 9.0 beside it)
         sm90a = "9.0a" in archs and "9.0" not in archs
-        want_cutlass = sm90a and os.environ.get("FUSEINFER_CUTLASS", "auto").lower() not in ("0", "off")
+        want_cutlass = sm90a and os.environ.get("FUSEINFER_CUTLASS", "auto").lower() != "0"
         cutlass = cutlass_include_dirs() if want_cutlass else []
     except BuildError as exc:
         raise SystemExit(failure(*exc.args)) from None
