@@ -42,6 +42,7 @@ python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda"
 for stage in "${stages[@]}"; do
   case $stage in
     build)
+      find_cutlass || finish 1  # (the sm_90a build stops without CUTLASS's headers)
       run build python3 -m pip install --no-deps --no-build-isolation --no-index -e . || finish 1
       # a build that does not import is a failed build (fuseinfer would quietly run its references)
       run import python3 -c 'import fuseinfer._C' || finish 1 ;;

@@ -56,6 +56,7 @@ build_wheel() {
   # nvidia-cutlass's own run-time dependencies (cuda-python, scipy, ...), which header-only use never imports
   python3 -m venv --system-site-packages "$WORK/buildenv" &&
     "$WORK/buildenv/bin/python" -m pip install -q --no-index --no-deps "$REPO"/.whl/*.whl || return 1
+  # (nvidia-cutlass is installed in buildenv: no FUSEINFER_CUTLASS_DIR needed)
   (cd "$WORK/src" && FUSEINFER_BUILD_CUDA=$BUILD_CUDA "$WORK/buildenv/bin/python" -m build --wheel --no-isolation -x \
     --outdir "$WORK/dist") || return 1
   local whl
