@@ -6,6 +6,10 @@ set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 shared="${FUSEINFER_SHARED:-$repo/../shared}"
 out="${OUT_DIR:-/tmp/fuseinfer-eval-tiny}"
+if [ ! -f "$shared/models/opt-wt2-tiny/config.json" ]; then
+  echo "error: the shared tiny OPT is not at $shared/models/opt-wt2-tiny: set FUSEINFER_SHARED to the folder holding models/ and data/" >&2
+  exit 2
+fi
 plot=()  # the plot needs matplotlib (pip install -e ".[plot]"); without it the run writes the other two files
 python -c 'import matplotlib' 2>/dev/null && plot=(--plot "$out/plot.png")
 python -m fuseinfer.eval \

@@ -16,8 +16,20 @@ path = sys.argv[1] if len(sys.argv) > 1 else default
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.float16 if device == "cuda" else torch.float32
 
-tok = AutoTokenizer.from_pretrained(path, padding_side="left")
-model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+def fail(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+if len(sys.argv) == 1 and not os.path.isfile(os.path.join(path, "config.json")):
+    fail(f"no model given and the shared tiny OPT is not at {os.path.abspath(path)}: pass a model "
+         "(python examples/quickstart.py facebook/opt-125m) or set FUSEINFER_SHARED to the folder holding models/")
+try:
+    tok = AutoTokenizer.from_pretrained(path, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+except (OSError, ValueError) as exc:  # (no such folder or hub id, no network, not a causal LM)
+    fail(f"cannot load {path!r}: {str(exc).strip().splitlines()[0]}")
 enc = tok(["The tower is", "In 1990 , the band released"], return_tensors="pt", padding=True).to(device)
 
 with torch.no_grad():

@@ -1,11 +1,16 @@
 """Loads the optional CUDA extension ``fuseinfer._C`` and says whether a CUDA kernel can serve a tensor.
 
 Importing fuseinfer never fails because the extension is missing: without it every op runs its PyTorch
-reference, and the patch report says so.
+reference, and the patch report says so. Why it is missing comes from ``_build_info.json``, which setup.py writes
+into the package (pip shows setup.py's own output only when the build fails): ``extension_status()`` reports it, and
+the first op asked to run on a GPU without the kernels warns once.
 """
 from __future__ import annotations
 
 import importlib
+import json
+import warnings
+from pathlib import Path
 
 import torch
 
@@ -14,6 +19,26 @@ from . import knobs
 _ext = None
 _load_error: str | None = None
 _no_kernels: dict[int, str | None] = {}  # CUDA device index -> None (the kernels run there) or why not
+_warned = False
+BUILD_INFO = Path(__file__).with_name("_build_info.json")
+
+
+def build_info() -> dict:
+    """What setup.py decided when this copy was installed ({"built": bool, "reason": ..., "cuda_arch": ...,
+    "cutlass": ...}), or {} for a source tree never built or a file that does not read as that."""
+    try:
+        info = json.loads(BUILD_INFO.read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) and isinstance(info.get("built"), bool) else {}
+
+
+def _missing_reason(exc: ImportError) -> str:
+    """Why fuseinfer._C did not import: the build's own reason when it was not built, else the import error."""
+    info = build_info()
+    if info.get("built") is False:
+        return f"not built: {info.get('reason', 'no reason recorded')} (see README: Install)"
+    return f"fuseinfer._C is not built ({exc})"
 
 
 def extension(device: torch.device | None = None):
@@ -27,15 +52,26 @@ def extension(device: torch.device | None = None):
             try:
                 _ext = importlib.import_module("fuseinfer._C")
             except ImportError as exc:
-                _load_error = f"fuseinfer._C is not built ({exc})"
+                _load_error = _missing_reason(exc)
             else:
                 knobs.attach(_ext)  # the extension's run-time switches come from fuseinfer/knobs.py
+    if _ext is None and device is not None and device.type == "cuda":
+        _warn_once(_load_error)
     if _ext is not None and device is not None and device.type == "cuda":
         # once asked, one dict lookup per op call
         reason = _no_kernels[device.index] if device.index in _no_kernels else _no_kernels_reason(device)
         if reason:
             return None
     return _ext
+
+
+def _warn_once(reason: str | None) -> None:
+    """One warning per process that ops on a GPU run their PyTorch references (a silent slow path otherwise)."""
+    global _warned
+    if not _warned and knobs.get("FUSEINFER_DISABLE_CUDA") != "1":
+        _warned = True
+        warnings.warn(f"fuseinfer: the CUDA extension is absent ({reason}); ops on the GPU run their PyTorch "
+                      "references, slower than the unpatched model", RuntimeWarning, stacklevel=3)
 
 
 def _no_kernels_reason(device: torch.device) -> str | None:

@@ -27,11 +27,14 @@ class Knob:
 
 KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("FUSEINFER_BUILD_CUDA", "auto", "build",
-         "`auto`: build the CUDA extension when torch has CUDA and nvcc is found; `1`: build it or fail; `0`: never",
-         ("auto", "0", "1")),
-    Knob("FUSEINFER_CUDA_ARCH", "TORCH_CUDA_ARCH_LIST if set, else 9.0a", "build",
+         "`auto`: build the CUDA extension when torch has CUDA, nvcc is found and a GPU is visible or "
+         "`FUSEINFER_CUDA_ARCH` is given; `1`: build it or fail; `0`: never", ("auto", "0", "1")),
+    Knob("FUSEINFER_CUDA_ARCH", "TORCH_CUDA_ARCH_LIST if set, else the visible GPUs' (9.0a on H100/H200)", "build",
          "compute capabilities to compile for (`;`-separated), e.g. `8.0;9.0a`; the wgmma kernels need `9.0a` "
          "and no plain `9.0` beside it"),
+    Knob("FUSEINFER_CUTLASS", "auto", "build",
+         "`auto`: a build for `9.0a` needs CUTLASS's headers (the W8A8 int8 GEMM) and stops without them; `0`: build "
+         "without that GEMM (W8A8 prefill then runs `torch._int_mm`, slower than fp16)", ("auto", "0")),
     Knob("FUSEINFER_CUTLASS_DIR", "the installed nvidia-cutlass package", "build",
          "CUTLASS include directory for the sm_90 int8 GEMM"),
     Knob("FUSEINFER_DISABLE_CUDA", "0", "import", "`1`: ignore a built extension (every op runs its reference)",

@@ -3,10 +3,11 @@
 #
 #   bash tools/gpu_check.sh [stage ...]     stages: build gputest test sanitize bench decode eval e2e ppl interference
 #                                           and the features' export profile int8 w8a8 generate prefill multigpu flashattn
-#                                           (tools/gpu_stage_<name>.sh) (default: build test sanitize)
+#                                           wheel (tools/gpu_stage_<name>.sh) (default: build test sanitize)
 #
 # Needs the shared assets copied to .gpu_assets/ (git-ignored; tools/stage_gpu_assets.sh does it) and named in
-# the device call's `carry`. Logs and results go to $OUT (default /tmp/fuseinfer-gpu), one file per stage.
+# the device call's `carry`; the wheel stage also needs .whl/ (tools/stage_wheel_assets.sh). Logs and results go
+# to $OUT (default /tmp/fuseinfer-gpu), one file per stage.
 # FUSEINFER_GPU_TRANSFORMERS=path/to/transformers-*.whl runs every stage under that transformers instead of the
 # machine's (installed without dependencies into /tmp/fuseinfer-transformers, put first on PYTHONPATH; the
 # machine's huggingface_hub and tokenizers must satisfy it). stage_gpu_assets.sh downloads the wheel.
@@ -41,6 +42,7 @@ python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda"
 for stage in "${stages[@]}"; do
   case $stage in
     build)
+      find_cutlass || finish 1  # (the sm_90a build stops without CUTLASS's headers)
       run build python3 -m pip install --no-deps --no-build-isolation --no-index -e . || finish 1
       # a build that does not import is a failed build (fuseinfer would quietly run its references)
       run import python3 -c 'import fuseinfer._C' || finish 1 ;;
@@ -83,7 +85,7 @@ for stage in "${stages[@]}"; do
       run ppl python3 -m fuseinfer.eval --model "$FUSEINFER_SHARED/models/opt-wt2-tiny" --dtype fp16 \
         --backends eager,compile,fuseinfer --data-dir "$FUSEINFER_SHARED/data/wikitext-2-raw" \
         --output "$FUSEINFER_BENCH_DIR/eval_opt-wt2-tiny_fp16_ppl.json" --markdown "$FUSEINFER_BENCH_DIR/eval_opt-wt2-tiny_fp16_ppl.md" ;;
-    export|profile|int8|w8a8|generate|prefill|multigpu|flashattn)  # a feature's stage: tools/gpu_stage_<name>.sh
+    export|profile|int8|w8a8|generate|prefill|multigpu|flashattn|wheel)  # a feature's stage: tools/gpu_stage_<name>.sh
       mkdir -p "$OUT/$stage"
       run "stage_$stage" env OUT="$OUT/$stage" bash "tools/gpu_stage_$stage.sh" ;;
     interference) run interference python3 tools/compile_interference.py ;;

@@ -34,6 +34,7 @@ export FUSEINFER_BENCH_DIR=${FUSEINFER_BENCH_DIR:-$W/bench} PYTHONPATH=$PWD${PYT
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(cutlass build sanitize outlier paths bench e2e)
 status=0
+. tools/gpu_run.sh  # find_cutlass; the run below replaces its run (this one also appends to times.log)
 
 run() {  # run NAME CMD...: logs to $W/NAME.log, remembers failure
   local name=$1; shift
@@ -50,20 +51,6 @@ finish() {  # pack $W into $OUT/w8a8.tar.gz, print the verdict, exit
   (cd "$OUT" && tar czf w8a8.tar.gz w8a8 && rm -rf w8a8)
   echo "gpu_stage_w8a8: $([ "$1" -eq 0 ] && echo PASS || echo FAIL) (stages: ${stages[*]}); results in $OUT/w8a8.tar.gz"
   exit "$1"
-}
-
-find_cutlass() {  # exports FUSEINFER_CUTLASS_DIR from the carried wheel when no CUTLASS is set or installed
-  if [ -n "${FUSEINFER_CUTLASS_DIR:-}" ]; then echo "CUTLASS: $FUSEINFER_CUTLASS_DIR"; return 0; fi
-  if python3 -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("cutlass_library") is None)'; then
-    echo "CUTLASS: the installed nvidia-cutlass package"; return 0
-  fi
-  local whl
-  whl=$(ls .whl/nvidia_cutlass-*.whl 2>/dev/null | head -1)
-  if [ -z "$whl" ]; then echo "no CUTLASS: carry .whl/nvidia_cutlass-*.whl or set FUSEINFER_CUTLASS_DIR"; return 1; fi
-  # a wheel is a zip: unpacking it is all `pip install --no-deps --target` would do for these headers
-  [ -f /tmp/cutlass/cutlass_library/source/include/cutlass/cutlass.h ] || python3 -m zipfile -e "$whl" /tmp/cutlass
-  export FUSEINFER_CUTLASS_DIR=/tmp/cutlass
-  echo "CUTLASS: $whl unpacked in $FUSEINFER_CUTLASS_DIR"
 }
 
 e2e_eval() {  # e2e_eval MODEL BACKENDS: prefill 1x2047 (+ 1 decoded) in one eval run; a W8A8 row that failed (no

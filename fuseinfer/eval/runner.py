@@ -28,9 +28,11 @@ from .timing import (
     StepClock,
     allocated_mib,
     copy_bandwidth_gbps,
+    cpu_threads,
     free_memory,
     peak_memory,
     reset_peak,
+    spread_warnings,
     summarize,
     synchronize,
     time_call,
@@ -409,11 +411,18 @@ def run(settings: Settings, ui) -> dict:
     s = plan.settings
     rows, tokens, stats = {}, {}, None
     # every CUDA call of the run (streams, events, graphs, kernels) on the chosen GPU, e.g. --device cuda:1
-    with torch.cuda.device(plan.device) if plan.device.type == "cuda" else contextlib.nullcontext():
+    with torch.cuda.device(plan.device) if plan.device.type == "cuda" else contextlib.nullcontext(), \
+            cpu_threads(plan.device) as threads:
+        if threads:
+            ui.info(threads)
+        env = environment(plan.device)  # (cpu_threads: the count the timings ran at)
         copy_gbps = None if s.skip_latency else copy_bandwidth_gbps(plan.device)
         for name in s.backends:
             rows[name], backend_stats, tokens[name] = run_backend(_tp_backend(BACKENDS[name], s.tp), plan, ui)
             stats = stats or backend_stats
+    for message in spread_warnings(rows):
+        ui.warn(message)
+        plan.warnings.append(message)
     for name, row in rows.items():
         if stats is not None:  # (a backend that stores weights differently, e.g. int8, states its bytes per token)
             own = replace(stats, weight_bytes_per_token=row["weight_bytes_per_token"]) \
@@ -422,5 +431,5 @@ def run(settings: Settings, ui) -> dict:
         if name != "eager":
             row["greedy_match_eager"] = _greedy_match(tokens[name], tokens.get("eager"))
     return {"schema": "fuseinfer.eval/1", "settings": {**asdict(s), "seq_len": plan.seq_len},
-            "environment": environment(plan.device), "model": _model_info(plan, stats), "data": plan.data_info,
+            "environment": env, "model": _model_info(plan, stats), "data": plan.data_info,
             "ppl_note": plan.ppl_note, "copy_gbps": copy_gbps, "warnings": list(plan.warnings), "backends": rows}

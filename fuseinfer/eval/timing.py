@@ -1,16 +1,21 @@
 """Timing and memory: CUDA events on GPU, ``time.perf_counter`` on CPU; peak memory from the caching allocator.
 
-All times are milliseconds. A series is summarised as its median with the 10th and 90th percentiles.
+All times are milliseconds. A series is summarised as its median with the 10th and 90th percentiles; a series whose
+spread is wide gets a warning (``spread_warnings``). On CPU the run pins torch to one thread (``cpu_threads``): on a
+loaded machine the thread pool's waits made identical runs differ by 1000x in their ratios.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
 import time
 from typing import Callable
 
 import torch
 
 MIB = 2**20
+WIDE_SPREAD = 0.5  # (p90 - p10) / median above which a timing is reported as noisy
 
 
 class StepClock:
@@ -58,6 +63,39 @@ def summarize(times_ms: list[float]) -> dict:
     """{"median", "p10", "p90", "n"} of a series of milliseconds."""
     q = torch.tensor(times_ms, dtype=torch.float64).quantile(torch.tensor([0.5, 0.1, 0.9], dtype=torch.float64))
     return {"median": q[0].item(), "p10": q[1].item(), "p90": q[2].item(), "n": len(times_ms)}
+
+
+def spread_warnings(rows: dict, keys=("prefill_ms", "decode_ms_per_token")) -> list[str]:
+    """One line per backend timing (``rows[name][key]``, a ``summarize`` dict) whose p10-p90 spread exceeds
+    WIDE_SPREAD of its median: ratios between such rows are not to be trusted."""
+    out = []
+    for name, row in rows.items():
+        for key in keys:
+            stats = row.get(key) or {}
+            median = stats.get("median") or 0
+            if median > 0 and (stats["p90"] - stats["p10"]) / median > WIDE_SPREAD:
+                out.append(f"{name} {key}: p10-p90 spread {stats['p10']:.3g}-{stats['p90']:.3g} ms around a median "
+                           f"of {median:.3g} ms: the machine is busy, so the ratios are unreliable; rerun on an idle "
+                           "machine or with more --repeats")
+    return out
+
+
+@contextlib.contextmanager
+def cpu_threads(device: torch.device):
+    """On CPU, torch at one thread while the block runs (unless OMP_NUM_THREADS sets the count); yields the line
+    that says so for the report, or None on a GPU."""
+    if device.type != "cpu":
+        yield None
+        return
+    before = torch.get_num_threads()
+    threads = int(os.environ["OMP_NUM_THREADS"]) if os.environ.get("OMP_NUM_THREADS", "").isdigit() else 1
+    torch.set_num_threads(max(1, threads))
+    try:
+        yield (f"CPU timings at {torch.get_num_threads()} torch thread(s) "
+               f"({'OMP_NUM_THREADS' if threads != 1 or 'OMP_NUM_THREADS' in os.environ else 'default'}; "
+               "set OMP_NUM_THREADS for another count)")
+    finally:
+        torch.set_num_threads(before)
 
 
 def _copy_ms(device: torch.device, nbytes: int, repeats: int) -> float:

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--int8", action="store_true", help="not supported yet (refused with a message)")
     o.add_argument("--seed", type=int, default=0, help="seed of random: weights (as in fuseinfer.eval)")
     o.add_argument("--overwrite", action="store_true")
-    t = sub.add_parser("tensorrt", help="TensorRT engine from a --plain ONNX export (never run on our machines)")
+    t = sub.add_parser("tensorrt", help="TensorRT engine from a --plain ONNX export (not yet run: written against TensorRT's documented API)")
     t.add_argument("--onnx", required=True, help="directory written by 'onnx --plain'")
     t.add_argument("--out", required=True, help="engine file, e.g. model.plan")
     t.add_argument("--fp16", action="store_true")

@@ -146,7 +146,7 @@ class OrtPlainBackend(OrtBackend):
 class TensorRTBackend(Backend):
     """The plain ONNX export built into a TensorRT engine and run with execute_async_v3.
 
-    Written against TensorRT's documented Python API; never run on our machines (TensorRT cannot be installed
+    Written against TensorRT's documented Python API; never run (TensorRT could not be installed
     there). Without ``tensorrt`` the eval reports the install hint in this row."""
 
     name = "tensorrt"

@@ -97,6 +97,29 @@ def w8a8_unavailable_reason(device: torch.device) -> str:
     return _unavailable[device.index if device.index is not None else torch.cuda.current_device()]
 
 
+SLOW_ON_SM90 = "slower than fp16 on this GPU"
+
+
+def w8a8_gemm_note(device: torch.device, out_dtype: torch.dtype = torch.float16) -> str:
+    """One line for the patch report and the eval's notes: the GEMM a W8A8 linear's prefill runs on ``device`` and,
+    for the torch._int_mm fallback on an sm_90 GPU (measured slower than the fp16 GEMMs it replaces), the fix."""
+    backend = w8a8_backend(device, out_dtype)
+    if backend == "cutlass-sm90":
+        return "W8A8 GEMM: CUTLASS sm_90 int8"
+    if backend == "reference":
+        return f"W8A8 GEMM: PyTorch reference ({device.type}: exact integer products, slow)"
+    if out_dtype not in KERNEL_OUT_DTYPES:
+        why, fix = f"{out_dtype} output: the kernel writes fp16/bf16", "run the model in fp16 or bf16"
+    else:
+        why = w8a8_unavailable_reason(device)
+        fix = ("reinstall fuseinfer with its CUDA extension built" if extension(device) is None else
+               "pip install nvidia-cutlass, then reinstall fuseinfer (pip install --no-build-isolation ...)")
+    line = f"W8A8 GEMM: torch._int_mm fallback ({why})"
+    if torch.cuda.get_device_capability(device) == (9, 0):
+        line += f"; {SLOW_ON_SM90}" + ("" if "pip install" in why else f": {fix}")  # (the stub's reason names it)
+    return line
+
+
 @torch.library.custom_op("fuseinfer::w8a8_linear", mutates_args=())
 def _w8a8_linear(
     x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,

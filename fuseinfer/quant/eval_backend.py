@@ -7,6 +7,7 @@ from __future__ import annotations
 import fuseinfer
 
 from ..eval.backends import FuseInferBackend
+from ..ops.int8_gemm import w8a8_gemm_note
 
 
 def weight_bytes_per_token(model) -> int:
@@ -113,7 +114,9 @@ class FuseInferW8A8Backend(FuseInferW8A16Backend):
         else:
             path = (f"lean loop (FUSEINFER_PREFILL={mode()}: graphs on CUDA up to the auto limit)" if why is None
                     else f"patched modules ({why})")
-        return {**super().details(), "prefill_path": path,
+        param = None if self.model is None else next(self.model.parameters(), None)
+        gemm = quant.gemm if param is None else w8a8_gemm_note(param.device, self.model.dtype)
+        return {**super().details(), "prefill_path": path, "w8a8_gemm": gemm,
                 "quant_alpha": quant.smoothing.alpha if quant.smoothing else None,
                 "calibration_source": quant.calibration_source, "calibration_samples": quant.calibration_samples,
                 "calibration_seconds": round(seconds, 3)}

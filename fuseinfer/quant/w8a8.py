@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..errors import FuseInferError
+from ..ops.int8_gemm import w8a8_gemm_note
 from ..ops.quant import quantize_int8_ref, quantize_per_token
 from .linear import QuantizedLinear
 from .smoothquant import CalibrationStats, SmoothReport, W8A8Linear, _decoder_layers, calibrate, smooth, \
@@ -42,6 +43,8 @@ class W8A8Report(QuantReport):
     calibration_source: str = ""
     calibration_samples: int = 0
     calibration_seconds: float = 0.0  # 0 when the statistics were given
+    gemm: str = ""  # the GEMM the W8A8 linears run (ops.int8_gemm.w8a8_gemm_note), "" when not known yet
+
 
     def __str__(self) -> str:
         how = f"measured in {self.calibration_seconds:.2f} s" if self.calibration_seconds else "given"
@@ -49,6 +52,8 @@ class W8A8Report(QuantReport):
                  f"  calibration: {self.calibration_samples} sample(s) from {self.calibration_source} ({how})"]
         if self.smoothing is not None:
             lines += ["  " + line for line in self.smoothing.summary().splitlines()]
+        if self.gemm:
+            lines.append(f"  {self.gemm}")
         return "\n".join(lines)
 
 
@@ -198,6 +203,7 @@ def quantize_w8a8(model: nn.Module, config, report) -> W8A8State:
         _swap_in(state, t, new, w)
         after = new.weight_q.numel() + 4 * new.weight_scale.numel()
         qreport.entries.append(QuantEntry(t.name, tuple(new.weight_q.shape), before, after))
+    qreport.gemm = w8a8_gemm_note(w.device, w.dtype)
     report.quant = qreport
     return state
 

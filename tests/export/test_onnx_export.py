@@ -271,7 +271,7 @@ def test_stale_export_is_refused(tmp_path):
 # --- TensorRT: written against the documented API, never run on our machines
 
 HAS_TRT = importlib.util.find_spec("tensorrt") is not None
-NO_TRT = "TensorRT is not installed here (it cannot be on our machines); the TensorRT path was never run"
+NO_TRT = "TensorRT is not installed (the TensorRT path is written against its documented API and has not been run)"
 
 
 @pytest.mark.skipif(HAS_TRT, reason="tensorrt is installed: the real build runs in test_tensorrt_engine")

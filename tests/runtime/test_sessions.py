@@ -169,7 +169,7 @@ def test_alternating_call_styles_replay_without_recapture_cuda(tiny_model_path):
     from transformers import AutoModelForCausalLM
 
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (run tools/gpu_check.sh on the device)")
+        pytest.skip("needs a CUDA GPU")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float16).cuda().eval()
     fuseinfer.patch(model)
     ids = torch.randint(3, 8000, (2, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
