@@ -104,8 +104,10 @@ def _classes() -> tuple:
         def update_dtype(self, dtype):
             if dtype is not None and dtype != self.checked["dtype"]:
                 name = str(self.checked["dtype"]).replace("torch.", "")
-                raise FuseInferError(f"this fuseinfer checkpoint is {name} (its int8 scales were computed for it): "
-                                     f"load it with dtype=torch.{name} or dtype='auto', not {dtype}")
+                cli = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[name]
+                raise FuseInferError(f"this fuseinfer checkpoint is {name}, not {str(dtype).replace('torch.', '')} "
+                                     f"(its int8 scales were computed for it): load it in {name} (dtype="
+                                     f"torch.{name} or 'auto'; --dtype {cli} in the CLIs)")
             return self.checked["dtype"]
 
         def get_new_dtype(self, converter, param, dtype):
@@ -117,6 +119,10 @@ def _classes() -> tuple:
                 raise FuseInferError(f"a fuseinfer quantized checkpoint is one {WEIGHTS} (safetensors only); this "
                                      f"folder has {[str(f).rsplit('/', 1)[-1] for f in files]}")
             build_layout(model, self.checked)
+            tied = getattr(model, "all_tied_weights_keys", None)
+            if tied:  # a quantized LM head is no longer tied to the embeddings (it has no ``weight``)
+                names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+                model.all_tied_weights_keys = {t: s for t, s in tied.items() if t in names and s in names}
             check_tensors(files[0], model, self.checked)
             # the guard stays unexpected for transformers' report, silently
             model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | {
