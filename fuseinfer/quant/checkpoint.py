@@ -79,12 +79,13 @@ def save_quantized(model, directory) -> Path:
     digest = {}
 
     def write_weights(tmp: Path) -> None:
-        save_file(tensors, str(tmp), metadata={"format": "pt", "quant_method": QUANT_METHOD})
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
         digest[HASH_FIELD] = weights_digest(tmp)  # of the bytes written, read back
 
     config = model.config.to_dict()
     config.pop("_attn_implementation_internal", None)
     config["_attn_implementation"] = None
+    config["dtype"] = quant["dtype"]  # (else transformers would open the weights to find it, before the quantizer)
     _write_atomic(directory / WEIGHTS, write_weights)
     config[CONFIG_KEY] = {**quant, **digest}
     # (a crash between the two writes leaves a config whose hash does not match the weights: refused on load)
