@@ -97,7 +97,8 @@ def _classes() -> tuple:
 
         def validate_environment(self, *args, device_map=None, **kwargs):
             places = set(device_map.values()) if isinstance(device_map, dict) else set()
-            if len(places) > 1 or isinstance(device_map, str) and device_map not in ("cpu", "cuda"):
+            spread = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate may split the model
+            if len(places) > 1 or isinstance(device_map, str) and device_map in spread:
                 raise FuseInferError(f"a fuseinfer quantized checkpoint loads onto one device: pass device_map="
                                      f"{{'': 'cuda'}} (or none), not {device_map!r}")
 
