@@ -115,12 +115,24 @@ def _rewrite(path: Path, change) -> None:
     _edit_config(path, lambda q: q.__setitem__(HASH_FIELD, digest))
 
 
+def _draw_tensor(saved: Path, data) -> tuple[dict, str]:
+    """The stored header and one stored tensor's name (not the guard)."""
+    header, _ = read_header(saved / WEIGHTS)
+    guard = json.loads((saved / "config.json").read_text())["quantization_config"]["plain_load_guard"]
+    return header, data.draw(st.sampled_from(sorted(set(header) - {guard})), label="tensor")
+
+
+def _refused_after_rewrite(saved: Path, change, *words) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _copy(saved, tmp)
+        _rewrite(path, change)
+        _refused_everywhere(path, *words)
+
+
 @FEW
 @given(data=st.data())
 def test_tensors_of_a_wrong_dtype_or_shape(saved, data):
-    header, _ = read_header(saved / WEIGHTS)
-    guard = json.loads((saved / "config.json").read_text())["quantization_config"]["plain_load_guard"]
-    name = data.draw(st.sampled_from(sorted(set(header) - {guard})), label="tensor")
+    header, name = _draw_tensor(saved, data)
     kind = data.draw(st.sampled_from(["dtype", "shape"]), label="kind")
     if kind == "dtype":
         stored = header[name]["dtype"]
@@ -131,29 +143,21 @@ def test_tensors_of_a_wrong_dtype_or_shape(saved, data):
         words = (name, "the model needs")
     else:
         grow = data.draw(st.integers(1, 3), label="grow")
-        change = lambda t: t.__setitem__(name, torch.cat([t[name].reshape(-1)] * (grow + 1))[:t[name].numel() + grow])  # noqa: E731,E501
+        change = lambda t: t.__setitem__(name, torch.cat([t[name].reshape(-1)] * 4)[:t[name].numel() + grow])  # noqa: E731
         words = (name, "has shape")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = _copy(saved, tmp)
-        _rewrite(path, change)
-        _refused_everywhere(path, *words)
+    _refused_after_rewrite(saved, change, *words)
 
 
 @FEW
 @given(data=st.data())
 def test_missing_and_extra_tensors(saved, data):
-    header, _ = read_header(saved / WEIGHTS)
-    guard = json.loads((saved / "config.json").read_text())["quantization_config"]["plain_load_guard"]
-    name = data.draw(st.sampled_from(sorted(set(header) - {guard})), label="tensor")
+    _, name = _draw_tensor(saved, data)
     if data.draw(st.booleans(), label="drop"):
         change, words = (lambda t: t.pop(name)), ("missing",)
     else:
         extra = name + data.draw(st.sampled_from(["_extra", ".x", "2"]), label="suffix")
         change, words = (lambda t: t.__setitem__(extra, torch.zeros(2))), ("unexpected", extra)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = _copy(saved, tmp)
-        _rewrite(path, change)
-        _refused_everywhere(path, *words)
+    _refused_after_rewrite(saved, change, *words)
 
 
 @FEW
