@@ -139,11 +139,13 @@ def test_tensors_of_a_wrong_dtype_or_shape(saved, data):
         dtype = data.draw(st.sampled_from([d for d, s in [(torch.float32, "F32"), (torch.int32, "I32"),
                                                           (torch.uint8, "U8"), (torch.float16, "F16"),
                                                           (torch.int8, "I8")] if s != stored]), label="dtype")
-        change = lambda t: t.__setitem__(name, t[name].to(dtype))  # noqa: E731
+        def change(t):
+            t[name] = t[name].to(dtype)
         words = (name, "the model needs")
     else:
         grow = data.draw(st.integers(1, 3), label="grow")
-        change = lambda t: t.__setitem__(name, torch.cat([t[name].reshape(-1)] * 4)[:t[name].numel() + grow])  # noqa: E731
+        def change(t):
+            t[name] = torch.cat([t[name].reshape(-1)] * 4)[:t[name].numel() + grow]
         words = (name, "has shape")
     _refused_after_rewrite(saved, change, *words)
 

@@ -139,3 +139,30 @@ def test_clis_refuse_a_quantized_folder_in_one_line(tmp_path, capsys, cli):
     err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("warning:")]
     assert rc == 2 and len(err) == 1 and err[0].startswith("error:")
     assert "fuseinfer quantized checkpoint (int8_weight_only)" in err[0] and "unquantized model" in err[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["int8", "w8a8"])
+def test_from_pretrained_onto_the_gpu(tiny_model_path, tmp_path, scheme):
+    """fp16 on CUDA: from_pretrained(device_map={"": "cuda"}) gives the saved model's tensors and greedy logits, and
+    the same model as load_quantized(device="cuda")."""
+    from transformers import AutoModelForCausalLM
+
+    model = _quantized(tiny_model_path, scheme)
+    model.save_pretrained(tmp_path / "f32")  # (the fp32 checkpoint is refused in fp16: the scales' dtype)
+    with pytest.raises(FuseInferError, match="--dtype fp32"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "f32", dtype=torch.float16, device_map={"": "cuda"})
+    fp16 = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float16).cuda().eval()
+    quant = Int8WeightOnly() if scheme == "int8" else SmoothQuantW8A8(
+        calibration=str(WIKITEXT / "wiki.valid.raw"), samples=2, seq_len=64)
+    fuseinfer.patch(fp16, PatchConfig(quant=quant))
+    fp16.save_pretrained(tmp_path / "f16")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "f16", device_map={"": "cuda"})
+    direct = fuseinfer.load_quantized(tmp_path / "f16", device="cuda")
+    a, b, c = fp16.state_dict(), loaded.state_dict(), direct.state_dict()
+    assert a.keys() == b.keys() == c.keys()
+    assert all(b[k].is_cuda and torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
+    ids = torch.randint(0, fp16.config.vocab_size, (2, 11), device="cuda")
+    with torch.no_grad():
+        assert torch.equal(fp16(ids).logits, loaded(ids).logits)
+        assert torch.equal(direct(ids).logits, loaded(ids).logits)
