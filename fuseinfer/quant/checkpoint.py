@@ -73,8 +73,8 @@ def save_quantized(model, directory) -> Path:
         raise FuseInferError("save_quantized needs a Hugging Face model with a config")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    quant = _record(model, state)
     tensors = _unique_tensors(model)
+    quant = _record(model, state, tensors)
     tensors[quant[GUARD_FIELD]] = torch.zeros(1, dtype=torch.int8)
     digest = {}
 
@@ -104,7 +104,7 @@ def _write_atomic(path: Path, write) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _record(model, state) -> dict:
+def _record(model, state, tensors: dict) -> dict:
     """The ``quantization_config`` of a patched quantized model (without the hash, computed once written)."""
     from .. import __version__
 
@@ -113,16 +113,20 @@ def _record(model, state) -> dict:
     return {
         "quant_method": QUANT_METHOD, **quant.describe(), "ops": list(state.config.ops), "modules": modules,
         "fuseinfer_version": __version__, "architectures": [type(model).__name__],
-        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), GUARD_FIELD: _guard_name(modules),
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        GUARD_FIELD: _guard_name(modules, tensors),
         **({"calibration_source": report.calibration_source, "calibration_samples": report.calibration_samples}
            if getattr(report, "calibration_source", "") else {}),
     }
 
 
-def _guard_name(modules: list[str]) -> str:
+def _guard_name(modules: list[str], tensors: dict) -> str:
     """A weight name of the plain model that the quantized one lacks (its linear is stored as int8 + scale)."""
-    plain = [m for m in modules if not m.endswith("qkv_proj")]
-    return f"{(plain or modules)[0]}.weight"
+    names = [f"{m}.weight" for m in modules if not m.endswith("qkv_proj") and f"{m}.weight" not in tensors]
+    if not names:
+        raise FuseInferError("save_quantized found no quantized linear of the plain model to mark the checkpoint "
+                             "with (this model's quantized modules are not OPT's)")
+    return names[0]
 
 
 def _unique_tensors(model) -> dict:
@@ -267,10 +271,10 @@ def _tensor_groups(model) -> list[list[str]]:
     return list({id(names): names for names in by_name.values()}.values())
 
 
-def check_tensors(path, model, checked: dict) -> dict:
-    """The stored tensors against the patched (meta) ``model``: every tensor present once (tied ones under any of
-    their names), none extra, each of the model's dtype and shape; then the content hash. Reads the file's header
-    and bytes only (no allocation); returns the header (name -> entry) without the guard."""
+def check_tensors(path, model, checked: dict) -> None:
+    """The stored tensors against the patched (meta) ``model``: every tensor present (tied ones under any of their
+    names), none extra, each of the model's dtype and shape; then the content hash. Reads the file's header and
+    bytes only (no allocation)."""
     header, _ = read_header(path)
     guard = header.pop(checked["guard"], None)
     if guard is None or guard["shape"] != [1]:
@@ -297,7 +301,6 @@ def check_tensors(path, model, checked: dict) -> dict:
     if weights_digest(path) != checked["digest"]:
         raise FuseInferError(f"{path} does not match the content hash in config.json (corrupted or changed since "
                              "it was saved): save the quantized model again")
-    return header
 
 
 def _tensor(model, name: str):

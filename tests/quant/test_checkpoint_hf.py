@@ -166,3 +166,16 @@ def test_from_pretrained_onto_the_gpu(tiny_model_path, tmp_path, scheme):
     with torch.no_grad():
         assert torch.equal(fp16(ids).logits, loaded(ids).logits)
         assert torch.equal(direct(ids).logits, loaded(ids).logits)
+
+
+@pytest.mark.parametrize("first", ["fuseinfer", "transformers"])
+def test_registration_in_either_import_order(first):
+    """import fuseinfer registers quant_method 'fuseinfer' without importing transformers itself (a one-shot
+    import hook registers when transformers' quantizer registry is imported), or at once if it already is."""
+    code = ("import sys\n"
+            + ("import fuseinfer\nassert 'transformers.quantizers.auto' not in sys.modules\n" if first == "fuseinfer"
+               else "import transformers.modeling_utils\nimport fuseinfer\n")
+            + "from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING as C, AUTO_QUANTIZER_MAPPING "
+              "as Q\nassert C['fuseinfer'].__name__ == 'FuseInferQuantizationConfig' and 'fuseinfer' in Q\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
