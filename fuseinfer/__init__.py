@@ -15,6 +15,10 @@ from .state import patch_report, patch_state
 
 __version__ = "0.2.0"
 
+from .quant.hf_quantizer import register as _register_quantizer  # noqa: E402  (quant_method "fuseinfer")
+
+_register_quantizer()
+
 __all__ = [
     "OPS", "FuseInferError", "Int8WeightOnly", "PatchConfig", "PatchReport", "QuantConfig", "SmoothQuantW8A8", "cuda_extension_available",
     "extension_status", "generate", "load_quantized", "patch", "patch_report", "patch_state", "prefill", "save_quantized",

@@ -93,7 +93,8 @@ def _load_failed(source: ModelSource, exc: Exception) -> EvalError:
 
 
 def load_config(source: ModelSource):
-    """The model's OPT config: built in for facebook/opt-* random models, else from the hub, cache or directory."""
+    """The model's OPT config: built in for facebook/opt-* random models, else from the hub, cache or directory
+    (not a fuseinfer quantized checkpoint: the eval and export CLIs start from the unquantized model)."""
     from transformers import AutoConfig, OPTConfig
 
     if source.random_weights and source.path in OPT_CONFIGS:
@@ -104,6 +105,11 @@ def load_config(source: ModelSource):
         raise _load_failed(source, exc) from None
     if config.model_type != "opt":
         raise EvalError(f"{source.path!r} is a {config.model_type!r} model; fuseinfer.eval measures OPT models")
+    quant = getattr(config, "quantization_config", None)
+    if isinstance(quant, dict) and quant.get("quant_method") == "fuseinfer":  # (it would load patched and int8)
+        raise EvalError(f"{source.path!r} is a fuseinfer quantized checkpoint ({quant.get('scheme')}): pass the "
+                        "unquantized model it came from (the fuseinfer-w8a16 / fuseinfer-w8a8 eval backends quantize "
+                        "it); load the checkpoint itself in Python with AutoModelForCausalLM.from_pretrained")
     return config
 
 

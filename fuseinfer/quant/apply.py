@@ -2,9 +2,12 @@
 
 ``quantize(config, model, report)`` quantizes a model the family has just patched, in place, adding to ``report``,
 and returns a state with ``check_undo()`` and ``undo(model)``; it raises FuseInferError, leaving the model as the
-family's patch left it, for input it cannot quantize.
+family's patch left it, for input it cannot quantize. A quantized model's ``save_pretrained`` (and so
+``push_to_hub``) writes the fuseinfer checkpoint (``quant/checkpoint.py``) until ``undo``.
 """
 from __future__ import annotations
+
+import weakref
 
 from ..errors import FuseInferError
 from .config import Int8WeightOnly, QuantConfig, SmoothQuantW8A8
@@ -19,4 +22,44 @@ def quantize(config: QuantConfig, model, report):
     if handler is None:
         raise FuseInferError(f"no quantizer for {type(config).__name__}; choose from "
                              f"{', '.join(c.__name__ for c in HANDLERS)}")
-    return handler(model, config, report)
+    state = handler(model, config, report)
+    if hasattr(model, "save_pretrained"):
+        object.__setattr__(model, "save_pretrained", SavePretrained(model))
+    return _Saving(state)
+
+
+class SavePretrained:
+    """A quantized model's ``save_pretrained(directory)``: ``fuseinfer.save_quantized`` (one file layout for both;
+    a weak reference, so the model does not keep itself alive)."""
+
+    # what transformers' push_to_hub passes, and values that change nothing in the one-file safetensors layout
+    _IGNORED = {"max_shard_size", "is_main_process", "token"}
+    _DEFAULTS = {"safe_serialization": True, "push_to_hub": False, "state_dict": None, "variant": None}
+
+    def __init__(self, model):
+        self._model = weakref.ref(model)
+
+    def __call__(self, save_directory, **kwargs):
+        from .checkpoint import save_quantized
+
+        bad = [k for k, v in kwargs.items() if k not in self._IGNORED and (k not in self._DEFAULTS
+                                                                          or v is not self._DEFAULTS[k])]
+        if bad:
+            raise FuseInferError(f"save_pretrained of a fuseinfer-quantized model writes config.json and one "
+                                 f"model.safetensors; it does not take {', '.join(bad)} (call model.push_to_hub "
+                                 f"to upload)")
+        save_quantized(self._model(), save_directory)
+
+
+class _Saving:
+    """The quantizer's undo state, which also gives the model back transformers' ``save_pretrained``."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def check_undo(self):
+        self.state.check_undo()
+
+    def undo(self, model):
+        model.__dict__.pop("save_pretrained", None)
+        self.state.undo(model)

@@ -18,7 +18,7 @@ def test_round_trip_gives_identical_logits_and_tensors(tmp_path, lm_head):
     ids = torch.randint(0, 512, (2, 9))
     fuseinfer.patch(model, PatchConfig(quant=Int8WeightOnly(include_lm_head=lm_head)))
     fuseinfer.save_quantized(model, tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())["fuseinfer_quantization"]
+    cfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert cfg["scheme"] == "int8_weight_only" and cfg["rounding"] == "half_to_even" and cfg["bits"] == 8
     assert cfg["include_lm_head"] is lm_head and "model.decoder.layers.0.self_attn.qkv_proj" in cfg["modules"]
     loaded = fuseinfer.load_quantized(tmp_path)
@@ -64,7 +64,7 @@ def test_refusals(tmp_path):
     with pytest.raises(FuseInferError, match="not a fuseinfer quantized checkpoint"):
         fuseinfer.load_quantized(tmp_path)
     model.save_pretrained(tmp_path, safe_serialization=True)
-    with pytest.raises(FuseInferError, match="not a fuseinfer quantized checkpoint|no 'fuseinfer_quantization'"):
+    with pytest.raises(FuseInferError, match="not a fuseinfer quantized checkpoint|no quantization_config"):
         fuseinfer.load_quantized(tmp_path)
 
 
@@ -79,7 +79,7 @@ def test_w8a8_round_trip_gives_identical_logits(tmp_path, monkeypatch):
     stats = sq.calibrate(model, ids=ids, samples=2, seq_len=128)
     fuseinfer.patch(model, PatchConfig(quant=SmoothQuantW8A8(alpha=0.5, calibration=stats)))
     fuseinfer.save_quantized(model, tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())["fuseinfer_quantization"]
+    cfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert cfg["scheme"] == "smoothquant_w8a8" and cfg["alpha"] == 0.5 and cfg["calibration_source"] == "token ids"
     import fuseinfer.quant.w8a8 as w8
 
