@@ -260,7 +260,7 @@ def test_stale_export_is_refused(tmp_path):
     to_onnx(model, tmp_path / "x")
     with pytest.raises(ExportError, match="another model configuration.*config hash"):
         OrtDecoder(tmp_path / "x", "cpu", model=random_opt(num_hidden_layers=3))
-    with pytest.raises(ExportError, match="other weights.*fingerprint"):
+    with pytest.raises(ExportError, match="other weights.*weights hash"):
         OrtDecoder(tmp_path / "x", "cpu", model=random_opt(seed=1))
     with pytest.raises(ExportError, match="'fused' flavour, 'plain' was asked"):
         OrtDecoder(tmp_path / "x", "cpu", model=model, flavour="plain")

@@ -228,9 +228,9 @@ def test_cli_unwritable_out_dir(capsys, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     err = _cli_error(capsys, "--model", "random:opt-125m", "--device", "cpu", "--out", str(blocker / "sub"))
-    assert "cannot write to --out" in err
+    assert "cannot write --out" in err
     err = _cli_error(capsys, "--model", "random:opt-125m", "--device", "cpu", "--out", str(blocker))
-    assert "it is a file" in err
+    assert "is a file" in err
 
 
 def test_cli_ncu_without_ncu(capsys, tmp_path, monkeypatch):
