@@ -97,7 +97,7 @@ def check_writable(path, *, folder: bool = False, marker: str | None = None, ove
             raise WriteError(f"cannot write {where}: it is the current folder or holds it; choose another {flag}")
     else:
         if p.is_dir():
-            raise WriteError(f"cannot write {where}: it is a folder; name a file")
+            raise WriteError(f"cannot write {where}: it is a folder; choose another path, naming a file")
         if p.exists() and not overwrite:
             raise WriteError(f"cannot write {where}: the file exists; pass --overwrite to replace it, or choose "
                              "another path")
