@@ -2,8 +2,9 @@
 
 ``ort`` / ``ort-plain``: export the loaded model (fused / plain flavour) into a temporary directory, or reuse an
 export under ``$FUSEINFER_ONNX_DIR`` (``--onnx-dir``) when its manifest matches the model (config hash, weights
-hash over every weight, flavour, dtype; manifests are read with the schema check of manifest.py), free the PyTorch model, and run with :class:`~fuseinfer.export.ort_runtime.OrtDecoder`
-(CUDA execution provider + IO binding on GPU, CPU provider on CPU).
+hash over every weight, flavour, dtype; manifests are read with the schema check of manifest.py), free the
+PyTorch model, and run with :class:`~fuseinfer.export.ort_runtime.OrtDecoder` (CUDA execution provider + IO
+binding on GPU, CPU provider on CPU).
 
 Memory: ONNX Runtime allocates through its own CUDA arena, which torch's peak counters (the eval's
 ``peak_memory`` column) cannot see. ``details()`` adds ``device_memory``: the GPU's used memory from

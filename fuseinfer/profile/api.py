@@ -225,8 +225,8 @@ def profile(model, backend: str | None = None, phase: str = "prefill", *, compar
     ``random:<name>`` -- or an ``nn.Module`` the caller loaded, patched or not) on ``backend``; ``compare``: a second
     backend (name, or another ``nn.Module``) profiled on the same inputs. Other settings: the fields of
     :class:`ProfileSettings`. With ``out`` every file is written there (report.py), atomically: a temporary sibling
-    folder renamed into place at the end; ``overwrite`` replaces an earlier profile (never another folder). Raises :class:`ProfileError` for
-    bad input, before anything is loaded."""
+    folder renamed into place at the end; ``overwrite`` replaces an earlier profile (never another folder).
+    Raises :class:`ProfileError` for bad input, before anything is loaded."""
     from . import report
     from .compare import compare_profiles
     from .hints import hints_for
