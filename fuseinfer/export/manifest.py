@@ -88,23 +88,25 @@ _WEIGHTS: dict = {}
 
 
 def _block_sums(t: torch.Tensor) -> bytes:
-    """The four weighted sums of every 65536-word block of ``t``'s bytes, computed on ``t``'s device."""
+    """The four weighted sums of every 65536-word block of ``t``'s bytes (the last block as if zero-padded),
+    computed on ``t``'s device."""
     raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
     if raw.numel() % 2:
         raw = torch.cat([raw, raw.new_zeros(1)])
     words = raw.view(torch.int16)
-    pad = -words.numel() % BLOCK
-    if pad:
-        words = torch.cat([words, words.new_zeros(pad)])  # zeros add nothing to a sum; the shape is hashed
-    blocks = words.view(-1, BLOCK)
     key = str(t.device)
     if key not in _WEIGHTS:
         _WEIGHTS[key] = _checksum_weights().to(t.device)
     w = _WEIGHTS[key]
+    full = words.numel() // BLOCK * BLOCK
+    blocks = words[:full].view(-1, BLOCK)
     sums = []
     for i in range(0, blocks.shape[0], _CHUNK_BLOCKS):
         x = blocks[i:i + _CHUNK_BLOCKS].to(torch.int64)
         sums.append(torch.stack([(x * w[k]).sum(1) for k in range(w.shape[0])], 1))  # (rows, 4)
+    if full < words.numel():  # zero padding would add nothing: the tail meets the first weights only
+        x = words[full:].to(torch.int64)
+        sums.append((w[:, :x.numel()] * x).sum(1).view(1, -1))
     return torch.cat(sums).cpu().numpy().tobytes()
 
 
