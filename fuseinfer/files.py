@@ -85,7 +85,11 @@ def check_writable(path, *, folder: bool = False, marker: str | None = None, ove
     if folder:
         if p.exists() and not p.is_dir():
             raise WriteError(f"cannot write {where}: it is a file, not a folder; choose another {flag}")
-        if p.is_dir() and any(p.iterdir()):
+        try:
+            holds = p.is_dir() and any(p.iterdir())
+        except OSError as exc:
+            raise WriteError(f"cannot write {where}: {exc.strerror or exc}; choose another {flag}") from None
+        if holds:
             owned = marker is not None and (p / marker).is_file()
             if not owned:
                 raise WriteError(f"cannot write {where}: the folder holds files fuseinfer did not write (no "
@@ -213,16 +217,9 @@ def atomic_file(path, *, overwrite: bool = False, flag: str = "--output"):
                 raise WriteError(f"{final}: the write ended without a file; nothing was replaced")
             if final.is_dir():
                 raise WriteError(f"cannot write {flag} {final}: it became a folder; choose another path")
-            os.chmod(tmp, 0o644 & ~_umask())  # as an ordinary new file, not a private temporary
             os.replace(tmp, final)
         finally:
             _remove(tmp)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def write_text(path, text: str, *, overwrite: bool = False, flag: str = "--output") -> Path:

@@ -112,7 +112,6 @@ def to_onnx(model, out_dir, flavour: str = "fused", dtype: torch.dtype | None = 
     cfg = model.config
     start = time.perf_counter()
     with files.atomic_dir(out_dir, marker=mf.MANIFEST, overwrite=overwrite) as tmp:
-        os.chmod(tmp, 0o755)  # an ordinary directory, read by other users' runtimes
         inputs, outputs = io_names(cfg.num_hidden_layers)
         dynamic = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "total_sequence"},
                    "logits": {0: "batch", 1: "kept_sequence"}}
