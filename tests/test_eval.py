@@ -474,3 +474,35 @@ def test_eval_without_arguments_runs_offline_on_cpu(tmp_path, monkeypatch):
     assert list(results["backends"]) == ["eager", "fuseinfer"]
     assert results["data"]["windows"] == 2 and results["backends"]["fuseinfer"]["ppl"] > 1
     assert any("correctness, not of speed" in w for w in results["warnings"])
+
+
+@pytest.mark.parametrize("flag, name", [("--output", "r.json"), ("--markdown", "r.md"), ("--plot", "r.png")])
+def test_existing_output_needs_overwrite(tmp_path, capsys, monkeypatch, flag, name):
+    monkeypatch.setattr("fuseinfer.eval.cli.run", _no_run)
+    (tmp_path / name).write_text("earlier results")
+    rc = main(["--model", "random:opt-125m", "--device", "cpu", flag, str(tmp_path / name)])
+    assert_one_line_error(capsys, rc, flag, "exists; pass --overwrite")
+    assert (tmp_path / name).read_text() == "earlier results"
+
+
+def test_overwrite_replaces_the_output_atomically(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "r.json"
+    out.write_text("earlier results")
+    monkeypatch.setattr("fuseinfer.eval.cli.run", lambda settings, ui: {"backends": {}, "new": 1})
+    monkeypatch.setattr("fuseinfer.eval.cli.print_table", lambda results, console: None)
+    assert main(["--model", "random:opt-125m", "--device", "cpu", "--output", str(out), "--overwrite"]) == 0
+    assert json.loads(out.read_text())["new"] == 1 and os.listdir(tmp_path) == ["r.json"]
+
+
+def test_output_appearing_during_the_run_is_not_overwritten(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "r.json"
+
+    def run_while_someone_writes(settings, ui):
+        out.write_text("another run's results")
+        return {"backends": {}}
+
+    monkeypatch.setattr("fuseinfer.eval.cli.run", run_while_someone_writes)
+    monkeypatch.setattr("fuseinfer.eval.cli.print_table", lambda results, console: None)
+    rc = main(["--model", "random:opt-125m", "--device", "cpu", "--output", str(out)])
+    assert_one_line_error(capsys, rc, "--output", "pass --overwrite")
+    assert out.read_text() == "another run's results"

@@ -12,7 +12,7 @@ import sys
 
 from rich.console import Console
 
-from .. import knobs
+from .. import files, knobs
 from .errors import EvalError
 from .models import SHORT_NAMES
 from .registry import BACKENDS
@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="write all results and settings as JSON here")
     p.add_argument("--markdown", help="write the table with settings and environment as Markdown here")
     p.add_argument("--plot", help="write a PNG of latency and memory per backend here")
+    p.add_argument("--overwrite", action="store_true", help="replace existing --output / --markdown / --plot files")
     p.add_argument("--debug", action="store_true", help="raise a backend's error instead of reporting it")
     p.add_argument("--onnx-dir", help="ort / ort-plain / tensorrt: keep and reuse exports here (sets "
                                       "$FUSEINFER_ONNX_DIR; default: a temporary export per run)")
@@ -98,6 +99,10 @@ def output_files(args: argparse.Namespace) -> list[tuple]:
         ("--output", args.output, write_json), ("--markdown", args.markdown, write_markdown),
         ("--plot", args.plot, write_plot)) if path]
     for flag, path, write in outputs:
+        try:
+            files.check_writable(path, overwrite=args.overwrite, flag=flag)
+        except files.WriteError as exc:
+            raise EvalError(str(exc)) from None
         problem = output_problem(path, plot=write is write_plot)
         if problem:
             raise EvalError(f"cannot write {flag} {path}: {problem}")
@@ -130,8 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         print_table(results, console if console.is_terminal else Console(width=160))
         for flag, path, write in outputs:
             try:
-                write(results, path)
-            except OSError as exc:  # what changed on disk during the run
+                write(results, path, overwrite=args.overwrite)
+            except files.WriteError as exc:  # what changed on disk during the run
+                raise EvalError(str(exc)) from None
+            except OSError as exc:
                 raise EvalError(f"cannot write {flag} {path}: {exc.strerror or exc}; choose another path") from None
             print(f"wrote {path}", file=sys.stderr)
     except EvalError as exc:

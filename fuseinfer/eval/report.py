@@ -1,15 +1,17 @@
 """Rendering results: the terminal table (rich), ``--output`` JSON, ``--markdown`` report and ``--plot`` figure,
-and ``output_problem``, which checks before the run that those files can be written."""
+each written atomically by fuseinfer.files (never over an earlier file unless told), and ``output_problem``, which
+checks before the run that the plot's format can be written."""
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+from .. import files
 
 HEADERS = ("backend", "PPL", "prefill ms", "decode ms/tok", "tok/s", "TFLOP/s", "GB/s", "peak MiB", "1st call s",
            "notes")
@@ -129,21 +131,21 @@ def print_table(results: dict, console: Console | None = None) -> None:
         console.print(line, style="dim", markup=False, highlight=False)
 
 
-def write_json(results: dict, path: str) -> None:
-    _parent(path).write_text(json.dumps(results, indent=2) + "\n")
+def write_json(results: dict, path: str, overwrite: bool = False) -> None:
+    files.write_text(path, json.dumps(results, indent=2) + "\n", overwrite=overwrite, flag="--output")
 
 
-def write_markdown(results: dict, path: str) -> None:
+def write_markdown(results: dict, path: str, overwrite: bool = False) -> None:
     """The same table as the terminal's, with the settings and environment."""
     lines = [f"# {_title(results)}", ""] + [f"- {line}" for line in settings_lines(results)] + [""]
     lines += ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     for row in results["backends"].values():
         cells = (cell.replace("|", "\\|") for cell in row_cells(row))
         lines.append("| " + " | ".join(cells) + " |")
-    _parent(path).write_text("\n".join(lines) + "\n")
+    files.write_text(path, "\n".join(lines) + "\n", overwrite=overwrite, flag="--markdown")
 
 
-def write_plot(results: dict, path: str) -> None:
+def write_plot(results: dict, path: str, overwrite: bool = False) -> None:
     """Prefill latency, decode ms/token (bars: median, whiskers: p10-p90) and peak memory per backend."""
     import matplotlib
 
@@ -172,26 +174,16 @@ def write_plot(results: dict, path: str) -> None:
     axes[2].set_title("peak memory MiB")
     fig.suptitle(_title(results), fontsize=9)
     fig.tight_layout()
-    fig.savefig(_parent(path), dpi=120)
-    plt.close(fig)
+    try:
+        with files.atomic_file(path, overwrite=overwrite, flag="--plot") as tmp:  # tmp keeps the suffix
+            fig.savefig(tmp, dpi=120)
+    finally:
+        plt.close(fig)
 
 
 def output_problem(path: str, plot: bool = False) -> str | None:
-    """Why the writers above cannot write ``path`` (``write_plot`` when ``plot``) and what to do, or None; a missing
-    folder is fine (they create it)."""
-    if os.path.isdir(path):
-        return "it is a folder; name a file"
-    if os.path.exists(path):
-        if not os.access(path, os.W_OK):
-            return "the file is not writable; choose another path"
-    else:
-        folder = os.path.dirname(os.path.abspath(path))
-        while not os.path.exists(folder):
-            folder = os.path.dirname(folder)
-        if not os.path.isdir(folder):
-            return f"{folder} is a file, not a folder; choose another path"
-        if not os.access(folder, os.W_OK | os.X_OK):
-            return f"the folder {folder} is not writable; choose another path"
+    """Why ``write_plot`` (``plot``) cannot write ``path``'s format and what to do, or None (whether the path
+    itself can be written is :func:`fuseinfer.files.check_writable`'s question)."""
     if not plot:
         return None
     if importlib.util.find_spec("matplotlib") is None:
@@ -202,10 +194,3 @@ def output_problem(path: str, plot: bool = False) -> str | None:
     if suffix and suffix not in FigureCanvasBase.get_supported_filetypes():
         return f"matplotlib cannot write .{suffix} files; use .png"
     return None
-
-
-def _parent(path: str) -> Path:
-    """``path`` as a Path whose folder exists."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    return p

@@ -9,9 +9,9 @@ docs/export.md.
 """
 from .errors import ExportError
 from .graph import FLAVOURS, DecoderGraph
-from .manifest import config_hash, weights_fingerprint
+from .manifest import config_hash, weights_hash
 from .onnx_export import to_onnx
 from .ort_runtime import OrtDecoder
 
 __all__ = ["ExportError", "FLAVOURS", "DecoderGraph", "OrtDecoder", "config_hash", "to_onnx",
-           "weights_fingerprint"]
+           "weights_hash"]

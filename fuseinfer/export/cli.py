@@ -3,8 +3,8 @@
     python -m fuseinfer.export onnx --model opt-1.3b --dtype fp16 --device cuda --out opt13b-onnx [--plain]
     python -m fuseinfer.export tensorrt --onnx opt13b-onnx-plain --out opt13b.plan --fp16
 
-Exit codes: 0 done, 2 bad input (unknown model, non-OPT model, existing --out without --overwrite, missing
-package), always as one ``error:`` line.
+Exit codes: 0 done, 2 bad input (unknown model, non-OPT model, existing --out without --overwrite, an --out that
+holds anything but an earlier export, unwritable --out, missing package), always as one ``error:`` line.
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     o = sub.add_parser("onnx", help="ONNX graph with a KV cache (+ fuseinfer_onnx.json)")
     o.add_argument("--model", required=True, help=f"short name ({', '.join(SHORT_NAMES)}), hub id, local "
                                                   "directory, or random:<name>")
-    o.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
+    o.add_argument("--out", required=True, help="output directory: new or empty; with --overwrite also an earlier "
+                                                "export (a folder holding anything else is never replaced)")
     o.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: fp16 on cuda, fp32 on cpu")
     o.add_argument("--device", default=None, help="cuda or cpu (default: cuda when visible)")
     flavour = o.add_mutually_exclusive_group()

@@ -2,8 +2,9 @@
 
 ``ort`` / ``ort-plain``: export the loaded model (fused / plain flavour) into a temporary directory, or reuse an
 export under ``$FUSEINFER_ONNX_DIR`` (``--onnx-dir``) when its manifest matches the model (config hash, weights
-fingerprint, flavour, dtype), free the PyTorch model, and run with :class:`~fuseinfer.export.ort_runtime.OrtDecoder`
-(CUDA execution provider + IO binding on GPU, CPU provider on CPU).
+hash over every weight, flavour, dtype; manifests are read with the schema check of manifest.py), free the
+PyTorch model, and run with :class:`~fuseinfer.export.ort_runtime.OrtDecoder` (CUDA execution provider + IO
+binding on GPU, CPU provider on CPU).
 
 Memory: ONNX Runtime allocates through its own CUDA arena, which torch's peak counters (the eval's
 ``peak_memory`` column) cannot see. ``details()`` adds ``device_memory``: the GPU's used memory from
@@ -32,22 +33,25 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
 
 
-def export_dir_for(model, flavour: str, dtype: torch.dtype) -> tuple[Path, bool]:
+def export_dir_for(model, flavour: str, dtype: torch.dtype, memo: dict | None = None) -> tuple[Path, bool]:
     """(directory to use, whether it is temporary): under $FUSEINFER_ONNX_DIR, one sub-directory per model,
-    flavour and dtype, reused across runs; else a fresh temporary directory."""
+    flavour and dtype, reused across runs; else a fresh temporary directory. ``memo``: see manifest.model_hash."""
     root = knobs.get(ONNX_DIR_ENV)
     if not root:
         return Path(tempfile.mkdtemp(prefix=f"fuseinfer-onnx-{flavour}-")) / "export", True
     root = Path(root).expanduser()
-    want = (mf.config_hash(model.config), mf.weights_fingerprint(model), flavour, mf.DTYPE_NAMES[dtype])
+    memo = {} if memo is None else memo
+    config = mf.config_hash(model.config)
     for found in sorted(root.glob(f"*/{mf.MANIFEST}")):  # e.g. one made by python -m fuseinfer.export --out
         try:
             m = mf.read(found.parent)
         except ExportError:
             continue
-        if (m["model"]["config_hash"], m["model"]["weights_fingerprint"], m["flavour"], m["dtype"]) == want:
+        if (m["model"]["config_hash"], m["flavour"], m["dtype"]) == (config, flavour, mf.DTYPE_NAMES[dtype]) \
+                and m["model"]["weights_hash"] == mf.model_hash(model, m, memo):
             return found.parent, False
-    return root / "-".join(want), False
+    digest = mf.model_hash(model, memo=memo).partition(":")[2][:16]
+    return root / "-".join((config, digest, flavour, mf.DTYPE_NAMES[dtype])), False
 
 
 class OrtBackend(Backend):
@@ -67,11 +71,12 @@ class OrtBackend(Backend):
         from .onnx_export import to_onnx
         from .ort_runtime import OrtDecoder, device_used_mib
 
-        directory, self._temporary = export_dir_for(self.model, self.flavour, self.dtype)
+        memo = {}  # one pass over the weights per hash method
+        directory, self._temporary = export_dir_for(self.model, self.flavour, self.dtype, memo)
         self.export_reused = (directory / mf.MANIFEST).is_file()
         if self.export_reused:
             mf.check_matches(mf.read(directory), directory, model=self.model, flavour=self.flavour,
-                             dtype=self.dtype)
+                             dtype=self.dtype, memo=memo)
             self.export_s = None
         else:
             self.export_s = to_onnx(self.model, directory, self.flavour, source=self.source.spec)["export_seconds"]
@@ -162,8 +167,12 @@ class TensorRTBackend(Backend):
         from .onnx_export import to_onnx
         from .tensorrt import TrtDecoder, build_engine
 
-        directory, self._temporary = export_dir_for(self.model, "plain", self.dtype)
-        if not (directory / mf.MANIFEST).is_file():
+        memo = {}
+        directory, self._temporary = export_dir_for(self.model, "plain", self.dtype, memo)
+        if (directory / mf.MANIFEST).is_file():
+            mf.check_matches(mf.read(directory), directory, model=self.model, flavour="plain", dtype=self.dtype,
+                             memo=memo)
+        else:
             to_onnx(self.model, directory, "plain", source=self.source.spec)
         self.directory = directory
         self.model = None

@@ -9,7 +9,8 @@ The TorchScript exporter records ``tensor.shape`` reads as Shape ops, so batch, 
 dynamic. It is deprecated but present in torch 2.11 and 2.13 (the versions we run); it prints a
 DeprecationWarning, which this module silences.
 
-Layout of the directory (written to a temporary sibling and renamed at the end, so a failure leaves nothing):
+Layout of the directory (written by :func:`fuseinfer.files.atomic_dir`: a temporary sibling renamed into place at
+the end, so a failure or a kill leaves nothing; ``--overwrite`` replaces only an earlier export or an empty folder):
 ``model.onnx`` (graph), ``model.onnx.data`` (every weight over 1 KiB, external data: no 2 GiB protobuf limit)
 and ``fuseinfer_onnx.json`` (see manifest.py).
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-import tempfile
+import sys
 import time
 import warnings
 from collections import Counter
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from .. import files
 from . import manifest as mf
 from .errors import ExportError
 from .graph import FLAVOURS, DecoderGraph
@@ -63,12 +65,13 @@ def check_model(model) -> None:
                           "load an OPT checkpoint (facebook/opt-*) or use optimum's exporter for other families")
 
 
-def check_out_dir(out_dir: Path, overwrite: bool) -> None:
-    if out_dir.exists() and not overwrite:
-        raise ExportError(f"output directory {out_dir} exists; pass --overwrite (overwrite=True) to replace it, "
-                          "or choose another --out")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ExportError(f"--out {out_dir} is a file, not a directory; choose another path")
+def check_out_dir(out_dir, overwrite: bool) -> None:
+    """Raise ExportError unless ``out_dir`` can take an export: absent, empty, or (with ``overwrite``) an earlier
+    export; its parent writable. Nothing is created."""
+    try:
+        files.check_writable(out_dir, folder=True, marker=mf.MANIFEST, overwrite=overwrite)
+    except files.WriteError as exc:
+        raise ExportError(str(exc)) from None
 
 
 def _example(graph_model, device, dtype):
@@ -108,10 +111,7 @@ def to_onnx(model, out_dir, flavour: str = "fused", dtype: torch.dtype | None = 
         model = copy.deepcopy(model).to(device=device, dtype=dtype)  # the caller's model stays as it was
     cfg = model.config
     start = time.perf_counter()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the export is an ordinary directory
-    try:
+    with files.atomic_dir(out_dir, marker=mf.MANIFEST, overwrite=overwrite) as tmp:
         inputs, outputs = io_names(cfg.num_hidden_layers)
         dynamic = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "total_sequence"},
                    "logits": {0: "batch", 1: "kept_sequence"}}
@@ -136,11 +136,7 @@ def to_onnx(model, out_dir, flavour: str = "fused", dtype: torch.dtype | None = 
                                  mf.DTYPE_NAMES[dtype])
         manifest = _manifest(model, flavour, dtype, device, opset, source, ops, io_in, io_out)
         manifest["export_seconds"] = round(time.perf_counter() - start, 2)
-        mf.write(tmp, manifest)
-        _replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        mf.write(tmp, manifest)  # last: the manifest marks a finished export
     return manifest
 
 
@@ -148,14 +144,36 @@ def _consolidate(src: Path, dst: Path) -> dict:
     """Rewrite the exporter's output as one graph file plus one external-data file; returns op counts."""
     import onnx
 
+    from onnx.external_data_helper import set_external_data
+
     model = onnx.load(str(src), load_external_data=True)
     model.producer_name = "fuseinfer.export"
     _drop_unused_optional_outputs(model.graph)
-    onnx.save_model(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=mf.DATA_FILE, size_threshold=1024, convert_attribute=True)
+    # onnx.save_model(save_as_external_data=True, location=...) refuses when a file of that name exists in the
+    # *current* directory (it tests the bare relative name): mark the tensors ourselves, then save_model writes
+    # them next to dst
+    for tensor in _tensors(model.graph):
+        if tensor.HasField("raw_data") and sys.getsizeof(tensor.raw_data) >= EXTERNAL_BYTES:
+            set_external_data(tensor, mf.DATA_FILE)
+    onnx.save_model(model, str(dst))
     os.chmod(dst.parent / mf.DATA_FILE, 0o644)  # onnx creates it private; it is read by other users' runtimes
     counts = Counter(f"{n.domain + '.' if n.domain else ''}{n.op_type}" for n in model.graph.node)
     return dict(sorted(counts.items()))
+
+
+EXTERNAL_BYTES = 1024  # tensors from this size on go to the external data file (as onnx's size_threshold)
+
+
+def _tensors(graph):
+    """Every tensor of the graph: initializers and node attributes, subgraphs included."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from _tensors(sub)
 
 
 # optional outputs a consumer of the graph never needs: SkipLayerNormalization's mean and inv_std_var (training
@@ -195,7 +213,7 @@ def _manifest(model, flavour, dtype, device, opset, source, ops, inputs, outputs
         "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "transformers": transformers.__version__,
                      "fuseinfer": fuseinfer.__version__},
         "model": {"source": source or getattr(cfg, "_name_or_path", "") or "in-memory model",
-                  "config_hash": mf.config_hash(cfg), "weights_fingerprint": mf.weights_fingerprint(model),
+                  "config_hash": mf.config_hash(cfg), "weights_hash": mf.weights_hash(model),
                   "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
                   "head_dim": cfg.hidden_size // cfg.num_attention_heads, "hidden": cfg.hidden_size,
                   "vocab": cfg.vocab_size, "max_positions": cfg.max_position_embeddings,
@@ -213,14 +231,3 @@ def _manifest(model, flavour, dtype, device, opset, source, ops, inputs, outputs
                 "feed input_ids, attention_mask, num_logits_to_keep and past_* (B, H, 0, D) for the prompt, then "
                 "feed present_* back as past_* with the mask grown by one column per new token"),
     }
-
-
-def _replace(tmp: Path, out_dir: Path) -> None:
-    """Move the finished export into place; an existing directory (overwrite) is removed only after."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-        out_dir.rename(old)
-    tmp.rename(out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from .. import files
 from . import manifest as mf
 from .errors import ExportError
 
@@ -53,9 +54,7 @@ def build_engine(onnx_dir, out, fp16: bool = False, int8: bool = False, max_batc
                  workspace_gib: float = 8.0, overwrite: bool = False) -> Path:
     """Parse ``onnx_dir``'s plain graph and serialise an engine to ``out``; returns ``out``."""
     trt = _trt()  # first: without TensorRT nothing else matters
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise ExportError(f"{out} exists; pass --overwrite to replace it")
+    out = files.check_writable(out, overwrite=overwrite, flag="--out")  # before minutes of building
     manifest = mf.read(onnx_dir)
     if manifest["flavour"] != "plain":
         raise ExportError(f"{onnx_dir} is the {manifest['flavour']!r} flavour, whose onnxruntime contrib ops "
@@ -89,11 +88,7 @@ def build_engine(onnx_dir, out, fp16: bool = False, int8: bool = False, max_batc
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise ExportError("TensorRT could not build the engine (see its log above)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_bytes(bytes(serialized))
-    tmp.rename(out)  # nothing half-written under the final name
-    return out
+    return files.write_bytes(out, bytes(serialized), overwrite=overwrite, flag="--out")
 
 
 class TrtDecoder:

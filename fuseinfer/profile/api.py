@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import files
 from ..eval.environment import environment
 from ..eval.models import ModelSource, load_config, resolve_model
 from ..eval.runner import DTYPES, _device
@@ -151,19 +152,15 @@ class _Context:
     prompt: torch.Tensor  # (B, P) int64 on CPU
 
 
-def check_out_dir(out: str | os.PathLike) -> Path:
-    """Create ``out`` and check it can be written; raises :class:`ProfileError` saying why not."""
-    path = Path(out).expanduser()
-    if path.exists() and not path.is_dir():
-        raise ProfileError(f"cannot write to --out {out}: it is a file; pass a folder")
+def check_out_dir(out: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Check that ``out`` can take a profile (new, empty, or with ``overwrite`` an earlier profile); creates
+    nothing (the folder appears, whole, when the profile is written). Raises :class:`ProfileError` saying why not."""
+    from .report import MARKER
+
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".fuseinfer_profile_write_test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise ProfileError(f"cannot write to --out {out}: {exc.strerror or exc}; choose a writable folder") from None
-    return path
+        return files.check_writable(out, folder=True, marker=MARKER, overwrite=overwrite)
+    except files.WriteError as exc:
+        raise ProfileError(str(exc)) from None
 
 
 def _validate(s: ProfileSettings, model_given: bool) -> None:
@@ -223,12 +220,13 @@ def _decode_budget(s: ProfileSettings) -> int:
 
 
 def profile(model, backend: str | None = None, phase: str = "prefill", *, compare: str | nn.Module | None = None,
-            out: str | os.PathLike | None = None, ui=None, **settings) -> ProfileResult:
+            out: str | os.PathLike | None = None, overwrite: bool = False, ui=None, **settings) -> ProfileResult:
     """Profile one ``phase`` step of ``model`` (a name as the eval takes it -- short name, hub id, folder,
     ``random:<name>`` -- or an ``nn.Module`` the caller loaded, patched or not) on ``backend``; ``compare``: a second
     backend (name, or another ``nn.Module``) profiled on the same inputs. Other settings: the fields of
-    :class:`ProfileSettings`. With ``out`` every file is written there (report.py). Raises :class:`ProfileError` for
-    bad input, before anything is loaded."""
+    :class:`ProfileSettings`. With ``out`` every file is written there (report.py), atomically: a temporary sibling
+    folder renamed into place at the end; ``overwrite`` replaces an earlier profile (never another folder).
+    Raises :class:`ProfileError` for bad input, before anything is loaded."""
     from . import report
     from .compare import compare_profiles
     from .hints import hints_for
@@ -249,9 +247,11 @@ def profile(model, backend: str | None = None, phase: str = "prefill", *, compar
                        else _backend_cls("compare", s.phase, ctx.device, other))
         if given is None and s.compare == s.backend:
             raise ProfileError(f"--compare {s.compare} is the profiled backend itself: choose another backend")
-    out_dir = check_out_dir(out) if out is not None else None
+    out_dir = check_out_dir(out, overwrite) if out is not None else None
     ui = ui or _SilentUI()
-    with torch.cuda.device(ctx.device) if ctx.device.type == "cuda" else contextlib.nullcontext():
+    writing = files.atomic_dir(out_dir, marker=report.MARKER, overwrite=overwrite) if out_dir is not None \
+        else contextlib.nullcontext(None)
+    with writing as tmp, torch.cuda.device(ctx.device) if ctx.device.type == "cuda" else contextlib.nullcontext():
         ui.info("measuring the ceilings (copy bandwidth, GEMM rates, launch floor)")
         ceilings = ceilings_mod.measure(ctx.device, ctx.dtype)
         # every backend's unprofiled steps first, before any profiler session in this process: a finished
@@ -259,14 +259,15 @@ def profile(model, backend: str | None = None, phase: str = "prefill", *, compar
         # TEARDOWN_CUPTI=1), which slows later launches -- the eager decode step timed after fuseinfer's profile was
         # 47 ms against the eval's 8 ms on the H200 (docs/history.md, "Profiler (H200)")
         unprofiled = [_time_backend(cls, ctx, ui) for cls in classes]
-        profiles = [_profile_backend(cls, ctx, ceilings, out_dir, ui, u) for cls, u in zip(classes, unprofiled)]
-    result = ProfileResult(settings=asdict(s), environment=environment(ctx.device), ceilings=ceilings,
-                           model=_model_info(ctx), profiles=profiles, out_dir=str(out_dir) if out_dir else None)
-    if len(profiles) > 1:
-        result.compare = compare_profiles(profiles[0], profiles[1])
-    result.hints = hints_for(result)
-    if out_dir is not None:
-        report.write_all(result, out_dir)
+        profiles = [_profile_backend(cls, ctx, ceilings, tmp, ui, u) for cls, u in zip(classes, unprofiled)]
+        result = ProfileResult(settings=asdict(s), environment=environment(ctx.device), ceilings=ceilings,
+                               model=_model_info(ctx), profiles=profiles,
+                               out_dir=str(out_dir) if out_dir else None)
+        if len(profiles) > 1:
+            result.compare = compare_profiles(profiles[0], profiles[1])
+        result.hints = hints_for(result)
+        if tmp is not None:
+            report.write_all(result, tmp, final=out_dir)
     return result
 
 

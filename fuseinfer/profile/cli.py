@@ -53,7 +53,9 @@ def build_parser(out_required: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, help=f"steps timed without the profiler (default {gpu['repeats']} cuda, "
                                                f"{cpu['repeats']} cpu)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=out_required, help="folder for the trace, tables, plots and summary.md")
+    p.add_argument("--out", required=out_required, help="folder for the trace, tables, plots and summary.md (new or "
+                                                        "empty; with --overwrite also an earlier profile)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier profile in --out")
     p.add_argument("--top", type=int, default=12, help="rows of the printed op / kernel tables")
     p.add_argument("--no-tensorboard", action="store_true", help="skip the TensorBoard log dir")
     p.add_argument("--no-nvtx", action="store_true", help="no NVTX ranges on CUDA")
@@ -79,9 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             from .ncu import ncu_path
 
             ncu_path()  # before the run: one clear line when ncu is missing
-        check_out_dir(args.out)
+        check_out_dir(args.out, args.overwrite)  # creates nothing: the folder appears when the profile is done
         ui = ConsoleUI()
-        result = profile(args.model, args.backend, args.phase, compare=args.compare, out=args.out, ui=ui,
+        result = profile(args.model, args.backend, args.phase, compare=args.compare, out=args.out,
+                         overwrite=args.overwrite, ui=ui,
                          device=args.device, dtype=args.dtype, batch_size=args.batch_size,
                          prompt_len=args.prompt_len, gen_len=args.gen_len, active=args.active, wait=args.wait,
                          warmup=args.warmup, repeats=args.repeats, seed=args.seed,
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
             for note in run_ncu(result, args.ncu_top, ui=ui):
                 ui.warn(note)
-            report.write_all(result, Path(args.out))  # again, with the ncu columns
+            report.rewrite_all(result, Path(args.out))  # again, with the ncu columns
         console = Console()
         report.print_result(result, console if console.is_terminal else Console(width=180), top=args.top)
     except ProfileError as exc:

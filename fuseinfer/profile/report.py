@@ -1,14 +1,19 @@
 """Rendering a profile: rich tables on the terminal; per backend ``ops.csv``, ``kernels.csv``, ``modules.csv``,
 ``layers.csv``, ``memory.json`` next to its ``trace.json`` and TensorBoard dir; ``profile.json`` (everything),
-``summary.md`` (the tables that matter, tying the files together), ``compare.csv`` and the plots."""
+``summary.md`` (the tables that matter, tying the files together), ``compare.csv`` and the plots; all written into
+a temporary folder that fuseinfer.files renames into place (``profile.json``, written last, marks it finished)."""
 from __future__ import annotations
 
 import csv
 import json
+import os
+import shutil
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
+from .. import files
 
 TOP = 12
 
@@ -155,8 +160,13 @@ def write_backend_files(p, folder: Path) -> None:
                                                      ("memory", "memory.json"))})
 
 
-def write_all(result, out: Path) -> None:
-    """Every file of a profile into ``out`` (backend folders exist already: the traces are in them)."""
+MARKER = "profile.json"  # written last: marks a finished profile folder (fuseinfer.files replaces only those)
+
+
+def write_all(result, out: Path, final: Path | None = None) -> None:
+    """Every file of a profile into ``out`` (backend folders exist already: the traces are in them). ``final``:
+    where ``out`` (a temporary folder of fuseinfer.files.atomic_dir) will be renamed to; the recorded paths,
+    profile.json and summary.md name the files there."""
     from . import plots
 
     for p in result.profiles:
@@ -167,10 +177,29 @@ def write_all(result, out: Path) -> None:
         _write_csv(out / "compare.csv", result.compare["by_kind"], ["kind", "base_ms", "main_ms", "saved_ms"])
         result.files["compare"] = str(out / "compare.csv")
     result.files.update(plots.write_plots(result, out))
-    result.files["json"] = str(out / "profile.json")
+    result.files["json"] = str(out / MARKER)
     result.files["summary"] = str(out / "summary.md")
-    (out / "profile.json").write_text(json.dumps(result.to_dict(), indent=1, default=str))
+    if final is not None:
+        _rebase(result, Path(out), Path(final))
     (out / "summary.md").write_text(summary_markdown(result), encoding="utf-8")
+    (out / MARKER).write_text(json.dumps(result.to_dict(), indent=1, default=str))
+
+
+def rewrite_all(result, out: Path) -> None:
+    """Write a profile folder again (e.g. with ncu columns added) as a whole: a copy of ``out`` with the new files
+    replaces it atomically."""
+    with files.atomic_dir(out, marker=MARKER, overwrite=True) as tmp:
+        shutil.copytree(out, tmp, dirs_exist_ok=True, symlinks=True)
+        write_all(result, tmp, final=Path(out))
+
+
+def _rebase(result, old: Path, new: Path) -> None:
+    """Recorded paths under ``old`` (the temporary folder) as paths under ``new``."""
+    head = str(old)
+    for d in [result.files] + [p.files for p in result.profiles]:
+        for key, value in d.items():
+            if isinstance(value, str) and (value == head or value.startswith(head + os.sep)):
+                d[key] = str(new) + value[len(head):]
 
 
 def _md_table(headers: list[str], rows: list[list]) -> list[str]:

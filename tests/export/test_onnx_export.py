@@ -201,14 +201,101 @@ def test_non_opt_model_is_refused(tmp_path):
 
 def test_existing_out_dir_needs_overwrite(tmp_path):
     model = random_opt()
+    to_onnx(model, tmp_path / "x")
+    with pytest.raises(ExportError, match="earlier results; pass --overwrite"):
+        to_onnx(model, tmp_path / "x", flavour="plain")
+    assert mf.read(tmp_path / "x")["flavour"] == "fused"
+    to_onnx(model, tmp_path / "x", flavour="plain", overwrite=True)
+    assert mf.read(tmp_path / "x")["flavour"] == "plain"
+    assert sorted(os.listdir(tmp_path)) == ["x"]  # no temporary or old directory left
+
+
+def test_overwrite_never_replaces_a_folder_that_is_not_an_export(tmp_path):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "keep.txt").write_text("mine")
-    with pytest.raises(ExportError, match="exists; pass --overwrite"):
-        to_onnx(model, tmp_path / "x")
-    assert os.listdir(tmp_path / "x") == ["keep.txt"]
-    to_onnx(model, tmp_path / "x", overwrite=True)
-    assert mf.MANIFEST in os.listdir(tmp_path / "x") and "keep.txt" not in os.listdir(tmp_path / "x")
-    assert sorted(os.listdir(tmp_path)) == ["x"]  # no temporary or old directory left
+    for overwrite in (False, True):
+        with pytest.raises(ExportError, match="did not write.*choose another --out"):
+            to_onnx(random_opt(), tmp_path / "x", overwrite=overwrite)
+    assert os.listdir(tmp_path / "x") == ["keep.txt"] and sorted(os.listdir(tmp_path)) == ["x"]
+    (tmp_path / "empty").mkdir()
+    to_onnx(random_opt(), tmp_path / "empty")  # an empty folder holds nothing to lose
+    assert mf.MANIFEST in os.listdir(tmp_path / "empty")
+
+
+def _cli(args, cwd, timeout=180):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "fuseinfer.export", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=timeout)
+
+
+def test_cli_overwrite_of_the_current_project_folder_is_refused(tiny_model_path, tmp_path):
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "src" / "main.py").write_text("print('my work')\n")
+    (project / "README.md").write_text("mine\n")
+    out = _cli(["onnx", "--model", str(tiny_model_path), "--out", ".", "--overwrite", "--device", "cpu"], project)
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr
+    assert out.stderr.startswith("error: ") and "choose another --out" in out.stderr
+    assert sorted(os.listdir(project)) == ["README.md", "src"]
+    assert (project / "src" / "main.py").read_text() == "print('my work')\n"
+    assert sorted(os.listdir(tmp_path)) == ["project"]
+
+
+def test_cli_unwritable_out_is_refused_before_loading(tiny_model_path, tmp_path, monkeypatch, capsys):
+    from fuseinfer.export import cli
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr(cli, "load_model", no_load)
+    parent = "/sys" if os.geteuid() == 0 else str(tmp_path / "ro")  # root writes through permission bits
+    if parent != "/sys":
+        os.mkdir(parent, 0o555)
+    rc = cli.main(["onnx", "--model", str(tiny_model_path), "--out", f"{parent}/fuseinfer-export", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("error: ") and "not writable" in err
+    assert not os.path.exists(f"{parent}/fuseinfer-export")
+
+
+def test_export_from_a_folder_holding_model_onnx_data(tiny_model_path, tmp_path, monkeypatch):
+    """onnx resolves the external data name against the current directory when asked to write it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / mf.DATA_FILE).write_text("someone else's file")
+    model = random_opt()
+    to_onnx(model, tmp_path / "x")
+    assert (tmp_path / mf.DATA_FILE).read_text() == "someone else's file"
+    OrtDecoder(tmp_path / "x", "cpu", model=model).logits(torch.arange(3, 9).view(1, 6))
+    out = _cli(["onnx", "--model", str(tiny_model_path), "--out", "y", "--device", "cpu"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert mf.read(tmp_path / "y")["dtype"] == "fp32"
+
+
+_KILLED = """
+import sys, time
+from conftest import random_opt
+from fuseinfer.export import onnx_export, to_onnx
+real = onnx_export._consolidate
+def slow(src, dst):
+    out = real(src, dst)
+    print("consolidated", flush=True)
+    time.sleep(60)
+    return out
+onnx_export._consolidate = slow
+to_onnx(random_opt(), sys.argv[1])
+"""
+
+
+def test_export_killed_by_sigterm_leaves_nothing(tmp_path):
+    import signal
+
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED, str(tmp_path / "x")], stdout=subprocess.PIPE,
+                            text=True, cwd=REPO, env=env)
+    assert proc.stdout.readline().strip() == "consolidated"
+    assert os.listdir(tmp_path)  # the temporary export exists while writing
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+    assert os.listdir(tmp_path) == []
 
 
 def test_failed_export_leaves_nothing(tmp_path, monkeypatch):
@@ -225,12 +312,10 @@ def test_failed_export_leaves_nothing(tmp_path, monkeypatch):
 
 def test_cli_bad_input_one_line(tmp_path):
     (tmp_path / "x").mkdir()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "fuseinfer.export", "onnx", "--model", "random:opt-125m",
-                          "--out", str(tmp_path / "x"), "--device", "cpu"], capture_output=True, text=True,
-                         cwd=REPO, env=env, timeout=120)
+    (tmp_path / "x" / "notes.txt").write_text("mine")
+    out = _cli(["onnx", "--model", "random:opt-125m", "--out", str(tmp_path / "x"), "--device", "cpu"], REPO)
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0
-    assert "exists; pass --overwrite" in out.stderr
+    assert "did not write" in out.stderr and "choose another --out" in out.stderr
 
 
 def test_missing_onnxruntime_names_the_package(monkeypatch):
@@ -260,7 +345,7 @@ def test_stale_export_is_refused(tmp_path):
     to_onnx(model, tmp_path / "x")
     with pytest.raises(ExportError, match="another model configuration.*config hash"):
         OrtDecoder(tmp_path / "x", "cpu", model=random_opt(num_hidden_layers=3))
-    with pytest.raises(ExportError, match="other weights.*fingerprint"):
+    with pytest.raises(ExportError, match="other weights.*weights hash"):
         OrtDecoder(tmp_path / "x", "cpu", model=random_opt(seed=1))
     with pytest.raises(ExportError, match="'fused' flavour, 'plain' was asked"):
         OrtDecoder(tmp_path / "x", "cpu", model=model, flavour="plain")

@@ -228,9 +228,9 @@ def test_cli_unwritable_out_dir(capsys, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     err = _cli_error(capsys, "--model", "random:opt-125m", "--device", "cpu", "--out", str(blocker / "sub"))
-    assert "cannot write to --out" in err
+    assert "cannot write --out" in err
     err = _cli_error(capsys, "--model", "random:opt-125m", "--device", "cpu", "--out", str(blocker))
-    assert "it is a file" in err
+    assert "is a file" in err
 
 
 def test_cli_ncu_without_ncu(capsys, tmp_path, monkeypatch):
@@ -249,3 +249,48 @@ def test_prompt_beyond_the_positions_is_refused(capsys, tmp_path):
     err = _cli_error(capsys, "--model", "random:opt-125m", "--device", "cpu", "--phase", "decode", "--prompt-len",
                      "2048", "--out", str(tmp_path))
     assert "exceed the model's 2048 positions" in err
+
+
+# --- the output folder: written whole at the end, never over what fuseinfer did not write
+
+def test_recorded_paths_name_the_final_folder(tiny_run):
+    result, out = tiny_run
+    assert [n for n in os.listdir(out.parent) if n.startswith(".fuseinfer-")] == []  # no temporary left
+    recorded = json.loads((out / "profile.json").read_text())
+    paths = [v for v in recorded["files"].values()] + [v for p in result.profiles for v in p.files.values()]
+    assert paths and all(Path(p).parent in (out, out / "fuseinfer", out / "eager") or Path(p).parent.parent == out
+                         for p in paths)
+    assert all(Path(p).exists() for p in paths)
+
+
+def test_cli_earlier_profile_needs_overwrite(capsys, tmp_path):
+    out = tmp_path / "prof"
+    out.mkdir()
+    (out / "profile.json").write_text("{}")
+    err = _cli_error(capsys, "--model", "opt-7b", "--device", "cpu", "--out", str(out))
+    assert "earlier results; pass --overwrite" in err
+    assert os.listdir(out) == ["profile.json"]
+
+
+def test_cli_foreign_folder_is_never_replaced(capsys, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    err = _cli_error(capsys, "--model", "opt-7b", "--device", "cpu", "--out", str(tmp_path), "--overwrite")
+    assert "did not write" in err and "choose another --out" in err
+    assert os.listdir(tmp_path) == ["notes.txt"]
+
+
+def test_cli_bad_model_creates_no_folder(capsys, tmp_path):
+    err = _cli_error(capsys, "--model", "opt-7b", "--device", "cpu", "--out", str(tmp_path / "new" / "prof"))
+    assert "opt-7b" in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_overwrite_replaces_an_earlier_profile_whole(tiny_model_path, tmp_path):
+    out = tmp_path / "prof"
+    profile(str(tiny_model_path), "eager", "prefill", out=out, **FAST)
+    (out / "stale.csv").write_text("from the earlier run")
+    with pytest.raises(ProfileError, match="pass --overwrite"):
+        profile(str(tiny_model_path), "eager", "prefill", out=out, **FAST)
+    profile(str(tiny_model_path), "eager", "prefill", out=out, overwrite=True, **FAST)
+    assert not (out / "stale.csv").exists() and (out / "profile.json").is_file()
+    assert os.listdir(tmp_path) == ["prof"]
