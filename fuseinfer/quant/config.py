@@ -72,7 +72,8 @@ class SmoothQuantW8A8(QuantConfig):
     alpha: migration strength in [0, 1] (0.5, the paper's choice for OPT; 0 = no smoothing, naive W8A8).
     calibration: the activation maxima: a ``CalibrationStats`` (``smoothquant.calibrate``), a path to saved stats
       (``*.safetensors``), a calibration text file or a folder holding wiki.valid.raw; None: wiki.valid.raw where
-      ``fuseinfer.data`` finds it ($FUSEINFER_DATA_DIR, the shared assets folder, ``datasets``). Text is calibrated on the model at ``patch`` time (``samples`` windows of ``seq_len`` tokens).
+      ``fuseinfer.data`` finds it ($FUSEINFER_DATA_DIR, the shared assets folder, ``datasets``). Text is
+      calibrated on the model at ``patch`` time (``samples`` windows of ``seq_len`` tokens).
     tokenizer: the tokenizer for calibration text; None loads the model's own (``config.name_or_path``).
     """
 
