@@ -6,7 +6,9 @@ before decode steps), run warm-up steps (compilation, graph capture), time ``rep
 (CUDA events / perf_counter, as the eval does), then run torch.profiler over wait / warm-up / active steps with
 module ranges (modules.py), write the Chrome trace and TensorBoard log, and read the trace back (trace.py) into
 tables, to which the roofline verdicts (verdict.py) are added. The profiler's overhead is the profiled step time
-over the unprofiled one.
+over the unprofiled one. A backend without a torch model gets no module ranges; an ONNX Runtime one (``ort``,
+``ort-plain``) runs its profiled steps on a session with ORT's own profiler on, whose per-node times make its op,
+kind and layer tables (ort_nodes.py).
 """
 from __future__ import annotations
 
