@@ -5,12 +5,21 @@ The CUDA extension reads none itself: :func:`push` hands the run-time switches t
 (``fuseinfer._C.set_knobs``) when the extension loads, and again whenever a knob is changed through
 :func:`override`. ``docs/env.md`` is generated from this table (``python -m fuseinfer.knobs > docs/env.md``) and a
 test checks that it is current and that no other module calls ``os.environ`` for a ``FUSEINFER_`` name.
+
+A CLI flag that stands for a knob goes through :func:`from_flag`: the flag wins over the environment and, where
+the two disagree, says so on stderr (never silently). A path knob that must exist (``must_exist``) pointing at
+nothing is an error naming the knob. ``FUSEINFER_*`` names in the environment that are not in the table
+(misspellings) are reported once, with the closest known name, at the first knob read.
 """
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
+import sys
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 from .errors import FuseInferError
 
@@ -23,6 +32,7 @@ class Knob:
     meaning: str
     choices: tuple[str, ...] | None = None  # None: free-form (a path, a number checked by its reader)
     extension: bool = False  # handed to the CUDA extension by push()
+    must_exist: bool = False  # a path that, when set, must name an existing file or folder
 
 
 KNOBS: dict[str, Knob] = {k.name: k for k in (
@@ -66,9 +76,13 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "`AUTO_GRAPH_MAX_TOKENS`, else the lean layer loop), `graph` (graphs wherever they apply), `lean` (the "
          "loop, no graphs) or `module` (the patched modules, as before)", ("auto", "graph", "lean", "module")),
     Knob("FUSEINFER_SHARED", "../shared", "call",
-         "the shared assets folder (tests, .ci/run): models/opt-wt2-tiny and data/wikitext-2-raw"),
+         "the shared assets folder (tests, .ci/run, the eval's default model): models/opt-wt2-tiny and "
+         "data/wikitext-2-raw (the WikiText-2 files, found there when `FUSEINFER_DATA_DIR` is unset); a relative "
+         "path is taken from the repository root"),
     Knob("FUSEINFER_DATA_DIR", None, "call",
-         "folder with wiki.test.raw / wiki.valid.raw for the eval's perplexity and calibration"),
+         "folder with wiki.test.raw / wiki.valid.raw for the eval's perplexity, SmoothQuant calibration and the "
+         "profiler (`--data-dir`); unset: `$FUSEINFER_SHARED/data/wikitext-2-raw` where it holds them, else the "
+         "`datasets` library", must_exist=True),
     Knob("FUSEINFER_BENCH_DIR", "bench/results", "call", "where the benchmark scripts write their results"),
     Knob("FUSEINFER_NVCC", "nvcc", "call", "the nvcc that bench/bench_cublaslt_sweep.py builds its helper with"),
     Knob("FUSEINFER_ONNX_DIR", None, "call",
@@ -76,8 +90,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "(`--onnx-dir`); unset: a temporary export per run"),
     Knob("FUSEINFER_CALIBRATION_DATA", None, "call",
          "the eval's `fuseinfer-w8a8` backend: calibration text file, folder with wiki.valid.raw, or saved "
-         "SmoothQuant statistics (`.safetensors`) (`--calibration-data`); unset: wiki.valid.raw of `--data-dir` / "
-         "`$FUSEINFER_DATA_DIR`"),
+         "SmoothQuant statistics (`.safetensors`) (`--calibration-data`); unset: wiki.valid.raw found as "
+         "`FUSEINFER_DATA_DIR` says", must_exist=True),
     Knob("FUSEINFER_CALIBRATION_SAMPLES", "128", "call",
          "the eval's `fuseinfer-w8a8` backend: calibration windows of 512 tokens (`--calibration-samples`)"),
     Knob("FUSEINFER_GPU_TRANSFORMERS", None, "call",
@@ -85,15 +99,69 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
 )}
 
 
+PREFIX = "FUSEINFER_"
+_unknown_checked = False  # the environment's FUSEINFER_* names are checked once, at the first knob read
+
+
+def unknown_names(environ=None) -> dict[str, str | None]:
+    """``FUSEINFER_*`` names in the environment that are not knobs -> the closest knob name (None: none close)."""
+    environ = os.environ if environ is None else environ
+    return {n: next(iter(difflib.get_close_matches(n, KNOBS, n=1, cutoff=0.6)), None)
+            for n in sorted(environ) if n.startswith(PREFIX) and n not in KNOBS}
+
+
+def check_unknown() -> None:
+    """Warn once per process about misspelt ``FUSEINFER_*`` names (a knob that is set but never read)."""
+    global _unknown_checked
+    if _unknown_checked:
+        return
+    _unknown_checked = True
+    unknown = unknown_names()
+    if unknown:
+        listed = "; ".join(n + (f" (did you mean {m}?)" if m else "") for n, m in unknown.items())
+        warnings.warn(f"unknown fuseinfer environment variable(s), ignored: {listed}; the known ones are listed "
+                      "in docs/env.md", UserWarning, stacklevel=3)
+
+
+def _check_value(knob: Knob, value: str, named: str) -> None:
+    """``value`` of ``knob`` as given by ``named`` (the variable, or a flag standing for it), or an error."""
+    if knob.choices is not None and value not in knob.choices:
+        raise FuseInferError(f"{named} must be one of {', '.join(knob.choices)}, got {value!r}")
+    if knob.must_exist and not Path(value).expanduser().exists():
+        raise FuseInferError(f"{named} {value} does not exist: point {named} at an existing file or folder, or "
+                             f"leave it unset")
+
+
 def get(name: str) -> str | None:
-    """The knob's value from the environment (its default when unset), checked against its choices."""
+    """The knob's value from the environment (its default when unset), checked against its choices (and, for a
+    path that must exist, checked to exist)."""
+    check_unknown()
     knob = KNOBS[name]
     value = os.environ.get(name)
     if value is None:
         return knob.default
-    if knob.choices is not None and value not in knob.choices:
-        raise FuseInferError(f"{name} must be one of {', '.join(knob.choices)}, got {value!r}")
+    _check_value(knob, value, name)
     return value
+
+
+def from_flag(name: str, flag: str, value, note=None) -> str | None:
+    """The setting a CLI flag ``flag`` and the knob ``name`` both name: the flag's ``value`` when given -- then set
+    as the knob for this process and the ones it starts, and where the environment held another value, ``note``
+    (default: a line on stderr) says it was overridden -- else the knob's value. Either is checked as :func:`get`
+    checks it, the error naming whichever gave it."""
+    if value is None:
+        return get(name)
+    value = str(value)
+    _check_value(KNOBS[name], value, flag)
+    before = os.environ.get(name)
+    if before is not None and before != value:
+        (note or _stderr)(f"{flag} {value} overrides {name}={before}")
+    set_value(name, value)
+    return value
+
+
+def _stderr(message: str) -> None:
+    print(f"note: {message}", file=sys.stderr)
 
 
 def set_value(name: str, value: str) -> None:

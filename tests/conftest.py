@@ -100,6 +100,28 @@ VARIANTS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _restore_knobs():
+    """The CLIs set the knobs their flags stand for in this process's environment (for the processes they start):
+    put every FUSEINFER_* variable back after each test, so no test sees another's flags."""
+    before = {k: v for k, v in os.environ.items() if k.startswith("FUSEINFER_")}
+    yield
+    for k in [k for k in os.environ if k.startswith("FUSEINFER_") and k not in before]:
+        del os.environ[k]
+    os.environ.update(before)
+
+
+@pytest.fixture
+def no_wikitext(monkeypatch, tmp_path):
+    """WikiText-2 nowhere that fuseinfer.data looks: no FUSEINFER_DATA_DIR, a shared folder without it, and
+    ``datasets`` as if offline."""
+    from fuseinfer import data
+
+    monkeypatch.delenv("FUSEINFER_DATA_DIR", raising=False)
+    monkeypatch.setenv("FUSEINFER_SHARED", str(tmp_path / "no-shared"))
+    monkeypatch.setattr(data, "_rows_from_datasets", lambda split: None)
+
+
 @pytest.fixture
 def set_knob(monkeypatch):
     """set_knob(name, value): set a FUSEINFER_* knob for the test, in the environment and in the CUDA extension

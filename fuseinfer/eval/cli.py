@@ -13,6 +13,7 @@ import sys
 from rich.console import Console
 
 from .. import files, knobs
+from ..errors import FuseInferError
 from .errors import EvalError
 from .models import SHORT_NAMES
 from .registry import BACKENDS
@@ -62,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, help="perplexity window (default: the model's max positions)")
     p.add_argument("--stride", type=int, help="sliding-window perplexity with this stride (default: GPTQ windows)")
     p.add_argument("--max-windows", type=int, help="score at most this many windows")
-    p.add_argument("--data-dir", help="folder with wiki.test.raw (default: $FUSEINFER_DATA_DIR, else datasets)")
+    p.add_argument("--data-dir", help="folder with wiki.test.raw / wiki.valid.raw, for perplexity and calibration "
+                                      "(sets $FUSEINFER_DATA_DIR; default: $FUSEINFER_DATA_DIR, else "
+                                      "$FUSEINFER_SHARED/data/wikitext-2-raw, else datasets)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt and of random: weights")
     p.add_argument("--skip-ppl", action="store_true", help="no perplexity")
     p.add_argument("--skip-latency", action="store_true", help="no prefill / decode timing")
@@ -75,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "$FUSEINFER_ONNX_DIR; default: a temporary export per run)")
     p.add_argument("--calibration-data", help="fuseinfer-w8a8: calibration text file, folder with wiki.valid.raw, or "
                                               "saved SmoothQuant statistics (.safetensors) (sets "
-                                              "$FUSEINFER_CALIBRATION_DATA; default: wiki.valid.raw of --data-dir)")
+                                              "$FUSEINFER_CALIBRATION_DATA; default: wiki.valid.raw found as "
+                                              "for --data-dir)")
     p.add_argument("--calibration-samples", type=int, help="fuseinfer-w8a8: calibration windows of 512 tokens "
                                                            "(default 128)")
     p.add_argument("--tp", type=int, default=1,
@@ -109,6 +113,23 @@ def output_files(args: argparse.Namespace) -> list[tuple]:
     return outputs
 
 
+def knob_flags(args: argparse.Namespace) -> None:
+    """The flags that stand for knobs, set as knobs (read by the backends: fuseinfer-w8a8's calibration, the ort
+    exports, the data resolver); a flag beside a different environment value wins, and says so. Bad values raise
+    :class:`EvalError` naming the flag or variable."""
+    if args.calibration_samples is not None and args.calibration_samples < 1:
+        raise EvalError(f"--calibration-samples must be >= 1, got {args.calibration_samples}")
+    try:
+        for name, flag, value in (("FUSEINFER_ONNX_DIR", "--onnx-dir", args.onnx_dir),
+                                  ("FUSEINFER_DATA_DIR", "--data-dir", args.data_dir),
+                                  ("FUSEINFER_CALIBRATION_DATA", "--calibration-data", args.calibration_data),
+                                  ("FUSEINFER_CALIBRATION_SAMPLES", "--calibration-samples",
+                                   args.calibration_samples)):
+            knobs.from_flag(name, flag, value)
+    except FuseInferError as exc:
+        raise EvalError(str(exc)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
     from huggingface_hub.utils import logging as hub_logging
@@ -119,14 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         outputs = output_files(args)  # before the run: a bad path should not wait for the end of a long run
-        if args.onnx_dir:
-            knobs.set_value("FUSEINFER_ONNX_DIR", args.onnx_dir)  # read by fuseinfer/export/eval_backend.py
-        if args.calibration_data or args.data_dir:  # read by fuseinfer/quant/eval_backend.py (fuseinfer-w8a8)
-            knobs.set_value("FUSEINFER_CALIBRATION_DATA", args.calibration_data or args.data_dir)
-        if args.calibration_samples is not None:
-            if args.calibration_samples < 1:
-                raise EvalError(f"--calibration-samples must be >= 1, got {args.calibration_samples}")
-            knobs.set_value("FUSEINFER_CALIBRATION_SAMPLES", str(args.calibration_samples))
+        knob_flags(args)
         lead = args.tp == 1 or os.environ.get("RANK", "0") == "0"  # under --tp, rank 0 prints and writes
         results = run(settings_from_args(args), ConsoleUI(None if lead else Console(quiet=True)))
         if not lead:

@@ -10,12 +10,11 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 import torch
 
-from .. import knobs
 from .._ext import extension_status
+from ..data import shared_dir
 from . import data as data_mod
 from .backends import Backend
 from .environment import environment
@@ -186,9 +185,7 @@ def _prepare_data(plan: Plan) -> None:
 def default_model(device: torch.device) -> tuple[str, str | None, str]:
     """(model spec, data dir or None, why) for a run without --model: the shared trained tiny OPT with the local
     WikiText-2 where they are found (so perplexity means something), else a random config sized to the device."""
-    shared = Path(knobs.get("FUSEINFER_SHARED")).expanduser()
-    if not shared.is_absolute():
-        shared = Path(__file__).resolve().parents[2] / shared
+    shared = shared_dir()
     tiny, data = shared / "models" / "opt-wt2-tiny", shared / "data" / "wikitext-2-raw"
     if (tiny / "config.json").is_file():
         return str(tiny), str(data) if (data / "wiki.test.raw").is_file() else None, f"the shared tiny OPT ({tiny})"

@@ -6,7 +6,9 @@ before decode steps), run warm-up steps (compilation, graph capture), time ``rep
 (CUDA events / perf_counter, as the eval does), then run torch.profiler over wait / warm-up / active steps with
 module ranges (modules.py), write the Chrome trace and TensorBoard log, and read the trace back (trace.py) into
 tables, to which the roofline verdicts (verdict.py) are added. The profiler's overhead is the profiled step time
-over the unprofiled one.
+over the unprofiled one. A backend without a torch model gets no module ranges; an ONNX Runtime one (``ort``,
+``ort-plain``) runs its profiled steps on a session with ORT's own profiler on, whose per-node times make its op,
+kind and layer tables (ort_nodes.py).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from ..eval.models import ModelSource, load_config, resolve_model
 from ..eval.runner import DTYPES, _device
 from ..eval.timing import StepClock, free_memory, summarize, synchronize, time_call
 from . import ceilings as ceilings_mod
+from . import ort_nodes
 from .backends import PHASES, has_phase, module_backend, resolve_backend, step_function, uses_graphs
 from .errors import ProfileError
 from .modules import ModuleRanges, OpRanges
@@ -378,15 +381,27 @@ def _profile_backend(cls, ctx: _Context, ceilings: dict, out_dir: Path | None, u
         with torch.no_grad():
             ui.info(f"{cls.name}: loading {s.model} for the profiled passes")
             backend.load()
+            folder.mkdir(parents=True, exist_ok=True)
+            ort = ort_nodes.runs_ort(backend)
+            if ort:  # (the un-hooked pass runs on a session with ORT's own profiler on: its per-node times)
+                ort_nodes.start_profiling(backend, folder)
             step = _ready(backend, ctx)
-            hooks = backend.name != "compile"  # (hooks in a compiled model would recompile or break its graphs)
-            if not hooks:
+            # (hooks in a compiled model would recompile or break its graphs; ONNX Runtime / TensorRT hold no torch
+            # model to hook)
+            hooks = backend.name != "compile" and backend.model is not None
+            if backend.name == "compile":
                 notes.append("torch.compile: no module ranges (hooks would change the compiled graphs); kernels are "
                              "sorted by the op or compiled region that launched them")
+            elif backend.model is None and not ort:
+                notes.append(f"{cls.name} runs no torch modules: no module ranges; kernels are sorted by the runtime "
+                             "call that launched them")
             graphs = s.phase != "prefill" and uses_graphs(backend)
-            folder.mkdir(parents=True, exist_ok=True)
             ui.info(f"{cls.name}: profiling {s.wait} + {s.warmup} + {s.active} {s.phase} steps without module hooks")
+            runs = backend.ort.runs if ort else 0
             files, cuda_memory = _run_profiler(step, backend.model, device, s, folder, False, "trace.json")
+            if ort:  # (each step makes the same number of session runs: the active ones are the last)
+                ort_runs = (backend.ort.runs - runs) * s.active // (s.wait + s.warmup + s.active)
+                files["ort_profile"] = ort_nodes.stop_profiling(backend, folder)
             if hooks:
                 label = "module ranges (hooks)"
                 if graphs:
@@ -410,6 +425,11 @@ def _profile_backend(cls, ctx: _Context, ceilings: dict, out_dir: Path | None, u
                     mfiles, _ = _run_profiler(step, backend.model, device, s, folder, True, "trace_modules.json")
                 files["trace_modules"] = mfiles["trace"]
         analysis = analyze(load_events(files["trace"]), ctx.config.hidden_size, ctx.config.ffn_dim)
+        if "ort_profile" in files:
+            notes += ort_nodes.merge(analysis, ort_nodes.analyze_ort(
+                files["ort_profile"], ort_runs, s.active, ctx.config.hidden_size, ctx.config.ffn_dim,
+                ctx.config.vocab_size, ctx.config.num_hidden_layers, on_cuda=device.type == "cuda"),
+                on_cuda=device.type == "cuda")
         if hooks:
             m = analyze(load_events(files["trace_modules"]), ctx.config.hidden_size, ctx.config.ffn_dim)
             attribution = {k: m[k] for k in ("unit", "kinds", "layers", "ops", "step_ms", "busy_ms", "idle_ms",

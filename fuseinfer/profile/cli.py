@@ -1,7 +1,8 @@
 """Command line of ``python -m fuseinfer.profile``.
 
 Exit codes: 0 success; 2 bad input (unknown backend or one not installed, a phase the backend lacks, an unwritable
-out dir, ``--ncu`` without ncu, unknown model, bad sizes), always one line on stderr, never a traceback.
+out dir, ``--ncu`` without ncu, unknown model, bad sizes, a ``--data-dir`` that does not exist), always one line on
+stderr, never a traceback.
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import sys
 
 from rich.console import Console
 
+from .. import knobs
+from ..errors import FuseInferError
 from ..eval.models import SHORT_NAMES
 from ..eval.runner import DTYPES
 from .api import DEFAULTS
@@ -53,6 +56,9 @@ def build_parser(out_required: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, help=f"steps timed without the profiler (default {gpu['repeats']} cuda, "
                                                f"{cpu['repeats']} cpu)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-dir", help="folder with wiki.valid.raw, the calibration text of fuseinfer-w8a8 (sets "
+                                      "$FUSEINFER_DATA_DIR; default: $FUSEINFER_DATA_DIR, else "
+                                      "$FUSEINFER_SHARED/data/wikitext-2-raw, else datasets)")
     p.add_argument("--out", required=out_required, help="folder for the trace, tables, plots and summary.md (new or "
                                                         "empty; with --overwrite also an earlier profile)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier profile in --out")
@@ -81,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
             from .ncu import ncu_path
 
             ncu_path()  # before the run: one clear line when ncu is missing
+        try:  # (read by the fuseinfer-w8a8 backend's calibration, through fuseinfer.data)
+            knobs.from_flag("FUSEINFER_DATA_DIR", "--data-dir", args.data_dir)
+        except FuseInferError as exc:
+            raise ProfileError(str(exc)) from None
         check_out_dir(args.out, args.overwrite)  # creates nothing: the folder appears when the profile is done
         ui = ConsoleUI()
         result = profile(args.model, args.backend, args.phase, compare=args.compare, out=args.out,

@@ -71,8 +71,9 @@ class SmoothQuantW8A8(QuantConfig):
 
     alpha: migration strength in [0, 1] (0.5, the paper's choice for OPT; 0 = no smoothing, naive W8A8).
     calibration: the activation maxima: a ``CalibrationStats`` (``smoothquant.calibrate``), a path to saved stats
-      (``*.safetensors``), a calibration text file or a folder holding wiki.valid.raw; None: $FUSEINFER_DATA_DIR's
-      wiki.valid.raw. Text is calibrated on the model at ``patch`` time (``samples`` windows of ``seq_len`` tokens).
+      (``*.safetensors``), a calibration text file or a folder holding wiki.valid.raw; None: wiki.valid.raw where
+      ``fuseinfer.data`` finds it ($FUSEINFER_DATA_DIR, the shared assets folder, ``datasets``). Text is
+      calibrated on the model at ``patch`` time (``samples`` windows of ``seq_len`` tokens).
     tokenizer: the tokenizer for calibration text; None loads the model's own (``config.name_or_path``).
     """
 
@@ -95,8 +96,8 @@ class SmoothQuantW8A8(QuantConfig):
                 raise FuseInferError(f"SmoothQuantW8A8 {name} must be an integer >= {1 if name == 'samples' else 2}, "
                                      f"got {v!r}")
         if self.calibration is not None and not isinstance(self.calibration, (str, os.PathLike, CalibrationStats)):
-            raise FuseInferError(f"SmoothQuantW8A8 calibration= must be None (wiki.valid.raw from "
-                                 f"$FUSEINFER_DATA_DIR), a text file / folder / saved-stats path, or a "
+            raise FuseInferError(f"SmoothQuantW8A8 calibration= must be None (the WikiText-2 "
+                                 f"validation split), a text file / folder / saved-stats path, or a "
                                  f"CalibrationStats, got {type(self.calibration).__name__}")
         if self.include_lm_head:
             raise FuseInferError("SmoothQuantW8A8 quantizes the decoder linears only (the LM head's input is the "

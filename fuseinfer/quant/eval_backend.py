@@ -58,8 +58,8 @@ class FuseInferW8A8Backend(FuseInferW8A16Backend):
     """fuseinfer with SmoothQuant W8A8 (alpha 0.5): int8 weights and per-token int8 activations.
 
     Calibration (``--calibration-data`` / ``--calibration-samples``, through the knobs FUSEINFER_CALIBRATION_DATA /
-    FUSEINFER_CALIBRATION_SAMPLES): a text file or a folder holding wiki.valid.raw (default: that of ``--data-dir``
-    / $FUSEINFER_DATA_DIR), tokenized with the model's own tokenizer, ``samples`` windows of 512 tokens; or saved
+    FUSEINFER_CALIBRATION_SAMPLES): a text file or a folder holding wiki.valid.raw (default: wiki.valid.raw where
+    ``fuseinfer.data`` finds it: ``--data-dir`` / $FUSEINFER_DATA_DIR, the shared folder, ``datasets``), tokenized with the model's own tokenizer, ``samples`` windows of 512 tokens; or saved
     statistics (``.safetensors``). A ``random:`` model has no tokenizer (and its weights no meaning): it is
     calibrated on seeded random token ids instead, which the row's ``calibration_source`` says. The calibration
     time is measured apart from the load time and reported in details() (``calibration_seconds``)."""

@@ -46,7 +46,6 @@ from ..ops.int8_linear import int8_linear
 from .linear import QuantizedLinear, decode_rows
 
 CALIBRATION_FILE = "wiki.valid.raw"
-DATA_DIR_ENV = "FUSEINFER_DATA_DIR"
 CALIBRATION_FLAG = "--calibration-data"  # the eval CLI's flag; the Python API's argument is ``calibration=``
 DEFAULT_SAMPLES = 128
 DEFAULT_SEQ_LEN = 512
@@ -96,32 +95,29 @@ class CalibrationStats:
 
 def calibration_text(calibration: str | os.PathLike | None = None, data_dir: str | os.PathLike | None = None
                      ) -> tuple[str, str]:
-    """(text, source): ``calibration`` a text file, or a folder holding wiki.valid.raw; else ``data_dir`` (or
-    $FUSEINFER_DATA_DIR)/wiki.valid.raw. The rows are joined as the evaluation joins the test rows."""
-    from ..eval.data import rows_from_file
+    """(text, source): ``calibration`` a text file, or a folder holding wiki.valid.raw; else the WikiText-2
+    validation split where :mod:`fuseinfer.data` finds it (``data_dir``, $FUSEINFER_DATA_DIR, the shared assets
+    folder, ``datasets``). The rows are joined as the evaluation joins the test rows; never the test split."""
+    from .. import data
 
-    if calibration is not None:
-        path = Path(calibration).expanduser()
-        if path.is_dir():
-            path = path / CALIBRATION_FILE
-    else:
-        folder = data_dir or os.environ.get(DATA_DIR_ENV)
-        if not folder:
-            raise FuseInferError(f"no calibration data: pass {CALIBRATION_FLAG} (Python: calibration=) a text file or "
-                                 f"a folder with {CALIBRATION_FILE}, or set --data-dir / ${DATA_DIR_ENV} to the "
-                                 f"WikiText-2 folder (its validation split is the default calibration text)")
-        path = Path(folder).expanduser() / CALIBRATION_FILE
+    if calibration is None:
+        try:
+            found = data.load_text("valid", data_dir)
+        except FuseInferError as exc:
+            raise FuseInferError(f"no calibration data: pass {CALIBRATION_FLAG} (Python: calibration=) a text file "
+                                 f"or a folder with {CALIBRATION_FILE}, or make the WikiText-2 validation split "
+                                 f"findable ({exc})") from None
+        return found.text, found.source
+    path = Path(calibration).expanduser()
+    if path.is_dir():
+        path = path / CALIBRATION_FILE
     if not path.is_file():
         raise FuseInferError(f"calibration text {path} not found: pass {CALIBRATION_FLAG} (Python: calibration=) a "
                              f"text file or a folder with {CALIBRATION_FILE}")
-    if path.name == "wiki.test.raw":
+    if path.name == data.split_file("test"):
         raise FuseInferError(f"{path} is the test split, which the perplexity is measured on: calibrate on "
                              f"{CALIBRATION_FILE} (the validation split) or other text")
-    try:
-        rows = rows_from_file(path)
-    except Exception as exc:  # EvalError (unreadable file): re-raised as the quant API's error type
-        raise FuseInferError(str(exc)) from None
-    return "\n\n".join(rows), str(path.resolve())
+    return "\n\n".join(data.rows_from_file(path)), str(path.resolve())
 
 
 def calibration_samples(ids: torch.Tensor, samples: int, seq_len: int, source: str = "calibration text"

@@ -83,8 +83,7 @@ def test_stats_of_another_model_are_refused_untouched():
     assert_same_state(model, before)
 
 
-def test_no_calibration_data_names_the_flag(monkeypatch, tmp_path):
-    monkeypatch.delenv(sq.DATA_DIR_ENV, raising=False)
+def test_no_calibration_data_names_the_flag(no_wikitext, tmp_path):
     with pytest.raises(FuseInferError, match="--calibration-data"):
         sq.calibration_text()
     with pytest.raises(FuseInferError, match="--calibration-data.*wiki.valid.raw"):

@@ -83,11 +83,10 @@ def test_bad_config(bad, match):
         SmoothQuantW8A8(**bad)
 
 
-def test_bad_inputs_leave_the_model_untouched(tiny, tmp_path, monkeypatch):
+def test_bad_inputs_leave_the_model_untouched(tiny, tmp_path, no_wikitext):
     base, tok, stats = tiny
     model = copy.deepcopy(base)
     before = state(model)
-    monkeypatch.delenv(sq.DATA_DIR_ENV, raising=False)
     with pytest.raises(FuseInferError, match=r"calibration="):  # no calibration data found
         fuseinfer.patch(model, PatchConfig(quant=SmoothQuantW8A8(tokenizer=tok)))
     with pytest.raises(FuseInferError, match=r"calibration="):
@@ -143,7 +142,7 @@ def test_eval_backend_is_registered():
     assert "SmoothQuantW8A8" in cls.summary
 
 
-def test_eval_backend_calibration_flags_and_random_weights(monkeypatch):
+def test_eval_backend_calibration_flags_and_random_weights(monkeypatch, tmp_path):
     """--calibration-data / --calibration-samples reach the fuseinfer-w8a8 backend (through their knobs); a
     random-weight model is calibrated on seeded token ids, and the calibration time is reported apart."""
     from types import SimpleNamespace
@@ -155,10 +154,10 @@ def test_eval_backend_calibration_flags_and_random_weights(monkeypatch):
     args = build_parser().parse_args(["--calibration-data", "cal.txt", "--calibration-samples", "3"])
     assert (args.calibration_data, args.calibration_samples) == ("cal.txt", 3)
     cls = BACKENDS["fuseinfer-w8a8"]
-    monkeypatch.setenv("FUSEINFER_CALIBRATION_DATA", "/some/folder")
+    monkeypatch.setenv("FUSEINFER_CALIBRATION_DATA", str(tmp_path))
     monkeypatch.setenv("FUSEINFER_CALIBRATION_SAMPLES", "3")
     config = cls.quant_config()
-    assert config.calibration == "/some/folder" and config.samples == 3
+    assert config.calibration == str(tmp_path) and config.samples == 3
     monkeypatch.setenv("FUSEINFER_CALIBRATION_SAMPLES", "2")
     monkeypatch.delenv("FUSEINFER_CALIBRATION_DATA")
     backend = cls(SimpleNamespace(random_weights=True), None, torch.float32, torch.device("cpu"), 0)
