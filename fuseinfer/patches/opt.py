@@ -16,6 +16,8 @@ the swapped modules' own hooks and parameters stay as they are):
   (3E, E) buffer, so no memory is added), unscaled q with the scale applied inside the attention kernel,
   out_proj + bias (+ residual) fused;
 * the decoder's final ``LayerNorm`` -> :class:`FusedLayerNorm`;
+* ``OPTDecoder`` -> :class:`LockedOPTDecoder`: the same forward, holding the model's lock (``state.model_lock``), so
+  that ``patch`` / ``unpatch`` in another thread wait for a running forward and a forward waits for them;
 * ``config._attn_implementation`` -> ``"fuseinfer"``, on a copy of the config that the model and its modules
   hold while patched (so another model built on the same config object keeps its attention); ``unpatch`` puts
   the original object back, with any other change made to the copy meanwhile.
@@ -32,6 +34,7 @@ Hooks added after ``patch`` are not seen by the fused forwards.
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 from torch import nn
@@ -49,7 +52,7 @@ from ..ops.layer_norm_quant import add_layer_norm_quant
 from ..quant.linear import decode_rows, fused_linear, int8_input
 from ..ops.attention import kernel_supports
 from ..parallel import placement
-from ..state import disown_config, own_config
+from ..state import LOCK_ATTR, disown_config, lock_holder, own_config
 from . import attention_backend, hf_attention
 
 
@@ -214,6 +217,19 @@ class FusedOPTDecoderLayer(OPTDecoderLayer):
         return _norm(self.final_layer_norm, self._mlp(h, None), h, ln)
 
 
+class LockedOPTDecoder(OPTDecoder):
+    """OPTDecoder whose forward holds the patched model's lock (``ModelLock`` in ``__dict__[LOCK_ATTR]``): the forward
+    runs over a model that is wholly patched or wholly unpatched, never one that another thread is changing."""
+
+    @functools.wraps(OPTDecoder.forward)
+    def forward(self, *args, **kwargs):
+        holder = self.__dict__.get(LOCK_ATTR)
+        if holder is None or torch.compiler.is_compiling():  # (dynamo does not trace a lock; a compiled forward
+            return OPTDecoder.forward(self, *args, **kwargs)  # runs under the caller's: generate, or none)
+        with holder.lock:  # (``OPTDecoder.forward``, not super(): unpatch may have restored the class meanwhile)
+            return OPTDecoder.forward(self, *args, **kwargs)
+
+
 def check_decoder_inputs(decoder, args, kwargs):
     """Forward pre-hook that ``patch`` puts on the decoder: the inputs the fused modules cannot take become one clear
     error each (an empty batch or sequence, more positions than the model has) instead of a reshape error and an
@@ -264,8 +280,15 @@ class OPTPatchRules:
             if cls is FusedOPTAttention and "qkv" in ops:
                 self._fuse_qkv(module, state)
             self._swap(module, name, cls, module_ops, state, report, like)
+        decoders = [module for module in model.modules() if isinstance(module, OPTDecoder)] if report.swaps else []
         state["input_checks"] = [module.register_forward_pre_hook(check_decoder_inputs, with_kwargs=True)
-                          for module in model.modules() if isinstance(module, OPTDecoder) and report.swaps]
+                                 for module in decoders]
+        state["locked"] = [module for module in decoders if type(module) is OPTDecoder]
+        holder = lock_holder(model)
+        for module in state["locked"]:  # (the holder stays in the decoder's __dict__ after unpatch: see forward)
+            _swap_class(module, LockedOPTDecoder)
+            object.__setattr__(module, LOCK_ATTR, holder)
+            placement.swap_forward(module, LockedOPTDecoder, state)
         if "attention" in ops:
             if model.training:
                 report.skipped.append(("attention", "model is in training mode; call model.eval() first"))
@@ -325,6 +348,8 @@ class OPTPatchRules:
         for module, cls in state["classes"]:
             module.__class__ = cls
             del module._fuseinfer_ops
+        for module in state.get("locked", ()):
+            _swap_class(module, OPTDecoder)
         if state["config"] is not None:
             original, own = state["config"]
             disown_config(own)
@@ -332,6 +357,19 @@ class OPTPatchRules:
             original.__dict__.update({k: v for k, v in own.__dict__.items() if k != "_attn_implementation_internal"})
             _replace_config(model, own, original)
         attention_backend.uninstall(state.get("attn_backends", ()))
+
+
+def _swap_class(model: nn.Module, cls: type) -> None:
+    """Change a transformers model's class, carrying over what transformers registered for its class (the outputs
+    that ``output_hidden_states`` / ``output_attentions`` record, keyed by the class's name)."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # (a transformers without that registry reads the class attribute)
+        _CAN_RECORD_REGISTRY = None
+    recorded = _CAN_RECORD_REGISTRY.get(model) if _CAN_RECORD_REGISTRY is not None else None
+    model.__class__ = cls
+    if recorded:
+        _CAN_RECORD_REGISTRY[model] = recorded
 
 
 def _replace_config(model: nn.Module, old, new) -> None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import threading
 import weakref
 
 import torch
@@ -41,7 +40,7 @@ from .. import knobs
 from ..errors import FuseInferError
 from ..ops.emit_tokens import emit_tokens, emit_tokens_scratch
 from ..parallel import decode_plan
-from ..state import patch_state, unwrapped
+from ..state import model_lock, patch_state, unwrapped  # noqa: F401 (model_lock: re-exported)
 from .args import Call, Sampling, decode_forward, eos_tensor, in_vocabulary, pad_id, prepare_call  # noqa: F401
 from .cache import COUNTS, StaticKVCache  # (COUNTS: re-exported for tests and benchmarks)
 from .graphs import capture_stream
@@ -270,21 +269,6 @@ def _bucket(batch: int) -> int:
     return 1 << (batch - 1).bit_length()
 
 
-_LOCKS: "weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
-_LOCKS_GUARD = threading.Lock()
-
-
-def model_lock(model) -> threading.RLock:
-    """The lock that serialises generate calls on ``model``: its sessions (static cache, step buffers, graphs) are
-    one per batch bucket, shared by every caller, so a call holds the lock from its checks to its result.
-    Re-entrant: ``model.generate`` holds it while it calls ``fuseinfer.generate``."""
-    with _LOCKS_GUARD:
-        lock = _LOCKS.get(model)
-        if lock is None:
-            lock = _LOCKS[model] = threading.RLock()
-        return lock
-
-
 @torch.no_grad()
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
              do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
@@ -439,5 +423,8 @@ def _weights_key(model) -> tuple:
 
 
 def release(model) -> None:
-    """Free the caches and graphs fast decode keeps on ``model`` (or on the model a torch.compile wrapper holds)."""
-    unwrapped(model).__dict__.pop(SESSIONS_ATTR, None)
+    """Free the caches and graphs fast decode keeps on ``model`` (or on the model a torch.compile wrapper holds);
+    waits for a generate call running on it to finish."""
+    model = unwrapped(model)
+    with model_lock(model):
+        model.__dict__.pop(SESSIONS_ATTR, None)
