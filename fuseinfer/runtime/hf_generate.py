@@ -175,6 +175,8 @@ def _generate(model, inputs, generation_config, kwargs):
         reason, middle = call.message, False
     if middle:
         problem = check_shapes(model, input_ids, mask, max_new)
+        if problem is not None and problem.invalid:  # (transformers refuses it too, less clearly)
+            raise FuseInferError(problem.message)
         if problem is None and not in_vocabulary(model, pad_id(pad, eos)):
             problem = "pad token (pad_token_id, else the first EOS id) is not in the model's vocabulary"
         if problem is None and max_new < 1:
