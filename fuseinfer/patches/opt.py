@@ -13,8 +13,12 @@ the swapped modules' own hooks and parameters stay as they are):
   quantized per token by ``quantize_int8`` (the sm90 GEMM has no int8-output epilogue: a per-token scale needs the
   whole row, spread over several CTAs);
 * ``OPTAttention`` -> :class:`FusedOPTAttention`: q/k/v as one GEMM (q/k/v weights become views of one
-  (3E, E) buffer, so no memory is added), unscaled q with the scale applied inside the attention kernel,
-  out_proj + bias (+ residual) fused;
+  (3E, E) tensor, so no memory is added), unscaled q with the scale applied inside the attention kernel,
+  out_proj + bias (+ residual) fused. The (3E, E) tensor and its (3E,) bias are plain attributes
+  (``qkv_weight`` / ``qkv_bias`` in the module's ``__dict__``), outside the buffer registry, so ``named_buffers``
+  and ``state_dict`` list what the unpatched model lists; ``state_dict()`` hands out the q/k/v weights as copies
+  of their own (transformers reads tensors sharing storage as tied weights); ``model.to`` and friends convert the
+  tensor (``FusedOPTAttention._apply``);
 * the decoder's final ``LayerNorm`` -> :class:`FusedLayerNorm`;
 * ``OPTDecoder`` -> :class:`LockedOPTDecoder`: the same forward, holding the model's lock (``state.model_lock``), so
   that ``patch`` / ``unpatch`` in another thread wait for a running forward and a forward waits for them;
@@ -100,10 +104,15 @@ class FusedOPTAttention(OPTAttention):
     _fuseinfer_ops: frozenset = frozenset()
 
     def _apply(self, fn, recurse=True):
-        """``model.to`` / ``.half()`` / ``.cuda()`` convert the (3E, E) q/k/v buffer and the projections' weights
-        one by one; the weights then become views of the converted buffer again (one copy, updated together)."""
+        """``model.to`` / ``.half()`` / ``.cuda()`` convert the projections' weights (nn.Module's registries) and the
+        (3E, E) q/k/v tensor (a plain attribute); the weights then become views of the converted tensor again (one
+        copy, updated together)."""
         super()._apply(fn, recurse)
-        if getattr(self, "qkv_weight", None) is not None:
+        if self.__dict__.get("qkv_weight") is not None:
+            with torch.no_grad():  # (as nn.Module converts its tensors)
+                for name in ("qkv_weight", "qkv_bias"):
+                    if self.__dict__.get(name) is not None:
+                        self.__dict__[name] = fn(self.__dict__[name])
             _link_qkv(self)
         return self
 
@@ -326,14 +335,13 @@ class OPTPatchRules:
 
     @staticmethod
     def _fuse_qkv(attn: OPTAttention, state):
-        """Concatenate q/k/v weights into one (3E, E) buffer and make the projections' weights views of it."""
+        """Concatenate q/k/v weights into one (3E, E) tensor and make the projections' weights views of it."""
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-        attn.register_buffer("qkv_weight", torch.cat([p.weight.detach() for p in projs]),  # (3E, E)
-                             persistent=False)
-        attn.register_buffer("qkv_bias", torch.cat([p.bias.detach() for p in projs]) if attn.enable_bias else None,
-                             persistent=False)  # (3E,)
+        attn.__dict__["qkv_weight"] = torch.cat([p.weight.detach() for p in projs])  # (3E, E)
+        attn.__dict__["qkv_bias"] = torch.cat([p.bias.detach() for p in projs]) if attn.enable_bias else None
         _link_qkv(attn)
         state["qkv"].append(attn)
+        state.setdefault("qkv_hooks", []).append(attn._register_state_dict_hook(_own_qkv_storage))
 
     def unpatch(self, model: nn.Module, state: dict) -> None:
         for attn in state["qkv"]:
@@ -342,6 +350,8 @@ class OPTPatchRules:
                 if p.bias is not None:
                     p.bias.data = p.bias.detach().clone()
             del attn.qkv_weight, attn.qkv_bias, attn._fuseinfer_qkv_params
+        for handle in state.get("qkv_hooks", ()):
+            handle.remove()
         for handle in state.get("input_checks", ()):
             handle.remove()
         placement.restore_forwards(state)
@@ -370,6 +380,18 @@ def _swap_class(model: nn.Module, cls: type) -> None:
     model.__class__ = cls
     if recorded:
         _CAN_RECORD_REGISTRY[model] = recorded
+
+
+def _own_qkv_storage(attn, state_dict, prefix, local_metadata) -> None:
+    """state_dict hook: the q/k/v weights and biases (views of the one (3E, E) tensor) as copies, each with storage
+    of its own, as the unpatched model's are: transformers takes tensors that share storage for tied weights (its
+    save and tied-weights checks). Parameters (``keep_vars=True``) stay themselves."""
+    for name in ("q_proj", "k_proj", "v_proj"):
+        for p in ("weight", "bias"):
+            key = f"{prefix}{name}.{p}"
+            t = state_dict.get(key)
+            if t is not None and not isinstance(t, nn.Parameter):
+                state_dict[key] = t.clone()
 
 
 def _replace_config(model: nn.Module, old, new) -> None:
