@@ -52,7 +52,7 @@ GRAPH_STEPS = 16  # steps per replay of the longer graph (FUSEINFER_DECODE_GRAPH
 CAPACITY_ROUND = 128
 SESSIONS_PER_BUCKET = 4  # settings kept per batch bucket (each: its step buffers, processors, decode graphs)
 CPU_CACHE_BUDGET = 512 << 20  # KV-cache bytes a model keeps between calls on the CPU (set_cache_budget)
-CUDA_CACHE_FRACTION = 4  # ... on a GPU: its memory / this
+CUDA_CACHE_FRACTION = 2  # ... on a GPU: its memory / this
 _budget: list = [None]  # set_cache_budget's value (None: the defaults above)
 
 
@@ -442,10 +442,11 @@ def session_for(model, forward, batch: int, max_len: int, sampling: Sampling, ma
 
 
 def set_cache_budget(nbytes: int | None) -> None:
-    """How many bytes of KV cache fast decode keeps on a model between calls (``None``: the default, a quarter of
-    the GPU's memory, 512 MiB on the CPU). After each ``generate`` call the least recently used batch buckets (and
-    the middle path's graphs) are freed until the caches kept fit, the call's own last: a call whose cache alone is
-    larger frees it on return, so one large batch does not hold its memory until ``release``."""
+    """How many bytes of KV cache fast decode keeps on a model between calls (``None``: the default, half of
+    the GPU's memory, 512 MiB on the CPU). When a ``generate`` call returns, the most recently used batch buckets'
+    caches (and the middle path's graphs') that fit in the budget together stay, the others are freed: a call
+    whose cache alone is larger frees it on return, so one large batch does not hold its memory until
+    ``release``."""
     if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
         raise FuseInferError(f"set_cache_budget takes a number of bytes >= 0 or None, got {nbytes!r}")
     _budget[0] = nbytes
