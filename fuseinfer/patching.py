@@ -20,7 +20,7 @@ from .patches import attention_backend
 from .parallel.placement import offloaded_tensor_names, placement
 from .quant.apply import quantize
 from .runtime import GenerateHook, release
-from .state import STATE_ATTR, PatchState, config_owner, patch_report, patch_state, unwrapped
+from .state import STATE_ATTR, PatchState, config_owner, model_lock, patch_report, patch_state, unwrapped
 
 logger = logging.getLogger("fuseinfer")
 _warned: list = []  # the references-only warning is logged once per process
@@ -68,6 +68,11 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
     if not isinstance(model, nn.Module):
         raise FuseInferError(f"fuseinfer.patch takes a torch.nn.Module, got {type(model).__name__}")
     model = unwrapped(model)
+    with model_lock(model):  # a generate call or forward running on the model finishes first
+        return _patch(model, config)
+
+
+def _patch(model: nn.Module, config: PatchConfig | None) -> PatchReport:
     config = PatchConfig() if config is None else config
     if not isinstance(config, PatchConfig):
         raise FuseInferError(f"fuseinfer.patch takes a PatchConfig as config, got {type(config).__name__}: "
@@ -110,6 +115,11 @@ def patch(model: nn.Module, config: PatchConfig | None = None) -> PatchReport:
 def unpatch(model: nn.Module) -> nn.Module:
     """Restore the model ``patch`` changed: module classes, parameters and buffers bit for bit."""
     model = unwrapped(model)
+    with model_lock(model):  # a generate call or forward running on the model finishes first
+        return _unpatch(model)
+
+
+def _unpatch(model: nn.Module) -> nn.Module:
     if not hasattr(model, STATE_ATTR):
         inner = next((name for name, m in model.named_modules() if hasattr(m, STATE_ATTR)), None)
         raise FuseInferError("this model is not patched by fuseinfer (nothing to unpatch)" if inner is None else

@@ -2,10 +2,12 @@
 
 ``patch`` keeps a :class:`PatchState` on the model (the family that patched it, what it needs to undo the patch,
 the report and the config). The runtime and the feature packages read it through :func:`patch_state` without
-importing the engine.
+importing the engine. :func:`model_lock` is the one lock per model that ``patch``, ``unpatch``, generate calls and
+the patched forward hold, so that no caller sees a model half patched or half unpatched.
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -17,6 +19,7 @@ if TYPE_CHECKING:
     from .patches.base import ModelFamily
 
 STATE_ATTR = "_fuseinfer_state"
+LOCK_ATTR = "_fuseinfer_lock"
 
 
 class PatchState(NamedTuple):
@@ -33,6 +36,45 @@ def unwrapped(model):
     wrapped model's modules (dynamo recompiles for them), and its ``generate`` is what the wrapper exposes."""
     return getattr(model, "_orig_mod", model) if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) \
         else model
+
+
+class ModelLock:
+    """The holder of a model's lock (``model.__dict__[LOCK_ATTR]``, shared with the patched decoder it contains). A
+    deep copy or a pickled copy of the model gets a lock of its own (a lock cannot be copied)."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+
+    def __deepcopy__(self, memo):
+        return ModelLock()
+
+    def __reduce__(self):
+        return ModelLock, ()
+
+
+_LOCK_GUARD = threading.Lock()
+
+
+def lock_holder(model) -> ModelLock:
+    """``model``'s :class:`ModelLock`, made on first use and kept for the model's lifetime (patched or not), so that
+    a caller waiting on it while another unpatches and re-patches the model still waits on the same lock."""
+    model = unwrapped(model)
+    holder = model.__dict__.get(LOCK_ATTR)
+    if holder is None:
+        with _LOCK_GUARD:
+            holder = model.__dict__.get(LOCK_ATTR)
+            if holder is None:
+                holder = ModelLock()
+                object.__setattr__(model, LOCK_ATTR, holder)
+    return holder
+
+
+def model_lock(model) -> threading.RLock:
+    """The lock that serialises ``patch``, ``unpatch``, generate calls and forwards of the patched model on
+    ``model``: the patch swaps module classes and tensors that a running forward reads, and fast decode's sessions
+    (static cache, step buffers, graphs) are one per batch bucket, shared by every caller. Re-entrant:
+    ``model.generate`` holds it while it calls ``fuseinfer.generate`` and the model's forward."""
+    return lock_holder(model).lock
 
 
 def patch_state(model) -> PatchState | None:

@@ -49,13 +49,61 @@ def test_model_built_on_a_patched_config_runs_and_patches():
 def test_state_dict_and_tied_weights_keys_unchanged_by_patch():
     model = random_opt()
     keys, tied = list(model.state_dict()), model.get_expanded_tied_weights_keys()
-    buffers = {n for n, _ in model.named_buffers()}
+    buffers = [n for n, _ in model.named_buffers()]
     fuseinfer.patch(model)
-    assert list(model.state_dict()) == keys  # the (3E, E) q/k/v buffer is not persistent
+    assert list(model.state_dict()) == keys
     assert model.get_expanded_tied_weights_keys() == tied
-    # named_buffers shows the fused q/k/v buffers (views of which are the projections' weights): nothing else
-    extra = {n for n, _ in model.named_buffers()} - buffers
-    assert extra and all(n.endswith((".qkv_weight", ".qkv_bias")) for n in extra)
+    # the fused (3E, E) q/k/v tensor is kept outside the buffer registry: named_buffers lists what it listed
+    assert [n for n, _ in model.named_buffers()] == buffers
+    assert model.model.decoder.layers[0].self_attn.qkv_weight is not None
+
+
+def _shared_storage_groups(model) -> list[list[str]]:
+    """transformers' tied-weights check (test_modeling_common's test_tied_weights_keys): state_dict names grouped
+    by the storage their tensors share (``id_tensor_storage``), groups of two or more."""
+    import collections
+
+    from transformers.pytorch_utils import id_tensor_storage
+
+    ptrs = collections.defaultdict(list)
+    for name, tensor in model.state_dict().items():
+        ptrs[id_tensor_storage(tensor)].append(name)
+    return sorted(names for names in ptrs.values() if len(names) > 1)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_patched_at_construction_reports_only_the_declared_tied_weights(tie):
+    """A model patched right after it is built shows transformers' tied-weight checks what the unpatched one does:
+    the q/k/v views of the fused tensor are no undeclared ties; the declared ones (lm_head / embed_tokens) remain;
+    state_dict(keep_vars=True) still hands out the Parameters themselves."""
+    plain = random_opt(tie_word_embeddings=tie)
+    model = random_opt(tie_word_embeddings=tie)
+    fuseinfer.patch(model)
+    assert _shared_storage_groups(model) == _shared_storage_groups(plain)
+    assert [n for n, _ in model.named_buffers()] == [n for n, _ in plain.named_buffers()]
+    attn = model.model.decoder.layers[0].self_attn
+    assert model.state_dict(keep_vars=True)["model.decoder.layers.0.self_attn.q_proj.weight"] is attn.q_proj.weight
+    fuseinfer.unpatch(model)
+    assert not attn._state_dict_hooks
+
+
+def test_to_dtype_and_deepcopy_keep_the_fused_tensor_linked():
+    """``model.to(dtype)`` converts the fused q/k/v tensor (a plain attribute) and the projections stay views of
+    it; a deep copy gets its own, linked the same way."""
+    import copy
+
+    from fuseinfer.patches.opt import _qkv_linked, _qkv_params
+
+    model = random_opt()
+    ids = _ids(model)
+    fuseinfer.patch(model)
+    expected = _logits(model, ids)
+    model.to(torch.float64)
+    for m in (model, copy.deepcopy(model)):
+        attn = m.model.decoder.layers[1].self_attn
+        assert attn.qkv_weight.dtype == torch.float64 and _qkv_linked(attn, _qkv_params(attn))
+        assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()
+        torch.testing.assert_close(_logits(m, ids).float(), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_save_load_and_init_paths_keep_the_fused_buffer(tmp_path):

@@ -11,7 +11,7 @@ import importlib
 
 _EXPORTS = {
     "tensor_parallel": "sharding", "tp_info": "sharding", "TPInfo": "sharding",
-    "init_distributed": "dist", "no_multicast_env": "dist",
+    "init_distributed": "dist",
     "materialize": "materialize", "random_init": "materialize", "random_model": "materialize",
     "meta_model": "materialize",
 }

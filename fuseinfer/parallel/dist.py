@@ -1,6 +1,7 @@
-"""Process-group setup for tensor parallel: ``init_distributed`` (torchrun's environment, a timeout on every
-collective, one GPU per rank), the NVLink-multicast switches, and an all-gather that turns one rank's error into
-the same error on every rank (so no rank waits on a collective its peer will never join)."""
+"""Process-group setup for tensor parallel: ``init_distributed`` (torchrun's environment, checked, a timeout on every
+collective, one GPU per rank) and an all-gather that turns one rank's error into the same error on every rank (so
+no rank waits on a collective its peer will never join). NCCL's own settings (e.g. NVLink multicast) are left to the
+environment of the launch."""
 from __future__ import annotations
 
 import datetime
@@ -12,15 +13,32 @@ import torch.distributed as dist
 from ..errors import FuseInferError
 
 DEFAULT_TIMEOUT_S = 300
-# NVLink SHARP / multicast stay off in every process fuseinfer starts on a GPU machine (the team's machines must not
-# use it; NCCL's own all-reduce over NVLink is what TP=2 needs)
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+_LAUNCH = "launch with torchrun --nproc-per-node N your_script.py, which sets RANK, WORLD_SIZE and LOCAL_RANK"
 
 
-def no_multicast_env() -> None:
-    """setdefault the variables that keep NVLink multicast off (before the first NCCL communicator is made)."""
-    for key, value in NO_MULTICAST.items():
-        os.environ.setdefault(key, value)
+def env_int(name: str, minimum: int = 0, default: int | None = None) -> int | None:
+    """The integer torchrun put in the environment variable ``name`` (``default`` when unset); one clear error
+    naming the variable for a value that is not an integer >= ``minimum``."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise FuseInferError(f"{name}={raw!r} is not an integer >= {minimum}: unset it or {_LAUNCH}")
+    return value
+
+
+def torchrun_env() -> tuple[int, int, int]:
+    """(RANK, WORLD_SIZE, LOCAL_RANK) from torchrun's environment, checked (LOCAL_RANK defaults to RANK)."""
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        raise FuseInferError(f"init_distributed needs torchrun's environment (RANK, WORLD_SIZE): {_LAUNCH}")
+    world, rank = env_int("WORLD_SIZE", 1), env_int("RANK")
+    if rank >= world:
+        raise FuseInferError(f"RANK={rank} is not below WORLD_SIZE={world}: {_LAUNCH}")
+    return rank, world, env_int("LOCAL_RANK", default=rank)
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, seed: int = 0):
@@ -28,11 +46,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     every collective; on CUDA, bind this rank to GPU LOCAL_RANK. ``backend`` None: NCCL when a GPU is visible, else
     gloo. Seeds torch's generators with ``seed`` on every rank (sampling then draws the same numbers everywhere).
     Returns the device this rank computes on. Calling it again after a successful call returns that device."""
-    no_multicast_env()
-    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
-        raise FuseInferError("init_distributed needs torchrun's environment (RANK, WORLD_SIZE): launch with "
-                             "torchrun --nproc-per-node N your_script.py")
-    local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+    _, world, local = torchrun_env()
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         if not torch.cuda.is_available():
@@ -40,7 +54,6 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
         if not dist.is_nccl_available():
             raise FuseInferError(f"this torch ({torch.__version__}) is built without NCCL: install a CUDA build of "
                                  "torch with NCCL, or use backend='gloo' (CPU tensors only)")
-        world = int(os.environ["WORLD_SIZE"])
         if local >= torch.cuda.device_count():
             raise FuseInferError(f"LOCAL_RANK {local} but only {torch.cuda.device_count()} GPU(s) are visible: "
                                  f"launch at most {torch.cuda.device_count()} processes per node "

@@ -4,7 +4,6 @@ rank runs the same plan; only rank 0 prints and writes (fuseinfer/eval/cli.py)."
 from __future__ import annotations
 
 import atexit
-import os
 
 import torch
 
@@ -16,10 +15,13 @@ from ..errors import FuseInferError
 
 def tp_device(tp: int, device: str | None) -> torch.device:
     """Join torchrun's process group (NCCL on GPUs, gloo for --device cpu); this rank's device."""
-    from .dist import init_distributed
+    from .dist import env_int, init_distributed
 
-    world = os.environ.get("WORLD_SIZE")
-    if world is None or int(world) != tp:
+    try:
+        world = env_int("WORLD_SIZE", 1)
+    except FuseInferError as exc:
+        raise EvalError(str(exc)) from None
+    if world != tp:
         raise EvalError(f"--tp {tp} runs one process per GPU: launch with torchrun --nproc-per-node {tp} -m "
                         f"fuseinfer.eval ... --tp {tp} (WORLD_SIZE is {world or 'unset'})")
     if device not in (None, "cuda", "cpu"):

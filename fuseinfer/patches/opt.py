@@ -13,9 +13,15 @@ the swapped modules' own hooks and parameters stay as they are):
   quantized per token by ``quantize_int8`` (the sm90 GEMM has no int8-output epilogue: a per-token scale needs the
   whole row, spread over several CTAs);
 * ``OPTAttention`` -> :class:`FusedOPTAttention`: q/k/v as one GEMM (q/k/v weights become views of one
-  (3E, E) buffer, so no memory is added), unscaled q with the scale applied inside the attention kernel,
-  out_proj + bias (+ residual) fused;
+  (3E, E) tensor, so no memory is added), unscaled q with the scale applied inside the attention kernel,
+  out_proj + bias (+ residual) fused. The (3E, E) tensor and its (3E,) bias are plain attributes
+  (``qkv_weight`` / ``qkv_bias`` in the module's ``__dict__``), outside the buffer registry, so ``named_buffers``
+  and ``state_dict`` list what the unpatched model lists; ``state_dict()`` hands out the q/k/v weights as copies
+  of their own (transformers reads tensors sharing storage as tied weights); ``model.to`` and friends convert the
+  tensor (``FusedOPTAttention._apply``);
 * the decoder's final ``LayerNorm`` -> :class:`FusedLayerNorm`;
+* ``OPTDecoder`` -> :class:`LockedOPTDecoder`: the same forward, holding the model's lock (``state.model_lock``), so
+  that ``patch`` / ``unpatch`` in another thread wait for a running forward and a forward waits for them;
 * ``config._attn_implementation`` -> ``"fuseinfer"``, on a copy of the config that the model and its modules
   hold while patched (so another model built on the same config object keeps its attention); ``unpatch`` puts
   the original object back, with any other change made to the copy meanwhile.
@@ -32,6 +38,7 @@ Hooks added after ``patch`` are not seen by the fused forwards.
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 from torch import nn
@@ -49,7 +56,7 @@ from ..ops.layer_norm_quant import add_layer_norm_quant
 from ..quant.linear import decode_rows, fused_linear, int8_input
 from ..ops.attention import kernel_supports
 from ..parallel import placement
-from ..state import disown_config, own_config
+from ..state import LOCK_ATTR, disown_config, lock_holder, own_config
 from . import attention_backend, hf_attention
 
 
@@ -97,10 +104,15 @@ class FusedOPTAttention(OPTAttention):
     _fuseinfer_ops: frozenset = frozenset()
 
     def _apply(self, fn, recurse=True):
-        """``model.to`` / ``.half()`` / ``.cuda()`` convert the (3E, E) q/k/v buffer and the projections' weights
-        one by one; the weights then become views of the converted buffer again (one copy, updated together)."""
+        """``model.to`` / ``.half()`` / ``.cuda()`` convert the projections' weights (nn.Module's registries) and the
+        (3E, E) q/k/v tensor (a plain attribute); the weights then become views of the converted tensor again (one
+        copy, updated together)."""
         super()._apply(fn, recurse)
-        if getattr(self, "qkv_weight", None) is not None:
+        if self.__dict__.get("qkv_weight") is not None:
+            with torch.no_grad():  # (as nn.Module converts its tensors)
+                for name in ("qkv_weight", "qkv_bias"):
+                    if self.__dict__.get(name) is not None:
+                        self.__dict__[name] = fn(self.__dict__[name])
             _link_qkv(self)
         return self
 
@@ -214,6 +226,19 @@ class FusedOPTDecoderLayer(OPTDecoderLayer):
         return _norm(self.final_layer_norm, self._mlp(h, None), h, ln)
 
 
+class LockedOPTDecoder(OPTDecoder):
+    """OPTDecoder whose forward holds the patched model's lock (``ModelLock`` in ``__dict__[LOCK_ATTR]``): the forward
+    runs over a model that is wholly patched or wholly unpatched, never one that another thread is changing."""
+
+    @functools.wraps(OPTDecoder.forward)
+    def forward(self, *args, **kwargs):
+        holder = self.__dict__.get(LOCK_ATTR)
+        if holder is None or torch.compiler.is_compiling():  # (dynamo does not trace a lock; a compiled forward
+            return OPTDecoder.forward(self, *args, **kwargs)  # runs under the caller's: generate, or none)
+        with holder.lock:  # (``OPTDecoder.forward``, not super(): unpatch may have restored the class meanwhile)
+            return OPTDecoder.forward(self, *args, **kwargs)
+
+
 def check_decoder_inputs(decoder, args, kwargs):
     """Forward pre-hook that ``patch`` puts on the decoder: the inputs the fused modules cannot take become one clear
     error each (an empty batch or sequence, more positions than the model has) instead of a reshape error and an
@@ -264,8 +289,15 @@ class OPTPatchRules:
             if cls is FusedOPTAttention and "qkv" in ops:
                 self._fuse_qkv(module, state)
             self._swap(module, name, cls, module_ops, state, report, like)
+        decoders = [module for module in model.modules() if isinstance(module, OPTDecoder)] if report.swaps else []
         state["input_checks"] = [module.register_forward_pre_hook(check_decoder_inputs, with_kwargs=True)
-                          for module in model.modules() if isinstance(module, OPTDecoder) and report.swaps]
+                                 for module in decoders]
+        state["locked"] = [module for module in decoders if type(module) is OPTDecoder]
+        holder = lock_holder(model)
+        for module in state["locked"]:  # (the holder stays in the decoder's __dict__ after unpatch: see forward)
+            _swap_class(module, LockedOPTDecoder)
+            object.__setattr__(module, LOCK_ATTR, holder)
+            placement.swap_forward(module, LockedOPTDecoder, state)
         if "attention" in ops:
             if model.training:
                 report.skipped.append(("attention", "model is in training mode; call model.eval() first"))
@@ -303,14 +335,13 @@ class OPTPatchRules:
 
     @staticmethod
     def _fuse_qkv(attn: OPTAttention, state):
-        """Concatenate q/k/v weights into one (3E, E) buffer and make the projections' weights views of it."""
+        """Concatenate q/k/v weights into one (3E, E) tensor and make the projections' weights views of it."""
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-        attn.register_buffer("qkv_weight", torch.cat([p.weight.detach() for p in projs]),  # (3E, E)
-                             persistent=False)
-        attn.register_buffer("qkv_bias", torch.cat([p.bias.detach() for p in projs]) if attn.enable_bias else None,
-                             persistent=False)  # (3E,)
+        attn.__dict__["qkv_weight"] = torch.cat([p.weight.detach() for p in projs])  # (3E, E)
+        attn.__dict__["qkv_bias"] = torch.cat([p.bias.detach() for p in projs]) if attn.enable_bias else None
         _link_qkv(attn)
         state["qkv"].append(attn)
+        state.setdefault("qkv_hooks", []).append(attn._register_state_dict_hook(_own_qkv_storage))
 
     def unpatch(self, model: nn.Module, state: dict) -> None:
         for attn in state["qkv"]:
@@ -319,12 +350,16 @@ class OPTPatchRules:
                 if p.bias is not None:
                     p.bias.data = p.bias.detach().clone()
             del attn.qkv_weight, attn.qkv_bias, attn._fuseinfer_qkv_params
+        for handle in state.get("qkv_hooks", ()):
+            handle.remove()
         for handle in state.get("input_checks", ()):
             handle.remove()
         placement.restore_forwards(state)
         for module, cls in state["classes"]:
             module.__class__ = cls
             del module._fuseinfer_ops
+        for module in state.get("locked", ()):
+            _swap_class(module, OPTDecoder)
         if state["config"] is not None:
             original, own = state["config"]
             disown_config(own)
@@ -332,6 +367,31 @@ class OPTPatchRules:
             original.__dict__.update({k: v for k, v in own.__dict__.items() if k != "_attn_implementation_internal"})
             _replace_config(model, own, original)
         attention_backend.uninstall(state.get("attn_backends", ()))
+
+
+def _swap_class(model: nn.Module, cls: type) -> None:
+    """Change a transformers model's class, carrying over what transformers registered for its class (the outputs
+    that ``output_hidden_states`` / ``output_attentions`` record, keyed by the class's name)."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # (a transformers without that registry reads the class attribute)
+        _CAN_RECORD_REGISTRY = None
+    recorded = _CAN_RECORD_REGISTRY.get(model) if _CAN_RECORD_REGISTRY is not None else None
+    model.__class__ = cls
+    if recorded:
+        _CAN_RECORD_REGISTRY[model] = recorded
+
+
+def _own_qkv_storage(attn, state_dict, prefix, local_metadata) -> None:
+    """state_dict hook: the q/k/v weights and biases (views of the one (3E, E) tensor) as copies, each with storage
+    of its own, as the unpatched model's are: transformers takes tensors that share storage for tied weights (its
+    save and tied-weights checks). Parameters (``keep_vars=True``) stay themselves."""
+    for name in ("q_proj", "k_proj", "v_proj"):
+        for p in ("weight", "bias"):
+            key = f"{prefix}{name}.{p}"
+            t = state_dict.get(key)
+            if t is not None and not isinstance(t, nn.Parameter):
+                state_dict[key] = t.clone()
 
 
 def _replace_config(model: nn.Module, old, new) -> None:

@@ -115,6 +115,6 @@ def fused_linear(module: nn.Module, x: torch.Tensor, residual: torch.Tensor | No
     qkv = module._modules.get("qkv_proj")
     if qkv is not None:  # quantized fused q/k/v
         return qkv.fused(x, residual, activation)
-    if "qkv_weight" in module._buffers:  # fp16 fused q/k/v
+    if "qkv_weight" in module.__dict__:  # fp16 fused q/k/v (patches/opt.py keeps it outside _buffers)
         return linear_epilogue(x, module.qkv_weight, module.qkv_bias, residual, activation)
     return linear_epilogue(x, module.weight, module.bias, residual, activation)

@@ -144,8 +144,8 @@ class W8A8State(WeightOnlyState):
             attn._modules.pop("qkv_proj")
             q, k, v = projs
             bias = None if q.bias is None else torch.cat([q.bias, k.bias, v.bias])  # (3E,)
-            attn.register_buffer("qkv_weight", torch.cat([q.weight, k.weight, v.weight]), persistent=False)
-            attn.register_buffer("qkv_bias", bias, persistent=False)
+            attn.__dict__["qkv_weight"] = torch.cat([q.weight, k.weight, v.weight])
+            attn.__dict__["qkv_bias"] = bias
             for name, proj in zip(("q_proj", "k_proj", "v_proj"), projs):
                 setattr(attn, name, proj)
             _link_qkv(attn)  # the projections' weights and biases become views of the buffers again
@@ -235,8 +235,8 @@ def _swap_in(state: W8A8State, t, new, w: torch.Tensor) -> None:
         proj.weight.data = _placeholder(w)
         if proj.bias is not None:
             proj.bias.data = _placeholder(w)
-    attn.register_buffer("qkv_weight", None, persistent=False)
-    attn.register_buffer("qkv_bias", None, persistent=False)
+    attn.__dict__["qkv_weight"] = None
+    attn.__dict__["qkv_bias"] = None
     attn._fuseinfer_qkv_params = (None,) * 6
 
 

@@ -73,7 +73,7 @@ def _targets(model: nn.Module, config, report) -> list[_Target]:
     out = []
     for swap in report.swaps:
         module = model.get_submodule(swap.name)
-        fused_qkv = isinstance(module._buffers.get("qkv_weight"), torch.Tensor)
+        fused_qkv = isinstance(module.__dict__.get("qkv_weight"), torch.Tensor)
         if fused_qkv:
             out.append(_Target(f"{swap.name}.qkv_proj".lstrip("."), module, ""))
         for attr, child in module.named_children():
@@ -140,8 +140,8 @@ class WeightOnlyState:
             setattr(parent, attr, original)
         for attn, projs, kept in reversed(self.qkvs):
             qkv = attn._modules.pop("qkv_proj")
-            attn.register_buffer("qkv_weight", kept.to(qkv.qweight.device), persistent=False)
-            attn.register_buffer("qkv_bias", qkv.bias, persistent=False)
+            attn.__dict__["qkv_weight"] = kept.to(qkv.qweight.device)
+            attn.__dict__["qkv_bias"] = qkv.bias
             for name, proj in zip(("q_proj", "k_proj", "v_proj"), projs):
                 setattr(attn, name, proj)
             _link_qkv(attn)  # the projections' weights and biases become views of the buffers again
@@ -184,8 +184,8 @@ def quantize_weight_only(model: nn.Module, config, report) -> WeightOnlyState:
                 proj.weight.data = _placeholder(w)  # (views of the (3E, E) buffer: all must go to free it)
                 if proj.bias is not None:
                     proj.bias.data = _placeholder(w)
-            attn.register_buffer("qkv_weight", None, persistent=False)
-            attn.register_buffer("qkv_bias", None, persistent=False)
+            attn.__dict__["qkv_weight"] = None
+            attn.__dict__["qkv_bias"] = None
             attn._fuseinfer_qkv_params = (None,) * 6  # what _qkv_linked compares the QKVSlice's None params with
             before = w.numel() * w.element_size()
         qreport.entries.append(QuantEntry(t.name, tuple(q.shape), before, q.numel() + 4 * scale.numel()))

@@ -129,10 +129,14 @@ def _token_ids(value, name: str) -> tuple[int, ...] | Problem:
 
 
 def check_shapes(model, input_ids, attention_mask, max_new_tokens) -> Problem | None:
-    """The checks every path shares: a (B, P) tensor, a mask of its shape, left padding, a length that fits."""
+    """The checks every path shares: a (B, P) tensor of integer ids, a mask of its shape, left padding, a length
+    that fits."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         return Problem(f"input_ids must be (batch, length), got shape {shape}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        return Problem(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}: pass a torch.long "
+                       "tensor (as the tokenizer's return_tensors='pt' gives)", invalid=True)
     if min(input_ids.shape) == 0:
         return Problem(f"input_ids must hold at least one row of at least one token, got shape "
                        f"{tuple(input_ids.shape)}")

@@ -34,3 +34,9 @@ class StaticKVCache:
         """k, v: (B, H, S, D) -> the layer's whole (B, H, T, D) buffers, with k, v written in place."""
         kv_cache_append(self.keys[layer_idx], self.values[layer_idx], k, v, self.write_idx)  # one launch
         return self.keys[layer_idx], self.values[layer_idx]
+
+
+def kv_bytes(cache) -> int:
+    """Bytes of a static KV cache's buffers (keys, values, key mask): what a fast-decode session holds between calls
+    (any cache with those attributes, e.g. a tensor-parallel rank's or a split model's)."""
+    return sum(t.numel() * t.element_size() for t in [*cache.keys, *cache.values, cache.key_mask])

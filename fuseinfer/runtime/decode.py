@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import threading
 import weakref
 
 import torch
@@ -41,9 +40,9 @@ from .. import knobs
 from ..errors import FuseInferError
 from ..ops.emit_tokens import emit_tokens, emit_tokens_scratch
 from ..parallel import decode_plan
-from ..state import patch_state, unwrapped
+from ..state import model_lock, patch_state, unwrapped  # noqa: F401 (model_lock: re-exported)
 from .args import Call, Sampling, decode_forward, eos_tensor, in_vocabulary, pad_id, prepare_call  # noqa: F401
-from .cache import COUNTS, StaticKVCache  # (COUNTS: re-exported for tests and benchmarks)
+from .cache import COUNTS, StaticKVCache, kv_bytes  # (COUNTS: re-exported for tests and benchmarks)
 from .graphs import capture_stream
 from .processors import Processors, Rule
 
@@ -52,6 +51,9 @@ STOP_CHECK_EVERY = 16
 GRAPH_STEPS = 16  # steps per replay of the longer graph (FUSEINFER_DECODE_GRAPH_STEPS)
 CAPACITY_ROUND = 128
 SESSIONS_PER_BUCKET = 4  # settings kept per batch bucket (each: its step buffers, processors, decode graphs)
+CPU_CACHE_BUDGET = 512 << 20  # KV-cache bytes a model keeps between calls on the CPU (set_cache_budget)
+CUDA_CACHE_FRACTION = 2  # ... on a GPU: its memory / this
+_budget: list = [None]  # set_cache_budget's value (None: the defaults above)
 
 
 class _Session:
@@ -270,21 +272,6 @@ def _bucket(batch: int) -> int:
     return 1 << (batch - 1).bit_length()
 
 
-_LOCKS: "weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
-_LOCKS_GUARD = threading.Lock()
-
-
-def model_lock(model) -> threading.RLock:
-    """The lock that serialises generate calls on ``model``: its sessions (static cache, step buffers, graphs) are
-    one per batch bucket, shared by every caller, so a call holds the lock from its checks to its result.
-    Re-entrant: ``model.generate`` holds it while it calls ``fuseinfer.generate``."""
-    with _LOCKS_GUARD:
-        lock = _LOCKS.get(model)
-        if lock is None:
-            lock = _LOCKS[model] = threading.RLock()
-        return lock
-
-
 @torch.no_grad()
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
              do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
@@ -330,6 +317,8 @@ def run_call(model, input_ids: torch.Tensor, call: Call):
         out = _result(call, input_ids, new, new.shape[1], session)
         if dev.type == "cuda":  # the result is copied out of the session's buffers before the next caller runs
             torch.cuda.current_stream(dev).synchronize()
+        del new, session
+        trim_sessions(model)
     return out
 
 
@@ -360,15 +349,42 @@ class _Sessions(dict):
     def __init__(self):
         super().__init__()
         self.lru: dict[int, collections.OrderedDict] = {}
+        self.recent: collections.OrderedDict = collections.OrderedDict()  # every key, least recently used first
 
     def clear(self) -> None:
         super().clear()
         self.lru.clear()
+        self.recent.clear()
 
     def drop_bucket(self, bucket: int) -> None:
         """Free a bucket's sessions (graphs, buffers) and its cache."""
         self.pop(bucket, None)
         self.lru.pop(bucket, None)
+
+    def touch(self, key) -> None:
+        """Record that a call uses ``key`` (a bucket, or ``("hf", rows)``): the last to go when trimming."""
+        self.recent.pop(key, None)
+        self.recent[key] = None
+
+    def held_bytes(self) -> int:
+        """Bytes of the KV caches held (one per bucket, shared by its sessions; one per middle-path graph)."""
+        return sum(kv_bytes(entry.cache) for entry in self.values() if entry is not None)
+
+    def trim(self, budget: int) -> None:
+        """Keep the most recently used buckets and graphs whose caches fit in ``budget`` bytes together; free the
+        others (one that alone exceeds the budget is freed, whatever its turn)."""
+        kept = 0
+        for key in reversed(list(self.recent)):
+            entry = self.get(key)
+            size = kv_bytes(entry.cache) if entry is not None else 0
+            if entry is not None and kept + size <= budget:
+                kept += size
+                continue
+            self.recent.pop(key)
+            if isinstance(key, int):
+                self.drop_bucket(key)
+            else:
+                self.pop(key, None)
 
     def __deepcopy__(self, memo):  # a deep copy of the model starts without sessions (graphs cannot be copied)
         return _Sessions()
@@ -403,6 +419,7 @@ def session_for(model, forward, batch: int, max_len: int, sampling: Sampling, ma
     if session is not None and session.fits(capacity, sampling, max_new, eos, pad, rule):
         lru.move_to_end(key)
         sessions[bucket] = session
+        sessions.touch(bucket)
         return session
     current = sessions.get(bucket)  # (None in a deep or pickled copy of the model: see _Session)
     cache = current.cache if current is not None else None
@@ -420,7 +437,35 @@ def session_for(model, forward, batch: int, max_len: int, sampling: Sampling, ma
     del session, current
     session = _Session(model, forward, bucket, capacity, sampling, max_new, eos, pad, weights, cache, rule)
     lru[key] = sessions[bucket] = session
+    sessions.touch(bucket)
     return session
+
+
+def set_cache_budget(nbytes: int | None) -> None:
+    """How many bytes of KV cache fast decode keeps on a model between calls (``None``: the default, half of
+    the GPU's memory, 512 MiB on the CPU). When a ``generate`` call returns, the most recently used batch buckets'
+    caches (and the middle path's graphs') that fit in the budget together stay, the others are freed: a call
+    whose cache alone is larger frees it on return, so one large batch does not hold its memory until
+    ``release``."""
+    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
+        raise FuseInferError(f"set_cache_budget takes a number of bytes >= 0 or None, got {nbytes!r}")
+    _budget[0] = nbytes
+
+
+def cache_budget(device: torch.device) -> int:
+    """The KV-cache bytes a model on ``device`` keeps between calls (``set_cache_budget``)."""
+    if _budget[0] is not None:
+        return _budget[0]
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory // CUDA_CACHE_FRACTION
+    return CPU_CACHE_BUDGET
+
+
+def trim_sessions(model) -> None:
+    """Apply the cache budget to ``model``'s sessions at the end of a call (the caller holds ``model_lock``)."""
+    sessions = model.__dict__.get(SESSIONS_ATTR)
+    if isinstance(sessions, _Sessions):
+        sessions.trim(cache_budget(next(model.parameters()).device))
 
 
 def _weights_key(model) -> tuple:
@@ -439,5 +484,8 @@ def _weights_key(model) -> tuple:
 
 
 def release(model) -> None:
-    """Free the caches and graphs fast decode keeps on ``model`` (or on the model a torch.compile wrapper holds)."""
-    unwrapped(model).__dict__.pop(SESSIONS_ATTR, None)
+    """Free the caches and graphs fast decode keeps on ``model`` (or on the model a torch.compile wrapper holds);
+    waits for a generate call running on it to finish."""
+    model = unwrapped(model)
+    with model_lock(model):
+        model.__dict__.pop(SESSIONS_ATTR, None)

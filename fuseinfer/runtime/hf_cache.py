@@ -164,6 +164,19 @@ class FusedCache(Cache):
         elif tokens_to_remove > 0:
             self.length = min(self.length, tokens_to_remove)
 
+    def to_dynamic(self):
+        """The tokens held as transformers' ``DynamicCache`` (copies of slots [0, length) of every layer): what
+        generate returns as ``past_key_values``, so that the caller gets transformers' cache type (which it can pass
+        to a later call, unlike this one, whose buffers the model's next call reuses)."""
+        from transformers import DynamicCache
+
+        out = DynamicCache()
+        if self.graph is not None:
+            cache = self.graph.cache
+            for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
+                out.update(k[:, :, :self.length].clone(), v[:, :, :self.length].clone(), i)
+        return out
+
     def batch_repeat_interleave(self, repeats: int):
         raise FuseInferError("fuseinfer's static cache cannot repeat its rows (batch_repeat_interleave)")
 
@@ -204,6 +217,7 @@ def graph_for(model, forward, rows: int, max_length: int) -> ForwardGraph:
         sessions.pop((KEY, rows), None)
         del graph
         graph = sessions[(KEY, rows)] = ForwardGraph(model, forward, rows, capacity, weights)
+    sessions.touch((KEY, rows))
     return graph
 
 

@@ -23,7 +23,7 @@ import torch
 from ..config import ATTN_NAME
 from ..errors import FuseInferError
 from .args import Call, check_shapes, decode_forward, eos_tensor, in_vocabulary, pad_id, prepare_call
-from .decode import model_lock, run_call
+from .decode import model_lock, run_call, trim_sessions
 
 if TYPE_CHECKING:  # transformers is imported when the hook runs, so that ``import fuseinfer`` does not load it
     from transformers import GenerationConfig
@@ -175,6 +175,8 @@ def _generate(model, inputs, generation_config, kwargs):
         reason, middle = call.message, False
     if middle:
         problem = check_shapes(model, input_ids, mask, max_new)
+        if problem is not None and problem.invalid:  # (transformers refuses it too, less clearly)
+            raise FuseInferError(problem.message)
         if problem is None and not in_vocabulary(model, pad_id(pad, eos)):
             problem = "pad token (pad_token_id, else the first EOS id) is not in the model's vocabulary"
         if problem is None and max_new < 1:
@@ -212,6 +214,8 @@ def _middle_generate(model, inputs, generation_config, kwargs, max_length: int, 
             out = _transformers_generate(model, inputs, generation_config,
                                          {**kwargs, "past_key_values": FusedCache(model, forward, max_length)},
                                          switch_attention=False)
+            if isinstance(getattr(out, "past_key_values", None), FusedCache):  # transformers' type goes out
+                out.past_key_values = out.past_key_values.to_dynamic()
             if dev.type == "cuda":
                 torch.cuda.current_stream(dev).synchronize()
             return out
@@ -220,6 +224,7 @@ def _middle_generate(model, inputs, generation_config, kwargs, max_length: int, 
             model.forward = before
         else:
             del model.forward
+        trim_sessions(model)  # (the cache budget, as after a fast-path call)
 
 
 def _null():

@@ -243,10 +243,10 @@ def _qkv_intact(plan: _Plan) -> bool:
         if not (q["weight"] is linked[0] and q["bias"] is linked[1] and k["weight"] is linked[2]
                 and k["bias"] is linked[3] and v["weight"] is linked[4] and v["bias"] is linked[5]):
             return False
-        w = attn._buffers["qkv_weight"].data_ptr()
+        w = attn.__dict__["qkv_weight"].data_ptr()
         if linked[0].data_ptr() != w or linked[2].data_ptr() != w + step or linked[4].data_ptr() != w + 2 * step:
             return False
-        bias = attn._buffers["qkv_bias"]
+        bias = attn.__dict__["qkv_bias"]
         if bias is not None:
             b, bstep = bias.data_ptr(), bias.numel() // 3 * bias.element_size()
             if linked[1].data_ptr() != b or linked[3].data_ptr() != b + bstep or linked[5].data_ptr() != b + 2 * bstep:
@@ -358,7 +358,7 @@ def _fp_specs(lyr: _Layer) -> tuple:
     """A fp16/bf16 layer's linears as (weight, bias) pairs: (q/k/v fused, out_proj, fc1, fc2), read at each call."""
     attn, mods = lyr.attn, lyr.layer._modules
     out, fc1, fc2 = attn._modules["out_proj"]._parameters, mods["fc1"]._parameters, mods["fc2"]._parameters
-    return ((attn._buffers["qkv_weight"], attn._buffers["qkv_bias"]), (out["weight"], out["bias"]),
+    return ((attn.__dict__["qkv_weight"], attn.__dict__["qkv_bias"]), (out["weight"], out["bias"]),
             (fc1["weight"], fc1["bias"]), (fc2["weight"], fc2["bias"]))
 
 
