@@ -19,6 +19,6 @@ def save_quantized(model, directory):
 
 def load_quantized(directory, device="cpu", model=None, ops=None):
     """Build the model saved by ``save_quantized`` (no re-quantization); see ``fuseinfer.quant.checkpoint``."""
-    from .checkpoint import load_quantized as load
+    from .loading import load_quantized as load
 
     return load(directory, device=device, model=model, ops=ops)

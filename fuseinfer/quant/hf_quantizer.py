@@ -17,7 +17,8 @@ import re
 import sys
 
 from ..errors import FuseInferError
-from .checkpoint import QUANT_METHOD, WEIGHTS, build_layout, check_record, check_tensors
+from .checkpoint import QUANT_METHOD, WEIGHTS, check_record, check_tensors
+from .loading import build_layout, refresh_report
 
 REGISTRY = "transformers.quantizers.auto"
 
@@ -131,9 +132,7 @@ def _classes() -> tuple:
             return model
 
         def _process_model_after_weight_loading(self, model, **kwargs):
-            from .checkpoint import _refresh_report
-
-            _refresh_report(model)
+            refresh_report(model)
             return model.eval()
 
         def is_serializable(self):

@@ -15,7 +15,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from .checkpoint import _refresh_report, to_empty_keep_ties
+from .loading import refresh_report, to_empty_keep_ties
 from .config import Int8WeightOnly
 from .linear import Int8WeightOnlyLinear
 
@@ -63,5 +63,5 @@ def random_quantized_opt(name: str = "opt-66b", device="cuda", dtype=torch.float
                 module.weight.normal_(0.0, std, generator=gen)
                 if module.padding_idx is not None:
                     module.weight[module.padding_idx].zero_()
-    _refresh_report(model)
+    refresh_report(model)
     return model
