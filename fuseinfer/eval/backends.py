@@ -165,9 +165,12 @@ class FuseInferBackend(EagerBackend):
 
     name = "fuseinfer"
     summary = "fuseinfer.patch(model): fused CUDA ops; static cache + CUDA-graph decode"
+    loaded_patched = False  # True for a fuseinfer quantized checkpoint, which loads patched
 
     def prepare(self):
-        self.report = fuseinfer.patch(self.model)
+        # a fuseinfer quantized checkpoint loads patched (transformers' quantizer registry): run it as it is
+        self.loaded_patched = fuseinfer.patch_state(self.model) is not None
+        self.report = fuseinfer.patch_report(self.model) if self.loaded_patched else fuseinfer.patch(self.model)
         self.decode = "not run"  # set by start(): the path the timed decode steps take
 
     def start(self, batch_size, max_len):
@@ -202,7 +205,10 @@ class FuseInferBackend(EagerBackend):
 
     def close(self):
         if self.model is not None and fuseinfer.patch_state(self.model) is not None:
-            fuseinfer.unpatch(self.model)  # frees the runtime's cache and graph
+            if self.loaded_patched:  # (nothing to unpatch to: the checkpoint holds no original weights)
+                fuseinfer.runtime.release(self.model)
+            else:
+                fuseinfer.unpatch(self.model)  # frees the runtime's cache and graph
         super().close()
 
 

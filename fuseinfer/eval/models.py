@@ -92,9 +92,20 @@ def _load_failed(source: ModelSource, exc: Exception) -> EvalError:
                      f"directory with the model (--model /path/to/{source.path.split('/')[-1]}){hint}")
 
 
-def load_config(source: ModelSource):
-    """The model's OPT config: built in for facebook/opt-* random models, else from the hub, cache or directory
-    (not a fuseinfer quantized checkpoint: the eval and export CLIs start from the unquantized model)."""
+def checkpoint_scheme(config) -> str | None:
+    """The scheme of a fuseinfer quantized checkpoint's config (``int8_weight_only``, ``smoothquant_w8a8``), else
+    None. Such a folder loads through transformers' quantizer registry already patched and quantized."""
+    quant = getattr(config, "quantization_config", None)
+    if isinstance(quant, dict) and quant.get("quant_method") == "fuseinfer":
+        return str(quant.get("scheme"))
+    return None
+
+
+def load_config(source: ModelSource, quantized: str | None = None):
+    """The model's OPT config: built in for facebook/opt-* random models, else from the hub, cache or directory.
+
+    A fuseinfer quantized checkpoint is accepted only where ``quantized`` is None (the caller runs it as it is);
+    otherwise ``quantized`` says why this command needs the unquantized model, and the error names the fix."""
     from transformers import AutoConfig, OPTConfig
 
     if source.random_weights and source.path in OPT_CONFIGS:
@@ -105,11 +116,10 @@ def load_config(source: ModelSource):
         raise _load_failed(source, exc) from None
     if config.model_type != "opt":
         raise EvalError(f"{source.path!r} is a {config.model_type!r} model; fuseinfer.eval measures OPT models")
-    quant = getattr(config, "quantization_config", None)
-    if isinstance(quant, dict) and quant.get("quant_method") == "fuseinfer":  # (it would load patched and int8)
-        raise EvalError(f"{source.path!r} is a fuseinfer quantized checkpoint ({quant.get('scheme')}): pass the "
-                        "unquantized model it came from (the fuseinfer-w8a16 / fuseinfer-w8a8 eval backends quantize "
-                        "it); load the checkpoint itself in Python with AutoModelForCausalLM.from_pretrained")
+    scheme = checkpoint_scheme(config)
+    if scheme is not None and quantized is not None:
+        raise EvalError(f"{source.path!r} is a fuseinfer quantized checkpoint ({scheme}): {quantized}; pass the "
+                        "unquantized model it came from")
     return config
 
 

@@ -20,7 +20,7 @@ from .backends import Backend
 from .environment import environment
 from .errors import EvalError
 from .metrics import derive
-from .models import ModelSource, load_config, load_tokenizer, resolve_model
+from .models import ModelSource, checkpoint_scheme, load_config, load_tokenizer, resolve_model
 from .perplexity import Window, gptq_windows, perplexity, sliding_windows
 from .registry import BACKENDS
 from .timing import (
@@ -226,6 +226,11 @@ def make_plan(s: Settings) -> Plan:
     s = Settings(**{**asdict(s), **defaults, "backends": names, "dtype": dtype_name, "device": str(device)})
     source = resolve_model(s.model)
     config = load_config(source)
+    scheme = checkpoint_scheme(config)
+    if scheme is not None and names != ("fuseinfer",):
+        raise EvalError(f"{source.path!r} is a fuseinfer quantized checkpoint ({scheme}): it holds int8 weights "
+                        "only, so only the fuseinfer backend runs it (pass --backends fuseinfer); to compare with "
+                        "the other backends, give the unquantized model it came from")
     _check_sizes(s, config.max_position_embeddings)
     prompt = torch.randint(0, config.vocab_size, (s.batch_size, s.prompt_len),
                            generator=torch.Generator().manual_seed(s.seed))  # (B, P)

@@ -70,7 +70,8 @@ def _onnx(args) -> dict:
         raise ExportError(f"--device {args.device} but no CUDA GPU is visible; use --device cpu")
     dtype = DTYPES[args.dtype or ("fp16" if device.type == "cuda" else "fp32")]
     source = resolve_model(args.model)
-    config = load_config(source)
+    config = load_config(source, quantized="the ONNX graph is exported from fp16 / fp32 weights, which it does "
+                                           "not hold")
     start = time.perf_counter()
     model = load_model(source, config, dtype, device, args.seed)
     load_s = time.perf_counter() - start

@@ -200,7 +200,7 @@ def _context(model, s: ProfileSettings) -> _Context:
         if name not in DTYPES:
             raise ProfileError(f"unknown dtype {name!r}: choose from {', '.join(DTYPES)}")
         dtype, source = DTYPES[name], resolve_model(str(model))
-        config = load_config(source)
+        config = load_config(source, quantized="the profiler builds each backend from the unquantized model")
     d = DEFAULTS[device.type]
     s = ProfileSettings(**{**asdict(s), **{k: v for k, v in d.items() if getattr(s, k) is None},
                            "device": str(device), "dtype": str(dtype).removeprefix("torch.")})

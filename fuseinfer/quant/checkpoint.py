@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from ..errors import FuseInferError
+from ..files import atomic_file
 
 CONFIG_KEY = "quantization_config"
 QUANT_METHOD = "fuseinfer"
@@ -96,13 +97,11 @@ def save_quantized(model, directory) -> Path:
 
 
 def _write_atomic(path: Path, write) -> None:
-    """``write(tmp)`` to a temporary sibling of ``path``, then rename it over ``path`` (never half-written)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
+    """``write(tmp)`` to a temporary sibling of ``path``, then rename it over ``path`` (never half-written; the
+    temporary is removed on any failure or signal). Only the format's own files are replaced: a folder that also
+    holds a tokenizer or a README keeps them, as transformers' ``save_pretrained`` does."""
+    with atomic_file(path, overwrite=True, flag="the checkpoint file") as tmp:
         write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _record(model, state, tensors: dict) -> dict:

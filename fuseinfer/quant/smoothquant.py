@@ -70,12 +70,12 @@ class CalibrationStats:
         temporary name and renamed, so a failure leaves nothing half-written."""
         from safetensors.torch import save_file
 
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
+        from ..files import atomic_file
+
         meta = {"format": "fuseinfer-smoothquant-calibration", "version": "1", "samples": str(self.samples),
                 "seq_len": str(self.seq_len), "source": self.source, "meta": json.dumps(self.meta)}
-        save_file({k: v.detach().float().cpu().contiguous() for k, v in self.act_max.items()}, str(tmp), meta)
-        os.replace(tmp, path)
+        with atomic_file(path, overwrite=True, flag="the calibration file") as tmp:
+            save_file({k: v.detach().float().cpu().contiguous() for k, v in self.act_max.items()}, str(tmp), meta)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> CalibrationStats:

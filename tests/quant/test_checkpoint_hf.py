@@ -122,23 +122,55 @@ def test_save_pretrained_arguments_and_unpatch(tmp_path):
     assert "quantization_config" not in json.loads((tmp_path / "plain" / "config.json").read_text())
 
 
-@pytest.mark.parametrize("cli", ["eval", "export"])
-def test_clis_refuse_a_quantized_folder_in_one_line(tmp_path, capsys, cli):
+@pytest.mark.parametrize("cli", ["eval", "export", "profile"])
+def test_clis_refuse_what_needs_the_unquantized_model_in_one_line(tmp_path, capsys, cli):
+    """The eval's other backends, the ONNX export and the profiler start from fp16 / fp32 weights the checkpoint
+    does not hold: one error line naming the fix, nothing written."""
     model = random_opt()
     fuseinfer.patch(model, PatchConfig(quant=Int8WeightOnly()))
     model.save_pretrained(tmp_path / "q")
     if cli == "eval":
         from fuseinfer.eval.cli import main
 
-        rc = main(["--model", str(tmp_path / "q"), "--backends", "eager", "--device", "cpu", "--max-windows", "1"])
-    else:
+        rc = main(["--model", str(tmp_path / "q"), "--backends", "eager,fuseinfer", "--device", "cpu",
+                   "--max-windows", "1"])
+    elif cli == "export":
         from fuseinfer.export.cli import main
 
         rc = main(["onnx", "--model", str(tmp_path / "q"), "--out", str(tmp_path / "onnx"), "--device", "cpu"])
-        assert not (tmp_path / "onnx").exists()
+    else:
+        from fuseinfer.profile.cli import main
+
+        rc = main(["--model", str(tmp_path / "q"), "--backend", "fuseinfer", "--phase", "prefill", "--device", "cpu",
+                   "--out", str(tmp_path / "onnx")])
+    assert not (tmp_path / "onnx").exists()
     err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("warning:")]
-    assert rc == 2 and len(err) == 1 and err[0].startswith("error:")
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error:"), err
     assert "fuseinfer quantized checkpoint (int8_weight_only)" in err[0] and "unquantized model" in err[0]
+
+
+def test_eval_runs_a_quantized_folder_as_saved(tiny_model_path, tmp_path):
+    """``python -m fuseinfer.eval --model <quantized folder> --backends fuseinfer`` loads it quantized (through
+    from_pretrained) and measures it: its perplexity equals the saved model's, nothing is quantized again."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fuseinfer.eval.cli import main
+
+    model = _quantized(tiny_model_path, "int8")
+    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(tmp_path / "q")  # (kept: the model's files only)
+    model.save_pretrained(tmp_path / "q")
+    out = tmp_path / "r.json"
+    rc = main(["--model", str(tmp_path / "q"), "--backends", "fuseinfer", "--device", "cpu", "--dtype", "fp32",
+               "--data-dir", str(WIKITEXT), "--max-windows", "1", "--seq-len", "128", "--skip-latency",
+               "--output", str(out)])
+    assert rc == 0
+    row = json.loads(out.read_text())["backends"]["fuseinfer"]
+    assert row["status"] == "ok" and row["ppl"] is not None, (row.get("ppl_note"), json.loads(out.read_text()).get("ppl_note"))
+    ids = torch.tensor([[2, 100, 200, 300, 400]])
+    with torch.no_grad():
+        ref = model(ids).logits
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / "q").eval()(ids).logits
+    torch.testing.assert_close(again, ref, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
