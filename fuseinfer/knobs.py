@@ -57,7 +57,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "`0`: take cuBLASLt's first heuristic choice for prefill-sized linears instead of timing 8 candidates "
          "once per problem", ("0", "1"), extension=True),
     Knob("FUSEINFER_DECODE_TRACE", "0", "import",
-         "`1`: the one-kernel decode step records per-phase timestamps (tools/profile_decode.py)", ("0", "1"),
+         "`1`: the one-kernel decode step records per-phase timestamps, for profiling the step", ("0", "1"),
          extension=True),
     Knob("FUSEINFER_W8A8_TILE", "auto", "call",
          "the W8A8 CUTLASS GEMM's tile configuration: `auto` by M, or `small` / `medium` / `large` forced (benchmarks)",
@@ -95,7 +95,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("FUSEINFER_CALIBRATION_SAMPLES", "128", "call",
          "the eval's `fuseinfer-w8a8` backend: calibration windows of 512 tokens (`--calibration-samples`)"),
     Knob("FUSEINFER_GPU_TRANSFORMERS", None, "call",
-         "tools/gpu_check.sh: a transformers wheel to run every stage under instead of the machine's"),
+         "development only: a transformers wheel that the GPU test runs use instead of the installed one"),
 )}
 
 
