@@ -87,3 +87,15 @@ def test_skip_reasons_name_no_private_machine_or_script():
             if FORBIDDEN.search(m.group(0)):
                 hits.append(f"{path.relative_to(REPO)}: {m.group(0)[:80]}")
     assert not hits, hits
+
+
+def test_the_install_lines_are_what_ci_runs():
+    """Every `pip install` of the README's install block is run by .ci/run as written (a newcomer types what CI
+    runs)."""
+    block = README.split("## Install and test", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [c.strip() for line in block.splitlines() if not line.lstrip().startswith("#")
+                for c in line.split("&&") if c.strip().startswith("pip install")]
+    ci = (REPO / ".ci" / "run").read_text()
+    assert len(commands) == 4, commands
+    for c in commands:
+        assert "python -m pip install -q " + c.removeprefix("pip install ") in ci, c
