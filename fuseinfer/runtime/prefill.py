@@ -50,7 +50,7 @@ from ..ops.int8_gemm import w8a8_backend, w8a8_linear
 from ..ops.layer_norm_quant import add_layer_norm_quant
 from ..ops.quant import quantize_per_token
 from ..ops.kv_cache import kv_cache_append
-from ..state import patch_state, unwrapped
+from ..state import model_lock, patch_state, unwrapped
 from ..quant.linear import DECODE_ROWS, decode_rows
 from .cache import COUNTS
 from .graphs import capture_stream
@@ -516,7 +516,9 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise FuseInferError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
                              f"{tuple(input_ids.shape)}")
-    with torch.no_grad():
+    # the model's lock: a patch / unpatch in another thread waits for this call (the lean loop reads the patched
+    # layers directly, never through the decoder's locked forward), and this call waits for it
+    with model_lock(model), torch.no_grad():
         if lean_reason(model) is not None:
             out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
             return out.logits[:, -1].float()

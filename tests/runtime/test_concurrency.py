@@ -64,8 +64,8 @@ def test_four_threads_five_calls_each_give_the_single_threaded_results(device):
 
 
 def test_patch_and_unpatch_racing_generate_and_forward_raise_only_the_clear_error():
-    """60 calls from 6 threads on one model: patch, unpatch, fuseinfer.generate, model.generate and the model's
-    forward, interleaved. Each either gives the result a lone call gives (the same tokens whether the model is patched
+    """60 calls from 6 threads on one model: patch, unpatch, fuseinfer.generate, model.generate, the model's
+    forward and fuseinfer.prefill, interleaved. Each either gives the result a lone call gives (the same tokens whether the model is patched
     or not at that moment; logits within the reference's tolerance) or raises FuseInferError (patching a patched
     model, unpatching an unpatched one, fuseinfer.generate on an unpatched one); nothing else. (model.generate and
     the forward hold ``model_lock`` here: on a model unpatched at that moment they are transformers' own, which
@@ -82,7 +82,7 @@ def test_patch_and_unpatch_racing_generate_and_forward_raise_only_the_clear_erro
     assert torch.equal(fuseinfer.generate(model, ids, mask, max_new_tokens=6), ref_tokens)
 
     def call(i):
-        kind = i % 5
+        kind = i % 6
         if kind == 0:
             fuseinfer.patch(model)
         elif kind == 1:
@@ -93,10 +93,13 @@ def test_patch_and_unpatch_racing_generate_and_forward_raise_only_the_clear_erro
             with fuseinfer.runtime.model_lock(model):
                 out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
             assert torch.equal(out, ref_tokens)
-        else:
+        elif kind == 4:
             with fuseinfer.runtime.model_lock(model), torch.no_grad():
                 logits = model(input_ids=ids, attention_mask=mask).logits
             torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+        else:  # fuseinfer.prefill takes the lock itself (its lean loop reads the patched layers directly)
+            last = fuseinfer.prefill(model, ids, mask)
+            torch.testing.assert_close(last, ref_logits[:, -1].float(), rtol=1e-4, atol=1e-4)
 
     clear, other = 0, []
     with ThreadPoolExecutor(6) as pool:
