@@ -39,6 +39,11 @@ class SavePretrained:
     def __init__(self, model):
         self._model = weakref.ref(model)
 
+    def __reduce__(self):
+        # deepcopy and pickle rebuild it around the copy of its model (both memoize the model, which is already
+        # being rebuilt when its __dict__ reaches this object), never around the original
+        return SavePretrained, (self._model(),)
+
     def __call__(self, save_directory, **kwargs):
         from .checkpoint import save_quantized
 

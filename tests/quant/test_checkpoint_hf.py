@@ -211,3 +211,25 @@ def test_registration_in_either_import_order(first):
               "as Q\nassert C['fuseinfer'].__name__ == 'FuseInferQuantizationConfig' and 'fuseinfer' in Q\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
+
+
+def test_a_copied_or_pickled_quantized_model_saves_itself(tmp_path):
+    """save_pretrained of a deep copy (or of a model pickled and loaded) writes that model, not the original."""
+    import copy
+    import io
+
+    model = random_opt()
+    fuseinfer.patch(model, PatchConfig(quant=Int8WeightOnly()))
+    twin = copy.deepcopy(model)
+    assert twin.save_pretrained._model() is twin
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded.save_pretrained._model() is loaded
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.add_(1)
+    twin.save_pretrained(tmp_path / "twin")
+    model.save_pretrained(tmp_path / "orig")
+    assert (tmp_path / "twin" / "model.safetensors").read_bytes() != (tmp_path / "orig" / "model.safetensors").read_bytes()
