@@ -133,6 +133,9 @@ def remove_stale(final: Path) -> list[Path]:
     for entry in parent.iterdir():
         m = _OWN.match(entry.name)
         if m and m.group(2) == final.name and not _pid_alive(int(m.group(1))):
+            if entry.name.startswith(OLD) and not final.exists():
+                entry.rename(final)  # killed between its two renames: the earlier results go back, never lost
+                continue
             _remove(entry)
             removed.append(entry)
     return removed
@@ -154,6 +157,9 @@ class _Terminated(BaseException):
     """SIGTERM during a write: unwinds like KeyboardInterrupt so the temporary is removed."""
 
 
+_swapping = threading.local()  # .pending: a SIGTERM that arrived between a swap's two renames (see _swap)
+
+
 @contextlib.contextmanager
 def _cleanup_on_signal():
     """Turn SIGTERM into an exception while a write is in flight (main thread only: Python allows handlers
@@ -163,6 +169,9 @@ def _cleanup_on_signal():
         return
 
     def handler(signum, frame):
+        if getattr(_swapping, "active", False):  # never between the two renames of a swap: after them
+            _swapping.pending = True
+            return
         raise _Terminated()
 
     previous = signal.signal(signal.SIGTERM, handler)
@@ -191,15 +200,34 @@ def atomic_dir(path, *, marker: str, overwrite: bool = False, flag: str = "--out
                 raise WriteError(f"{final}: the write ended without its {marker}; nothing was replaced")
             # checked again: the folder may have changed while the caller filled tmp
             check_writable(final, folder=True, marker=marker, overwrite=overwrite, flag=flag)
-            old = None
-            if final.exists():
-                old = _sibling(final, OLD)
-                final.rename(old)
-            tmp.rename(final)
+            old = _swap(tmp, final, flag)
             if old is not None:
                 _remove(old)
         finally:
             _remove(tmp)
+
+
+def _swap(tmp: Path, final: Path, flag: str) -> Path | None:
+    """Rename ``final`` aside (returned, for the caller to remove) and ``tmp`` into its place; a SIGTERM in between
+    waits until both are done, and a failed rename puts the earlier folder back (one WriteError line)."""
+    old = _sibling(final, OLD) if final.exists() else None
+    _swapping.active, _swapping.pending = True, False
+    try:
+        if old is not None:
+            final.rename(old)
+        tmp.rename(final)
+    except OSError as exc:
+        if old is not None and old.exists() and not final.exists():
+            old.rename(final)
+        raise WriteError(f"cannot write {flag} {final}: {exc.strerror or exc}; nothing was replaced") from None
+    finally:
+        _swapping.active = False
+    if _swapping.pending:
+        _swapping.pending = False
+        if old is not None:
+            _remove(old)
+        raise _Terminated()
+    return old
 
 
 @contextlib.contextmanager
@@ -217,7 +245,10 @@ def atomic_file(path, *, overwrite: bool = False, flag: str = "--output"):
                 raise WriteError(f"{final}: the write ended without a file; nothing was replaced")
             if final.is_dir():
                 raise WriteError(f"cannot write {flag} {final}: it became a folder; choose another path")
-            os.replace(tmp, final)
+            try:
+                os.replace(tmp, final)
+            except OSError as exc:
+                raise WriteError(f"cannot write {flag} {final}: {exc.strerror or exc}; nothing was replaced") from None
         finally:
             _remove(tmp)
 

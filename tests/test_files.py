@@ -192,3 +192,42 @@ def test_sigterm_handler_is_restored(tmp_path):
     before = signal.getsignal(signal.SIGTERM)
     files.write_text(tmp_path / "x.txt", "x")
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(30)
+    return proc.pid
+
+
+def test_kill_between_the_swaps_two_renames_loses_nothing(tmp_path):
+    """A writer killed after renaming the earlier results aside and before renaming the new ones in leaves only
+    the earlier results, under their temporary name: the next write puts them back (and, without --overwrite,
+    refuses to replace them) instead of removing them as a leftover."""
+    aside = tmp_path / f".fuseinfer-old-{_dead_pid()}-0123abcd-out"
+    aside.mkdir()
+    (aside / MARK).write_text('{"earlier": true}')
+    with pytest.raises(WriteError, match="earlier results"):
+        with files.atomic_dir(tmp_path / "out", marker=MARK) as tmp:
+            (tmp / MARK).write_text("{}")
+    assert (tmp_path / "out" / MARK).read_text() == '{"earlier": true}'
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_failed_rename_puts_the_earlier_folder_back(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / MARK).write_text('{"earlier": true}')
+    real = type(out).rename
+
+    def rename(self, target):
+        if self.name.startswith(files.TMP):  # the new folder cannot move in (e.g. EBUSY on a mount point)
+            raise OSError(16, "Device or resource busy")
+        return real(self, target)
+
+    monkeypatch.setattr(type(out), "rename", rename)
+    with pytest.raises(WriteError, match="busy; nothing was replaced"):
+        with files.atomic_dir(out, marker=MARK, overwrite=True) as tmp:
+            (tmp / MARK).write_text("{}")
+    assert (out / MARK).read_text() == '{"earlier": true}'
+    assert _leftovers(tmp_path) == []
