@@ -120,7 +120,9 @@ def _host_bytes(t: torch.Tensor):
 def weights_hash(model: torch.nn.Module, method: str | None = None) -> str:
     """``<method>:<hex>`` over every tensor of ``model.state_dict()`` (see the module docstring); ``method``
     default: ``checksum`` when a tensor is on a GPU, else ``blake2b``."""
-    state = sorted(model.state_dict().items())
+    # keep_vars: the tensors themselves (a patched model's plain state_dict() copies its q/k/v weights, ~30 GB at
+    # OPT-66b); detached, since they are read as bytes
+    state = sorted((k, t.detach()) for k, t in model.state_dict(keep_vars=True).items())
     if method is None:
         method = "checksum" if any(t.device.type != "cpu" for _, t in state) else "blake2b"
     if method not in HASH_METHODS:

@@ -17,8 +17,9 @@ def save_quantized(model, directory):
     return save(model, directory)
 
 
-def load_quantized(directory, device="cpu", model=None, ops=None):
-    """Build the model saved by ``save_quantized`` (no re-quantization); see ``fuseinfer.quant.checkpoint``."""
+def load_quantized(directory, device=None, model=None, ops=None):
+    """Build the model saved by ``save_quantized`` (no re-quantization) on ``device`` (default: the CPU, or the
+    given ``model``'s device); see ``fuseinfer.quant.loading``."""
     from .loading import load_quantized as load
 
     return load(directory, device=device, model=model, ops=ops)

@@ -27,8 +27,9 @@ def build_layout(model, checked: dict, ops=None) -> None:
     patch(model, PatchConfig(ops=tuple(ops or checked["ops"]) or PatchConfig().ops, quant=empty_layout(checked)))
 
 
-def load_quantized(directory, device="cpu", model=None, ops=None):
-    """The model ``save_quantized`` wrote to ``directory``, patched and quantized, on ``device``.
+def load_quantized(directory, device=None, model=None, ops=None):
+    """The model ``save_quantized`` wrote to ``directory``, patched and quantized, on ``device`` (default: the CPU;
+    with ``model``, that model's device, and another ``device`` is refused).
 
     model: None (build it from the checkpoint's config, in its dtype) or an unpatched model of the same
       architecture, whose tensors are replaced (FuseInferError, model untouched, if its config differs in a field
@@ -69,11 +70,16 @@ def load_quantized(directory, device="cpu", model=None, ops=None):
             probe = AutoModelForCausalLM.from_config(saved, dtype=dtype, attn_implementation="sdpa")
         build_layout(probe, checked, ops)
         check_tensors(directory / WEIGHTS, probe, checked)
+        if device is not None and torch.device(device) != next(model.parameters()).device:
+            raise FuseInferError(f"load_quantized(model=...) loads into the model's own device "
+                                 f"({next(model.parameters()).device}), not {device}: move the model first or leave "
+                                 "device out")
         device = next(model.parameters()).device
         ties = tied_parameters(model)
         model.to("meta")
         build_layout(model, checked, ops)
     else:
+        device = "cpu" if device is None else device
         saved._attn_implementation = "sdpa"
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(saved, dtype=dtype, attn_implementation="sdpa")

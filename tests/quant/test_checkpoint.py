@@ -95,3 +95,17 @@ def test_w8a8_round_trip_gives_identical_logits(tmp_path, monkeypatch):
     assert "a saved W8A8 checkpoint" in str(fuseinfer.patch_report(loaded))
     with pytest.raises(FuseInferError, match="keep_original"):
         fuseinfer.unpatch(loaded)
+
+
+def test_load_into_a_model_refuses_another_device(tmp_path):
+    """load_quantized(model=..., device=...) loads where the model is; another device is one clear error, the model
+    untouched (it used to load onto the model's device, whatever device said)."""
+    model = random_opt()
+    fuseinfer.patch(model, fuseinfer.PatchConfig(quant=fuseinfer.Int8WeightOnly()))
+    fuseinfer.save_quantized(model, tmp_path)
+    target = random_opt(seed=1)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(fuseinfer.FuseInferError, match="model's own device"):
+        fuseinfer.load_quantized(tmp_path, device="meta", model=target)
+    assert fuseinfer.patch_state(target) is None
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
