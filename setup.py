@@ -277,6 +277,7 @@ def cuda_extension(mode: str):
                 super().build_extensions()
             except Exception as exc:  # the compiler's own errors are printed above this message
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                write_build_info({"built": False, "reason": f"compiling the CUDA extension failed ({first})"})
                 raise SystemExit(failure(f"compiling it failed ({first}; the compiler's errors are above)",
                                          f"fix the toolchain (nvcc {torch.version.cuda}, a host compiler with "
                                          f"C++{std})")) from None

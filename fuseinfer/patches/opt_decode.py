@@ -52,10 +52,10 @@ def decode_step_kernel(model: nn.Module, cache):
     rows = cache.key_mask.shape[0]
     if mode == "auto" and rows > decode_step_op.AUTO_MAX_ROWS:
         return None, (f"the one-kernel step is slower than per op above {decode_step_op.AUTO_MAX_ROWS} row(s) "
-                      "(docs/history.md); FUSEINFER_DECODE_KERNEL=1 uses it wherever it applies")
+                      "(measured); FUSEINFER_DECODE_KERNEL=1 uses it wherever it applies")
     if mode == "auto" and quant is not None and model.config.hidden_size > decode_step_op.AUTO_INT8_MAX_HIDDEN:
         return None, (f"the int8 one-kernel step is slower than per op above hidden size "
-                      f"{decode_step_op.AUTO_INT8_MAX_HIDDEN} (docs/history.md); FUSEINFER_DECODE_KERNEL=1 uses it "
+                      f"{decode_step_op.AUTO_INT8_MAX_HIDDEN} (measured); FUSEINFER_DECODE_KERNEL=1 uses it "
                       "wherever it applies")
     cfg, dec = model.config, model.model.decoder
     if not cfg.do_layer_norm_before or dec.project_in is not None or dec.project_out is not None:

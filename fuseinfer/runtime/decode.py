@@ -366,10 +366,6 @@ class _Sessions(dict):
         self.recent.pop(key, None)
         self.recent[key] = None
 
-    def held_bytes(self) -> int:
-        """Bytes of the KV caches held (one per bucket, shared by its sessions; one per middle-path graph)."""
-        return sum(kv_bytes(entry.cache) for entry in self.values() if entry is not None)
-
     def trim(self, budget: int) -> None:
         """Keep the most recently used buckets and graphs whose caches fit in ``budget`` bytes together; free the
         others (one that alone exceeds the budget is freed, whatever its turn)."""
