@@ -24,6 +24,7 @@ Errors are :class:`~fuseinfer.errors.FuseInferError` (each CLI turns it into one
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -75,6 +76,17 @@ def _inside_cwd(path: Path) -> bool:
     return cwd == resolved or resolved in cwd.parents
 
 
+def owned_by_fuseinfer(marker_file: Path) -> bool:
+    """Whether ``marker_file`` is a manifest fuseinfer wrote: a JSON object whose ``schema`` names a fuseinfer
+    format (``fuseinfer.onnx/2``, ``fuseinfer.profile/1`` ...). A file that merely has the marker's name (a user's
+    own ``profile.json``) does not make a folder fuseinfer's to replace."""
+    try:
+        data = json.loads(marker_file.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and str(data.get("schema", "")).startswith("fuseinfer.")
+
+
 def check_writable(path, *, folder: bool = False, marker: str | None = None, overwrite: bool = False,
                    flag: str = "--out") -> Path:
     """Raise :class:`WriteError` unless ``path`` can be written by :func:`atomic_dir` (``folder``) or
@@ -90,10 +102,11 @@ def check_writable(path, *, folder: bool = False, marker: str | None = None, ove
         except OSError as exc:
             raise WriteError(f"cannot write {where}: {exc.strerror or exc}; choose another {flag}") from None
         if holds:
-            owned = marker is not None and (p / marker).is_file()
+            owned = marker is not None and owned_by_fuseinfer(p / marker)
             if not owned:
                 raise WriteError(f"cannot write {where}: the folder holds files fuseinfer did not write (no "
-                                 f"{marker or 'manifest'}), which it never replaces; choose another {flag}")
+                                 f"{marker or 'manifest'} of fuseinfer's), which it never replaces; choose another "
+                                 f"{flag}")
             if not overwrite:
                 raise WriteError(f"cannot write {where}: it holds earlier results; pass --overwrite to replace "
                                  f"them, or choose another {flag}")

@@ -16,6 +16,7 @@ from fuseinfer import files
 from fuseinfer.files import WriteError
 
 MARK = "done.json"
+OURS = '{"schema": "fuseinfer.test/1"}'  # a marker fuseinfer writes names its format
 
 
 def _leftovers(folder):
@@ -49,7 +50,7 @@ def test_folder_with_foreign_files_is_never_replaced(tmp_path):
     for overwrite in (False, True):
         with pytest.raises(WriteError, match="did not write.*choose another --out"):
             with files.atomic_dir(out, marker=MARK, overwrite=overwrite) as tmp:
-                (tmp / MARK).write_text("{}")
+                (tmp / MARK).write_text(OURS)
     assert os.listdir(out) == ["main.py"] and _leftovers(tmp_path) == []
 
 
@@ -60,9 +61,9 @@ def test_folder_written_earlier_needs_overwrite_then_is_swapped(tmp_path):
             with pytest.raises(WriteError, match="earlier results; pass --overwrite"):
                 files.check_writable(out, folder=True, marker=MARK)
         with files.atomic_dir(out, marker=MARK, overwrite=text == "two") as tmp:
-            (tmp / MARK).write_text(text)
-            assert not (out / MARK).exists() or (out / MARK).read_text() == "one"  # untouched while writing
-    assert (out / MARK).read_text() == "two" and sorted(os.listdir(tmp_path)) == ["out"]
+            (tmp / MARK).write_text(OURS[:-1] + f', "run": "{text}"}}')
+            assert not (out / MARK).exists() or '"one"' in (out / MARK).read_text()  # untouched while writing
+    assert '"two"' in (out / MARK).read_text() and sorted(os.listdir(tmp_path)) == ["out"]
 
 
 def test_empty_folder_is_taken_and_unfinished_write_leaves_it(tmp_path):
@@ -72,14 +73,14 @@ def test_empty_folder_is_taken_and_unfinished_write_leaves_it(tmp_path):
         (tmp / "partial").write_text("x")  # no marker: not finished
     assert os.listdir(out) == [] and _leftovers(tmp_path) == []
     with files.atomic_dir(out, marker=MARK) as tmp:
-        (tmp / MARK).write_text("{}")
+        (tmp / MARK).write_text(OURS)
     assert os.listdir(out) == [MARK]
 
 
 def test_current_folder_is_never_replaced(tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
-    (out / MARK).write_text("{}")
+    (out / MARK).write_text(OURS)
     monkeypatch.chdir(out)
     with pytest.raises(WriteError, match="current folder"):
         files.check_writable(".", folder=True, marker=MARK, overwrite=True)
@@ -121,7 +122,7 @@ with files.atomic_dir(sys.argv[1], marker="done.json") as tmp:
     (tmp / "big").write_text("x" * 1000)
     print("writing", flush=True)
     time.sleep(60)
-    (tmp / "done.json").write_text("{}")
+    (tmp / "done.json").write_text('{"schema": "fuseinfer.test/1"}')
 """
 
 
@@ -148,7 +149,7 @@ def test_sigkill_leftover_is_removed_by_the_next_write(tmp_path):
     assert len(_leftovers(tmp_path)) == 1  # a kill cannot be caught
     (tmp_path / ".fuseinfer-tmp-1-0123abcd-other").mkdir()  # another target's: not ours to remove
     with files.atomic_dir(tmp_path / "out", marker=MARK) as tmp:
-        (tmp / MARK).write_text("{}")
+        (tmp / MARK).write_text(OURS)
     assert sorted(os.listdir(tmp_path)) == [".fuseinfer-tmp-1-0123abcd-other", "out"]
 
 
@@ -206,18 +207,18 @@ def test_kill_between_the_swaps_two_renames_loses_nothing(tmp_path):
     refuses to replace them) instead of removing them as a leftover."""
     aside = tmp_path / f".fuseinfer-old-{_dead_pid()}-0123abcd-out"
     aside.mkdir()
-    (aside / MARK).write_text('{"earlier": true}')
+    (aside / MARK).write_text('{"schema": "fuseinfer.test/1", "earlier": true}')
     with pytest.raises(WriteError, match="earlier results"):
         with files.atomic_dir(tmp_path / "out", marker=MARK) as tmp:
-            (tmp / MARK).write_text("{}")
-    assert (tmp_path / "out" / MARK).read_text() == '{"earlier": true}'
+            (tmp / MARK).write_text(OURS)
+    assert (tmp_path / "out" / MARK).read_text() == '{"schema": "fuseinfer.test/1", "earlier": true}'
     assert _leftovers(tmp_path) == []
 
 
 def test_a_failed_rename_puts_the_earlier_folder_back(tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
-    (out / MARK).write_text('{"earlier": true}')
+    (out / MARK).write_text('{"schema": "fuseinfer.test/1", "earlier": true}')
     real = type(out).rename
 
     def rename(self, target):
@@ -228,6 +229,19 @@ def test_a_failed_rename_puts_the_earlier_folder_back(tmp_path, monkeypatch):
     monkeypatch.setattr(type(out), "rename", rename)
     with pytest.raises(WriteError, match="busy; nothing was replaced"):
         with files.atomic_dir(out, marker=MARK, overwrite=True) as tmp:
-            (tmp / MARK).write_text("{}")
-    assert (out / MARK).read_text() == '{"earlier": true}'
+            (tmp / MARK).write_text(OURS)
+    assert (out / MARK).read_text() == '{"schema": "fuseinfer.test/1", "earlier": true}'
     assert _leftovers(tmp_path) == []
+
+
+def test_a_users_file_named_like_the_marker_does_not_make_the_folder_ours(tmp_path):
+    """--overwrite replaces a folder only when its marker is a fuseinfer manifest (its schema), not any file of
+    that name: a project folder holding its own profile.json is refused, untouched."""
+    out = tmp_path / "project"
+    out.mkdir()
+    (out / "profile.json").write_text('{"name": "my-app", "version": "1.0"}')
+    (out / "main.py").write_text("print('hello')")
+    with pytest.raises(WriteError, match="did not write"):
+        with files.atomic_dir(out, marker="profile.json", overwrite=True) as tmp:
+            (tmp / "profile.json").write_text('{"schema": "fuseinfer.profile/1"}')
+    assert sorted(os.listdir(out)) == ["main.py", "profile.json"]

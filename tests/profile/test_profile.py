@@ -266,7 +266,7 @@ def test_recorded_paths_name_the_final_folder(tiny_run):
 def test_cli_earlier_profile_needs_overwrite(capsys, tmp_path):
     out = tmp_path / "prof"
     out.mkdir()
-    (out / "profile.json").write_text("{}")
+    (out / "profile.json").write_text('{"schema": "fuseinfer.profile/1"}')
     err = _cli_error(capsys, "--model", "opt-7b", "--device", "cpu", "--out", str(out))
     assert "earlier results; pass --overwrite" in err
     assert os.listdir(out) == ["profile.json"]
