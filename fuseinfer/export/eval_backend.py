@@ -79,7 +79,8 @@ class OrtBackend(Backend):
                              dtype=self.dtype, memo=memo)
             self.export_s = None
         else:
-            self.export_s = to_onnx(self.model, directory, self.flavour, source=self.source.spec)["export_seconds"]
+            self.export_s = to_onnx(self.model, directory, self.flavour, source=self.source.spec,
+                                    memo=memo)["export_seconds"]
         self.directory = directory
         config = self.model.config
         self.model = None  # ORT holds its own copy of the weights; the PyTorch one is freed
@@ -173,7 +174,7 @@ class TensorRTBackend(Backend):
             mf.check_matches(mf.read(directory), directory, model=self.model, flavour="plain", dtype=self.dtype,
                              memo=memo)
         else:
-            to_onnx(self.model, directory, "plain", source=self.source.spec)
+            to_onnx(self.model, directory, "plain", source=self.source.spec, memo=memo)
         self.directory = directory
         self.model = None
         _free(self.device)

@@ -90,12 +90,13 @@ def _example(graph_model, device, dtype):
 
 def to_onnx(model, out_dir, flavour: str = "fused", dtype: torch.dtype | None = None,
             device: str | torch.device | None = None, overwrite: bool = False, opset: int = OPSET,
-            source: str | None = None) -> dict:
+            source: str | None = None, memo: dict | None = None) -> dict:
     """Export an OPTForCausalLM to ``out_dir``; returns the manifest (also written as fuseinfer_onnx.json).
 
     ``dtype`` / ``device``: export in that dtype on that device (default: the model's). The model itself is
     never changed: a model in another dtype or on another device is copied first. ``source``: how the model was
-    named (recorded in the manifest).
+    named (recorded in the manifest). ``memo``: the weights hashes already taken of this model
+    (``manifest.model_hash``), so an eval that checked for a reusable export does not hash it again.
     """
     check_model(model)
     if flavour not in FLAVOURS:
@@ -109,6 +110,7 @@ def to_onnx(model, out_dir, flavour: str = "fused", dtype: torch.dtype | None = 
     device = torch.device(device) if device is not None else param.device
     if (param.dtype, param.device.type) != (dtype, device.type):
         model = copy.deepcopy(model).to(device=device, dtype=dtype)  # the caller's model stays as it was
+        memo = None  # (hashes of the caller's model are not this copy's)
     cfg = model.config
     start = time.perf_counter()
     with files.atomic_dir(out_dir, marker=mf.MANIFEST, overwrite=overwrite) as tmp:
@@ -134,7 +136,7 @@ def to_onnx(model, out_dir, flavour: str = "fused", dtype: torch.dtype | None = 
         heads = cfg.num_attention_heads
         io_in, io_out = _io_spec(cfg.num_hidden_layers, heads, cfg.hidden_size // heads, cfg.vocab_size,
                                  mf.DTYPE_NAMES[dtype])
-        manifest = _manifest(model, flavour, dtype, device, opset, source, ops, io_in, io_out)
+        manifest = _manifest(model, flavour, dtype, device, opset, source, ops, io_in, io_out, memo)
         manifest["export_seconds"] = round(time.perf_counter() - start, 2)
         mf.write(tmp, manifest)  # last: the manifest marks a finished export
     return manifest
@@ -193,7 +195,7 @@ def _drop_unused_optional_outputs(graph) -> None:
             node.output.pop()
 
 
-def _manifest(model, flavour, dtype, device, opset, source, ops, inputs, outputs) -> dict:
+def _manifest(model, flavour, dtype, device, opset, source, ops, inputs, outputs, memo=None) -> dict:
     import onnx
     import transformers
 
@@ -213,7 +215,7 @@ def _manifest(model, flavour, dtype, device, opset, source, ops, inputs, outputs
         "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "transformers": transformers.__version__,
                      "fuseinfer": fuseinfer.__version__},
         "model": {"source": source or getattr(cfg, "_name_or_path", "") or "in-memory model",
-                  "config_hash": mf.config_hash(cfg), "weights_hash": mf.weights_hash(model),
+                  "config_hash": mf.config_hash(cfg), "weights_hash": mf.model_hash(model, memo=memo),
                   "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
                   "head_dim": cfg.hidden_size // cfg.num_attention_heads, "hidden": cfg.hidden_size,
                   "vocab": cfg.vocab_size, "max_positions": cfg.max_position_embeddings,

@@ -129,12 +129,17 @@ def _guard_name(modules: list[str], tensors: dict) -> str:
     return names[0]
 
 
-def _unique_tensors(model) -> dict:
-    """The state dict with each tied tensor once (under its first name in sorted order, as safetensors does)."""
+def _names_by_tensor(model) -> list[list[str]]:
+    """The state dict's names grouped by tensor object (tied weights share a group)."""
     groups: dict[int, list] = {}
     for name, t in model.state_dict(keep_vars=True).items():
         groups.setdefault(id(t), []).append(name)
-    return {min(names): _tensor(model, min(names)).detach().contiguous() for names in groups.values()}
+    return list(groups.values())
+
+
+def _unique_tensors(model) -> dict:
+    """The state dict with each tied tensor once (under its first name in sorted order, as safetensors does)."""
+    return {min(names): _tensor(model, min(names)).detach().contiguous() for names in _names_by_tensor(model)}
 
 
 # ------------------------------------------------------------------------------------------------- reading / checks
@@ -259,10 +264,7 @@ def empty_layout(checked: dict):
 def _tensor_groups(model) -> list[list[str]]:
     """The state dict's names grouped by tensor: tied ones share a group (the same object, or tied later by
     transformers' ``all_tied_weights_keys`` when the model was just built on the meta device)."""
-    groups: dict[int, list] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        groups.setdefault(id(t), []).append(name)
-    by_name = {n: names for names in groups.values() for n in names}
+    by_name = {n: names for names in _names_by_tensor(model) for n in names}
     for a, b in (getattr(model, "all_tied_weights_keys", None) or {}).items():
         if a in by_name and b in by_name and by_name[a] is not by_name[b]:
             merged = by_name[a] + by_name[b]

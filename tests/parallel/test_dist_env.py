@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
@@ -30,18 +31,10 @@ VALID = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
 @settings(max_examples=60, deadline=None)
 @given(name=st.sampled_from(sorted(VALID)), value=GARBAGE)
 def test_garbage_torchrun_variable_is_one_error_naming_it(name, value):
-    env = {**VALID, name: value}
-    saved = {k: os.environ.get(k) for k in VALID}
-    os.environ.update(env)
-    try:
-        with pytest.raises(fuseinfer.FuseInferError, match=f"^{name}=") as info:
-            fdist.init_distributed("gloo")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    # (mock.patch.dict, not monkeypatch: a function-scoped fixture is not reset between hypothesis examples)
+    with mock.patch.dict(os.environ, {**VALID, name: value}), \
+            pytest.raises(fuseinfer.FuseInferError, match=f"^{name}=") as info:
+        fdist.init_distributed("gloo")
     assert "\n" not in str(info.value) and "torchrun" in str(info.value)
 
 
