@@ -81,7 +81,7 @@ def torch_cxx_std(torch_include: str) -> int:
 
 def cxx_flags(std: int) -> list:
     """The host compiler flags fuseinfer's C++ sources build with, for C++ standard ``std`` (``torch_cxx_std``);
-    tests/test_install.py compiles torch/extension.h with them."""
+    tests/repo/test_install.py compiles torch/extension.h with them."""
     return ["-O3", f"-std=c++{std}"]
 
 
@@ -287,7 +287,7 @@ def cuda_extension(mode: str):
     return ext, Build
 
 
-if __name__ == "__main__":  # (tests/test_install.py imports the helpers above without building)
+if __name__ == "__main__":  # (tests/repo/test_install.py imports the helpers above without building)
     built = cuda_extension(build_mode())
     setup(
         name="fuseinfer",

@@ -17,7 +17,7 @@ are views of one (B, S, 3, H, D) q/k/v GEMM output for prefill; decode reads a (
 count the real tokens only: sum over rows of 4*H*L_b^2*D/2; their GB/s the real keys' K + V bytes plus q and out.
 SDPA gets the (B, 1, Sq, Skv) boolean mask there (its flash backend takes no mask: recorded as unavailable).
 After the run, the (phase, head dim) classes where `flash_attn` was faster than `fuseinfer` in every row are printed
-as the rows for `fuseinfer.patches.attention_backend.AUTO_TABLE` (and saved as settings.auto_table_measured).
+as the rows for `fuseinfer.layers.attention_backend.AUTO_TABLE` (and saved as settings.auto_table_measured).
 
 Baselines: torch.nn.functional.scaled_dot_product_attention under each available SDPA backend (flash,
 efficient, cudnn; a backend that rejects the inputs is recorded as unavailable) and torch.compile of the eager

@@ -8,7 +8,7 @@ percentiles. Compared: eager HF generate,
 HF generate(cache_implementation="static") (which torch.compiles its decode step), and fuseinfer.generate.
 Derived: floor = weight bytes / measured copy bandwidth (issue 5's definition), floor_kv = the bytes of a step,
 KV cache included, / copy bandwidth (the KV cache outweighs the weights at batch 32); achieved GB/s = bytes read per decode step / ms-per-token,
-the bytes by ``fuseinfer.eval.metrics.decode_bytes_per_step`` (weights + KV cache at the mean context of the N timed
+the bytes by ``fuseinfer.harness.metrics.decode_bytes_per_step`` (weights + KV cache at the mean context of the N timed
 steps), so the figure matches the eval CLI's GB/s for the same settings.
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import measure_ceilings, percentile_stats, wall_ms, write_results  # noqa: E402
 
 import fuseinfer  # noqa: E402
-from fuseinfer.eval.metrics import decode_bytes_per_step  # noqa: E402
-from fuseinfer.eval.models import load_config, load_model, model_stats, resolve_model  # noqa: E402
+from fuseinfer.harness.metrics import decode_bytes_per_step  # noqa: E402
+from fuseinfer.harness.models import load_config, load_model, model_stats, resolve_model  # noqa: E402
 
 
 def ms_per_token(gen, ids, new_tokens: int, repeats: int) -> dict:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import event_ms, measure_ceilings, write_results  # noqa: E402
 
 import fuseinfer  # noqa: E402
-from fuseinfer.eval.models import load_config, load_model, resolve_model  # noqa: E402
+from fuseinfer.harness.models import load_config, load_model, resolve_model  # noqa: E402
 
 
 def main() -> None:

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import bench_ms, graph_calls_ms, measure_ceilings, paired_ms, paired_ratio, write_results  # noqa: E402
 
-from fuseinfer import knobs  # noqa: E402
+from fuseinfer.core import knobs  # noqa: E402
 
 import fuseinfer._C as C  # noqa: E402
 

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import write_results  # noqa: E402
 
 import fuseinfer  # noqa: E402
-from fuseinfer._ext import extension  # noqa: E402
-from fuseinfer.eval.timing import copy_bandwidth_gbps  # noqa: E402
+from fuseinfer.core.extension import extension  # noqa: E402
+from fuseinfer.harness.timing import copy_bandwidth_gbps  # noqa: E402
 from fuseinfer.quant.eval_backend import weight_bytes_per_token  # noqa: E402
 from fuseinfer.quant.random_init import random_quantized_opt  # noqa: E402
 

@@ -14,7 +14,7 @@ rank waits on a collective its peer will never join). The stage script re-runs m
 Random weights throughout (``fuseinfer.parallel.random_init``: every parameter drawn on its GPU from a generator
 seeded by its name, so TP shards, single-GPU and device_map models hold the same values). Timing: wall clock between
 synchronizations of the GPUs involved (one decode step or one prefill per sample: ~10 us of sync on 10-60 ms),
-warm-up excluded, medians with p10-p90 (``fuseinfer.eval.timing.summarize``); "grouped" decode: one replay of the
+warm-up excluded, medians with p10-p90 (``fuseinfer.harness.timing.summarize``); "grouped" decode: one replay of the
 session's 16-step graph, per token (the runtime's own way of running ``generate``). Derived
 figures (formulas here): weight-read floor = bytes of weights one decode step reads on a GPU (all parameters but
 the position table; the tied LM head once) / device-to-device copy bandwidth measured in the same run
@@ -39,8 +39,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fuseinfer  # noqa: E402
-from fuseinfer.eval.models import OPT_CONFIGS  # noqa: E402
-from fuseinfer.eval.timing import copy_bandwidth_gbps, summarize  # noqa: E402
+from fuseinfer.harness.models import OPT_CONFIGS  # noqa: E402
+from fuseinfer.harness.timing import copy_bandwidth_gbps, summarize  # noqa: E402
 from fuseinfer.parallel.materialize import (device_map_lookup, materialize, meta_model, random_init,  # noqa: E402
                                             random_model)
 
@@ -526,7 +526,7 @@ def main_single(parts: list[str]) -> int:
 
 def write_part(name: str, results: dict, error: bool = False) -> None:
     """parallel_<name>.json (or parallel_<name>.error.json) with the environment and settings."""
-    from fuseinfer.eval.environment import environment
+    from fuseinfer.harness.environment import environment
 
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     env = environment(device(0))

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_ms, event_ms, measure_ceilings, percentile_stats, wall_ms, write_results  # noqa: E402
 
 import fuseinfer  # noqa: E402
-from fuseinfer.eval.models import load_config, load_model, model_stats, resolve_model  # noqa: E402
+from fuseinfer.harness.models import load_config, load_model, model_stats, resolve_model  # noqa: E402
 from fuseinfer.runtime import prefill as pf  # noqa: E402
 from fuseinfer.runtime.decode import COUNTS, Sampling, decode_forward, session_for  # noqa: E402
 

@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import graph_calls_ms, measure_ceilings, paired_ms, paired_ratio, write_results  # noqa: E402
 
-from fuseinfer import knobs  # noqa: E402
-from fuseinfer.ops.int8_gemm import w8a8_backend, w8a8_linear, w8a8_linear_ref, w8a8_unavailable_reason  # noqa: E402
+from fuseinfer.core import knobs  # noqa: E402
+from fuseinfer.ops.w8a8_linear import w8a8_backend, w8a8_linear, w8a8_linear_ref, w8a8_unavailable_reason  # noqa: E402
 from fuseinfer.ops.layer_norm_quant import add_layer_norm_quant  # noqa: E402
 from fuseinfer.ops.quant import quantize_int8_ref  # noqa: E402
 

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import event_ms, measure_ceilings, percentile_stats, write_results  # noqa: E402
 
 import fuseinfer  # noqa: E402
-from fuseinfer.eval.models import load_config, load_model, resolve_model  # noqa: E402
-from fuseinfer.patches.opt import FusedOPTDecoderLayer  # noqa: E402
+from fuseinfer.harness.models import load_config, load_model, resolve_model  # noqa: E402
+from fuseinfer.models.opt.modules import FusedOPTDecoderLayer  # noqa: E402
 from fuseinfer.quant import smoothquant as sq  # noqa: E402
 from fuseinfer.runtime import prefill as pf  # noqa: E402
 from fuseinfer.runtime.decode import COUNTS, Sampling, decode_forward, session_for  # noqa: E402
@@ -45,7 +45,7 @@ TARGET_MS = {2047: 6.0, 2048: 6.0}
 
 def gemms_graph(model, m: int):
     """A replay closure of a CUDA graph running the W8A8 model's 4 x layers GEMMs at M = m (random int8 input)."""
-    from fuseinfer._ext import extension
+    from fuseinfer.core.extension import extension
 
     ext = extension(torch.device("cuda"))
     calls = []

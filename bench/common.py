@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from fuseinfer.eval.timing import copy_bandwidth_gbps, summarize, time_call
+from fuseinfer.harness.timing import copy_bandwidth_gbps, summarize, time_call
 
 RESULTS_DIR = Path(os.environ.get("FUSEINFER_BENCH_DIR", Path(__file__).resolve().parent / "results"))
 
@@ -105,19 +105,19 @@ def wall_ms(fn) -> float:
 
 
 def event_ms(fn) -> float:
-    """GPU time of one fn() call in ms by CUDA events, the GPU idle before it (fuseinfer.eval.timing.time_call)."""
+    """GPU time of one fn() call in ms by CUDA events, the GPU idle before it (fuseinfer.harness.timing.time_call)."""
     return time_call(fn, torch.device("cuda"))
 
 
 def percentile_stats(times: list) -> dict:
     """Median, 10th and 90th percentile (ms) of ``times``, interpolated between ranks as the eval CLI's
-    ``fuseinfer.eval.timing.summarize`` does (torch.quantile), plus the count."""
+    ``fuseinfer.harness.timing.summarize`` does (torch.quantile), plus the count."""
     s = summarize(times)
     return {"median_ms": s["median"], "p10_ms": s["p10"], "p90_ms": s["p90"], "n": s["n"]}
 
 
 def measure_ceilings() -> dict:
-    """Measured copy bandwidth (GB/s of bytes read + written, ``fuseinfer.eval.timing.copy_bandwidth_gbps``, the
+    """Measured copy bandwidth (GB/s of bytes read + written, ``fuseinfer.harness.timing.copy_bandwidth_gbps``, the
     eval CLI's measurement) and cuBLAS fp16 matmul TFLOP/s."""
     copy_gbs = copy_bandwidth_gbps(torch.device("cuda"))
     m = 8192
@@ -130,7 +130,7 @@ def measure_ceilings() -> dict:
 
 def environment() -> dict:
     """GPU name, driver, CUDA, torch, transformers and fuseinfer versions (the eval CLI's record)."""
-    from fuseinfer.eval.environment import environment as eval_environment
+    from fuseinfer.harness.environment import environment as eval_environment
 
     return eval_environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 

@@ -4,18 +4,18 @@
     fuseinfer.unpatch(model)          # restores the original model exactly
     fuseinfer.patch(model, fuseinfer.PatchConfig(quant=fuseinfer.Int8WeightOnly()))  # int8 weights (W8A16)
 """
-from ._ext import cuda_extension_available, extension_status
-from .config import OPS, PatchConfig, PatchReport
-from .errors import FuseInferError
-from .patching import patch, unpatch
-from .quant import Int8WeightOnly, QuantConfig, SmoothQuantW8A8, load_quantized, save_quantized
-from .runtime import generate
-from .runtime.prefill import prefill
-from .state import patch_report, patch_state
+from fuseinfer.core.extension import cuda_extension_available, extension_status
+from fuseinfer.core.config import OPS, PatchConfig, PatchReport
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.patching import patch, unpatch
+from fuseinfer.quant import Int8WeightOnly, QuantConfig, SmoothQuantW8A8, load_quantized, save_quantized
+from fuseinfer.runtime import generate
+from fuseinfer.runtime.prefill import prefill
+from fuseinfer.core.state import patch_report, patch_state
 
 __version__ = "0.2.0"
 
-from .quant.hf_quantizer import register as _register_quantizer  # noqa: E402  (quant_method "fuseinfer")
+from fuseinfer.quant.hf_quantizer import register as _register_quantizer  # noqa: E402  (quant_method "fuseinfer")
 
 _register_quantizer()
 

@@ -1,7 +1,7 @@
 """The patch engine: ``patch(model, config)`` swaps modules in place and returns a report; ``unpatch`` undoes it.
 
-Model families live in ``fuseinfer/patches/`` (one file each, registered by ``model_type``, each implementing
-:class:`fuseinfer.patches.base.ModelFamily`). The engine checks the input before anything is touched, so a refused
+Model families live in ``fuseinfer/models/`` (one file each, registered by ``model_type``, each implementing
+:class:`fuseinfer.models.base.ModelFamily`). The engine checks the input before anything is touched, so a refused
 model is left exactly as it was, keeps the state needed to undo the patch on the model itself (``state.py``), and
 renders the report. On models with ``generate`` it also installs the fast-decode ``generate`` of
 ``fuseinfer.runtime`` (which hands unsupported calls back to transformers).
@@ -12,15 +12,23 @@ import logging
 
 from torch import nn
 
-from . import patches
-from ._ext import extension_status
-from .config import ATTN_NAME, OPS, REFERENCES_ONLY, SUPPORTED_DTYPES, PatchConfig, PatchReport, Swap
-from .errors import FuseInferError
-from .patches import attention_backend
-from .parallel.placement import offloaded_tensor_names, placement
-from .quant.apply import quantize
-from .runtime import GenerateHook, release
-from .state import STATE_ATTR, PatchState, config_owner, model_lock, patch_report, patch_state, unwrapped
+from fuseinfer import models as patches
+from fuseinfer.core.extension import extension_status
+from fuseinfer.core.config import ATTN_NAME, OPS, REFERENCES_ONLY, SUPPORTED_DTYPES, PatchConfig, PatchReport, Swap
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.layers import attention_backend
+from fuseinfer.core.placement import offloaded_tensor_names, placement
+from fuseinfer.quant.apply import quantize
+from fuseinfer.runtime import GenerateHook, release
+from fuseinfer.core.state import (
+    STATE_ATTR,
+    PatchState,
+    config_owner,
+    model_lock,
+    patch_report,
+    patch_state,
+    unwrapped,
+)
 
 logger = logging.getLogger("fuseinfer")
 _warned: list = []  # the references-only warning is logged once per process

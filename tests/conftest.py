@@ -113,9 +113,9 @@ def _restore_knobs():
 
 @pytest.fixture
 def no_wikitext(monkeypatch, tmp_path):
-    """WikiText-2 nowhere that fuseinfer.data looks: no FUSEINFER_DATA_DIR, a shared folder without it, and
+    """WikiText-2 nowhere that fuseinfer.core.data looks: no FUSEINFER_DATA_DIR, a shared folder without it, and
     ``datasets`` as if offline."""
-    from fuseinfer import data
+    from fuseinfer.core import data
 
     monkeypatch.delenv("FUSEINFER_DATA_DIR", raising=False)
     monkeypatch.setenv("FUSEINFER_SHARED", str(tmp_path / "no-shared"))
@@ -125,8 +125,8 @@ def no_wikitext(monkeypatch, tmp_path):
 @pytest.fixture
 def set_knob(monkeypatch):
     """set_knob(name, value): set a FUSEINFER_* knob for the test, in the environment and in the CUDA extension
-    (which takes its switches from fuseinfer.knobs, not from the environment); both restored afterwards."""
-    from fuseinfer import knobs
+    (which takes its switches from fuseinfer.core.knobs, not from the environment); both restored afterwards."""
+    from fuseinfer.core import knobs
 
     def set_(name: str, value: str) -> None:
         monkeypatch.setenv(name, value)

@@ -101,7 +101,7 @@ def examples(device: str, cpu: int, cuda: int):
 
 def require_kernel():
     """Fail (not skip) a GPU test of a kernel when the extension is not built: it would test the reference."""
-    from fuseinfer._ext import extension
+    from fuseinfer.core.extension import extension
 
     if extension() is None:
         pytest.fail("fuseinfer._C is not built: the CUDA kernel cannot be tested")
@@ -110,7 +110,7 @@ def require_kernel():
 def paths_taken(call):
     """call()'s result and the extension's paths it took ({name: calls}, csrc/fuseinfer.h path_counts): a test that
     means to exercise one kernel asserts it, since a silent fallback to another would pass the numerical checks."""
-    from fuseinfer._ext import extension
+    from fuseinfer.core.extension import extension
     before = extension().path_counts()
     out = call()
     after = extension().path_counts()
@@ -119,7 +119,7 @@ def paths_taken(call):
 
 def record_kernel_calls(monkeypatch) -> list[str]:
     """The list that the extension's kernel entry points append their names to while the test runs."""
-    from fuseinfer import _ext
+    from fuseinfer.core import extension as _ext
 
     class Recording:  # the loaded extension, noting every kernel an op calls
         def __init__(self, ext):
@@ -189,7 +189,7 @@ def assert_lean_equals_modules(model, ids, gemm_op: str):
     """The lean prefill loop takes ``model`` and gives its patched modules' logits and cache contents bit for bit
     (on CPU), with the same fuseinfer ops (``gemm_op`` 4 times per layer; the LM head on the last position only)."""
     from fuseinfer import prefill
-    from fuseinfer.patches.opt_decode import forward_last_logits
+    from fuseinfer.models.opt.decode import forward_last_logits
     from fuseinfer.runtime import prefill as pf
 
     assert pf.lean_reason(model) is None

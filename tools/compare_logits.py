@@ -12,7 +12,7 @@ import torch
 from transformers import OPTConfig, OPTForCausalLM
 
 import fuseinfer
-from fuseinfer.eval.models import OPT_CONFIGS, SHORT_NAMES
+from fuseinfer.harness.models import OPT_CONFIGS, SHORT_NAMES
 
 
 def main() -> int:

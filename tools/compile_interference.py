@@ -13,7 +13,7 @@ import time
 import torch
 
 import fuseinfer
-from fuseinfer.eval.models import load_config, load_model, resolve_model
+from fuseinfer.harness.models import load_config, load_model, resolve_model
 
 
 def timed(fn, n=20):

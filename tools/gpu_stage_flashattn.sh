@@ -99,7 +99,7 @@ fi
 
 # GPU tests of the backend (they skip with the reason when flash-attn-4 does not import)
 if [ $do_tests -eq 1 ]; then
-  run pytest_flashattn python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/patches/test_attention_backend.py
+  run pytest_flashattn python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/layers/test_attention_backend.py
   rc=$?
   if [ "$rc" -ne 0 ] && [ "$fa_state" = "OK" ]; then status=1; fi
 fi

@@ -8,7 +8,7 @@ mkdir -p "$OUT/generate"
 export FUSEINFER_BENCH_DIR="$OUT/generate"
 export FUSEINFER_SHARED=${FUSEINFER_SHARED:-$(pwd)/shared}
 rc=0
-python3 -m pytest -q -m gpu tests/runtime/ tests/test_runtime.py -p no:cacheprovider \
+python3 -m pytest -q -m gpu tests/runtime/ tests/runtime/test_decode.py -p no:cacheprovider \
     > "$OUT/generate/pytest_gpu.log" 2>&1 || rc=1
 tail -3 "$OUT/generate/pytest_gpu.log"
 timeout 420 python3 bench/bench_generate.py > "$OUT/generate/bench_generate.log" 2>&1 || rc=1

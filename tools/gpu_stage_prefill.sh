@@ -21,8 +21,8 @@ RUN_LOGS="$OUT/prefill"
 python3 -c 'import fuseinfer._C' || { echo "fuseinfer._C is not built: run tools/gpu_check.sh build first"; exit 2; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/prefill/gpu.txt"
 # the new GPU tests, plus the existing ones that capture or compile the patched model and the runtime's GPU tests
-run pytest_prefill python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/runtime/test_prefill.py tests/runtime/test_sessions.py tests/test_runtime.py
-run pytest_gpu_model python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_gpu.py \
+run pytest_prefill python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/runtime/test_prefill.py tests/runtime/test_sessions.py tests/runtime/test_decode.py
+run pytest_gpu_model python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_patching_gpu.py \
   -k "cuda_graphs or greedy or patched_opt"
 run bench_prefill timeout 420 python3 bench/bench_prefill.py ${PREFILL_BENCH_ARGS:-}
 if [ "${SKIP_EVAL:-0}" != 1 ]; then  # the eval's prefill column (fuseinfer's prefill goes through session.begin)

@@ -77,7 +77,7 @@ PY
 }
 
 HAS_SM90='import torch, fuseinfer._C
-from fuseinfer.ops.int8_gemm import w8a8_backend, w8a8_unavailable_reason
+from fuseinfer.ops.w8a8_linear import w8a8_backend, w8a8_unavailable_reason
 d = torch.device("cuda"); b = w8a8_backend(d); print("w8a8 backend:", b, w8a8_unavailable_reason(d) or "")
 assert torch.cuda.get_device_capability() != (9, 0) or b == "cutlass-sm90", "sm90 kernel not built"'
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$W/gpu.log"

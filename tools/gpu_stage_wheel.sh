@@ -92,8 +92,8 @@ install_wheel() {
 import sys, torch, fuseinfer
 assert fuseinfer.__file__.startswith(sys.argv[1]), f"fuseinfer imported from {fuseinfer.__file__}, not the venv"
 status = fuseinfer.extension_status(torch.device("cuda"))
-print("fuseinfer", fuseinfer.__file__, "| extension:", status, "| build:", fuseinfer._ext.build_info())
-from fuseinfer.ops.int8_gemm import w8a8_gemm_note
+print("fuseinfer", fuseinfer.__file__, "| extension:", status, "| build:", fuseinfer.core.extension.build_info())
+from fuseinfer.ops.w8a8_linear import w8a8_gemm_note
 print(w8a8_gemm_note(torch.device("cuda")))
 assert status == "built" or sys.argv[2] == "0", status
 PY
@@ -103,7 +103,7 @@ test_installed() {  # the GPU tests against the installed package: tests (and wh
   rm -rf "$WORK/run/tests" && cp -r "$REPO/tests" "$REPO/pyproject.toml" "$WORK/run/" &&
     for d in examples bench tools; do cp -r "$REPO/$d" "$WORK/run/"; done
   venv_python -m pytest -q -ra -p no:cacheprovider --import-mode=importlib -m gpu tests \
-    --ignore=tests/test_install.py --ignore=tests/test_readme.py  # (these two read the source tree, hold no GPU test)
+    --ignore=tests/repo/test_install.py --ignore=tests/repo/test_readme.py  # (these two read the source tree, hold no GPU test)
 }
 
 eval_installed() {

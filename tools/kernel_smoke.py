@@ -22,7 +22,7 @@ import fuseinfer
 from fuseinfer import ops
 from fuseinfer.ops.attention import sm90_prefill
 from fuseinfer.ops.decode_step import decode_step_workspace, kernel_supports
-from fuseinfer.patches.opt_decode import decode_step_params, decode_step_weight_scales
+from fuseinfer.models.opt.decode import decode_step_params, decode_step_weight_scales
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--part", default="all",

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import fuseinfer
-from fuseinfer import knobs
-from fuseinfer._ext import extension
-from fuseinfer.eval.models import load_config, load_model, resolve_model
+from fuseinfer.core import knobs
+from fuseinfer.core.extension import extension
+from fuseinfer.harness.models import load_config, load_model, resolve_model
 from fuseinfer.ops import linear_epilogue
 from fuseinfer.runtime.decode import SESSIONS_ATTR, release
 
@@ -129,7 +129,7 @@ def main() -> None:
         for values in itertools.product(*(vals for _, vals in sweep)):
             setting = dict(zip((k for k, _ in sweep), values))
             os.environ.update(setting)
-            knobs.push()  # the extension's switches come from fuseinfer.knobs
+            knobs.push()  # the extension's switches come from fuseinfer.core.knobs
             print(setting, end=": ")
             time_step(model, ids)
         return

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from fuseinfer.ops.int8_gemm import w8a8_backend, w8a8_linear, w8a8_linear_ref, w8a8_unavailable_reason
+from fuseinfer.ops.w8a8_linear import w8a8_backend, w8a8_linear, w8a8_linear_ref, w8a8_unavailable_reason
 from fuseinfer.ops.layer_norm_quant import add_layer_norm_quant, add_layer_norm_quant_ref
 
 assert torch.cuda.is_available()

@@ -8,11 +8,11 @@ speedups over eager). Library use::
     from fuseinfer.eval import ConsoleUI, Settings, run
     results = run(Settings(model="opt-125m"), ConsoleUI())
 """
-from .backends import Backend
-from .cli import main
-from .errors import EvalError
-from .registry import BACKENDS
-from .runner import Settings, run
-from .ui import ConsoleUI
+from fuseinfer.eval.backends import Backend
+from fuseinfer.eval.cli import main
+from fuseinfer.harness.errors import EvalError
+from fuseinfer.eval.registry import BACKENDS
+from fuseinfer.eval.runner import Settings, run
+from fuseinfer.harness.ui import ConsoleUI
 
 __all__ = ["BACKENDS", "Backend", "ConsoleUI", "EvalError", "Settings", "main", "run"]

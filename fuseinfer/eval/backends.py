@@ -15,8 +15,8 @@ from torch import nn
 
 import fuseinfer
 
-from .errors import EvalError
-from .models import ModelSource, load_model, model_stats
+from fuseinfer.harness.errors import EvalError
+from fuseinfer.harness.models import ModelSource, load_model, model_stats
 
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -12,21 +12,14 @@ import sys
 
 from rich.console import Console
 
-from .. import files, knobs
-from ..errors import FuseInferError
-from .errors import EvalError
-from .models import SHORT_NAMES
-from .registry import BACKENDS
-from .report import output_problem, print_table, write_json, write_markdown, write_plot
-from .runner import (
-    DEFAULT_BACKENDS,
-    DEFAULT_BACKENDS_CPU,
-    DTYPES,
-    LATENCY_DEFAULTS,
-    Settings,
-    run,
-)
-from .ui import ConsoleUI
+from fuseinfer.core import files, knobs
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.harness.errors import EvalError
+from fuseinfer.harness.models import SHORT_NAMES
+from fuseinfer.eval.registry import BACKENDS
+from fuseinfer.eval.report import output_problem, print_table, write_json, write_markdown, write_plot
+from fuseinfer.eval.runner import DEFAULT_BACKENDS, DEFAULT_BACKENDS_CPU, DTYPES, LATENCY_DEFAULTS, Settings, run
+from fuseinfer.harness.ui import ConsoleUI
 
 EXAMPLE = "python -m fuseinfer.eval --model opt-1.3b --backends eager,compile,fuseinfer --dtype fp16"
 

@@ -4,9 +4,9 @@ which subclass :class:`~fuseinfer.eval.backends.Backend`. One list, kept here so
 another package's backends (and nothing imports in a cycle)."""
 from __future__ import annotations
 
-from ..export.eval_backend import BACKENDS as EXPORT_BACKENDS
-from ..quant.eval_backend import FuseInferW8A16Backend, FuseInferW8A8Backend
-from .backends import CORE_BACKENDS, Backend
+from fuseinfer.export.eval_backend import BACKENDS as EXPORT_BACKENDS
+from fuseinfer.quant.eval_backend import FuseInferW8A16Backend, FuseInferW8A8Backend
+from fuseinfer.eval.backends import CORE_BACKENDS, Backend
 
 BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (*CORE_BACKENDS, FuseInferW8A16Backend, FuseInferW8A8Backend,
                                                                   *EXPORT_BACKENDS)}

@@ -1,5 +1,5 @@
 """Rendering results: the terminal table (rich), ``--output`` JSON, ``--markdown`` report and ``--plot`` figure,
-each written atomically by fuseinfer.files (never over an earlier file unless told), and ``output_problem``, which
+each written atomically by fuseinfer.core.files (never over an earlier file unless told), and ``output_problem``, which
 checks before the run that the plot's format can be written."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .. import files
+from fuseinfer.core import files
 
 HEADERS = ("backend", "PPL", "prefill ms", "decode ms/tok", "tok/s", "TFLOP/s", "GB/s", "peak MiB", "1st call s",
            "notes")
@@ -183,7 +183,7 @@ def write_plot(results: dict, path: str, overwrite: bool = False) -> None:
 
 def output_problem(path: str, plot: bool = False) -> str | None:
     """Why ``write_plot`` (``plot``) cannot write ``path``'s format and what to do, or None (whether the path
-    itself can be written is :func:`fuseinfer.files.check_writable`'s question)."""
+    itself can be written is :func:`fuseinfer.core.files.check_writable`'s question)."""
     if not plot:
         return None
     if importlib.util.find_spec("matplotlib") is None:

@@ -13,17 +13,17 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from .._ext import extension_status
-from ..data import shared_dir
-from . import data as data_mod
-from .backends import Backend
-from .environment import environment
-from .errors import EvalError
-from .metrics import derive
-from .models import ModelSource, checkpoint_scheme, load_config, load_tokenizer, resolve_model
-from .perplexity import Window, gptq_windows, perplexity, sliding_windows
-from .registry import BACKENDS
-from .timing import (
+from fuseinfer.core.extension import extension_status
+from fuseinfer.core.data import shared_dir
+from fuseinfer.harness import data as data_mod
+from fuseinfer.eval.backends import Backend
+from fuseinfer.harness.environment import environment
+from fuseinfer.harness.errors import EvalError
+from fuseinfer.harness.metrics import derive
+from fuseinfer.harness.models import ModelSource, checkpoint_scheme, load_config, load_tokenizer, resolve_model
+from fuseinfer.harness.perplexity import Window, gptq_windows, perplexity, sliding_windows
+from fuseinfer.eval.registry import BACKENDS
+from fuseinfer.harness.timing import (
     StepClock,
     allocated_mib,
     copy_bandwidth_gbps,
@@ -120,7 +120,7 @@ def _device(name: str | None) -> torch.device:
 
 
 def _tp_device(tp: int, device: str | None) -> torch.device:
-    from ..parallel.eval_backend import tp_device
+    from fuseinfer.parallel.eval_backend import tp_device
 
     return tp_device(tp, device)
 
@@ -128,7 +128,7 @@ def _tp_device(tp: int, device: str | None) -> torch.device:
 def _tp_backend(cls, tp: int):
     if tp == 1:
         return cls
-    from ..parallel.eval_backend import tp_backend
+    from fuseinfer.parallel.eval_backend import tp_backend
 
     return tp_backend(cls, tp)
 

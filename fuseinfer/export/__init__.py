@@ -7,11 +7,11 @@
 CLI: ``python -m fuseinfer.export onnx|tensorrt``. Eval backends ``ort``, ``ort-plain``, ``tensorrt``. See
 docs/export.md.
 """
-from .errors import ExportError
-from .graph import FLAVOURS, DecoderGraph
-from .manifest import config_hash, weights_hash
-from .onnx_export import to_onnx
-from .ort_runtime import OrtDecoder
+from fuseinfer.export.errors import ExportError
+from fuseinfer.export.graph import FLAVOURS, DecoderGraph
+from fuseinfer.export.manifest import config_hash, weights_hash
+from fuseinfer.export.onnx_export import to_onnx
+from fuseinfer.export.ort_runtime import OrtDecoder
 
 __all__ = ["ExportError", "FLAVOURS", "DecoderGraph", "OrtDecoder", "config_hash", "to_onnx",
            "weights_hash"]

@@ -1,6 +1,6 @@
 """Entry point: ``python -m fuseinfer.export onnx --model opt-1.3b --out DIR`` (see cli.py)."""
 import sys
 
-from .cli import main
+from fuseinfer.export.cli import main
 
 sys.exit(main())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .ort_runtime import OrtDecoder
+from fuseinfer.export.ort_runtime import OrtDecoder
 
 
 @torch.no_grad()

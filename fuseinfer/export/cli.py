@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import FuseInferError
-from ..eval.errors import EvalError
-from ..eval.models import SHORT_NAMES, load_config, load_model, resolve_model
-from .errors import ExportError
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.harness.errors import EvalError
+from fuseinfer.harness.models import SHORT_NAMES, load_config, load_model, resolve_model
+from fuseinfer.export.errors import ExportError
 
 DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
 
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _onnx(args) -> dict:
-    from .onnx_export import check_out_dir, to_onnx
+    from fuseinfer.export.onnx_export import check_out_dir, to_onnx
 
     if args.int8:
         raise ExportError("--int8 export is not implemented yet: export fp16 or fp32")
@@ -83,7 +83,7 @@ def _onnx(args) -> dict:
 
 
 def _tensorrt(args) -> dict:
-    from .tensorrt import build_engine
+    from fuseinfer.export.tensorrt import build_engine
 
     start = time.perf_counter()
     out = build_engine(args.onnx, args.out, fp16=args.fp16, int8=args.int8, max_batch=args.max_batch,

@@ -1,5 +1,5 @@
 """The error the export CLI and runtimes turn into one line: bad model, existing output, missing package."""
-from ..errors import FuseInferError
+from fuseinfer.core.errors import FuseInferError
 
 
 class ExportError(FuseInferError):

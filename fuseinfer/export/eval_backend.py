@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import knobs
-from ..eval.backends import Backend
-from . import manifest as mf
-from .errors import ExportError
+from fuseinfer.core import knobs
+from fuseinfer.eval.backends import Backend
+from fuseinfer.export import manifest as mf
+from fuseinfer.export.errors import ExportError
 
 ONNX_DIR_ENV = "FUSEINFER_ONNX_DIR"
 
@@ -63,13 +63,13 @@ class OrtBackend(Backend):
 
     @classmethod
     def unavailable_reason(cls, device):
-        from .ort_runtime import unavailable_reason
+        from fuseinfer.export.ort_runtime import unavailable_reason
 
         return unavailable_reason(device)
 
     def prepare(self):
-        from .onnx_export import to_onnx
-        from .ort_runtime import OrtDecoder, device_used_mib
+        from fuseinfer.export.onnx_export import to_onnx
+        from fuseinfer.export.ort_runtime import OrtDecoder, device_used_mib
 
         memo = {}  # one pass over the weights per hash method
         directory, self._temporary = export_dir_for(self.model, self.flavour, self.dtype, memo)
@@ -91,7 +91,7 @@ class OrtBackend(Backend):
         self.peak_mib = self.session_mib
 
     def _used(self):
-        from .ort_runtime import device_used_mib
+        from fuseinfer.export.ort_runtime import device_used_mib
 
         used = device_used_mib(self.device)
         if used is None:
@@ -160,13 +160,13 @@ class TensorRTBackend(Backend):
 
     @classmethod
     def unavailable_reason(cls, device):
-        from .tensorrt import unavailable_reason
+        from fuseinfer.export.tensorrt import unavailable_reason
 
         return unavailable_reason(device)
 
     def prepare(self):
-        from .onnx_export import to_onnx
-        from .tensorrt import TrtDecoder, build_engine
+        from fuseinfer.export.onnx_export import to_onnx
+        from fuseinfer.export.tensorrt import TrtDecoder, build_engine
 
         memo = {}
         directory, self._temporary = export_dir_for(self.model, "plain", self.dtype, memo)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import contrib
+from fuseinfer.export import contrib
 
 FLAVOURS = ("fused", "plain")
 PADDING_BIAS = -10000.0  # added to the scores of padded keys (fused); finite, so no fp16 overflow to -inf and NaN

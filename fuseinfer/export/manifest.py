@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..files import WriteError, confined
-from .errors import ExportError
-from .graph import FLAVOURS
+from fuseinfer.core.files import WriteError, confined
+from fuseinfer.export.errors import ExportError
+from fuseinfer.export.graph import FLAVOURS
 
 MANIFEST = "fuseinfer_onnx.json"
 SCHEMA = "fuseinfer.onnx/2"
@@ -146,7 +146,7 @@ def weights_hash(model: torch.nn.Module, method: str | None = None) -> str:
 
 
 def write(directory: Path, manifest: dict) -> None:
-    """Into a folder being written by :func:`fuseinfer.files.atomic_dir` (the manifest is its marker)."""
+    """Into a folder being written by :func:`fuseinfer.core.files.atomic_dir` (the manifest is its marker)."""
     validate(manifest, Path(directory) / MANIFEST)
     (Path(directory) / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 

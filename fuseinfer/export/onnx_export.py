@@ -9,7 +9,7 @@ The TorchScript exporter records ``tensor.shape`` reads as Shape ops, so batch, 
 dynamic. It is deprecated but present in torch 2.11 and 2.13 (the versions we run); it prints a
 DeprecationWarning, which this module silences.
 
-Layout of the directory (written by :func:`fuseinfer.files.atomic_dir`: a temporary sibling renamed into place at
+Layout of the directory (written by :func:`fuseinfer.core.files.atomic_dir`: a temporary sibling renamed into place at
 the end, so a failure or a kill leaves nothing; ``--overwrite`` replaces only an earlier export or an empty folder):
 ``model.onnx`` (graph), ``model.onnx.data`` (every weight over 1 KiB, external data: no 2 GiB protobuf limit)
 and ``fuseinfer_onnx.json`` (see manifest.py).
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from .. import files
-from . import manifest as mf
-from .errors import ExportError
-from .graph import FLAVOURS, DecoderGraph
+from fuseinfer.core import files
+from fuseinfer.export import manifest as mf
+from fuseinfer.export.errors import ExportError
+from fuseinfer.export.graph import FLAVOURS, DecoderGraph
 
 OPSET = 17  # LayerNormalization is a standard op from 17; onnxruntime 1.17+ reads it
 

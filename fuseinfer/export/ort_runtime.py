@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import manifest as mf
-from .errors import ExportError
+from fuseinfer.export import manifest as mf
+from fuseinfer.export.errors import ExportError
 
 NP_TYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.int64: np.int64}
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from .. import files
-from . import manifest as mf
-from .errors import ExportError
+from fuseinfer.core import files
+from fuseinfer.export import manifest as mf
+from fuseinfer.export.errors import ExportError
 
 INSTALL = ("TensorRT is not installed: pip install tensorrt (NVIDIA's wheels for your CUDA, e.g. tensorrt-cu12; "
            "they download the libraries from pypi.nvidia.com), or use the TensorRT container; the engine "

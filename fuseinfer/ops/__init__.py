@@ -2,16 +2,22 @@
 that runs the CUDA kernel when the extension is built and the tensors are on CUDA, the reference otherwise.
 ``quant`` (int8 quantize / dequantize) and ``int8_linear`` (W8A16 GEMM) serve ``fuseinfer.quant``.
 """
-from .attention import attention, attention_ref
-from .decode_step import decode_step_workspace, opt_decode_step, opt_decode_step_ref
-from .emit_tokens import emit_tokens, emit_tokens_ref, emit_tokens_scratch
-from .int8_linear import dequantize_weight, int8_linear, int8_linear_ref
-from .kv_cache import kv_cache_append, kv_cache_append_ref
-from .int8_gemm import w8a8_linear, w8a8_linear_ref
-from .layer_norm import add_layer_norm, add_layer_norm_ref
-from .layer_norm_quant import add_layer_norm_quant, add_layer_norm_quant_ref
-from .linear import linear_epilogue, linear_epilogue_ref
-from .quant import dequantize, dequantize_int8_ref, quantize_int8_ref, quantize_per_channel, quantize_per_token
+from fuseinfer.ops.attention import attention, attention_ref
+from fuseinfer.ops.decode_step import decode_step_workspace, opt_decode_step, opt_decode_step_ref
+from fuseinfer.ops.emit_tokens import emit_tokens, emit_tokens_ref, emit_tokens_scratch
+from fuseinfer.ops.w8a16_linear import dequantize_weight, int8_linear, int8_linear_ref
+from fuseinfer.ops.kv_cache import kv_cache_append, kv_cache_append_ref
+from fuseinfer.ops.w8a8_linear import w8a8_linear, w8a8_linear_ref
+from fuseinfer.ops.layer_norm import add_layer_norm, add_layer_norm_ref
+from fuseinfer.ops.layer_norm_quant import add_layer_norm_quant, add_layer_norm_quant_ref
+from fuseinfer.ops.linear import linear_epilogue, linear_epilogue_ref
+from fuseinfer.ops.quant import (
+    dequantize,
+    dequantize_int8_ref,
+    quantize_int8_ref,
+    quantize_per_channel,
+    quantize_per_token,
+)
 
 __all__ = [
     "add_layer_norm", "add_layer_norm_ref", "attention", "attention_ref", "decode_step_workspace", "dequantize",

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import knobs
-from .._ext import extension, route
-from ..errors import FuseInferError
+from fuseinfer.core import knobs
+from fuseinfer.core.extension import extension, route
+from fuseinfer.core.errors import FuseInferError
 
 KERNEL_HEAD_DIMS = (64, 128)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -77,7 +77,7 @@ def _attention(
 
 def sm90_prefill(enabled: bool):
     """Within the block, CUDA prefills (more than 16 queries) run the wgmma kernel where the build and the GPU have
-    it (``True``) or the mma.sync one (``False``): overrides the FUSEINFER_ATTN_SM90 knob (``fuseinfer.knobs``)."""
+    it (``True``) or the mma.sync one (``False``): overrides the FUSEINFER_ATTN_SM90 knob (``fuseinfer.core.knobs``)."""
     return knobs.override(ATTN_SM90="1" if enabled else "0")
 
 

@@ -2,7 +2,7 @@
 
 ``opt_decode_step`` takes one new token per row (tokens, positions: (B,) int64), writes each layer's new keys
 and values into the static caches at slot ``q_start[b]`` (int32) and attends keys ``j <= q_start[b]`` where
-``key_mask[b, j]``, exactly like the per-op decode path (``fuseinfer.patches.opt_decode.forward_last_logits``), and
+``key_mask[b, j]``, exactly like the per-op decode path (``fuseinfer.models.opt.decode.forward_last_logits``), and
 returns fp32 logits (B, V) (rounded to the model dtype first, like the LM head's output).
 
 On CUDA (sm_90, fp16/bf16, head dim 64 or 128, B <= 8) it runs ``csrc/decode_step.cu``: one persistent kernel
@@ -25,10 +25,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .._ext import eager_cuda, extension
-from ..errors import FuseInferError
-from .attention import attention_ref
-from .int8_linear import int8_linear_ref
+from fuseinfer.core.extension import eager_cuda, extension
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.ops.attention import attention_ref
+from fuseinfer.ops.w8a16_linear import int8_linear_ref
 
 PARAMS_PER_LAYER = 12  # LN1 w, b, qkv w, b, out_proj w, b, LN2 w, b, fc1 w, b, fc2 w, b
 SCALED = (2, 4, 8, 10)  # indices in a layer's params of the weights an int8 model quantizes (qkv, out, fc1, fc2)

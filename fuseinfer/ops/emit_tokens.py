@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .._ext import eager_cuda, extension
-from ..errors import FuseInferError
+from fuseinfer.core.extension import eager_cuda, extension
+from fuseinfer.core.errors import FuseInferError
 
 
 def emit_tokens_ref(scores, eos, pad: int, tokens, positions, q_start, decode_idx, step, unfinished, out, alive,

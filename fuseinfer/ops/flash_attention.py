@@ -30,13 +30,8 @@ import importlib
 
 import torch
 
-from .._ext import transformed
-from .attention import (
-    _attention_cuda,
-    _backward,
-    _setup_context,
-    attention_ref,
-)
+from fuseinfer.core.extension import transformed
+from fuseinfer.ops.attention import _attention_cuda, _backward, _setup_context, attention_ref
 
 PACKAGE = "flash-attn-4"
 INSTALL_HINT = "pip install fuseinfer[flash-attn]"

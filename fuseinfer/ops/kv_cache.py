@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .._ext import eager_cuda, extension
-from ..errors import FuseInferError
+from fuseinfer.core.extension import eager_cuda, extension
+from fuseinfer.core.errors import FuseInferError
 
 
 def kv_cache_append_ref(k_cache, v_cache, k, v, slots) -> None:

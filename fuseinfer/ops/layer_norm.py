@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .._ext import extension, route
-from ..errors import FuseInferError
+from fuseinfer.core.extension import extension, route
+from fuseinfer.core.errors import FuseInferError
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # csrc/layer_norm.cu; others run the reference
 

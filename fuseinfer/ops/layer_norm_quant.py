@@ -5,17 +5,17 @@
 
 Returns ``(q, scale, s)``: q (..., N) int8, scale (..., 1) fp32, s (..., N) (empty unless ``store_sum``). y itself is
 never materialised by the kernel (``csrc/layer_norm_quant.cu``): it goes straight to the int8 GEMM
-(``fuseinfer.ops.int8_gemm.w8a8_linear``) whose epilogue multiplies by ``scale``. With SmoothQuant the smoothing
+(``fuseinfer.ops.w8a8_linear.w8a8_linear``) whose epilogue multiplies by ``scale``. With SmoothQuant the smoothing
 factors are already folded into ``weight`` and ``bias`` (``fuseinfer.quant.smoothquant``).
 """
 from __future__ import annotations
 
 import torch
 
-from .._ext import eager_cuda, extension, transformed
-from ..errors import FuseInferError
-from .layer_norm import add_layer_norm_ref
-from .quant import quantize_int8_ref
+from fuseinfer.core.extension import eager_cuda, extension, transformed
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.ops.layer_norm import add_layer_norm_ref
+from fuseinfer.ops.quant import quantize_int8_ref
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # csrc/layer_norm_quant.cu; others: the reference
 MAX_N = 16384  # the kernel's largest row

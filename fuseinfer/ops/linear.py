@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .._ext import extension, route
-from ..errors import FuseInferError
+from fuseinfer.core.extension import extension, route
+from fuseinfer.core.errors import FuseInferError
 
 ACTIVATIONS = ("none", "relu")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # csrc/linear.cu; others run the reference

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .._ext import extension
-from ..errors import FuseInferError
+from fuseinfer.core.extension import extension
+from fuseinfer.core.errors import FuseInferError
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -10,7 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..errors import FuseInferError
+from fuseinfer.core.errors import FuseInferError
 
 DEFAULT_TIMEOUT_S = 300
 _LAUNCH = "launch with torchrun --nproc-per-node N your_script.py, which sets RANK, WORLD_SIZE and LOCAL_RANK"

@@ -7,15 +7,15 @@ import atexit
 
 import torch
 
-from ..eval.backends import Backend, FuseInferBackend
-from ..eval.errors import EvalError
-from ..eval.models import load_model, model_stats
-from ..errors import FuseInferError
+from fuseinfer.eval.backends import Backend, FuseInferBackend
+from fuseinfer.harness.errors import EvalError
+from fuseinfer.harness.models import load_model, model_stats
+from fuseinfer.core.errors import FuseInferError
 
 
 def tp_device(tp: int, device: str | None) -> torch.device:
     """Join torchrun's process group (NCCL on GPUs, gloo for --device cpu); this rank's device."""
-    from .dist import env_int, init_distributed
+    from fuseinfer.parallel.dist import env_int, init_distributed
 
     try:
         world = env_int("WORLD_SIZE", 1)
@@ -64,8 +64,8 @@ class TensorParallelBackend(FuseInferBackend):
     tp = 2
 
     def load(self):
-        from .materialize import meta_model, random_init
-        from .sharding import tensor_parallel
+        from fuseinfer.parallel.materialize import meta_model, random_init
+        from fuseinfer.parallel.sharding import tensor_parallel
 
         if self.source.random_weights:  # on meta; each rank draws only its shard on its GPU
             model, init = meta_model(self.config, self.dtype), random_init(self.seed)

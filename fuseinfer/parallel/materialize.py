@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..errors import FuseInferError
+from fuseinfer.core.errors import FuseInferError
 
 # init(name, shape, dtype, device) -> the full tensor of parameter ``name``
 Init = Callable[[str, torch.Size, torch.dtype, torch.device], torch.Tensor]

@@ -34,13 +34,13 @@ import torch.distributed as dist
 from torch import nn
 from transformers.models.opt.modeling_opt import OPTAttention, OPTDecoderLayer
 
-from ..errors import FuseInferError
-from ..patches.opt import FusedOPTAttention, FusedOPTDecoderLayer, _original_forward
-from . import placement
-from .dist import gather_errors
-from .materialize import Init, materialize
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.models.opt.modules import FusedOPTAttention, FusedOPTDecoderLayer, _original_forward
+from fuseinfer.core import placement
+from fuseinfer.parallel.dist import gather_errors
+from fuseinfer.parallel.materialize import Init, materialize
 
-from .decode_plan import TP_ATTR, tp_info  # noqa: F401 (re-exported)
+from fuseinfer.core.decode_plan import TP_ATTR, tp_info  # noqa: F401 (re-exported)
 _COLUMN = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.[qkv]_proj|fc1)\.(weight|bias)$")
 _ROW = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.out_proj|fc2)\.(weight|bias)$")
 
@@ -139,7 +139,7 @@ def _divisors(n: int) -> list[int]:
 
 def _local_error(model, size: int, tp_size, device: torch.device, backend: str, init) -> str | None:
     """The first problem with this rank's input, or None (checked before any collective, on every rank)."""
-    from ..state import patch_state
+    from fuseinfer.core.state import patch_state
 
     if type(model).__name__ != "OPTForCausalLM":
         return f"tensor_parallel takes an OPTForCausalLM, got {type(model).__name__}"
@@ -199,9 +199,9 @@ def tensor_parallel(model: nn.Module, tp_size: int | None = None, group=None, *,
     Every rank must call it (it runs collectives). Bad input (TP size not dividing the heads or ffn, more ranks
     than GPUs, a model accelerate dispatched, no NCCL for CUDA, ranks with different configs) raises one
     FuseInferError on every rank, naming the rank that found it, before anything is changed."""
-    from ..config import PatchConfig
-    from ..patching import patch
-    from ..state import patch_state, unwrapped
+    from fuseinfer.core.config import PatchConfig
+    from fuseinfer.patching import patch
+    from fuseinfer.core.state import patch_state, unwrapped
 
     model = unwrapped(model)
     if not isinstance(model, nn.Module):

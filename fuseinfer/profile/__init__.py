@@ -10,15 +10,15 @@ Chrome trace, TensorBoard log, CSV / JSON / Markdown tables, plots, ``summary.md
     result = profile("random:opt-125m", backend="fuseinfer", phase="decode", compare="eager", out="prof/")
     result.main.analysis["kinds"], result.hints
 """
-from .api import BackendProfile, ProfileResult, ProfileSettings, profile
-from .costs import Cost, register_cost
-from .errors import ProfileError
+from fuseinfer.profile.api import BackendProfile, ProfileResult, ProfileSettings, profile
+from fuseinfer.profile.costs import Cost, register_cost
+from fuseinfer.profile.errors import ProfileError
 
 __all__ = ["BackendProfile", "Cost", "ProfileError", "ProfileResult", "ProfileSettings", "main", "profile",
            "register_cost"]
 
 
 def main(argv=None) -> int:
-    from .cli import main as cli_main
+    from fuseinfer.profile.cli import main as cli_main
 
     return cli_main(argv)

@@ -22,18 +22,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import files
-from ..eval.environment import environment
-from ..eval.models import ModelSource, load_config, resolve_model
-from ..eval.runner import DTYPES, _device
-from ..eval.timing import StepClock, free_memory, summarize, synchronize, time_call
-from . import ceilings as ceilings_mod
-from . import ort_nodes
-from .backends import PHASES, has_phase, module_backend, resolve_backend, step_function, uses_graphs
-from .errors import ProfileError
-from .modules import ModuleRanges, OpRanges
-from .trace import GRAPH, analyze, load_events
-from .verdict import add_verdicts, verdict_table
+from fuseinfer.core import files
+from fuseinfer.harness.environment import environment
+from fuseinfer.harness.models import ModelSource, load_config, resolve_model
+from fuseinfer.eval.runner import DTYPES, _device
+from fuseinfer.harness.timing import StepClock, free_memory, summarize, synchronize, time_call
+from fuseinfer.profile import ceilings as ceilings_mod
+from fuseinfer.profile import ort_nodes
+from fuseinfer.profile.backends import PHASES, has_phase, module_backend, resolve_backend, step_function, uses_graphs
+from fuseinfer.profile.errors import ProfileError
+from fuseinfer.profile.modules import ModuleRanges, OpRanges
+from fuseinfer.profile.trace import GRAPH, analyze, load_events
+from fuseinfer.profile.verdict import add_verdicts, verdict_table
 
 DEFAULTS = {"cuda": dict(prompt_len=512, gen_len=32, active=3, repeats=20),
             "cpu": dict(prompt_len=32, gen_len=4, active=2, repeats=3)}
@@ -158,7 +158,7 @@ class _Context:
 def check_out_dir(out: str | os.PathLike, overwrite: bool = False) -> Path:
     """Check that ``out`` can take a profile (new, empty, or with ``overwrite`` an earlier profile); creates
     nothing (the folder appears, whole, when the profile is written). Raises :class:`ProfileError` saying why not."""
-    from .report import MARKER
+    from fuseinfer.profile.report import MARKER
 
     try:
         return files.check_writable(out, folder=True, marker=MARKER, overwrite=overwrite)
@@ -230,9 +230,9 @@ def profile(model, backend: str | None = None, phase: str = "prefill", *, compar
     :class:`ProfileSettings`. With ``out`` every file is written there (report.py), atomically: a temporary sibling
     folder renamed into place at the end; ``overwrite`` replaces an earlier profile (never another folder).
     Raises :class:`ProfileError` for bad input, before anything is loaded."""
-    from . import report
-    from .compare import compare_profiles
-    from .hints import hints_for
+    from fuseinfer.profile import report
+    from fuseinfer.profile.compare import compare_profiles
+    from fuseinfer.profile.hints import hints_for
 
     given = model if isinstance(model, nn.Module) else None
     other = compare if isinstance(compare, nn.Module) else None
@@ -370,7 +370,7 @@ def _profile_backend(cls, ctx: _Context, ceilings: dict, out_dir: Path | None, u
     per layer (``attribution``). Hooks change what runs (they turn off fuseinfer's fast prefill; no range runs inside
     a CUDA graph), so no figure of the step comes from pass 2. A decode that replays CUDA graphs has no module inside
     its one replay: pass 2 runs the per-op step instead (``PER_OP_STEP``), labelled so."""
-    from .. import knobs
+    from fuseinfer.core import knobs
 
     s, device = ctx.settings, ctx.device
     backend = cls(ctx.source, ctx.config, ctx.dtype, device, s.seed)
@@ -475,9 +475,9 @@ def _label_kinds(analysis: dict, hooked: dict) -> None:
 
 def _fast_prefill(model) -> bool:
     """Whether a patched model's prefill would take fast prefill's lean loop / graphs (which module hooks turn off)."""
-    from .. import knobs
-    from ..runtime.prefill import lean_reason
-    from ..state import patch_state
+    from fuseinfer.core import knobs
+    from fuseinfer.runtime.prefill import lean_reason
+    from fuseinfer.core.state import patch_state
 
     return model is not None and patch_state(model) is not None and knobs.get("FUSEINFER_PREFILL") != "module" \
         and lean_reason(model, weights=False) is None

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..eval.backends import Backend
-from .errors import ProfileError
+from fuseinfer.eval.backends import Backend
+from fuseinfer.profile.errors import ProfileError
 
 PHASES = ("prefill", "decode", "generate")
 # fuseinfer-<suffix> -> the name of the fuseinfer config class that PatchConfig(quant=...) takes
@@ -20,15 +20,15 @@ QUANT_CONFIGS = {"w8a16": "Int8WeightOnly", "w8a8": "SmoothQuantW8A8"}
 
 
 def available_backends() -> list[str]:
-    from ..eval.registry import BACKENDS
+    from fuseinfer.eval.registry import BACKENDS
 
     return list(BACKENDS) + [f"fuseinfer-{q}" for q in QUANT_CONFIGS if f"fuseinfer-{q}" not in BACKENDS]
 
 
 def resolve_backend(name: str) -> type[Backend]:
     """The backend class for ``name``; raises :class:`ProfileError` for an unknown or uninstalled one."""
-    from ..eval.backends import FuseInferBackend
-    from ..eval.registry import BACKENDS
+    from fuseinfer.eval.backends import FuseInferBackend
+    from fuseinfer.eval.registry import BACKENDS
 
     if name in BACKENDS:
         return BACKENDS[name]
@@ -73,7 +73,7 @@ def module_backend(model: torch.nn.Module, name: str | None = None) -> type[Back
     """A backend class around a model the caller already has (profile(model=<nn.Module>)): the fuseinfer backend's
     steps when it is patched by fuseinfer, else the eager one's; ``close`` leaves the model as it is."""
     import fuseinfer
-    from ..eval.backends import EagerBackend, FuseInferBackend
+    from fuseinfer.eval.backends import EagerBackend, FuseInferBackend
 
     patched = fuseinfer.patch_state(model) is not None
     base = FuseInferBackend if patched else EagerBackend
@@ -82,7 +82,7 @@ def module_backend(model: torch.nn.Module, name: str | None = None) -> type[Back
         summary = f"the given {type(model).__name__}" + (" (patched by fuseinfer)" if patched else "")
 
         def load(self):
-            from ..eval.models import model_stats
+            from fuseinfer.harness.models import model_stats
 
             self.model = model
             self.stats = model_stats(model)

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from ..eval.timing import copy_bandwidth_gbps, free_memory, summarize, synchronize
+from fuseinfer.harness.timing import copy_bandwidth_gbps, free_memory, summarize, synchronize
 
 GEMM_N = {"cuda": 8192, "cpu": 512}
 PRECISIONS = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}

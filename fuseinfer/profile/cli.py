@@ -11,13 +11,13 @@ import sys
 
 from rich.console import Console
 
-from .. import knobs
-from ..errors import FuseInferError
-from ..eval.models import SHORT_NAMES
-from ..eval.runner import DTYPES
-from .api import DEFAULTS
-from .backends import PHASES, available_backends
-from .errors import ProfileError
+from fuseinfer.core import knobs
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.harness.models import SHORT_NAMES
+from fuseinfer.eval.runner import DTYPES
+from fuseinfer.profile.api import DEFAULTS
+from fuseinfer.profile.backends import PHASES, available_backends
+from fuseinfer.profile.errors import ProfileError
 
 EXAMPLE = ("python -m fuseinfer.profile --model random:opt-1.3b --backend fuseinfer --compare eager --phase prefill "
            "--prompt-len 2048 --out prof/")
@@ -75,19 +75,19 @@ def main(argv: list[str] | None = None) -> int:
     from huggingface_hub.utils import logging as hub_logging
     from transformers.utils import logging as hf_logging
 
-    from ..eval.ui import ConsoleUI
-    from . import report
-    from .api import check_out_dir, profile
+    from fuseinfer.harness.ui import ConsoleUI
+    from fuseinfer.profile import report
+    from fuseinfer.profile.api import check_out_dir, profile
 
     hf_logging.disable_progress_bar()
     hub_logging.set_verbosity_error()
     try:
         args = build_parser().parse_args(argv)
         if args.ncu:
-            from .ncu import ncu_path
+            from fuseinfer.profile.ncu import ncu_path
 
             ncu_path()  # before the run: one clear line when ncu is missing
-        try:  # (read by the fuseinfer-w8a8 backend's calibration, through fuseinfer.data)
+        try:  # (read by the fuseinfer-w8a8 backend's calibration, through fuseinfer.core.data)
             knobs.from_flag("FUSEINFER_DATA_DIR", "--data-dir", args.data_dir)
         except FuseInferError as exc:
             raise ProfileError(str(exc)) from None
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.ncu:
             from pathlib import Path
 
-            from .ncu import run_ncu
+            from fuseinfer.profile.ncu import run_ncu
 
             for note in run_ncu(result, args.ncu_top, ui=ui):
                 ui.warn(note)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .trace import COARSE_ORDER
+from fuseinfer.profile.trace import COARSE_ORDER
 
 
 def coarse_times(attribution: dict) -> dict[str, float]:

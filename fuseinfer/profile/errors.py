@@ -1,5 +1,5 @@
 """The error ``python -m fuseinfer.profile`` turns into one line on stderr and exit code 2."""
-from ..eval.errors import EvalError
+from fuseinfer.harness.errors import EvalError
 
 
 class ProfileError(EvalError):

@@ -5,7 +5,7 @@ Every rule reads the tables (never a hard-coded expectation); thresholds are nam
 """
 from __future__ import annotations
 
-from .trace import GRAPH
+from fuseinfer.profile.trace import GRAPH
 
 ATTENTION_SHARE = 0.20  # attention this much of the step is worth its own kernel
 MEMORY_BOUND_SHARE = 0.40  # memory-bound GEMVs this much of a decode step: fewer weight bytes pay

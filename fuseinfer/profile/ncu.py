@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 
-from .errors import ProfileError
+from fuseinfer.profile.errors import ProfileError
 
 METRICS = ("gpu__time_duration.sum", "dram__bytes.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
            "sm__throughput.avg.pct_of_peak_sustained_elapsed")

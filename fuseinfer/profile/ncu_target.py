@@ -6,9 +6,9 @@ import sys
 
 import torch
 
-from .api import ProfileSettings, _backend_cls, _context
-from .backends import step_function
-from .cli import build_parser
+from fuseinfer.profile.api import ProfileSettings, _backend_cls, _context
+from fuseinfer.profile.backends import step_function
+from fuseinfer.profile.cli import build_parser
 
 STEPS = 4  # ncu skips the first two launches of each kernel (warm-up)
 

@@ -21,8 +21,8 @@ import json
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from .costs import cost_of
-from .trace import COARSE, COARSE_ORDER
+from fuseinfer.profile.costs import cost_of
+from fuseinfer.profile.trace import COARSE, COARSE_ORDER
 
 ATTENTION = {"MultiHeadAttention", "Attention", "GroupQueryAttention", "Softmax", "PackedAttention"}
 NORMS = {"LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization",
@@ -159,7 +159,7 @@ def start_profiling(backend, folder: Path) -> None:
     the old session is dropped first, so the weights are held once. Call before the backend's ``start``."""
     import gc
 
-    from ..export.ort_runtime import OrtDecoder
+    from fuseinfer.export.ort_runtime import OrtDecoder
 
     device, dtype = backend.ort.device, backend.ort.dtype
     backend.ort = None

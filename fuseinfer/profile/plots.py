@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .compare import coarse_times
-from .trace import COARSE_ORDER
+from fuseinfer.profile.compare import coarse_times
+from fuseinfer.profile.trace import COARSE_ORDER
 
 
 def _times(p) -> dict:

@@ -1,7 +1,7 @@
 """Rendering a profile: rich tables on the terminal; per backend ``ops.csv``, ``kernels.csv``, ``modules.csv``,
 ``layers.csv``, ``memory.json`` next to its ``trace.json`` and TensorBoard dir; ``profile.json`` (everything),
 ``summary.md`` (the tables that matter, tying the files together), ``compare.csv`` and the plots; all written into
-a temporary folder that fuseinfer.files renames into place (``profile.json``, written last, marks it finished)."""
+a temporary folder that fuseinfer.core.files renames into place (``profile.json``, written last, marks it finished)."""
 from __future__ import annotations
 
 import csv
@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .. import files
+from fuseinfer.core import files
 
 TOP = 12
 
@@ -160,14 +160,14 @@ def write_backend_files(p, folder: Path) -> None:
                                                      ("memory", "memory.json"))})
 
 
-MARKER = "profile.json"  # written last: marks a finished profile folder (fuseinfer.files replaces only those)
+MARKER = "profile.json"  # written last: marks a finished profile folder (fuseinfer.core.files replaces only those)
 
 
 def write_all(result, out: Path, final: Path | None = None) -> None:
     """Every file of a profile into ``out`` (backend folders exist already: the traces are in them). ``final``:
-    where ``out`` (a temporary folder of fuseinfer.files.atomic_dir) will be renamed to; the recorded paths,
+    where ``out`` (a temporary folder of fuseinfer.core.files.atomic_dir) will be renamed to; the recorded paths,
     profile.json and summary.md name the files there."""
-    from . import plots
+    from fuseinfer.profile import plots
 
     for p in result.profiles:
         folder = out / Path(p.files["trace"]).parent.name if p.files.get("trace") else out / p.name

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from .costs import cost_of
-from .modules import parse_op_range, parse_range
+from fuseinfer.profile.costs import cost_of
+from fuseinfer.profile.modules import parse_op_range, parse_range
 
 STEP_PREFIX = "ProfilerStep#"
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")

@@ -13,7 +13,7 @@ Ops without a cost model get ``latency-bound`` by the time rule alone, else ``no
 """
 from __future__ import annotations
 
-from .ceilings import peak_tflops, ridge
+from fuseinfer.profile.ceilings import peak_tflops, ridge
 
 LATENCY_FLOORS = 3.0
 LATENCY_FRACTION = 0.5

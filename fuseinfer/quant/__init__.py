@@ -5,14 +5,14 @@
 
 See docs/quantization.md.
 """
-from .config import Int8WeightOnly, QuantConfig, SmoothQuantW8A8
+from fuseinfer.core.quant_config import Int8WeightOnly, QuantConfig, SmoothQuantW8A8
 
 __all__ = ["Int8WeightOnly", "QuantConfig", "SmoothQuantW8A8", "load_quantized", "save_quantized"]
 
 
 def save_quantized(model, directory):
     """Write a quantized (patched) model to ``directory``: config.json (with the scheme) + model.safetensors."""
-    from .checkpoint import save_quantized as save
+    from fuseinfer.quant.checkpoint import save_quantized as save
 
     return save(model, directory)
 
@@ -20,6 +20,6 @@ def save_quantized(model, directory):
 def load_quantized(directory, device=None, model=None, ops=None):
     """Build the model saved by ``save_quantized`` (no re-quantization) on ``device`` (default: the CPU, or the
     given ``model``'s device); see ``fuseinfer.quant.loading``."""
-    from .loading import load_quantized as load
+    from fuseinfer.quant.loading import load_quantized as load
 
     return load(directory, device=device, model=model, ops=ops)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import weakref
 
-from ..errors import FuseInferError
-from .config import Int8WeightOnly, QuantConfig, SmoothQuantW8A8
-from .w8a8 import quantize_w8a8
-from .weight_only import quantize_weight_only
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.core.quant_config import Int8WeightOnly, QuantConfig, SmoothQuantW8A8
+from fuseinfer.quant.w8a8 import quantize_w8a8
+from fuseinfer.quant.weight_only import quantize_weight_only
 
 HANDLERS = {Int8WeightOnly: quantize_weight_only, SmoothQuantW8A8: quantize_w8a8}
 
@@ -45,7 +45,7 @@ class SavePretrained:
         return SavePretrained, (self._model(),)
 
     def __call__(self, save_directory, **kwargs):
-        from .checkpoint import save_quantized
+        from fuseinfer.quant.checkpoint import save_quantized
 
         bad = [k for k, v in kwargs.items() if k not in self._IGNORED and (k not in self._DEFAULTS
                                                                           or v is not self._DEFAULTS[k])]

@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import FuseInferError
-from ..files import atomic_file
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.core.files import atomic_file
 
 CONFIG_KEY = "quantization_config"
 QUANT_METHOD = "fuseinfer"
@@ -63,7 +63,7 @@ def save_quantized(model, directory) -> Path:
     """Write the quantized (patched) ``model`` to ``directory`` (created; existing files of the format replaced)."""
     from safetensors.torch import save_file
 
-    from ..state import patch_state, unwrapped
+    from fuseinfer.core.state import patch_state, unwrapped
 
     model = unwrapped(model)
     state = patch_state(model)
@@ -106,7 +106,7 @@ def _write_atomic(path: Path, write) -> None:
 
 def _record(model, state, tensors: dict) -> dict:
     """The ``quantization_config`` of a patched quantized model (without the hash, computed once written)."""
-    from .. import __version__
+    from fuseinfer import __version__
 
     quant, report = state.config.quant, state.report.quant
     modules = [e.name for e in report.entries]
@@ -208,8 +208,8 @@ def _field(record: dict, name: str, kinds, what: str, default=None, required=Fal
 def check_record(record) -> dict:
     """The checkpoint's ``quantization_config``, every field fuseinfer reads checked by type and value; returns
     them normalised (FuseInferError naming the field otherwise)."""
-    from ..config import OPS
-    from .config import Int8WeightOnly, SmoothQuantW8A8
+    from fuseinfer.core.config import OPS
+    from fuseinfer.core.quant_config import Int8WeightOnly, SmoothQuantW8A8
 
     if not isinstance(record, dict):
         raise FuseInferError(f"quantization_config must be a JSON object, got {type(record).__name__}")
@@ -252,7 +252,7 @@ def check_record(record) -> dict:
 def empty_layout(checked: dict):
     """The config that lays out the checkpoint's scheme with empty tensors (``_empty``: no quantization, and for
     SmoothQuant no calibration or smoothing; the saved tensors hold their results)."""
-    from .config import Int8WeightOnly, SmoothQuantW8A8
+    from fuseinfer.core.quant_config import Int8WeightOnly, SmoothQuantW8A8
 
     if checked["scheme"] == Int8WeightOnly.scheme:
         return dataclasses.replace(Int8WeightOnly(include_lm_head=checked["include_lm_head"]), _empty=True)

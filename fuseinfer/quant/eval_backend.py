@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import fuseinfer
 
-from ..eval.backends import FuseInferBackend
-from ..ops.int8_gemm import w8a8_gemm_note
+from fuseinfer.eval.backends import FuseInferBackend
+from fuseinfer.ops.w8a8_linear import w8a8_gemm_note
 
 
 def weight_bytes_per_token(model) -> int:
@@ -41,7 +41,7 @@ class FuseInferW8A16Backend(FuseInferBackend):
     def close(self):
         """Release the runtime's cache and graphs and drop the model; no unpatch (the fp16 weights were freed, so
         unpatch refuses, and nothing needs the original model back)."""
-        from ..eval.backends import Backend
+        from fuseinfer.eval.backends import Backend
 
         if self.model is not None:
             fuseinfer.runtime.release(self.model)
@@ -59,7 +59,7 @@ class FuseInferW8A8Backend(FuseInferW8A16Backend):
 
     Calibration (``--calibration-data`` / ``--calibration-samples``, through the knobs FUSEINFER_CALIBRATION_DATA /
     FUSEINFER_CALIBRATION_SAMPLES): a text file or a folder holding wiki.valid.raw (default: wiki.valid.raw where
-    ``fuseinfer.data`` finds it: ``--data-dir`` / $FUSEINFER_DATA_DIR, the shared folder, ``datasets``), tokenized with the model's own tokenizer, ``samples`` windows of 512 tokens; or saved
+    ``fuseinfer.core.data`` finds it: ``--data-dir`` / $FUSEINFER_DATA_DIR, the shared folder, ``datasets``), tokenized with the model's own tokenizer, ``samples`` windows of 512 tokens; or saved
     statistics (``.safetensors``). A ``random:`` model has no tokenizer (and its weights no meaning): it is
     calibrated on seeded random token ids instead, which the row's ``calibration_source`` says. The calibration
     time is measured apart from the load time and reported in details() (``calibration_seconds``)."""
@@ -70,7 +70,7 @@ class FuseInferW8A8Backend(FuseInferW8A16Backend):
 
     @staticmethod
     def quant_config(calibration=None, samples: int | None = None):
-        from .. import knobs
+        from fuseinfer.core import knobs
 
         if samples is None:
             samples = knobs.get_int("FUSEINFER_CALIBRATION_SAMPLES")
@@ -83,7 +83,7 @@ class FuseInferW8A8Backend(FuseInferW8A16Backend):
 
         import torch
 
-        from .smoothquant import calibrate
+        from fuseinfer.quant.smoothquant import calibrate
 
         config, self.calibration_seconds = self.quant_config(), None
         given = config.calibration
@@ -104,7 +104,7 @@ class FuseInferW8A8Backend(FuseInferW8A16Backend):
     def details(self):
         quant = self.report.quant
         seconds = self.calibration_seconds if self.calibration_seconds is not None else quant.calibration_seconds
-        from ..runtime.prefill import lean_reason, mode
+        from fuseinfer.runtime.prefill import lean_reason, mode
 
         why = None if self.model is None else lean_reason(self.model)
         # the path fast decode's prefill takes (what the prefill column timed): the lean loop, as a CUDA graph per

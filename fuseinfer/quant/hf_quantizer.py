@@ -16,9 +16,9 @@ import importlib.machinery
 import re
 import sys
 
-from ..errors import FuseInferError
-from .checkpoint import QUANT_METHOD, WEIGHTS, check_record, check_tensors
-from .loading import build_layout, refresh_report
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.quant.checkpoint import QUANT_METHOD, WEIGHTS, check_record, check_tensors
+from fuseinfer.quant.loading import build_layout, refresh_report
 
 REGISTRY = "transformers.quantizers.auto"
 

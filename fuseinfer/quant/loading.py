@@ -13,15 +13,15 @@ from pathlib import Path
 
 import torch
 
-from ..errors import FuseInferError
-from .checkpoint import ARCH_FIELDS, WEIGHTS, _tensor, check_tensors, empty_layout, read_checkpoint
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.quant.checkpoint import ARCH_FIELDS, WEIGHTS, _tensor, check_tensors, empty_layout, read_checkpoint
 
 
 def build_layout(model, checked: dict, ops=None) -> None:
     """Patch the meta ``model`` into the checkpoint's quantized layout (recorded ops unless ``ops``), in eval mode
     (a model in training mode keeps its attention unpatched)."""
-    from ..config import PatchConfig
-    from ..patching import patch
+    from fuseinfer.core.config import PatchConfig
+    from fuseinfer.patching import patch
 
     model.eval()
     patch(model, PatchConfig(ops=tuple(ops or checked["ops"]) or PatchConfig().ops, quant=empty_layout(checked)))
@@ -39,7 +39,7 @@ def load_quantized(directory, device=None, model=None, ops=None):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, OPTConfig
 
-    from ..state import patch_state, unwrapped
+    from fuseinfer.core.state import patch_state, unwrapped
 
     directory = Path(directory)
     raw, checked = read_checkpoint(directory)
@@ -118,17 +118,17 @@ def to_empty_keep_ties(model, device, ties=None) -> None:
 
 def refresh_report(model) -> None:
     """The patch ran on the meta device: name the backends the loaded tensors run on."""
-    from .._ext import backend_for
-    from ..state import patch_state
+    from fuseinfer.core.extension import backend_for
+    from fuseinfer.core.state import patch_state
 
     report = patch_state(model).report
     p = next(model.parameters())
     for swap in report.swaps:
         swap.ops = {op: (backend_for(p) if "(" not in b else b) for op, b in swap.ops.items()}
     if hasattr(report.quant, "gemm"):  # a W8A8 report: the GEMM its linears run, known only on the real device
-        from ..ops.int8_gemm import w8a8_gemm_note
+        from fuseinfer.ops.w8a8_linear import w8a8_gemm_note
 
         report.quant.gemm = w8a8_gemm_note(p.device, p.dtype)
-    from ..patching import warn_if_references_only
+    from fuseinfer.patching import warn_if_references_only
 
     warn_if_references_only(report)  # (patch skipped it: on the meta device every op looked like a reference)

@@ -15,9 +15,9 @@ import dataclasses
 import torch
 from torch import nn
 
-from .loading import refresh_report, to_empty_keep_ties
-from .config import Int8WeightOnly
-from .linear import Int8WeightOnlyLinear
+from fuseinfer.quant.loading import refresh_report, to_empty_keep_ties
+from fuseinfer.core.quant_config import Int8WeightOnly
+from fuseinfer.layers.linear import Int8WeightOnlyLinear
 
 
 def random_quantized_opt(name: str = "opt-66b", device="cuda", dtype=torch.float16, seed: int = 0,
@@ -25,13 +25,13 @@ def random_quantized_opt(name: str = "opt-66b", device="cuda", dtype=torch.float
     """A patched, int8-quantized OPTForCausalLM with random weights (see the module docstring)."""
     from transformers import AutoModelForCausalLM, OPTConfig
 
-    from ..eval.models import OPT_CONFIGS
-    from ..ops import quantize_per_channel
-    from ..patching import PatchConfig, patch
+    from fuseinfer.harness.models import OPT_CONFIGS
+    from fuseinfer.ops import quantize_per_channel
+    from fuseinfer.patching import PatchConfig, patch
 
     key = name if name.startswith("facebook/") else f"facebook/{name}"
     if key not in OPT_CONFIGS:
-        from ..errors import FuseInferError
+        from fuseinfer.core.errors import FuseInferError
 
         raise FuseInferError(f"unknown OPT size {name!r}; choose from {sorted(OPT_CONFIGS)}")
     cfg = OPTConfig(**OPT_CONFIGS[key])

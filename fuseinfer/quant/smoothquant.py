@@ -39,11 +39,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import FuseInferError
-from ..ops.int8_gemm import OUT_DTYPES, w8a8_linear
-from ..ops.quant import quantize_int8_ref, quantize_per_token
-from ..ops.int8_linear import int8_linear
-from .linear import QuantizedLinear, decode_rows
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.ops.w8a8_linear import OUT_DTYPES, w8a8_linear
+from fuseinfer.ops.quant import quantize_int8_ref, quantize_per_token
+from fuseinfer.ops.w8a16_linear import int8_linear
+from fuseinfer.layers.linear import QuantizedLinear, decode_rows
 
 CALIBRATION_FILE = "wiki.valid.raw"
 CALIBRATION_FLAG = "--calibration-data"  # the eval CLI's flag; the Python API's argument is ``calibration=``
@@ -70,7 +70,7 @@ class CalibrationStats:
         temporary name and renamed, so a failure leaves nothing half-written."""
         from safetensors.torch import save_file
 
-        from ..files import atomic_file
+        from fuseinfer.core.files import atomic_file
 
         meta = {"format": "fuseinfer-smoothquant-calibration", "version": "1", "samples": str(self.samples),
                 "seq_len": str(self.seq_len), "source": self.source, "meta": json.dumps(self.meta)}
@@ -96,9 +96,9 @@ class CalibrationStats:
 def calibration_text(calibration: str | os.PathLike | None = None, data_dir: str | os.PathLike | None = None
                      ) -> tuple[str, str]:
     """(text, source): ``calibration`` a text file, or a folder holding wiki.valid.raw; else the WikiText-2
-    validation split where :mod:`fuseinfer.data` finds it (``data_dir``, $FUSEINFER_DATA_DIR, the shared assets
+    validation split where :mod:`fuseinfer.core.data` finds it (``data_dir``, $FUSEINFER_DATA_DIR, the shared assets
     folder, ``datasets``). The rows are joined as the evaluation joins the test rows; never the test split."""
-    from .. import data
+    from fuseinfer.core import data
 
     if calibration is None:
         try:

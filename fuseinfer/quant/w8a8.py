@@ -26,13 +26,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import FuseInferError
-from ..ops.int8_gemm import w8a8_gemm_note
-from ..ops.quant import quantize_int8_ref, quantize_per_token
-from .linear import QuantizedLinear
-from .smoothquant import CalibrationStats, SmoothReport, W8A8Linear, _decoder_layers, calibrate, smooth, \
-    smoothing_plan, w8a8_forward
-from .weight_only import QuantEntry, QuantReport, WeightOnlyState, _placeholder, _targets
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.ops.w8a8_linear import w8a8_gemm_note
+from fuseinfer.ops.quant import quantize_int8_ref, quantize_per_token
+from fuseinfer.layers.linear import QuantizedLinear
+from fuseinfer.quant.smoothquant import (
+    CalibrationStats,
+    SmoothReport,
+    W8A8Linear,
+    _decoder_layers,
+    calibrate,
+    smooth,
+    smoothing_plan,
+    w8a8_forward,
+)
+from fuseinfer.quant.weight_only import QuantEntry, QuantReport, WeightOnlyState, _placeholder, _targets
 
 
 @dataclass
@@ -112,7 +120,7 @@ def _stats(model, config) -> tuple[CalibrationStats, float]:
         return cal, 0.0
     if cal is not None and Path(cal).suffix == ".safetensors":
         return CalibrationStats.load(cal), 0.0
-    from .smoothquant import calibration_text
+    from fuseinfer.quant.smoothquant import calibration_text
 
     calibration_text(cal)  # no calibration data: the error naming calibration=, before the tokenizer is loaded
     tok = _tokenizer(model, config)
@@ -134,7 +142,7 @@ class W8A8State(WeightOnlyState):
 
     def undo(self, model: nn.Module) -> None:
         self.check_undo()
-        from ..patches.opt import _link_qkv
+        from fuseinfer.models.opt.modules import _link_qkv
 
         for param, kept in self.params:  # every Parameter smoothing or quantization changed
             param.data = kept.to(param.device)

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..errors import FuseInferError
-from ..ops import quantize_per_channel
-from .linear import Int8WeightOnlyLinear, QKVSlice, QuantizedLinear
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.ops import quantize_per_channel
+from fuseinfer.layers.linear import Int8WeightOnlyLinear, QKVSlice, QuantizedLinear
 
 
 @dataclass
@@ -131,7 +131,7 @@ class WeightOnlyState:
     def undo(self, model: nn.Module) -> None:
         """Put the original modules and weights back, bit for bit (FuseInferError first if they were not kept)."""
         self.check_undo()
-        from ..patches.opt import _link_qkv
+        from fuseinfer.models.opt.modules import _link_qkv
 
         for parent, attr, original, kept, tied in reversed(self.linears):
             current = parent._modules[attr]

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..parallel import decode_plan, placement
-from ..state import patch_state
-from .processors import Rule, bad_words, repetition_penalty_skips_padding
+from fuseinfer.core import decode_plan, placement
+from fuseinfer.core.state import patch_state
+from fuseinfer.runtime.processors import Rule, bad_words, repetition_penalty_skips_padding
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def in_vocabulary(model, token: int) -> bool:
 
 def decode_forward(model):
     """(the fast-decode forward of ``model``, None), or (None, why ``model`` cannot take the fast path)."""
-    from ..config import OPS
+    from fuseinfer.core.config import OPS
 
     state = patch_state(model)
     if state is None or set(state.config.ops) != set(OPS) or state.config.filter_fn is not None:

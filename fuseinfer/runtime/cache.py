@@ -12,7 +12,7 @@ import collections
 
 import torch
 
-from ..ops.kv_cache import kv_cache_append
+from fuseinfer.ops.kv_cache import kv_cache_append
 
 
 # What fast decode made, for tests and benchmarks (only ever incremented: read a difference): sessions built

@@ -36,15 +36,15 @@ import weakref
 
 import torch
 
-from .. import knobs
-from ..errors import FuseInferError
-from ..ops.emit_tokens import emit_tokens, emit_tokens_scratch
-from ..parallel import decode_plan
-from ..state import model_lock, patch_state, unwrapped  # noqa: F401 (model_lock: re-exported)
-from .args import Call, Sampling, decode_forward, eos_tensor, in_vocabulary, pad_id, prepare_call  # noqa: F401
-from .cache import COUNTS, StaticKVCache, kv_bytes  # (COUNTS: re-exported for tests and benchmarks)
-from .graphs import capture_stream
-from .processors import Processors, Rule
+from fuseinfer.core import knobs
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.ops.emit_tokens import emit_tokens, emit_tokens_scratch
+from fuseinfer.core import decode_plan
+from fuseinfer.core.state import model_lock, patch_state, unwrapped  # noqa: F401 (model_lock: re-exported)
+from fuseinfer.runtime.args import Call, Sampling, decode_forward, eos_tensor, in_vocabulary, pad_id, prepare_call  # noqa: F401
+from fuseinfer.runtime.cache import COUNTS, StaticKVCache, kv_bytes  # (COUNTS: re-exported for tests and benchmarks)
+from fuseinfer.runtime.graphs import capture_stream
+from fuseinfer.runtime.processors import Processors, Rule
 
 SESSIONS_ATTR = "_fuseinfer_sessions"
 STOP_CHECK_EVERY = 16
@@ -179,7 +179,7 @@ class _Session:
         self.q_start.zero_()
         if self.proc is not None:
             self.proc.begin(ids[:b], mask.to(dev), self.bucket)
-        from .prefill import session_prefill  # graph / lean loop / patched modules (advances counters: reset below)
+        from fuseinfer.runtime.prefill import session_prefill  # graph / lean loop / patched modules (advances counters: reset below)
         self._emit(session_prefill(self, ids, pos))
         # decode: the first input sits at slot P with position = number of real prompt tokens
         self.positions[:b, 0] = mask.long().sum(1)
@@ -307,7 +307,7 @@ def run_call(model, input_ids: torch.Tensor, call: Call):
     dev = next(model.parameters()).device
     watch = None
     if call.streamer is not None or call.stop_strings is not None:
-        from .host_watch import HostWatch
+        from fuseinfer.runtime.host_watch import HostWatch
 
         watch = HostWatch(input_ids, call.eos, call.pad, call.streamer, call.stop_strings)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():  # graphs on the model's GPU

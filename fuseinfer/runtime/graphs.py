@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-from .._ext import extension
+from fuseinfer.core.extension import extension
 
 _free: dict[int, list[torch.cuda.Stream]] = {}  # device index -> streams whose graph is gone
 _lock = threading.Lock()

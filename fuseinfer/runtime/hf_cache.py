@@ -21,12 +21,12 @@ import torch
 from transformers import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .. import knobs
-from ..errors import FuseInferError
-from ..state import patch_state
-from ..parallel import decode_plan
-from .decode import CAPACITY_ROUND, sessions_of
-from .graphs import capture_stream
+from fuseinfer.core import knobs
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.core.state import patch_state
+from fuseinfer.core import decode_plan
+from fuseinfer.runtime.decode import CAPACITY_ROUND, sessions_of
+from fuseinfer.runtime.graphs import capture_stream
 
 KEY = "hf"  # sessions[(KEY, rows)] -> ForwardGraph
 
@@ -48,7 +48,7 @@ class ForwardGraph:
         self.weights = weights  # see decode.session_for: where the tensors the graph reads were
         dev = self.device = p.device
         # tensor-parallel (this rank's heads, no one-kernel step) and device_map models (a cache per layer device,
-        # no graph) as fast decode runs them (fuseinfer/parallel/decode_plan.py)
+        # no graph) as fast decode runs them (fuseinfer/core/decode_plan.py)
         plan = decode_plan.plan(model)
         self.cache = decode_plan.kv_cache(model, plan, cfg.num_hidden_layers, rows, heads, cfg.hidden_size // heads,
                                           capacity, p.dtype, dev)

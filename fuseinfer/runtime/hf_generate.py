@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import ATTN_NAME
-from ..errors import FuseInferError
-from .args import Call, check_shapes, decode_forward, eos_tensor, in_vocabulary, pad_id, prepare_call
-from .decode import model_lock, run_call, trim_sessions
+from fuseinfer.core.config import ATTN_NAME
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.runtime.args import Call, check_shapes, decode_forward, eos_tensor, in_vocabulary, pad_id, prepare_call
+from fuseinfer.runtime.decode import model_lock, run_call, trim_sessions
 
 if TYPE_CHECKING:  # transformers is imported when the hook runs, so that ``import fuseinfer`` does not load it
     from transformers import GenerationConfig
@@ -200,7 +200,7 @@ def _log(message: str, level: int = logging.WARNING) -> None:
 
 def _middle_generate(model, inputs, generation_config, kwargs, max_length: int, forward=None):
     """transformers' generate with a FusedCache and the model's forward wrapped for it (for this call only)."""
-    from .hf_cache import FusedCache, forward_over_fused_cache
+    from fuseinfer.runtime.hf_cache import FusedCache, forward_over_fused_cache
 
     if forward is None:  # (_generate passes the one it checked)
         forward = decode_forward(model)[0]
@@ -237,7 +237,7 @@ def _transformers_generate(model, inputs, generation_config, kwargs, switch_atte
     """The fallback: the model's own generate (its instance attribute before patching, else its class's), with the
     attention implementation it had before patching for the call (transformers' generate builds its masks, e.g.
     for a static cache, through that implementation's mask function, which must return a tensor)."""
-    from ..state import patch_state
+    from fuseinfer.core.state import patch_state
 
     state = patch_state(model)
     run = state.generate if state is not None and state.generate is not None else \

@@ -42,18 +42,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import knobs
-from .._ext import extension
-from ..errors import FuseInferError
-from ..ops import add_layer_norm, attention, int8_linear, linear_epilogue
-from ..ops.int8_gemm import w8a8_backend, w8a8_linear
-from ..ops.layer_norm_quant import add_layer_norm_quant
-from ..ops.quant import quantize_per_token
-from ..ops.kv_cache import kv_cache_append
-from ..state import model_lock, patch_state, unwrapped
-from ..quant.linear import DECODE_ROWS, decode_rows
-from .cache import COUNTS
-from .graphs import capture_stream
+from fuseinfer.core import knobs
+from fuseinfer.core.extension import extension
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.ops import add_layer_norm, attention, w8a16_linear as int8_linear, linear_epilogue
+from fuseinfer.ops.w8a8_linear import w8a8_backend, w8a8_linear
+from fuseinfer.ops.layer_norm_quant import add_layer_norm_quant
+from fuseinfer.ops.quant import quantize_per_token
+from fuseinfer.ops.kv_cache import kv_cache_append
+from fuseinfer.core.state import model_lock, patch_state, unwrapped
+from fuseinfer.layers.linear import DECODE_ROWS, decode_rows
+from fuseinfer.runtime.cache import COUNTS
+from fuseinfer.runtime.graphs import capture_stream
 
 LENGTH_BUCKET = 128  # prompt lengths round up to a multiple of this in the graph path (<= 127 padded tokens)
 # graphs where bucket rows x bucket length <= this (auto); above it the GPU time dwarfs the lean loop's host time
@@ -121,7 +121,7 @@ class _Plan:
 
 def quant_kind(model: nn.Module) -> str | None:
     """'w8a8' (SmoothQuantW8A8), 'w8a16' (Int8WeightOnly) or None (not quantized) for a patched model."""
-    from ..quant.config import Int8WeightOnly, SmoothQuantW8A8
+    from fuseinfer.core.quant_config import Int8WeightOnly, SmoothQuantW8A8
 
     state = patch_state(model)
     quant = None if state is None else state.config.quant
@@ -133,7 +133,7 @@ def quant_kind(model: nn.Module) -> str | None:
 def _int8_layer_reason(layer: nn.Module, kind: str) -> str | None:
     """Why a patched layer's linears are not all int8 linears of ``kind`` the lean loop can call (q/k/v fused as
     ``qkv_proj``), or None."""
-    from ..quant.linear import Int8WeightOnlyLinear, int8_input
+    from fuseinfer.layers.linear import Int8WeightOnlyLinear, int8_input
 
     attn = layer.self_attn
     parts = {"q/k/v": attn._modules.get("qkv_proj"), "out_proj": attn._modules.get("out_proj"),
@@ -152,9 +152,9 @@ def _int8_layer_reason(layer: nn.Module, kind: str) -> str | None:
 
 def _structure_reason(model: nn.Module) -> str | None:
     """Why the lean loop cannot stand in for ``model``'s patched modules (checked once per model), or None."""
-    from ..config import OPS
-    from ..patches import attention_backend, hf_attention
-    from ..patches.opt import FusedLayerNorm, FusedOPTAttention, FusedOPTDecoderLayer
+    from fuseinfer.core.config import OPS
+    from fuseinfer.layers import attention_backend, hf_attention
+    from fuseinfer.models.opt.modules import FusedLayerNorm, FusedOPTAttention, FusedOPTDecoderLayer
 
     state = patch_state(model)
     if state is None or set(state.config.ops) != set(OPS) or state.config.filter_fn is not None:
@@ -214,7 +214,7 @@ def lean_reason(model: nn.Module, weights: bool = True) -> str | None:
     calls none); with ``weights``, that each q/k/v projection still holds its rows of the fused (3E, E) buffer
     (``param.data = t`` unlinks them: the patched modules then run three GEMMs); once per patch: the structure
     (:func:`_structure_reason`)."""
-    from ..patches.opt import _global_hooks, _has_hooks
+    from fuseinfer.models.opt.modules import _global_hooks, _has_hooks
 
     plan, why = _plan(model)
     if why is not None:
@@ -274,7 +274,7 @@ class _Ops:
     CPU), which choose exactly as the patched modules' calls do."""
 
     def __init__(self, like: torch.Tensor, head_dim: int):
-        from ..ops.attention import KERNEL_DTYPES, KERNEL_HEAD_DIMS
+        from fuseinfer.ops.attention import KERNEL_DTYPES, KERNEL_HEAD_DIMS
 
         ext = extension(like.device) if like.is_cuda else None
         self.direct = ext is not None and like.dtype in KERNEL_DTYPES and head_dim in KERNEL_HEAD_DIMS

@@ -170,7 +170,7 @@ def test_eval_rows_ppl_and_greedy_match_eager(tiny_model_path, tmp_path, monkeyp
     """The eval CLI's runner with ort and ort-plain: PPL within 0.1% of eager, greedy tokens equal to eager's;
     the second run reuses the exports kept under $FUSEINFER_ONNX_DIR."""
     from fuseinfer.eval import Settings, run
-    from fuseinfer.eval.ui import ConsoleUI
+    from fuseinfer.harness.ui import ConsoleUI
 
     monkeypatch.setenv("FUSEINFER_ONNX_DIR", str(tmp_path))
     settings = Settings(model=str(tiny_model_path), backends=("eager", "ort", "ort-plain"), device="cpu",
@@ -439,7 +439,7 @@ def test_cuda_export_opt125m_shapes_and_reuse(tmp_path):
     reason = _cuda_ort_reason()
     if reason:
         pytest.skip(reason)
-    from fuseinfer.eval.models import load_config, load_model, resolve_model
+    from fuseinfer.harness.models import load_config, load_model, resolve_model
 
     src = resolve_model("random:opt-125m")
     model = load_model(src, load_config(src), torch.float16, torch.device("cuda"), 0)

@@ -315,7 +315,7 @@ def test_wgmma_prefill_is_built_for_sm90():
     """On an H100/H200 the default build (FUSEINFER_CUDA_ARCH=9.0a) must carry the wgmma prefill and pick it."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma prefill is for sm_90 GPUs")
-    from fuseinfer._ext import extension
+    from fuseinfer.core.extension import extension
     assert extension().attention_prefill_kernel() == "wgmma"
 
 

@@ -12,7 +12,7 @@ from helpers import DEVICES, LOWP, assert_lowp_close, assume, examples, given, l
 import fuseinfer
 from fuseinfer.ops import opt_decode_step, opt_decode_step_ref
 from fuseinfer.ops.decode_step import AUTO_MAX_ROWS, decode_step_workspace, kernel_supports
-from fuseinfer.patches.opt_decode import decode_step_params, decode_step_weight_scales, forward_last_logits
+from fuseinfer.models.opt.decode import decode_step_params, decode_step_weight_scales, forward_last_logits
 from fuseinfer.runtime.cache import StaticKVCache
 from fuseinfer.runtime.decode import SESSIONS_ATTR
 
@@ -358,7 +358,7 @@ def test_int8_bad_scales_are_one_clear_error():
 def test_decode_step_kernel_takes_int8_weight_only_models():
     """decode_step_kernel no longer refuses Int8WeightOnly: on this CPU it stops at the kernel check (no extension),
     not at the quantization; the LM head quantized, or a layer left unquantized, are refused with the reason."""
-    from fuseinfer.patches.opt_decode import _int8_unsupported, decode_step_kernel
+    from fuseinfer.models.opt.decode import _int8_unsupported, decode_step_kernel
 
     model = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=128, num_hidden_layers=2)
     fuseinfer.patch(model, INT8)
@@ -381,7 +381,7 @@ def test_auto_takes_the_int8_step_only_up_to_its_measured_hidden_size(monkeypatc
     """FUSEINFER_DECODE_KERNEL=auto sends int8 weight-only models wider than AUTO_INT8_MAX_HIDDEN per op (measured
     slower there), saying why; FUSEINFER_DECODE_KERNEL=1 still tries the kernel; fp16 models are not affected."""
     from fuseinfer.ops import decode_step as decode_step_op
-    from fuseinfer.patches.opt_decode import decode_step_kernel
+    from fuseinfer.models.opt.decode import decode_step_kernel
 
     model = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=128, num_hidden_layers=2)
     fuseinfer.patch(model, INT8)

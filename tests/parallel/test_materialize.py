@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import random_opt
-from fuseinfer.eval.errors import EvalError
+from fuseinfer.harness.errors import EvalError
 from fuseinfer.parallel.materialize import materialize, meta_model, random_init, random_model
 
 

@@ -12,14 +12,14 @@ import torch
 
 import fuseinfer
 from fuseinfer import Int8WeightOnly, PatchConfig, ops
-from fuseinfer.ops.int8_linear import dequantize_weight_ref, int8_linear_ref
+from fuseinfer.ops.w8a16_linear import dequantize_weight_ref, int8_linear_ref
 from tests.conftest import random_opt
 
 pytestmark = pytest.mark.gpu
 
 
 def ext():
-    from fuseinfer._ext import extension
+    from fuseinfer.core.extension import extension
 
     e = extension(torch.device("cuda"))
     if e is None or not hasattr(e, "int8_linear"):

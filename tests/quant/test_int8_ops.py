@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fuseinfer import FuseInferError, ops
-from fuseinfer.ops.int8_linear import dequantize_weight_ref, int8_linear_ref
+from fuseinfer.ops.w8a16_linear import dequantize_weight_ref, int8_linear_ref
 
 
 def sqnr_db(ref, approx) -> float:

@@ -144,7 +144,7 @@ def test_quantized_model_runs_and_refuses_a_second_quantization():
 # ------------------------------------------------------------------------------------------- the outlier test
 
 def _ppl(model, windows, device):
-    from fuseinfer.eval.perplexity import perplexity
+    from fuseinfer.harness.perplexity import perplexity
 
     with torch.no_grad():
         return perplexity(lambda i, l: model(input_ids=i, labels=l).loss, windows, device).ppl
@@ -154,8 +154,8 @@ def _outlier_experiment(tiny_model_path, device, dtype):
     """(ppl of the outlier model unquantized, naive W8A8, SmoothQuant W8A8), all on ``device`` in ``dtype``."""
     from transformers import AutoTokenizer, OPTForCausalLM
 
-    from fuseinfer.eval.data import load_eval_text, tokenize
-    from fuseinfer.eval.perplexity import gptq_windows
+    from fuseinfer.harness.data import load_eval_text, tokenize
+    from fuseinfer.harness.perplexity import gptq_windows
 
     if not (WIKITEXT / "wiki.test.raw").is_file() or not (WIKITEXT / sq.CALIBRATION_FILE).is_file():
         pytest.skip(f"WikiText-2 raw files not found in {WIKITEXT}; set FUSEINFER_SHARED")
@@ -181,7 +181,7 @@ def _outlier_experiment(tiny_model_path, device, dtype):
 def test_smoothquant_matters_on_the_outlier_model(tiny_model_path, device, dtype):
     """Issue 36's outlier test: on the CPU the reference path (fp32 activations, exact int8 GEMMs); on the GPU fp16,
     every W8A8 linear running the sm90 kernel (or the documented fallback elsewhere)."""
-    from fuseinfer.ops.int8_gemm import w8a8_backend
+    from fuseinfer.ops.w8a8_linear import w8a8_backend
 
     ppl_fp, ppl_naive, ppl_smooth = _outlier_experiment(tiny_model_path, torch.device(device), dtype)
     print(f"[{w8a8_backend(torch.device(device))}] outlier model (x300, 4 ch/LN) {dtype} ppl {ppl_fp:.3f}, naive W8A8 "

@@ -22,7 +22,7 @@ from helpers import (assert_lean_equals_modules, assert_same_tokens_graph_lean_m
 
 import fuseinfer
 from fuseinfer import PatchConfig, SmoothQuantW8A8
-from fuseinfer.patches.opt import FusedOPTDecoderLayer
+from fuseinfer.models.opt.modules import FusedOPTDecoderLayer
 from fuseinfer.quant import smoothquant as sq
 from fuseinfer.runtime import prefill as pf
 
@@ -159,7 +159,7 @@ def test_gpu_lean_loop_and_graph_equal_the_w8a8_modules(dtype, set_knob):
     """On CUDA the lean loop calls the extension directly (the sm90 GEMM where it is built): it must give what the
     patched modules give (the same kernels in the same order: logits equal up to the LM head's row count), and
     generate must choose the same tokens through the prefill graph, the lean loop and the modules."""
-    from fuseinfer.ops.int8_gemm import w8a8_backend
+    from fuseinfer.ops.w8a8_linear import w8a8_backend
 
     model = _gpu_w8a8(dtype)
     assert pf.lean_reason(model) is None
@@ -178,7 +178,7 @@ def test_gpu_decode_rows_run_the_w8a16_gemv(monkeypatch):
     """At decode-sized inputs on CUDA (<= 16 rows) the W8A8 linears run the int8 weight-only GEMV on their int8
     weights: no per-token quantize and no fused LayerNorm + quantize; the lean loop does the same, so fast decode's
     prefill of a short prompt and the modules agree; above 16 rows the W8A8 GEMM runs again."""
-    from fuseinfer.patches import opt as opt_mod
+    from fuseinfer.models.opt import modules as opt_mod
 
     model = _gpu_w8a8(torch.float16)
     layers = model.config.num_hidden_layers

@@ -109,8 +109,8 @@ def test_bad_inputs_leave_the_model_untouched(tiny, tmp_path, no_wikitext):
 
 
 def test_outlier_model_patched_w8a8_keeps_its_perplexity(tiny):
-    from fuseinfer.eval.data import load_eval_text, tokenize
-    from fuseinfer.eval.perplexity import gptq_windows, perplexity
+    from fuseinfer.harness.data import load_eval_text, tokenize
+    from fuseinfer.harness.perplexity import gptq_windows, perplexity
 
     base, tok, _ = tiny
     if not (WIKITEXT / "wiki.test.raw").is_file():

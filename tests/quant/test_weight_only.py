@@ -10,7 +10,7 @@ from torch import nn
 
 import fuseinfer
 from fuseinfer import FuseInferError, Int8WeightOnly, PatchConfig
-from fuseinfer.quant.linear import Int8WeightOnlyLinear, QKVSlice
+from fuseinfer.layers.linear import Int8WeightOnlyLinear, QKVSlice
 from helpers import state
 from tests.conftest import VARIANTS, random_opt
 

@@ -8,8 +8,8 @@ from conftest import VARIANTS, random_opt
 
 import fuseinfer
 from fuseinfer import FuseInferError
-from fuseinfer.patches import hf_attention
-from fuseinfer.patches.opt_decode import forward_last_logits
+from fuseinfer.layers import hf_attention
+from fuseinfer.models.opt.decode import forward_last_logits
 from fuseinfer.runtime import prefill as pf
 from fuseinfer.runtime.cache import StaticKVCache
 from fuseinfer.runtime.decode import SESSIONS_ATTR

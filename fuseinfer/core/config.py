@@ -1,0 +1,161 @@
+"""The shared types of patching: what to patch (:class:`PatchConfig`) and what was done (:class:`PatchReport`,
+:class:`Swap`), with the op names and the attention implementation's name.
+
+Kept apart from the engine (``patching``) so that the model families (``patches/``), the runtime and the feature
+packages import them without importing the engine, and nothing imports in a cycle.
+"""
+from __future__ import annotations
+
+import collections
+import pickle
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from fuseinfer.core.extension import extension_status
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.core.quant_config import QuantConfig
+
+OPS = ("layer_norm", "linear", "qkv", "attention")
+ATTN_NAME = "fuseinfer"  # the attention implementation patch registers with transformers (patches/hf_attention.py)
+REFERENCES_ONLY = ("no fuseinfer CUDA kernel runs for this model (it is on the CPU, or the extension is not built "
+                   "for this GPU): every op runs its PyTorch reference, which is correct but slower than the unpatched "
+                   "model; for speed, put the model on a CUDA GPU with the extension built "
+                   "(pip install --no-build-isolation -e .)")
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# what runs the attention op (patches/attention_backend.py, docs/attention_backends.md)
+ATTENTION_BACKENDS = ("auto", "fuseinfer", "flash_attn", "sdpa")
+
+
+@dataclass(frozen=True)
+class PatchConfig:
+    """What to patch.
+
+    ops: which fusions to apply, any of ``OPS``:
+      ``layer_norm`` (residual add + LayerNorm), ``linear`` (GEMM with bias / ReLU / residual epilogues),
+      ``qkv`` (q, k, v projections as one GEMM), ``attention`` (the ``"fuseinfer"`` attention implementation).
+    filter_fn: ``(module, qualified_name) -> bool``, called for each candidate module (decoder layers, attention
+      modules and the decoder's final LayerNorm); only those for which it returns True are swapped (torchao's
+      ``filter_fn`` idea).
+    attention_backend: what runs the ``attention`` op, one of ``ATTENTION_BACKENDS``: ``fuseinfer`` (our kernel),
+      ``flash_attn`` (the flash-attn-4 package, ``pip install fuseinfer[flash-attn]``, where its API covers the call;
+      else our kernel), ``sdpa`` (torch SDPA with a boolean mask), ``auto`` (our kernel, except the (phase, head dim)
+      classes where a committed benchmark measured the package faster); see docs/attention_backends.md.
+    """
+
+    ops: tuple[str, ...] = OPS
+    filter_fn: Callable[[nn.Module, str], bool] | None = None
+    attention_backend: str = "auto"
+    quant: QuantConfig | None = None
+
+    def __post_init__(self):
+        if isinstance(self.ops, str):
+            object.__setattr__(self, "ops", (self.ops,))
+        if not isinstance(self.ops, (tuple, list, set, frozenset)):
+            raise FuseInferError(f"PatchConfig.ops must be a tuple of op names from {list(OPS)}, got {self.ops!r}")
+        unknown = [op for op in self.ops if op not in OPS]
+        if unknown:
+            raise FuseInferError(f"unknown op name(s) {unknown} in PatchConfig.ops; choose from {list(OPS)}")
+        if self.filter_fn is not None and not callable(self.filter_fn):
+            raise FuseInferError(f"PatchConfig.filter_fn must be a callable (module, name) -> bool, got "
+                                 f"{self.filter_fn!r}; e.g. filter_fn=lambda module, name: 'layers.0.' not in name")
+        if self.quant is not None and not isinstance(self.quant, QuantConfig):
+            raise FuseInferError(f"PatchConfig.quant must be a quantization config such as fuseinfer.Int8WeightOnly(), "
+                                 f"got {self.quant!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise FuseInferError(f"unknown PatchConfig.attention_backend {self.attention_backend!r}; choose from "
+                                 f"{list(ATTENTION_BACKENDS)}, e.g. PatchConfig(attention_backend='flash_attn')")
+
+    def selects(self, module: nn.Module, name: str) -> bool:
+        return self.filter_fn is None or bool(self.filter_fn(module, name))
+
+    def __deepcopy__(self, memo):  # immutable: a deep copy of a patched model shares it
+        return self
+
+    def __reduce__(self):
+        """Pickling (``torch.save`` of a patched model, which records its config) keeps ``filter_fn`` where it
+        pickles; a lambda or local function does not, and is replaced by a stand-in that says so if called."""
+        fn = self.filter_fn
+        try:
+            pickle.dumps(fn)
+        except Exception:  # (pickle raises several types: PicklingError, AttributeError, TypeError)
+            fn = _UnpickledFilter(repr(fn))
+        return PatchConfig, (tuple(self.ops), fn, self.attention_backend, self.quant)
+
+
+class _UnpickledFilter:
+    """Stands in for a ``filter_fn`` that could not be pickled with its patched model (the swaps it chose are in
+    the pickle; nothing calls it after loading)."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __call__(self, module, name):
+        raise FuseInferError(f"this PatchConfig was unpickled without its filter_fn {self.what}, which could not "
+                             "be pickled; build a new PatchConfig to patch with it")
+
+
+@dataclass
+class Swap:
+    """One module swapped: its name, the class it became, and the backend each of its ops runs on."""
+
+    name: str
+    old_class: str
+    new_class: str
+    ops: dict[str, str]  # op -> "cuda" | "reference"
+
+
+@dataclass
+class PatchReport:
+    """What ``patch`` did: the swaps, what it skipped and why, and where the kernels run."""
+
+    model_type: str
+    swaps: list[Swap] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (name or op, reason)
+    attn_implementation: tuple[str, str] | None = None  # (before, after)
+    quant: object = None  # what PatchConfig.quant did (fuseinfer.quant.weight_only.QuantReport), or None
+    placement: dict[str, str] = field(default_factory=dict)  # module -> device (accelerate) or tensor parallel
+    attention_backends: dict[str, str] = field(default_factory=dict)  # phase (prefill/decode) -> what runs it
+    extension: str = field(default_factory=extension_status)
+
+    @property
+    def backends(self) -> dict[str, set[str]]:
+        """op -> the set of backends it runs on across all swaps."""
+        out: dict[str, set[str]] = {}
+        for swap in self.swaps:
+            for op, backend in swap.ops.items():
+                out.setdefault(op, set()).add(backend)
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"fuseinfer patch report ({self.model_type}; CUDA extension: {self.extension})"]
+        if self.attn_implementation:
+            lines.append(f"  attention implementation: {self.attn_implementation[0]!r} -> "
+                         f"{self.attn_implementation[1]!r}")
+        for phase, backend in self.attention_backends.items():
+            lines.append(f"  attention {phase}: {backend}")
+        lines.append(f"  swapped {len(self.swaps)} module(s):")
+        width = max((len(s.name) for s in self.swaps), default=0)
+        for s in self.swaps:
+            ops = ", ".join(f"{op}={backend}" for op, backend in s.ops.items())
+            lines.append(f"    {s.name:<{width}}  {s.old_class} -> {s.new_class}  [{ops}]")
+        for what, why in self.skipped:
+            lines.append(f"  skipped {what}: {why}")
+        if self.quant is not None:
+            lines.append(str(self.quant))
+        if "tensor_parallel" in self.placement:
+            lines.append(f"  tensor parallel: {self.placement['tensor_parallel']}")
+        elif self.placement:
+            counts = collections.Counter(self.placement.values())
+            lines.append("  placement (accelerate): " + ", ".join(f"{n} module(s) on {dev}"
+                                                                  for dev, n in sorted(counts.items())))
+        if self.references_only:
+            lines.append(f"  note: {REFERENCES_ONLY}")
+        return "\n".join(lines)
+
+    @property
+    def references_only(self) -> bool:
+        """Whether no swapped op runs a CUDA kernel (a CPU model, or no usable extension)."""
+        return bool(self.swaps) and all(b != "cuda" for backends in self.backends.values() for b in backends)

@@ -1,0 +1,240 @@
+"""Every ``FUSEINFER_*`` environment variable fuseinfer reads, in one table: name, default, when it is read, meaning.
+
+Python code reads a knob with :func:`get` (validated against the knob's choices, one clear error otherwise).
+The CUDA extension reads none itself: :func:`push` hands the run-time switches to it as arguments
+(``fuseinfer._C.set_knobs``) when the extension loads, and again whenever a knob is changed through
+:func:`override`. ``docs/env.md`` is generated from this table (``python -m fuseinfer.core.knobs > docs/env.md``) and a
+test checks that it is current and that no other module calls ``os.environ`` for a ``FUSEINFER_`` name.
+
+A CLI flag that stands for a knob goes through :func:`from_flag`: the flag wins over the environment and, where
+the two disagree, says so on stderr (never silently). A path knob that must exist (``must_exist``) pointing at
+nothing is an error naming the knob. ``FUSEINFER_*`` names in the environment that are not in the table
+(misspellings) are reported once, with the closest known name, at the first knob read.
+"""
+from __future__ import annotations
+
+import contextlib
+import difflib
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from fuseinfer.core.errors import FuseInferError
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    default: str | None  # None: unset (a path the reader looks for elsewhere)
+    when: str  # "build", "import", "session", "call": when the value is read
+    meaning: str
+    choices: tuple[str, ...] | None = None  # None: free-form (a path, a number checked by its reader)
+    extension: bool = False  # handed to the CUDA extension by push()
+    must_exist: bool = False  # a path that, when set, must name an existing file or folder
+
+
+KNOBS: dict[str, Knob] = {k.name: k for k in (
+    Knob("FUSEINFER_BUILD_CUDA", "auto", "build",
+         "`auto`: build the CUDA extension when torch has CUDA, nvcc is found and a GPU is visible or "
+         "`FUSEINFER_CUDA_ARCH` is given; `1`: build it or fail; `0`: never", ("auto", "0", "1")),
+    Knob("FUSEINFER_CUDA_ARCH", "TORCH_CUDA_ARCH_LIST if set, else the visible GPUs' (9.0a on H100/H200)", "build",
+         "compute capabilities to compile for (`;`-separated), e.g. `8.0;9.0a`; the wgmma kernels need `9.0a` "
+         "and no plain `9.0` beside it"),
+    Knob("FUSEINFER_CUTLASS", "auto", "build",
+         "`auto`: a build for `9.0a` needs CUTLASS's headers (the W8A8 int8 GEMM) and stops without them; `0`: build "
+         "without that GEMM (W8A8 prefill then runs `torch._int_mm`, slower than fp16)", ("auto", "0")),
+    Knob("FUSEINFER_CUTLASS_DIR", "the installed nvidia-cutlass package", "build",
+         "CUTLASS include directory for the sm_90 int8 GEMM"),
+    Knob("FUSEINFER_DISABLE_CUDA", "0", "import", "`1`: ignore a built extension (every op runs its reference)",
+         ("0", "1")),
+    Knob("FUSEINFER_PDL", "1", "import",
+         "`0`: launch kernels without programmatic dependent launch", ("0", "1"), extension=True),
+    Knob("FUSEINFER_ATTN_SM90", "1", "call",
+         "`0`: run the mma.sync attention prefill instead of the wgmma one on sm_90", ("0", "1"), extension=True),
+    Knob("FUSEINFER_GEMM_TUNE", "1", "call",
+         "`0`: take cuBLASLt's first heuristic choice for prefill-sized linears instead of timing 8 candidates "
+         "once per problem", ("0", "1"), extension=True),
+    Knob("FUSEINFER_DECODE_TRACE", "0", "import",
+         "`1`: the one-kernel decode step records per-phase timestamps, for profiling the step", ("0", "1"),
+         extension=True),
+    Knob("FUSEINFER_W8A8_TILE", "auto", "call",
+         "the W8A8 CUTLASS GEMM's tile configuration: `auto` by M, or `small` / `medium` / `large` forced (benchmarks)",
+         ("auto", "small", "medium", "large"), extension=True),
+    Knob("FUSEINFER_DECODE_KERNEL", "auto", "session",
+         "fast decode's step as one persistent kernel: `auto` where measured faster (1-2 rows; int8 weight-only "
+         "models up to hidden size 2048), `1` wherever it applies, `0` never", ("auto", "0", "1")),
+    Knob("FUSEINFER_DECODE_GRAPH_STEPS", "16", "session",
+         "decode steps in fast decode's longer CUDA graph (`1`: one step per replay); a positive integer"),
+    Knob("FUSEINFER_CUDA_GRAPHS", "1", "session", "`0`: fast decode runs its step eagerly (no CUDA graphs)",
+         ("0", "1")),
+    Knob("FUSEINFER_TP_GRAPHS", "1", "session",
+         "`0`: a tensor-parallel model's decode step runs eagerly (its CUDA graphs hold NCCL all-reduces)", ("0", "1")),
+    Knob("FUSEINFER_PREFILL", "auto", "call",
+         "fast decode's prefill (docs/prefill.md): `auto` (CUDA graphs per prompt-length bucket up to "
+         "`AUTO_GRAPH_MAX_TOKENS`, else the lean layer loop), `graph` (graphs wherever they apply), `lean` (the "
+         "loop, no graphs) or `module` (the patched modules, as before)", ("auto", "graph", "lean", "module")),
+    Knob("FUSEINFER_SHARED", "../shared", "call",
+         "the shared assets folder (tests, .ci/run, the eval's default model): models/opt-wt2-tiny and "
+         "data/wikitext-2-raw (the WikiText-2 files, found there when `FUSEINFER_DATA_DIR` is unset); a relative "
+         "path is taken from the repository root"),
+    Knob("FUSEINFER_DATA_DIR", None, "call",
+         "folder with wiki.test.raw / wiki.valid.raw for the eval's perplexity, SmoothQuant calibration and the "
+         "profiler (`--data-dir`); unset: `$FUSEINFER_SHARED/data/wikitext-2-raw` where it holds them, else the "
+         "`datasets` library", must_exist=True),
+    Knob("FUSEINFER_BENCH_DIR", "bench/results", "call", "where the benchmark scripts write their results"),
+    Knob("FUSEINFER_NVCC", "nvcc", "call", "the nvcc that bench/bench_cublaslt_sweep.py builds its helper with"),
+    Knob("FUSEINFER_ONNX_DIR", None, "call",
+         "the eval's `ort` backends: export under (and reuse from) this folder, one sub-folder per model "
+         "(`--onnx-dir`); unset: a temporary export per run"),
+    Knob("FUSEINFER_CALIBRATION_DATA", None, "call",
+         "the eval's `fuseinfer-w8a8` backend: calibration text file, folder with wiki.valid.raw, or saved "
+         "SmoothQuant statistics (`.safetensors`) (`--calibration-data`); unset: wiki.valid.raw found as "
+         "`FUSEINFER_DATA_DIR` says", must_exist=True),
+    Knob("FUSEINFER_CALIBRATION_SAMPLES", "128", "call",
+         "the eval's `fuseinfer-w8a8` backend: calibration windows of 512 tokens (`--calibration-samples`)"),
+    Knob("FUSEINFER_GPU_TRANSFORMERS", None, "call",
+         "development only: a transformers wheel that the GPU test runs use instead of the installed one"),
+)}
+
+
+PREFIX = "FUSEINFER_"
+_unknown_checked = False  # the environment's FUSEINFER_* names are checked once, at the first knob read
+
+
+def unknown_names(environ=None) -> dict[str, str | None]:
+    """``FUSEINFER_*`` names in the environment that are not knobs -> the closest knob name (None: none close)."""
+    environ = os.environ if environ is None else environ
+    return {n: next(iter(difflib.get_close_matches(n, KNOBS, n=1, cutoff=0.6)), None)
+            for n in sorted(environ) if n.startswith(PREFIX) and n not in KNOBS}
+
+
+def check_unknown() -> None:
+    """Warn once per process about misspelt ``FUSEINFER_*`` names (a knob that is set but never read)."""
+    global _unknown_checked
+    if _unknown_checked:
+        return
+    _unknown_checked = True
+    unknown = unknown_names()
+    if unknown:
+        listed = "; ".join(n + (f" (did you mean {m}?)" if m else "") for n, m in unknown.items())
+        warnings.warn(f"unknown fuseinfer environment variable(s), ignored: {listed}; the known ones are listed "
+                      "in docs/env.md", UserWarning, stacklevel=3)
+
+
+def _check_value(knob: Knob, value: str, named: str) -> None:
+    """``value`` of ``knob`` as given by ``named`` (the variable, or a flag standing for it), or an error."""
+    if knob.choices is not None and value not in knob.choices:
+        raise FuseInferError(f"{named} must be one of {', '.join(knob.choices)}, got {value!r}")
+    if knob.must_exist and not Path(value).expanduser().exists():
+        raise FuseInferError(f"{named} {value} does not exist: point {named} at an existing file or folder, or "
+                             f"leave it unset")
+
+
+def get(name: str) -> str | None:
+    """The knob's value from the environment (its default when unset), checked against its choices (and, for a
+    path that must exist, checked to exist)."""
+    check_unknown()
+    knob = KNOBS[name]
+    value = os.environ.get(name)
+    if value is None:
+        return knob.default
+    _check_value(knob, value, name)
+    return value
+
+
+def from_flag(name: str, flag: str, value, note=None) -> str | None:
+    """The setting a CLI flag ``flag`` and the knob ``name`` both name: the flag's ``value`` when given -- then set
+    as the knob for this process and the ones it starts, and where the environment held another value, ``note``
+    (default: a line on stderr) says it was overridden -- else the knob's value. Either is checked as :func:`get`
+    checks it, the error naming whichever gave it."""
+    if value is None:
+        return get(name)
+    value = str(value)
+    _check_value(KNOBS[name], value, flag)
+    before = os.environ.get(name)
+    if before is not None and before != value:
+        (note or _stderr)(f"{flag} {value} overrides {name}={before}")
+    set_value(name, value)
+    return value
+
+
+def _stderr(message: str) -> None:
+    print(f"note: {message}", file=sys.stderr)
+
+
+def set_value(name: str, value: str) -> None:
+    """Set a knob for this process and the processes it starts (e.g. a CLI flag that stands for one)."""
+    if name not in KNOBS:
+        raise FuseInferError(f"unknown knob {name}; see fuseinfer.core.knobs.KNOBS")
+    os.environ[name] = value
+    if KNOBS[name].extension:
+        push()
+
+
+def get_int(name: str, minimum: int = 1) -> int:
+    """An integer knob (e.g. FUSEINFER_DECODE_GRAPH_STEPS), at least ``minimum``."""
+    value = get(name)
+    if not value.isdigit() or int(value) < minimum:
+        raise FuseInferError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def extension_values() -> dict[str, int]:
+    """The run-time switches the CUDA extension takes, as integers."""
+    return {k.name: int(v) if (v := get(k.name)).isdigit() else k.choices.index(v)
+            for k in KNOBS.values() if k.extension}
+
+
+_extension = None  # the loaded fuseinfer._C, attached by _ext.py (knobs imports nothing of fuseinfer's)
+
+
+def attach(ext) -> None:
+    """Called by ``_ext.py`` once the extension is loaded: hands it the switches now and at every override."""
+    global _extension
+    _extension = ext
+    push()
+
+
+def push() -> None:
+    """Hand the extension's switches to it (``fuseinfer._C.set_knobs``); a no-op without the extension."""
+    if _extension is not None and hasattr(_extension, "set_knobs"):
+        _extension.set_knobs(extension_values())
+
+
+@contextlib.contextmanager
+def override(**values: str):
+    """Within the block, the knobs ``values`` (names without the ``FUSEINFER_`` prefix, e.g. ``ATTN_SM90="0"``)
+    take these values, in the environment and in the extension."""
+    names = {f"FUSEINFER_{k}": str(v) for k, v in values.items()}
+    unknown = [n for n in names if n not in KNOBS]
+    if unknown:
+        raise FuseInferError(f"unknown knob(s) {unknown}; see fuseinfer.core.knobs.KNOBS")
+    old = {n: os.environ.get(n) for n in names}
+    os.environ.update(names)
+    try:
+        push()
+        yield
+    finally:
+        for n, v in old.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
+        push()
+
+
+def markdown() -> str:
+    """The knobs table of docs/env.md."""
+    lines = ["# Environment variables", "",
+             "Generated from `fuseinfer/core/knobs.py` (`python -m fuseinfer.core.knobs > docs/env.md`); a test checks it is "
+             "current.", "",
+             "| variable | default | read at | meaning |", "| --- | --- | --- | --- |"]
+    lines += [f"| `{k.name}` | {'unset' if k.default is None else f'`{k.default}`'} | {k.when} | {k.meaning} |"
+              for k in KNOBS.values()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

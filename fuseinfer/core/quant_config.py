@@ -1,0 +1,108 @@
+"""Quantization configs: what ``PatchConfig(quant=...)`` takes (torchao's config-object style).
+
+``QuantConfig`` is the common base. The configs are plain data: ``quant/apply.py`` maps each one to the code that
+quantizes, which the patch engine calls once, after the model family's swaps (and ``state.undo(model)`` in
+``unpatch`` before the family's undo).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from fuseinfer.core.errors import FuseInferError
+
+KEEP_ORIGINAL = (None, "cpu")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Base of the quantization schemes (each registered in ``quant/apply.py``).
+
+    include_lm_head: also quantize the LM head (off by default: OPT ties it to the input embeddings, which stay in
+      the model's dtype, so quantizing it adds an int8 copy instead of saving memory; it still halves the bytes a
+      decode step reads for it).
+    keep_original: ``None`` (default) frees the original weights, so ``unpatch`` cannot restore them and refuses;
+      ``"cpu"`` keeps a bit-exact copy of every replaced weight in host memory (2 bytes per fp16 weight quantized:
+      2.6 GB for OPT-1.3b) so that ``unpatch`` restores the model exactly.
+    """
+
+    include_lm_head: bool = False
+    keep_original: str | None = None
+    # internal: build the quantized layout with empty int8 / scale tensors instead of quantizing (load_quantized and
+    # random_init fill them; the engine then accepts a model on the meta device)
+    _empty: bool = field(default=False, repr=False, compare=False)
+
+    scheme = ""  # the name checkpoints record
+
+    def __post_init__(self):
+        if not isinstance(self.include_lm_head, bool):
+            raise FuseInferError(f"include_lm_head must be True or False, got {self.include_lm_head!r}")
+        if self.keep_original not in KEEP_ORIGINAL:
+            raise FuseInferError(f"keep_original must be None (free the originals; unpatch then refuses) or 'cpu' "
+                                 f"(keep a copy in host memory so unpatch restores them), got {self.keep_original!r}")
+
+    def describe(self) -> dict:
+        """What a checkpoint's config.json records about the scheme."""
+        return {"scheme": self.scheme, "include_lm_head": self.include_lm_head}
+
+
+@dataclass(frozen=True)
+class Int8WeightOnly(QuantConfig):
+    """W8A16: decoder linears (q/k/v fused, out_proj, fc1, fc2; the LM head with ``include_lm_head``) stored as
+    int8 (N, K) with one fp32 scale per output channel, symmetric (``scale = max|w_row| / 127``,
+    ``q = round(w / scale)`` clamped to [-127, 127], rounding half to even as ``torch.round``); activations stay in
+    the model's dtype. Decode (<= 16 tokens) runs a GEMV that streams the int8 weights; prefill dequantizes each
+    weight to the model's dtype and runs the fp16/bf16 GEMM (``fuseinfer/ops/w8a16_linear.py``)."""
+
+    scheme = "int8_weight_only"
+
+    def describe(self) -> dict:
+        return {**super().describe(), "bits": 8, "symmetric": True, "granularity": "per_output_channel",
+                "scale_dtype": "float32", "rounding": "half_to_even", "weight_layout": "int8 (N, K), scale (N,)",
+                "qkv": "fused (3E, E) when patch fuses q/k/v"}
+
+
+@dataclass(frozen=True)
+class SmoothQuantW8A8(QuantConfig):
+    """W8A8 with SmoothQuant (Xiao et al. 2022; ``fuseinfer/quant/smoothquant.py``): the decoder linears (q/k/v,
+    out_proj, fc1, fc2) get int8 weights (per output channel, symmetric) and int8 activations (per token, dynamic),
+    after the activation outliers are moved into the weights by the smoothing factors
+    ``s_j = max|X_j|^alpha / max|W[:, j]|^(1 - alpha)`` (folded into the LayerNorms / producing linears).
+
+    alpha: migration strength in [0, 1] (0.5, the paper's choice for OPT; 0 = no smoothing, naive W8A8).
+    calibration: the activation maxima: a ``CalibrationStats`` (``smoothquant.calibrate``), a path to saved stats
+      (``*.safetensors``), a calibration text file or a folder holding wiki.valid.raw; None: wiki.valid.raw where
+      ``fuseinfer.core.data`` finds it ($FUSEINFER_DATA_DIR, the shared assets folder, ``datasets``). Text is
+      calibrated on the model at ``patch`` time (``samples`` windows of ``seq_len`` tokens).
+    tokenizer: the tokenizer for calibration text; None loads the model's own (``config.name_or_path``).
+    """
+
+    alpha: float = 0.5
+    calibration: object = None
+    samples: int = 128
+    seq_len: int = 512
+    tokenizer: object = field(default=None, repr=False, compare=False)
+
+    scheme = "smoothquant_w8a8"
+
+    def __post_init__(self):
+        super().__post_init__()
+        from fuseinfer.quant.smoothquant import CalibrationStats, check_alpha
+
+        check_alpha(self.alpha)
+        for name in ("samples", "seq_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "samples" else 2):
+                raise FuseInferError(f"SmoothQuantW8A8 {name} must be an integer >= {1 if name == 'samples' else 2}, "
+                                     f"got {v!r}")
+        if self.calibration is not None and not isinstance(self.calibration, (str, os.PathLike, CalibrationStats)):
+            raise FuseInferError(f"SmoothQuantW8A8 calibration= must be None (the WikiText-2 "
+                                 f"validation split), a text file / folder / saved-stats path, or a "
+                                 f"CalibrationStats, got {type(self.calibration).__name__}")
+        if self.include_lm_head:
+            raise FuseInferError("SmoothQuantW8A8 quantizes the decoder linears only (the LM head's input is the "
+                                 "final LayerNorm's, not calibrated): use include_lm_head=False")
+
+    def describe(self) -> dict:
+        return {**super().describe(), "bits": 8, "alpha": self.alpha, "weights": "int8 per output channel, symmetric",
+                "activations": "int8 per token, dynamic, symmetric", "qkv": "fused (3E, E) when patch fuses q/k/v"}

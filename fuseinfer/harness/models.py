@@ -1,0 +1,182 @@
+"""Model resolution and loading: short names, hub ids, local directories and ``random:<name>``.
+
+``random:`` builds the model from its configuration with random weights (drawn with a fixed seed, on the target
+device, in the target dtype), for latency and memory only. The configurations of the published facebook/opt-*
+checkpoints are built in so that ``random:opt-1.3b`` works with no network and no cache.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fuseinfer.harness.errors import EvalError
+
+# The published configs of facebook/opt-*: (hidden_size, num_hidden_layers, ffn_dim, num_attention_heads).
+_OPT_SHAPES = {
+    "opt-125m": (768, 12, 3072, 12),
+    "opt-350m": (1024, 24, 4096, 16),
+    "opt-1.3b": (2048, 24, 8192, 32),
+    "opt-2.7b": (2560, 32, 10240, 32),
+    "opt-6.7b": (4096, 32, 16384, 32),
+    "opt-13b": (5120, 40, 20480, 40),
+    "opt-30b": (7168, 48, 28672, 56),
+    "opt-66b": (9216, 64, 36864, 72),
+}
+_OPT_COMMON = dict(
+    vocab_size=50272, max_position_embeddings=2048, activation_function="relu", enable_bias=True,
+    layer_norm_elementwise_affine=True, dropout=0.1, attention_dropout=0.0, layerdrop=0.0, init_std=0.02,
+    pad_token_id=1, bos_token_id=2, eos_token_id=2, tie_word_embeddings=True, use_cache=True,
+    _remove_final_layer_norm=False,
+)
+
+
+def _opt_config_kwargs(short: str) -> dict:
+    hidden, layers, ffn, heads = _OPT_SHAPES[short]
+    post_ln = short == "opt-350m"  # the only post-LN OPT, with 512-wide word embeddings projected to 1024
+    return dict(_OPT_COMMON, hidden_size=hidden, num_hidden_layers=layers, ffn_dim=ffn, num_attention_heads=heads,
+                word_embed_proj_dim=512 if post_ln else hidden, do_layer_norm_before=not post_ln)
+
+
+OPT_CONFIGS = {f"facebook/{short}": _opt_config_kwargs(short) for short in _OPT_SHAPES}
+SHORT_NAMES = tuple(_OPT_SHAPES)
+RANDOM_PREFIX = "random:"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: ``spec`` as typed; ``path`` a hub id or a directory; ``kind`` 'hub' or 'local'."""
+
+    spec: str
+    path: str
+    kind: str
+    random_weights: bool = False
+
+
+def _bad_name(spec: str) -> EvalError:
+    return EvalError(f"unknown model {spec!r}: use a short name ({', '.join(SHORT_NAMES)}), a Hugging Face hub id "
+                     "(org/name), a local directory, or random:<name> for random weights")
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """Map what the user typed to a :class:`ModelSource`; raises :class:`EvalError` for a name that is none."""
+    random_weights = spec.startswith(RANDOM_PREFIX)
+    name = spec[len(RANDOM_PREFIX):] if random_weights else spec
+    if name.lower() in SHORT_NAMES:
+        return ModelSource(spec, f"facebook/{name.lower()}", "hub", random_weights)
+    if os.path.isdir(os.path.expanduser(name)):
+        return ModelSource(spec, os.path.abspath(os.path.expanduser(name)), "local", random_weights)
+    if os.path.isfile(os.path.expanduser(name)):
+        raise EvalError(f"--model {name!r} is a file: pass the folder that holds config.json and the weights")
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise EvalError(f"model directory {name!r} does not exist")
+    if _HUB_ID.match(name):
+        return ModelSource(spec, name, "hub", random_weights)
+    raise _bad_name(spec)
+
+
+def _load_failed(source: ModelSource, exc: Exception) -> EvalError:
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if source.kind == "local":
+        return EvalError(f"could not load {source.path!r} ({reason}); it should hold a Hugging Face model "
+                         "(config.json and weights)")
+    hint = f" or random:{source.path.removeprefix('facebook/')} for latency and memory only" \
+        if not source.random_weights and source.path in OPT_CONFIGS else ""
+    local = os.path.abspath(source.path)  # an id like models/opt-wt2-tiny may be a mistyped relative path
+    return EvalError(f"could not load {source.path!r} ({reason}; no local directory {local} either); pass a local "
+                     f"directory with the model (--model /path/to/{source.path.split('/')[-1]}){hint}")
+
+
+def checkpoint_scheme(config) -> str | None:
+    """The scheme of a fuseinfer quantized checkpoint's config (``int8_weight_only``, ``smoothquant_w8a8``), else
+    None. Such a folder loads through transformers' quantizer registry already patched and quantized."""
+    quant = getattr(config, "quantization_config", None)
+    if isinstance(quant, dict) and quant.get("quant_method") == "fuseinfer":
+        return str(quant.get("scheme"))
+    return None
+
+
+def load_config(source: ModelSource, quantized: str | None = None):
+    """The model's OPT config: built in for facebook/opt-* random models, else from the hub, cache or directory.
+
+    A fuseinfer quantized checkpoint is accepted only where ``quantized`` is None (the caller runs it as it is);
+    otherwise ``quantized`` says why this command needs the unquantized model, and the error names the fix."""
+    from transformers import AutoConfig, OPTConfig
+
+    if source.random_weights and source.path in OPT_CONFIGS:
+        return OPTConfig(**OPT_CONFIGS[source.path])
+    try:
+        config = AutoConfig.from_pretrained(source.path)
+    except Exception as exc:  # hub, network and file errors all end the run with one line
+        raise _load_failed(source, exc) from None
+    if config.model_type != "opt":
+        raise EvalError(f"{source.path!r} is a {config.model_type!r} model; fuseinfer.eval measures OPT models")
+    scheme = checkpoint_scheme(config)
+    if scheme is not None and quantized is not None:
+        raise EvalError(f"{source.path!r} is a fuseinfer quantized checkpoint ({scheme}): {quantized}; pass the "
+                        "unquantized model it came from")
+    return config
+
+
+def load_model(source: ModelSource, config, dtype: torch.dtype, device: torch.device, seed: int) -> nn.Module:
+    """A fresh model in eval mode on ``device`` in ``dtype`` with HF's default (sdpa) attention.
+
+    Random weights are drawn directly on the device, one parameter at a time (``fuseinfer.parallel.random_model``:
+    no host copy), seeded by ``seed`` and each parameter's name.
+    Checkpoints load straight to the device when accelerate is installed, else to CPU in ``dtype`` and then move.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if source.random_weights:  # built on meta, each parameter drawn on the device (fuseinfer/parallel)
+        from fuseinfer.parallel.materialize import random_model
+
+        return random_model(config, dtype, device, seed)
+    kwargs = {"device_map": {"": device}} if importlib.util.find_spec("accelerate") else {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, attn_implementation="sdpa", **kwargs)
+    except Exception as exc:  # hub, network and file errors all end the run with one line
+        raise _load_failed(source, exc) from None
+    return model.to(device).eval()
+
+
+def load_tokenizer(source: ModelSource):
+    """The model's tokenizer, or None when it has none (perplexity is then skipped with a note)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.path)
+    except Exception:  # no tokenizer files, or offline without a cached copy
+        return None
+    # transformers 5.x gives a folder without tokenizer files an empty tokenizer (no vocabulary) instead of raising
+    return tokenizer if len(tokenizer) > 1 and tokenizer("The", add_special_tokens=False)["input_ids"] else None
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    """Sizes the derived metrics need, counted on the unpatched model."""
+
+    params: int  # unique parameters (tied embeddings once)
+    matmul_params: int  # weights of the decoder's Linear layers (every prompt token goes through them)
+    lm_head_params: int  # vocab x word_embed_proj_dim (run for the last prompt token only in prefill)
+    weight_bytes_per_token: int  # bytes of weights one decode step reads (all but the position table)
+    layers: int
+    hidden: int
+    element_size: int
+
+
+def model_stats(model: nn.Module) -> ModelStats:
+    """Parameter counts and bytes of an OPTForCausalLM-like model (``model.model.decoder``, ``model.lm_head``)."""
+    decoder = model.model.decoder
+    params = sum(p.numel() for p in model.parameters())
+    linear = sum(m.weight.numel() for m in decoder.modules() if isinstance(m, nn.Linear))
+    position_table = decoder.embed_positions.weight.numel()  # a decode step reads one row of it
+    element_size = next(model.parameters()).element_size()
+    return ModelStats(params=params, matmul_params=linear, lm_head_params=model.lm_head.weight.numel(),
+                      weight_bytes_per_token=(params - position_table) * element_size,
+                      layers=model.config.num_hidden_layers, hidden=model.config.hidden_size,
+                      element_size=element_size)

@@ -1,0 +1,120 @@
+"""Quantized linear modules and ``fused_linear``, the one call the patched forwards make for every GEMM.
+
+``fused_linear(module, x, residual, activation)`` runs ``act(x @ W.T + bias + residual)`` for an ``nn.Linear``
+(``linear_epilogue``), a quantized linear (its ``fused`` method: int8 weights), or an attention module whose q/k/v
+are fused (its ``qkv_weight`` buffer, or the quantized ``qkv_proj`` the quantizer put in its place). Schemes add
+their module types by subclassing :class:`QuantizedLinear`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fuseinfer.ops import w8a16_linear as int8_linear, linear_epilogue
+from fuseinfer.ops.w8a16_linear import dequantize_weight
+
+
+# rows up to which a W8A8 linear on CUDA runs the int8 weight-only GEMV instead of quantizing its input (the
+# int8_linear kernel's own GEMV limit): decode reads every weight once per token, so its time is the weight bytes,
+# which are the same int8 bytes either way; quantizing the activations there costs a pass and buys nothing
+DECODE_ROWS = 16
+
+
+def decode_rows(x: torch.Tensor) -> bool:
+    """Whether x (..., K) is a decode-sized input on CUDA (at most DECODE_ROWS rows): W8A8 linears then run the
+    int8 weight-only GEMV on their int8 weights (fp16/bf16 activations, per-channel weight scales)."""
+    return x.is_cuda and x.numel() <= DECODE_ROWS * x.shape[-1]
+
+
+class QuantizedLinear(nn.Module):
+    """Base of the quantized linears: ``fused(x, residual, activation)`` is what the fused forwards call."""
+
+    # whether ``forward_quantized(x_q, x_scale, residual, activation, out_dtype)`` takes per-token int8 activations
+    # (W8A8): the fused decoder layer then feeds it add_layer_norm_quant's output instead of a fp16 LayerNorm output
+    takes_int8 = False
+
+    def fused(self, x, residual=None, activation: str = "none"):
+        raise NotImplementedError
+
+    def forward(self, x):
+        return self.fused(x)
+
+
+class Int8WeightOnlyLinear(QuantizedLinear):
+    """y = x @ (qweight * scale[:, None]).T + bias. Buffers: qweight int8 (N, K), scale fp32 (N,); bias: the
+    original layer's Parameter (the same object, so it keeps its identity) or, for the fused q/k/v, a buffer."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight)  # (N, K) int8
+        self.register_buffer("scale", scale)  # (N,) fp32
+        if isinstance(bias, nn.Parameter) or bias is None:
+            self.bias = bias
+        else:
+            self.register_buffer("bias", bias)  # (N,)
+
+    def fused(self, x, residual=None, activation: str = "none"):
+        return int8_linear(x, self.qweight, self.scale, self.bias, residual, activation)
+
+    def _apply(self, fn, recurse=True):
+        """``model.half()`` / ``.to(dtype)`` convert every floating-point tensor: the scales stay fp32 (the kernels'
+        format; a round trip through fp16 may round them)."""
+        super()._apply(fn, recurse)
+        if self.scale.dtype != torch.float32 and not self.scale.is_meta:
+            self.scale = self.scale.float()
+        return self
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight this layer computes with, (N, K) in ``dtype``."""
+        return dequantize_weight(self.qweight, self.scale, dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
+               "int8 weight, fp32 per-channel scale"
+
+
+class QKVSlice(nn.Module):
+    """q_proj / k_proj / v_proj of an attention module whose q/k/v weights were quantized as one (3E, E) int8
+    tensor (``self_attn.qkv_proj``): rows [index * E, (index + 1) * E) of it. Holds no tensor of its own (the
+    slices are taken per call, so ``model.to(...)`` cannot separate them from the fused tensor); ``weight`` and
+    ``bias`` are registered as None so that OPT's check that the projections are still the fused ones
+    (``patches/opt.py: _qkv_linked``, which compares the stored parameters) sees them as they were recorded."""
+
+    def __init__(self, qkv: Int8WeightOnlyLinear, index: int, embed_dim: int):
+        super().__init__()
+        object.__setattr__(self, "_qkv", qkv)  # a sibling, not a child (it must not appear twice in the tree)
+        self.index, self.embed_dim = index, embed_dim
+        self.register_parameter("weight", None)
+        self.register_parameter("bias", None)
+
+    def forward(self, x):
+        rows = slice(self.index * self.embed_dim, (self.index + 1) * self.embed_dim)
+        q = self._qkv
+        return int8_linear(x, q.qweight[rows], q.scale[rows], None if q.bias is None else q.bias[rows])
+
+    def extra_repr(self) -> str:
+        return f"rows {self.index * self.embed_dim}:{(self.index + 1) * self.embed_dim} of the int8 qkv_proj"
+
+
+def int8_input(module: nn.Module | None) -> QuantizedLinear | None:
+    """The linear that reads ``module``'s input if it takes per-token int8 activations (``takes_int8``): the module
+    itself, or the quantized fused q/k/v (``qkv_proj``) of an attention module; else None."""
+    if module is None:
+        return None
+    linear = module if isinstance(module, QuantizedLinear) else module._modules.get("qkv_proj")
+    return linear if getattr(linear, "takes_int8", False) else None
+
+
+def fused_linear(module: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None,
+                 activation: str = "none") -> torch.Tensor:
+    """``act(x @ W.T + bias + residual)`` for ``module``: an nn.Linear, a :class:`QuantizedLinear`, or an attention
+    module with fused q/k/v (then W is (3E, E) and there is no residual or activation). x: (..., K) -> (..., N)."""
+    if isinstance(module, QuantizedLinear):
+        return module.fused(x, residual, activation)
+    qkv = module._modules.get("qkv_proj")
+    if qkv is not None:  # quantized fused q/k/v
+        return qkv.fused(x, residual, activation)
+    if "qkv_weight" in module.__dict__:  # fp16 fused q/k/v (patches/opt.py keeps it outside _buffers)
+        return linear_epilogue(x, module.qkv_weight, module.qkv_bias, residual, activation)
+    return linear_epilogue(x, module.weight, module.bias, residual, activation)

@@ -1,0 +1,31 @@
+"""Model families fuseinfer can patch, by ``config.model_type``; each implements ``base.ModelFamily``.
+
+A family's module is imported on first use (it imports transformers' modeling code), so ``import fuseinfer`` stays
+light. A new family is one more entry here: ``model_type -> (module, class, architectures)``.
+"""
+from __future__ import annotations
+
+import importlib
+
+from fuseinfer.models.base import ModelFamily
+
+_REGISTRY = {
+    "opt": (".opt.family", "OPTFamily",
+            ("OPTForCausalLM", "OPTModel", "OPTForSequenceClassification", "OPTForQuestionAnswering")),
+}
+_loaded: dict[str, ModelFamily] = {}
+
+
+def family(model_type: str | None) -> ModelFamily | None:
+    """The family that patches ``model_type``, or None."""
+    if model_type not in _REGISTRY:
+        return None
+    if model_type not in _loaded:
+        module, cls, _ = _REGISTRY[model_type]
+        _loaded[model_type] = getattr(importlib.import_module(module, __name__), cls)()
+    return _loaded[model_type]
+
+
+def supported() -> str:
+    """'opt (OPTForCausalLM, ...)' for error messages."""
+    return ", ".join(f"{k} ({', '.join(archs)})" for k, (_, _, archs) in _REGISTRY.items())

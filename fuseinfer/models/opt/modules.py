@@ -1,0 +1,508 @@
+"""Patch rules for Hugging Face OPT (facebook/opt-125m ... opt-66b, pre-LN and the post-LN opt-350m).
+
+Swaps, by changing the class of the existing modules to subclasses (so ``isinstance``-based output capture,
+the swapped modules' own hooks and parameters stay as they are):
+
+* ``OPTDecoderLayer`` -> :class:`FusedOPTDecoderLayer`: residual add fused into the LayerNorm (post-LN) or into
+  the out_proj/fc2 GEMM epilogue (pre-LN, which then normalises the stream with the fused LN kernel);
+  fc1 + bias + ReLU as one GEMM;
+* SmoothQuant W8A8 (pre-LN, ``layer_norm`` and ``linear`` patched): each LayerNorm whose output only feeds W8A8
+  linears (q/k/v fused; fc1) runs as ``add_layer_norm_quant``, which emits the int8 activations and per-token
+  scales those GEMMs read (the smoothing factors are already folded into the LayerNorm's weight and bias); the
+  fp16 LayerNorm output is never formed. fc2's input (fc1's ReLU output) and out_proj's (attention's) are
+  quantized per token by ``quantize_int8`` (the sm90 GEMM has no int8-output epilogue: a per-token scale needs the
+  whole row, spread over several CTAs);
+* ``OPTAttention`` -> :class:`FusedOPTAttention`: q/k/v as one GEMM (q/k/v weights become views of one
+  (3E, E) tensor, so no memory is added), unscaled q with the scale applied inside the attention kernel,
+  out_proj + bias (+ residual) fused. The (3E, E) tensor and its (3E,) bias are plain attributes
+  (``qkv_weight`` / ``qkv_bias`` in the module's ``__dict__``), outside the buffer registry, so ``named_buffers``
+  and ``state_dict`` list what the unpatched model lists; ``state_dict()`` hands out the q/k/v weights as copies
+  of their own (transformers reads tensors sharing storage as tied weights); ``model.to`` and friends convert the
+  tensor (``FusedOPTAttention._apply``);
+* the decoder's final ``LayerNorm`` -> :class:`FusedLayerNorm`;
+* ``OPTDecoder`` -> :class:`LockedOPTDecoder`: the same forward, holding the model's lock (``state.model_lock``), so
+  that ``patch`` / ``unpatch`` in another thread wait for a running forward and a forward waits for them;
+* ``config._attn_implementation`` -> ``"fuseinfer"``, on a copy of the config that the model and its modules
+  hold while patched (so another model built on the same config object keeps its attention); ``unpatch`` puts
+  the original object back, with any other change made to the copy meanwhile.
+
+In training mode, and under autocast to another dtype than the model's, the fused modules call the original
+forward (dropout is not fused; autocast picks each op's dtype). In eval mode with gradients on, the fused ops
+backpropagate with their references' gradients (``ops/``) and q/k/v run as three GEMMs, so every parameter gets
+its gradient; under torch.func transforms and forward-mode AD the ops run their references. A module whose fused
+forward would bypass a submodule (a projection, fc1 / fc2, a LayerNorm) is left as it is when that submodule has
+hooks or is not a plain ``nn.Linear`` / ``nn.LayerNorm`` (an adapter such as LoRA), and so is an attention module
+with hooks of its own (its fused output would include the residual); the report lists them under "skipped".
+Hooks added after ``patch`` are not seen by the fused forwards.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+from torch import nn
+from transformers.models.opt.modeling_opt import (
+    OPTAttention,
+    OPTDecoder,
+    OPTDecoderLayer,
+)
+
+from fuseinfer.core.extension import backend_for
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.core.config import PatchConfig, PatchReport, Swap
+from fuseinfer.ops import add_layer_norm
+from fuseinfer.ops.layer_norm_quant import add_layer_norm_quant
+from fuseinfer.layers.linear import decode_rows, fused_linear, int8_input
+from fuseinfer.ops.attention import kernel_supports
+from fuseinfer.core import placement
+from fuseinfer.core.state import LOCK_ATTR, disown_config, lock_holder, own_config
+from fuseinfer.layers import attention_backend, hf_attention
+
+
+def _original_forward(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether a fused module runs its original forward: in training mode (dropout is not fused), under autocast
+    to another dtype than x's (autocast picks each op's dtype, which the fused ops do not model), and while a
+    global module hook is registered (it must see every submodule call, which the fused forwards skip)."""
+    return module.training or _global_hooks() or (torch.is_autocast_enabled(x.device.type)
+                                                  and torch.get_autocast_dtype(x.device.type) != x.dtype)
+
+
+def _global_hooks() -> bool:
+    """Whether a hook for every module is registered (``torch.nn.modules.module.register_module_forward_hook``
+    and its pre-hook and backward siblings; profilers such as torch's ModuleTracker use them)."""
+    m = torch.nn.modules.module
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
+                or m._global_backward_pre_hooks)
+
+
+class FusedLayerNorm(nn.LayerNorm):
+    """nn.LayerNorm running the fused LayerNorm kernel."""
+
+    def forward(self, x):
+        if _original_forward(self, x):
+            return super().forward(x)
+        return add_layer_norm(x, None, self.weight, self.bias, self.eps)[0]
+
+
+def _norm(ln: nn.LayerNorm, x, residual, fused: bool):
+    """LayerNorm(x + residual) with ``ln``'s parameters; one kernel when ``fused``."""
+    if fused:
+        return add_layer_norm(x, residual, ln.weight, ln.bias, ln.eps)[0]
+    return ln(x if residual is None else residual + x)
+
+
+def _norm_quant(ln: nn.LayerNorm, x):
+    """LayerNorm(x) with ``ln``'s parameters, quantized per token in the same kernel: (x_q int8 (..., E), x_scale
+    fp32 (..., 1)), what ``quantize_per_token`` of ``_norm``'s output gives (the same rounding to x's dtype first)."""
+    return add_layer_norm_quant(x, None, ln.weight, ln.bias, ln.eps)[:2]
+
+
+class FusedOPTAttention(OPTAttention):
+    """OPTAttention with a fused q/k/v GEMM, the scale folded into attention and a fused out_proj epilogue."""
+
+    _fuseinfer_ops: frozenset = frozenset()
+
+    def _apply(self, fn, recurse=True):
+        """``model.to`` / ``.half()`` / ``.cuda()`` convert the projections' weights (nn.Module's registries) and the
+        (3E, E) q/k/v tensor (a plain attribute); the weights then become views of the converted tensor again (one
+        copy, updated together)."""
+        super()._apply(fn, recurse)
+        if self.__dict__.get("qkv_weight") is not None:
+            with torch.no_grad():  # (as nn.Module converts its tensors)
+                for name in ("qkv_weight", "qkv_bias"):
+                    if self.__dict__.get(name) is not None:
+                        self.__dict__[name] = fn(self.__dict__[name])
+            _link_qkv(self)
+        return self
+
+    def __setstate__(self, state):
+        """A deep copy or an unpickled copy gets its q/k/v weights as views of its own (3E, E) buffer again
+        (copying a Parameter clones it, which would leave the fused GEMM reading a buffer that nothing updates)."""
+        super().__setstate__(state)
+        if getattr(self, "qkv_weight", None) is not None:
+            _link_qkv(self)
+
+    def forward(self, hidden_states, past_key_values=None, attention_mask=None, output_attentions=False,
+                residual=None, quantized=None, **kwargs):
+        """quantized: (x_q (B, S, E) int8, x_scale (B, S, 1) fp32), the LayerNorm output already quantized per token
+        for the W8A8 q/k/v (``FusedOPTDecoderLayer._int8_qkv`` checked that this forward is fused and takes it);
+        hidden_states then gives only the shape and dtype."""
+        if _original_forward(self, hidden_states):
+            out, weights = super().forward(hidden_states, past_key_values, attention_mask, output_attentions,
+                                           **kwargs)
+            return (out if residual is None else residual + out), weights
+        ops = self._fuseinfer_ops
+        bsz, tgt_len, _ = hidden_states.shape
+        if quantized is not None:  # W8A8 q/k/v on add_layer_norm_quant's output: (B, S, 3E)
+            qkv = self._modules["qkv_proj"].forward_quantized(*quantized, None, "none", hidden_states.dtype)
+            q, k, v = qkv.view(bsz, tgt_len, 3, self.num_heads, self.head_dim).unbind(2)  # 3 x (B, S, H, D)
+        elif "qkv" in ops and _qkv_fused(self):
+            qkv = fused_linear(self, hidden_states)  # (B, S, 3E); int8 weights when quantized
+            q, k, v = qkv.view(bsz, tgt_len, 3, self.num_heads, self.head_dim).unbind(2)  # 3 x (B, S, H, D)
+        else:
+            q, k, v = (proj(hidden_states).view(bsz, tgt_len, self.num_heads, self.head_dim)
+                       for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)  # (B, H, Skv, D)
+        impl = self.config._attn_implementation
+        if impl == hf_attention.NAME and (output_attentions or hf_attention.weights_requested(self)):
+            # the attention weights were asked for, which the kernel does not form: eager, with OPT's scaled q
+            attn_fn, scaling, q = hf_attention.eager_attention_with_weights, 1.0, q * self.scaling
+        elif impl == hf_attention.NAME:
+            attn_fn, scaling = hf_attention.fuseinfer_attention_forward, self.scaling
+        else:  # keep OPT's order of operations: scale q first, attention with scaling=1
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+            from transformers.models.opt.modeling_opt import eager_attention_forward
+
+            attn_fn, scaling, q = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward), 1.0, \
+                q * self.scaling
+        attn, weights = attn_fn(self, q, k, v, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
+        attn = attn.reshape(bsz, tgt_len, -1)  # (B, S, E)
+        if "linear" in ops:
+            return fused_linear(self.out_proj, attn, residual), weights
+        out = self.out_proj(attn)
+        return (out if residual is None else residual + out), weights
+
+
+class FusedOPTDecoderLayer(OPTDecoderLayer):
+    """OPTDecoderLayer whose residual adds, LayerNorms and MLP run as fused ops."""
+
+    _fuseinfer_ops: frozenset = frozenset()
+
+    def _int8_qkv(self, h):
+        """The W8A8 q/k/v reading self_attn_layer_norm's output when this forward can hand it int8 activations
+        (the attention's fused forward runs, q/k/v fused and quantized), else None. h: the layer's input."""
+        attn = self.self_attn
+        if not (isinstance(attn, FusedOPTAttention) and "qkv" in attn._fuseinfer_ops) or _original_forward(attn, h):
+            return None
+        return int8_input(attn)
+
+    def _int8_fc1(self):
+        """fc1 when it is a W8A8 linear the fused MLP calls (it then takes final_layer_norm's output in int8)."""
+        return int8_input(self.fc1) if "linear" in self._fuseinfer_ops else None
+
+    def _mlp(self, x, residual, quantized=None):
+        """fc2(act(fc1(x))) + residual; x: (..., E). quantized: (x_q, x_scale), x quantized per token for a W8A8
+        fc1 (x is then only the dtype's source)."""
+        if "linear" in self._fuseinfer_ops:
+            relu = self.activation_fn.__class__.__name__ == "ReLU"
+            if quantized is not None:  # fc1 (+ bias, ReLU) on add_layer_norm_quant's output: (..., F) in x's dtype
+                h = self.fc1.forward_quantized(*quantized, None, "relu" if relu else "none", x.dtype)
+            else:
+                h = fused_linear(self.fc1, x, activation="relu" if relu else "none")
+            h = h if relu else self.activation_fn(h)
+            return fused_linear(self.fc2, h, residual)
+        out = self.fc2(self.activation_fn(self.fc1(x)))
+        return out if residual is None else residual + out
+
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=False,
+                position_ids=None, **kwargs):
+        if _original_forward(self, hidden_states):
+            return super().forward(hidden_states, attention_mask, past_key_values, use_cache, position_ids,
+                                   **kwargs)
+        ln = "layer_norm" in self._fuseinfer_ops
+        h = hidden_states  # (B, S, E)
+        attn_kwargs = dict(past_key_values=past_key_values, position_ids=position_ids,
+                           attention_mask=attention_mask, **kwargs)
+        # W8A8 at prefill: LayerNorm + per-token quantize in one pass feeds the int8 GEMMs; at decode on CUDA the
+        # W8A8 linears run the W8A16 GEMV on fp16 activations (quant/linear.py decode_rows), so the LayerNorm is fp16
+        int8_ln = ln and not decode_rows(h)
+        if self.do_layer_norm_before:  # pre-LN: the residual add rides in the out_proj / fc2 epilogue
+            if int8_ln and self._int8_qkv(h) is not None:
+                xq = _norm_quant(self.self_attn_layer_norm, h)
+                h = self.self_attn(h, residual=h, quantized=xq, **attn_kwargs)[0]
+            elif isinstance(self.self_attn, FusedOPTAttention):
+                h = self.self_attn(_norm(self.self_attn_layer_norm, h, None, ln), residual=h, **attn_kwargs)[0]
+            else:  # attention left unpatched by the config's filter_fn
+                h = h + self.self_attn(_norm(self.self_attn_layer_norm, h, None, ln), **attn_kwargs)[0]
+            if int8_ln and self._int8_fc1() is not None:
+                return self._mlp(h, residual=h, quantized=_norm_quant(self.final_layer_norm, h))
+            return self._mlp(_norm(self.final_layer_norm, h, None, ln), residual=h)
+        # post-LN (opt-350m): the residual add rides in the LayerNorm
+        a = self.self_attn(h, **attn_kwargs)[0]
+        h = _norm(self.self_attn_layer_norm, a, h, ln)
+        return _norm(self.final_layer_norm, self._mlp(h, None), h, ln)
+
+
+class LockedOPTDecoder(OPTDecoder):
+    """OPTDecoder whose forward holds the patched model's lock (``ModelLock`` in ``__dict__[LOCK_ATTR]``): the forward
+    runs over a model that is wholly patched or wholly unpatched, never one that another thread is changing."""
+
+    @functools.wraps(OPTDecoder.forward)
+    def forward(self, *args, **kwargs):
+        holder = self.__dict__.get(LOCK_ATTR)
+        if holder is None or torch.compiler.is_compiling():  # (dynamo does not trace a lock; a compiled forward
+            return OPTDecoder.forward(self, *args, **kwargs)  # runs under the caller's: generate, or none)
+        with holder.lock:  # (``OPTDecoder.forward``, not super(): unpatch may have restored the class meanwhile)
+            return OPTDecoder.forward(self, *args, **kwargs)
+
+
+def check_decoder_inputs(decoder, args, kwargs):
+    """Forward pre-hook that ``patch`` puts on the decoder: the inputs the fused modules cannot take become one clear
+    error each (an empty batch or sequence, more positions than the model has) instead of a reshape error and an
+    IndexError. Shapes only: no device sync, so it stays capturable."""
+    x = kwargs.get("input_ids", args[0] if args else None)
+    name = "input_ids"
+    if x is None:
+        x, name = kwargs.get("inputs_embeds"), "inputs_embeds"
+    if x is None or x.dim() < 2:
+        return None
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        raise FuseInferError(f"empty input: {name} has shape {tuple(x.shape)}; pass at least one row of at least one "
+                             "token")
+    cache = kwargs.get("past_key_values")
+    past = cache.get_seq_length() if cache is not None and not torch.compiler.is_compiling() else 0
+    limit = decoder.config.max_position_embeddings
+    if isinstance(past, int) and past + x.shape[1] > limit:
+        raise FuseInferError(f"{past + x.shape[1]} positions ({past} cached + {x.shape[1]} new) exceed the model's "
+                             f"max_position_embeddings ({limit}): shorten the input (e.g. tokenizer(..., "
+                             "truncation=True, max_length=...))")
+    return None
+
+
+class OPTPatchRules:
+    """Patch and unpatch rules for OPT models (the module swaps; ``opt_decode`` has the fast-decode parts)."""
+
+    def patch(self, model: nn.Module, config: PatchConfig, report: PatchReport) -> dict:
+        ops = frozenset(config.ops)
+        state = {"classes": [], "qkv": [], "config": None, "attn_backends": []}
+        like = next(model.parameters())  # what a parameter-free module's ops run on
+        layer_ops = ops & {"layer_norm", "linear"}
+        attn_ops = ops & {"qkv", "linear", "attention"} - ({"attention"} if model.training else set())
+        plan = []  # (module, name, class, ops): every filter_fn call and check comes before the first swap
+        for name, module in model.named_modules():
+            ln_name = f"{name}.final_layer_norm".lstrip(".")  # (name is "" when the decoder itself is patched)
+            if type(module) is OPTDecoderLayer and layer_ops and config.selects(module, name):
+                plan.append((module, name, FusedOPTDecoderLayer, layer_ops))
+            elif type(module) is OPTAttention and attn_ops and config.selects(module, name):
+                plan.append((module, name, FusedOPTAttention, attn_ops))
+            elif isinstance(module, OPTDecoder) and type(module.final_layer_norm) is nn.LayerNorm \
+                    and "layer_norm" in ops and config.selects(module.final_layer_norm, ln_name):
+                plan.append((module.final_layer_norm, ln_name, FusedLayerNorm, {"layer_norm"}))
+        for module, name, cls, module_ops in plan:
+            why = _bypass_reason(module, module_ops, like)
+            if why is not None:
+                report.skipped.append((name, why))
+                continue
+            if cls is FusedOPTAttention and "qkv" in ops:
+                self._fuse_qkv(module, state)
+            self._swap(module, name, cls, module_ops, state, report, like)
+        decoders = [module for module in model.modules() if isinstance(module, OPTDecoder)] if report.swaps else []
+        state["input_checks"] = [module.register_forward_pre_hook(check_decoder_inputs, with_kwargs=True)
+                                 for module in decoders]
+        state["locked"] = [module for module in decoders if type(module) is OPTDecoder]
+        holder = lock_holder(model)
+        for module in state["locked"]:  # (the holder stays in the decoder's __dict__ after unpatch: see forward)
+            _swap_class(module, LockedOPTDecoder)
+            object.__setattr__(module, LOCK_ATTR, holder)
+            placement.swap_forward(module, LockedOPTDecoder, state)
+        if "attention" in ops:
+            if model.training:
+                report.skipped.append(("attention", "model is in training mode; call model.eval() first"))
+            else:
+                state["config"] = self._own_config(model)
+                before = model.config._attn_implementation
+                model.config._attn_implementation = hf_attention.NAME
+                report.attn_implementation = (before, hf_attention.NAME)
+                head_dim = model.config.hidden_size // model.config.num_attention_heads
+                names = attention_backend.resolve(config, head_dim)
+                state["attn_backends"] = attention_backend.install(model, names, (OPTAttention,))
+                report.attention_backends = attention_backend.describe(names, config, like, head_dim)
+        if not report.swaps:
+            report.skipped.append(("all modules", "no OPT module matched the config's ops and filter_fn"))
+        return state
+
+    @staticmethod
+    def _swap(module, name, cls, ops, state, report, like):
+        state["classes"].append((module, type(module)))
+        report.swaps.append(Swap(name, type(module).__name__, cls.__name__, _backends(module, ops, like)))
+        module.__class__ = cls
+        module._fuseinfer_ops = frozenset(ops)
+        placement.swap_forward(module, cls, state)  # under an accelerate hook: the hook calls cls.forward
+
+    @staticmethod
+    def _own_config(model: nn.Module):
+        """Give ``model`` and each of its modules that holds its config object a shallow copy of it (OPT's config has
+        no sub-configs), so that changing the attention implementation leaves other models on that object (e.g.
+        ``OPTForCausalLM(other.config)``) as they are. Returns (original, copy) for ``unpatch`` (not the holders:
+        the state lives on the model, which must not reference itself, README's Fast decode)."""
+        original, own = model.config, copy.copy(model.config)
+        _replace_config(model, original, own)
+        own_config(own, model)
+        return original, own
+
+    @staticmethod
+    def _fuse_qkv(attn: OPTAttention, state):
+        """Concatenate q/k/v weights into one (3E, E) tensor and make the projections' weights views of it."""
+        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+        attn.__dict__["qkv_weight"] = torch.cat([p.weight.detach() for p in projs])  # (3E, E)
+        attn.__dict__["qkv_bias"] = torch.cat([p.bias.detach() for p in projs]) if attn.enable_bias else None
+        _link_qkv(attn)
+        state["qkv"].append(attn)
+        state.setdefault("qkv_hooks", []).append(attn._register_state_dict_hook(_own_qkv_storage))
+
+    def unpatch(self, model: nn.Module, state: dict) -> None:
+        for attn in state["qkv"]:
+            for p in (attn.q_proj, attn.k_proj, attn.v_proj):
+                p.weight.data = p.weight.detach().clone()
+                if p.bias is not None:
+                    p.bias.data = p.bias.detach().clone()
+            del attn.qkv_weight, attn.qkv_bias, attn._fuseinfer_qkv_params
+        for handle in state.get("qkv_hooks", ()):
+            handle.remove()
+        for handle in state.get("input_checks", ()):
+            handle.remove()
+        placement.restore_forwards(state)
+        for module, cls in state["classes"]:
+            module.__class__ = cls
+            del module._fuseinfer_ops
+        for module in state.get("locked", ()):
+            _swap_class(module, OPTDecoder)
+        if state["config"] is not None:
+            original, own = state["config"]
+            disown_config(own)
+            # what else changed on the copy while patched (e.g. use_cache) carries over to the original
+            original.__dict__.update({k: v for k, v in own.__dict__.items() if k != "_attn_implementation_internal"})
+            _replace_config(model, own, original)
+        attention_backend.uninstall(state.get("attn_backends", ()))
+
+
+def _swap_class(model: nn.Module, cls: type) -> None:
+    """Change a transformers model's class, carrying over what transformers registered for its class (the outputs
+    that ``output_hidden_states`` / ``output_attentions`` record, keyed by the class's name)."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # (a transformers without that registry reads the class attribute)
+        _CAN_RECORD_REGISTRY = None
+    recorded = _CAN_RECORD_REGISTRY.get(model) if _CAN_RECORD_REGISTRY is not None else None
+    model.__class__ = cls
+    if recorded:
+        _CAN_RECORD_REGISTRY[model] = recorded
+
+
+def _own_qkv_storage(attn, state_dict, prefix, local_metadata) -> None:
+    """state_dict hook: the q/k/v weights and biases (views of the one (3E, E) tensor) as copies, each with storage
+    of its own, as the unpatched model's are: transformers takes tensors that share storage for tied weights (its
+    save and tied-weights checks). Parameters (``keep_vars=True``) stay themselves."""
+    for name in ("q_proj", "k_proj", "v_proj"):
+        for p in ("weight", "bias"):
+            key = f"{prefix}{name}.{p}"
+            t = state_dict.get(key)
+            if t is not None and not isinstance(t, nn.Parameter):
+                state_dict[key] = t.clone()
+
+
+def _replace_config(model: nn.Module, old, new) -> None:
+    """Point every module of ``model`` that holds the config object ``old`` at ``new``."""
+    for m in model.modules():
+        if m.__dict__.get("config") is old:
+            m.config = new
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    """Forward (pre-)hooks other than transformers' own output capture (installed on the decoder layers and
+    attention modules by the first call with output_hidden_states / output_attentions; it records the hidden
+    states and the attention weights, which the fused modules return as the originals do), backward (pre-)hooks,
+    or a forward replaced on the instance (accelerate's hooks, ``_hf_hook``, work that way)."""
+    hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
+    return (_forward_replaced(module) and not placement.passive_hook(module)) or \
+        bool(module._backward_hooks or module._backward_pre_hooks) or \
+        any(getattr(h, "__module__", None) not in ("transformers.utils.output_capturing", __name__) for h in hooks)
+
+
+def _forward_replaced(module: nn.Module) -> bool:
+    """Whether ``module.forward`` is replaced on the instance (accelerate's hooks, ``_hf_hook``, work that way)."""
+    return "forward" in module.__dict__ or hasattr(module, "_hf_hook")
+
+
+def _bypass_reason(module: nn.Module, ops, like: torch.Tensor) -> str | None:
+    """Why ``module`` must stay unswapped, or None: its fused forward reads the parameters of the submodules
+    listed here instead of calling them, so each must be a plain, hook-free nn.Linear / nn.LayerNorm; and the
+    fused ops take their weights in the activations' dtype (``like``'s, the model's first parameter)."""
+    why = placement.bypass_reason(module)  # accelerate: offloaded modules stay, hooked ones run fused
+    if why is not None:
+        return why
+    dtypes = {p.dtype for p in module.parameters()} - {like.dtype}
+    if dtypes:
+        return (f"it has {'/'.join(sorted(str(d) for d in dtypes))} parameters in a {like.dtype} model: the fused ops "
+                f"take one dtype (e.g. model.to({like.dtype}))")
+    if isinstance(module, OPTAttention):
+        if _has_hooks(module):  # (the decoder layer would hand it the residual to fuse into out_proj)
+            return "the attention module has hooks (the fused one returns its output plus the residual)"
+        names = (("q_proj", "k_proj", "v_proj") if "qkv" in ops else ()) + (("out_proj",) if "linear" in ops else ())
+        kinds = {n: nn.Linear for n in names}
+    elif isinstance(module, OPTDecoderLayer):
+        kinds = {n: nn.LayerNorm for n in ("self_attn_layer_norm", "final_layer_norm") if "layer_norm" in ops}
+        kinds.update({n: nn.Linear for n in ("fc1", "fc2") if "linear" in ops})
+        if "linear" in ops:  # a ReLU runs in fc1's epilogue instead of activation_fn
+            kinds["activation_fn"] = nn.Module
+    else:
+        kinds = {}
+    for n, kind in kinds.items():
+        sub = getattr(module, n)
+        if kind is not nn.Module and type(sub) is not kind:
+            return f"{n} is a {type(sub).__name__}, not a plain {kind.__name__} (the fused forward would bypass it)"
+        if _has_hooks(sub):
+            return f"{n} has hooks (the fused forward does not call it)"
+    return None
+
+
+def _qkv_params(attn: OPTAttention) -> tuple:
+    """The q/k/v projections' weights and biases, as stored (``_parameters``, where functional_call swaps tensors
+    in; read without nn.Module's attribute lookup, which cost most of the check below on every forward)."""
+    mods = attn._modules
+    return tuple(mods[name]._parameters[p] for name in ("q_proj", "k_proj", "v_proj") for p in ("weight", "bias"))
+
+
+def _qkv_fused(attn: OPTAttention) -> bool:
+    """Whether the fused q/k/v GEMM, which reads the (3E, E) buffer, serves this forward: the projections hold the
+    Parameters linked to it (``torch.func.functional_call`` or ``load_state_dict(..., assign=True)`` put other
+    tensors there), and none of them needs a gradient (autograd does not connect the buffer to them). Otherwise
+    the three projections run."""
+    params = _qkv_params(attn)
+    return _qkv_linked(attn, params) and \
+        (not torch.is_grad_enabled() or not any(p is not None and p.requires_grad for p in params))
+
+
+def _qkv_linked(attn: OPTAttention, params: tuple) -> bool:
+    """Whether the projections hold the Parameters linked to the (3E, E) buffer, and those still are their rows of
+    ``qkv_weight`` / ``qkv_bias``: ``param.data = t`` (as ``torch.nn.utils.vector_to_parameters`` does) keeps the
+    Parameter but not the view. (The views are checked in eager mode only: dynamo does not trace data pointers.)"""
+    if any(a is not b for a, b in zip(params, attn._fuseinfer_qkv_params)):
+        return False
+    if torch.compiler.is_compiling():
+        return True
+    for buf, ps in ((attn.qkv_weight, params[0::2]), (attn.qkv_bias, params[1::2])):
+        if buf is None:
+            continue
+        step = buf.numel() // 3 * buf.element_size()
+        if any(p.data_ptr() != buf.data_ptr() + i * step for i, p in enumerate(ps)):
+            return False
+    return True
+
+
+def _link_qkv(attn: OPTAttention) -> None:
+    """Point the q/k/v projections' parameters (the same Parameter objects, so optimizers and hooks keep them) at
+    their rows of ``qkv_weight`` / ``qkv_bias``, and remember those objects (see _qkv_fused)."""
+    e = attn.embed_dim
+    for i, proj in enumerate((attn.q_proj, attn.k_proj, attn.v_proj)):
+        proj.weight.data = attn.qkv_weight[i * e:(i + 1) * e]
+        if attn.qkv_bias is not None:
+            proj.bias.data = attn.qkv_bias[i * e:(i + 1) * e]
+    attn._fuseinfer_qkv_params = _qkv_params(attn)
+
+
+def _backends(module: nn.Module, ops, like: torch.Tensor) -> dict[str, str]:
+    """op -> 'cuda' | 'reference' | 'sdpa (why)' for a module's parameters (``like``'s device and dtype for a
+    module without any, e.g. a LayerNorm with elementwise_affine=False)."""
+    p = next(module.parameters(), like)
+    out = {op: backend_for(p) for op in sorted(ops)}
+    if "attention" in out and p.is_cuda:  # on CUDA, what our kernel does not cover runs SDPA
+        head_dim = getattr(module, "head_dim", 0)
+        if out["attention"] != "cuda":
+            out["attention"] = "sdpa (no fuseinfer kernels here)"
+        elif not kernel_supports(p.new_empty(1, 1, 1, head_dim)):
+            out["attention"] = f"sdpa (no kernel for {p.dtype}, head dim {head_dim})"
+    return out
