@@ -28,7 +28,7 @@ DATA_DIR_ENV = "FUSEINFER_DATA_DIR"
 SPLITS = ("test", "valid")
 DATASETS_SPLIT = {"test": "test", "valid": "validation"}
 SHARED_DATA = Path("data") / "wikitext-2-raw"
-REPO_ROOT = Path(__file__).resolve().parents[1]  # a relative FUSEINFER_SHARED is taken from here
+REPO_ROOT = Path(__file__).resolve().parents[2]  # a relative FUSEINFER_SHARED is taken from here
 
 
 def split_file(split: str) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fuseinfer.ops import w8a16_linear as int8_linear, linear_epilogue
+from fuseinfer.ops import int8_linear, linear_epilogue
 from fuseinfer.ops.w8a16_linear import dequantize_weight
 
 

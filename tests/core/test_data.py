@@ -82,7 +82,7 @@ def test_rows_rebuild_the_dataset_rows(tmp_path_factory, lines):
 def test_the_resolver_is_a_low_layer():
     """fuseinfer/core/data.py imports only fuseinfer's errors and knobs; quant/ and profile/ reach the data without
     importing fuseinfer.eval for it."""
-    tree = ast.parse((REPO / "fuseinfer" / "data.py").read_text())
+    tree = ast.parse((REPO / "fuseinfer" / "core" / "data.py").read_text())
     local = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
     assert local <= {None, "errors", "knobs"}, local
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level for a in n.names}

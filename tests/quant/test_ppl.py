@@ -7,7 +7,7 @@ import pytest
 
 from fuseinfer.eval.runner import Settings, run
 from tests.conftest import WIKITEXT
-from tests.test_eval import quiet_ui
+from tests.eval.test_cli import quiet_ui
 
 
 WINDOWS = 24  # of 2048 tokens (~49k of the test split's ~287k, to keep CI short; the GPU stage runs them all)
