@@ -11,9 +11,9 @@ from fuseinfer.patching import patch, unpatch
 from fuseinfer.quant import Int8WeightOnly, QuantConfig, SmoothQuantW8A8, load_quantized, save_quantized
 from fuseinfer.runtime import generate
 from fuseinfer.runtime.prefill import prefill
+from fuseinfer.core.version import __version__
 from fuseinfer.core.state import patch_report, patch_state
 
-__version__ = "0.2.0"
 
 from fuseinfer.quant.hf_quantizer import register as _register_quantizer  # noqa: E402  (quant_method "fuseinfer")
 

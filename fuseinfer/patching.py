@@ -12,13 +12,13 @@ import logging
 
 from torch import nn
 
-from fuseinfer import models as patches
+from fuseinfer import models
 from fuseinfer.core.extension import extension_status
 from fuseinfer.core.config import ATTN_NAME, OPS, REFERENCES_ONLY, SUPPORTED_DTYPES, PatchConfig, PatchReport, Swap
 from fuseinfer.core.errors import FuseInferError
+from fuseinfer.core.quant_config import apply_scheme
 from fuseinfer.layers import attention_backend
 from fuseinfer.core.placement import offloaded_tensor_names, placement
-from fuseinfer.quant.apply import quantize
 from fuseinfer.runtime import GenerateHook, release
 from fuseinfer.core.state import (
     STATE_ATTR,
@@ -39,10 +39,10 @@ __all__ = ["ATTN_NAME", "OPS", "PatchConfig", "PatchReport", "PatchState", "Swap
 
 def _family_for(model: nn.Module):
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    family = patches.family(model_type)
+    family = models.family(model_type)
     if family is None:
         raise FuseInferError(f"fuseinfer cannot patch {type(model).__name__} (model_type={model_type!r}); "
-                             f"supported: {patches.supported()}")
+                             f"supported: {models.supported()}")
     return model_type, family
 
 
@@ -107,7 +107,7 @@ def _patch(model: nn.Module, config: PatchConfig | None) -> PatchReport:
     quant = None
     if config.quant is not None:  # after the swaps: quantizes the linears of the swapped modules
         try:
-            quant = quantize(config.quant, model, report)
+            quant = apply_scheme(config.quant, model, report)
         except FuseInferError:  # refused before changing anything: the model goes back as it was
             family.unpatch(model, state)
             raise

@@ -1,5 +1,6 @@
-"""The package's structure: no import cycle inside fuseinfer/, one owner of every FUSEINFER_* knob, and the
-generated knobs table in docs/env.md current."""
+"""The package's structure: packages stacked by layer, each importing only downward (lazy imports and imports of
+a package's own ``__init__`` included); no import cycle; the eval CLI imported by nobody below it; model-family
+names only under fuseinfer/models/; one owner of every FUSEINFER_* knob and the generated knobs table current."""
 from __future__ import annotations
 
 import ast
@@ -84,6 +85,75 @@ def test_no_import_cycle_inside_the_package():
     # to the package itself (``from .. import knobs`` names the module knobs, not fuseinfer/__init__) are dropped
     graph = {m: {t for t in _imports(m, p, modules) if not m.startswith(t + ".")} for m, p in modules.items()}
     assert _cycles(graph) == []
+
+
+# the layers, bottom first: a module may import its own layer and those below
+LAYERS = (
+    ("core", ("fuseinfer.core",)),
+    ("ops", ("fuseinfer.ops",)),
+    ("layers", ("fuseinfer.layers",)),
+    ("models", ("fuseinfer.models",)),
+    ("runtime", ("fuseinfer.runtime",)),
+    ("engine", ("fuseinfer.patching",)),
+    ("harness", ("fuseinfer.harness",)),
+    ("features", ("fuseinfer.quant", "fuseinfer.export", "fuseinfer.parallel", "fuseinfer.profile")),
+    ("api", ("fuseinfer",)),  # the package's __init__: the public names, over everything below
+    ("cli", ("fuseinfer.eval",)),
+)
+MAX_UPWARD = 4  # imports from a lower layer to a higher one, each listed in the failure message
+
+
+def _layer(module: str) -> int:
+    best = None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and (best is None or len(p) > best[1]):
+                best = (i, len(p))
+    assert best is not None, f"{module} belongs to no layer: add it to LAYERS"
+    return best[0]
+
+
+def _all_edges() -> list[tuple[str, str]]:
+    modules = _modules()
+    return sorted((m, t) for m, p in modules.items() for t in _imports(m, p, modules))
+
+
+def test_every_module_has_a_layer():
+    for m in _modules():
+        _layer(m)
+
+
+def test_layers_import_downward():
+    upward = [f"{m} ({LAYERS[_layer(m)][0]}) -> {t} ({LAYERS[_layer(t)][0]})"
+              for m, t in _all_edges() if _layer(t) > _layer(m)]
+    assert len(upward) <= MAX_UPWARD, "imports running up the layers:\n" + "\n".join(upward)
+
+
+def test_module_graph_is_acyclic_including_package_inits():
+    """Every import counts here, ``from fuseinfer import __version__`` (the package's __init__) included."""
+    graph: dict[str, set[str]] = {}
+    for m, t in _all_edges():
+        graph.setdefault(m, set()).add(t)
+    # a package __init__ re-exporting its own submodules is the one allowed shape: drop package -> own submodule
+    graph = {m: {t for t in ts if not t.startswith(m + ".")} for m, ts in graph.items()}
+    assert _cycles(graph) == []
+
+
+def test_nothing_below_the_cli_imports_eval():
+    bad = [f"{m} -> {t}" for m, t in _all_edges()
+           if (t == "fuseinfer.eval" or t.startswith("fuseinfer.eval.")) and not m.startswith("fuseinfer.eval")
+           and m != "fuseinfer"]
+    assert bad == []
+
+
+FAMILY_WORDS = re.compile(r"fc1|q_proj|OPTDecoderLayer")
+
+
+def test_family_names_stay_in_the_family_folder():
+    """A feature reaches a model through its family (fuseinfer/models/<family>/), never by its module names."""
+    hits = [f"{p.relative_to(REPO)}:{i}" for p in PKG.rglob("*.py") if "models" not in p.relative_to(PKG).parts[:1]
+            for i, line in enumerate(p.read_text().splitlines(), 1) if FAMILY_WORDS.search(line)]
+    assert hits == []
 
 
 def test_cycle_checker_finds_a_cycle():

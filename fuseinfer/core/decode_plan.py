@@ -67,16 +67,3 @@ def plan(model: nn.Module) -> DecodePlan:
         placement._log_once(f"fast decode: {split}")
     return DecodePlan(no_kernel, no_graphs, devices, "thread_local" if tp_info(model) is not None else "global")
 
-
-def kv_cache(model: nn.Module, decode_plan: DecodePlan, layers: int, batch: int, heads: int, head_dim: int,
-             capacity: int, dtype: torch.dtype, device: torch.device):
-    """A static KV cache for ``model``: this rank's heads under tensor parallel, one device per layer for a split
-    model, else the runtime's StaticKVCache as asked."""
-    from fuseinfer.runtime.cache import StaticKVCache
-
-    if tp_info(model) is not None:
-        attn = model.model.decoder.layers[0].self_attn
-        heads, head_dim = attn.num_heads, attn.head_dim
-    if decode_plan.devices is not None:
-        return placement.SplitKVCache(decode_plan.devices, batch, heads, head_dim, capacity, dtype)
-    return StaticKVCache(layers, batch, heads, head_dim, capacity, dtype, device)

@@ -19,7 +19,7 @@ Why not one graph per device segment: PyTorch captures a graph on one device wit
 the hooks' cross-device copies between segments would have to join the capture from the other device's stream;
 and for the models that need splitting the step is bound by weight reads (tens of ms per token), against which
 the host launch time that graphs save (~5 us a kernel, overlapped with the GPU's work) is small. The KV cache of
-each layer lives on that layer's execution device (``SplitKVCache``).
+each layer lives on that layer's execution device (``fuseinfer.runtime.cache.SplitKVCache``).
 """
 from __future__ import annotations
 
@@ -214,26 +214,6 @@ def graph_refusal(model: nn.Module) -> str | None:
                 "): the per-op step runs eagerly (no CUDA graph: docs/multi_gpu.md)")
     return None
 
-
-class SplitKVCache:
-    """A :class:`~fuseinfer.runtime.StaticKVCache` whose layers live on their own devices (a model split by
-    accelerate); the key mask and the write position live on the first device, the write position is copied to a
-    layer's device when it differs (the hooks move the mask with the layer's other inputs)."""
-
-    def __init__(self, devices, batch: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype):
-        shape = (batch, heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
-        self.values = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
-        self.key_mask = torch.zeros(batch, capacity, dtype=torch.bool, device=devices[0])  # (B, T)
-        self.write_idx = torch.zeros(1, dtype=torch.long, device=devices[0])  # (S,)
-
-    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int):
-        """k, v: (B, H, S, D) -> the layer's whole (B, H, T, D) buffers, with k, v written in place."""
-        from fuseinfer.ops.kv_cache import kv_cache_append
-
-        idx = self.write_idx if self.write_idx.device == k.device else self.write_idx.to(k.device)
-        kv_cache_append(self.keys[layer_idx], self.values[layer_idx], k, v, idx)
-        return self.keys[layer_idx], self.values[layer_idx]
 
 
 def logits_on(device: torch.device, forward):

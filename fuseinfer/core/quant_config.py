@@ -6,6 +6,7 @@ quantizes, which the patch engine calls once, after the model family's swaps (an
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -13,6 +14,15 @@ from fuseinfer.core.errors import FuseInferError
 
 KEEP_ORIGINAL = (None, "cpu")
 
+
+
+def check_alpha(alpha) -> float:
+    """SmoothQuant's migration strength: a number in [0, 1]."""
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0 \
+            or math.isnan(float(alpha)):
+        raise FuseInferError(f"SmoothQuant alpha must be a number in [0, 1] (0.5 is the paper's choice for OPT), "
+                             f"got {alpha!r}")
+    return float(alpha)
 
 @dataclass(frozen=True)
 class QuantConfig:
@@ -87,15 +97,13 @@ class SmoothQuantW8A8(QuantConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        from fuseinfer.quant.smoothquant import CalibrationStats, check_alpha
-
         check_alpha(self.alpha)
         for name in ("samples", "seq_len"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "samples" else 2):
                 raise FuseInferError(f"SmoothQuantW8A8 {name} must be an integer >= {1 if name == 'samples' else 2}, "
                                      f"got {v!r}")
-        if self.calibration is not None and not isinstance(self.calibration, (str, os.PathLike, CalibrationStats)):
+        if self.calibration is not None and not (isinstance(self.calibration, (str, os.PathLike)) or type(self.calibration).__name__ == "CalibrationStats"):
             raise FuseInferError(f"SmoothQuantW8A8 calibration= must be None (the WikiText-2 "
                                  f"validation split), a text file / folder / saved-stats path, or a "
                                  f"CalibrationStats, got {type(self.calibration).__name__}")
@@ -106,3 +114,23 @@ class SmoothQuantW8A8(QuantConfig):
     def describe(self) -> dict:
         return {**super().describe(), "bits": 8, "alpha": self.alpha, "weights": "int8 per output channel, symmetric",
                 "activations": "int8 per token, dynamic, symmetric", "qkv": "fused (3E, E) when patch fuses q/k/v"}
+
+
+# config class -> the function that applies it: quantize(config, model, report) -> undo state. The quantization
+# package registers its schemes when it is imported (``import fuseinfer`` imports it), so the engine, a layer below
+# it, applies a scheme without importing the package that implements it.
+_APPLIERS: dict = {}
+
+
+def register_scheme(config_cls: type, apply) -> None:
+    """Make ``apply(config, model, report)`` the quantizer of ``config_cls`` configs."""
+    _APPLIERS[config_cls] = apply
+
+
+def apply_scheme(config: "QuantConfig", model, report):
+    """Quantize a model its family has just patched with ``config``'s registered scheme."""
+    apply = _APPLIERS.get(type(config))
+    if apply is None:
+        raise FuseInferError(f"no quantizer for {type(config).__name__}; choose from "
+                             f"{', '.join(sorted(c.__name__ for c in _APPLIERS)) or 'none (import fuseinfer.quant)'}")
+    return apply(config, model, report)

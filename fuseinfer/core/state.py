@@ -9,21 +9,18 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from fuseinfer.core.config import PatchConfig, PatchReport
-
-if TYPE_CHECKING:
-    from fuseinfer.models.base import ModelFamily
 
 STATE_ATTR = "_fuseinfer_state"
 LOCK_ATTR = "_fuseinfer_lock"
 
 
 class PatchState(NamedTuple):
-    family: "ModelFamily"  # the family's rules (fuseinfer/models/<family>.py)
+    family: object  # the family's rules: a fuseinfer.models.base.ModelFamily (a layer above this one)
     state: dict  # what the family needs to undo its swaps
     report: PatchReport
     config: PatchConfig

@@ -199,7 +199,7 @@ def _manifest(model, flavour, dtype, device, opset, source, ops, inputs, outputs
     import onnx
     import transformers
 
-    import fuseinfer
+    from fuseinfer.core.version import __version__
 
     cfg = model.config
     contrib = {k.split(".", 2)[-1]: v for k, v in ops.items() if k.startswith("com.microsoft.")}
@@ -213,7 +213,7 @@ def _manifest(model, flavour, dtype, device, opset, source, ops, inputs, outputs
         "exported_on": str(device),
         "exporter": "torch.onnx.export (TorchScript, dynamo=False)",
         "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "transformers": transformers.__version__,
-                     "fuseinfer": fuseinfer.__version__},
+                     "fuseinfer": __version__},
         "model": {"source": source or getattr(cfg, "_name_or_path", "") or "in-memory model",
                   "config_hash": mf.config_hash(cfg), "weights_hash": mf.model_hash(model, memo=memo),
                   "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,

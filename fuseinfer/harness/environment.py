@@ -7,7 +7,8 @@ from datetime import datetime, timezone
 
 import torch
 
-import fuseinfer
+from fuseinfer.core.extension import extension_status
+from fuseinfer.core.version import __version__
 
 
 def _driver_version() -> str | None:
@@ -31,8 +32,8 @@ def environment(device: torch.device) -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "transformers": transformers.__version__,
-        "fuseinfer": fuseinfer.__version__,
-        "fuseinfer_extension": fuseinfer.extension_status(device),
+        "fuseinfer": __version__,
+        "fuseinfer_extension": extension_status(device),
         "cpu_threads": torch.get_num_threads(),
         "gpu": None, "gpu_capability": None, "gpu_memory_mib": None, "driver": None,
     }

@@ -6,6 +6,7 @@
 See docs/quantization.md.
 """
 from fuseinfer.core.quant_config import Int8WeightOnly, QuantConfig, SmoothQuantW8A8
+from fuseinfer.quant import apply as _apply  # noqa: F401  (registers the schemes with the engine)
 
 __all__ = ["Int8WeightOnly", "QuantConfig", "SmoothQuantW8A8", "load_quantized", "save_quantized"]
 

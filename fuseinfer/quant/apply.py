@@ -10,7 +10,7 @@ from __future__ import annotations
 import weakref
 
 from fuseinfer.core.errors import FuseInferError
-from fuseinfer.core.quant_config import Int8WeightOnly, QuantConfig, SmoothQuantW8A8
+from fuseinfer.core.quant_config import Int8WeightOnly, QuantConfig, SmoothQuantW8A8, register_scheme
 from fuseinfer.quant.w8a8 import quantize_w8a8
 from fuseinfer.quant.weight_only import quantize_weight_only
 
@@ -26,6 +26,10 @@ def quantize(config: QuantConfig, model, report):
     if hasattr(model, "save_pretrained"):
         object.__setattr__(model, "save_pretrained", SavePretrained(model))
     return _Saving(state)
+
+
+for _cls in HANDLERS:  # the engine (fuseinfer.patching) applies a config through core's registry
+    register_scheme(_cls, quantize)
 
 
 class SavePretrained:

@@ -106,7 +106,7 @@ def _write_atomic(path: Path, write) -> None:
 
 def _record(model, state, tensors: dict) -> dict:
     """The ``quantization_config`` of a patched quantized model (without the hash, computed once written)."""
-    from fuseinfer import __version__
+    from fuseinfer.core.version import __version__
 
     quant, report = state.config.quant, state.report.quant
     modules = [e.name for e in report.entries]

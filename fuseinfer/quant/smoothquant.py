@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from fuseinfer.core.errors import FuseInferError
+from fuseinfer.core.quant_config import check_alpha  # noqa: F401 (SmoothQuant's own check, kept with the config)
 from fuseinfer.ops.w8a8_linear import OUT_DTYPES, w8a8_linear
 from fuseinfer.ops.quant import quantize_int8_ref, quantize_per_token
 from fuseinfer.ops.w8a16_linear import int8_linear
@@ -251,14 +252,6 @@ def smoothing_factors(act_max: torch.Tensor, weights: list[torch.Tensor], alpha:
     a = act_max.float().to(w_max.device).clamp_min(MIN_SCALE)
     s = a.pow(alpha) / w_max.clamp_min(MIN_SCALE).pow(1 - alpha)
     return s.clamp_min(MIN_SCALE)
-
-
-def check_alpha(alpha) -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0 \
-            or math.isnan(float(alpha)):
-        raise FuseInferError(f"SmoothQuant alpha must be a number in [0, 1] (0.5 is the paper's choice for OPT), "
-                             f"got {alpha!r}")
-    return float(alpha)
 
 
 @torch.no_grad()

@@ -42,7 +42,7 @@ from fuseinfer.ops.emit_tokens import emit_tokens, emit_tokens_scratch
 from fuseinfer.core import decode_plan
 from fuseinfer.core.state import model_lock, patch_state, unwrapped  # noqa: F401 (model_lock: re-exported)
 from fuseinfer.runtime.args import Call, Sampling, decode_forward, eos_tensor, in_vocabulary, pad_id, prepare_call  # noqa: F401
-from fuseinfer.runtime.cache import COUNTS, StaticKVCache, kv_bytes  # (COUNTS: re-exported for tests and benchmarks)
+from fuseinfer.runtime.cache import COUNTS, StaticKVCache, kv_bytes, kv_cache  # (COUNTS: re-exported for tests and benchmarks)
 from fuseinfer.runtime.graphs import capture_stream
 from fuseinfer.runtime.processors import Processors, Rule
 
@@ -79,7 +79,7 @@ class _Session:
         self.group = _group_steps(max_new)  # steps per replay of the longer graph
         dev = p.device
         plan = decode_plan.plan(model)  # placed (accelerate) or tensor-parallel models: fuseinfer/parallel
-        self.cache = cache if cache is not None else decode_plan.kv_cache(
+        self.cache = cache if cache is not None else kv_cache(
             model, plan, cfg.num_hidden_layers, bucket, heads, cfg.hidden_size // heads, capacity, p.dtype, dev)
         self.weights = weights  # _weights_key(model): where the tensors the graphs read were (see session_for)
         self.eos_host = eos  # (n_eos,) int64 on the CPU, may be empty: what fits() compares

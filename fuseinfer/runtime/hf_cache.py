@@ -25,6 +25,7 @@ from fuseinfer.core import knobs
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.state import patch_state
 from fuseinfer.core import decode_plan
+from fuseinfer.runtime.cache import kv_cache
 from fuseinfer.runtime.decode import CAPACITY_ROUND, sessions_of
 from fuseinfer.runtime.graphs import capture_stream
 
@@ -50,7 +51,7 @@ class ForwardGraph:
         # tensor-parallel (this rank's heads, no one-kernel step) and device_map models (a cache per layer device,
         # no graph) as fast decode runs them (fuseinfer/core/decode_plan.py)
         plan = decode_plan.plan(model)
-        self.cache = decode_plan.kv_cache(model, plan, cfg.num_hidden_layers, rows, heads, cfg.hidden_size // heads,
+        self.cache = kv_cache(model, plan, cfg.num_hidden_layers, rows, heads, cfg.hidden_size // heads,
                                           capacity, p.dtype, dev)
         self.capture_mode = plan.capture_mode
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=dev)  # (B, 1)

@@ -9,6 +9,7 @@ import torch
 
 import fuseinfer
 from fuseinfer.core import placement
+from fuseinfer.runtime.cache import SplitKVCache
 from conftest import random_opt
 
 accelerate_hooks = pytest.importorskip("accelerate.hooks")
@@ -115,7 +116,7 @@ def test_split_kv_cache_writes_like_the_static_cache():
     from fuseinfer.runtime import StaticKVCache
 
     static = StaticKVCache(2, 2, 4, 8, 16, torch.float32, torch.device("cpu"))
-    split = placement.SplitKVCache([torch.device("cpu")] * 2, 2, 4, 8, 16, torch.float32)
+    split = SplitKVCache([torch.device("cpu")] * 2, 2, 4, 8, 16, torch.float32)
     k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 4, 3, 8)
     for cache in (static, split):
         cache.write_idx = torch.tensor([4, 5, 6])
