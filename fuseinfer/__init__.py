@@ -5,7 +5,7 @@
     fuseinfer.patch(model, fuseinfer.PatchConfig(quant=fuseinfer.Int8WeightOnly()))  # int8 weights (W8A16)
 """
 from ._ext import cuda_extension_available, extension_status
-from .config import OPS, PatchConfig, PatchReport
+from .config import OPS, PatchConfig, PatchReport, RuntimeConfig
 from .errors import FuseInferError
 from .patching import patch, unpatch
 from .quant import Int8WeightOnly, QuantConfig, SmoothQuantW8A8, load_quantized, save_quantized
@@ -20,7 +20,7 @@ from .quant.hf_quantizer import register as _register_quantizer  # noqa: E402  (
 _register_quantizer()
 
 __all__ = [
-    "OPS", "FuseInferError", "Int8WeightOnly", "PatchConfig", "PatchReport", "QuantConfig", "SmoothQuantW8A8", "cuda_extension_available",
-    "extension_status", "generate", "load_quantized", "patch", "patch_report", "patch_state", "prefill", "save_quantized",
-    "unpatch", "__version__",
+    "OPS", "FuseInferError", "Int8WeightOnly", "PatchConfig", "PatchReport", "QuantConfig", "RuntimeConfig",
+    "SmoothQuantW8A8", "cuda_extension_available", "extension_status", "generate", "load_quantized", "patch",
+    "patch_report", "patch_state", "prefill", "save_quantized", "unpatch", "__version__",
 ]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from .config import PatchConfig, PatchReport
+from .config import PatchConfig, PatchReport, RuntimeConfig
 
 if TYPE_CHECKING:
     from .patches.base import ModelFamily
@@ -80,6 +80,13 @@ def model_lock(model) -> threading.RLock:
 def patch_state(model) -> PatchState | None:
     """What ``patch`` recorded on ``model`` (family, undo state, report, config), or None if unpatched."""
     return getattr(unwrapped(model), STATE_ATTR, None)
+
+
+def runtime_config(model) -> RuntimeConfig:
+    """How ``model`` runs: the RuntimeConfig it was patched with (``PatchConfig.runtime``); for an unpatched model,
+    the defaults (the ``FUSEINFER_*`` variables as set now)."""
+    state = patch_state(model)
+    return state.config.runtime if state else RuntimeConfig()
 
 
 def patch_report(model) -> PatchReport | None:

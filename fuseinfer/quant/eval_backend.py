@@ -108,12 +108,13 @@ class FuseInferW8A8Backend(FuseInferW8A16Backend):
 
         why = None if self.model is None else lean_reason(self.model)
         # the path fast decode's prefill takes (what the prefill column timed): the lean loop, as a CUDA graph per
-        # prompt-length bucket where FUSEINFER_PREFILL allows, or the patched modules and why
-        if mode() == "module":
-            path = "patched modules (FUSEINFER_PREFILL=module)"
+        # prompt-length bucket where the model's RuntimeConfig.prefill allows, or the patched modules and why
+        choice = mode(self.model)
+        if choice == "module":
+            path = "patched modules (RuntimeConfig(prefill='module'))"
         else:
-            path = (f"lean loop (FUSEINFER_PREFILL={mode()}: graphs on CUDA up to the auto limit)" if why is None
-                    else f"patched modules ({why})")
+            path = (f"lean loop (RuntimeConfig(prefill={choice!r}): graphs on CUDA up to the auto limit)"
+                    if why is None else f"patched modules ({why})")
         param = None if self.model is None else next(self.model.parameters(), None)
         gemm = quant.gemm if param is None else w8a8_gemm_note(param.device, self.model.dtype)
         return {**super().details(), "prefill_path": path, "w8a8_gemm": gemm,
