@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import os
 import sys
 import time
 from pathlib import Path
@@ -71,8 +70,9 @@ def gemm_floor_ms(cfg, b: int, s: int) -> tuple[float, float]:
     return total_ms, flops
 
 
-def set_prefill(choice: str):
-    os.environ["FUSEINFER_PREFILL"] = choice
+def set_prefill(model, choice: str):
+    """The patched model's prefill path (its RuntimeConfig; the environment is only read when it is patched)."""
+    fuseinfer.runtime.set_runtime(model, prefill=choice)
 
 
 def main() -> None:
@@ -120,7 +120,7 @@ def main() -> None:
         impls["patched_full"] = lambda: patched(input_ids=ids, use_cache=False)
         impls["prefill_lean"] = lambda: fuseinfer.prefill(patched, ids)
         for choice in ("module", "lean", "graph", "auto"):
-            impls[f"begin_{choice}"] = lambda c=choice: (set_prefill(c), session.begin(ids, mask))
+            impls[f"begin_{choice}"] = lambda c=choice: (set_prefill(patched, c), session.begin(ids, mask))
         with torch.no_grad():
             for name, fn in impls.items():  # warm-up (compiles, graph captures)
                 t0 = time.perf_counter()
@@ -134,7 +134,7 @@ def main() -> None:
             for _ in range(args.reps):
                 for name, fn in impls.items():
                     times[name].append(event_ms(fn))
-        set_prefill("auto")
+        set_prefill(patched, "auto")
         floor_gemm, flops = gemm_floor_ms(cfg, b, s)
         floor_weights = weight_bytes / (ceilings["copy_GBps"] * 1e9) * 1e3
         row = {"shape": f"{b}x{s}", "floor_weights_ms": floor_weights, "floor_gemm_ms": floor_gemm,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
 from pathlib import Path
 
@@ -132,7 +131,7 @@ def main() -> None:
 
         def begin(name, choice, off=False):
             def call():
-                os.environ["FUSEINFER_PREFILL"] = choice
+                fuseinfer.runtime.set_runtime(sessions[name][0], prefill=choice)  # (the patched model's config)
                 unfused(off)
                 try:
                     return sess[name].begin(prompt, mask)
@@ -159,7 +158,8 @@ def main() -> None:
             for _ in range(args.reps):
                 for n, fn in impls.items():
                     times[n].append(event_ms(fn))
-        os.environ["FUSEINFER_PREFILL"] = "auto"
+        for model, _ in sessions.values():
+            fuseinfer.runtime.set_runtime(model, prefill="auto")
         row = {"shape": f"{b}x{s}", "prefill_graphs_captured": captured}
         for n, t in times.items():
             st = percentile_stats(t)

@@ -201,26 +201,25 @@ def assert_lean_equals_modules(model, ids, gemm_op: str):
     assert lean == mods and lean[gemm_op] == 4 * model.config.num_hidden_layers
 
 
-def assert_same_tokens_lean_and_modules(model, ids, set_knob):
-    """fuseinfer.generate chooses the same tokens with the lean prefill and with the modules (FUSEINFER_PREFILL)."""
+def assert_same_tokens_lean_and_modules(model, ids):
+    """fuseinfer.generate chooses the same tokens with the lean prefill and with the modules
+    (RuntimeConfig.prefill)."""
     import fuseinfer
 
     lean = fuseinfer.generate(model, ids, max_new_tokens=6)
-    set_knob("FUSEINFER_PREFILL", "module")
-    fuseinfer.runtime.release(model)
-    assert torch.equal(fuseinfer.generate(model, ids, max_new_tokens=6), lean)
+    with fuseinfer.runtime.using_runtime(model, prefill="module"):
+        assert torch.equal(fuseinfer.generate(model, ids, max_new_tokens=6), lean)
 
 
-def assert_same_tokens_graph_lean_modules(model, ids, set_knob, max_new_tokens: int = 8):
+def assert_same_tokens_graph_lean_modules(model, ids, max_new_tokens: int = 8):
     """fuseinfer.generate chooses the same tokens with the prefill graph (captured by that choice only), the lean
-    loop and the modules (FUSEINFER_PREFILL=graph / lean / module)."""
+    loop and the modules (RuntimeConfig.prefill graph / lean / module)."""
     import fuseinfer
     from fuseinfer.runtime.cache import COUNTS
 
     out = {}
     for choice in ("graph", "lean", "module"):
-        set_knob("FUSEINFER_PREFILL", choice)
-        fuseinfer.runtime.release(model)
+        fuseinfer.runtime.set_runtime(model, prefill=choice)  # (and fresh sessions)
         before = COUNTS["prefill_graph"]
         out[choice] = fuseinfer.generate(model, ids, max_new_tokens=max_new_tokens)
         assert (COUNTS["prefill_graph"] > before) == (choice == "graph")

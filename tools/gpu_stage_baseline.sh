@@ -16,6 +16,8 @@ RUN_LOGS="$OUT"
 BASE_TAR=${BASE_TAR:-.stage/base.tar.gz}
 BASE=/tmp/fuseinfer-base
 BACKENDS=${BASELINE_BACKENDS:-fuseinfer,fuseinfer-w8a16,fuseinfer-w8a8}
+PEERS=${BASELINE_PEERS:-}  # backends timed in the new tree only (e.g. eager,compile: the table's peers, code unchanged)
+PROMPTS=${BASELINE_PROMPTS:-512 2040}
 rm -rf "$BASE" && mkdir -p "$BASE" && tar xzf "$BASE_TAR" -C "$BASE" || { echo "no baseline at $BASE_TAR"; exit 2; }
 if diff -rq csrc "$BASE/csrc" >/dev/null; then
   cp fuseinfer/_C*.so "$BASE/fuseinfer/" && echo "baseline: csrc identical, this tree's extension reused"
@@ -24,14 +26,18 @@ else
 fi
 NEW=$PWD
 ev() {  # ev TREE TAG PROMPT GEN
+  local backends=$BACKENDS
+  [ "$2" = new ] && [ -n "$PEERS" ] && backends="$PEERS,$BACKENDS"
   (cd "$1" && PYTHONPATH="$1" run "$2_p$3" python3 -m fuseinfer.eval --model random:opt-1.3b --dtype fp16 \
-    --backends "$BACKENDS" --skip-ppl --batch-size 1 --prompt-len "$3" --gen-len "$4" --data-dir "$FUSEINFER_SHARED/data/wikitext-2-raw" \
+    --backends "$backends" --skip-ppl --batch-size 1 --prompt-len "$3" --gen-len "$4" --data-dir "$FUSEINFER_SHARED/data/wikitext-2-raw" \
     --output "$OUT/$2_p$3.json")
 }
-ev "$BASE" base 512 64
-ev "$NEW" new 512 64
-ev "$NEW" new 2040 8
-ev "$BASE" base 2040 8
-python3 tools/compare_evals.py "$OUT"/base_p512.json "$OUT"/new_p512.json "$OUT"/base_p2040.json "$OUT"/new_p2040.json \
-  | tee "$OUT/compare.md"
+pairs=()
+for p in $PROMPTS; do
+  gen=64; [ "$p" -gt 1024 ] && gen=8
+  if [ ${#pairs[@]} -eq 0 ] || [ $(( ${#pairs[@]} % 4 )) -eq 0 ]; then ev "$BASE" base "$p" $gen; ev "$NEW" new "$p" $gen
+  else ev "$NEW" new "$p" $gen; ev "$BASE" base "$p" $gen; fi
+  pairs+=("$OUT/base_p$p.json" "$OUT/new_p$p.json")
+done
+python3 tools/compare_evals.py "${pairs[@]}" | tee "$OUT/compare.md"
 exit "$status"

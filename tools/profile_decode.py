@@ -130,6 +130,7 @@ def main() -> None:
             setting = dict(zip((k for k, _ in sweep), values))
             os.environ.update(setting)
             knobs.push()  # the extension's switches come from fuseinfer.core.knobs
+            fuseinfer.runtime.set_runtime(model, fuseinfer.RuntimeConfig())  # the runtime's: the model's config
             print(setting, end=": ")
             time_step(model, ids)
         return

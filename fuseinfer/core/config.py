@@ -1,5 +1,6 @@
-"""The shared types of patching: what to patch (:class:`PatchConfig`) and what was done (:class:`PatchReport`,
-:class:`Swap`), with the op names and the attention implementation's name.
+"""The shared types of patching: what to patch (:class:`PatchConfig`), how the patched model runs
+(:class:`RuntimeConfig`, which a PatchConfig carries) and what was done (:class:`PatchReport`, :class:`Swap`), with
+the op names and the attention implementation's name.
 
 Kept apart from the engine (``patching``) so that the model families (``patches/``), the runtime and the feature
 packages import them without importing the engine, and nothing imports in a cycle.
@@ -8,12 +9,13 @@ from __future__ import annotations
 
 import collections
 import pickle
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
 from torch import nn
 
+from fuseinfer.core import knobs
 from fuseinfer.core.extension import extension_status
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.quant_config import QuantConfig
@@ -27,6 +29,66 @@ REFERENCES_ONLY = ("no fuseinfer CUDA kernel runs for this model (it is on the C
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # what runs the attention op (patches/attention_backend.py, docs/attention_backends.md)
 ATTENTION_BACKENDS = ("auto", "fuseinfer", "flash_attn", "sdpa")
+DECODE_KERNELS = ("auto", "on", "off")  # RuntimeConfig.decode_kernel
+PREFILL_MODES = ("auto", "graph", "lean", "module")  # RuntimeConfig.prefill (docs/prefill.md)
+
+
+def _from_knob(name: str, convert=lambda value: value):
+    """A field whose default is the knob ``name`` (its built-in default when unset), read when the config is
+    built and turned into the field's type by ``convert``; a bad value is the knob's error (it names the knob)."""
+    read = knobs.get_int if name == "FUSEINFER_DECODE_GRAPH_STEPS" else knobs.get
+    return field(default_factory=lambda: convert(read(name)), metadata={"knob": name})
+
+
+def _switch(value: str) -> bool:  # a "0" / "1" knob
+    return value == "1"
+
+
+def _decode_kernel(value: str) -> str:  # FUSEINFER_DECODE_KERNEL's auto / 1 / 0
+    return {"1": "on", "0": "off"}.get(value, value)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How a patched model runs (fast decode and its prefill), carried by ``PatchConfig(runtime=...)``.
+
+    Each field left out takes the value of its ``FUSEINFER_*`` environment variable when the config is built (the
+    variable is a default only; docs/env.md), else the built-in default below; a field given here wins.
+
+    decode_kernel: fast decode's step as one persistent kernel: ``auto`` where measured faster (1-2 rows; int8
+      weight-only models up to hidden size 2048), ``on`` wherever it applies, ``off`` never (the per-op step).
+    cuda_graphs: fast decode replays its step (and ``prefill='auto'`` / ``'graph'`` its prefill) as CUDA graphs;
+      False runs them eagerly.
+    graph_steps: decode steps in fast decode's longer CUDA graph (1: one step per replay).
+    prefill: fast decode's prefill (docs/prefill.md): ``auto`` (CUDA graphs per prompt-length bucket up to a
+      measured size, else the lean layer loop), ``graph`` (graphs wherever they apply), ``lean`` (the loop, no
+      graphs) or ``module`` (the patched modules).
+    tp_graphs: a tensor-parallel model's decode step is captured as CUDA graphs (False: eager, e.g. when an NCCL
+      all-reduce cannot be captured).
+    """
+
+    decode_kernel: str = _from_knob("FUSEINFER_DECODE_KERNEL", _decode_kernel)
+    cuda_graphs: bool = _from_knob("FUSEINFER_CUDA_GRAPHS", _switch)
+    graph_steps: int = _from_knob("FUSEINFER_DECODE_GRAPH_STEPS")
+    prefill: str = _from_knob("FUSEINFER_PREFILL")
+    tp_graphs: bool = _from_knob("FUSEINFER_TP_GRAPHS", _switch)
+
+    def __post_init__(self):
+        for name, choices in (("decode_kernel", DECODE_KERNELS), ("prefill", PREFILL_MODES)):
+            if getattr(self, name) not in choices:
+                raise FuseInferError(f"RuntimeConfig.{name} must be one of {', '.join(choices)}, got "
+                                     f"{getattr(self, name)!r}")
+        for name in ("cuda_graphs", "tp_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise FuseInferError(f"RuntimeConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        steps = self.graph_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise FuseInferError(f"RuntimeConfig.graph_steps must be an integer >= 1, got {steps!r}")
+
+    @staticmethod
+    def knob_of(name: str) -> str:
+        """The ``FUSEINFER_*`` variable that gives field ``name`` its default."""
+        return next(f.metadata["knob"] for f in fields(RuntimeConfig) if f.name == name)
 
 
 @dataclass(frozen=True)
@@ -43,12 +105,16 @@ class PatchConfig:
       ``flash_attn`` (the flash-attn-4 package, ``pip install fuseinfer[flash-attn]``, where its API covers the call;
       else our kernel), ``sdpa`` (torch SDPA with a boolean mask), ``auto`` (our kernel, except the (phase, head dim)
       classes where a committed benchmark measured the package faster); see docs/attention_backends.md.
+    quant: a quantization config (``fuseinfer.Int8WeightOnly()``, ``fuseinfer.SmoothQuantW8A8(...)``), or None.
+    runtime: how the patched model runs (:class:`RuntimeConfig`: decode kernel, CUDA graphs, prefill path); default
+      ``RuntimeConfig()``, built with the PatchConfig (so from the ``FUSEINFER_*`` variables set then).
     """
 
     ops: tuple[str, ...] = OPS
     filter_fn: Callable[[nn.Module, str], bool] | None = None
     attention_backend: str = "auto"
     quant: QuantConfig | None = None
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def __post_init__(self):
         if isinstance(self.ops, str):
@@ -67,6 +133,9 @@ class PatchConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise FuseInferError(f"unknown PatchConfig.attention_backend {self.attention_backend!r}; choose from "
                                  f"{list(ATTENTION_BACKENDS)}, e.g. PatchConfig(attention_backend='flash_attn')")
+        if not isinstance(self.runtime, RuntimeConfig):
+            raise FuseInferError(f"PatchConfig.runtime must be a fuseinfer.RuntimeConfig, got {self.runtime!r}; e.g. "
+                                 "PatchConfig(runtime=fuseinfer.RuntimeConfig(prefill='lean'))")
 
     def selects(self, module: nn.Module, name: str) -> bool:
         return self.filter_fn is None or bool(self.filter_fn(module, name))
@@ -82,7 +151,7 @@ class PatchConfig:
             pickle.dumps(fn)
         except Exception:  # (pickle raises several types: PicklingError, AttributeError, TypeError)
             fn = _UnpickledFilter(repr(fn))
-        return PatchConfig, (tuple(self.ops), fn, self.attention_backend, self.quant)
+        return PatchConfig, (tuple(self.ops), fn, self.attention_backend, self.quant, self.runtime)
 
 
 class _UnpickledFilter:

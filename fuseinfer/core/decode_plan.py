@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fuseinfer.core import knobs
+from fuseinfer.core.state import runtime_config
 from fuseinfer.core import placement
 
 TP_ATTR = "_fuseinfer_tp"  # (sharding.TP_ATTR; read here without importing transformers)
@@ -24,8 +24,8 @@ def decode_refusals(model: nn.Module) -> tuple[str | None, str | None]:
     """(why the one-kernel step is not used, why CUDA graphs are not used) for a tensor-parallel model."""
     if tp_info(model) is None:
         return None, None
-    no_graphs = "FUSEINFER_TP_GRAPHS=0: the tensor-parallel step runs eagerly" \
-        if knobs.get("FUSEINFER_TP_GRAPHS") == "0" else None
+    no_graphs = None if runtime_config(model).tp_graphs else \
+        "RuntimeConfig(tp_graphs=False): the tensor-parallel step runs eagerly"
     return ("tensor parallel: the one-kernel step has no all-reduce between its phases (the per-op step, NCCL "
             "all-reduces included, is captured instead)"), no_graphs
 

@@ -1,13 +1,20 @@
 """Every ``FUSEINFER_*`` environment variable fuseinfer reads, in one table: name, default, when it is read, meaning.
 
+The runtime-policy knobs (decode kernel, CUDA graphs, graph steps, prefill path, tensor-parallel graphs) are only
+the defaults of :class:`fuseinfer.RuntimeConfig`'s fields (``Knob.field``), read when a RuntimeConfig is built
+(``PatchConfig()`` builds one): a patched model runs with its config, not with the environment of the moment.
+The extension's switches (``extension=True``) are process-wide: a launch mode, a debugging or benchmarking switch,
+or a cache of tuned choices shared by every model in the process.
+
 Python code reads a knob with :func:`get` (validated against the knob's choices, one clear error otherwise).
 The CUDA extension reads none itself: :func:`push` hands the run-time switches to it as arguments
 (``fuseinfer._C.set_knobs``) when the extension loads, and again whenever a knob is changed through
 :func:`override`. ``docs/env.md`` is generated from this table (``python -m fuseinfer.core.knobs > docs/env.md``) and a
 test checks that it is current and that no other module calls ``os.environ`` for a ``FUSEINFER_`` name.
 
-A CLI flag that stands for a knob goes through :func:`from_flag`: the flag wins over the environment and, where
-the two disagree, says so on stderr (never silently). A path knob that must exist (``must_exist``) pointing at
+A CLI flag that stands for a knob goes through :func:`flag_or_knob` (the value handed on, e.g. in the eval's
+settings) or :func:`from_flag` (also set as the knob): the flag wins over the environment and, where the two
+disagree, says so on stderr (never silently). A path knob that must exist (``must_exist``) pointing at
 nothing is an error naming the knob. ``FUSEINFER_*`` names in the environment that are not in the table
 (misspellings) are reported once, with the closest known name, at the first knob read.
 """
@@ -28,11 +35,12 @@ from fuseinfer.core.errors import FuseInferError
 class Knob:
     name: str
     default: str | None  # None: unset (a path the reader looks for elsewhere)
-    when: str  # "build", "import", "session", "call": when the value is read
+    when: str  # "build", "import", "config" (a RuntimeConfig is built), "call": when the value is read
     meaning: str
     choices: tuple[str, ...] | None = None  # None: free-form (a path, a number checked by its reader)
     extension: bool = False  # handed to the CUDA extension by push()
     must_exist: bool = False  # a path that, when set, must name an existing file or folder
+    field: str | None = None  # the RuntimeConfig field this knob is the default of
 
 
 KNOBS: dict[str, Knob] = {k.name: k for k in (
@@ -62,19 +70,22 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("FUSEINFER_W8A8_TILE", "auto", "call",
          "the W8A8 CUTLASS GEMM's tile configuration: `auto` by M, or `small` / `medium` / `large` forced (benchmarks)",
          ("auto", "small", "medium", "large"), extension=True),
-    Knob("FUSEINFER_DECODE_KERNEL", "auto", "session",
+    Knob("FUSEINFER_DECODE_KERNEL", "auto", "config",
          "fast decode's step as one persistent kernel: `auto` where measured faster (1-2 rows; int8 weight-only "
-         "models up to hidden size 2048), `1` wherever it applies, `0` never", ("auto", "0", "1")),
-    Knob("FUSEINFER_DECODE_GRAPH_STEPS", "16", "session",
-         "decode steps in fast decode's longer CUDA graph (`1`: one step per replay); a positive integer"),
-    Knob("FUSEINFER_CUDA_GRAPHS", "1", "session", "`0`: fast decode runs its step eagerly (no CUDA graphs)",
-         ("0", "1")),
-    Knob("FUSEINFER_TP_GRAPHS", "1", "session",
-         "`0`: a tensor-parallel model's decode step runs eagerly (its CUDA graphs hold NCCL all-reduces)", ("0", "1")),
-    Knob("FUSEINFER_PREFILL", "auto", "call",
+         "models up to hidden size 2048), `1` wherever it applies (`on`), `0` never (`off`)", ("auto", "0", "1"),
+         field="decode_kernel"),
+    Knob("FUSEINFER_DECODE_GRAPH_STEPS", "16", "config",
+         "decode steps in fast decode's longer CUDA graph (`1`: one step per replay); a positive integer",
+         field="graph_steps"),
+    Knob("FUSEINFER_CUDA_GRAPHS", "1", "config", "`0`: fast decode runs its step (and prefill) eagerly, no CUDA graphs",
+         ("0", "1"), field="cuda_graphs"),
+    Knob("FUSEINFER_TP_GRAPHS", "1", "config",
+         "`0`: a tensor-parallel model's decode step runs eagerly (its CUDA graphs hold NCCL all-reduces)", ("0", "1"),
+         field="tp_graphs"),
+    Knob("FUSEINFER_PREFILL", "auto", "config",
          "fast decode's prefill (docs/prefill.md): `auto` (CUDA graphs per prompt-length bucket up to "
          "`AUTO_GRAPH_MAX_TOKENS`, else the lean layer loop), `graph` (graphs wherever they apply), `lean` (the "
-         "loop, no graphs) or `module` (the patched modules, as before)", ("auto", "graph", "lean", "module")),
+         "loop, no graphs) or `module` (the patched modules)", ("auto", "graph", "lean", "module"), field="prefill"),
     Knob("FUSEINFER_SHARED", "../shared", "call",
          "the shared assets folder (tests, .ci/run, the eval's default model): models/opt-wt2-tiny and "
          "data/wikitext-2-raw (the WikiText-2 files, found there when `FUSEINFER_DATA_DIR` is unset); a relative "
@@ -83,20 +94,21 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "folder with wiki.test.raw / wiki.valid.raw for the eval's perplexity, SmoothQuant calibration and the "
          "profiler (`--data-dir`); unset: `$FUSEINFER_SHARED/data/wikitext-2-raw` where it holds them, else the "
          "`datasets` library", must_exist=True),
-    Knob("FUSEINFER_BENCH_DIR", "bench/results", "call", "where the benchmark scripts write their results"),
-    Knob("FUSEINFER_NVCC", "nvcc", "call", "the nvcc that bench/bench_cublaslt_sweep.py builds its helper with"),
     Knob("FUSEINFER_ONNX_DIR", None, "call",
-         "the eval's `ort` backends: export under (and reuse from) this folder, one sub-folder per model "
-         "(`--onnx-dir`); unset: a temporary export per run"),
+         "default of the eval's `--onnx-dir`: its `ort` backends export under (and reuse from) this folder, one "
+         "sub-folder per model; unset: a temporary export per run"),
     Knob("FUSEINFER_CALIBRATION_DATA", None, "call",
-         "the eval's `fuseinfer-w8a8` backend: calibration text file, folder with wiki.valid.raw, or saved "
-         "SmoothQuant statistics (`.safetensors`) (`--calibration-data`); unset: wiki.valid.raw found as "
-         "`FUSEINFER_DATA_DIR` says", must_exist=True),
+         "default of the eval's `--calibration-data`: its `fuseinfer-w8a8` backend's calibration text file, folder "
+         "with wiki.valid.raw, or saved SmoothQuant statistics (`.safetensors`); unset: wiki.valid.raw found as "
+         "`--data-dir` / `FUSEINFER_DATA_DIR` say", must_exist=True),
     Knob("FUSEINFER_CALIBRATION_SAMPLES", "128", "call",
-         "the eval's `fuseinfer-w8a8` backend: calibration windows of 512 tokens (`--calibration-samples`)"),
-    Knob("FUSEINFER_GPU_TRANSFORMERS", None, "call",
-         "development only: a transformers wheel that the GPU test runs use instead of the installed one"),
+         "default of the eval's `--calibration-samples`: its `fuseinfer-w8a8` backend's calibration windows of 512 "
+         "tokens"),
 )}
+
+# Read by the project's benchmark and development scripts themselves (and documented there), not by the package:
+# known names, so that setting one is not reported as a misspelling.
+SCRIPT_NAMES = frozenset({"FUSEINFER_BENCH_DIR", "FUSEINFER_NVCC", "FUSEINFER_GPU_TRANSFORMERS"})
 
 
 PREFIX = "FUSEINFER_"
@@ -107,7 +119,7 @@ def unknown_names(environ=None) -> dict[str, str | None]:
     """``FUSEINFER_*`` names in the environment that are not knobs -> the closest knob name (None: none close)."""
     environ = os.environ if environ is None else environ
     return {n: next(iter(difflib.get_close_matches(n, KNOBS, n=1, cutoff=0.6)), None)
-            for n in sorted(environ) if n.startswith(PREFIX) and n not in KNOBS}
+            for n in sorted(environ) if n.startswith(PREFIX) and n not in KNOBS and n not in SCRIPT_NAMES}
 
 
 def check_unknown() -> None:
@@ -144,11 +156,11 @@ def get(name: str) -> str | None:
     return value
 
 
-def from_flag(name: str, flag: str, value, note=None) -> str | None:
-    """The setting a CLI flag ``flag`` and the knob ``name`` both name: the flag's ``value`` when given -- then set
-    as the knob for this process and the ones it starts, and where the environment held another value, ``note``
-    (default: a line on stderr) says it was overridden -- else the knob's value. Either is checked as :func:`get`
-    checks it, the error naming whichever gave it."""
+def flag_or_knob(name: str, flag: str, value, note=None) -> str | None:
+    """The setting a CLI flag ``flag`` and the knob ``name`` both name: the flag's ``value`` when given -- and where
+    the environment held another value, ``note`` (default: a line on stderr) says it was overridden -- else the
+    knob's value. Either is checked as :func:`get` checks it, the error naming whichever gave it. The environment
+    is left as it is (the caller hands the value on)."""
     if value is None:
         return get(name)
     value = str(value)
@@ -156,8 +168,16 @@ def from_flag(name: str, flag: str, value, note=None) -> str | None:
     before = os.environ.get(name)
     if before is not None and before != value:
         (note or _stderr)(f"{flag} {value} overrides {name}={before}")
-    set_value(name, value)
     return value
+
+
+def from_flag(name: str, flag: str, value, note=None) -> str | None:
+    """:func:`flag_or_knob`, the flag's value (when given) then set as the knob for this process and the ones it
+    starts."""
+    got = flag_or_knob(name, flag, value, note)
+    if value is not None:
+        set_value(name, got)
+    return got
 
 
 def _stderr(message: str) -> None:
@@ -230,9 +250,16 @@ def markdown() -> str:
     lines = ["# Environment variables", "",
              "Generated from `fuseinfer/core/knobs.py` (`python -m fuseinfer.core.knobs > docs/env.md`); a test checks it is "
              "current.", "",
-             "| variable | default | read at | meaning |", "| --- | --- | --- | --- |"]
-    lines += [f"| `{k.name}` | {'unset' if k.default is None else f'`{k.default}`'} | {k.when} | {k.meaning} |"
-              for k in KNOBS.values()]
+             "The variables read at `config` are defaults only: each is the default of a field of "
+             "`fuseinfer.RuntimeConfig` (the `RuntimeConfig` column), read when a RuntimeConfig is built -- "
+             "`fuseinfer.PatchConfig()` builds one, so at `fuseinfer.patch` unless a config is given. A patched "
+             "model runs with the RuntimeConfig it was patched with (`PatchConfig(runtime=RuntimeConfig(...))`, or "
+             "`fuseinfer.runtime.set_runtime(model, ...)` later), whatever the environment says afterwards; a field "
+             "given explicitly wins over its variable. The others are read at build time, at import, or at each "
+             "call, and apply to the whole process.", "",
+             "| variable | default | read at | RuntimeConfig | meaning |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| `{k.name}` | {'unset' if k.default is None else f'`{k.default}`'} | {k.when} | "
+              f"{f'`{k.field}`' if k.field else ''} | {k.meaning} |" for k in KNOBS.values()]
     return "\n".join(lines) + "\n"
 
 

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from fuseinfer.core.config import PatchConfig, PatchReport
+from fuseinfer.core.config import PatchConfig, PatchReport, RuntimeConfig
 
 STATE_ATTR = "_fuseinfer_state"
 LOCK_ATTR = "_fuseinfer_lock"
@@ -77,6 +77,13 @@ def model_lock(model) -> threading.RLock:
 def patch_state(model) -> PatchState | None:
     """What ``patch`` recorded on ``model`` (family, undo state, report, config), or None if unpatched."""
     return getattr(unwrapped(model), STATE_ATTR, None)
+
+
+def runtime_config(model) -> RuntimeConfig:
+    """How ``model`` runs: the RuntimeConfig it was patched with (``PatchConfig.runtime``); for an unpatched model,
+    the defaults (the ``FUSEINFER_*`` variables as set now)."""
+    state = patch_state(model)
+    return state.config.runtime if state else RuntimeConfig()
 
 
 def patch_report(model) -> PatchReport | None:

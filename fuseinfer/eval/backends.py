@@ -9,14 +9,29 @@ A feature package adds backends by listing its classes in ``registry.py``.
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 import fuseinfer
 
+from fuseinfer.core import knobs
 from fuseinfer.harness.errors import EvalError
 from fuseinfer.harness.models import ModelSource, load_model, model_stats
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """Options of particular backends (the eval's ``--onnx-dir``, ``--calibration-data``, ``--calibration-samples``
+    and ``--data-dir``), which they read from the settings they are given (the run's
+    :class:`~fuseinfer.eval.runner.Settings`, a BackendOptions); an option left out takes its ``FUSEINFER_*``
+    variable (docs/env.md), read when the settings are built."""
+
+    onnx_dir: str | None = field(default_factory=lambda: knobs.get("FUSEINFER_ONNX_DIR"))
+    calibration_data: str | None = field(default_factory=lambda: knobs.get("FUSEINFER_CALIBRATION_DATA"))
+    calibration_samples: int = field(default_factory=lambda: knobs.get_int("FUSEINFER_CALIBRATION_SAMPLES"))
+    data_dir: str | None = None  # None: fuseinfer.core.data finds the WikiText-2 files ($FUSEINFER_DATA_DIR, ...)
 
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -30,8 +45,13 @@ class Backend:
     name = ""
     summary = ""
 
-    def __init__(self, source: ModelSource, config, dtype: torch.dtype, device: torch.device, seed: int):
+    def __init__(self, source: ModelSource, config, dtype: torch.dtype, device: torch.device, seed: int,
+                 settings: BackendOptions | None = None):
+        """settings: the run's settings, whose :class:`BackendOptions` a backend reads; None: the defaults."""
+        if settings is None:
+            settings = BackendOptions()
         self.source, self.config, self.dtype, self.device, self.seed = source, config, dtype, device, seed
+        self.settings = settings
         self.model: nn.Module | None = None
 
     @classmethod

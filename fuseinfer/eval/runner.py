@@ -16,7 +16,7 @@ import torch
 from fuseinfer.core.extension import extension_status
 from fuseinfer.core.data import shared_dir
 from fuseinfer.harness import data as data_mod
-from fuseinfer.eval.backends import Backend
+from fuseinfer.eval.backends import Backend, BackendOptions
 from fuseinfer.harness.environment import environment
 from fuseinfer.harness.errors import EvalError
 from fuseinfer.harness.metrics import derive
@@ -49,10 +49,11 @@ FIRST_DECODE_STEPS = 3  # reduce-overhead compiles on call 1, records the CUDA g
 
 
 @dataclass(frozen=True)
-class Settings:
+class Settings(BackendOptions):
     """Everything a run depends on; None means 'derive it': device cuda if present; dtype fp16 on cuda, fp32 on
     cpu; prompt_len / gen_len / warmup / repeats from ``LATENCY_DEFAULTS`` for the device; seq_len the model's
-    max_position_embeddings."""
+    max_position_embeddings. The backends' options (:class:`BackendOptions`: data_dir, onnx_dir, calibration) are
+    fields too: the backends read them here."""
 
     model: str | None = None  # None: default_model() for the device
     backends: tuple[str, ...] | None = None  # None: DEFAULT_BACKENDS on CUDA, DEFAULT_BACKENDS_CPU on CPU
@@ -66,7 +67,6 @@ class Settings:
     seq_len: int | None = None
     stride: int | None = None
     max_windows: int | None = None
-    data_dir: str | None = None
     seed: int = 0
     skip_ppl: bool = False
     skip_latency: bool = False
@@ -348,7 +348,7 @@ def run_backend(cls: type[Backend], plan: Plan, ui) -> tuple[dict, object, torch
         return row, None, None
     free_memory(device)
     reset_peak(device)
-    backend, generated = cls(plan.source, plan.config, plan.dtype, device, s.seed), None
+    backend, generated = cls(plan.source, plan.config, plan.dtype, device, s.seed, s), None
     memory = {}
     try:
         with torch.no_grad():

@@ -1,7 +1,7 @@
 """Eval backends ``ort``, ``ort-plain`` and ``tensorrt`` for ``python -m fuseinfer.eval``.
 
 ``ort`` / ``ort-plain``: export the loaded model (fused / plain flavour) into a temporary directory, or reuse an
-export under ``$FUSEINFER_ONNX_DIR`` (``--onnx-dir``) when its manifest matches the model (config hash, weights
+export under ``--onnx-dir`` (the settings' ``onnx_dir``; default ``$FUSEINFER_ONNX_DIR``) when its manifest matches the model (config hash, weights
 hash over every weight, flavour, dtype; manifests are read with the schema check of manifest.py), free the
 PyTorch model, and run with :class:`~fuseinfer.export.ort_runtime.OrtDecoder` (CUDA execution provider + IO
 binding on GPU, CPU provider on CPU).
@@ -21,22 +21,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fuseinfer.core import knobs
 from fuseinfer.eval.backends import Backend
 from fuseinfer.export import manifest as mf
 from fuseinfer.export.errors import ExportError
-
-ONNX_DIR_ENV = "FUSEINFER_ONNX_DIR"
-
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
 
 
-def export_dir_for(model, flavour: str, dtype: torch.dtype, memo: dict | None = None) -> tuple[Path, bool]:
-    """(directory to use, whether it is temporary): under $FUSEINFER_ONNX_DIR, one sub-directory per model,
-    flavour and dtype, reused across runs; else a fresh temporary directory. ``memo``: see manifest.model_hash."""
-    root = knobs.get(ONNX_DIR_ENV)
+def export_dir_for(model, flavour: str, dtype: torch.dtype, root: str | None,
+                   memo: dict | None = None) -> tuple[Path, bool]:
+    """(directory to use, whether it is temporary): under ``root`` (``--onnx-dir``), one sub-directory per model,
+    flavour and dtype, reused across runs; else (None) a fresh temporary directory. ``memo``: see
+    manifest.model_hash."""
     if not root:
         return Path(tempfile.mkdtemp(prefix=f"fuseinfer-onnx-{flavour}-")) / "export", True
     root = Path(root).expanduser()
@@ -72,7 +69,8 @@ class OrtBackend(Backend):
         from fuseinfer.export.ort_runtime import OrtDecoder, device_used_mib
 
         memo = {}  # one pass over the weights per hash method
-        directory, self._temporary = export_dir_for(self.model, self.flavour, self.dtype, memo)
+        directory, self._temporary = export_dir_for(self.model, self.flavour, self.dtype, self.settings.onnx_dir,
+                                                    memo)
         self.export_reused = (directory / mf.MANIFEST).is_file()
         if self.export_reused:
             mf.check_matches(mf.read(directory), directory, model=self.model, flavour=self.flavour,
@@ -169,7 +167,7 @@ class TensorRTBackend(Backend):
         from fuseinfer.export.tensorrt import TrtDecoder, build_engine
 
         memo = {}
-        directory, self._temporary = export_dir_for(self.model, "plain", self.dtype, memo)
+        directory, self._temporary = export_dir_for(self.model, "plain", self.dtype, self.settings.onnx_dir, memo)
         if (directory / mf.MANIFEST).is_file():
             mf.check_matches(mf.read(directory), directory, model=self.model, flavour="plain", dtype=self.dtype,
                              memo=memo)

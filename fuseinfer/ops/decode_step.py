@@ -33,7 +33,7 @@ from fuseinfer.ops.w8a16_linear import int8_linear_ref
 PARAMS_PER_LAYER = 12  # LN1 w, b, qkv w, b, out_proj w, b, LN2 w, b, fc1 w, b, fc2 w, b
 SCALED = (2, 4, 8, 10)  # indices in a layer's params of the weights an int8 model quantizes (qkv, out, fc1, fc2)
 MAX_ROWS = 8
-# FUSEINFER_DECODE_KERNEL=auto (the default) runs the kernel for batch buckets up to this many rows: where it
+# RuntimeConfig.decode_kernel="auto" (the default) runs the kernel for batch buckets up to this many rows: where it
 # was measured faster than the per-op step (docs/history.md, "Fast decode (H100)": H100, random
 # OPT-1.3b fp16, context 512).
 AUTO_MAX_ROWS = 2

@@ -359,8 +359,9 @@ def _time_backend(cls, ctx: _Context, ui) -> dict:
         return _time_unprofiled(step, s.phase, device, s.repeats)
 
 
-# the attribution pass of a decode that replays one CUDA graph per step: the same step op by op (knobs.override)
-PER_OP_STEP = {"CUDA_GRAPHS": "0", "DECODE_KERNEL": "0"}
+# the attribution pass of a decode that replays one CUDA graph per step: the same step op by op (the patched model's
+# RuntimeConfig with these fields, fuseinfer.runtime.using_runtime)
+PER_OP_STEP = {"cuda_graphs": False, "decode_kernel": "off"}
 GRAPH_STEP = 0.5  # graph replays over this share of the busy time: op costs come from the op-by-op pass
 
 
@@ -370,7 +371,7 @@ def _profile_backend(cls, ctx: _Context, ceilings: dict, out_dir: Path | None, u
     per layer (``attribution``). Hooks change what runs (they turn off fuseinfer's fast prefill; no range runs inside
     a CUDA graph), so no figure of the step comes from pass 2. A decode that replays CUDA graphs has no module inside
     its one replay: pass 2 runs the per-op step instead (``PER_OP_STEP``), labelled so."""
-    from fuseinfer.core import knobs
+    from fuseinfer.runtime import using_runtime
 
     s, device = ctx.settings, ctx.device
     backend = cls(ctx.source, ctx.config, ctx.dtype, device, s.seed)
@@ -405,13 +406,13 @@ def _profile_backend(cls, ctx: _Context, ceilings: dict, out_dir: Path | None, u
             if hooks:
                 label = "module ranges (hooks)"
                 if graphs:
-                    label = ("per-op step (FUSEINFER_CUDA_GRAPHS=0, FUSEINFER_DECODE_KERNEL=0): the decode step is "
-                             "one CUDA graph replay, inside which no per-module attribution is possible")
+                    label = ("per-op step (RuntimeConfig(cuda_graphs=False, decode_kernel='off')): the decode step "
+                             "is one CUDA graph replay, inside which no per-module attribution is possible")
                     notes.append("per-module times come from the per-op decode step (no CUDA graph, no one-kernel "
                                  "step), the same layers op by op; the step time, kernel table and busy time are "
                                  "the graph replay's")
                     backend.end()
-                    with knobs.override(**PER_OP_STEP):
+                    with using_runtime(backend.model, **PER_OP_STEP):
                         step = _ready(backend, ctx)
                         mfiles, _ = _run_profiler(step, backend.model, device, s, folder, True, "trace_modules.json")
                 else:
@@ -475,11 +476,10 @@ def _label_kinds(analysis: dict, hooked: dict) -> None:
 
 def _fast_prefill(model) -> bool:
     """Whether a patched model's prefill would take fast prefill's lean loop / graphs (which module hooks turn off)."""
-    from fuseinfer.core import knobs
-    from fuseinfer.runtime.prefill import lean_reason
+    from fuseinfer.runtime.prefill import lean_reason, mode
     from fuseinfer.core.state import patch_state
 
-    return model is not None and patch_state(model) is not None and knobs.get("FUSEINFER_PREFILL") != "module" \
+    return model is not None and patch_state(model) is not None and mode(model) != "module" \
         and lean_reason(model, weights=False) is None
 
 

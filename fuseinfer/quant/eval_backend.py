@@ -57,9 +57,11 @@ class FuseInferW8A16Backend(FuseInferBackend):
 class FuseInferW8A8Backend(FuseInferW8A16Backend):
     """fuseinfer with SmoothQuant W8A8 (alpha 0.5): int8 weights and per-token int8 activations.
 
-    Calibration (``--calibration-data`` / ``--calibration-samples``, through the knobs FUSEINFER_CALIBRATION_DATA /
-    FUSEINFER_CALIBRATION_SAMPLES): a text file or a folder holding wiki.valid.raw (default: wiki.valid.raw where
-    ``fuseinfer.core.data`` finds it: ``--data-dir`` / $FUSEINFER_DATA_DIR, the shared folder, ``datasets``), tokenized with the model's own tokenizer, ``samples`` windows of 512 tokens; or saved
+    Calibration (the settings' ``calibration_data`` / ``calibration_samples``: ``--calibration-data`` /
+    ``--calibration-samples``, defaults from FUSEINFER_CALIBRATION_DATA / FUSEINFER_CALIBRATION_SAMPLES): a text
+    file or a folder holding wiki.valid.raw (default: the ``--data-dir`` folder's, else wiki.valid.raw where
+    ``fuseinfer.core.data`` finds it: $FUSEINFER_DATA_DIR, the shared folder, ``datasets``), tokenized with the model's
+    own tokenizer, ``samples`` windows of 512 tokens; or saved
     statistics (``.safetensors``). A ``random:`` model has no tokenizer (and its weights no meaning): it is
     calibrated on seeded random token ids instead, which the row's ``calibration_source`` says. The calibration
     time is measured apart from the load time and reported in details() (``calibration_seconds``)."""
@@ -68,14 +70,13 @@ class FuseInferW8A8Backend(FuseInferW8A16Backend):
     summary = "fuseinfer.patch + SmoothQuantW8A8: int8 weights and activations (SmoothQuant alpha 0.5)"
     SEQ_LEN = 512
 
-    @staticmethod
-    def quant_config(calibration=None, samples: int | None = None):
-        from fuseinfer.core import knobs
-
+    def quant_config(self, calibration=None, samples: int | None = None):
+        """The SmoothQuant config: ``calibration`` / ``samples``, else the settings' options."""
+        s = self.settings
         if samples is None:
-            samples = knobs.get_int("FUSEINFER_CALIBRATION_SAMPLES")
+            samples = s.calibration_samples
         if calibration is None:
-            calibration = knobs.get("FUSEINFER_CALIBRATION_DATA")
+            calibration = s.calibration_data or s.data_dir  # (a folder holding wiki.valid.raw, or None: found)
         return fuseinfer.SmoothQuantW8A8(calibration=calibration, samples=samples)
 
     def prepare(self):
@@ -108,12 +109,13 @@ class FuseInferW8A8Backend(FuseInferW8A16Backend):
 
         why = None if self.model is None else lean_reason(self.model)
         # the path fast decode's prefill takes (what the prefill column timed): the lean loop, as a CUDA graph per
-        # prompt-length bucket where FUSEINFER_PREFILL allows, or the patched modules and why
-        if mode() == "module":
-            path = "patched modules (FUSEINFER_PREFILL=module)"
+        # prompt-length bucket where the model's RuntimeConfig.prefill allows, or the patched modules and why
+        choice = mode(self.model)
+        if choice == "module":
+            path = "patched modules (RuntimeConfig(prefill='module'))"
         else:
-            path = (f"lean loop (FUSEINFER_PREFILL={mode()}: graphs on CUDA up to the auto limit)" if why is None
-                    else f"patched modules ({why})")
+            path = (f"lean loop (RuntimeConfig(prefill={choice!r}): graphs on CUDA up to the auto limit)"
+                    if why is None else f"patched modules ({why})")
         param = None if self.model is None else next(self.model.parameters(), None)
         gemm = quant.gemm if param is None else w8a8_gemm_note(param.device, self.model.dtype)
         return {**super().details(), "prefill_path": path, "w8a8_gemm": gemm,

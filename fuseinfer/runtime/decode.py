@@ -1,17 +1,19 @@
 """Fast decode for patched models: a static KV cache and the whole decode step replayed as CUDA graphs.
 
 ``generate(model, input_ids, ...)`` runs the prompt once (eager), then the new tokens by replaying graphs
-captured per batch-size bucket (1, 2, 4, 8, ...): one of a single step and one of ``GRAPH_STEPS`` steps in a
-row (FUSEINFER_DECODE_GRAPH_STEPS; fewer when the session's calls decode fewer; 1: only the single step),
-replayed while that many tokens are left. A step is all layers (one persistent kernel,
+captured per batch-size bucket (1, 2, 4, 8, ...): one of a single step and one of ``graph_steps`` steps in a
+row (the model's :class:`~fuseinfer.RuntimeConfig`; fewer when the session's calls decode fewer; 1: only the
+single step), replayed while that many tokens are left. A step is all layers (one persistent kernel,
 ``fuseinfer::opt_decode_step``, where the model family has one and the bucket fits it; else the patched modules
-op by op; FUSEINFER_DECODE_KERNEL picks: ``auto`` where it is faster, ``1`` wherever it applies, ``0`` never;
-``session.path`` says which), the LM head, the next-token choice (greedy or
+op by op; ``RuntimeConfig.decode_kernel`` picks: ``auto`` where it is faster, ``on`` wherever it applies, ``off``
+never; ``session.path`` says which), the LM head, the next-token choice (greedy or
 sampling), the EOS bookkeeping and the advance of every position counter (these three in one kernel,
 ``fuseinfer::emit_tokens``), all inside the graph, so the host only launches replays and looks at the stop flag
 once ``STOP_CHECK_EVERY`` or more steps ran since it last looked. Within a graph the step kernel and the token
 choice are chained with programmatic dependent launch, so a step's weight stream starts while the previous token
-is being chosen. On CPU, or with FUSEINFER_CUDA_GRAPHS=0, the same step runs eagerly over the same static cache.
+is being chosen. On CPU, or with ``RuntimeConfig(cuda_graphs=False)``, the same step runs eagerly over the same
+static cache. The model's RuntimeConfig is the one it was patched with (``PatchConfig.runtime``); ``set_runtime``
+changes it (and drops the sessions built under the old one).
 
 Sessions (graphs and step buffers) stay on the model between calls, so repeated calls reuse them and allocate
 nothing. A session serves one setting (token rule, logits processors, EOS, pad); a batch bucket keeps up to
@@ -32,15 +34,16 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import weakref
 
 import torch
 
-from fuseinfer.core import knobs
+from fuseinfer.core.config import RuntimeConfig
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.ops.emit_tokens import emit_tokens, emit_tokens_scratch
 from fuseinfer.core import decode_plan
-from fuseinfer.core.state import model_lock, patch_state, unwrapped  # noqa: F401 (model_lock: re-exported)
+from fuseinfer.core.state import STATE_ATTR, model_lock, patch_state, runtime_config, unwrapped  # noqa: F401 (re-exported)
 from fuseinfer.runtime.args import Call, Sampling, decode_forward, eos_tensor, in_vocabulary, pad_id, prepare_call  # noqa: F401
 from fuseinfer.runtime.cache import COUNTS, StaticKVCache, kv_bytes, kv_cache  # (COUNTS: re-exported for tests and benchmarks)
 from fuseinfer.runtime.graphs import capture_stream
@@ -48,7 +51,6 @@ from fuseinfer.runtime.processors import Processors, Rule
 
 SESSIONS_ATTR = "_fuseinfer_sessions"
 STOP_CHECK_EVERY = 16
-GRAPH_STEPS = 16  # steps per replay of the longer graph (FUSEINFER_DECODE_GRAPH_STEPS)
 CAPACITY_ROUND = 128
 SESSIONS_PER_BUCKET = 4  # settings kept per batch bucket (each: its step buffers, processors, decode graphs)
 CPU_CACHE_BUDGET = 512 << 20  # KV-cache bytes a model keeps between calls on the CPU (set_cache_budget)
@@ -76,7 +78,9 @@ class _Session:
         self.model, self.forward, self.bucket, self.capacity = weakref.proxy(model), forward, bucket, capacity
         self.sampling, self.pad, self.rule = sampling, pad, rule
         self.max_new = -(-max_new // CAPACITY_ROUND) * CAPACITY_ROUND  # room for a later call's few more tokens
-        self.group = _group_steps(max_new)  # steps per replay of the longer graph
+        runtime = runtime_config(model)
+        self.graph_steps = runtime.graph_steps  # the most steps per replay of the longer graph
+        self.group = self._group_steps(max_new)  # steps per replay of the longer graph
         dev = p.device
         plan = decode_plan.plan(model)  # placed (accelerate) or tensor-parallel models: fuseinfer/parallel
         self.cache = cache if cache is not None else kv_cache(
@@ -106,7 +110,7 @@ class _Session:
         self.path += f"; eager, {plan.no_graphs}" if plan.no_graphs else ""
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per replay -> graph
         self.capture_mode = plan.capture_mode
-        self.graphs_on = _graphs_enabled(dev, plan)  # decode graphs: captured by the first call that decodes
+        self.graphs_on = _graphs_enabled(dev, plan, runtime)  # decode graphs: captured by the first call that decodes
         COUNTS["session"] += 1
         if self.graphs_on and max_new > 1:  # (a caller of begin/advance, e.g. the eval, gets them at once)
             self._capture(self.group)  # (decode steps: max_new - 1)
@@ -115,13 +119,17 @@ class _Session:
              rule: Rule = Rule()) -> bool:
         """Whether this session serves a call: room enough, a long enough graph, the same token rule."""
         return (self.capacity >= capacity and self.max_new >= max_new
-                and (not self.graphs or self.group >= _group_steps(max_new))
+                and (not self.graphs or self.group >= self._group_steps(max_new))
                 and self.settings == settings_key(sampling, rule, eos, pad))
 
     @property
     def settings(self) -> tuple:
         """What the session's graphs bake in besides sizes (its key in the bucket's LRU)."""
         return settings_key(self.sampling, self.rule, self.eos_host, self.pad)
+
+    def _group_steps(self, max_new: int) -> int:
+        """Steps in the longer graph for ``max_new`` new tokens (its decode steps are max_new - 1)."""
+        return min(self.graph_steps, max(1, max_new - 1))
 
     def _emit(self, logits: torch.Tensor) -> None:
         """Choose the next tokens from logits (B, V), record them and the stop state at ``step``, advance every
@@ -205,7 +213,7 @@ class _Session:
         :class:`~fuseinfer.runtime.host_watch.HostWatch` (streamer, stop strings) that looks at the tokens at every
         stop check instead of the device's stop flag, and makes the result."""
         if self.graphs_on and not self.graphs and max_new > 1:  # the session's first call that decodes
-            self._capture(_group_steps(max_new))
+            self._capture(self._group_steps(max_new))
         self.begin(input_ids, mask)
         group = max(self.graphs, default=1)  # steps per replay while that many are left
         i, unchecked = 1, 0  # tokens so far, steps since the last stop check
@@ -224,13 +232,6 @@ class _Session:
         return self.out[:self.batch, :n]
 
 
-def _graph_steps() -> int:
-    return knobs.get_int("FUSEINFER_DECODE_GRAPH_STEPS")
-
-
-def _group_steps(max_new: int) -> int:
-    """Steps in the longer graph of a session for ``max_new`` new tokens (its decode steps are max_new - 1)."""
-    return min(_graph_steps(), max(1, max_new - 1))
 
 
 def capture_graphs(step, counts: list, step_counter: torch.Tensor, mode: str) -> dict:
@@ -258,9 +259,9 @@ def capture_graphs(step, counts: list, step_counter: torch.Tensor, mode: str) ->
     return graphs
 
 
-def _graphs_enabled(dev: torch.device, plan) -> bool:
+def _graphs_enabled(dev: torch.device, plan, runtime: RuntimeConfig) -> bool:
     """Whether sessions on ``dev`` replay CUDA graphs (tests on the CPU stand in a fake capture here)."""
-    return dev.type == "cuda" and knobs.get("FUSEINFER_CUDA_GRAPHS") != "0" and not plan.no_graphs
+    return dev.type == "cuda" and runtime.cuda_graphs and not plan.no_graphs
 
 
 def settings_key(sampling: Sampling, rule: Rule, eos: torch.Tensor, pad: int) -> tuple:
@@ -477,6 +478,41 @@ def _weights_key(model) -> tuple:
                     key.append((t.data_ptr(), t.dtype, t.device))
         stack.extend(c for c in m._modules.values() if c is not None)
     return tuple(key)
+
+
+def set_runtime(model, runtime: RuntimeConfig | None = None, **changes) -> RuntimeConfig:
+    """Make a patched ``model`` run with ``runtime`` (default: its current RuntimeConfig) with the fields
+    ``changes`` replaced, e.g. ``set_runtime(model, prefill="lean")``; returns the RuntimeConfig it had. The
+    sessions built under the old one (their step, graphs and graph length) are released, so the next call builds
+    them anew."""
+    model = unwrapped(model)
+    with model_lock(model):
+        state = patch_state(model)
+        if state is None:
+            raise FuseInferError("set_runtime needs a patched model: call fuseinfer.patch(model) first (or patch "
+                                 "with fuseinfer.PatchConfig(runtime=fuseinfer.RuntimeConfig(...)))")
+        if runtime is not None and not isinstance(runtime, RuntimeConfig):
+            raise FuseInferError(f"set_runtime takes a fuseinfer.RuntimeConfig, got {runtime!r}")
+        names = [f.name for f in dataclasses.fields(RuntimeConfig)]
+        unknown = sorted(set(changes) - set(names))
+        if unknown:
+            raise FuseInferError(f"unknown RuntimeConfig field(s) {unknown}; choose from {names}")
+        old = state.config.runtime
+        new = dataclasses.replace(old if runtime is None else runtime, **changes)
+        object.__setattr__(model, STATE_ATTR, state._replace(config=dataclasses.replace(state.config, runtime=new)))
+        release(model)
+        return old
+
+
+@contextlib.contextmanager
+def using_runtime(model, **changes):
+    """Within the block, a patched ``model`` runs with these RuntimeConfig fields changed (``set_runtime``); its
+    RuntimeConfig is restored after it (and the sessions built within released)."""
+    old = set_runtime(model, **changes)
+    try:
+        yield
+    finally:
+        set_runtime(model, old)
 
 
 def release(model) -> None:

@@ -21,9 +21,8 @@ import torch
 from transformers import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from fuseinfer.core import knobs
 from fuseinfer.core.errors import FuseInferError
-from fuseinfer.core.state import patch_state
+from fuseinfer.core.state import patch_state, runtime_config
 from fuseinfer.core import decode_plan
 from fuseinfer.runtime.cache import kv_cache
 from fuseinfer.runtime.decode import CAPACITY_ROUND, sessions_of
@@ -34,7 +33,7 @@ KEY = "hf"  # sessions[(KEY, rows)] -> ForwardGraph
 
 class ForwardGraph:
     """A static KV cache of ``rows`` rows and the forward of one decode step over it, captured as a CUDA graph on
-    the first decode step (on CUDA, unless FUSEINFER_CUDA_GRAPHS=0)."""
+    the first decode step (on CUDA, unless the model's ``RuntimeConfig.cuda_graphs`` is False)."""
 
     def __deepcopy__(self, memo):  # like _Session: copies and pickles of the model start without it
         return None
@@ -60,7 +59,7 @@ class ForwardGraph:
         self.decode_idx = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) the same slot
         self.step_kernel = None if plan.no_kernel else patch_state(model).family.decode_step_kernel(model,
                                                                                                   self.cache)[0]
-        self.use_graph = dev.type == "cuda" and knobs.get("FUSEINFER_CUDA_GRAPHS") != "0" and not plan.no_graphs
+        self.use_graph = dev.type == "cuda" and runtime_config(model).cuda_graphs and not plan.no_graphs
         self.graph, self.logits = None, None  # logits: (B, V) fp32, the graph's output
 
     def _step(self) -> torch.Tensor:

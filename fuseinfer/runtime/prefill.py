@@ -27,8 +27,10 @@ their linears run the int8 weight-only GEMV instead, as the patched modules do. 
 both paths with fp16 LayerNorms and ``int8_linear`` for every decoder linear (the GEMV up to 16 rows, dequantize +
 cuBLASLt above); their LM head must be fp16 (``include_lm_head=False``, the default).
 
-``FUSEINFER_PREFILL`` picks: ``auto`` (graphs up to ``AUTO_GRAPH_MAX_TOKENS`` bucket tokens on CUDA, the lean
-loop elsewhere), ``graph`` (graphs wherever they apply), ``lean`` or ``module`` (the patched modules, as before).
+The model's ``RuntimeConfig.prefill`` (``PatchConfig(runtime=...)``; default from ``FUSEINFER_PREFILL``) picks:
+``auto`` (graphs up to ``AUTO_GRAPH_MAX_TOKENS`` bucket tokens on CUDA, the lean loop elsewhere), ``graph`` (graphs
+wherever they apply), ``lean`` or ``module`` (the patched modules, as before); ``RuntimeConfig.cuda_graphs=False``
+turns the graphs off.
 ``fuseinfer.prefill(model, input_ids, attention_mask)`` is the lean loop without a cache, for callers who need
 the next-token logits of a prompt.
 """
@@ -42,15 +44,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fuseinfer.core import knobs
 from fuseinfer.core.extension import extension
 from fuseinfer.core.errors import FuseInferError
-from fuseinfer.ops import add_layer_norm, attention, w8a16_linear as int8_linear, linear_epilogue
+from fuseinfer.ops import add_layer_norm, attention, int8_linear, linear_epilogue
 from fuseinfer.ops.w8a8_linear import w8a8_backend, w8a8_linear
 from fuseinfer.ops.layer_norm_quant import add_layer_norm_quant
 from fuseinfer.ops.quant import quantize_per_token
 from fuseinfer.ops.kv_cache import kv_cache_append
-from fuseinfer.core.state import model_lock, patch_state, unwrapped
+from fuseinfer.core.state import model_lock, patch_state, runtime_config, unwrapped
 from fuseinfer.layers.linear import DECODE_ROWS, decode_rows
 from fuseinfer.runtime.cache import COUNTS
 from fuseinfer.runtime.graphs import capture_stream
@@ -532,9 +533,10 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
         return lean_logits(model, input_ids, positions, key_mask=key_mask)
 
 
-def mode() -> str:
-    """FUSEINFER_PREFILL: ``auto``, ``graph``, ``lean`` or ``module``."""
-    return knobs.get("FUSEINFER_PREFILL")
+def mode(model: nn.Module) -> str:
+    """The prefill ``model`` runs with (its ``RuntimeConfig.prefill``): ``auto``, ``graph``, ``lean`` or
+    ``module``."""
+    return runtime_config(model).prefill
 
 
 def length_bucket(p: int) -> int:
@@ -545,8 +547,9 @@ def length_bucket(p: int) -> int:
 def session_prefill(session, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """Fast decode's prefill (``_Session.begin``): ids, pos (bucket rows, P) into the session's cache, slots
     [0, P) (``session.cache.write_idx``), with its key mask and ``q_start``; fp32 logits of position P - 1
-    (bucket rows, V). Graph, lean loop or patched modules, as FUSEINFER_PREFILL and the model allow."""
-    model, choice = session.model, mode()
+    (bucket rows, V). Graph, lean loop or patched modules, as the model's RuntimeConfig and the model allow."""
+    model = session.model
+    choice = mode(model)
     # (a captured graph's weights are checked when it is captured; a session's model keeps them: session_for)
     if choice != "module" and lean_reason(model, weights=False) is None:
         graph = _graph_for(session, ids.shape[1], choice)
@@ -561,7 +564,7 @@ def _graph_for(session, p: int, choice: str):
     """The session's prefill graph for prompts of ``p`` tokens (captured on first use), or None where the graph
     path does not apply: not CUDA, CUDA graphs off, the bucket past the cache, or (auto) too many tokens."""
     dev = session.tokens.device
-    if choice not in ("auto", "graph") or dev.type != "cuda" or knobs.get("FUSEINFER_CUDA_GRAPHS") == "0":
+    if choice not in ("auto", "graph") or dev.type != "cuda" or not runtime_config(session.model).cuda_graphs:
         return None
     length = length_bucket(p)
     if length > session.capacity or (choice == "auto" and session.bucket * length > AUTO_GRAPH_MAX_TOKENS):

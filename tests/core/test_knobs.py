@@ -66,20 +66,20 @@ def test_a_path_knob_naming_nothing_is_an_error(monkeypatch, tmp_path):
 def test_flag_wins_and_says_so(env, flag):
     """The flag's value when given (set as the knob), else the environment's, else the default; a note exactly
     when both are given and differ."""
-    name = "FUSEINFER_BENCH_DIR"
+    name = "FUSEINFER_ONNX_DIR"
     saved = os.environ.get(name)
     notes = []
     try:
         os.environ.pop(name, None)
         if env is not None:
             os.environ[name] = env
-        got = knobs.from_flag(name, "--bench-dir", flag, note=notes.append)
+        got = knobs.from_flag(name, "--onnx-dir", flag, note=notes.append)
         assert got == (flag if flag is not None else env if env is not None else knobs.KNOBS[name].default)
         if flag is not None:
             assert os.environ[name] == flag
         assert len(notes) == (flag is not None and env is not None and flag != env)
         if notes:
-            assert notes[0] == f"--bench-dir {flag} overrides {name}={env}"
+            assert notes[0] == f"--onnx-dir {flag} overrides {name}={env}"
     finally:
         os.environ.pop(name, None)
         if saved is not None:
@@ -99,16 +99,18 @@ QUICK = ["--device", "cpu", "--backends", "eager", "--skip-ppl", "--repeats", "1
 
 @needs_tiny
 def test_eval_data_dir_does_not_replace_the_calibration_variable(monkeypatch, tmp_path, capsys):
-    """--data-dir is the data folder; FUSEINFER_CALIBRATION_DATA (the user's calibration text) stays as it was."""
+    """--data-dir is the data folder; FUSEINFER_CALIBRATION_DATA (the user's calibration text) stays as it was, and
+    the flag travels in the settings, not through the environment."""
     from fuseinfer.eval.cli import main
 
     text, folder = tmp_path / "cal.txt", tmp_path / "wiki"
     text.write_text("calibration text\n")
     folder.mkdir()
     monkeypatch.setenv("FUSEINFER_CALIBRATION_DATA", str(text))
+    monkeypatch.delenv("FUSEINFER_DATA_DIR", raising=False)
     assert main(["--model", str(TINY), *QUICK, "--data-dir", str(folder)]) == 0
     assert os.environ["FUSEINFER_CALIBRATION_DATA"] == str(text)
-    assert os.environ["FUSEINFER_DATA_DIR"] == str(folder)
+    assert "FUSEINFER_DATA_DIR" not in os.environ
     assert "overrides" not in capsys.readouterr().err
 
 
@@ -121,7 +123,7 @@ def test_eval_calibration_flag_beside_the_variable_says_so(monkeypatch, tmp_path
     flag.write_text("y\n")
     monkeypatch.setenv("FUSEINFER_CALIBRATION_DATA", str(env))
     assert main(["--model", str(TINY), *QUICK, "--calibration-data", str(flag)]) == 0
-    assert os.environ["FUSEINFER_CALIBRATION_DATA"] == str(flag)
+    assert os.environ["FUSEINFER_CALIBRATION_DATA"] == str(env)  # (the flag travels in the settings)
     assert f"--calibration-data {flag} overrides FUSEINFER_CALIBRATION_DATA={env}" in capsys.readouterr().err
 
 

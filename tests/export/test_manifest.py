@@ -154,15 +154,14 @@ def test_export_for_another_model_is_refused(export):
     OrtDecoder(directory, "cpu", model=model)
 
 
-def test_onnx_dir_reuse_checks_every_weight(export, monkeypatch):
+def test_onnx_dir_reuse_checks_every_weight(export):
     from fuseinfer.eval import BACKENDS  # noqa: F401  (the registry imports the export backends first)
     from fuseinfer.export.eval_backend import export_dir_for
 
     model, _, directory = export
-    monkeypatch.setenv("FUSEINFER_ONNX_DIR", str(directory.parent))
-    found, temporary = export_dir_for(model, "fused", torch.float32)
+    found, temporary = export_dir_for(model, "fused", torch.float32, str(directory.parent))
     assert (found, temporary) == (directory, False)
-    elsewhere, _ = export_dir_for(_changed(model), "fused", torch.float32)
+    elsewhere, _ = export_dir_for(_changed(model), "fused", torch.float32, str(directory.parent))
     assert elsewhere != directory and not elsewhere.exists()
 
 

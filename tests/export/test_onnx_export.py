@@ -166,16 +166,15 @@ def test_fresh_process_loads_and_matches(tiny_exports):
 
 
 @pytest.mark.skipif(not (WIKITEXT / "wiki.test.raw").is_file(), reason=f"wiki.test.raw not found in {WIKITEXT}")
-def test_eval_rows_ppl_and_greedy_match_eager(tiny_model_path, tmp_path, monkeypatch):
+def test_eval_rows_ppl_and_greedy_match_eager(tiny_model_path, tmp_path):
     """The eval CLI's runner with ort and ort-plain: PPL within 0.1% of eager, greedy tokens equal to eager's;
-    the second run reuses the exports kept under $FUSEINFER_ONNX_DIR."""
+    the second run reuses the exports kept under the settings' onnx_dir (--onnx-dir)."""
     from fuseinfer.eval import Settings, run
     from fuseinfer.harness.ui import ConsoleUI
 
-    monkeypatch.setenv("FUSEINFER_ONNX_DIR", str(tmp_path))
     settings = Settings(model=str(tiny_model_path), backends=("eager", "ort", "ort-plain"), device="cpu",
                         dtype="fp32", prompt_len=16, gen_len=8, warmup=0, repeats=1, seq_len=256, max_windows=3,
-                        data_dir=str(WIKITEXT), debug=True)
+                        data_dir=str(WIKITEXT), debug=True, onnx_dir=str(tmp_path))
     ui = ConsoleUI(quiet=True) if "quiet" in ConsoleUI.__init__.__code__.co_varnames else ConsoleUI()
     rows = run(settings, ui)["backends"]
     for name in ("ort", "ort-plain"):

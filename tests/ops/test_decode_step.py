@@ -1,7 +1,7 @@
 """fuseinfer::opt_decode_step (fuseinfer/ops/decode_step.py): the reference against the per-op decode path (CPU),
 the op's registration (opcheck), property tests against the reference (hypothesis: random model sizes, batch rows,
 padding and slots) on every device, and on the GPU the one-kernel step against the fp32 reference and inside fast
-decode (the FUSEINFER_DECODE_KERNEL choice)."""
+decode (the RuntimeConfig.decode_kernel choice)."""
 from __future__ import annotations
 
 import pytest
@@ -249,14 +249,13 @@ def test_opcheck_cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["1", "0", "auto"])
-def test_fast_decode_path_and_tokens(tiny_model_path, kernel, monkeypatch):
-    """FUSEINFER_DECODE_KERNEL picks the step: 1 the one-kernel step wherever it applies (batch buckets up to
-    8), 0 never, auto (the default) up to AUTO_MAX_ROWS rows; beyond the kernel (10 rows, bucket 16) the step is
+@pytest.mark.parametrize("kernel", ["on", "off", "auto"])
+def test_fast_decode_path_and_tokens(tiny_model_path, kernel):
+    """RuntimeConfig.decode_kernel picks the step: on the one-kernel step wherever it applies (batch buckets up to
+    8), off never, auto (the default) up to AUTO_MAX_ROWS rows; beyond the kernel (10 rows, bucket 16) the step is
     per op whatever the setting. Every path gives HF's greedy tokens."""
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setenv("FUSEINFER_DECODE_KERNEL", kernel)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float16).cuda().eval()
     ids = torch.randint(3, 8192, (5, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     mask = torch.ones_like(ids)
@@ -265,26 +264,28 @@ def test_fast_decode_path_and_tokens(tiny_model_path, kernel, monkeypatch):
     kwargs = dict(max_new_tokens=48, min_new_tokens=48, do_sample=False)
     ref = model.generate(ids, attention_mask=mask, **kwargs)
     ref_one = model.generate(ids[:1], **kwargs)
-    fuseinfer.patch(model)
+    fuseinfer.patch(model, fuseinfer.PatchConfig(runtime=fuseinfer.RuntimeConfig(decode_kernel=kernel)))
     assert torch.equal(fuseinfer.generate(model, ids, mask, max_new_tokens=48), ref)
     assert torch.equal(fuseinfer.generate(model, ids[:1], max_new_tokens=48), ref_one)
     sessions = model.__dict__[SESSIONS_ATTR]
-    expect_kernel = {1: kernel != "0", 8: kernel == "1" or (kernel == "auto" and AUTO_MAX_ROWS >= 8)}
+    expect_kernel = {1: kernel != "off", 8: kernel == "on" or (kernel == "auto" and AUTO_MAX_ROWS >= 8)}
     for bucket, on in expect_kernel.items():
         assert sessions[bucket].path.startswith("one kernel" if on else "per op"), (bucket, sessions[bucket].path)
-    if kernel == "0":
-        assert "FUSEINFER_DECODE_KERNEL=0" in sessions[8].path
+    if kernel == "off":
+        assert "RuntimeConfig(decode_kernel='off')" in sessions[8].path
     big = torch.cat([ids, ids])  # 10 rows: bucket 16, beyond the kernel
     fuseinfer.generate(model, big, torch.cat([mask, mask]), max_new_tokens=2)
     assert sessions[16].path.startswith("per op"), sessions[16].path
 
 
 def test_bad_decode_kernel_setting_is_one_clear_error(monkeypatch):
+    """A bad FUSEINFER_DECODE_KERNEL is an error naming it when a config takes its default from it (patch)."""
     model = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=96, num_hidden_layers=1).eval()
-    fuseinfer.patch(model)
     monkeypatch.setenv("FUSEINFER_DECODE_KERNEL", "yes")
     with pytest.raises(fuseinfer.FuseInferError, match="FUSEINFER_DECODE_KERNEL must be one of auto, 0, 1"):
-        fuseinfer.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=2)
+        fuseinfer.patch(model)
+    fuseinfer.patch(model, fuseinfer.PatchConfig(runtime=fuseinfer.RuntimeConfig(decode_kernel="on")))  # explicit
+    assert fuseinfer.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=2).shape == (1, 5)
 
 
 # ---- int8 weight-only models (Int8WeightOnly): the step with int8 weights and per-channel scales ----
@@ -377,9 +378,9 @@ def test_decode_step_kernel_takes_int8_weight_only_models():
     assert "layer 1's self_attn.qkv_proj is not an int8" in decode_step_kernel(part, _int8_stub_cache(1))[1]
 
 
-def test_auto_takes_the_int8_step_only_up_to_its_measured_hidden_size(monkeypatch, set_knob):
-    """FUSEINFER_DECODE_KERNEL=auto sends int8 weight-only models wider than AUTO_INT8_MAX_HIDDEN per op (measured
-    slower there), saying why; FUSEINFER_DECODE_KERNEL=1 still tries the kernel; fp16 models are not affected."""
+def test_auto_takes_the_int8_step_only_up_to_its_measured_hidden_size(monkeypatch):
+    """decode_kernel='auto' sends int8 weight-only models wider than AUTO_INT8_MAX_HIDDEN per op (measured slower
+    there), saying why; decode_kernel='on' still tries the kernel; fp16 models are not affected."""
     from fuseinfer.ops import decode_step as decode_step_op
     from fuseinfer.models.opt.decode import decode_step_kernel
 
@@ -387,9 +388,8 @@ def test_auto_takes_the_int8_step_only_up_to_its_measured_hidden_size(monkeypatc
     fuseinfer.patch(model, INT8)
     monkeypatch.setattr(decode_step_op, "AUTO_INT8_MAX_HIDDEN", 32)
     assert "slower than per op above hidden size 32" in decode_step_kernel(model, _int8_stub_cache(1))[1]
-    set_knob("FUSEINFER_DECODE_KERNEL", "1")
-    assert decode_step_kernel(model, _int8_stub_cache(1))[1].startswith("no kernel")
-    set_knob("FUSEINFER_DECODE_KERNEL", "auto")
+    with fuseinfer.runtime.using_runtime(model, decode_kernel="on"):
+        assert decode_step_kernel(model, _int8_stub_cache(1))[1].startswith("no kernel")
     fp = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=128, num_hidden_layers=2)
     fuseinfer.patch(fp)
     assert decode_step_kernel(fp, _int8_stub_cache(1))[1].startswith("no kernel")
@@ -429,10 +429,9 @@ def test_int8_opcheck_cuda():
 
 
 @pytest.mark.gpu
-def test_int8_fast_decode_takes_the_kernel_and_matches_per_op_tokens(tiny_model_path, monkeypatch):
+def test_int8_fast_decode_takes_the_kernel_and_matches_per_op_tokens(tiny_model_path):
     """The trained tiny model in fp16, int8 weight-only: fast decode runs the one-kernel step (batch 1 and a padded
-    batch of 5, FUSEINFER_DECODE_KERNEL=1) and gives the per-op int8 step's greedy tokens
-    (FUSEINFER_DECODE_KERNEL=0)."""
+    batch of 5, decode_kernel='on') and gives the per-op int8 step's greedy tokens (decode_kernel='off')."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float16).cuda().eval()
@@ -442,14 +441,13 @@ def test_int8_fast_decode_takes_the_kernel_and_matches_per_op_tokens(tiny_model_
     mask[1, :7] = mask[3, :20] = 0
     ids = ids.masked_fill(mask == 0, model.config.pad_token_id)
     out = {}
-    for kernel in ("0", "1"):
-        monkeypatch.setenv("FUSEINFER_DECODE_KERNEL", kernel)
-        fuseinfer.runtime.release(model)  # fresh sessions (the step is chosen when a session is built)
+    for kernel in ("off", "on"):
+        fuseinfer.runtime.set_runtime(model, decode_kernel=kernel)  # (and fresh sessions: they chose their step)
         out[kernel] = (fuseinfer.generate(model, ids, mask, max_new_tokens=32),
                        fuseinfer.generate(model, ids[:1], max_new_tokens=32))
         sessions = model.__dict__[SESSIONS_ATTR]
         for bucket in (1, 8):
-            assert sessions[bucket].path.startswith("one kernel" if kernel == "1" else "per op"), \
+            assert sessions[bucket].path.startswith("one kernel" if kernel == "on" else "per op"), \
                 (kernel, bucket, sessions[bucket].path)
-    assert torch.equal(out["1"][0], out["0"][0])
-    assert torch.equal(out["1"][1], out["0"][1])
+    assert torch.equal(out["on"][0], out["off"][0])
+    assert torch.equal(out["on"][1], out["off"][1])

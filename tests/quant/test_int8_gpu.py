@@ -102,7 +102,7 @@ def test_dequantize_kernel_is_bit_exact(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_patched_model_on_gpu_matches_the_cpu_reference_path_and_fast_decode(dtype, monkeypatch):
+def test_patched_model_on_gpu_matches_the_cpu_reference_path_and_fast_decode(dtype):
     ext()
     cpu = random_opt(hidden_size=256, num_attention_heads=4, ffn_dim=1024)
     gpu = random_opt(hidden_size=256, num_attention_heads=4, ffn_dim=1024).to("cuda", dtype)
@@ -120,8 +120,7 @@ def test_patched_model_on_gpu_matches_the_cpu_reference_path_and_fast_decode(dty
     session = next(iter(gpu.__dict__["_fuseinfer_sessions"].values()))
     assert session.path.startswith("one kernel") and session.graphs  # the int8 one-kernel step (2 rows: auto)
     # the same steps without graphs (the same kernels, eagerly): identical tokens
-    fuseinfer.runtime.release(gpu)
-    monkeypatch.setenv("FUSEINFER_CUDA_GRAPHS", "0")
+    fuseinfer.runtime.set_runtime(gpu, cuda_graphs=False)  # (and fresh sessions)
     assert torch.equal(fuseinfer.generate(gpu, ids[:, :8].cuda(), max_new_tokens=12), out)
 
 

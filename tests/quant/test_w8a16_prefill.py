@@ -62,14 +62,14 @@ def test_int8_lm_head_or_swapped_linear_keeps_the_modules():
     assert pf.lean_reason(model) is None
 
 
-def test_generate_same_tokens_through_lean_and_module_prefill(set_knob):
+def test_generate_same_tokens_through_lean_and_module_prefill():
     model = _w8a16()
-    assert_same_tokens_lean_and_modules(model, _ids(model.config.vocab_size, rows=1, length=20), set_knob)
+    assert_same_tokens_lean_and_modules(model, _ids(model.config.vocab_size, rows=1, length=20))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_lean_loop_and_graph_equal_the_w8a16_modules(dtype, set_knob):
+def test_gpu_lean_loop_and_graph_equal_the_w8a16_modules(dtype):
     from fuseinfer.runtime.cache import COUNTS
 
     model = random_opt(hidden_size=256, num_attention_heads=4, ffn_dim=1024, num_hidden_layers=3,
@@ -84,15 +84,13 @@ def test_gpu_lean_loop_and_graph_equal_the_w8a16_modules(dtype, set_knob):
         torch.testing.assert_close(ours, ref, rtol=0, atol=1e-2 * ref.abs().max().item())
         assert (ours.argmax(-1) == ref.argmax(-1)).all()
     ids = _ids(model.config.vocab_size, rows=1, length=150).cuda()
-    assert_same_tokens_graph_lean_modules(model, ids, set_knob)
+    assert_same_tokens_graph_lean_modules(model, ids)
     # a prompt of <= 16 rows runs the GEMV in the modules and the lean loop: no graph (its 128-token bucket would
     # switch the linears to the prefill GEMM)
     short = ids[:, :9]
-    set_knob("FUSEINFER_PREFILL", "graph")
-    fuseinfer.runtime.release(model)
+    fuseinfer.runtime.set_runtime(model, prefill="graph")
     before = COUNTS["prefill_graph"]
     graph_tokens = fuseinfer.generate(model, short, max_new_tokens=4)
     assert COUNTS["prefill_graph"] == before
-    set_knob("FUSEINFER_PREFILL", "module")
-    fuseinfer.runtime.release(model)
+    fuseinfer.runtime.set_runtime(model, prefill="module")
     assert torch.equal(fuseinfer.generate(model, short, max_new_tokens=4), graph_tokens)

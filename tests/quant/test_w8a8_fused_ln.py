@@ -124,9 +124,9 @@ def test_fuseinfer_prefill_of_a_w8a8_model_equals_its_forward():
     torch.testing.assert_close(fuseinfer.prefill(model, ids, mask), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_generate_same_tokens_through_lean_and_module_prefill(set_knob):
+def test_generate_same_tokens_through_lean_and_module_prefill():
     _, model = _w8a8()
-    assert_same_tokens_lean_and_modules(model, _ids(model.config.vocab_size, rows=1, length=20), set_knob)
+    assert_same_tokens_lean_and_modules(model, _ids(model.config.vocab_size, rows=1, length=20))
 
 
 def test_swapped_linear_or_int8_lm_head_keeps_the_modules():
@@ -155,7 +155,7 @@ def _gpu_w8a8(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_lean_loop_and_graph_equal_the_w8a8_modules(dtype, set_knob):
+def test_gpu_lean_loop_and_graph_equal_the_w8a8_modules(dtype):
     """On CUDA the lean loop calls the extension directly (the sm90 GEMM where it is built): it must give what the
     patched modules give (the same kernels in the same order: logits equal up to the LM head's row count), and
     generate must choose the same tokens through the prefill graph, the lean loop and the modules."""
@@ -170,7 +170,7 @@ def test_gpu_lean_loop_and_graph_equal_the_w8a8_modules(dtype, set_knob):
     ours = fuseinfer.prefill(model, ids)
     torch.testing.assert_close(ours, ref, rtol=0, atol=2e-2 * ref.abs().max().item())
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
-    assert_same_tokens_graph_lean_modules(model, ids[:1], set_knob)
+    assert_same_tokens_graph_lean_modules(model, ids[:1])
 
 
 @pytest.mark.gpu

@@ -143,20 +143,29 @@ def test_eval_backend_is_registered():
 
 
 def test_eval_backend_calibration_flags_and_random_weights(monkeypatch, tmp_path):
-    """--calibration-data / --calibration-samples reach the fuseinfer-w8a8 backend (through their knobs); a
-    random-weight model is calibrated on seeded token ids, and the calibration time is reported apart."""
+    """--calibration-data / --calibration-samples reach the fuseinfer-w8a8 backend in the settings (the
+    environment untouched; their knobs are the defaults); a random-weight model is calibrated on seeded token ids,
+    and the calibration time is reported apart."""
+    import os
     from types import SimpleNamespace
 
-    from fuseinfer.eval.cli import build_parser
+    from fuseinfer.eval.cli import build_parser, settings_from_args
     from fuseinfer.eval.registry import BACKENDS
     from tests.conftest import random_opt
 
-    args = build_parser().parse_args(["--calibration-data", "cal.txt", "--calibration-samples", "3"])
-    assert (args.calibration_data, args.calibration_samples) == ("cal.txt", 3)
+    monkeypatch.delenv("FUSEINFER_CALIBRATION_DATA", raising=False)
+    monkeypatch.delenv("FUSEINFER_CALIBRATION_SAMPLES", raising=False)
+    (tmp_path / "cal.txt").write_text("some text\n")
+    args = build_parser().parse_args(["--calibration-data", str(tmp_path / "cal.txt"), "--calibration-samples", "3"])
+    settings = settings_from_args(args)
+    assert (settings.calibration_data, settings.calibration_samples) == (str(tmp_path / "cal.txt"), 3)
+    assert "FUSEINFER_CALIBRATION_DATA" not in os.environ and "FUSEINFER_CALIBRATION_SAMPLES" not in os.environ
     cls = BACKENDS["fuseinfer-w8a8"]
-    monkeypatch.setenv("FUSEINFER_CALIBRATION_DATA", str(tmp_path))
+    config = cls(None, None, torch.float32, torch.device("cpu"), 0, settings).quant_config()
+    assert config.calibration == str(tmp_path / "cal.txt") and config.samples == 3
+    monkeypatch.setenv("FUSEINFER_CALIBRATION_DATA", str(tmp_path))  # the knobs: defaults of the settings
     monkeypatch.setenv("FUSEINFER_CALIBRATION_SAMPLES", "3")
-    config = cls.quant_config()
+    config = cls(None, None, torch.float32, torch.device("cpu"), 0).quant_config()
     assert config.calibration == str(tmp_path) and config.samples == 3
     monkeypatch.setenv("FUSEINFER_CALIBRATION_SAMPLES", "2")
     monkeypatch.delenv("FUSEINFER_CALIBRATION_DATA")

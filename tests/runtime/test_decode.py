@@ -13,7 +13,7 @@ from conftest import VARIANTS, random_opt
 import fuseinfer
 from fuseinfer import FuseInferError, PatchConfig
 from fuseinfer.runtime import hf_generate
-from fuseinfer.runtime.decode import SESSIONS_ATTR, STOP_CHECK_EVERY, _graph_steps
+from fuseinfer.runtime.decode import SESSIONS_ATTR, STOP_CHECK_EVERY
 
 PROMPTS = ["The tower is", "In 1990 , the band released their second album", "He was",
            "= Valkyria Chronicles III ="]
@@ -400,7 +400,7 @@ def test_greedy_64_tokens_identical_to_hf_fp16_cuda_graphs(tiny_model_path, prom
     model, tok = _load(tiny_model_path, "cuda")
     model = _greedy_matches_hf(model, tok, prompts, "cuda")
     sessions = model.__dict__[SESSIONS_ATTR]
-    assert all(set(s.graphs) == {1, _graph_steps()} for s in sessions.values())  # 63 steps: 3 groups + 15 single
+    assert all(set(s.graphs) == {1, fuseinfer.RuntimeConfig().graph_steps} for s in sessions.values())  # 63 steps: 3 groups + 15 single
 
 
 @pytest.mark.gpu
@@ -416,7 +416,7 @@ def test_graphs_fit_the_steps_a_call_takes(tiny_model_path, max_new, group):
     short = fuseinfer.generate(model, enc.input_ids, enc.attention_mask, max_new_tokens=max_new)
     (session,) = model.__dict__[SESSIONS_ATTR].values()
     # (a call that decodes nothing, max_new_tokens=1, captures no decode graph: runtime/decode.py)
-    assert set(session.graphs) == (set() if max_new == 1 else {1, min(_graph_steps(), group)})
+    assert set(session.graphs) == (set() if max_new == 1 else {1, min(fuseinfer.RuntimeConfig().graph_steps, group)})
     assert torch.equal(short, long[:, :short.shape[1]])
 
 
@@ -471,7 +471,7 @@ def test_fallback_reasons_are_logged_once_per_kind(caplog, monkeypatch):
 def test_bad_graph_steps_setting_is_one_clear_error(value, monkeypatch):
     monkeypatch.setenv("FUSEINFER_DECODE_GRAPH_STEPS", value)
     with pytest.raises(FuseInferError, match="FUSEINFER_DECODE_GRAPH_STEPS must be an integer >= 1"):
-        _graph_steps()
+        fuseinfer.RuntimeConfig()
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -79,18 +79,16 @@ def test_fuseinfer_prefill_equals_the_patched_model_call(variant, padded):
 
 @pytest.mark.parametrize("variant", ["pre_ln", "post_ln_project_in_out", "no_bias"])
 def test_generate_tokens_unchanged_through_the_lean_prefill(variant, monkeypatch):
-    """fuseinfer.generate with the lean prefill gives the tokens of the patched-modules prefill (FUSEINFER_PREFILL
-    =module), and the lean loop is what ran."""
+    """fuseinfer.generate with the lean prefill gives the tokens of the patched-modules prefill (RuntimeConfig
+    prefill='module'), and the lean loop is what ran."""
     model = random_opt(**VARIANTS[variant])
-    fuseinfer.patch(model)
+    fuseinfer.patch(model, fuseinfer.PatchConfig(runtime=fuseinfer.RuntimeConfig(prefill="module")))
     ids, mask = _batch()
-    monkeypatch.setenv("FUSEINFER_PREFILL", "module")
     ref = fuseinfer.generate(model, ids, mask, max_new_tokens=12)
-    fuseinfer.runtime.release(model)
     calls = []
     lean = pf.lean_logits
     monkeypatch.setattr(pf, "lean_logits", lambda *a, **k: calls.append(1) or lean(*a, **k))
-    monkeypatch.setenv("FUSEINFER_PREFILL", "auto")  # on CPU: no graphs, the lean loop
+    fuseinfer.runtime.set_runtime(model, prefill="auto")  # on CPU: no graphs, the lean loop
     assert torch.equal(fuseinfer.generate(model, ids, mask, max_new_tokens=12), ref)
     assert calls == [1]
     assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
@@ -168,7 +166,7 @@ def test_length_buckets_and_the_graph_choice(monkeypatch):
     assert pf._graph_for(Session(), 100, "graph") is None  # a CPU session
     with pytest.raises(FuseInferError, match="FUSEINFER_PREFILL"):
         monkeypatch.setenv("FUSEINFER_PREFILL", "fast")
-        pf.mode()
+        fuseinfer.RuntimeConfig()
 
 
 def test_mask_builder_skips_the_host_read_while_capturing(monkeypatch):
@@ -292,7 +290,7 @@ def test_lean_prefill_fp16_logits(variant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("prompt", [100, 128, 300])
-def test_prefill_graph_logits_and_tokens(prompt, monkeypatch):
+def test_prefill_graph_logits_and_tokens(prompt):
     """Fast decode's prefill through a bucket graph (right padding to the bucket): first logits within the fp16
     rule, and the greedy tokens of the patched-modules prefill."""
     m32, m16, model = _cuda_models()
@@ -300,10 +298,9 @@ def test_prefill_graph_logits_and_tokens(prompt, monkeypatch):
     ids = torch.randint(3, 4096, (2, prompt), generator=g).cuda()
     mask = torch.ones_like(ids)
     mask[0, :17] = 0
-    monkeypatch.setenv("FUSEINFER_PREFILL", "module")
+    fuseinfer.runtime.set_runtime(model, prefill="module")
     ref = fuseinfer.generate(model, ids, mask, max_new_tokens=16)
-    fuseinfer.runtime.release(model)
-    monkeypatch.setenv("FUSEINFER_PREFILL", "graph")
+    fuseinfer.runtime.set_runtime(model, prefill="graph")  # (and fresh sessions)
     ours = fuseinfer.generate(model, ids, mask, max_new_tokens=16)
     session = model.__dict__[SESSIONS_ATTR][2]
     assert list(pf.graph_stats(session)) == [pf.length_bucket(prompt)]
@@ -326,16 +323,14 @@ def test_prefill_graph_logits_and_tokens(prompt, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_greedy_tokens_unchanged_fp16_tiny_model(tiny_model_path, monkeypatch):
+def test_greedy_tokens_unchanged_fp16_tiny_model(tiny_model_path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float16).cuda().eval()
     ids = torch.tensor([[2, 133, 2064, 16, 10, 1539, 6, 5, 1440, 9]], device="cuda") % 8192
     kwargs = dict(max_new_tokens=32, do_sample=False)
-    fuseinfer.patch(model)
-    monkeypatch.setenv("FUSEINFER_PREFILL", "module")
+    fuseinfer.patch(model, fuseinfer.PatchConfig(runtime=fuseinfer.RuntimeConfig(prefill="module")))
     ref = model.generate(ids, **kwargs)
     for choice in ("lean", "graph"):
-        fuseinfer.runtime.release(model)
-        monkeypatch.setenv("FUSEINFER_PREFILL", choice)
+        fuseinfer.runtime.set_runtime(model, prefill=choice)  # (and fresh sessions)
         assert torch.equal(model.generate(ids, **kwargs), ref), choice

@@ -35,7 +35,7 @@ def fake_graphs(monkeypatch):
         step_counter.zero_()
         return {n: _EagerGraph(step, n) for n in counts}
 
-    monkeypatch.setattr(decode, "_graphs_enabled", lambda dev, plan: True)
+    monkeypatch.setattr(decode, "_graphs_enabled", lambda dev, plan, runtime: True)
     monkeypatch.setattr(decode, "capture_graphs", capture)
 
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fuseinfer.core import knobs
 from fuseinfer.core.quant_config import Int8WeightOnly
 from fuseinfer.layers.linear import Int8WeightOnlyLinear
-from fuseinfer.core.state import patch_state
+from fuseinfer.core.state import patch_state, runtime_config
 from fuseinfer.ops import decode_step as decode_step_op
 from fuseinfer.ops import decode_step_workspace, opt_decode_step
 from fuseinfer.layers import attention_backend, hf_attention
@@ -41,9 +40,9 @@ def decode_step_kernel(model: nn.Module, cache):
     ``cache`` as one kernel (``fuseinfer::opt_decode_step``), or (None, why it cannot)."""
     if attention_backend.decode_backend(model) == "sdpa":
         return None, "attention_backend='sdpa': the one-kernel step runs fuseinfer's attention"
-    mode = knobs.get("FUSEINFER_DECODE_KERNEL")
-    if mode == "0":
-        return None, "the one-kernel step is off: FUSEINFER_DECODE_KERNEL=0"
+    mode = runtime_config(model).decode_kernel
+    if mode == "off":
+        return None, "the one-kernel step is off: RuntimeConfig(decode_kernel='off')"
     quant = patch_state(model).config.quant
     if quant is not None:
         why = _int8_unsupported(model, quant)
@@ -52,11 +51,11 @@ def decode_step_kernel(model: nn.Module, cache):
     rows = cache.key_mask.shape[0]
     if mode == "auto" and rows > decode_step_op.AUTO_MAX_ROWS:
         return None, (f"the one-kernel step is slower than per op above {decode_step_op.AUTO_MAX_ROWS} row(s) "
-                      "(measured); FUSEINFER_DECODE_KERNEL=1 uses it wherever it applies")
+                      "(measured); RuntimeConfig(decode_kernel='on') uses it wherever it applies")
     if mode == "auto" and quant is not None and model.config.hidden_size > decode_step_op.AUTO_INT8_MAX_HIDDEN:
         return None, (f"the int8 one-kernel step is slower than per op above hidden size "
-                      f"{decode_step_op.AUTO_INT8_MAX_HIDDEN} (measured); FUSEINFER_DECODE_KERNEL=1 uses it "
-                      "wherever it applies")
+                      f"{decode_step_op.AUTO_INT8_MAX_HIDDEN} (measured); RuntimeConfig(decode_kernel='on') uses "
+                      "it wherever it applies")
     cfg, dec = model.config, model.model.decoder
     if not cfg.do_layer_norm_before or dec.project_in is not None or dec.project_out is not None:
         return None, "post-LN OPT with projected embeddings (opt-350m) runs per op"
