@@ -17,11 +17,14 @@ from torch import nn
 from fuseinfer import models
 from fuseinfer.harness.errors import EvalError
 
-# hub id -> model_type of every family's published configuration (``ModelFamily.random_configs``); a short name
-# (``opt-1.3b``) is the part after the '/'
-PUBLISHED = models.random_configs()
-_BY_SHORT = {hub_id.rsplit("/", 1)[-1].lower(): hub_id for hub_id in PUBLISHED}
-SHORT_NAMES = tuple(_BY_SHORT)
+
+def published_names() -> dict[str, str]:
+    """Every family's published configuration (``ModelFamily.random_configs``) by short name (the hub id's part
+    after the '/', e.g. ``opt-1.3b``): short name -> hub id."""
+    return {hub_id.rsplit("/", 1)[-1].lower(): hub_id for hub_id in models.random_configs()}
+
+
+SHORT_NAMES = tuple(published_names())  # (for --help texts; resolution reads the registry each time)
 RANDOM_PREFIX = "random:"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -37,16 +40,17 @@ class ModelSource:
 
 
 def _bad_name(spec: str) -> EvalError:
-    return EvalError(f"unknown model {spec!r}: use a short name ({', '.join(SHORT_NAMES)}), a Hugging Face hub id "
-                     "(org/name), a local directory, or random:<name> for random weights")
+    return EvalError(f"unknown model {spec!r}: use a short name ({', '.join(published_names())}), a Hugging Face "
+                     "hub id (org/name), a local directory, or random:<name> for random weights")
 
 
 def resolve_model(spec: str) -> ModelSource:
     """Map what the user typed to a :class:`ModelSource`; raises :class:`EvalError` for a name that is none."""
     random_weights = spec.startswith(RANDOM_PREFIX)
     name = spec[len(RANDOM_PREFIX):] if random_weights else spec
-    if name.lower() in _BY_SHORT:
-        return ModelSource(spec, _BY_SHORT[name.lower()], "hub", random_weights)
+    short = published_names()
+    if name.lower() in short:
+        return ModelSource(spec, short[name.lower()], "hub", random_weights)
     if os.path.isdir(os.path.expanduser(name)):
         return ModelSource(spec, os.path.abspath(os.path.expanduser(name)), "local", random_weights)
     if os.path.isfile(os.path.expanduser(name)):
@@ -64,7 +68,7 @@ def _load_failed(source: ModelSource, exc: Exception) -> EvalError:
         return EvalError(f"could not load {source.path!r} ({reason}); it should hold a Hugging Face model "
                          "(config.json and weights)")
     hint = f" or random:{source.path.rsplit('/', 1)[-1]} for latency and memory only" \
-        if not source.random_weights and source.path in PUBLISHED else ""
+        if not source.random_weights and source.path in models.random_configs() else ""
     local = os.path.abspath(source.path)  # an id like models/opt-wt2-tiny may be a mistyped relative path
     return EvalError(f"could not load {source.path!r} ({reason}; no local directory {local} either); pass a local "
                      f"directory with the model (--model /path/to/{source.path.split('/')[-1]}){hint}")
@@ -86,8 +90,9 @@ def load_config(source: ModelSource, quantized: str | None = None):
     otherwise ``quantized`` says why this command needs the unquantized model, and the error names the fix."""
     from transformers import AutoConfig
 
-    if source.random_weights and source.path in PUBLISHED:
-        return models.family(PUBLISHED[source.path]).build_config(source.path)
+    table = models.random_configs()
+    if source.random_weights and source.path in table:
+        return models.family(table[source.path]).build_config(source.path)
     try:
         config = AutoConfig.from_pretrained(source.path)
     except Exception as exc:  # hub, network and file errors all end the run with one line

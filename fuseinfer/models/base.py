@@ -27,7 +27,7 @@ class Smoothing:
     """One place SmoothQuant may move activation range into weights: the input of ``targets`` (linears that all read
     it; calibrated at ``targets[0]``) is divided by s, folded into ``source``."""
 
-    kind: str                # "layernorm": s folds into its weight and bias; "linear_rows": into the linear's output rows
+    kind: str                # "layernorm": s folds into its weight and bias; "linear_rows": into the output rows
     source: str              # qualified module name of the LayerNorm or linear that produces the input
     targets: tuple[str, ...]  # qualified names of the linears whose input columns are multiplied by s
     what: str                # the input, for reports: "<layer> q/k/v input"

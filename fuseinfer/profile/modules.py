@@ -3,8 +3,8 @@
 ``ModuleRanges(model)`` opens a range ``fi:<kind>:<qualified name>`` around every call of a module whose kind it
 knows: decoder layers, attention modules, LayerNorms and embeddings by class; the q/k/v and attention output
 projections, the MLP's two projections, activations, the LM head by their names in the model's family
-(``ModelFamily.module_kinds``). Patched (fused) modules skip their submodules' calls, so a fused layer's MLP shows as ops
-directly under its ``layer`` range, and a fused attention's q/k/v GEMM directly under ``attention``:
+(``ModelFamily.module_kinds``). Patched (fused) modules skip their submodules' calls, so a fused layer's MLP shows
+as ops directly under its ``layer`` range, and a fused attention's q/k/v GEMM directly under ``attention``:
 ``trace.classify`` sorts those ops by shape. Hooks are per module (a global hook would make patched modules run
 their original forward), added after patching and after the fast-decode session exists (its one-kernel step is
 only taken for a model without hooks), and removed on exit.

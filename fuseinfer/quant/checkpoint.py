@@ -5,10 +5,10 @@ Format (a Hugging Face model folder, ready for ``push_to_hub``): ``config.json``
 ``quantization_config`` whose ``quant_method`` is ``"fuseinfer"`` (the scheme's ``describe()``: bits, granularity,
 scale dtype, rounding; the PatchConfig ops; the quantized module names; the model's dtype; the fuseinfer version;
 the weights' content hash), and ``model.safetensors`` the patched model's state dict (int8 ``qweight`` and fp32
-``scale`` per quantized linear, the fused q/k/v as the attention module's ``qkv_proj``; everything else in the model's dtype;
-tied tensors stored once). SmoothQuant W8A8 models save the same way: int8 ``weight_q`` and fp32 ``weight_scale``
-(N, 1) per linear, their biases, and the LayerNorms with the smoothing factors already folded in; the record holds
-alpha and the calibration source.
+``scale`` per quantized linear, the fused q/k/v as the attention module's ``qkv_proj``; everything else in the
+model's dtype; tied tensors stored once). SmoothQuant W8A8 models save the same way: int8 ``weight_q`` and fp32
+``weight_scale`` (N, 1) per linear, their biases, and the LayerNorms with the smoothing factors already folded in;
+the record holds alpha and the calibration source.
 
 The layout exists only in a patched model, so every reader builds the model on the meta device, applies ``patch``
 with the recorded ops and the scheme's config in its empty-layout form (``_empty``: int8 / scale tensors laid out,

@@ -57,8 +57,8 @@ def load_quantized(directory, device=None, model=None, ops=None):
         if patch_state(model) is not None:
             raise FuseInferError("load_quantized(model=...) takes an unpatched model: fuseinfer.unpatch(model) first")
         mine = getattr(model, "config", None)
-        diff = [f"{f}: checkpoint {getattr(saved, f, None)!r}, model {getattr(mine, f, None)!r}" for f in fam.config_fields
-                if getattr(saved, f, None) != getattr(mine, f, None)]
+        diff = [f"{f}: checkpoint {getattr(saved, f, None)!r}, model {getattr(mine, f, None)!r}"
+                for f in fam.config_fields if getattr(saved, f, None) != getattr(mine, f, None)]
         if checked["architectures"] and type(model).__name__ not in checked["architectures"]:
             diff.insert(0, f"class: checkpoint {checked['architectures'][0]}, model {type(model).__name__}")
         if diff:

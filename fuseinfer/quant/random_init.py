@@ -1,14 +1,14 @@
 """Random-weight quantized models built without a full-precision copy (e.g. OPT-66b int8 on one 80 GB GPU).
 
-``random_quantized("opt-66b", device="cuda")`` (any family's published configuration, ``ModelFamily.random_configs``;
-``random_quantized_opt`` is the same function): the model is built on the meta device, patched with an
-``Int8WeightOnly`` that lays out empty int8 / scale tensors (as ``load_quantized`` does), allocated on the device
-(``to_empty``: int8 linears + everything else in the model's dtype; 66b: ~66 GB), then filled layer by layer: each
-linear's weight is drawn in the model's dtype on the device (``normal(0, init_std)``, as transformers' OPT init, from
-a seeded generator), quantized per channel by the CUDA kernel into the int8 / scale tensors and freed, so the
-largest full-precision tensor alive is one weight (66b: the first MLP projection, 680 MB). Biases are zero,
-LayerNorms (1, 0), embeddings ``normal(0, init_std)`` (OPT's init; ``initializer_range`` where the config has no
-``init_std``). For latency and memory measurements only.
+``random_quantized("opt-66b", device="cuda")`` (any family's published configuration,
+``ModelFamily.random_configs``; ``random_quantized_opt`` is the same function): the model is built on the meta
+device, patched with an ``Int8WeightOnly`` that lays out empty int8 / scale tensors (as ``load_quantized`` does),
+allocated on the device (``to_empty``: int8 linears + everything else in the model's dtype; 66b: ~66 GB), then
+filled layer by layer: each linear's weight is drawn in the model's dtype on the device (``normal(0, init_std)``, as
+transformers' OPT init, from a seeded generator), quantized per channel by the CUDA kernel into the int8 / scale
+tensors and freed, so the largest full-precision tensor alive is one weight (66b: the first MLP projection, 680 MB).
+Biases are zero, LayerNorms (1, 0), embeddings ``normal(0, init_std)`` (OPT's init; ``initializer_range`` where the
+config has no ``init_std``). For latency and memory measurements only.
 """
 from __future__ import annotations
 
@@ -28,15 +28,15 @@ def random_quantized(name: str = "opt-66b", device="cuda", dtype=torch.float16, 
     configuration's hub id or short name (``opt-1.3b``)."""
     from fuseinfer import models
     from fuseinfer.core.errors import FuseInferError
+    from fuseinfer.harness.models import published_names
     from fuseinfer.ops import quantize_per_channel
     from fuseinfer.patching import PatchConfig, patch
 
-    published = models.random_configs()
-    key = next((k for k in published if name in (k, k.rsplit("/", 1)[-1])), None)
-    if key is None:
-        raise FuseInferError(f"unknown model size {name!r}; choose from "
-                             f"{', '.join(k.rsplit('/', 1)[-1] for k in published)}")
-    fam = models.family(published[key])
+    short = published_names()
+    key = short.get(name.lower(), name)
+    if key not in short.values():
+        raise FuseInferError(f"unknown model size {name!r}; choose from {', '.join(short)}")
+    fam = models.family(models.random_configs()[key])
     cfg = fam.build_config(key)
     model = fam.empty_model(cfg, dtype)
     qconfig = dataclasses.replace(config or Int8WeightOnly(), keep_original=None, _empty=True)

@@ -184,7 +184,7 @@ def quantize_w8a8(model: nn.Module, config, report) -> W8A8State:
         raise FuseInferError("nothing to quantize: the PatchConfig's ops and filter_fn left no decoder linear "
                              "patched; select at least one decoder layer or attention module")
     if config._empty:  # the layout of a saved W8A8 model (checkpoint.load_quantized): no calibration, no smoothing
-        return _empty_layout(model, config, targets, report)
+        return _empty_layout(model, config, targets, report, fam.qkv_names)
     keep = config.keep_original
     stats, seconds = _stats(model, config)
     # every Parameter smoothing or quantization changes (LayerNorms, producing linears, quantized linears; the
@@ -248,7 +248,7 @@ def _swap_in(state: W8A8State, t, new, w: torch.Tensor, qkv_names: tuple[str, ..
     attn._fuseinfer_qkv_params = (None,) * 6
 
 
-def _empty_layout(model: nn.Module, config, targets, report) -> W8A8State:
+def _empty_layout(model: nn.Module, config, targets, report, qkv_names: tuple[str, ...]) -> W8A8State:
     """Swap in W8A8Linears with uninitialized tensors (and the q/k/v slices) as ``quantize_w8a8`` would, without
     calibrating or smoothing: a checkpoint's tensors (the smoothed LayerNorms and biases among them) are loaded
     into them next. The originals are freed (unpatch refuses)."""
@@ -258,7 +258,7 @@ def _empty_layout(model: nn.Module, config, targets, report) -> W8A8State:
         w, bias = _target_weight(t)
         new = _quantize(w, bias, empty=True)
         before = w.numel() * w.element_size()
-        _swap_in(state, t, new, w, fam.qkv_names)
+        _swap_in(state, t, new, w, qkv_names)
         qreport.entries.append(QuantEntry(t.name, tuple(new.weight_q.shape), before,
                                           new.weight_q.numel() + 4 * new.weight_scale.numel()))
     report.quant = qreport

@@ -1,13 +1,13 @@
 """W8A16 (``Int8WeightOnly``): replace the linears of the modules ``patch`` swapped by int8 ones, and undo it.
 
-Runs after the model family's swaps (``patching.patch``). Plan first (which linears, every check), then change:
-a config that selects nothing raises before anything is touched (the engine then undoes the family's swaps).
-Per linear: ``quantize_per_channel`` (``fuseinfer/ops/quant.py``: CUDA kernel on GPU) gives int8 (N, K) and one
-fp32 scale per row; the ``nn.Linear`` is replaced in its parent by an :class:`Int8WeightOnlyLinear` holding them
-and the original bias Parameter. The fused q/k/v (``qkv_weight``, (3E, E), built by the family's patch) becomes
-one int8 (3E, E) + (3E,) scales in the attention module's ``qkv_proj``; its q/k/v projections (the family's
-``qkv_names``) become :class:`QKVSlice` views of it. The replaced fp16 weights are freed as each is done (peak: the model plus one weight's temporaries), after
-a copy to host memory when ``keep_original="cpu"``.
+Runs after the model family's swaps (``patching.patch``). Plan first (which linears, every check), then change: a
+config that selects nothing raises before anything is touched (the engine then undoes the family's swaps). Per
+linear: ``quantize_per_channel`` (``fuseinfer/ops/quant.py``: CUDA kernel on GPU) gives int8 (N, K) and one fp32
+scale per row; the ``nn.Linear`` is replaced in its parent by an :class:`Int8WeightOnlyLinear` holding them and the
+original bias Parameter. The fused q/k/v (``qkv_weight``, (3E, E), built by the family's patch) becomes one int8
+(3E, E) + (3E,) scales in the attention module's ``qkv_proj``; its q/k/v projections (the family's ``qkv_names``)
+become :class:`QKVSlice` views of it. The replaced fp16 weights are freed as each is done (peak: the model plus one
+weight's temporaries), after a copy to host memory when ``keep_original="cpu"``.
 """
 from __future__ import annotations
 

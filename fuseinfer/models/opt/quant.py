@@ -33,11 +33,10 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 
 def quant_targets(model: nn.Module) -> list[str]:
-    """Every decoder linear: q/k/v, out_proj, fc1, fc2 of each layer."""
+    """Every decoder linear (q/k/v, out_proj, fc1, fc2 of each layer), in module order."""
     prefix, layers = decoder_layers(model)
-    return [name for i in range(len(layers))
-            for name in [f"{prefix}.{i}.self_attn.{p}" for p in QKV + ("out_proj",)]
-            + [f"{prefix}.{i}.fc1", f"{prefix}.{i}.fc2"]]
+    wanted = set(QKV) | {"out_proj", "fc1", "fc2"}
+    return [n for n, _ in layers.named_modules(prefix=prefix) if n.rsplit(".", 1)[-1] in wanted]
 
 
 def smoothing_groups(model: nn.Module) -> list[Smoothing]:
