@@ -12,7 +12,8 @@ import torch
 from transformers import OPTConfig, OPTForCausalLM
 
 import fuseinfer
-from fuseinfer.harness.models import OPT_CONFIGS, SHORT_NAMES
+from fuseinfer.harness.models import SHORT_NAMES
+from fuseinfer.models.opt.configs import OPT_CONFIGS
 
 
 def main() -> int:

@@ -58,11 +58,11 @@ class QuantConfig:
 
 @dataclass(frozen=True)
 class Int8WeightOnly(QuantConfig):
-    """W8A16: decoder linears (q/k/v fused, out_proj, fc1, fc2; the LM head with ``include_lm_head``) stored as
-    int8 (N, K) with one fp32 scale per output channel, symmetric (``scale = max|w_row| / 127``,
-    ``q = round(w / scale)`` clamped to [-127, 127], rounding half to even as ``torch.round``); activations stay in
-    the model's dtype. Decode (<= 16 tokens) runs a GEMV that streams the int8 weights; prefill dequantizes each
-    weight to the model's dtype and runs the fp16/bf16 GEMM (``fuseinfer/ops/w8a16_linear.py``)."""
+    """W8A16: decoder linears (q/k/v fused, the attention output and MLP projections; the LM head with
+    ``include_lm_head``) stored as int8 (N, K) with one fp32 scale per output channel, symmetric (``scale =
+    max|w_row| / 127``, ``q = round(w / scale)`` clamped to [-127, 127], rounding half to even as ``torch.round``);
+    activations stay in the model's dtype. Decode (<= 16 tokens) runs a GEMV that streams the int8 weights; prefill
+    dequantizes each weight to the model's dtype and runs the fp16/bf16 GEMM (``fuseinfer/ops/w8a16_linear.py``)."""
 
     scheme = "int8_weight_only"
 
@@ -74,10 +74,10 @@ class Int8WeightOnly(QuantConfig):
 
 @dataclass(frozen=True)
 class SmoothQuantW8A8(QuantConfig):
-    """W8A8 with SmoothQuant (Xiao et al. 2022; ``fuseinfer/quant/smoothquant.py``): the decoder linears (q/k/v,
-    out_proj, fc1, fc2) get int8 weights (per output channel, symmetric) and int8 activations (per token, dynamic),
-    after the activation outliers are moved into the weights by the smoothing factors
-    ``s_j = max|X_j|^alpha / max|W[:, j]|^(1 - alpha)`` (folded into the LayerNorms / producing linears).
+    """W8A8 with SmoothQuant (Xiao et al. 2022; ``fuseinfer/quant/smoothquant.py``): the decoder linears (q/k/v, the
+    attention output and MLP projections) get int8 weights (per output channel, symmetric) and int8 activations (per
+    token, dynamic), after the activation outliers are moved into the weights by the smoothing factors ``s_j =
+    max|X_j|^alpha / max|W[:, j]|^(1 - alpha)`` (folded into the LayerNorms / producing linears).
 
     alpha: migration strength in [0, 1] (0.5, the paper's choice for OPT; 0 = no smoothing, naive W8A8).
     calibration: the activation maxima: a ``CalibrationStats`` (``smoothquant.calibrate``), a path to saved stats

@@ -1,8 +1,8 @@
 """Model resolution and loading: short names, hub ids, local directories and ``random:<name>``.
 
 ``random:`` builds the model from its configuration with random weights (drawn with a fixed seed, on the target
-device, in the target dtype), for latency and memory only. The configurations of the published facebook/opt-*
-checkpoints are built in so that ``random:opt-1.3b`` works with no network and no cache.
+device, in the target dtype), for latency and memory only. Each model family's published configurations are built
+in (``ModelFamily.random_configs``, e.g. ``random:opt-1.3b``), so those names work with no network and no cache.
 """
 from __future__ import annotations
 
@@ -14,36 +14,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fuseinfer import models
 from fuseinfer.harness.errors import EvalError
 
-# The published configs of facebook/opt-*: (hidden_size, num_hidden_layers, ffn_dim, num_attention_heads).
-_OPT_SHAPES = {
-    "opt-125m": (768, 12, 3072, 12),
-    "opt-350m": (1024, 24, 4096, 16),
-    "opt-1.3b": (2048, 24, 8192, 32),
-    "opt-2.7b": (2560, 32, 10240, 32),
-    "opt-6.7b": (4096, 32, 16384, 32),
-    "opt-13b": (5120, 40, 20480, 40),
-    "opt-30b": (7168, 48, 28672, 56),
-    "opt-66b": (9216, 64, 36864, 72),
-}
-_OPT_COMMON = dict(
-    vocab_size=50272, max_position_embeddings=2048, activation_function="relu", enable_bias=True,
-    layer_norm_elementwise_affine=True, dropout=0.1, attention_dropout=0.0, layerdrop=0.0, init_std=0.02,
-    pad_token_id=1, bos_token_id=2, eos_token_id=2, tie_word_embeddings=True, use_cache=True,
-    _remove_final_layer_norm=False,
-)
+
+def published_names() -> dict[str, str]:
+    """Every family's published configuration (``ModelFamily.random_configs``) by short name (the hub id's part
+    after the '/', e.g. ``opt-1.3b``): short name -> hub id."""
+    return {hub_id.rsplit("/", 1)[-1].lower(): hub_id for hub_id in models.random_configs()}
 
 
-def _opt_config_kwargs(short: str) -> dict:
-    hidden, layers, ffn, heads = _OPT_SHAPES[short]
-    post_ln = short == "opt-350m"  # the only post-LN OPT, with 512-wide word embeddings projected to 1024
-    return dict(_OPT_COMMON, hidden_size=hidden, num_hidden_layers=layers, ffn_dim=ffn, num_attention_heads=heads,
-                word_embed_proj_dim=512 if post_ln else hidden, do_layer_norm_before=not post_ln)
-
-
-OPT_CONFIGS = {f"facebook/{short}": _opt_config_kwargs(short) for short in _OPT_SHAPES}
-SHORT_NAMES = tuple(_OPT_SHAPES)
+SHORT_NAMES = tuple(published_names())  # (for --help texts; resolution reads the registry each time)
 RANDOM_PREFIX = "random:"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -59,16 +40,17 @@ class ModelSource:
 
 
 def _bad_name(spec: str) -> EvalError:
-    return EvalError(f"unknown model {spec!r}: use a short name ({', '.join(SHORT_NAMES)}), a Hugging Face hub id "
-                     "(org/name), a local directory, or random:<name> for random weights")
+    return EvalError(f"unknown model {spec!r}: use a short name ({', '.join(published_names())}), a Hugging Face "
+                     "hub id (org/name), a local directory, or random:<name> for random weights")
 
 
 def resolve_model(spec: str) -> ModelSource:
     """Map what the user typed to a :class:`ModelSource`; raises :class:`EvalError` for a name that is none."""
     random_weights = spec.startswith(RANDOM_PREFIX)
     name = spec[len(RANDOM_PREFIX):] if random_weights else spec
-    if name.lower() in SHORT_NAMES:
-        return ModelSource(spec, f"facebook/{name.lower()}", "hub", random_weights)
+    short = published_names()
+    if name.lower() in short:
+        return ModelSource(spec, short[name.lower()], "hub", random_weights)
     if os.path.isdir(os.path.expanduser(name)):
         return ModelSource(spec, os.path.abspath(os.path.expanduser(name)), "local", random_weights)
     if os.path.isfile(os.path.expanduser(name)):
@@ -85,8 +67,8 @@ def _load_failed(source: ModelSource, exc: Exception) -> EvalError:
     if source.kind == "local":
         return EvalError(f"could not load {source.path!r} ({reason}); it should hold a Hugging Face model "
                          "(config.json and weights)")
-    hint = f" or random:{source.path.removeprefix('facebook/')} for latency and memory only" \
-        if not source.random_weights and source.path in OPT_CONFIGS else ""
+    hint = f" or random:{source.path.rsplit('/', 1)[-1]} for latency and memory only" \
+        if not source.random_weights and source.path in models.random_configs() else ""
     local = os.path.abspath(source.path)  # an id like models/opt-wt2-tiny may be a mistyped relative path
     return EvalError(f"could not load {source.path!r} ({reason}; no local directory {local} either); pass a local "
                      f"directory with the model (--model /path/to/{source.path.split('/')[-1]}){hint}")
@@ -102,14 +84,15 @@ def checkpoint_scheme(config) -> str | None:
 
 
 def load_config(source: ModelSource, quantized: str | None = None):
-    """The model's OPT config: built in for facebook/opt-* random models, else from the hub, cache or directory.
+    """The model's config: built in for a family's published random models, else from the hub, cache or directory.
 
     A fuseinfer quantized checkpoint is accepted only where ``quantized`` is None (the caller runs it as it is);
     otherwise ``quantized`` says why this command needs the unquantized model, and the error names the fix."""
-    from transformers import AutoConfig, OPTConfig
+    from transformers import AutoConfig
 
-    if source.random_weights and source.path in OPT_CONFIGS:
-        return OPTConfig(**OPT_CONFIGS[source.path])
+    table = models.random_configs()
+    if source.random_weights and source.path in table:
+        return models.family(table[source.path]).build_config(source.path)
     try:
         config = AutoConfig.from_pretrained(source.path)
     except Exception as exc:  # hub, network and file errors all end the run with one line

@@ -75,11 +75,11 @@ class Int8WeightOnlyLinear(QuantizedLinear):
 
 
 class QKVSlice(nn.Module):
-    """q_proj / k_proj / v_proj of an attention module whose q/k/v weights were quantized as one (3E, E) int8
-    tensor (``self_attn.qkv_proj``): rows [index * E, (index + 1) * E) of it. Holds no tensor of its own (the
+    """A q/k/v projection of an attention module whose q/k/v weights were quantized as one (3E, E) int8 tensor
+    (the attention module's ``qkv_proj``): rows [index * E, (index + 1) * E) of it. Holds no tensor of its own (the
     slices are taken per call, so ``model.to(...)`` cannot separate them from the fused tensor); ``weight`` and
-    ``bias`` are registered as None so that OPT's check that the projections are still the fused ones
-    (``patches/opt.py: _qkv_linked``, which compares the stored parameters) sees them as they were recorded."""
+    ``bias`` are registered as None so that the family's check that the projections are still the fused ones
+    (which compares the stored parameters) sees them as they were recorded."""
 
     def __init__(self, qkv: Int8WeightOnlyLinear, index: int, embed_dim: int):
         super().__init__()
@@ -115,6 +115,6 @@ def fused_linear(module: nn.Module, x: torch.Tensor, residual: torch.Tensor | No
     qkv = module._modules.get("qkv_proj")
     if qkv is not None:  # quantized fused q/k/v
         return qkv.fused(x, residual, activation)
-    if "qkv_weight" in module.__dict__:  # fp16 fused q/k/v (patches/opt.py keeps it outside _buffers)
+    if "qkv_weight" in module.__dict__:  # fp16 fused q/k/v (the family's patch keeps it outside _buffers)
         return linear_epilogue(x, module.qkv_weight, module.qkv_bias, residual, activation)
     return linear_epilogue(x, module.weight, module.bias, residual, activation)

@@ -14,6 +14,8 @@ _REGISTRY = {
             ("OPTForCausalLM", "OPTModel", "OPTForSequenceClassification", "OPTForQuestionAnswering")),
 }
 _loaded: dict[str, ModelFamily] = {}
+# model_type -> the family's light module (no transformers import) holding RANDOM_CONFIGS, its random: names
+_CONFIGS = {"opt": ".opt.configs"}
 
 
 def family(model_type: str | None) -> ModelFamily | None:
@@ -29,3 +31,15 @@ def family(model_type: str | None) -> ModelFamily | None:
 def supported() -> str:
     """'opt (OPTForCausalLM, ...)' for error messages."""
     return ", ".join(f"{k} ({', '.join(archs)})" for k, (_, _, archs) in _REGISTRY.items())
+
+
+def family_of(model) -> ModelFamily | None:
+    """The family of ``model`` (by its ``config.model_type``), or None."""
+    return family(getattr(getattr(model, "config", None), "model_type", None))
+
+
+def random_configs() -> dict[str, str]:
+    """Every family's published configurations behind ``random:<name>``: hub id -> model_type. Read from the
+    families' light config modules, so listing the names (e.g. for --help) loads no modeling code."""
+    return {name: model_type for model_type, module in _CONFIGS.items()
+            for name in importlib.import_module(module, __name__).RANDOM_CONFIGS}

@@ -7,17 +7,31 @@ one-kernel decode step.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
 from fuseinfer.core.config import PatchConfig, PatchReport
+from fuseinfer.core.errors import FuseInferError
 
 # (model, tokens (B, S), positions (B, S), cache, q_start (B,)) -> fp32 logits of the last position (B, V)
 DecodeForward = Callable[..., torch.Tensor]
 # (tokens (B, 1), positions (B, 1), q_start (B,)) -> fp32 logits (B, V)
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Smoothing:
+    """One place SmoothQuant may move activation range into weights: the input of ``targets`` (linears that all read
+    it; calibrated at ``targets[0]``) is divided by s, folded into ``source``."""
+
+    kind: str                # "layernorm": s folds into its weight and bias; "linear_rows": into the output rows
+    source: str              # qualified module name of the LayerNorm or linear that produces the input
+    targets: tuple[str, ...]  # qualified names of the linears whose input columns are multiplied by s
+    what: str                # the input, for reports: "<layer> q/k/v input"
+    skipped: str = ""        # why it cannot be smoothed in this model; "" when it can
 
 
 class ModelFamily(ABC):
@@ -42,3 +56,59 @@ class ModelFamily(ABC):
     def decode_step_kernel(self, model: nn.Module, cache) -> tuple[DecodeStep | None, str | None]:
         """(a one-kernel decode step over ``cache``, None), or (None, why not); by default there is none."""
         return None, f"no one-kernel decode step for {self.model_type or type(self).__name__}"
+
+    # ---- what the feature packages (quant, profile, the harness) need of a family; the defaults say it has none
+
+    # an attention module's q/k/v projections, in the row order of the (3E, E) ``qkv_weight`` patch fuses them into
+    qkv_names: tuple[str, ...] = ()
+    # the config fields that fix the tensors' shapes: a quantized checkpoint loads only into a model agreeing on all
+    config_fields: tuple[str, ...] = ("model_type",)
+
+    def _unsupported(self, what: str) -> FuseInferError:
+        return FuseInferError(f"{what} is not supported for {self.model_type or type(self).__name__} models")
+
+    def decoder_layers(self, model: nn.Module) -> tuple[str, nn.ModuleList]:
+        """(qualified name, the module list) of ``model``'s decoder layers; FuseInferError if it has none."""
+        raise self._unsupported("finding the decoder layers")
+
+    def relink_qkv(self, attn: nn.Module) -> None:
+        """Make the q/k/v projections (``qkv_names``) of ``attn`` views of its fused ``qkv_weight`` / ``qkv_bias``
+        again, after a quantizer put them back."""
+        raise self._unsupported("fused q/k/v")
+
+    def quant_targets(self, model: nn.Module) -> list[str]:
+        """Qualified names of every decoder linear a quantization scheme replaces, in module order."""
+        raise self._unsupported("quantization")
+
+    def smoothing_groups(self, model: nn.Module) -> list[Smoothing]:
+        """Every SmoothQuant smoothing of ``model``, those it cannot take included (with ``skipped`` set)."""
+        raise self._unsupported("SmoothQuant")
+
+    def module_kinds(self) -> dict[str, str]:
+        """Module attribute name -> the profiler's kind of range for it: "qkv", "attn_out", "mlp_in", "mlp_out",
+        "activation", "projection", "lm_head" (decoder layers, attention modules, LayerNorms and embeddings are
+        named by class)."""
+        return {}
+
+    def random_configs(self) -> dict[str, dict]:
+        """The published configurations behind ``random:<name>``: hub id -> config keyword arguments."""
+        return {}
+
+    def config_class(self) -> type:
+        """The transformers configuration class of the family."""
+        raise self._unsupported("building a configuration")
+
+    def build_config(self, name: str):
+        """The configuration of ``random_configs()[name]`` (a hub id)."""
+        table = self.random_configs()
+        if name not in table:
+            raise FuseInferError(f"unknown {self.model_type} configuration {name!r}; choose from {sorted(table)}")
+        return self.config_class()(**table[name])
+
+    def empty_model(self, config, dtype: torch.dtype) -> nn.Module:
+        """A causal LM of ``config`` with every tensor on the meta device (nothing allocated), in eval mode."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        return model.eval()

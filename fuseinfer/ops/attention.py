@@ -8,7 +8,7 @@ that may come from a cache. Masking is described per row instead of by a (B, 1, 
 
 Query ``i`` of row ``b`` attends key ``j`` iff ``key_mask[b, j] and j <= q_start[b] + i``; a query with no
 such key returns 0 (never NaN, so padded positions cannot poison later layers). ``q`` is not pre-scaled:
-``scale`` multiplies ``q @ k.T``. The output is (B, Sq, H, D), the layout OPT's out_proj reads.
+``scale`` multiplies ``q @ k.T``. The output is (B, Sq, H, D), the layout the attention output projection reads.
 """
 from __future__ import annotations
 

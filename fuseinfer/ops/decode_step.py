@@ -15,9 +15,10 @@ within the model's are the caller's to guarantee: the kernel does not check them
 raises), as the fast-decode runtime only feeds it ids it produced and positions it counted.
 
 int8 weight-only models (``Int8WeightOnly``): ``weight_scales`` holds 4 fp32 (N,) per-output-channel scales per layer
-(qkv, out_proj, fc1, fc2, see ``SCALED``) and those four matrices of ``layer_params`` are int8 (N, K); each linear
-then computes ``act(x @ (q * scale).T + bias (+ residual))`` like ``fuseinfer::int8_linear`` (the kernel streams
-the int8 tiles and applies the scale to the fp32 accumulator, docs/quantization.md "int8 in the one-kernel step").
+(the fused q/k/v, the attention output projection, the MLP's two projections: ``SCALED``) and those four matrices
+of ``layer_params`` are int8 (N, K); each linear then computes ``act(x @ (q * scale).T + bias (+ residual))``
+like ``fuseinfer::int8_linear`` (the kernel streams the int8 tiles and applies the scale to the fp32 accumulator,
+docs/quantization.md "int8 in the one-kernel step").
 Empty ``weight_scales``: fp16/bf16 weights. The LM head is never quantized here.
 """
 from __future__ import annotations
@@ -30,8 +31,12 @@ from fuseinfer.core.errors import FuseInferError
 from fuseinfer.ops.attention import attention_ref
 from fuseinfer.ops.w8a16_linear import int8_linear_ref
 
-PARAMS_PER_LAYER = 12  # LN1 w, b, qkv w, b, out_proj w, b, LN2 w, b, fc1 w, b, fc2 w, b
-SCALED = (2, 4, 8, 10)  # indices in a layer's params of the weights an int8 model quantizes (qkv, out, fc1, fc2)
+# a layer's tensors, in order (the model family lists its modules' tensors so, ``models/opt/decode.py``): the
+# attention LayerNorm's weight and bias, the fused (3E, E) q/k/v weight and bias, the attention output projection's
+# weight and bias, the MLP LayerNorm's weight and bias, the MLP's first (E -> F) and second (F -> E) projections'
+# weights and biases
+PARAMS_PER_LAYER = 12
+SCALED = (2, 4, 8, 10)  # indices in a layer's params of the four weights an int8 model quantizes
 MAX_ROWS = 8
 # RuntimeConfig.decode_kernel="auto" (the default) runs the kernel for batch buckets up to this many rows: where it
 # was measured faster than the per-op step (docs/history.md, "Fast decode (H100)": H100, random
@@ -76,7 +81,8 @@ def _int8_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, layer
                    lnf_b, lm_head, eps, scale, weight_scales) -> torch.Tensor:
     """The reference step of an int8 weight-only model: the weights of ``SCALED`` are int8 (N, K), dequantized with
     their scales (fp32, (N,)) by ``int8_linear_ref``; the residual adds and the ReLU fused as the per-op forward
-    fuses them (``patches/opt.py``: out_proj and fc2 take the residual, fc1 the ReLU)."""
+    fuses them (the attention output and second MLP projections take the residual, the first MLP projection the
+    ReLU)."""
     m = tokens.numel()
     e = embed.shape[1]
     _, heads, _, d = k_caches[0].shape
@@ -148,7 +154,8 @@ def _(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_ca
 def _check_int8(layer_params, weight_scales, layers: int) -> None:
     """One clear error for int8 weights / scales that do not match what the kernel and the reference read."""
     if len(weight_scales) != len(SCALED) * layers:
-        raise FuseInferError(f"int8 step: expected {len(SCALED)} weight scales per layer (qkv, out_proj, fc1, fc2), "
+        raise FuseInferError(f"int8 step: expected {len(SCALED)} weight scales per layer (q/k/v, attention "
+                             "output, MLP in, MLP out), "
                              f"got {len(weight_scales)} for {layers} layer(s)")
     for layer in range(layers):
         for i, index in enumerate(SCALED):

@@ -1,9 +1,10 @@
 """Linear layer with a fused epilogue: ``y = act(x @ w.T + bias + residual)``.
 
-OPT uses three forms: bias (the fused q/k/v projection), bias + ReLU (fc1) and bias + residual add
-(out_proj and fc2 in pre-LN blocks). On CUDA (``csrc/linear.cu``) the epilogue is applied to the fp32 accumulator
-before the single store, so the bias, activation and residual cost no extra pass over memory: cuBLASLt's
-epilogues for prefill, a weight-streaming tensor-core kernel for fp16/bf16 decode (M <= 16 rows).
+A decoder layer uses three forms: bias (the fused q/k/v projection), bias + ReLU (the first MLP projection) and bias
++ residual add (the attention output projection and the second MLP projection in pre-LN blocks). On CUDA
+(``csrc/linear.cu``) the epilogue is applied to the fp32 accumulator before the single store, so the bias,
+activation and residual cost no extra pass over memory: cuBLASLt's epilogues for prefill, a weight-streaming
+tensor-core kernel for fp16/bf16 decode (M <= 16 rows).
 """
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ def _make(name, param, device, init, shard):
 
 
 def meta_model(config, dtype: torch.dtype):
-    """An OPTForCausalLM (any causal LM config) with every tensor on the meta device, in eval mode."""
+    """A causal LM of ``config`` (any family) with every tensor on the meta device, in eval mode."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):

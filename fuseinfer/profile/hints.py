@@ -47,7 +47,7 @@ def hints_for(result) -> list[dict]:
         advice = ("patch with fuseinfer.PatchConfig(ops=('attention', 'qkv')) for the fused attention kernel and the "
                   "one q/k/v GEMM" if not patched else
                   "attention is already fused; what is left is its roofline gap (a longer prompt raises its intensity)")
-        out.append(_hint("attention", advice, f"attention (q/k/v, core, out_proj) is {att_share:.0%} of the "
+        out.append(_hint("attention", advice, f"attention (q/k/v, core, output projection) is {att_share:.0%} of the "
                          f"{phase} step{pct}"))
     gemv = [r for r in ops if r.get("op_class") in ("gemv", "step") and r["verdict"] == "memory-bound"]
     gemv_share = sum(r["share"] for r in gemv)
@@ -86,7 +86,7 @@ def hints_for(result) -> list[dict]:
     fusible = _share(prof.kinds, "residual") + _share(prof.kinds, "layernorm")
     if not patched and fusible >= FUSIBLE_SHARE:
         out.append(_hint("fusion", "patch with PatchConfig(ops=('layer_norm', 'linear')): residual adds ride in the "
-                         "LayerNorm kernel and in the out_proj / fc2 GEMM epilogues",
+                         "LayerNorm kernel and in the attention output / second MLP projection GEMM epilogues",
                          f"LayerNorm + residual adds: {fusible:.0%} of the step"))
     top = max(ops, key=lambda r: r["device_ms"], default=None)
     if top is not None and top["device_ms"] > 0:

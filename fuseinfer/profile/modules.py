@@ -1,9 +1,10 @@
 """Named ranges per module for the profiler (``record_function``) and for Nsight (NVTX), added by module hooks.
 
 ``ModuleRanges(model)`` opens a range ``fi:<kind>:<qualified name>`` around every call of a module whose kind it
-knows: decoder layers, attention modules, q/k/v and out projections, fc1 / fc2, activations, LayerNorms, the LM
-head, embeddings. Patched (fused) modules skip their submodules' calls, so a fused layer's MLP shows as ops
-directly under its ``layer`` range, and a fused attention's q/k/v GEMM directly under ``attention``:
+knows: decoder layers, attention modules, LayerNorms and embeddings by class; the q/k/v and attention output
+projections, the MLP's two projections, activations, the LM head by their names in the model's family
+(``ModelFamily.module_kinds``). Patched (fused) modules skip their submodules' calls, so a fused layer's MLP shows
+as ops directly under its ``layer`` range, and a fused attention's q/k/v GEMM directly under ``attention``:
 ``trace.classify`` sorts those ops by shape. Hooks are per module (a global hook would make patched modules run
 their original forward), added after patching and after the fast-decode session exists (its one-kernel step is
 only taken for a model without hooks), and removed on exit.
@@ -23,13 +24,21 @@ from torch import nn
 
 PREFIX = "fi:"
 OP_SEPARATOR = "|"
-_LEAF_KINDS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "qkv_proj": "qkv", "out_proj": "out_proj",
-               "fc1": "fc1", "fc2": "fc2", "lm_head": "lm_head", "project_in": "projection",
-               "project_out": "projection", "activation_fn": "activation"}
+# the fused q/k/v a quantizer puts in an attention module, whatever the family
+_GENERIC_KINDS = {"qkv_proj": "qkv"}
 
 
-def module_kind(name: str, module: nn.Module) -> str | None:
-    """The kind of range a module gets, or None for modules without one (the model, the decoder, containers)."""
+def leaf_kinds(model: nn.Module) -> dict[str, str]:
+    """Module attribute name -> kind for ``model``: its family's names (none for a model of no family)."""
+    from fuseinfer import models
+
+    fam = models.family_of(model)
+    return {**_GENERIC_KINDS, **(fam.module_kinds() if fam is not None else {})}
+
+
+def module_kind(name: str, module: nn.Module, leaf: dict[str, str]) -> str | None:
+    """The kind of range a module gets (``leaf``: :func:`leaf_kinds`), or None for modules without one (the model,
+    the decoder, containers)."""
     if not name:
         return None
     cls = type(module).__name__
@@ -38,8 +47,8 @@ def module_kind(name: str, module: nn.Module) -> str | None:
         return "layer"
     if "Attention" in cls:
         return "attention"
-    if last in _LEAF_KINDS:
-        return _LEAF_KINDS[last]
+    if last in leaf:
+        return leaf[last]
     if isinstance(module, nn.LayerNorm):
         return "layernorm"
     if isinstance(module, nn.Embedding) or cls.endswith("Embedding"):
@@ -85,8 +94,9 @@ class ModuleRanges:
         return pre, post
 
     def __enter__(self):
+        leaf = leaf_kinds(self.model)
         for name, module in self.model.named_modules():
-            kind = module_kind(name, module)
+            kind = module_kind(name, module, leaf)
             if kind is None:
                 continue
             pre, post = self._hooks(range_name(kind, name))

@@ -22,7 +22,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from fuseinfer.profile.costs import cost_of
-from fuseinfer.profile.trace import COARSE, COARSE_ORDER
+from fuseinfer.profile.trace import ATTN_OUT, COARSE, COARSE_ORDER, MLP_IN, MLP_OUT, QKV
 
 ATTENTION = {"MultiHeadAttention", "Attention", "GroupQueryAttention", "Softmax", "PackedAttention"}
 NORMS = {"LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization",
@@ -74,14 +74,14 @@ class _Kinds:
             if self.vocab is not None and n == self.vocab:
                 return "lm_head", None
             if n == self.ffn:
-                return "fc1", layer
+                return MLP_IN, layer
             if k == self.ffn:
                 self.layer, self.attended = self.layer + 1, False
-                return "fc2", layer
+                return MLP_OUT, layer
             if n == 3 * self.hidden:
-                return "qkv", layer
+                return QKV, layer
             if k == n == self.hidden:
-                return ("out_proj" if self.attended else "qkv"), layer
+                return (ATTN_OUT if self.attended else QKV), layer
         return "other", None
 
 

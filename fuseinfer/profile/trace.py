@@ -34,14 +34,17 @@ RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
 GRAPH = "cuda graph replay"
 COMPILED = "compiled region"
 IDLE = {"cuda": "idle (GPU waits for the host)", "cpu": "outside ops (Python, framework)"}
+# the fine kinds of the linears around the attention core and of the MLP's two projections (the names every
+# family's ``module_kinds`` maps its modules to)
+QKV, ATTN_OUT, MLP_IN, MLP_OUT = "qkv", "attn_out", "mlp_in", "mlp_out"
 # fine kind -> the coarse kind plots and --compare use
-COARSE = {"embeddings": "embeddings", "projection": "embeddings", "qkv": "attention", "attn_core": "attention",
-          "attn_other": "attention", "out_proj": "attention", "fc1": "mlp", "fc2": "mlp", "activation": "mlp",
+COARSE = {"embeddings": "embeddings", "projection": "embeddings", QKV: "attention", "attn_core": "attention",
+          "attn_other": "attention", ATTN_OUT: "attention", MLP_IN: "mlp", MLP_OUT: "mlp", "activation": "mlp",
           "mlp_other": "mlp", "layernorm": "layernorm", "residual": "residual", "lm_head": "lm_head",
           "other": "other", COMPILED: COMPILED, GRAPH: GRAPH}
 COARSE_ORDER = ("embeddings", "attention", "mlp", "layernorm", "residual", "lm_head", "other", COMPILED, GRAPH,
                 "idle")
-_LEAF = {"qkv", "out_proj", "fc1", "fc2", "activation", "layernorm", "lm_head", "embeddings", "projection"}
+_LEAF = {QKV, ATTN_OUT, MLP_IN, MLP_OUT, "activation", "layernorm", "lm_head", "embeddings", "projection"}
 _LINEAR = {"aten::linear": 1, "fuseinfer::linear_epilogue": 1, "aten::addmm": 2, "aten::mm": 1, "aten::matmul": 1}
 
 
@@ -155,8 +158,9 @@ def _is_core(op: str) -> bool:
 
 def classify(path: list, op: str, dims: list, hidden: int, ffn: int, seen_core: set) -> str:
     """The fine kind of an op (or of what launched a kernel) from its module ranges, name and shapes. Inside a
-    fused attention the linear before the attention core is q/k/v, the one after it out_proj; directly inside a
-    (fused) decoder layer a linear to ffn features is fc1, one from ffn features fc2."""
+    fused attention the linear before the attention core is q/k/v, the one after it the output projection; directly
+    inside a (fused) decoder layer a linear to ffn features is the MLP's first projection, one from ffn features its
+    second."""
     if op == GRAPH:
         return GRAPH
     if not path:
@@ -170,12 +174,12 @@ def classify(path: list, op: str, dims: list, hidden: int, ffn: int, seen_core: 
             seen_core.add(id(rng))
             return "attn_core"
         if linear:
-            return "out_proj" if id(rng) in seen_core else "qkv"
+            return ATTN_OUT if id(rng) in seen_core else QKV
         return "layernorm" if "layer_norm" in op else "attn_other"
     if inner == "layer":
         if linear:
             out, inp = _out_dim(op, dims)
-            return "fc1" if out == ffn else "fc2" if inp == ffn else "mlp_other"
+            return MLP_IN if out == ffn else MLP_OUT if inp == ffn else "mlp_other"
         if "layer_norm" in op:
             return "layernorm"
         if any(s in op for s in ("relu", "gelu", "silu")):

@@ -5,10 +5,10 @@ Format (a Hugging Face model folder, ready for ``push_to_hub``): ``config.json``
 ``quantization_config`` whose ``quant_method`` is ``"fuseinfer"`` (the scheme's ``describe()``: bits, granularity,
 scale dtype, rounding; the PatchConfig ops; the quantized module names; the model's dtype; the fuseinfer version;
 the weights' content hash), and ``model.safetensors`` the patched model's state dict (int8 ``qweight`` and fp32
-``scale`` per quantized linear, the fused q/k/v as ``self_attn.qkv_proj``; everything else in the model's dtype;
-tied tensors stored once). SmoothQuant W8A8 models save the same way: int8 ``weight_q`` and fp32 ``weight_scale``
-(N, 1) per linear, their biases, and the LayerNorms with the smoothing factors already folded in; the record holds
-alpha and the calibration source.
+``scale`` per quantized linear, the fused q/k/v as the attention module's ``qkv_proj``; everything else in the
+model's dtype; tied tensors stored once). SmoothQuant W8A8 models save the same way: int8 ``weight_q`` and fp32
+``weight_scale`` (N, 1) per linear, their biases, and the LayerNorms with the smoothing factors already folded in;
+the record holds alpha and the calibration source.
 
 The layout exists only in a patched model, so every reader builds the model on the meta device, applies ``patch``
 with the recorded ops and the scheme's config in its empty-layout form (``_empty``: int8 / scale tensors laid out,
@@ -51,10 +51,6 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 ST_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
              torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
              torch.bool: "BOOL"}
-# the config fields that fix the tensors' shapes: a checkpoint loads only into a model that agrees on all of them
-ARCH_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "ffn_dim", "num_attention_heads", "vocab_size",
-               "word_embed_proj_dim", "max_position_embeddings", "do_layer_norm_before", "enable_bias",
-               "layer_norm_elementwise_affine", "_remove_final_layer_norm")
 
 
 # ---------------------------------------------------------------------------------------------------------- saving
@@ -125,7 +121,7 @@ def _guard_name(modules: list[str], tensors: dict) -> str:
     names = [f"{m}.weight" for m in modules if not m.endswith("qkv_proj") and f"{m}.weight" not in tensors]
     if not names:
         raise FuseInferError("save_quantized found no quantized linear of the plain model to mark the checkpoint "
-                             "with (this model's quantized modules are not OPT's)")
+                             "with (none of this model's quantized modules is a plain linear of the unquantized one)")
     return names[0]
 
 

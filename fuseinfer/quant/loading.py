@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from fuseinfer.core.errors import FuseInferError
-from fuseinfer.quant.checkpoint import ARCH_FIELDS, WEIGHTS, _tensor, check_tensors, empty_layout, read_checkpoint
+from fuseinfer.quant.checkpoint import WEIGHTS, _tensor, check_tensors, empty_layout, read_checkpoint
 
 
 def build_layout(model, checked: dict, ops=None) -> None:
@@ -33,30 +33,32 @@ def load_quantized(directory, device=None, model=None, ops=None):
 
     model: None (build it from the checkpoint's config, in its dtype) or an unpatched model of the same
       architecture, whose tensors are replaced (FuseInferError, model untouched, if its config differs in a field
-      that fixes a shape, ``ARCH_FIELDS``). ops: PatchConfig ops (default: those recorded).
+      that fixes a shape, the family's ``config_fields``). ops: PatchConfig ops (default: those recorded).
     Returns the model (eval mode). Its ``unpatch`` refuses (no original weights exist).
     """
     from safetensors import safe_open
-    from transformers import AutoModelForCausalLM, OPTConfig
 
+    from fuseinfer import models
     from fuseinfer.core.state import patch_state, unwrapped
 
     directory = Path(directory)
     raw, checked = read_checkpoint(directory)
-    if raw.get("model_type") != "opt":
-        raise FuseInferError(f"this checkpoint holds a {raw.get('model_type')!r} model; fuseinfer quantizes OPT")
+    fam = models.family(raw.get("model_type"))
+    if fam is None:
+        raise FuseInferError(f"this checkpoint holds a {raw.get('model_type')!r} model; fuseinfer quantizes "
+                             f"{models.supported()}")
     try:
-        saved = OPTConfig.from_dict({k: v for k, v in raw.items() if k not in ("architectures", "auto_map")})
+        saved = fam.config_class().from_dict({k: v for k, v in raw.items() if k not in ("architectures", "auto_map")})
     except Exception as exc:  # a config transformers cannot build: one line
-        raise FuseInferError(f"{directory / 'config.json'} is not a valid OPT config ({exc})") from None
+        raise FuseInferError(f"{directory / 'config.json'} is not a valid {fam.model_type} config ({exc})") from None
     dtype = checked["dtype"]
     if model is not None:
         model = unwrapped(model)
         if patch_state(model) is not None:
             raise FuseInferError("load_quantized(model=...) takes an unpatched model: fuseinfer.unpatch(model) first")
         mine = getattr(model, "config", None)
-        diff = [f"{f}: checkpoint {getattr(saved, f, None)!r}, model {getattr(mine, f, None)!r}" for f in ARCH_FIELDS
-                if getattr(saved, f, None) != getattr(mine, f, None)]
+        diff = [f"{f}: checkpoint {getattr(saved, f, None)!r}, model {getattr(mine, f, None)!r}"
+                for f in fam.config_fields if getattr(saved, f, None) != getattr(mine, f, None)]
         if checked["architectures"] and type(model).__name__ not in checked["architectures"]:
             diff.insert(0, f"class: checkpoint {checked['architectures'][0]}, model {type(model).__name__}")
         if diff:
@@ -66,8 +68,7 @@ def load_quantized(directory, device=None, model=None, ops=None):
             raise FuseInferError(f"the checkpoint is {dtype}, the model {next(model.parameters()).dtype}: "
                                  f"model.to({dtype}) first")
         # checked on a meta copy first, so that a bad file leaves the given model untouched
-        with torch.device("meta"):
-            probe = AutoModelForCausalLM.from_config(saved, dtype=dtype, attn_implementation="sdpa")
+        probe = fam.empty_model(saved, dtype)
         build_layout(probe, checked, ops)
         check_tensors(directory / WEIGHTS, probe, checked)
         if device is not None and torch.device(device) != next(model.parameters()).device:
@@ -81,8 +82,7 @@ def load_quantized(directory, device=None, model=None, ops=None):
     else:
         device = "cpu" if device is None else device
         saved._attn_implementation = "sdpa"
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(saved, dtype=dtype, attn_implementation="sdpa")
+        model = fam.empty_model(saved, dtype)
         ties = tied_parameters(model)
         build_layout(model, checked, ops)
         check_tensors(directory / WEIGHTS, model, checked)

@@ -1,12 +1,14 @@
-"""Random-weight quantized OPT models built without a full-precision copy (e.g. OPT-66b int8 on one 80 GB GPU).
+"""Random-weight quantized models built without a full-precision copy (e.g. OPT-66b int8 on one 80 GB GPU).
 
-``random_quantized_opt("opt-66b", device="cuda")``: the model is built on the meta device, patched with an
-``Int8WeightOnly`` that lays out empty int8 / scale tensors (as ``load_quantized`` does), allocated on the device
-(``to_empty``: int8 linears + everything else in the model's dtype; 66b: ~66 GB), then filled layer by layer: each
-linear's weight is drawn in the model's dtype on the device (``normal(0, init_std)``, as transformers' OPT init, from
-a seeded generator), quantized per channel by the CUDA kernel into the int8 / scale tensors and freed, so the
-largest full-precision tensor alive is one weight (66b: fc1, 680 MB). Biases are zero, LayerNorms (1, 0),
-embeddings ``normal(0, init_std)`` (OPT's init). For latency and memory measurements only.
+``random_quantized("opt-66b", device="cuda")`` (any family's published configuration,
+``ModelFamily.random_configs``; ``random_quantized_opt`` is the same function): the model is built on the meta
+device, patched with an ``Int8WeightOnly`` that lays out empty int8 / scale tensors (as ``load_quantized`` does),
+allocated on the device (``to_empty``: int8 linears + everything else in the model's dtype; 66b: ~66 GB), then
+filled layer by layer: each linear's weight is drawn in the model's dtype on the device (``normal(0, init_std)``, as
+transformers' OPT init, from a seeded generator), quantized per channel by the CUDA kernel into the int8 / scale
+tensors and freed, so the largest full-precision tensor alive is one weight (66b: the first MLP projection, 680 MB).
+Biases are zero, LayerNorms (1, 0), embeddings ``normal(0, init_std)`` (OPT's init; ``initializer_range`` where the
+config has no ``init_std``). For latency and memory measurements only.
 """
 from __future__ import annotations
 
@@ -20,28 +22,28 @@ from fuseinfer.core.quant_config import Int8WeightOnly
 from fuseinfer.layers.linear import Int8WeightOnlyLinear
 
 
-def random_quantized_opt(name: str = "opt-66b", device="cuda", dtype=torch.float16, seed: int = 0,
-                         config: Int8WeightOnly | None = None, ops=None):
-    """A patched, int8-quantized OPTForCausalLM with random weights (see the module docstring)."""
-    from transformers import AutoModelForCausalLM, OPTConfig
-
-    from fuseinfer.harness.models import OPT_CONFIGS
+def random_quantized(name: str = "opt-66b", device="cuda", dtype=torch.float16, seed: int = 0,
+                     config: Int8WeightOnly | None = None, ops=None):
+    """A patched, int8-quantized causal LM with random weights (see the module docstring); ``name``: a published
+    configuration's hub id or short name (``opt-1.3b``)."""
+    from fuseinfer import models
+    from fuseinfer.core.errors import FuseInferError
+    from fuseinfer.harness.models import published_names
     from fuseinfer.ops import quantize_per_channel
     from fuseinfer.patching import PatchConfig, patch
 
-    key = name if name.startswith("facebook/") else f"facebook/{name}"
-    if key not in OPT_CONFIGS:
-        from fuseinfer.core.errors import FuseInferError
-
-        raise FuseInferError(f"unknown OPT size {name!r}; choose from {sorted(OPT_CONFIGS)}")
-    cfg = OPTConfig(**OPT_CONFIGS[key])
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").eval()
+    short = published_names()
+    key = short.get(name.lower(), name)
+    if key not in short.values():
+        raise FuseInferError(f"unknown model size {name!r}; choose from {', '.join(short)}")
+    fam = models.family(models.random_configs()[key])
+    cfg = fam.build_config(key)
+    model = fam.empty_model(cfg, dtype)
     qconfig = dataclasses.replace(config or Int8WeightOnly(), keep_original=None, _empty=True)
     patch(model, PatchConfig(**({"ops": ops} if ops else {}), quant=qconfig))
     to_empty_keep_ties(model, device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    std = cfg.init_std
+    std = getattr(cfg, "init_std", None) or getattr(cfg, "initializer_range", 0.02)
     with torch.no_grad():
         for name_, module in model.named_modules():
             if isinstance(module, Int8WeightOnlyLinear):
@@ -65,3 +67,6 @@ def random_quantized_opt(name: str = "opt-66b", device="cuda", dtype=torch.float
                     module.weight[module.padding_idx].zero_()
     refresh_report(model)
     return model
+
+
+random_quantized_opt = random_quantized

@@ -1,4 +1,4 @@
-"""SmoothQuant (Xiao et al. 2022) for OPT: calibration, smoothing, and W8A8 linears.
+"""SmoothQuant (Xiao et al. 2022): calibration, smoothing, and W8A8 linears.
 
 W8A8 quantises activations per token and weights per output channel, both symmetric int8. Activation outliers
 (a few channels whose magnitude is 100x the rest) wreck the per-token scale, so SmoothQuant moves that range into
@@ -8,15 +8,11 @@ the weights: for a linear y = x W^T with input channels j, ``x_j / s_j`` and ``W
                                                           that read x; clamped to >= 1e-5 as the paper's code does)
 
 The division by s is folded into whatever produces x, so it costs nothing at run time (exact in real arithmetic):
-  * q/k/v input  <- ``self_attn_layer_norm`` (its weight and bias / s), pre-LN OPT only;
-  * fc1 input    <- ``final_layer_norm`` (same), pre-LN OPT only;
-  * fc2 input    <- fc1's output rows and bias / s: ReLU is positively homogeneous, relu(z / s) = relu(z) / s;
-  * out_proj input <- v_proj's output rows and bias / s: attention output channel j is a convex combination of v's
-    channel j (softmax weights), so it scales by 1 / s exactly.
-
-Post-LN OPT (opt-350m, ``do_layer_norm_before=False``): the LayerNorm output that feeds q/k/v and fc1 is also the
-residual stream, so dividing its weight by s would change the model; only fc2's and out_proj's inputs are smoothed
-there, and :class:`SmoothReport` lists the two LayerNorm groups as skipped with that reason.
+into a LayerNorm's weight and bias, or into the output rows and bias of a linear whose output reaches x unchanged
+up to a positive scale per channel (through ReLU, or as the values attention averages). Where it may fold is the
+model family's knowledge (``ModelFamily.smoothing_groups``, e.g. ``fuseinfer/models/opt/quant.py``); a group the
+model cannot take (a post-LN LayerNorm, whose output is also the residual stream; a non-ReLU activation) is listed
+in :class:`SmoothReport` as skipped, with the reason.
 
 Calibration (:func:`calibrate`): forward hooks on the unpatched model record max|x_j| at each linear's input over
 ``samples`` windows of ``seq_len`` tokens of calibration text, by default ``wiki.valid.raw`` from the WikiText-2
@@ -57,8 +53,8 @@ MIN_SCALE = 1e-5  # the paper's clamp on max|X|, max|W| and s
 
 @dataclass
 class CalibrationStats:
-    """Per input channel max|x| at each calibrated linear's input: module name -> (K,) fp32 (q_proj's entry serves
-    k_proj and v_proj, which read the same tensor)."""
+    """Per input channel max|x| at each calibrated linear's input: module name -> (K,) fp32 (the first of the linears
+    reading one input, e.g. the q projection's entry, serves the others, which read the same tensor)."""
 
     act_max: dict[str, torch.Tensor]
     samples: int
@@ -136,20 +132,23 @@ def calibration_samples(ids: torch.Tensor, samples: int, seq_len: int, source: s
     return [ids[:, s:s + seq_len] for s in sorted(set(starts))]
 
 
-def _decoder_layers(model):
-    """The OPT decoder layers of an OPTForCausalLM / OPTModel, or a clear error."""
-    decoder = getattr(getattr(model, "model", model), "decoder", None)
-    layers = getattr(decoder, "layers", None)
-    if layers is None or getattr(getattr(model, "config", None), "model_type", None) != "opt":
-        raise FuseInferError(f"SmoothQuant supports OPT models (OPTForCausalLM), got {type(model).__name__}")
-    return decoder, layers
+def model_family(model, what: str = "SmoothQuant"):
+    """The model family of ``model`` that can take ``what``, or a clear error."""
+    from fuseinfer import models
+
+    fam = models.family_of(model)
+    if fam is None:
+        raise FuseInferError(f"{what} supports {models.supported()} models, got {type(model).__name__}")
+    fam.decoder_layers(model)  # (a model of the family without decoder layers: the family's error)
+    return fam
 
 
 def _linear_names(model) -> list[tuple[str, nn.Linear]]:
-    """(name, module) of the linears whose input is calibrated: q_proj (for q/k/v), out_proj, fc1, fc2."""
-    _decoder_layers(model)
-    wanted = ("self_attn.q_proj", "self_attn.out_proj", "fc1", "fc2")
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.endswith(wanted)]
+    """(name, module) of the linears whose input is calibrated: the first target of every smoothing group (whether
+    or not this model can take it), in module order."""
+    modules = dict(model.named_modules())
+    keys = {g.targets[0] for g in model_family(model).smoothing_groups(model)}
+    return [(n, m) for n, m in modules.items() if n in keys and isinstance(m, nn.Linear)]
 
 
 @torch.no_grad()
@@ -185,7 +184,8 @@ def calibrate(model, tokenizer=None, calibration=None, *, samples: int = DEFAULT
         for h in handles:
             h.remove()
     return CalibrationStats({k: v.cpu() for k, v in act_max.items()}, len(windows), seq_len, source,
-                            {"model_type": "opt", "layers": len(_decoder_layers(model)[1])})
+                            {"model_type": model.config.model_type,
+                             "layers": len(model_family(model).decoder_layers(model)[1])})
 
 
 # ------------------------------------------------------------------------------------------------------- smoothing
@@ -215,34 +215,14 @@ class SmoothReport:
         return "\n".join(lines)
 
 
-POST_LN_REASON = ("post-LN OPT (do_layer_norm_before=False, e.g. opt-350m): this LayerNorm's output is also the "
-                  "residual stream, so folding 1/s into it would change the model; left unsmoothed")
-
-
 def smoothing_plan(model) -> tuple[list[SmoothGroup], list[tuple[str, str]]]:
-    """The smoothing groups of an OPT model, and the inputs that cannot be smoothed (with the reason)."""
-    decoder, layers = _decoder_layers(model)
-    prefix = next(n for n, m in model.named_modules() if m is layers)
-    pre_ln = bool(getattr(model.config, "do_layer_norm_before", True))
+    """The smoothing groups of ``model`` (its family's), and the inputs that cannot be smoothed (with the reason)."""
     groups, skipped = [], []
-    for i, layer in enumerate(layers):
-        p = f"{prefix}.{i}"
-        attn = f"{p}.self_attn"
-        if pre_ln and layer.self_attn_layer_norm.elementwise_affine:
-            groups.append(SmoothGroup("layernorm", f"{p}.self_attn_layer_norm",
-                                      [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], f"{attn}.q_proj"))
+    for g in model_family(model).smoothing_groups(model):
+        if g.skipped:
+            skipped.append((g.what, g.skipped))
         else:
-            skipped.append((f"{p} q/k/v input", POST_LN_REASON if not pre_ln else "LayerNorm without affine weights"))
-        groups.append(SmoothGroup("linear_rows", f"{attn}.v_proj", [f"{attn}.out_proj"], f"{attn}.out_proj"))
-        if pre_ln and layer.final_layer_norm.elementwise_affine:
-            groups.append(SmoothGroup("layernorm", f"{p}.final_layer_norm", [f"{p}.fc1"], f"{p}.fc1"))
-        else:
-            skipped.append((f"{p} fc1 input", POST_LN_REASON if not pre_ln else "LayerNorm without affine weights"))
-        if getattr(model.config, "activation_function", "relu") == "relu":
-            groups.append(SmoothGroup("linear_rows", f"{p}.fc1", [f"{p}.fc2"], f"{p}.fc2"))
-        else:
-            skipped.append((f"{p} fc2 input", f"activation {model.config.activation_function!r} is not ReLU (not "
-                                              f"positively homogeneous)"))
+            groups.append(SmoothGroup(g.kind, g.source, list(g.targets), g.targets[0]))
     return groups, skipped
 
 
@@ -362,13 +342,11 @@ class W8A8Linear(QuantizedLinear):
 
 
 def quantize_linears_w8a8(model) -> list[str]:
-    """Swap every decoder linear (q/k/v, out_proj, fc1, fc2) of an OPT model for a :class:`W8A8Linear`, in place;
-    the names swapped. The reference path: the model's own forward runs unchanged (fc1's ReLU stays a module). Not
+    """Swap every decoder linear (``ModelFamily.quant_targets``) for a :class:`W8A8Linear`, in place; the names
+    swapped. The reference path: the model's own forward runs unchanged (an activation stays a module). Not
     reversible by itself (the fused patch of the quant API keeps the originals)."""
-    _decoder_layers(model)
-    wanted = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.split(".")[-1] in wanted
-             and ".layers." in n]
+    modules = dict(model.named_modules())
+    names = [n for n in model_family(model).quant_targets(model) if isinstance(modules.get(n), nn.Linear)]
     if not names:
         raise FuseInferError("no decoder linears to quantize: is the model already quantized?")
     swaps = []
@@ -393,26 +371,27 @@ def smoothquant_reference(model, stats: CalibrationStats | None, alpha: float = 
 
 @torch.no_grad()
 def add_outlier_channels(model, channels: int = 4, factor: float = 300.0, seed: int = 0) -> dict[str, list[int]]:
-    """Give a pre-LN OPT activation outliers without changing its function: in every decoder layer, ``channels``
-    channels of each LayerNorm's output are scaled up by ``factor`` (its weight and bias) and the matching input
-    columns of the linears that read it (q/k/v, fc1) down by ``factor``; fp32 logits stay equal up to rounding.
-    Returns the chosen channels per LayerNorm (random, seeded)."""
-    _, layers = _decoder_layers(model)
-    if not getattr(model.config, "do_layer_norm_before", True):
-        raise FuseInferError("add_outlier_channels needs a pre-LN OPT (the LayerNorm output must not be the residual)")
+    """Give a pre-LN model activation outliers without changing its function: ``channels`` channels of the output
+    of every LayerNorm that a smoothing group folds into are scaled up by ``factor`` (its weight and bias) and the
+    matching input columns of the linears that read it down by ``factor``; fp32 logits stay equal up to rounding.
+    Returns the chosen channels per LayerNorm (its qualified name; random, seeded)."""
+    groups = [g for g in model_family(model, "add_outlier_channels").smoothing_groups(model) if g.kind == "layernorm"]
+    cannot = next((g for g in groups if g.skipped), None)
+    if cannot is not None:
+        raise FuseInferError(f"add_outlier_channels needs a pre-LN model (the LayerNorm output must not be the "
+                             f"residual): {cannot.what}: {cannot.skipped}")
     if factor <= 0:
         raise FuseInferError(f"factor must be > 0, got {factor}")
+    modules = dict(model.named_modules())
     g = torch.Generator().manual_seed(seed)
     chosen = {}
-    for i, layer in enumerate(layers):
-        for ln, targets in ((layer.self_attn_layer_norm,
-                             (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)),
-                            (layer.final_layer_norm, (layer.fc1,))):
-            idx = torch.randperm(ln.weight.shape[0], generator=g)[:channels].sort().values
-            ln.weight[idx] *= factor
-            if ln.bias is not None:
-                ln.bias[idx] *= factor
-            for t in targets:
-                t.weight[:, idx] /= factor
-            chosen[f"{i}.{'attn' if targets[0] is layer.self_attn.q_proj else 'ffn'}"] = idx.tolist()
+    for group in groups:
+        ln = modules[group.source]
+        idx = torch.randperm(ln.weight.shape[0], generator=g)[:channels].sort().values
+        ln.weight[idx] *= factor
+        if ln.bias is not None:
+            ln.bias[idx] *= factor
+        for t in group.targets:
+            modules[t].weight[:, idx] /= factor
+        chosen[group.source] = idx.tolist()
     return chosen

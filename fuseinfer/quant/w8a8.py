@@ -5,13 +5,14 @@ Runs after the model family's swaps (``patching.patch``), in this order, every c
 1. the calibration statistics: given (``CalibrationStats`` or a saved ``.safetensors``), or measured now with
    ``smoothquant.calibrate`` on calibration text. The fused forwards read the linears' weights instead of calling
    them, so the calibration hooks would see nothing; a no-op global module forward hook is registered meanwhile,
-   under which every fused module runs its original forward (``patches/opt.py: _original_forward``), calling each
-   ``nn.Linear`` (the q/k/v weights are views of the fused (3E, E) buffer, so the numbers are the same);
-2. ``smoothquant.smooth`` (checks the statistics against the model first; post-LN OPT: only fc2's and out_proj's
-   inputs, as ``smoothing_plan`` says); smoothing writes the q/k/v rows in place, so the (3E, E) buffer follows;
+   under which every fused module runs its original forward, calling each ``nn.Linear`` (the q/k/v weights are
+   views of the fused (3E, E) buffer, so the numbers are the same);
+2. ``smoothquant.smooth`` (checks the statistics against the model first; only the groups the model can take, as
+   ``smoothing_plan`` says); smoothing writes the q/k/v rows in place, so the (3E, E) buffer follows;
 3. the linears of the swapped modules become :class:`~fuseinfer.quant.smoothquant.W8A8Linear` (int8 weights per
    output channel, activations quantized per token at run time), which ``fused_linear`` dispatches; the fused q/k/v
-   becomes one (3E, E) W8A8Linear ``self_attn.qkv_proj`` with :class:`W8A8QKVSlice` views as q/k/v_proj.
+   becomes one (3E, E) W8A8Linear ``qkv_proj`` of the attention module, with :class:`W8A8QKVSlice` views in the
+   places of its q/k/v projections (the family's ``qkv_names``).
 
 ``keep_original="cpu"`` keeps host copies of every tensor smoothing or quantization replaces (the LayerNorms', the
 linears'), so ``unpatch`` restores the model bit for bit; otherwise ``unpatch`` refuses.
@@ -34,8 +35,8 @@ from fuseinfer.quant.smoothquant import (
     CalibrationStats,
     SmoothReport,
     W8A8Linear,
-    _decoder_layers,
     calibrate,
+    model_family,
     smooth,
     smoothing_plan,
     w8a8_forward,
@@ -66,7 +67,7 @@ class W8A8Report(QuantReport):
 
 
 class W8A8QKVSlice(nn.Module):
-    """q_proj / k_proj / v_proj of an attention module whose q/k/v are one (3E, E) W8A8Linear (``qkv_proj``): rows
+    """A q/k/v projection of an attention module whose q/k/v are one (3E, E) W8A8Linear (``qkv_proj``): rows
     [index * E, (index + 1) * E) of it, for the original forward (training mode, global hooks). No tensor of its
     own; ``weight`` / ``bias`` registered as None (see ``quant.linear.QKVSlice``)."""
 
@@ -142,8 +143,7 @@ class W8A8State(WeightOnlyState):
 
     def undo(self, model: nn.Module) -> None:
         self.check_undo()
-        from fuseinfer.models.opt.modules import _link_qkv
-
+        fam = model_family(model)
         for param, kept in self.params:  # every Parameter smoothing or quantization changed
             param.data = kept.to(param.device)
         for parent, attr, original, _, _ in reversed(self.linears):
@@ -154,9 +154,9 @@ class W8A8State(WeightOnlyState):
             bias = None if q.bias is None else torch.cat([q.bias, k.bias, v.bias])  # (3E,)
             attn.__dict__["qkv_weight"] = torch.cat([q.weight, k.weight, v.weight])
             attn.__dict__["qkv_bias"] = bias
-            for name, proj in zip(("q_proj", "k_proj", "v_proj"), projs):
+            for name, proj in zip(fam.qkv_names, projs):
                 setattr(attn, name, proj)
-            _link_qkv(attn)  # the projections' weights and biases become views of the buffers again
+            fam.relink_qkv(attn)  # the projections' weights and biases become views of the buffers again
 
 
 def _quantize(w: torch.Tensor, bias: torch.Tensor | None, empty: bool = False) -> W8A8Linear:
@@ -178,13 +178,13 @@ def quantize_w8a8(model: nn.Module, config, report) -> W8A8State:
         if isinstance(m, (QuantizedLinear, W8A8QKVSlice)):
             raise FuseInferError(f"this model is already quantized ({n} is a {type(m).__name__}): load the "
                                  "unquantized model to quantize it with SmoothQuantW8A8")
-    _decoder_layers(model)  # OPT only
+    fam = model_family(model, "SmoothQuantW8A8")
     targets = _targets(model, config, report)
     if not targets:
         raise FuseInferError("nothing to quantize: the PatchConfig's ops and filter_fn left no decoder linear "
                              "patched; select at least one decoder layer or attention module")
     if config._empty:  # the layout of a saved W8A8 model (checkpoint.load_quantized): no calibration, no smoothing
-        return _empty_layout(model, config, targets, report)
+        return _empty_layout(model, config, targets, report, fam.qkv_names)
     keep = config.keep_original
     stats, seconds = _stats(model, config)
     # every Parameter smoothing or quantization changes (LayerNorms, producing linears, quantized linears; the
@@ -195,7 +195,7 @@ def quantize_w8a8(model: nn.Module, config, report) -> W8A8State:
         groups, _ = smoothing_plan(model)
         owners = [modules[g.source] for g in groups] + [modules[n] for g in groups for n in g.targets]
         owners += [t.parent._modules[t.attr] for t in targets if t.attr]
-        owners += [t.parent._modules[n] for t in targets if not t.attr for n in ("q_proj", "k_proj", "v_proj")]
+        owners += [t.parent._modules[n] for t in targets if not t.attr for n in fam.qkv_names]
         for m in owners:
             for p in (m.weight, m.bias):
                 if p is not None and id(p) not in kept_params:
@@ -208,7 +208,7 @@ def quantize_w8a8(model: nn.Module, config, report) -> W8A8State:
         w, bias = _target_weight(t)  # (N, K); q/k/v: (3E, E), smoothed in place through the q/k/v views
         new = _quantize(w, bias)
         before = w.numel() * w.element_size()
-        _swap_in(state, t, new, w)
+        _swap_in(state, t, new, w, fam.qkv_names)
         after = new.weight_q.numel() + 4 * new.weight_scale.numel()
         qreport.entries.append(QuantEntry(t.name, tuple(new.weight_q.shape), before, after))
     qreport.gemm = w8a8_gemm_note(w.device, w.dtype)
@@ -224,9 +224,9 @@ def _target_weight(t) -> tuple:
     return t.parent.qkv_weight, t.parent.qkv_bias
 
 
-def _swap_in(state: W8A8State, t, new, w: torch.Tensor) -> None:
+def _swap_in(state: W8A8State, t, new, w: torch.Tensor, qkv_names: tuple[str, ...]) -> None:
     """Put ``new`` in the target's place, remembered in ``state`` for unpatch: a linear, or the fused q/k/v of an
-    attention (q_proj/k_proj/v_proj become slices of ``new``); the replaced tensors become placeholders."""
+    attention (its projections ``qkv_names`` become slices of ``new``); the replaced tensors become placeholders."""
     if t.attr:
         lin = t.parent._modules[t.attr]
         state.linears.append((t.parent, t.attr, lin, None, False))
@@ -234,11 +234,11 @@ def _swap_in(state: W8A8State, t, new, w: torch.Tensor) -> None:
         lin.weight.data = _placeholder(w)
         return
     attn = t.parent
-    projs = tuple(attn._modules[n] for n in ("q_proj", "k_proj", "v_proj"))
+    projs = tuple(attn._modules[n] for n in qkv_names)
     state.qkvs.append((attn, projs, None))
     attn.qkv_proj = new
     embed = w.shape[0] // 3
-    for i, (name, proj) in enumerate(zip(("q_proj", "k_proj", "v_proj"), projs)):
+    for i, (name, proj) in enumerate(zip(qkv_names, projs)):
         setattr(attn, name, W8A8QKVSlice(new, i, embed))
         proj.weight.data = _placeholder(w)
         if proj.bias is not None:
@@ -248,7 +248,7 @@ def _swap_in(state: W8A8State, t, new, w: torch.Tensor) -> None:
     attn._fuseinfer_qkv_params = (None,) * 6
 
 
-def _empty_layout(model: nn.Module, config, targets, report) -> W8A8State:
+def _empty_layout(model: nn.Module, config, targets, report, qkv_names: tuple[str, ...]) -> W8A8State:
     """Swap in W8A8Linears with uninitialized tensors (and the q/k/v slices) as ``quantize_w8a8`` would, without
     calibrating or smoothing: a checkpoint's tensors (the smoothed LayerNorms and biases among them) are loaded
     into them next. The originals are freed (unpatch refuses)."""
@@ -258,7 +258,7 @@ def _empty_layout(model: nn.Module, config, targets, report) -> W8A8State:
         w, bias = _target_weight(t)
         new = _quantize(w, bias, empty=True)
         before = w.numel() * w.element_size()
-        _swap_in(state, t, new, w)
+        _swap_in(state, t, new, w, qkv_names)
         qreport.entries.append(QuantEntry(t.name, tuple(new.weight_q.shape), before,
                                           new.weight_q.numel() + 4 * new.weight_scale.numel()))
     report.quant = qreport

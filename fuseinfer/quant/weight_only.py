@@ -1,13 +1,13 @@
 """W8A16 (``Int8WeightOnly``): replace the linears of the modules ``patch`` swapped by int8 ones, and undo it.
 
-Runs after the model family's swaps (``patching.patch``). Plan first (which linears, every check), then change:
-a config that selects nothing raises before anything is touched (the engine then undoes the family's swaps).
-Per linear: ``quantize_per_channel`` (``fuseinfer/ops/quant.py``: CUDA kernel on GPU) gives int8 (N, K) and one
-fp32 scale per row; the ``nn.Linear`` is replaced in its parent by an :class:`Int8WeightOnlyLinear` holding them
-and the original bias Parameter. The fused q/k/v (``qkv_weight``, (3E, E), built by OPT's patch) becomes one
-int8 (3E, E) + (3E,) scales in ``self_attn.qkv_proj``; q_proj / k_proj / v_proj become :class:`QKVSlice` views
-of it. The replaced fp16 weights are freed as each is done (peak: the model plus one weight's temporaries), after
-a copy to host memory when ``keep_original="cpu"``.
+Runs after the model family's swaps (``patching.patch``). Plan first (which linears, every check), then change: a
+config that selects nothing raises before anything is touched (the engine then undoes the family's swaps). Per
+linear: ``quantize_per_channel`` (``fuseinfer/ops/quant.py``: CUDA kernel on GPU) gives int8 (N, K) and one fp32
+scale per row; the ``nn.Linear`` is replaced in its parent by an :class:`Int8WeightOnlyLinear` holding them and the
+original bias Parameter. The fused q/k/v (``qkv_weight``, (3E, E), built by the family's patch) becomes one int8
+(3E, E) + (3E,) scales in the attention module's ``qkv_proj``; its q/k/v projections (the family's ``qkv_names``)
+become :class:`QKVSlice` views of it. The replaced fp16 weights are freed as each is done (peak: the model plus one
+weight's temporaries), after a copy to host memory when ``keep_original="cpu"``.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fuseinfer import models
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.ops import quantize_per_channel
 from fuseinfer.layers.linear import Int8WeightOnlyLinear, QKVSlice, QuantizedLinear
@@ -71,13 +72,14 @@ def _targets(model: nn.Module, config, report) -> list[_Target]:
     """The linears to quantize: those of the modules the family swapped (``report.swaps``, chosen by the
     PatchConfig's ops and filter_fn) and, with include_lm_head, the LM head."""
     out = []
+    qkv_names = models.family_of(model).qkv_names
     for swap in report.swaps:
         module = model.get_submodule(swap.name)
         fused_qkv = isinstance(module.__dict__.get("qkv_weight"), torch.Tensor)
         if fused_qkv:
             out.append(_Target(f"{swap.name}.qkv_proj".lstrip("."), module, ""))
         for attr, child in module.named_children():
-            if type(child) is nn.Linear and not (fused_qkv and attr in ("q_proj", "k_proj", "v_proj")):
+            if type(child) is nn.Linear and not (fused_qkv and attr in qkv_names):
                 out.append(_Target(f"{swap.name}.{attr}".lstrip("."), module, attr))
     if config.include_lm_head:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -131,8 +133,7 @@ class WeightOnlyState:
     def undo(self, model: nn.Module) -> None:
         """Put the original modules and weights back, bit for bit (FuseInferError first if they were not kept)."""
         self.check_undo()
-        from fuseinfer.models.opt.modules import _link_qkv
-
+        fam = models.family_of(model)
         for parent, attr, original, kept, tied in reversed(self.linears):
             current = parent._modules[attr]
             if not tied:
@@ -142,9 +143,9 @@ class WeightOnlyState:
             qkv = attn._modules.pop("qkv_proj")
             attn.__dict__["qkv_weight"] = kept.to(qkv.qweight.device)
             attn.__dict__["qkv_bias"] = qkv.bias
-            for name, proj in zip(("q_proj", "k_proj", "v_proj"), projs):
+            for name, proj in zip(fam.qkv_names, projs):
                 setattr(attn, name, proj)
-            _link_qkv(attn)  # the projections' weights and biases become views of the buffers again
+            fam.relink_qkv(attn)  # the projections' weights and biases become views of the buffers again
 
 
 def quantize_weight_only(model: nn.Module, config, report) -> WeightOnlyState:
@@ -159,6 +160,7 @@ def quantize_weight_only(model: nn.Module, config, report) -> WeightOnlyState:
     keep = None if empty else config.keep_original
     qreport = QuantReport(config.scheme, kept_original=keep)
     state = WeightOnlyState(config)
+    qkv_names = models.family_of(model).qkv_names
     for t in targets:
         if t.attr:  # one nn.Linear
             lin = t.parent._modules[t.attr]
@@ -175,11 +177,11 @@ def quantize_weight_only(model: nn.Module, config, report) -> WeightOnlyState:
             w, bias = attn.qkv_weight, attn.qkv_bias  # (3E, E), (3E,) or None
             q, scale = _quantize(w, empty)
             qkv = Int8WeightOnlyLinear(q, scale, bias)
-            projs = tuple(attn._modules[n] for n in ("q_proj", "k_proj", "v_proj"))
+            projs = tuple(attn._modules[n] for n in qkv_names)
             state.qkvs.append((attn, projs, _kept(w, keep)))
             attn.qkv_proj = qkv
             embed = w.shape[0] // 3
-            for i, (name, proj) in enumerate(zip(("q_proj", "k_proj", "v_proj"), projs)):
+            for i, (name, proj) in enumerate(zip(qkv_names, projs)):
                 setattr(attn, name, QKVSlice(qkv, i, embed))
                 proj.weight.data = _placeholder(w)  # (views of the (3E, E) buffer: all must go to free it)
                 if proj.bias is not None:

@@ -81,9 +81,9 @@ def test_classify_fused_ops_by_shape():
     lin = "fuseinfer::linear_epilogue"
     assert classify(path, lin, [[1, 8, 64], [192, 64]], 64, 256, seen) == "qkv"
     assert classify(path, "fuseinfer::attention", [], 64, 256, seen) == "attn_core"
-    assert classify(path, lin, [[1, 8, 64], [64, 64]], 64, 256, seen) == "out_proj"
-    assert classify([path[0]], lin, [[1, 8, 64], [256, 64]], 64, 256, seen) == "fc1"
-    assert classify([path[0]], lin, [[1, 8, 256], [64, 256]], 64, 256, seen) == "fc2"
+    assert classify(path, lin, [[1, 8, 64], [64, 64]], 64, 256, seen) == "attn_out"
+    assert classify([path[0]], lin, [[1, 8, 64], [256, 64]], 64, 256, seen) == "mlp_in"
+    assert classify([path[0]], lin, [[1, 8, 256], [64, 256]], 64, 256, seen) == "mlp_out"
     assert classify([path[0]], "aten::add", [[1, 8, 64]] * 2, 64, 256, seen) == "residual"
     assert classify([], GRAPH, [], 64, 256, seen) == GRAPH
 
@@ -101,7 +101,7 @@ def synthetic_cuda_trace():
         events += [
             _x("user_annotation", f"ProfilerStep#{i}", t0, 900.0),
             _x("user_annotation", "fi:layer:model.decoder.layers.0", t0 + 10, 300),
-            _x("user_annotation", "fi:fc1:model.decoder.layers.0.fc1", t0 + 20, 200),
+            _x("user_annotation", "fi:mlp_in:model.decoder.layers.0.fc1", t0 + 20, 200),
             _x("cpu_op", "aten::linear", t0 + 30, 100, **{"Input Dims": [[1, 512, 64], [256, 64], [256]],
                                                           "Input type": ["c10::Half"] * 3}),
             _x("cuda_runtime", "cudaLaunchKernel", t0 + 50, 5, correlation=10 + i * 10),
@@ -121,7 +121,7 @@ def test_analysis_of_a_cuda_trace():
     a = analyze(synthetic_cuda_trace(), 64, 256)
     assert a["unit"] == "kernel" and a["steps"] == 2 and a["step_ms"] == pytest.approx(0.9)
     kinds = {r["kind"]: r["device_ms"] for r in a["kinds"]}
-    assert kinds == pytest.approx({"fc1": 0.4, "other": 0.01, GRAPH: 0.15})
+    assert kinds == pytest.approx({"mlp_in": 0.4, "other": 0.01, GRAPH: 0.15})
     assert a["busy_ms"] == pytest.approx(0.56) and a["idle_ms"] == pytest.approx(0.34)
     assert a["launches_per_step"] == 3 and a["graph_launches_without_kernels"] == 0
     kernels = {k["kernel"]: k for k in a["kernels"]}

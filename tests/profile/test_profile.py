@@ -83,12 +83,12 @@ def test_module_kinds_eager_and_fused(tiny_run):
     result, _ = tiny_run
     kinds = {p.name: {r["kind"] for r in p.kinds["kinds"] if r["device_ms"] > 0} for p in result.profiles}
     # eager: modules are called, so their ranges name them; fused: the ops are sorted by shape inside the ranges
-    assert {"qkv", "out_proj", "attn_core", "fc1", "fc2", "activation", "layernorm", "lm_head", "residual"} \
+    assert {"qkv", "attn_out", "attn_core", "mlp_in", "mlp_out", "activation", "layernorm", "lm_head", "residual"} \
         <= kinds["eager"]
-    assert {"qkv", "out_proj", "attn_core", "fc1", "fc2", "layernorm", "lm_head"} <= kinds["fuseinfer"]
+    assert {"qkv", "attn_out", "attn_core", "mlp_in", "mlp_out", "layernorm", "lm_head"} <= kinds["fuseinfer"]
     assert "residual" not in kinds["fuseinfer"]  # the residual adds ride in the fused ops
     fused = {(r["op"], r["kind"]) for r in result.profiles[0].kinds["ops"]}  # (the hooked pass: the module path)
-    assert ("fuseinfer::linear_epilogue", "fc1") in fused and ("fuseinfer::attention", "attn_core") in fused
+    assert ("fuseinfer::linear_epilogue", "mlp_in") in fused and ("fuseinfer::attention", "attn_core") in fused
 
 
 def test_verdicts_computed(tiny_run):
@@ -142,7 +142,7 @@ def test_api_with_a_module_decode_and_generate(phase):
     result = profile(model, phase=phase, device="cpu", prompt_len=8, gen_len=2, repeats=2, active=1)
     a = result.main.analysis
     assert a["unit"] == "op" and a["steps"] == 1 and result.main.unprofiled_ms["n"] == 2
-    assert {"qkv", "fc1", "lm_head"} <= {r["kind"] for r in result.main.kinds["kinds"]}
+    assert {"qkv", "mlp_in", "lm_head"} <= {r["kind"] for r in result.main.kinds["kinds"]}
     lm = [r for r in a["ops"] if r["kind"] == "lm_head"]
     assert lm and lm[0]["op_class"] == "gemv"
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())  # hooks removed

@@ -24,7 +24,7 @@ def test_prefill_kernels_by_module_kind_and_verdicts(tmp_path):
         _sums_to_step(a)
         # (fuseinfer's prefill replays a CUDA graph at this shape: kinds and op costs come from its op-by-op pass)
         kinds = {k["kind"] for k in p.kinds["kinds"] if k["device_ms"] > 0}
-        assert {"qkv", "out_proj", "attn_core", "fc1", "fc2", "layernorm", "lm_head"} <= kinds, (p.name, kinds)
+        assert {"qkv", "attn_out", "attn_core", "mlp_in", "mlp_out", "layernorm", "lm_head"} <= kinds, (p.name, kinds)
         gemms = [o for o in p.cost_analysis["ops"] if o.get("op_class") == "gemm" and o["device_ms"] > 0]
         assert gemms and all(o["verdict"] in ("compute-bound", "memory-bound") for o in gemms)
         assert all(k["verdict"] for k in a["kernels"])

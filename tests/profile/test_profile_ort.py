@@ -31,7 +31,7 @@ def test_ort_backends_profile_every_phase(tiny_model_path, tmp_path, onnx_dir, s
     assert prof.step_ms > 0 and a["unit"] == "ORT node"
     assert a["ops"] and all(r["op"].startswith("ort::") for r in a["ops"])
     kinds = {r["kind"] for r in a["kinds"]}
-    assert {"fc1", "fc2", "lm_head", "layernorm"} <= kinds
+    assert {"mlp_in", "mlp_out", "lm_head", "layernorm"} <= kinds
     assert len(a["layers"]) == 4  # the tiny OPT's decoder layers
     assert 0 < a["busy_ms"] <= a["step_ms"] * 1.05
     assert any(r.get("flops_per_call") for r in a["ops"])  # the matrix products have a cost, so a verdict
@@ -56,9 +56,9 @@ def test_ort_profile_kinds_layers_and_runs(tmp_path):
                 _node("mha", "MultiHeadAttention", t + 1, 2, [[1, 2, h]], [[1, 2, h]]),
                 _node("o", "MatMul", t + 3, 1, [[1, 2, h]], [[1, 2, h]]),
                 _node("ln", "LayerNormalization", t + 4, 1, [[1, 2, h]], [[1, 2, h]]),
-                _node("fc1", "MatMul", t + 5, 4, [[1, 2, h]], [[1, 2, f]]),
+                _node("mlp_in", "MatMul", t + 5, 4, [[1, 2, h]], [[1, 2, f]]),
                 _node("relu", "Relu", t + 9, 1, [[1, 2, f]], [[1, 2, f]]),
-                _node("fc2", "MatMul", t + 10, 4, [[1, 2, f]], [[1, 2, h]])]
+                _node("mlp_out", "MatMul", t + 10, 4, [[1, 2, f]], [[1, 2, h]])]
 
     def run(t0):
         return ([{"cat": "Session", "name": "model_run", "ts": t0, "dur": 100}] + layer(t0 + 1) + layer(t0 + 20)
@@ -71,9 +71,9 @@ def test_ort_profile_kinds_layers_and_runs(tmp_path):
     path.write_text(json.dumps(events))
     out = analyze_ort(path, runs=2, steps=2, hidden=h, ffn=f, vocab=v, layers=2)
     kinds = {r["kind"]: r["device_ms"] for r in out["kinds"]}
-    assert kinds == pytest.approx({"qkv": 0.002, "attn_core": 0.004, "out_proj": 0.002, "layernorm": 0.003,
-                                   "fc1": 0.008, "activation": 0.002, "fc2": 0.008, "lm_head": 0.010})
+    assert kinds == pytest.approx({"qkv": 0.002, "attn_core": 0.004, "attn_out": 0.002, "layernorm": 0.003,
+                                   "mlp_in": 0.008, "activation": 0.002, "mlp_out": 0.008, "lm_head": 0.010})
     assert [r["layer"] for r in out["layers"]] == [0, 1]
     assert out["busy_ms"] == pytest.approx(0.039) and out["run_ms"] == pytest.approx(0.1)
-    fc1 = next(r for r in out["ops"] if r["kind"] == "fc1")
-    assert fc1["calls"] == 2 and fc1["flops_per_call"] == 2 * 2 * h * f
+    mlp_in = next(r for r in out["ops"] if r["kind"] == "mlp_in")
+    assert mlp_in["calls"] == 2 and mlp_in["flops_per_call"] == 2 * 2 * h * f

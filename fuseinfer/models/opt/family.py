@@ -1,8 +1,9 @@
-"""The OPT model family (facebook/opt-125m ... opt-66b): ``opt.py``'s module swaps and ``opt_decode.py``'s
-fast-decode parts behind the :class:`~fuseinfer.models.base.ModelFamily` interface."""
+"""The OPT model family (facebook/opt-125m ... opt-66b): ``modules.py``'s module swaps, ``decode.py``'s fast-decode
+parts, and what the feature packages need (``quant.py``, ``configs.py``) behind the
+:class:`~fuseinfer.models.base.ModelFamily` interface."""
 from __future__ import annotations
 
-from fuseinfer.models.opt import modules as opt, decode as opt_decode
+from fuseinfer.models.opt import configs, modules as opt, decode as opt_decode, quant as opt_quant
 from fuseinfer.models.base import ModelFamily
 
 
@@ -24,3 +25,36 @@ class OPTFamily(ModelFamily):
 
     def decode_step_kernel(self, model, cache):
         return opt_decode.decode_step_kernel(model, cache)
+
+    # ---- what the feature packages need (quant, profile, the harness's random: configurations)
+
+    qkv_names = opt_quant.QKV
+    config_fields = ("model_type", "hidden_size", "num_hidden_layers", "ffn_dim", "num_attention_heads",
+                     "vocab_size", "word_embed_proj_dim", "max_position_embeddings", "do_layer_norm_before",
+                     "enable_bias", "layer_norm_elementwise_affine", "_remove_final_layer_norm")
+    _MODULE_KINDS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "out_proj": "attn_out", "fc1": "mlp_in",
+                     "fc2": "mlp_out", "activation_fn": "activation", "project_in": "projection",
+                     "project_out": "projection", "lm_head": "lm_head"}
+
+    def decoder_layers(self, model):
+        return opt_quant.decoder_layers(model)
+
+    def relink_qkv(self, attn):
+        opt._link_qkv(attn)
+
+    def quant_targets(self, model):
+        return opt_quant.quant_targets(model)
+
+    def smoothing_groups(self, model):
+        return opt_quant.smoothing_groups(model)
+
+    def module_kinds(self):
+        return dict(self._MODULE_KINDS)
+
+    def random_configs(self):
+        return configs.RANDOM_CONFIGS
+
+    def config_class(self):
+        from transformers import OPTConfig
+
+        return OPTConfig
