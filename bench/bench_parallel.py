@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fuseinfer  # noqa: E402
 from fuseinfer.models.opt.configs import OPT_CONFIGS  # noqa: E402
 from fuseinfer.harness.timing import copy_bandwidth_gbps, summarize  # noqa: E402
-from fuseinfer.parallel.materialize import (device_map_lookup, materialize, meta_model, random_init,  # noqa: E402
+from fuseinfer.harness.materialize import (device_map_lookup, materialize, meta_model, random_init,  # noqa: E402
                                             random_model)
 
 RESULTS_DIR = Path(os.environ.get("FUSEINFER_BENCH_DIR", Path(__file__).resolve().parent / "results"))

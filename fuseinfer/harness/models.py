@@ -116,7 +116,7 @@ def load_model(source: ModelSource, config, dtype: torch.dtype, device: torch.de
     from transformers import AutoModelForCausalLM
 
     if source.random_weights:  # built on meta, each parameter drawn on the device (fuseinfer/parallel)
-        from fuseinfer.parallel.materialize import random_model
+        from fuseinfer.harness.materialize import random_model
 
         return random_model(config, dtype, device, seed)
     kwargs = {"device_map": {"": device}} if importlib.util.find_spec("accelerate") else {}

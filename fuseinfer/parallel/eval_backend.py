@@ -65,7 +65,7 @@ class TensorParallelBackend(FuseInferBackend):
     tp = 2
 
     def load(self):
-        from fuseinfer.parallel.materialize import meta_model, random_init
+        from fuseinfer.harness.materialize import meta_model, random_init
         from fuseinfer.parallel.sharding import tensor_parallel
 
         if self.source.random_weights:  # on meta; each rank draws only its shard on its GPU

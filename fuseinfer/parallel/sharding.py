@@ -38,7 +38,7 @@ from fuseinfer.core.errors import FuseInferError
 from fuseinfer.models.opt.modules import FusedOPTAttention, FusedOPTDecoderLayer, _original_forward
 from fuseinfer.core import placement
 from fuseinfer.parallel.dist import gather_errors
-from fuseinfer.parallel.materialize import Init, materialize
+from fuseinfer.harness.materialize import Init, materialize
 
 from fuseinfer.core.decode_plan import TP_ATTR, tp_info  # noqa: F401 (re-exported)
 _COLUMN = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.[qkv]_proj|fc1)\.(weight|bias)$")

@@ -7,7 +7,7 @@ import torch
 
 from conftest import random_opt
 from fuseinfer.harness.errors import EvalError
-from fuseinfer.parallel.materialize import materialize, meta_model, random_init, random_model
+from fuseinfer.harness.materialize import materialize, meta_model, random_init, random_model
 
 
 def _config():
