@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fuseinfer.models.opt import modules as opt, decode as opt_decode
 from fuseinfer.models.base import ModelFamily
+from fuseinfer.models.opt import export as opt_export  # ONNX export
 
 
 class OPTFamily(ModelFamily):
@@ -24,3 +25,13 @@ class OPTFamily(ModelFamily):
 
     def decode_step_kernel(self, model, cache):
         return opt_decode.decode_step_kernel(model, cache)
+
+    # --- ONNX export (fuseinfer.export) ---
+    def export_spec(self, model):
+        return opt_export.spec(model)
+
+    def export_graph(self, model, ops):
+        return opt_export.OPTStepGraph(model, ops)
+
+    def ort_matmul_kinds(self):
+        return dict(opt_export.ORT_MATMUL_KINDS)
