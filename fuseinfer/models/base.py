@@ -76,6 +76,11 @@ class ModelFamily(ABC):
         raise NotImplementedError(f"fuseinfer.export has no graph for {self.model_type or type(self).__name__} "
                                   "models")
 
+    def export_config_fields(self) -> tuple[str, ...]:
+        """The configuration fields the export graph depends on (the export's config hash covers these)."""
+        raise NotImplementedError(f"fuseinfer.export has no graph for {self.model_type or type(self).__name__} "
+                                  "models")
+
     def export_graph(self, model: nn.Module, ops) -> nn.Module:
         """The module ``torch.onnx.export`` traces: one decoder step of ``model`` over explicit past tensors, each
         step built by the export strategy ``ops`` (see fuseinfer.export.graph). Its ``spec`` attribute is

@@ -23,6 +23,12 @@ from fuseinfer.models.opt.layer import decoder_layer
 # the profiler's kinds of an exported OPT graph's matrix products (see ModelFamily.ort_matmul_kinds)
 ORT_MATMUL_KINDS = {"qkv": "qkv", "out": "out_proj", "mlp_in": "fc1", "mlp_out": "fc2", "head": "lm_head"}
 
+# the configuration fields the graph depends on (others, e.g. transformers_version, do not matter): an export
+# records their hash, so a change here makes earlier exports stale
+CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "ffn_dim", "num_attention_heads",
+                 "max_position_embeddings", "word_embed_proj_dim", "do_layer_norm_before",
+                 "_remove_final_layer_norm", "activation_function", "enable_bias", "layer_norm_elementwise_affine",
+                 "pad_token_id")
 POSITION_IDS = ("computed in the graph from attention_mask as OPT does: cumsum(mask) * mask - 1 over the whole mask, "
                 "the last `sequence` columns kept, + 2 (OPT's offset) into the position table")
 

@@ -30,6 +30,9 @@ class OPTFamily(ModelFamily):
     def export_spec(self, model):
         return opt_export.spec(model)
 
+    def export_config_fields(self):
+        return opt_export.CONFIG_FIELDS
+
     def export_graph(self, model, ops):
         return opt_export.OPTStepGraph(model, ops)
 
