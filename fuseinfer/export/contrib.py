@@ -108,7 +108,7 @@ class SliceLast(torch.autograd.Function):
 
 class FusedMatMul(torch.autograd.Function):
     """(x (..., K), weight (N, K)) -> x @ weight.T, as ``FusedMatMul(transB=1)``: the nn.Linear weight is used as
-    stored, so the export neither transposes nor duplicates it (the tied lm_head shares the embedding table)."""
+    stored, so the export neither transposes nor duplicates it (a tied LM head shares the embedding table)."""
 
     @staticmethod
     def forward(ctx, x, weight):

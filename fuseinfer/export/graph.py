@@ -1,35 +1,60 @@
-"""The module ``torch.onnx.export`` traces: a functional OPT decoder over explicit KV-cache tensors.
+"""The export strategies, and ``DecoderGraph(model, flavour)``: the module ``torch.onnx.export`` traces.
 
-``DecoderGraph(model, flavour)`` reads the weights of a Hugging Face ``OPTForCausalLM`` (no copy, except the
-fused flavour's concatenated q/k/v weight) and computes, for one call:
+The model family writes the graph (``family.export_graph(model, ops)``: for OPT, models/opt/export.py runs the one
+decoder layer of models/opt/layer.py); the strategy ``ops`` built here says how each step becomes ONNX nodes. The
+traced module computes, for one call:
 
     inputs   input_ids (B, S) int64, attention_mask (B, P + S) int64 (1 = token, 0 = padding),
              num_logits_to_keep (1,) int64 (0 = logits for all S positions, n = the last n),
              past_key_<i>, past_value_<i> (B, H, P, D) for each layer i (P may be 0)
     outputs  logits (B, S or n, V), present_key_<i>, present_value_<i> (B, H, P + S, D)
 
-Position ids are part of the graph, computed as OPT computes them: ``cumsum(mask) * mask - 1`` over the whole
-mask, sliced to the last S columns (a padded slot gets -1, the embedding table's row 1 after OPT's offset of 2).
-
-Two flavours share this forward and differ in the ``Ops`` object that builds each step:
-* ``plain``: standard ONNX ops only (Gather, MatMul, Add, LayerNormalization, Softmax, ...), as the Hugging Face
-  model computes them (the causal + padding mask applied with a Where before the softmax).
-* ``fused``: onnxruntime contrib ops (see contrib.py): SkipLayerNormalization for every residual add + LayerNorm
-  (the first one adds the token and position embeddings), MultiHeadAttention with past/present, causal through
-  ``unidirectional`` and the padding as an additive ``attention_bias``, one q/k/v FusedMatMul (its bias folded
-  into MultiHeadAttention), FusedMatMul(transB) for the other projections (biases folded into the next
+Two flavours, two strategies:
+* ``plain`` (:class:`PlainOps`): standard ONNX ops only (Gather, MatMul, Add, LayerNormalization, Softmax, ...), as
+  the Hugging Face model computes them (the causal + padding mask applied with a Where before the softmax).
+* ``fused`` (:class:`FusedOps`): onnxruntime contrib ops (see contrib.py): SkipLayerNormalization for every residual
+  add + LayerNorm (the first one adds the token and position embeddings), MultiHeadAttention with past/present,
+  causal through ``unidirectional`` and the padding as an additive ``attention_bias``, one q/k/v FusedMatMul (its
+  bias folded into MultiHeadAttention), FusedMatMul(transB) for the other projections (biases folded into the next
   SkipLayerNormalization), BiasGelu for gelu models, ReLU as a plain Add + Relu.
+
+The strategy protocol is the decoder layer's (``norm``, ``linear``, ``attention``: see models/opt/layer.py) plus what
+a whole graph needs: ``bind(projections)`` (the attention modules' :class:`~fuseinfer.models.base.
+AttentionProjections`, by layer, given once before tracing), ``context(attention_mask, s, past)`` (the ``ctx`` of
+the layers: mask, past tensors, and the ``presents`` list that ``attention`` appends each layer's key and value
+to), ``add(x, residual)`` (a residual sum that the next ``norm`` takes), ``value(x)`` (a tensor of a pending result)
+and ``last(x, keep)`` (the last ``keep`` positions, all of them for 0). ``linear`` without an activation returns a
+:class:`Pending` ``x @ W.T`` whose bias and residual the next ``norm`` adds: one SkipLayerNormalization in the fused
+flavour, and the same sums in the same order in the plain one.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fuseinfer.export import contrib
+from fuseinfer.models import family
 
 FLAVOURS = ("fused", "plain")
 PADDING_BIAS = -10000.0  # added to the scores of padded keys (fused); finite, so no fp16 overflow to -inf and NaN
+
+
+class Pending(NamedTuple):
+    """``y + skip + bias`` not yet computed (``skip`` / ``bias`` may be None): the next LayerNorm takes all three."""
+    y: torch.Tensor
+    skip: torch.Tensor | None
+    bias: torch.Tensor | None
+
+
+class Context:
+    """The layers' ``ctx``: the attention mask as the strategy applies it, the past tensors (key, value per layer)
+    and the presents ``attention`` appends, in the same order."""
+
+    def __init__(self, mask, past):
+        self.mask, self.past, self.presents = mask, past, []
 
 
 class PlainOps:
@@ -37,6 +62,15 @@ class PlainOps:
 
     def __init__(self, dtype):
         self.dtype = dtype
+        self.projections = []
+
+    def bind(self, projections) -> None:
+        self.projections = list(projections)
+
+    # --- the graph's steps
+
+    def context(self, attention_mask, s, past) -> Context:
+        return Context(self.masks(attention_mask, s), past)
 
     def masks(self, attention_mask, s):
         """attention_mask (B, T) -> allowed (B, 1, S, T) bool: causal (query i sees keys up to T - S + i) and not
@@ -46,50 +80,89 @@ class PlainOps:
         causal = torch.arange(t, device=attention_mask.device)[None, :] <= q_pos[:, None]  # (S, T)
         return causal[None, None] & (attention_mask[:, None, None, :] > 0)  # (B, 1, S, T)
 
+    def add(self, x, residual) -> Pending:
+        return Pending(x, residual, None)
+
+    def value(self, x):
+        """The tensor of ``x``: a Pending's sum, in the order ``norm`` adds it."""
+        if not isinstance(x, Pending):
+            return x
+        y, skip, bias = x
+        total = y if skip is None else y + skip
+        return total if bias is None else total + bias
+
+    def last(self, x, keep):
+        return contrib.SliceLast.apply(x, keep)  # (B, S or n, E)
+
+    # --- the decoder layer's protocol
+
+    def norm(self, x, ln, residual=None):
+        """(LayerNorm(x + residual), x + residual), ``x`` a tensor or a Pending (its bias and skip added too)."""
+        y, skip, bias = x if isinstance(x, Pending) else (x, None, None)
+        if residual is not None:
+            if skip is not None:
+                raise ValueError("a residual sum cannot take a second residual")
+            skip = residual
+        if skip is None:
+            total = self.value(Pending(y, None, bias))
+            return F.layer_norm(total, ln.normalized_shape, ln.weight, ln.bias, ln.eps), total
+        return self.add_norm(y, skip, bias, ln)
+
     def add_norm(self, x, skip, bias, ln):
-        """(LayerNorm(x + skip + bias) or None without ``ln``, x + skip + bias); x, skip (B, S, E)."""
+        """(LayerNorm(x + skip + bias), x + skip + bias); x, skip (B, S, E)."""
         total = x + skip if bias is None else x + skip + bias
-        if ln is None:
-            return None, total
         return F.layer_norm(total, ln.normalized_shape, ln.weight, ln.bias, ln.eps), total
+
+    def linear(self, x, lin, residual=None, activation=None):
+        """act(x @ W.T + b) (+ residual, pending) with an activation; else a Pending ``x @ W.T`` + b + residual."""
+        if activation is None:
+            return Pending(self.matmul(x, lin.weight), residual, lin.bias)
+        out = self.mlp_in(x, lin, activation)
+        return out if residual is None else Pending(out, residual, None)
 
     def matmul(self, x, weight):
         return F.linear(x, weight)  # (B, S, out)
 
-    def ffn_in(self, x, fc1, activation):
-        return activation(F.linear(x, fc1.weight, fc1.bias))
+    def mlp_in(self, x, lin, activation):
+        return activation(F.linear(x, lin.weight, lin.bias))
 
-    def attention(self, attn, x, allowed, past_k, past_v):
-        """x (B, S, E) -> (context (B, S, E) before out_proj, present_k, present_v (B, H, T, D))."""
+    def attention(self, i, attn, x, ctx):
+        """x (B, S, E) -> context (B, S, E) before the output projection; appends layer ``i``'s present key and
+        value (B, H, T, D) to ``ctx.presents``."""
+        p = self.projections[i]
         b, s, e = x.shape
-        h, d = attn.num_heads, attn.head_dim
+        h, d = p.num_heads, p.head_dim
         split = lambda t: t.view(b, s, h, d).transpose(1, 2)  # (B, S, E) -> (B, H, S, D)
-        q = split(attn.q_proj(x) * attn.scaling)
-        k = torch.cat([past_k, split(attn.k_proj(x))], dim=2)  # (B, H, T, D)
-        v = torch.cat([past_v, split(attn.v_proj(x))], dim=2)
+        q = split(p.q(x) * p.scaling)
+        k = torch.cat([ctx.past[2 * i], split(p.k(x))], dim=2)  # (B, H, T, D)
+        v = torch.cat([ctx.past[2 * i + 1], split(p.v(x))], dim=2)
         scores = torch.matmul(q, k.transpose(-1, -2))  # (B, H, S, T)
-        scores = torch.where(allowed, scores, torch.finfo(scores.dtype).min)
+        scores = torch.where(ctx.mask, scores, torch.finfo(scores.dtype).min)
         probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, v)  # (B, H, S, D)
-        return out.transpose(1, 2).reshape(b, s, e), k, v
+        ctx.presents += [k, v]
+        return out.transpose(1, 2).reshape(b, s, e)
 
 
 class FusedOps(PlainOps):
     """Each step as an onnxruntime contrib op where one fits."""
 
-    def __init__(self, dtype, model):
+    def __init__(self, dtype):
         super().__init__(dtype)
-        # one (3E, E) q/k/v weight and (3E,) bias per attention module, made once: MultiHeadAttention takes the
-        # bias, the projection becomes one GEMM
-        self.qkv = {}
-        for layer in model.model.decoder.layers:
-            a = layer.self_attn
-            with torch.no_grad():  # constants of the graph, not parameters
-                weight = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # (3E, E)
-                biases = [p.bias if p.bias is not None else torch.zeros_like(p.weight[:, 0])
-                          for p in (a.q_proj, a.k_proj, a.v_proj)]
-                self.qkv[id(a)] = (weight, torch.cat(biases))
+        self.qkv = []
         self._ones = {}
+
+    def bind(self, projections) -> None:
+        """One (3E, E) q/k/v weight and (3E,) bias per attention module, made once, before tracing:
+        MultiHeadAttention takes the bias, the projection becomes one GEMM."""
+        super().bind(projections)
+        self.qkv = []
+        for p in self.projections:
+            with torch.no_grad():  # constants of the graph, not parameters
+                weight = torch.cat([p.q.weight, p.k.weight, p.v.weight])  # (3E, E)
+                biases = [lin.bias if lin.bias is not None else torch.zeros_like(lin.weight[:, 0])
+                          for lin in (p.q, p.k, p.v)]
+                self.qkv.append((weight, torch.cat(biases)))
 
     def masks(self, attention_mask, s):
         """attention_mask (B, T) -> additive attention_bias (B, 1, S, T): PADDING_BIAS on padded keys."""
@@ -107,79 +180,43 @@ class FusedOps(PlainOps):
         return self._ones[e]
 
     def add_norm(self, x, skip, bias, ln):
-        if ln is None:
-            return super().add_norm(x, skip, bias, ln)
         gamma, beta = self._affine(ln, x.shape[-1], x.device)
         return contrib.SkipLayerNorm.apply(x, skip, gamma, beta, bias, ln.eps)
 
     def matmul(self, x, weight):
         return contrib.FusedMatMul.apply(x, weight)
 
-    def ffn_in(self, x, fc1, activation):
-        y = contrib.FusedMatMul.apply(x, fc1.weight)  # (B, S, F)
-        if type(activation).__name__ in ("GELUActivation", "GELU") and fc1.bias is not None:  # erf gelu
-            return contrib.BiasGelu.apply(y, fc1.bias)
-        return activation(y if fc1.bias is None else y + fc1.bias)
+    def mlp_in(self, x, lin, activation):
+        y = contrib.FusedMatMul.apply(x, lin.weight)  # (B, S, F)
+        if type(activation).__name__ in ("GELUActivation", "GELU") and lin.bias is not None:  # erf gelu
+            return contrib.BiasGelu.apply(y, lin.bias)
+        return activation(y if lin.bias is None else y + lin.bias)
 
-    def attention(self, attn, x, attn_bias, past_k, past_v):
-        e = attn.embed_dim  # a Python int: a traced size would make the Split's sizes dynamic
-        weight, bias = self.qkv[id(attn)]
+    def attention(self, i, attn, x, ctx):
+        p = self.projections[i]
+        e = p.num_heads * p.head_dim  # a Python int: a traced size would make the Split's sizes dynamic
+        weight, bias = self.qkv[i]
         q, k, v = contrib.FusedMatMul.apply(x, weight).split([e, e, e], dim=-1)  # 3 x (B, S, E)
-        return contrib.MultiHeadAttention.apply(q, k, v, bias, attn_bias, past_k, past_v, attn.num_heads,
-                                                attn.scaling)
+        out, present_k, present_v = contrib.MultiHeadAttention.apply(
+            q, k, v, bias, ctx.mask, ctx.past[2 * i], ctx.past[2 * i + 1], p.num_heads, p.scaling)
+        ctx.presents += [present_k, present_v]
+        return out
 
 
-class DecoderGraph(nn.Module):
-    """OPTForCausalLM -> one decoder step over explicit past tensors (see the module docstring)."""
+def make_ops(flavour: str, dtype: torch.dtype):
+    """The strategy of ``flavour`` (one of FLAVOURS) for a model in ``dtype``."""
+    if flavour not in FLAVOURS:
+        raise ValueError(f"flavour must be one of {FLAVOURS}, got {flavour!r}")
+    return FusedOps(dtype) if flavour == "fused" else PlainOps(dtype)
 
-    def __init__(self, model: nn.Module, flavour: str = "fused"):
-        super().__init__()
-        if flavour not in FLAVOURS:
-            raise ValueError(f"flavour must be one of {FLAVOURS}, got {flavour!r}")
-        self.model = model
-        self.flavour = flavour
-        dtype = next(model.parameters()).dtype
-        self.ops = FusedOps(dtype, model) if flavour == "fused" else PlainOps(dtype)
-        cfg = model.config
-        self.num_layers = cfg.num_hidden_layers
-        self.pre_ln = cfg.do_layer_norm_before
 
-    def forward(self, input_ids, attention_mask, num_logits_to_keep, *past):
-        dec, ops = self.model.model.decoder, self.ops
-        s = input_ids.shape[1]
-        positions = (torch.cumsum(attention_mask, dim=1) * attention_mask - 1)[:, -s:]  # (B, S) as OPT
-        tok = F.embedding(input_ids, dec.embed_tokens.weight)  # (B, S, W)
-        if dec.project_in is not None:
-            tok = ops.matmul(tok, dec.project_in.weight)  # (B, S, E)
-        pos = F.embedding(positions + dec.embed_positions.offset, dec.embed_positions.weight)  # (B, S, E)
-        masks = ops.masks(attention_mask, s)
-        layers = dec.layers
-        if self.pre_ln:
-            x, h = ops.add_norm(tok, pos, None, layers[0].self_attn_layer_norm)  # x: LayerNorm of h
-        else:
-            h = tok + pos
-            x = h
-        presents = []
-        for i, layer in enumerate(layers):
-            ctx, pk, pv = ops.attention(layer.self_attn, x, masks, past[2 * i], past[2 * i + 1])
-            presents += [pk, pv]
-            o = ops.matmul(ctx, layer.self_attn.out_proj.weight)  # (B, S, E), bias added with the residual
-            if self.pre_ln:
-                x, h = ops.add_norm(o, h, layer.self_attn.out_proj.bias, layer.final_layer_norm)
-            else:
-                h, _ = ops.add_norm(o, h, layer.self_attn.out_proj.bias, layer.self_attn_layer_norm)
-                x = h
-            f = ops.matmul(ops.ffn_in(x, layer.fc1, layer.activation_fn), layer.fc2.weight)  # (B, S, E)
-            if self.pre_ln:
-                nxt = layers[i + 1].self_attn_layer_norm if i + 1 < len(layers) else dec.final_layer_norm
-                x, h = ops.add_norm(f, h, layer.fc2.bias, nxt)
-                if x is None:  # no final LayerNorm (_remove_final_layer_norm)
-                    x = h
-            else:
-                h, _ = ops.add_norm(f, h, layer.fc2.bias, layer.final_layer_norm)
-                x = h
-        x = contrib.SliceLast.apply(x, num_logits_to_keep)  # (B, S or n, E)
-        if dec.project_out is not None:
-            x = ops.matmul(x, dec.project_out.weight)  # (B, n, W)
-        logits = ops.matmul(x, self.model.lm_head.weight)  # (B, n, V)
-        return (logits, *presents)
+def DecoderGraph(model: nn.Module, flavour: str = "fused") -> nn.Module:
+    """The module to trace for ``model`` (a causal LM of a family with an export) in ``flavour``; its ``spec`` is
+    the graph's :class:`~fuseinfer.models.base.ExportSpec`."""
+    ops = make_ops(flavour, next(model.parameters()).dtype)
+    fam = family(getattr(getattr(model, "config", None), "model_type", None))
+    if fam is None:
+        raise NotImplementedError(f"no ONNX export for a {type(model).__name__}")
+    graph = fam.export_graph(model, ops)
+    graph.flavour = flavour
+    return graph

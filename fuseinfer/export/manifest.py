@@ -35,6 +35,7 @@ import torch
 from fuseinfer.core.files import WriteError, confined
 from fuseinfer.export.errors import ExportError
 from fuseinfer.export.graph import FLAVOURS
+from fuseinfer.models import family
 
 MANIFEST = "fuseinfer_onnx.json"
 SCHEMA = "fuseinfer.onnx/2"
@@ -43,11 +44,6 @@ MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 DTYPE_NAMES = {torch.float16: "fp16", torch.float32: "fp32", torch.bfloat16: "bf16"}
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
-# the OPT configuration fields the exported graph depends on (others, e.g. transformers_version, do not matter)
-CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "ffn_dim", "num_attention_heads",
-                 "max_position_embeddings", "word_embed_proj_dim", "do_layer_norm_before",
-                 "_remove_final_layer_norm", "activation_function", "enable_bias", "layer_norm_elementwise_affine",
-                 "pad_token_id")
 HASH_METHODS = ("blake2b", "checksum")
 NUMBER = (int, float)
 # every key a manifest must hold and its type (a tuple: any of them; a dict: a nested object checked the same way)
@@ -63,7 +59,13 @@ POSITIVE = ("layers", "heads", "head_dim", "hidden", "vocab", "max_positions")
 
 
 def config_hash(config) -> str:
-    fields = {k: getattr(config, k, None) for k in CONFIG_FIELDS}
+    """A hash of the configuration fields the exported graph depends on (the model family names them; others,
+    e.g. transformers_version, do not matter)."""
+    kind = getattr(config, "model_type", None)
+    fam = family(kind)
+    if fam is None:
+        raise ExportError(f"fuseinfer.export has no graph for {kind!r} models")
+    fields = {k: getattr(config, k, None) for k in fam.export_config_fields()}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -132,7 +134,7 @@ def weights_hash(model: torch.nn.Module, method: str | None = None) -> str:
     for name, t in state:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
         same = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) if t.numel() else None
-        if same in seen:  # a tied weight (lm_head = embed_tokens): hashed once, named twice
+        if same in seen:  # a tied weight (the LM head and the embedding table): hashed once, named twice
             h.update(f"={seen[same]}\n".encode())
             continue
         if same is not None:

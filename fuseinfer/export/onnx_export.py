@@ -1,4 +1,4 @@
-"""``to_onnx(model, out_dir, ...)``: trace :class:`~fuseinfer.export.graph.DecoderGraph` into an ONNX directory.
+"""``to_onnx(model, out_dir, ...)``: trace the model family's export graph (see graph.py) into an ONNX directory.
 
 Exporter: the TorchScript one (``torch.onnx.export(..., dynamo=False)``). Why not ``dynamo=True``: the fused
 flavour needs contrib ops, which the TorchScript exporter takes from each ``autograd.Function.symbolic`` in the
@@ -28,9 +28,11 @@ from pathlib import Path
 import torch
 
 from fuseinfer.core import files
+from fuseinfer.models.base import ExportSpec
 from fuseinfer.export import manifest as mf
 from fuseinfer.export.errors import ExportError
 from fuseinfer.export.graph import FLAVOURS, DecoderGraph
+from fuseinfer.models import family, supported
 
 OPSET = 17  # LayerNormalization is a standard op from 17; onnxruntime 1.17+ reads it
 
@@ -57,12 +59,17 @@ def _io_spec(num_layers, heads, head_dim, vocab, dtype_name):
     return inputs, outputs
 
 
-def check_model(model) -> None:
-    cfg = getattr(model, "config", None)
-    if getattr(cfg, "model_type", None) != "opt" or not hasattr(getattr(model, "model", None), "decoder"):
-        kind = getattr(cfg, "model_type", type(model).__name__)
-        raise ExportError(f"fuseinfer.export exports OPT causal LMs (OPTForCausalLM), got a {kind!r} model; "
-                          "load an OPT checkpoint (facebook/opt-*) or use optimum's exporter for other families")
+def check_model(model) -> ExportSpec:
+    """The sizes of ``model``'s export graph; ExportError unless its family has one for it."""
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    fam = family(kind)
+    if fam is None:
+        raise ExportError(f"fuseinfer.export exports causal LMs of the families it knows ({supported()}), got a "
+                          f"{kind or type(model).__name__!r} model; use optimum's exporter for other families")
+    try:
+        return fam.export_spec(model)
+    except NotImplementedError as exc:
+        raise ExportError(str(exc)) from None
 
 
 def check_out_dir(out_dir, overwrite: bool) -> None:
@@ -74,31 +81,29 @@ def check_out_dir(out_dir, overwrite: bool) -> None:
         raise ExportError(str(exc)) from None
 
 
-def _example(graph_model, device, dtype):
+def _example(spec: ExportSpec, device, dtype):
     """Inputs to trace with: batch 2, 3 new tokens after 2 cached ones (no size 0 or 1, which a tracer could
     mistake for a constant)."""
-    cfg = graph_model.config
-    heads = cfg.num_attention_heads
-    head_dim = cfg.hidden_size // heads
     ids = torch.full((2, 3), 4, dtype=torch.long, device=device)
     mask = torch.ones(2, 5, dtype=torch.long, device=device)
     keep = torch.zeros(1, dtype=torch.long, device=device)
-    past = [torch.zeros(2, heads, 2, head_dim, dtype=dtype, device=device)
-            for _ in range(2 * cfg.num_hidden_layers)]
+    past = [torch.zeros(2, spec.heads, 2, spec.head_dim, dtype=dtype, device=device)
+            for _ in range(2 * spec.layers)]
     return (ids, mask, keep, *past)
 
 
 def to_onnx(model, out_dir, flavour: str = "fused", dtype: torch.dtype | None = None,
             device: str | torch.device | None = None, overwrite: bool = False, opset: int = OPSET,
             source: str | None = None, memo: dict | None = None) -> dict:
-    """Export an OPTForCausalLM to ``out_dir``; returns the manifest (also written as fuseinfer_onnx.json).
+    """Export a causal LM (of a family with an export graph: OPT) to ``out_dir``; returns the manifest (also
+    written as fuseinfer_onnx.json).
 
     ``dtype`` / ``device``: export in that dtype on that device (default: the model's). The model itself is
     never changed: a model in another dtype or on another device is copied first. ``source``: how the model was
     named (recorded in the manifest). ``memo``: the weights hashes already taken of this model
     (``manifest.model_hash``), so an eval that checked for a reusable export does not hash it again.
     """
-    check_model(model)
+    spec = check_model(model)
     if flavour not in FLAVOURS:
         raise ExportError(f"unknown flavour {flavour!r}: choose from {', '.join(FLAVOURS)}")
     if dtype is not None and dtype not in mf.DTYPE_NAMES:
@@ -111,10 +116,9 @@ def to_onnx(model, out_dir, flavour: str = "fused", dtype: torch.dtype | None = 
     if (param.dtype, param.device.type) != (dtype, device.type):
         model = copy.deepcopy(model).to(device=device, dtype=dtype)  # the caller's model stays as it was
         memo = None  # (hashes of the caller's model are not this copy's)
-    cfg = model.config
     start = time.perf_counter()
     with files.atomic_dir(out_dir, marker=mf.MANIFEST, overwrite=overwrite) as tmp:
-        inputs, outputs = io_names(cfg.num_hidden_layers)
+        inputs, outputs = io_names(spec.layers)
         dynamic = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "total_sequence"},
                    "logits": {0: "batch", 1: "kept_sequence"}}
         dynamic.update({n: {0: "batch", 2: "past_sequence"} for n in inputs[3:]})
@@ -127,16 +131,14 @@ def to_onnx(model, out_dir, flavour: str = "fused", dtype: torch.dtype | None = 
         traced.mkdir()
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
-            torch.onnx.export(graph, _example(model, device, dtype), str(traced / mf.MODEL_FILE), dynamo=False,
+            torch.onnx.export(graph, _example(spec, device, dtype), str(traced / mf.MODEL_FILE), dynamo=False,
                               input_names=inputs, output_names=outputs, dynamic_axes=dynamic,
                               opset_version=opset, do_constant_folding=True, external_data=True)
         del graph
         ops = _consolidate(traced / mf.MODEL_FILE, tmp / mf.MODEL_FILE)
         shutil.rmtree(traced)
-        heads = cfg.num_attention_heads
-        io_in, io_out = _io_spec(cfg.num_hidden_layers, heads, cfg.hidden_size // heads, cfg.vocab_size,
-                                 mf.DTYPE_NAMES[dtype])
-        manifest = _manifest(model, flavour, dtype, device, opset, source, ops, io_in, io_out, memo)
+        io_in, io_out = _io_spec(spec.layers, spec.heads, spec.head_dim, spec.vocab, mf.DTYPE_NAMES[dtype])
+        manifest = _manifest(model, spec, flavour, dtype, device, opset, source, ops, io_in, io_out, memo)
         manifest["export_seconds"] = round(time.perf_counter() - start, 2)
         mf.write(tmp, manifest)  # last: the manifest marks a finished export
     return manifest
@@ -195,7 +197,7 @@ def _drop_unused_optional_outputs(graph) -> None:
             node.output.pop()
 
 
-def _manifest(model, flavour, dtype, device, opset, source, ops, inputs, outputs, memo=None) -> dict:
+def _manifest(model, spec, flavour, dtype, device, opset, source, ops, inputs, outputs, memo=None) -> dict:
     import onnx
     import transformers
 
@@ -216,14 +218,11 @@ def _manifest(model, flavour, dtype, device, opset, source, ops, inputs, outputs
                      "fuseinfer": __version__},
         "model": {"source": source or getattr(cfg, "_name_or_path", "") or "in-memory model",
                   "config_hash": mf.config_hash(cfg), "weights_hash": mf.model_hash(model, memo=memo),
-                  "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
-                  "head_dim": cfg.hidden_size // cfg.num_attention_heads, "hidden": cfg.hidden_size,
-                  "vocab": cfg.vocab_size, "max_positions": cfg.max_position_embeddings,
-                  "pad_token_id": cfg.pad_token_id},
+                  "layers": spec.layers, "heads": spec.heads, "head_dim": spec.head_dim, "hidden": spec.hidden,
+                  "vocab": spec.vocab, "max_positions": spec.max_positions, "pad_token_id": spec.pad_token_id},
         "inputs": inputs,
         "outputs": outputs,
-        "position_ids": "computed in the graph from attention_mask as OPT does: cumsum(mask) * mask - 1 over the "
-                        "whole mask, the last `sequence` columns kept, + 2 (OPT's offset) into the position table",
+        "position_ids": spec.position_ids,
         "attention": ("com.microsoft.MultiHeadAttention, unidirectional=1 (causal, offset by the past length), "
                       "padding as attention_bias (-10000 on padded keys)") if flavour == "fused" else
                      "MatMul / Where(causal and not padding) / Softmax(fp32) / MatMul",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -32,6 +32,30 @@ class Smoothing:
     targets: tuple[str, ...]  # qualified names of the linears whose input columns are multiplied by s
     what: str                # the input, for reports: "<layer> q/k/v input"
     skipped: str = ""        # why it cannot be smoothed in this model; "" when it can
+
+# --- ONNX export (fuseinfer.export) ---
+class AttentionProjections(NamedTuple):
+    """What an export strategy needs of one self-attention module: its q, k, v projections (``nn.Linear``, E -> E)
+    and the head layout; ``scaling`` multiplies q (or Q K^T) before the softmax."""
+    q: nn.Module
+    k: nn.Module
+    v: nn.Module
+    num_heads: int
+    head_dim: int
+    scaling: float
+
+
+@dataclass(frozen=True)
+class ExportSpec:
+    """The sizes an exported decoder graph's inputs and outputs have (and its manifest records)."""
+    layers: int
+    heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+    max_positions: int
+    pad_token_id: int | None
+    position_ids: str  # how the graph computes the position ids (for the manifest's reader)
 
 
 class ModelFamily(ABC):
@@ -112,3 +136,31 @@ class ModelFamily(ABC):
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
         return model.eval()
+
+    # --- ONNX export (fuseinfer.export) ---
+    def export_spec(self, model: nn.Module) -> ExportSpec:
+        """The sizes of ``model``'s export graph; raises NotImplementedError (saying why) when ``model`` cannot be
+        exported. Cheap: the export checks a model with it before anything else."""
+        raise NotImplementedError(f"fuseinfer.export has no graph for {self.model_type or type(self).__name__} "
+                                  "models")
+
+    def export_config_fields(self) -> tuple[str, ...]:
+        """The configuration fields the export graph depends on (the export's config hash covers these)."""
+        raise NotImplementedError(f"fuseinfer.export has no graph for {self.model_type or type(self).__name__} "
+                                  "models")
+
+    def export_graph(self, model: nn.Module, ops) -> nn.Module:
+        """The module ``torch.onnx.export`` traces: one decoder step of ``model`` over explicit past tensors, each
+        step built by the export strategy ``ops`` (see fuseinfer.export.graph). Its ``spec`` attribute is
+        ``export_spec(model)``; ``forward(input_ids, attention_mask, num_logits_to_keep, *past)`` returns
+        ``(logits, *presents)`` with past / present as (key, value) per layer."""
+        raise NotImplementedError(f"fuseinfer.export has no graph for {self.model_type or type(self).__name__} "
+                                  "models")
+
+    def ort_matmul_kinds(self) -> dict[str, str]:
+        """The profiler's kind names of an exported graph's matrix products, by role: ``qkv`` (the q/k/v
+        projections, fused or not), ``out`` (attention output), ``mlp_in`` (to the MLP's features), ``mlp_out``
+        (back from them; ends a decoder layer), ``head`` (to the vocabulary); each a kind of the profiler's tables
+        (fuseinfer.profile.trace.COARSE)."""
+        raise NotImplementedError(f"fuseinfer.export has no graph for {self.model_type or type(self).__name__} "
+                                  "models")

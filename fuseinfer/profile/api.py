@@ -429,7 +429,8 @@ def _profile_backend(cls, ctx: _Context, ceilings: dict, out_dir: Path | None, u
         if "ort_profile" in files:
             notes += ort_nodes.merge(analysis, ort_nodes.analyze_ort(
                 files["ort_profile"], ort_runs, s.active, ctx.config.hidden_size, ctx.config.ffn_dim,
-                ctx.config.vocab_size, ctx.config.num_hidden_layers, on_cuda=device.type == "cuda"),
+                ctx.config.vocab_size, ctx.config.num_hidden_layers, on_cuda=device.type == "cuda",
+                model_type=ctx.config.model_type),
                 on_cuda=device.type == "cuda")
         if hooks:
             m = analyze(load_events(files["trace_modules"]), ctx.config.hidden_size, ctx.config.ffn_dim)

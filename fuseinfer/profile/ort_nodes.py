@@ -11,9 +11,10 @@ launches and any synchronous work; kernels run asynchronously): the kernel table
 in this process) keeps the device times there, and the op rows report the node times as host time.
 
 Kinds come from op types and shapes, in run order: attention ops, layer norms, activations, embedding gathers, and
-matrix products by their sizes (to ``ffn`` features: fc1, from ``ffn``: fc2, to the vocabulary: lm_head, to 3 x
-hidden: fused q/k/v, hidden to hidden: q/k/v before the layer's attention op, out_proj after it); each fc2 ends a
-decoder layer, which gives the layer table.
+matrix products by their sizes and roles (to ``ffn`` features: the MLP's input projection, from ``ffn``: its output
+projection, to the vocabulary: the LM head, to 3 x hidden: fused q/k/v, hidden to hidden: q/k/v before the layer's
+attention op, the attention output after it), named by the model family (``ModelFamily.ort_matmul_kinds``); each
+MLP output projection ends a decoder layer, which gives the layer table.
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ import json
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from fuseinfer.models import family
 from fuseinfer.profile.costs import cost_of
-from fuseinfer.profile.trace import ATTN_OUT, COARSE, COARSE_ORDER, MLP_IN, MLP_OUT, QKV
+from fuseinfer.profile.trace import COARSE, COARSE_ORDER
 
 ATTENTION = {"MultiHeadAttention", "Attention", "GroupQueryAttention", "Softmax", "PackedAttention"}
 NORMS = {"LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization",
@@ -53,12 +55,12 @@ def _shapes(typed: list) -> tuple[list, list]:
 class _Kinds:
     """Gives each node of one run its kind and decoder layer, in run order (see the module docstring)."""
 
-    def __init__(self, hidden: int, ffn: int, vocab: int | None, layers: int | None):
-        self.hidden, self.ffn, self.vocab, self.layers = hidden, ffn, vocab, layers
+    def __init__(self, hidden: int, ffn: int, vocab: int | None, layers: int | None, names: dict[str, str]):
+        self.hidden, self.ffn, self.vocab, self.layers, self.names = hidden, ffn, vocab, layers, names
         self.layer, self.attended = 0, False
 
     def __call__(self, op: str, dims: list, out: list) -> tuple[str, int | None]:
-        # (after the last layer's fc2: the final layer norm and the head, in no layer)
+        # (after the last layer's MLP: the final layer norm and the head, in no layer)
         layer = self.layer if self.layers is None or self.layer < self.layers else None
         if op in ATTENTION:
             self.attended = True
@@ -71,17 +73,18 @@ class _Kinds:
             return "embeddings", None
         if op in MATMULS and dims and out and dims[0] and out[0]:
             k, n = dims[0][-1], out[0][-1]
+            names = self.names
             if self.vocab is not None and n == self.vocab:
-                return "lm_head", None
+                return names["head"], None
             if n == self.ffn:
-                return MLP_IN, layer
+                return names["mlp_in"], layer
             if k == self.ffn:
                 self.layer, self.attended = self.layer + 1, False
-                return MLP_OUT, layer
+                return names["mlp_out"], layer
             if n == 3 * self.hidden:
-                return QKV, layer
+                return names["qkv"], layer
             if k == n == self.hidden:
-                return (ATTN_OUT if self.attended else QKV), layer
+                return names["out" if self.attended else "qkv"], layer
         return "other", None
 
 
@@ -98,8 +101,9 @@ def _matmul_cost(dims: list, types: list, out: list):
 
 
 def analyze_ort(path: str | Path, runs: int, steps: int, hidden: int, ffn: int, vocab: int | None = None,
-                layers: int | None = None, on_cuda: bool = False) -> dict:
-    """Tables of the last ``runs`` session runs of ORT's profile ``path``, per step (``steps`` steps made them):
+                layers: int | None = None, on_cuda: bool = False, *, model_type: str) -> dict:
+    """Tables of the last ``runs`` session runs of ORT's profile ``path`` of a ``model_type`` model (its family
+    names the matrix products' kinds), per step (``steps`` steps made them):
     ``ops`` (the torch op table's fields), ``kinds``, ``layers``, ``busy_ms`` (node time per step) and ``run_ms``
     (ORT's own time per step, node gaps included)."""
     events = json.loads(Path(path).read_text())
@@ -109,13 +113,14 @@ def analyze_ort(path: str | Path, runs: int, steps: int, hidden: int, ffn: int, 
     starts = [(r["ts"], r["ts"] + r["dur"]) for r in model_runs]
     nodes = sorted((e for e in events if e.get("cat") == "Node" and str(e.get("name", "")).endswith("_kernel_time")
                     and any(s <= e["ts"] <= end for s, end in starts)), key=lambda e: e["ts"])
+    names = family(model_type).ort_matmul_kinds()
     groups: dict[tuple, dict] = {}
     kinds_ms, layers_ms = Counter(), Counter()
     run_index, kinds = -1, None
     for e in nodes:
         i = next(j for j, (s, end) in enumerate(starts) if s <= e["ts"] <= end)
         if i != run_index:  # a new run: layers count from 0 again
-            run_index, kinds = i, _Kinds(hidden, ffn, vocab, layers)
+            run_index, kinds = i, _Kinds(hidden, ffn, vocab, layers, names)
         args = e.get("args") or {}
         op = args.get("op_name", "?")
         dims, types = _shapes(args.get("input_type_shape"))

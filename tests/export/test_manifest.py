@@ -172,3 +172,18 @@ def test_checksum_is_the_same_on_gpu_and_cpu():
     assert mf.weights_hash(on_gpu).startswith("checksum:")
     assert mf.weights_hash(on_gpu) == mf.weights_hash(model, "checksum")
     assert mf.weights_hash(_changed(model).cuda()) != mf.weights_hash(on_gpu)
+
+
+def test_config_hash_is_the_one_earlier_exports_recorded(tiny_model_path):
+    """The fields behind the config hash come from the model family; the hash of a given config stays what the
+    manifests of earlier exports hold (else every earlier export would read as stale)."""
+    from transformers import AutoConfig
+
+    assert mf.config_hash(AutoConfig.from_pretrained(tiny_model_path)) == "f7443aa2929b877f"
+
+
+def test_config_hash_of_a_family_without_export_is_one_error():
+    from transformers import GPT2Config
+
+    with pytest.raises(ExportError, match="no graph for 'gpt2'"):
+        mf.config_hash(GPT2Config())

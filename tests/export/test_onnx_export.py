@@ -113,6 +113,43 @@ def test_fused_graph_holds_the_contrib_ops_it_claims(tiny, tiny_exports):
             assert not any(n.op_type in ("Softmax", "LayerNormalization") for n in graph.node)
 
 
+# The node types of the exported graphs (Constant nodes aside: exporter bookkeeping), pinned when the graph was
+# written as the one decoder layer over export strategies: the same graph as the hand-written forward before it.
+NODE_TYPES = {
+    ("tiny", "fused"): {
+        "Add": 5, "Cast": 4, "Concat": 1, "ConstantOfShape": 1, "CumSum": 1, "Equal": 2, "Expand": 1, "Gather": 5,
+        "Mul": 3, "Neg": 2, "Relu": 4, "Reshape": 1, "Shape": 4, "Slice": 2, "Split": 4, "Sub": 1, "Unsqueeze": 6,
+        "Where": 1, "com.microsoft.FusedMatMul": 17, "com.microsoft.MultiHeadAttention": 4,
+        "com.microsoft.SkipLayerNormalization": 9},
+    ("tiny", "plain"): {
+        "Add": 35, "And": 1, "Cast": 10, "Concat": 24, "CumSum": 1, "Gather": 16, "Greater": 1,
+        "LayerNormalization": 9, "LessOrEqual": 1, "MatMul": 33, "Mul": 5, "Neg": 2, "Range": 2, "Relu": 4,
+        "Reshape": 16, "Shape": 14, "Slice": 2, "Softmax": 4, "Sub": 2, "Transpose": 20, "Unsqueeze": 43,
+        "Where": 4},
+    ("post_ln_project_in_out", "fused"): {
+        "Add": 4, "Cast": 2, "Concat": 1, "ConstantOfShape": 1, "CumSum": 1, "Equal": 2, "Expand": 1, "Gather": 5,
+        "Identity": 4, "Mul": 3, "Neg": 2, "Relu": 2, "Reshape": 1, "Shape": 4, "Slice": 2, "Split": 2, "Sub": 1,
+        "Unsqueeze": 6, "Where": 1, "com.microsoft.FusedMatMul": 11, "com.microsoft.MultiHeadAttention": 2,
+        "com.microsoft.SkipLayerNormalization": 4},
+    ("post_ln_project_in_out", "plain"): {
+        "Add": 19, "And": 1, "Cast": 6, "Concat": 12, "CumSum": 1, "Gather": 10, "Greater": 1, "Identity": 10,
+        "LayerNormalization": 4, "LessOrEqual": 1, "MatMul": 19, "Mul": 3, "Neg": 2, "Range": 2, "Relu": 2,
+        "Reshape": 8, "Shape": 8, "Slice": 2, "Softmax": 2, "Sub": 2, "Transpose": 10, "Unsqueeze": 25, "Where": 2},
+}
+
+
+def _node_types(manifest):
+    return {k: v for k, v in manifest["op_counts"].items() if k != "Constant"}
+
+
+@pytest.mark.parametrize("flavour", ["fused", "plain"])
+def test_node_types_are_pinned(tiny_exports, tmp_path, flavour):
+    assert _node_types(tiny_exports[flavour][0]) == NODE_TYPES["tiny", flavour]
+    variant = "post_ln_project_in_out"
+    manifest = to_onnx(random_opt(**VARIANTS[variant]), tmp_path / "x", flavour=flavour)
+    assert _node_types(manifest) == NODE_TYPES[variant, flavour]
+
+
 def test_unused_optional_outputs_are_dropped(tiny_exports):
     """SkipLayerNormalization's training outputs (mean, inv_std_var) are not requested: the CUDA kernel does not
     write them; the last one's residual sum is dropped too."""
@@ -193,8 +230,14 @@ def test_non_opt_model_is_refused(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
-    with pytest.raises(ExportError, match="exports OPT causal LMs.*'gpt2'"):
+    with pytest.raises(ExportError, match="exports causal LMs.*opt.*'gpt2'"):
         to_onnx(model, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_model_without_lm_head_is_refused(tmp_path):
+    with pytest.raises(ExportError, match="causal LMs.*AutoModelForCausalLM"):
+        to_onnx(random_opt().model, tmp_path / "x")
     assert not (tmp_path / "x").exists()
 
 

@@ -69,7 +69,7 @@ def test_ort_profile_kinds_layers_and_runs(tmp_path):
     events[1]["dur"] = 10_000  # (the warm-up's first node: must not count)
     path = tmp_path / "p.json"
     path.write_text(json.dumps(events))
-    out = analyze_ort(path, runs=2, steps=2, hidden=h, ffn=f, vocab=v, layers=2)
+    out = analyze_ort(path, runs=2, steps=2, hidden=h, ffn=f, vocab=v, layers=2, model_type="opt")
     kinds = {r["kind"]: r["device_ms"] for r in out["kinds"]}
     assert kinds == pytest.approx({"qkv": 0.002, "attn_core": 0.004, "attn_out": 0.002, "layernorm": 0.003,
                                    "mlp_in": 0.008, "activation": 0.002, "mlp_out": 0.008, "lm_head": 0.010})

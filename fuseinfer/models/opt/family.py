@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fuseinfer.models.opt import configs, modules as opt, decode as opt_decode, quant as opt_quant
 from fuseinfer.models.base import ModelFamily
+from fuseinfer.models.opt import export as opt_export  # ONNX export
 
 
 class OPTFamily(ModelFamily):
@@ -58,3 +59,16 @@ class OPTFamily(ModelFamily):
         from transformers import OPTConfig
 
         return OPTConfig
+
+    # --- ONNX export (fuseinfer.export) ---
+    def export_spec(self, model):
+        return opt_export.spec(model)
+
+    def export_config_fields(self):
+        return opt_export.CONFIG_FIELDS
+
+    def export_graph(self, model, ops):
+        return opt_export.OPTStepGraph(model, ops)
+
+    def ort_matmul_kinds(self):
+        return dict(opt_export.ORT_MATMUL_KINDS)
