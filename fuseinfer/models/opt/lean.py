@@ -43,7 +43,7 @@ class _Plan:
         attns = tuple(layer.self_attn for layer in self.layers)
         # the modules the patched forward calls (whose hooks it would run): the lean loop checks theirs at each
         # call; those it reads parameters from instead of calling (fc1, q_proj, ...) patch checked, and hooks added
-        # to them later are not seen by the patched forward either (opt.py). Not the model itself (see _plan).
+        # to them later are not seen by the patched forward either (modules.py). Not the model itself (see _plan).
         dec_calls = [dec.embed_tokens, dec.embed_positions, dec.project_in, dec.project_out, dec.final_layer_norm]
         self.called = tuple(m for m in (model.model, dec, model.lm_head, *dec_calls,
                                         *(m for layer in dec.layers for m in (layer, layer.self_attn)))
@@ -60,7 +60,7 @@ class _Plan:
             self.linears = tuple((attn._modules["qkv_proj"], attn._modules["out_proj"], layer._modules["fc1"],
                                   layer._modules["fc2"]) for layer, attn in zip(self.layers, attns))
             # q_proj / k_proj / v_proj: the quantizer's slices of qkv_proj; a projection swapped in after patch
-            # makes the modules run three projections (opt._qkv_fused), so the lean loop must not run qkv_proj
+            # makes the modules run three projections (modules._qkv_fused), so the lean loop must not run qkv_proj
             self.slices = tuple(tuple(attn._modules[n] for n in ("q_proj", "k_proj", "v_proj")) for attn in attns)
             # the sm90 kernel takes K % 16 == 0 and N % 8 == 0 (OPT's sizes all do); else the op wrapper dispatches
             self.w8a8_aligned = self.quant == "w8a8" and all(
@@ -192,7 +192,7 @@ def lean_reason(model: nn.Module, weights: bool = True) -> str | None:
 
 
 def _qkv_intact(plan: _Plan) -> bool:
-    """``opt._qkv_linked`` for every layer, written out for speed (it runs at each lean call)."""
+    """``modules._qkv_linked`` for every layer, written out for speed (it runs at each lean call)."""
     for attn, linked, step in plan.qkv:
         mods = attn._modules
         q, k, v = mods["q_proj"]._parameters, mods["k_proj"]._parameters, mods["v_proj"]._parameters

@@ -312,7 +312,7 @@ def check_decoder_inputs(decoder, args, kwargs):
 
 
 class OPTPatchRules:
-    """Patch and unpatch rules for OPT models (the module swaps; ``opt_decode`` has the fast-decode parts)."""
+    """Patch and unpatch rules for OPT models (the module swaps; ``decode.py`` has the fast-decode parts)."""
 
     def patch(self, model: nn.Module, config: PatchConfig, report: PatchReport) -> dict:
         ops = frozenset(config.ops)
