@@ -164,3 +164,36 @@ class ModelFamily(ABC):
         (fuseinfer.profile.trace.COARSE)."""
         raise NotImplementedError(f"fuseinfer.export has no graph for {self.model_type or type(self).__name__} "
                                   "models")
+
+    # ---- the runtime's lean prefill and tensor parallel (None / a refusal where a family has neither) ----
+
+    def prefill_reason(self, model: nn.Module, weights: bool = True) -> str | None:
+        """None when :meth:`lean_logits` computes what ``model``'s patched modules would for this call, else why
+        not (checked at every call; ``weights``: also that the weights are still those patch fused)."""
+        return f"no lean prefill for {self.model_type or type(self).__name__}"
+
+    def lean_logits(self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, key_mask=None,
+                    q_start=None, cache=None, slots=None, last=None) -> torch.Tensor:
+        """The lean layer loop (check :meth:`prefill_reason` first): fp32 logits (B, V) at position ``last`` ((1,)
+        int64; None: the last). tokens, positions: (B, S) int64. With ``cache`` (a StaticKVCache) k/v go to its
+        ``slots`` and attention reads the whole cache with ``key_mask`` (the cache's) and ``q_start`` (B,) int32;
+        without, attention reads this prompt's k/v, ``key_mask`` (B, S) bool or None."""
+        raise NotImplementedError(self.prefill_reason(model))
+
+    def tp_reason(self, model: nn.Module, size: int) -> str | None:
+        """Why ``model`` cannot be split over ``size`` tensor-parallel ranks, or None."""
+        return f"no tensor-parallel plan for {self.model_type or type(self).__name__}"
+
+    def tp_shard_spec(self, info) -> Callable[[str], object]:
+        """``materialize``'s spec for rank ``info.rank`` of ``info.size``: parameter name -> (dim, rank, size),
+        None (replicated) or "drop"."""
+        raise NotImplementedError
+
+    def tp_prepare(self, model: nn.Module, info) -> None:
+        """After the shards are placed, before ``patch``: what the modules must know of the split."""
+        raise NotImplementedError
+
+    def tp_finish(self, model: nn.Module, info, state: dict, report: PatchReport) -> str:
+        """After ``patch`` (``state``: what it returned): the tensor-parallel modules in place; returns how the
+        model is split, for the report."""
+        raise NotImplementedError

@@ -60,8 +60,7 @@ def tp_backend(cls: type[Backend], tp: int) -> type[Backend]:
 class TensorParallelBackend(FuseInferBackend):
     """fuseinfer.parallel.tensor_parallel(model): this rank's shard patched, NCCL all-reduces in the decode graph."""
 
-    summary = ("fuseinfer tensor parallel: sharded q/k/v and first MLP projection (columns), attention output and "
-               "second MLP projection (rows); NCCL all-reduce")
+    summary = "fuseinfer tensor parallel: column- then row-parallel linears in each block; NCCL all-reduce"
     tp = 2
 
     def load(self):

@@ -22,6 +22,7 @@ from helpers import (assert_lean_equals_modules, assert_same_tokens_graph_lean_m
 
 import fuseinfer
 from fuseinfer import PatchConfig, SmoothQuantW8A8
+from fuseinfer.models.opt import lean
 from fuseinfer.models.opt.modules import FusedOPTDecoderLayer
 from fuseinfer.quant import smoothquant as sq
 from fuseinfer.runtime import prefill as pf
@@ -201,8 +202,9 @@ def test_gpu_decode_rows_run_the_w8a16_gemv(monkeypatch):
         model(input_ids=_ids(model.config.vocab_size, rows=1, length=40).cuda())
     assert calls["int8_linear"] == 0 and calls["norm_quant"] == 2 * layers, calls
     # the lean loop takes the same path at 12 rows (the int8 ops, not the W8A8 layers): same logits as the modules
-    monkeypatch.setattr(pf, "_layers_w8a8", lambda *a, **k: pytest.fail("the lean loop ran W8A8 GEMMs at 12 rows"))
-    monkeypatch.setattr(pf._Int8Ops, "lin", counting("lean_int8", pf._Int8Ops.lin))
+    monkeypatch.setattr(lean.W8A8LeanOps, "__init__",
+                        lambda *a, **k: pytest.fail("the lean loop ran W8A8 GEMMs at 12 rows"))
+    monkeypatch.setattr(lean.Int8LeanOps, "lin", counting("lean_int8", lean.Int8LeanOps.lin))
     calls.clear()
     torch.testing.assert_close(fuseinfer.prefill(model, ids), short, rtol=0, atol=1e-2 * short.abs().max().item())
     assert calls["lean_int8"] == 4 * layers, calls

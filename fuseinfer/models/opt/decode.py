@@ -2,7 +2,7 @@
 one-kernel decode step (``fuseinfer::opt_decode_step``) with the checks that say when it applies.
 
 The runtime (``fuseinfer/runtime/decode.py``) calls these through the family interface
-(:class:`fuseinfer.models.base.ModelFamily`); the module swaps live in ``opt.py``.
+(:class:`fuseinfer.models.base.ModelFamily`); the module swaps live in ``modules.py``.
 """
 from __future__ import annotations
 

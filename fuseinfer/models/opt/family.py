@@ -1,9 +1,10 @@
-"""The OPT model family (facebook/opt-125m ... opt-66b): ``modules.py``'s module swaps, ``decode.py``'s fast-decode
-parts, and what the feature packages need (``quant.py``, ``configs.py``) behind the
+"""The OPT model family (facebook/opt-125m ... opt-66b): the module swaps (``modules.py``), the fast-decode parts
+(``decode.py``), the lean prefill loop (``lean.py``), the tensor-parallel plan (``tp.py``), the ONNX graph
+(``export.py``) and what the feature packages need (``quant.py``, ``configs.py``) behind the
 :class:`~fuseinfer.models.base.ModelFamily` interface."""
 from __future__ import annotations
 
-from fuseinfer.models.opt import configs, modules as opt, decode as opt_decode, quant as opt_quant
+from fuseinfer.models.opt import configs, modules as opt, decode as opt_decode, lean, quant as opt_quant, tp
 from fuseinfer.models.base import ModelFamily
 from fuseinfer.models.opt import export as opt_export  # ONNX export
 
@@ -72,3 +73,23 @@ class OPTFamily(ModelFamily):
 
     def ort_matmul_kinds(self):
         return dict(opt_export.ORT_MATMUL_KINDS)
+
+    # ---- the runtime's lean prefill and tensor parallel ----
+
+    def prefill_reason(self, model, weights=True):
+        return lean.lean_reason(model, weights)
+
+    def lean_logits(self, model, tokens, positions, key_mask=None, q_start=None, cache=None, slots=None, last=None):
+        return lean.lean_logits(model, tokens, positions, key_mask, q_start, cache, slots, last)
+
+    def tp_reason(self, model, size):
+        return tp.tp_reason(model, size)
+
+    def tp_shard_spec(self, info):
+        return tp.tp_shard_spec(info)
+
+    def tp_prepare(self, model, info):
+        tp.tp_prepare(model, info)
+
+    def tp_finish(self, model, info, state, report):
+        return tp.tp_finish(model, info, state, report)

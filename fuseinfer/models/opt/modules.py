@@ -58,6 +58,7 @@ from fuseinfer.ops.attention import kernel_supports
 from fuseinfer.core import placement
 from fuseinfer.core.state import LOCK_ATTR, disown_config, lock_holder, own_config
 from fuseinfer.layers import attention_backend, hf_attention
+from fuseinfer.models.opt.layer import decoder_layer
 
 
 def _original_forward(module: nn.Module, x: torch.Tensor) -> bool:
@@ -166,8 +167,83 @@ class FusedOPTAttention(OPTAttention):
         return (out if residual is None else residual + out), weights
 
 
+class _Quantized:
+    """A LayerNorm output quantized per token for the W8A8 GEMM that reads it: ``q`` = (x_q int8 (B, S, E), x_scale
+    fp32 (B, S, 1)); ``x``, the LayerNorm's input, gives the shape and dtype."""
+
+    __slots__ = ("x", "q")
+
+    def __init__(self, x, q):
+        self.x, self.q = x, q
+
+
+class _PendingAttention:
+    """:meth:`ModuleOps.attention`'s result: the attention module's call, made by the out_proj step that follows (the
+    module runs out_proj itself, with the residual in its epilogue, and its hooks see its whole output)."""
+
+    __slots__ = ("attn", "x", "kwargs")
+
+    def __init__(self, attn, x, kwargs):
+        self.attn, self.x, self.kwargs = attn, x, kwargs
+
+
+class ModuleOps:
+    """The patched modules' strategy for :func:`~fuseinfer.models.opt.layer.decoder_layer`, over (B, S, E) with
+    transformers' cache and mask (``ctx``: the attention module's keyword arguments). The attention runs as a call of
+    the attention module (patched or not); the LayerNorms and fc1 / fc2 run fused as far as the layer's ops say
+    (``_fuseinfer_ops``; none: the submodules are called). One per layer call: ``h``, the layer's input, decides
+    whether W8A8 LayerNorms quantize (not at decode-sized inputs on CUDA, where the W8A8 linears run the GEMV)."""
+
+    __slots__ = ("layer", "fused_ln", "fused_linear", "int8")
+
+    def __init__(self, layer: nn.Module, h: torch.Tensor):
+        ops = layer._fuseinfer_ops
+        self.layer = layer
+        self.fused_ln = "layer_norm" in ops
+        self.fused_linear = "linear" in ops
+        # W8A8 at prefill: LayerNorm + per-token quantize in one pass feeds the int8 GEMMs; at decode on CUDA the
+        # W8A8 linears run the W8A16 GEMV on fp16 activations (layers/linear.py decode_rows), so the LayerNorm is fp16
+        self.int8 = self.fused_ln and not decode_rows(h)
+
+    def norm(self, x, ln, residual=None):
+        if residual is not None:
+            return _norm(ln, x, residual, self.fused_ln), None
+        if self.int8:  # (pre-LN: the LayerNorm output feeds q/k/v or fc1 only)
+            layer = self.layer
+            lin = layer._int8_qkv(x) if ln is layer._modules["self_attn_layer_norm"] else layer._int8_fc1()
+            if lin is not None:
+                return _Quantized(x, _norm_quant(ln, x)), x
+        return _norm(ln, x, None, self.fused_ln), x
+
+    def attention(self, i, attn, x, ctx):
+        return _PendingAttention(attn, x, ctx)
+
+    def linear(self, x, lin, residual=None, activation=None):
+        if type(x) is _PendingAttention:  # out_proj: the attention module's call
+            attn = x.attn
+            if isinstance(attn, FusedOPTAttention):  # (out_proj + bias + residual fused)
+                if type(x.x) is _Quantized:
+                    return attn(x.x.x, residual=residual, quantized=x.x.q, **x.kwargs)[0]
+                return attn(x.x, residual=residual, **x.kwargs)[0]
+            out = attn(x.x, **x.kwargs)[0]  # attention left unpatched by the config's filter_fn
+            return out if residual is None else residual + out
+        if not self.fused_linear:
+            y = lin(x)
+            y = y if activation is None else activation(y)
+            return y if residual is None else residual + y
+        if activation is not None and activation.__class__.__name__ != "ReLU":
+            y = activation(self.linear(x, lin))
+            return y if residual is None else residual + y
+        act = "none" if activation is None else "relu"  # (ReLU in the GEMM's epilogue)
+        if type(x) is _Quantized:  # fc1 on add_layer_norm_quant's output: (..., F) in x's dtype
+            y = lin.forward_quantized(*x.q, None, act, x.x.dtype)
+            return y if residual is None else residual + y
+        return fused_linear(lin, x, residual, act)
+
+
 class FusedOPTDecoderLayer(OPTDecoderLayer):
-    """OPTDecoderLayer whose residual adds, LayerNorms and MLP run as fused ops."""
+    """OPTDecoderLayer whose residual adds, LayerNorms and MLP run as fused ops: ``decoder_layer`` over
+    :class:`ModuleOps`."""
 
     _fuseinfer_ops: frozenset = frozenset()
 
@@ -183,47 +259,20 @@ class FusedOPTDecoderLayer(OPTDecoderLayer):
         """fc1 when it is a W8A8 linear the fused MLP calls (it then takes final_layer_norm's output in int8)."""
         return int8_input(self.fc1) if "linear" in self._fuseinfer_ops else None
 
-    def _mlp(self, x, residual, quantized=None):
-        """fc2(act(fc1(x))) + residual; x: (..., E). quantized: (x_q, x_scale), x quantized per token for a W8A8
-        fc1 (x is then only the dtype's source)."""
-        if "linear" in self._fuseinfer_ops:
-            relu = self.activation_fn.__class__.__name__ == "ReLU"
-            if quantized is not None:  # fc1 (+ bias, ReLU) on add_layer_norm_quant's output: (..., F) in x's dtype
-                h = self.fc1.forward_quantized(*quantized, None, "relu" if relu else "none", x.dtype)
-            else:
-                h = fused_linear(self.fc1, x, activation="relu" if relu else "none")
-            h = h if relu else self.activation_fn(h)
-            return fused_linear(self.fc2, h, residual)
-        out = self.fc2(self.activation_fn(self.fc1(x)))
-        return out if residual is None else residual + out
+    def _strategy(self, h: torch.Tensor):
+        """The ops strategy of this call (tensor parallel wraps it: models/opt/tp.py)."""
+        return ModuleOps(self, h)
 
     def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=False,
                 position_ids=None, **kwargs):
         if _original_forward(self, hidden_states):
             return super().forward(hidden_states, attention_mask, past_key_values, use_cache, position_ids,
                                    **kwargs)
-        ln = "layer_norm" in self._fuseinfer_ops
-        h = hidden_states  # (B, S, E)
-        attn_kwargs = dict(past_key_values=past_key_values, position_ids=position_ids,
-                           attention_mask=attention_mask, **kwargs)
-        # W8A8 at prefill: LayerNorm + per-token quantize in one pass feeds the int8 GEMMs; at decode on CUDA the
-        # W8A8 linears run the W8A16 GEMV on fp16 activations (quant/linear.py decode_rows), so the LayerNorm is fp16
-        int8_ln = ln and not decode_rows(h)
-        if self.do_layer_norm_before:  # pre-LN: the residual add rides in the out_proj / fc2 epilogue
-            if int8_ln and self._int8_qkv(h) is not None:
-                xq = _norm_quant(self.self_attn_layer_norm, h)
-                h = self.self_attn(h, residual=h, quantized=xq, **attn_kwargs)[0]
-            elif isinstance(self.self_attn, FusedOPTAttention):
-                h = self.self_attn(_norm(self.self_attn_layer_norm, h, None, ln), residual=h, **attn_kwargs)[0]
-            else:  # attention left unpatched by the config's filter_fn
-                h = h + self.self_attn(_norm(self.self_attn_layer_norm, h, None, ln), **attn_kwargs)[0]
-            if int8_ln and self._int8_fc1() is not None:
-                return self._mlp(h, residual=h, quantized=_norm_quant(self.final_layer_norm, h))
-            return self._mlp(_norm(self.final_layer_norm, h, None, ln), residual=h)
-        # post-LN (opt-350m): the residual add rides in the LayerNorm
-        a = self.self_attn(h, **attn_kwargs)[0]
-        h = _norm(self.self_attn_layer_norm, a, h, ln)
-        return _norm(self.final_layer_norm, self._mlp(h, None), h, ln)
+        ctx = dict(past_key_values=past_key_values, position_ids=position_ids, attention_mask=attention_mask,
+                   **kwargs)
+        attn = self._modules["self_attn"]
+        return decoder_layer(self._strategy(hidden_states), attn.layer_idx, self, hidden_states, ctx,
+                             self.do_layer_norm_before)
 
 
 class LockedOPTDecoder(OPTDecoder):
@@ -263,7 +312,7 @@ def check_decoder_inputs(decoder, args, kwargs):
 
 
 class OPTPatchRules:
-    """Patch and unpatch rules for OPT models (the module swaps; ``opt_decode`` has the fast-decode parts)."""
+    """Patch and unpatch rules for OPT models (the module swaps; ``decode.py`` has the fast-decode parts)."""
 
     def patch(self, model: nn.Module, config: PatchConfig, report: PatchReport) -> dict:
         ops = frozenset(config.ops)
