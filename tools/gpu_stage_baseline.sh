@@ -3,7 +3,8 @@
 # each, alternating base / new so that clock drift falls on both.
 #
 #   bash tools/stage_baseline.sh REV            # here: packs REV's fuseinfer/ csrc/ setup.py into .stage/base.tar.gz
-#   OUT=... bash tools/gpu_stage_baseline.sh    # on the GPU machine, after `gpu_check.sh build` (carry .stage)
+#   OUT=... bash tools/gpu_stage_baseline.sh [build-only]  # on the GPU machine, after `gpu_check.sh build`
+#                                               (carry .stage); build-only builds the base tree and stops
 #
 # The baseline reuses this tree's built extension when its csrc/ is identical, else builds its own (~150 s).
 # Writes base_*.json / new_*.json and compare.md (tools/compare_evals.py) to $OUT.
@@ -18,12 +19,15 @@ BASE=/tmp/fuseinfer-base
 BACKENDS=${BASELINE_BACKENDS:-fuseinfer,fuseinfer-w8a16,fuseinfer-w8a8}
 PEERS=${BASELINE_PEERS:-}  # backends timed in the new tree only (e.g. eager,compile: the table's peers, code unchanged)
 PROMPTS=${BASELINE_PROMPTS:-512 2040}
-rm -rf "$BASE" && mkdir -p "$BASE" && tar xzf "$BASE_TAR" -C "$BASE" || { echo "no baseline at $BASE_TAR"; exit 2; }
-if diff -rq csrc "$BASE/csrc" >/dev/null; then
-  cp fuseinfer/_C*.so "$BASE/fuseinfer/" && echo "baseline: csrc identical, this tree's extension reused"
-else
-  (cd "$BASE" && run base_build python3 setup.py -q build_ext --inplace) || exit 1
+if [ "${1:-}" = build-only ] || ! ls "$BASE"/fuseinfer/_C*.so >/dev/null 2>&1; then  # (kept on a warm machine)
+  rm -rf "$BASE" && mkdir -p "$BASE" && tar xzf "$BASE_TAR" -C "$BASE" || { echo "no baseline at $BASE_TAR"; exit 2; }
+  if diff -rq csrc "$BASE/csrc" >/dev/null && ls fuseinfer/_C*.so >/dev/null 2>&1; then
+    cp fuseinfer/_C*.so "$BASE/fuseinfer/" && echo "baseline: csrc identical, this tree's extension reused"
+  else
+    (cd "$BASE" && FUSEINFER_BUILD_CUDA=1 run base_build python3 setup.py -q build_ext --inplace) || exit 1
+  fi
 fi
+[ "${1:-}" = build-only ] && exit "$status"   # `gpu_stage_baseline.sh build-only`: the base tree's build alone
 NEW=$PWD
 ev() {  # ev TREE TAG PROMPT GEN
   local backends=$BACKENDS
