@@ -144,11 +144,12 @@ def get(name: str) -> str | None:
     return value
 
 
-def from_flag(name: str, flag: str, value, note=None) -> str | None:
-    """The setting a CLI flag ``flag`` and the knob ``name`` both name: the flag's ``value`` when given -- then set
-    as the knob for this process and the ones it starts, and where the environment held another value, ``note``
-    (default: a line on stderr) says it was overridden -- else the knob's value. Either is checked as :func:`get`
-    checks it, the error naming whichever gave it."""
+def from_flag(name: str, flag: str, value, note=None, set_knob: bool = True) -> str | None:
+    """The setting a CLI flag ``flag`` and the knob ``name`` both name: the flag's ``value`` when given -- then,
+    with ``set_knob``, set as the knob for this process and the ones it starts (without, the caller hands the value
+    on itself), and where the environment held another value, ``note`` (default: a line on stderr) says it was
+    overridden -- else the knob's value. Either is checked as :func:`get` checks it, the error naming whichever
+    gave it."""
     if value is None:
         return get(name)
     value = str(value)
@@ -156,7 +157,8 @@ def from_flag(name: str, flag: str, value, note=None) -> str | None:
     before = os.environ.get(name)
     if before is not None and before != value:
         (note or _stderr)(f"{flag} {value} overrides {name}={before}")
-    set_value(name, value)
+    if set_knob:
+        set_value(name, value)
     return value
 
 

@@ -14,11 +14,12 @@ from rich.console import Console
 
 from fuseinfer.core import files, knobs
 from fuseinfer.core.errors import FuseInferError
+from fuseinfer.eval.backends import BACKENDS
+from fuseinfer.eval.report import output_problem, print_table, write_json, write_markdown, write_plot
+from fuseinfer.eval.runner import DEFAULT_BACKENDS, DEFAULT_BACKENDS_CPU, LATENCY_DEFAULTS, Settings, run
+from fuseinfer.harness.devices import DTYPES
 from fuseinfer.harness.errors import EvalError
 from fuseinfer.harness.models import SHORT_NAMES
-from fuseinfer.eval.registry import BACKENDS
-from fuseinfer.eval.report import output_problem, print_table, write_json, write_markdown, write_plot
-from fuseinfer.eval.runner import DEFAULT_BACKENDS, DEFAULT_BACKENDS_CPU, DTYPES, LATENCY_DEFAULTS, Settings, run
 from fuseinfer.harness.ui import ConsoleUI
 
 EXAMPLE = "python -m fuseinfer.eval --model opt-1.3b --backends eager,compile,fuseinfer --dtype fp16"
@@ -57,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=int, help="sliding-window perplexity with this stride (default: GPTQ windows)")
     p.add_argument("--max-windows", type=int, help="score at most this many windows")
     p.add_argument("--data-dir", help="folder with wiki.test.raw / wiki.valid.raw, for perplexity and calibration "
-                                      "(sets $FUSEINFER_DATA_DIR; default: $FUSEINFER_DATA_DIR, else "
-                                      "$FUSEINFER_SHARED/data/wikitext-2-raw, else datasets)")
+                                      "(default: $FUSEINFER_DATA_DIR, else $FUSEINFER_SHARED/data/wikitext-2-raw, "
+                                      "else datasets)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt and of random: weights")
     p.add_argument("--skip-ppl", action="store_true", help="no perplexity")
     p.add_argument("--skip-latency", action="store_true", help="no prefill / decode timing")
@@ -67,14 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write a PNG of latency and memory per backend here")
     p.add_argument("--overwrite", action="store_true", help="replace existing --output / --markdown / --plot files")
     p.add_argument("--debug", action="store_true", help="raise a backend's error instead of reporting it")
-    p.add_argument("--onnx-dir", help="ort / ort-plain / tensorrt: keep and reuse exports here (sets "
-                                      "$FUSEINFER_ONNX_DIR; default: a temporary export per run)")
+    p.add_argument("--onnx-dir", help="ort / ort-plain / tensorrt: keep and reuse exports here (default: "
+                                      "$FUSEINFER_ONNX_DIR, else a temporary export per run)")
     p.add_argument("--calibration-data", help="fuseinfer-w8a8: calibration text file, folder with wiki.valid.raw, or "
-                                              "saved SmoothQuant statistics (.safetensors) (sets "
-                                              "$FUSEINFER_CALIBRATION_DATA; default: wiki.valid.raw found as "
-                                              "for --data-dir)")
+                                              "saved SmoothQuant statistics (.safetensors) (default: "
+                                              "$FUSEINFER_CALIBRATION_DATA, else wiki.valid.raw found as for "
+                                              "--data-dir)")
     p.add_argument("--calibration-samples", type=int, help="fuseinfer-w8a8: calibration windows of 512 tokens "
-                                                           "(default 128)")
+                                                           "(default: $FUSEINFER_CALIBRATION_SAMPLES, else 128)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size: launch with torchrun --nproc-per-node N -m fuseinfer.eval ... --tp N "
                         "(fuseinfer backend only; rank 0 prints and writes)")
@@ -87,7 +88,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     batch_size=args.batch_size, prompt_len=args.prompt_len,
                     gen_len=args.gen_len, warmup=args.warmup, repeats=args.repeats, seq_len=args.seq_len,
                     stride=args.stride, max_windows=args.max_windows, data_dir=args.data_dir, seed=args.seed,
-                    skip_ppl=args.skip_ppl, skip_latency=args.skip_latency, debug=args.debug, tp=args.tp)
+                    skip_ppl=args.skip_ppl, skip_latency=args.skip_latency, debug=args.debug, tp=args.tp,
+                    onnx_dir=args.onnx_dir, calibration_data=args.calibration_data,
+                    calibration_samples=args.calibration_samples)
 
 
 def output_files(args: argparse.Namespace) -> list[tuple]:
@@ -106,10 +109,10 @@ def output_files(args: argparse.Namespace) -> list[tuple]:
     return outputs
 
 
-def knob_flags(args: argparse.Namespace) -> None:
-    """The flags that stand for knobs, set as knobs (read by the backends: fuseinfer-w8a8's calibration, the ort
-    exports, the data resolver); a flag beside a different environment value wins, and says so. Bad values raise
-    :class:`EvalError` naming the flag or variable."""
+def check_knob_flags(args: argparse.Namespace) -> None:
+    """Check the flags that stand for knobs (fuseinfer-w8a8's calibration, the ort exports, the data folder) as
+    the knobs are checked; a flag beside a different environment value wins, and says so. The values travel in
+    the settings, not the environment. Bad values raise :class:`EvalError` naming the flag or variable."""
     if args.calibration_samples is not None and args.calibration_samples < 1:
         raise EvalError(f"--calibration-samples must be >= 1, got {args.calibration_samples}")
     try:
@@ -118,7 +121,7 @@ def knob_flags(args: argparse.Namespace) -> None:
                                   ("FUSEINFER_CALIBRATION_DATA", "--calibration-data", args.calibration_data),
                                   ("FUSEINFER_CALIBRATION_SAMPLES", "--calibration-samples",
                                    args.calibration_samples)):
-            knobs.from_flag(name, flag, value)
+            knobs.from_flag(name, flag, value, set_knob=False)
     except FuseInferError as exc:
         raise EvalError(str(exc)) from None
 
@@ -133,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         outputs = output_files(args)  # before the run: a bad path should not wait for the end of a long run
-        knob_flags(args)
+        check_knob_flags(args)
         lead = args.tp == 1 or os.environ.get("RANK", "0") == "0"  # under --tp, rank 0 prints and writes
         results = run(settings_from_args(args), ConsoleUI(None if lead else Console(quiet=True)))
         if not lead:

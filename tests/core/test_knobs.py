@@ -99,16 +99,18 @@ QUICK = ["--device", "cpu", "--backends", "eager", "--skip-ppl", "--repeats", "1
 
 @needs_tiny
 def test_eval_data_dir_does_not_replace_the_calibration_variable(monkeypatch, tmp_path, capsys):
-    """--data-dir is the data folder; FUSEINFER_CALIBRATION_DATA (the user's calibration text) stays as it was."""
+    """--data-dir is the data folder; FUSEINFER_CALIBRATION_DATA (the user's calibration text) stays as it was, and
+    the flag travels in the settings: the environment is left as it was."""
     from fuseinfer.eval.cli import main
 
     text, folder = tmp_path / "cal.txt", tmp_path / "wiki"
     text.write_text("calibration text\n")
     folder.mkdir()
     monkeypatch.setenv("FUSEINFER_CALIBRATION_DATA", str(text))
+    monkeypatch.delenv("FUSEINFER_DATA_DIR", raising=False)
     assert main(["--model", str(TINY), *QUICK, "--data-dir", str(folder)]) == 0
     assert os.environ["FUSEINFER_CALIBRATION_DATA"] == str(text)
-    assert os.environ["FUSEINFER_DATA_DIR"] == str(folder)
+    assert "FUSEINFER_DATA_DIR" not in os.environ
     assert "overrides" not in capsys.readouterr().err
 
 
@@ -121,7 +123,7 @@ def test_eval_calibration_flag_beside_the_variable_says_so(monkeypatch, tmp_path
     flag.write_text("y\n")
     monkeypatch.setenv("FUSEINFER_CALIBRATION_DATA", str(env))
     assert main(["--model", str(TINY), *QUICK, "--calibration-data", str(flag)]) == 0
-    assert os.environ["FUSEINFER_CALIBRATION_DATA"] == str(flag)
+    assert os.environ["FUSEINFER_CALIBRATION_DATA"] == str(env)  # (the flag travels in the settings)
     assert f"--calibration-data {flag} overrides FUSEINFER_CALIBRATION_DATA={env}" in capsys.readouterr().err
 
 

@@ -155,8 +155,7 @@ def test_export_for_another_model_is_refused(export):
 
 
 def test_onnx_dir_reuse_checks_every_weight(export, monkeypatch):
-    from fuseinfer.eval import BACKENDS  # noqa: F401  (the registry imports the export backends first)
-    from fuseinfer.export.eval_backend import export_dir_for
+    from fuseinfer.export.backends import export_dir_for
 
     model, _, directory = export
     monkeypatch.setenv("FUSEINFER_ONNX_DIR", str(directory.parent))

@@ -1,14 +1,18 @@
-"""Backends: the ways of running the same model that ``python -m fuseinfer.eval`` compares.
+"""Backends: the ways of running the same model that the eval CLI compares and the profiler profiles.
 
 Each backend loads its own fresh model and exposes the same small interface: ``start`` (allocate what a batch of
 sequences needs, untimed), ``prefill`` (prompt -> first greedy token), ``decode_step`` (token -> next greedy
 token, using the cache ``prefill`` filled) and ``loss`` (one perplexity window). ``unavailable_reason`` says why a
-backend cannot run here (a missing package, say); the runner then reports the reason in its row and goes on.
-A feature package adds backends by listing its classes in ``registry.py``.
+backend cannot run here (a missing package, say); the eval then reports the reason in its row and goes on.
+
+Here: the interface, the options some backends take (:class:`BackendOptions`) and the plain backends (``eager``,
+``compile``, ``fuseinfer``). A feature package defines its backends in its own ``backends.py`` on this interface;
+the eval CLI lists the backends it runs in ``fuseinfer/eval/backends/``.
 """
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -19,9 +23,20 @@ from fuseinfer.harness.errors import EvalError
 from fuseinfer.harness.models import ModelSource, load_model, model_stats
 
 
-def _greedy(logits: torch.Tensor) -> torch.Tensor:
+def greedy(logits: torch.Tensor) -> torch.Tensor:
     """logits (B, S, V) -> next token ids (B, 1) from the last position."""
     return logits[:, -1].argmax(-1, keepdim=True)
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """What some backends take beyond the model, from the caller (e.g. the eval CLI's flags); None: the knob of the
+    same meaning (``fuseinfer.core.knobs``), else its default."""
+
+    onnx_dir: str | None = None  # ort / ort-plain / tensorrt: keep and reuse exports here (FUSEINFER_ONNX_DIR)
+    calibration_data: str | None = None  # fuseinfer-w8a8 (FUSEINFER_CALIBRATION_DATA)
+    calibration_samples: int | None = None  # fuseinfer-w8a8 (FUSEINFER_CALIBRATION_SAMPLES)
+    data_dir: str | None = None  # folder with wiki.valid.raw: fuseinfer-w8a8's default calibration text
 
 
 class Backend:
@@ -30,8 +45,10 @@ class Backend:
     name = ""
     summary = ""
 
-    def __init__(self, source: ModelSource, config, dtype: torch.dtype, device: torch.device, seed: int):
+    def __init__(self, source: ModelSource, config, dtype: torch.dtype, device: torch.device, seed: int,
+                 options: BackendOptions | None = None):
         self.source, self.config, self.dtype, self.device, self.seed = source, config, dtype, device, seed
+        self.options = options if options is not None else BackendOptions()
         self.model: nn.Module | None = None
 
     @classmethod
@@ -88,11 +105,11 @@ class EagerBackend(Backend):
 
         self.cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        return _greedy(out.logits)  # (B, 1)
+        return greedy(out.logits)  # (B, 1)
 
     def decode_step(self, tokens):
         out = self.model(input_ids=tokens, past_key_values=self.cache, use_cache=True)
-        return _greedy(out.logits)  # (B, 1)
+        return greedy(out.logits)  # (B, 1)
 
 
 class CompileBackend(Backend):
@@ -136,7 +153,7 @@ class CompileBackend(Backend):
         out = self._forward(input_ids=input_ids, attention_mask=self.mask, position_ids=position_ids,
                             past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         self.next_position = length
-        return _greedy(out.logits)  # (B, 1)
+        return greedy(out.logits)  # (B, 1)
 
     def decode_step(self, tokens):
         torch.compiler.cudagraph_mark_step_begin()
@@ -148,7 +165,7 @@ class CompileBackend(Backend):
         """tokens, position_ids (B, 1) -> next greedy tokens (B, 1); compiled into one graph."""
         out = self.model(input_ids=tokens, attention_mask=self.mask, position_ids=position_ids,
                          past_key_values=self.cache, use_cache=True)
-        return _greedy(out.logits)
+        return greedy(out.logits)
 
     def loss(self, input_ids, labels):
         return self._forward(input_ids=input_ids, labels=labels).loss
@@ -211,5 +228,3 @@ class FuseInferBackend(EagerBackend):
                 fuseinfer.unpatch(self.model)  # frees the runtime's cache and graph
         super().close()
 
-
-CORE_BACKENDS = (EagerBackend, CompileBackend, FuseInferBackend)

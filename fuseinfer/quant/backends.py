@@ -1,12 +1,13 @@
-"""The ``fuseinfer-w8a16`` backend of ``python -m fuseinfer.eval``: fuseinfer's backend with int8 weight-only
-quantization (``PatchConfig(quant=Int8WeightOnly())``), the same columns, plus the bytes of its weights: the
-decode GB/s column counts the int8 model's bytes (``weight_bytes_per_token`` below, which the runner uses for this
-row), so it compares with the copy bandwidth as fp16's does."""
+"""The quantized fuseinfer backends (``fuseinfer-w8a16``, ``fuseinfer-w8a8``; registered by the eval CLI, found by
+the profiler): fuseinfer's backend with int8 weight-only quantization (``PatchConfig(quant=Int8WeightOnly())``) or
+SmoothQuant W8A8, plus the bytes of their weights: the eval's decode GB/s column counts the int8 model's bytes
+(``weight_bytes_per_token`` below, which the eval uses for these rows), so it compares with the copy bandwidth as
+fp16's does."""
 from __future__ import annotations
 
 import fuseinfer
 
-from fuseinfer.eval.backends import FuseInferBackend
+from fuseinfer.harness.backends import Backend, FuseInferBackend
 from fuseinfer.ops.w8a8_linear import w8a8_gemm_note
 
 
@@ -29,8 +30,7 @@ class FuseInferW8A16Backend(FuseInferBackend):
     name = "fuseinfer-w8a16"
     summary = "fuseinfer.patch + Int8WeightOnly: int8 weights, W8A16 kernels; static cache + CUDA-graph decode"
 
-    @staticmethod
-    def quant_config():
+    def quant_config(self):
         return fuseinfer.Int8WeightOnly()
 
     def prepare(self):
@@ -41,8 +41,6 @@ class FuseInferW8A16Backend(FuseInferBackend):
     def close(self):
         """Release the runtime's cache and graphs and drop the model; no unpatch (the fp16 weights were freed, so
         unpatch refuses, and nothing needs the original model back)."""
-        from fuseinfer.eval.backends import Backend
-
         if self.model is not None:
             fuseinfer.runtime.release(self.model)
         Backend.close(self)
@@ -57,9 +55,11 @@ class FuseInferW8A16Backend(FuseInferBackend):
 class FuseInferW8A8Backend(FuseInferW8A16Backend):
     """fuseinfer with SmoothQuant W8A8 (alpha 0.5): int8 weights and per-token int8 activations.
 
-    Calibration (``--calibration-data`` / ``--calibration-samples``, through the knobs FUSEINFER_CALIBRATION_DATA /
-    FUSEINFER_CALIBRATION_SAMPLES): a text file or a folder holding wiki.valid.raw (default: wiki.valid.raw where
-    ``fuseinfer.core.data`` finds it: ``--data-dir`` / $FUSEINFER_DATA_DIR, the shared folder, ``datasets``), tokenized with the model's own tokenizer, ``samples`` windows of 512 tokens; or saved
+    Calibration (the options ``calibration_data`` / ``calibration_samples``, the eval's ``--calibration-data`` /
+    ``--calibration-samples``; unset, the knobs FUSEINFER_CALIBRATION_DATA / FUSEINFER_CALIBRATION_SAMPLES): a text
+    file or a folder holding wiki.valid.raw (default: wiki.valid.raw in the option ``data_dir``, else where
+    ``fuseinfer.core.data`` finds it: $FUSEINFER_DATA_DIR, the shared folder, ``datasets``), tokenized with the
+    model's own tokenizer, ``samples`` windows of 512 tokens; or saved
     statistics (``.safetensors``). A ``random:`` model has no tokenizer (and its weights no meaning): it is
     calibrated on seeded random token ids instead, which the row's ``calibration_source`` says. The calibration
     time is measured apart from the load time and reported in details() (``calibration_seconds``)."""
@@ -68,14 +68,14 @@ class FuseInferW8A8Backend(FuseInferW8A16Backend):
     summary = "fuseinfer.patch + SmoothQuantW8A8: int8 weights and activations (SmoothQuant alpha 0.5)"
     SEQ_LEN = 512
 
-    @staticmethod
-    def quant_config(calibration=None, samples: int | None = None):
+    def quant_config(self, calibration=None, samples: int | None = None):
         from fuseinfer.core import knobs
 
+        options = self.options
         if samples is None:
-            samples = knobs.get_int("FUSEINFER_CALIBRATION_SAMPLES")
+            samples = options.calibration_samples or knobs.get_int("FUSEINFER_CALIBRATION_SAMPLES")
         if calibration is None:
-            calibration = knobs.get("FUSEINFER_CALIBRATION_DATA")
+            calibration = options.calibration_data or knobs.get("FUSEINFER_CALIBRATION_DATA") or options.data_dir
         return fuseinfer.SmoothQuantW8A8(calibration=calibration, samples=samples)
 
     def prepare(self):
@@ -120,3 +120,6 @@ class FuseInferW8A8Backend(FuseInferW8A16Backend):
                 "quant_alpha": quant.smoothing.alpha if quant.smoothing else None,
                 "calibration_source": quant.calibration_source, "calibration_samples": quant.calibration_samples,
                 "calibration_seconds": round(seconds, 3)}
+
+
+BACKENDS = (FuseInferW8A16Backend, FuseInferW8A8Backend)
