@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-import fuseinfer
-
+from fuseinfer.core.state import patch_report, patch_state
 from fuseinfer.harness.errors import EvalError
 from fuseinfer.harness.models import ModelSource, load_model, model_stats
+from fuseinfer.patching import patch, unpatch
+from fuseinfer.runtime import release
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -186,8 +187,8 @@ class FuseInferBackend(EagerBackend):
 
     def prepare(self):
         # a fuseinfer quantized checkpoint loads patched (transformers' quantizer registry): run it as it is
-        self.loaded_patched = fuseinfer.patch_state(self.model) is not None
-        self.report = fuseinfer.patch_report(self.model) if self.loaded_patched else fuseinfer.patch(self.model)
+        self.loaded_patched = patch_state(self.model) is not None
+        self.report = patch_report(self.model) if self.loaded_patched else patch(self.model)
         self.decode = "not run"  # set by start(): the path the timed decode steps take
 
     def start(self, batch_size, max_len):
@@ -204,7 +205,7 @@ class FuseInferBackend(EagerBackend):
 
     def end(self):
         if self.model is not None:
-            fuseinfer.runtime.release(self.model)  # the static cache and decode graph
+            release(self.model)  # the static cache and decode graph
         self.session = None
 
     def prefill(self, input_ids):
@@ -221,10 +222,10 @@ class FuseInferBackend(EagerBackend):
                 "decode": self.decode}
 
     def close(self):
-        if self.model is not None and fuseinfer.patch_state(self.model) is not None:
+        if self.model is not None and patch_state(self.model) is not None:
             if self.loaded_patched:  # (nothing to unpatch to: the checkpoint holds no original weights)
-                fuseinfer.runtime.release(self.model)
+                release(self.model)
             else:
-                fuseinfer.unpatch(self.model)  # frees the runtime's cache and graph
+                unpatch(self.model)  # frees the runtime's cache and graph
         super().close()
 

@@ -5,10 +5,12 @@ SmoothQuant W8A8, plus the bytes of their weights: the eval's decode GB/s column
 fp16's does."""
 from __future__ import annotations
 
-import fuseinfer
-
+from fuseinfer.core.config import PatchConfig
+from fuseinfer.core.quant_config import Int8WeightOnly, SmoothQuantW8A8
 from fuseinfer.harness.backends import Backend, FuseInferBackend
 from fuseinfer.ops.w8a8_linear import w8a8_gemm_note
+from fuseinfer.patching import patch
+from fuseinfer.runtime import release
 
 
 def weight_bytes_per_token(model) -> int:
@@ -31,10 +33,10 @@ class FuseInferW8A16Backend(FuseInferBackend):
     summary = "fuseinfer.patch + Int8WeightOnly: int8 weights, W8A16 kernels; static cache + CUDA-graph decode"
 
     def quant_config(self):
-        return fuseinfer.Int8WeightOnly()
+        return Int8WeightOnly()
 
     def prepare(self):
-        self.report = fuseinfer.patch(self.model, fuseinfer.PatchConfig(quant=self.quant_config()))
+        self.report = patch(self.model, PatchConfig(quant=self.quant_config()))
         self.decode = "not run"
         self.weight_bytes = weight_bytes_per_token(self.model)
 
@@ -42,7 +44,7 @@ class FuseInferW8A16Backend(FuseInferBackend):
         """Release the runtime's cache and graphs and drop the model; no unpatch (the fp16 weights were freed, so
         unpatch refuses, and nothing needs the original model back)."""
         if self.model is not None:
-            fuseinfer.runtime.release(self.model)
+            release(self.model)
         Backend.close(self)
 
     def details(self):
@@ -76,7 +78,7 @@ class FuseInferW8A8Backend(FuseInferW8A16Backend):
             samples = options.calibration_samples or knobs.get_int("FUSEINFER_CALIBRATION_SAMPLES")
         if calibration is None:
             calibration = options.calibration_data or knobs.get("FUSEINFER_CALIBRATION_DATA") or options.data_dir
-        return fuseinfer.SmoothQuantW8A8(calibration=calibration, samples=samples)
+        return SmoothQuantW8A8(calibration=calibration, samples=samples)
 
     def prepare(self):
         import time
@@ -97,7 +99,7 @@ class FuseInferW8A8Backend(FuseInferW8A16Backend):
             self.calibration_seconds = time.perf_counter() - t0
             stats.source = f"random token ids (seed {self.seed}): a random-weight model has no tokenizer"
             config = self.quant_config(calibration=stats, samples=config.samples)
-        self.report = fuseinfer.patch(self.model, fuseinfer.PatchConfig(quant=config))
+        self.report = patch(self.model, PatchConfig(quant=config))
         self.decode = "not run"
         self.weight_bytes = weight_bytes_per_token(self.model)
 

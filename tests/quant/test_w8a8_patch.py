@@ -159,6 +159,9 @@ def test_eval_backend_calibration_flags_and_random_weights(monkeypatch, tmp_path
     cpu = (SimpleNamespace(random_weights=True), None, torch.float32, torch.device("cpu"), 0)
     config = cls(*cpu, backend_options(settings_from_args(args))).quant_config()
     assert config.calibration == "cal.txt" and config.samples == 3
+    monkeypatch.delenv("FUSEINFER_CALIBRATION_DATA", raising=False)
+    folder = build_parser().parse_args(["--data-dir", str(tmp_path)])  # its wiki.valid.raw, when no calibration flag
+    assert cls(*cpu, backend_options(settings_from_args(folder))).quant_config().calibration == str(tmp_path)
     monkeypatch.setenv("FUSEINFER_CALIBRATION_DATA", str(tmp_path))
     monkeypatch.setenv("FUSEINFER_CALIBRATION_SAMPLES", "3")
     config = cls(*cpu).quant_config()
