@@ -3,9 +3,9 @@
 Backends are the eval's, found where they are defined (:data:`BACKENDS`: the plain ones of
 ``fuseinfer.harness.backends`` and the feature packages' ``backends.py``), resolved by name when a profile starts.
 ``fuseinfer-<quant>`` names not listed there are built from ``fuseinfer.PatchConfig(quant=...)`` where fuseinfer
-has that config (``QUANT_CONFIGS``). A step is the
-eval's timed step: ``prefill`` is ``backend.prefill(prompt)``, ``decode`` one ``backend.decode_step``, ``generate``
-a prefill and ``gen_len`` decode steps (the eval's ``_generate``).
+has that config (``QUANT_CONFIGS``). A step is the eval's timed step: ``prefill`` is ``backend.prefill(prompt)``,
+``decode`` one ``backend.decode_step``, ``generate`` a prefill and ``gen_len`` decode steps (the eval's
+``_generate``).
 """
 from __future__ import annotations
 

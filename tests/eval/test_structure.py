@@ -47,6 +47,13 @@ def test_each_backend_is_registered_once():
     assert registry.BACKENDS[taken.name] is taken
 
 
+def test_the_profiler_lists_the_eval_backends():
+    """The profiler cannot import the eval CLI, so it lists the same classes itself: the two lists stay one."""
+    from fuseinfer.profile.backends import BACKENDS as PROFILED
+
+    assert PROFILED == registry.BACKENDS
+
+
 def _imported_modules(path: Path, root: Path = REPO) -> set[str]:
     """Every module ``path`` (under the checkout ``root``) names in an import, top level or inside a function,
     relative ones resolved, and the string given to importlib.import_module / __import__."""
