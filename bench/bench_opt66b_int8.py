@@ -32,7 +32,7 @@ from common import write_results  # noqa: E402
 import fuseinfer  # noqa: E402
 from fuseinfer.core.extension import extension  # noqa: E402
 from fuseinfer.harness.timing import copy_bandwidth_gbps  # noqa: E402
-from fuseinfer.quant.eval_backend import weight_bytes_per_token  # noqa: E402
+from fuseinfer.quant.backends import weight_bytes_per_token  # noqa: E402
 from fuseinfer.quant.random_init import random_quantized_opt  # noqa: E402
 
 

@@ -3,7 +3,7 @@ derives, per backend row, the decode floor and what the targets of issues 35 / 3
 
 Per row (all from the eval JSON; nothing here is measured):
   weight bytes/token   the bytes of the model's tensors one decode step reads (int8 rows: the quantized model's, as
-                       ``fuseinfer.quant.eval_backend.weight_bytes_per_token`` counts them: int8 linears + fp32
+                       ``fuseinfer.quant.backends.weight_bytes_per_token`` counts them: int8 linears + fp32
                        scales + fp16 embeddings / LayerNorms / biases)
   decode GB/s, % copy  the eval's (weights + KV cache per step / decode ms; over the copy bandwidth of that run)
   floor ms             weight bytes/token / copy bandwidth measured in that run (the KV cache left out, as the

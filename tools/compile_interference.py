@@ -58,7 +58,7 @@ def main():
         after_free = timed(run)
         # the eval's own sequence: its compile backend (compiled prefill, StaticCache + reduce-overhead decode with
         # CUDA graphs) runs a generation, closes (torch._dynamo.reset()), then the patched model prefills
-        from fuseinfer.eval.backends import CompileBackend
+        from fuseinfer.harness.backends import CompileBackend
 
         backend = CompileBackend(src, cfg, torch.float16, torch.device("cuda"), 2)
         backend.load()

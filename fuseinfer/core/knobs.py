@@ -12,8 +12,8 @@ The CUDA extension reads none itself: :func:`push` hands the run-time switches t
 :func:`override`. ``docs/env.md`` is generated from this table (``python -m fuseinfer.core.knobs > docs/env.md``) and a
 test checks that it is current and that no other module calls ``os.environ`` for a ``FUSEINFER_`` name.
 
-A CLI flag that stands for a knob goes through :func:`flag_or_knob` (the value handed on, e.g. in the eval's
-settings) or :func:`from_flag` (also set as the knob): the flag wins over the environment and, where the two
+A CLI flag that stands for a knob goes through :func:`from_flag` (the value handed on, e.g. in the eval's settings,
+with ``set_knob=False``; else also set as the knob): the flag wins over the environment and, where the two
 disagree, says so on stderr (never silently). A path knob that must exist (``must_exist``) pointing at
 nothing is an error naming the knob. ``FUSEINFER_*`` names in the environment that are not in the table
 (misspellings) are reported once, with the closest known name, at the first knob read.
@@ -156,11 +156,12 @@ def get(name: str) -> str | None:
     return value
 
 
-def flag_or_knob(name: str, flag: str, value, note=None) -> str | None:
-    """The setting a CLI flag ``flag`` and the knob ``name`` both name: the flag's ``value`` when given -- and where
-    the environment held another value, ``note`` (default: a line on stderr) says it was overridden -- else the
-    knob's value. Either is checked as :func:`get` checks it, the error naming whichever gave it. The environment
-    is left as it is (the caller hands the value on)."""
+def from_flag(name: str, flag: str, value, note=None, set_knob: bool = True) -> str | None:
+    """The setting a CLI flag ``flag`` and the knob ``name`` both name: the flag's ``value`` when given -- then,
+    with ``set_knob``, set as the knob for this process and the ones it starts (without, the caller hands the value
+    on itself), and where the environment held another value, ``note`` (default: a line on stderr) says it was
+    overridden -- else the knob's value. Either is checked as :func:`get` checks it, the error naming whichever
+    gave it."""
     if value is None:
         return get(name)
     value = str(value)
@@ -168,16 +169,10 @@ def flag_or_knob(name: str, flag: str, value, note=None) -> str | None:
     before = os.environ.get(name)
     if before is not None and before != value:
         (note or _stderr)(f"{flag} {value} overrides {name}={before}")
+    if set_knob:
+        set_value(name, value)
     return value
 
-
-def from_flag(name: str, flag: str, value, note=None) -> str | None:
-    """:func:`flag_or_knob`, the flag's value (when given) then set as the knob for this process and the ones it
-    starts."""
-    got = flag_or_knob(name, flag, value, note)
-    if value is not None:
-        set_value(name, got)
-    return got
 
 
 def _stderr(message: str) -> None:

@@ -14,11 +14,12 @@ from rich.console import Console
 
 from fuseinfer.core import files, knobs
 from fuseinfer.core.errors import FuseInferError
+from fuseinfer.eval.backends import BACKENDS
+from fuseinfer.eval.report import output_problem, print_table, write_json, write_markdown, write_plot
+from fuseinfer.eval.runner import DEFAULT_BACKENDS, DEFAULT_BACKENDS_CPU, LATENCY_DEFAULTS, Settings, run
+from fuseinfer.harness.devices import DTYPES
 from fuseinfer.harness.errors import EvalError
 from fuseinfer.harness.models import SHORT_NAMES
-from fuseinfer.eval.registry import BACKENDS
-from fuseinfer.eval.report import output_problem, print_table, write_json, write_markdown, write_plot
-from fuseinfer.eval.runner import DEFAULT_BACKENDS, DEFAULT_BACKENDS_CPU, DTYPES, LATENCY_DEFAULTS, Settings, run
 from fuseinfer.harness.ui import ConsoleUI
 
 EXAMPLE = "python -m fuseinfer.eval --model opt-1.3b --backends eager,compile,fuseinfer --dtype fp16"
@@ -82,15 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    """The run's settings; the backend options (and --data-dir) from their flags, else their knobs
-    (:func:`backend_options`)."""
     backends = tuple(args.backends.split(",")) if args.backends else None
     return Settings(model=args.model, backends=backends, dtype=args.dtype, device=args.device,
                     batch_size=args.batch_size, prompt_len=args.prompt_len,
                     gen_len=args.gen_len, warmup=args.warmup, repeats=args.repeats, seq_len=args.seq_len,
-                    stride=args.stride, max_windows=args.max_windows, seed=args.seed,
+                    stride=args.stride, max_windows=args.max_windows, data_dir=args.data_dir, seed=args.seed,
                     skip_ppl=args.skip_ppl, skip_latency=args.skip_latency, debug=args.debug, tp=args.tp,
-                    **backend_options(args))
+                    onnx_dir=args.onnx_dir, calibration_data=args.calibration_data,
+                    calibration_samples=args.calibration_samples)
 
 
 def output_files(args: argparse.Namespace) -> list[tuple]:
@@ -109,25 +109,21 @@ def output_files(args: argparse.Namespace) -> list[tuple]:
     return outputs
 
 
-def backend_options(args: argparse.Namespace) -> dict:
-    """The settings that flags and knobs both name (the backends' options: fuseinfer-w8a8's calibration, the ort
-    exports; and the data folder), each from its flag, else its knob; a flag beside a different environment value
-    wins, and says so. They travel in the settings, never through the environment. Bad values raise
-    :class:`EvalError` naming the flag or variable."""
+def check_knob_flags(args: argparse.Namespace) -> None:
+    """Check the flags that stand for knobs (fuseinfer-w8a8's calibration, the ort exports, the data folder) as
+    the knobs are checked; a flag beside a different environment value wins, and says so. The values travel in
+    the settings, not the environment. Bad values raise :class:`EvalError` naming the flag or variable."""
     if args.calibration_samples is not None and args.calibration_samples < 1:
         raise EvalError(f"--calibration-samples must be >= 1, got {args.calibration_samples}")
     try:
-        options = {key: knobs.flag_or_knob(name, flag, value) for key, name, flag, value in (
-            ("onnx_dir", "FUSEINFER_ONNX_DIR", "--onnx-dir", args.onnx_dir),
-            ("data_dir", "FUSEINFER_DATA_DIR", "--data-dir", args.data_dir),
-            ("calibration_data", "FUSEINFER_CALIBRATION_DATA", "--calibration-data", args.calibration_data),
-            ("calibration_samples", "FUSEINFER_CALIBRATION_SAMPLES", "--calibration-samples",
-             args.calibration_samples))}
-        options["calibration_samples"] = args.calibration_samples if args.calibration_samples is not None \
-            else knobs.get_int("FUSEINFER_CALIBRATION_SAMPLES")
+        for name, flag, value in (("FUSEINFER_ONNX_DIR", "--onnx-dir", args.onnx_dir),
+                                  ("FUSEINFER_DATA_DIR", "--data-dir", args.data_dir),
+                                  ("FUSEINFER_CALIBRATION_DATA", "--calibration-data", args.calibration_data),
+                                  ("FUSEINFER_CALIBRATION_SAMPLES", "--calibration-samples",
+                                   args.calibration_samples)):
+            knobs.from_flag(name, flag, value, set_knob=False)
     except FuseInferError as exc:
         raise EvalError(str(exc)) from None
-    return options
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         outputs = output_files(args)  # before the run: a bad path should not wait for the end of a long run
-        settings = settings_from_args(args)
+        check_knob_flags(args)
         lead = args.tp == 1 or os.environ.get("RANK", "0") == "0"  # under --tp, rank 0 prints and writes
-        results = run(settings, ConsoleUI(None if lead else Console(quiet=True)))
+        results = run(settings_from_args(args), ConsoleUI(None if lead else Console(quiet=True)))
         if not lead:
             return 0
         console = Console()

@@ -13,16 +13,17 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from fuseinfer.core.extension import extension_status
 from fuseinfer.core.data import shared_dir
+from fuseinfer.core.extension import extension_status
+from fuseinfer.eval.backends import BACKENDS
 from fuseinfer.harness import data as data_mod
-from fuseinfer.eval.backends import Backend, BackendOptions
+from fuseinfer.harness.backends import Backend, BackendOptions
+from fuseinfer.harness.devices import DTYPES, resolve_device
 from fuseinfer.harness.environment import environment
 from fuseinfer.harness.errors import EvalError
 from fuseinfer.harness.metrics import derive
 from fuseinfer.harness.models import ModelSource, checkpoint_scheme, load_config, load_tokenizer, resolve_model
 from fuseinfer.harness.perplexity import Window, gptq_windows, perplexity, sliding_windows
-from fuseinfer.eval.registry import BACKENDS
 from fuseinfer.harness.timing import (
     StepClock,
     allocated_mib,
@@ -37,7 +38,6 @@ from fuseinfer.harness.timing import (
     time_call,
 )
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 DEFAULT_BACKENDS = ("eager", "compile", "fuseinfer")
 # on CPU torch.compile's timings measure Inductor's CPU code and its compile time, not what fuseinfer is for
 DEFAULT_BACKENDS_CPU = ("eager", "fuseinfer")
@@ -49,11 +49,10 @@ FIRST_DECODE_STEPS = 3  # reduce-overhead compiles on call 1, records the CUDA g
 
 
 @dataclass(frozen=True)
-class Settings(BackendOptions):
+class Settings:
     """Everything a run depends on; None means 'derive it': device cuda if present; dtype fp16 on cuda, fp32 on
     cpu; prompt_len / gen_len / warmup / repeats from ``LATENCY_DEFAULTS`` for the device; seq_len the model's
-    max_position_embeddings. The backends' options (:class:`BackendOptions`: data_dir, onnx_dir, calibration) are
-    fields too: the backends read them here."""
+    max_position_embeddings."""
 
     model: str | None = None  # None: default_model() for the device
     backends: tuple[str, ...] | None = None  # None: DEFAULT_BACKENDS on CUDA, DEFAULT_BACKENDS_CPU on CPU
@@ -67,11 +66,22 @@ class Settings(BackendOptions):
     seq_len: int | None = None
     stride: int | None = None
     max_windows: int | None = None
+    data_dir: str | None = None
     seed: int = 0
     skip_ppl: bool = False
     skip_latency: bool = False
     debug: bool = False  # re-raise a backend's error instead of reporting it in its row
-    tp: int = 1  # tensor-parallel ranks (torchrun --nproc-per-node tp); fuseinfer/parallel/eval_backend.py
+    tp: int = 1  # tensor-parallel ranks (torchrun --nproc-per-node tp); fuseinfer/eval/backends/parallel.py
+    # the backends' options (BackendOptions; None: the knob of the same meaning)
+    onnx_dir: str | None = None  # ort / ort-plain / tensorrt: keep and reuse exports here
+    calibration_data: str | None = None  # fuseinfer-w8a8: calibration text, folder or saved statistics
+    calibration_samples: int | None = None  # fuseinfer-w8a8: calibration windows of 512 tokens
+
+
+def backend_options(s: Settings) -> BackendOptions:
+    """What the settings say to the backends that take options (the data folder: fuseinfer-w8a8's calibration)."""
+    return BackendOptions(onnx_dir=s.onnx_dir, calibration_data=s.calibration_data,
+                          calibration_samples=s.calibration_samples, data_dir=s.data_dir)
 
 
 @dataclass
@@ -101,26 +111,8 @@ def _backend_names(names) -> tuple[str, ...]:
     return names
 
 
-def _device(name: str | None) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise EvalError(f"unknown device {name!r}: use cuda, cuda:N or cpu") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise EvalError(f"--device {name} but no CUDA GPU is visible (torch {torch.__version__}, "
-                        f"built for CUDA {torch.version.cuda}); use --device cpu")
-    if device.type not in ("cuda", "cpu"):
-        raise EvalError(f"unsupported device {name!r}: use cuda, cuda:N or cpu")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise EvalError(f"--device {name}: only {torch.cuda.device_count()} CUDA GPU(s) visible, "
-                        f"use cuda:0 ... cuda:{torch.cuda.device_count() - 1}")
-    return device
-
-
 def _tp_device(tp: int, device: str | None) -> torch.device:
-    from fuseinfer.parallel.eval_backend import tp_device
+    from fuseinfer.eval.backends.parallel import tp_device
 
     return tp_device(tp, device)
 
@@ -128,7 +120,7 @@ def _tp_device(tp: int, device: str | None) -> torch.device:
 def _tp_backend(cls, tp: int):
     if tp == 1:
         return cls
-    from fuseinfer.parallel.eval_backend import tp_backend
+    from fuseinfer.eval.backends.parallel import tp_backend
 
     return tp_backend(cls, tp)
 
@@ -139,7 +131,7 @@ def _check_sizes(s: Settings, max_positions: int) -> None:
     for flag, value, low in (("--batch-size", s.batch_size, 1), ("--prompt-len", s.prompt_len, 1),
                              ("--gen-len", s.gen_len, 1), ("--repeats", s.repeats, 1), ("--warmup", s.warmup, 0),
                              ("--seq-len", s.seq_len, 2), ("--stride", s.stride, 1),
-                             ("--max-windows", s.max_windows, 1)):
+                             ("--max-windows", s.max_windows, 1), ("--calibration-samples", s.calibration_samples, 1)):
         if value is not None and value < low:
             raise EvalError(f"{flag} must be at least {low}, got {value}")
     if not s.skip_latency and s.prompt_len + s.gen_len > max_positions:
@@ -209,7 +201,7 @@ def make_plan(s: Settings) -> Plan:
     """Validate ``s`` and load what every backend shares; raises :class:`EvalError` on any problem."""
     if s.tp < 1:
         raise EvalError(f"--tp must be at least 1, got {s.tp}")
-    device = _device(s.device) if s.tp == 1 else _tp_device(s.tp, s.device)
+    device = resolve_device(s.device) if s.tp == 1 else _tp_device(s.tp, s.device)
     defaulted = []
     if s.model is None:
         spec, data_dir, why = default_model(device)
@@ -348,7 +340,7 @@ def run_backend(cls: type[Backend], plan: Plan, ui) -> tuple[dict, object, torch
         return row, None, None
     free_memory(device)
     reset_peak(device)
-    backend, generated = cls(plan.source, plan.config, plan.dtype, device, s.seed, s), None
+    backend, generated = cls(plan.source, plan.config, plan.dtype, device, s.seed, backend_options(s)), None
     memory = {}
     try:
         with torch.no_grad():

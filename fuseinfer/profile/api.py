@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from fuseinfer.core import files
+from fuseinfer.harness.devices import DTYPES, resolve_device
 from fuseinfer.harness.environment import environment
 from fuseinfer.harness.models import ModelSource, load_config, resolve_model
-from fuseinfer.eval.runner import DTYPES, _device
 from fuseinfer.harness.timing import StepClock, free_memory, summarize, synchronize, time_call
 from fuseinfer.profile import ceilings as ceilings_mod
 from fuseinfer.profile import ort_nodes
@@ -195,7 +195,7 @@ def _context(model, s: ProfileSettings) -> _Context:
         if s.device is not None and torch.device(s.device) != device:
             raise ProfileError(f"the model is on {device}, not {s.device}: move it (model.to(...)) or leave device out")
     else:
-        device = _device(s.device)
+        device = resolve_device(s.device)
         name = s.dtype or ("fp16" if device.type == "cuda" else "fp32")
         if name not in DTYPES:
             raise ProfileError(f"unknown dtype {name!r}: choose from {', '.join(DTYPES)}")

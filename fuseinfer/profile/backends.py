@@ -1,35 +1,35 @@
 """Which backend to profile and what one step of each phase is.
 
-Backends are the eval's (``fuseinfer.eval.backends.BACKENDS``: eager, compile, fuseinfer, and whatever else is
-registered there), resolved by name when a profile starts, so a backend another feature adds (e.g.
-``fuseinfer-w8a16``) is found once it is installed. ``fuseinfer-<quant>`` names not registered there are built
-from ``fuseinfer.PatchConfig(quant=...)`` where fuseinfer has that config (``QUANT_CONFIGS``). A step is the
-eval's timed step: ``prefill`` is ``backend.prefill(prompt)``, ``decode`` one ``backend.decode_step``, ``generate``
-a prefill and ``gen_len`` decode steps (the eval's ``_generate``).
+Backends are the eval's, found where they are defined (:data:`BACKENDS`: the plain ones of
+``fuseinfer.harness.backends`` and the feature packages' ``backends.py``), resolved by name when a profile starts.
+``fuseinfer-<quant>`` names not listed there are built from ``fuseinfer.PatchConfig(quant=...)`` where fuseinfer
+has that config (``QUANT_CONFIGS``). A step is the eval's timed step: ``prefill`` is ``backend.prefill(prompt)``,
+``decode`` one ``backend.decode_step``, ``generate`` a prefill and ``gen_len`` decode steps (the eval's
+``_generate``).
 """
 from __future__ import annotations
 
 import torch
 
-from fuseinfer.eval.backends import Backend
+from fuseinfer.export.backends import BACKENDS as EXPORT_BACKENDS
+from fuseinfer.harness.backends import Backend, CompileBackend, EagerBackend, FuseInferBackend
 from fuseinfer.profile.errors import ProfileError
+from fuseinfer.quant.backends import BACKENDS as QUANT_BACKENDS
 
+# the backends the profiler runs, by name (the eval CLI's, less the tensor-parallel wrapping)
+BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (EagerBackend, CompileBackend, FuseInferBackend,
+                                                                  *QUANT_BACKENDS, *EXPORT_BACKENDS)}
 PHASES = ("prefill", "decode", "generate")
 # fuseinfer-<suffix> -> the name of the fuseinfer config class that PatchConfig(quant=...) takes
 QUANT_CONFIGS = {"w8a16": "Int8WeightOnly", "w8a8": "SmoothQuantW8A8"}
 
 
 def available_backends() -> list[str]:
-    from fuseinfer.eval.registry import BACKENDS
-
     return list(BACKENDS) + [f"fuseinfer-{q}" for q in QUANT_CONFIGS if f"fuseinfer-{q}" not in BACKENDS]
 
 
 def resolve_backend(name: str) -> type[Backend]:
     """The backend class for ``name``; raises :class:`ProfileError` for an unknown or uninstalled one."""
-    from fuseinfer.eval.backends import FuseInferBackend
-    from fuseinfer.eval.registry import BACKENDS
-
     if name in BACKENDS:
         return BACKENDS[name]
     suffix = name.removeprefix("fuseinfer-")
@@ -73,7 +73,6 @@ def module_backend(model: torch.nn.Module, name: str | None = None) -> type[Back
     """A backend class around a model the caller already has (profile(model=<nn.Module>)): the fuseinfer backend's
     steps when it is patched by fuseinfer, else the eager one's; ``close`` leaves the model as it is."""
     import fuseinfer
-    from fuseinfer.eval.backends import EagerBackend, FuseInferBackend
 
     patched = fuseinfer.patch_state(model) is not None
     base = FuseInferBackend if patched else EagerBackend

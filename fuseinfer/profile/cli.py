@@ -13,8 +13,8 @@ from rich.console import Console
 
 from fuseinfer.core import knobs
 from fuseinfer.core.errors import FuseInferError
+from fuseinfer.harness.devices import DTYPES
 from fuseinfer.harness.models import SHORT_NAMES
-from fuseinfer.eval.runner import DTYPES
 from fuseinfer.profile.api import DEFAULTS
 from fuseinfer.profile.backends import PHASES, available_backends
 from fuseinfer.profile.errors import ProfileError

@@ -18,7 +18,7 @@ import torch
 from rich.console import Console
 
 from fuseinfer.eval import BACKENDS, EvalError, Settings, main, run
-from fuseinfer.eval.backends import EagerBackend
+from fuseinfer.harness.backends import EagerBackend
 from fuseinfer.harness.data import load_eval_text, rows_from_file
 from fuseinfer.harness.models import load_config, load_model, resolve_model
 from fuseinfer.models.opt.configs import OPT_CONFIGS

@@ -154,9 +154,8 @@ def test_export_for_another_model_is_refused(export):
     OrtDecoder(directory, "cpu", model=model)
 
 
-def test_onnx_dir_reuse_checks_every_weight(export):
-    from fuseinfer.eval import BACKENDS  # noqa: F401  (the registry imports the export backends first)
-    from fuseinfer.export.eval_backend import export_dir_for
+def test_onnx_dir_reuse_checks_every_weight(export, monkeypatch):
+    from fuseinfer.export.backends import export_dir_for
 
     model, _, directory = export
     found, temporary = export_dir_for(model, "fused", torch.float32, str(directory.parent))

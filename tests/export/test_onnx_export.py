@@ -203,15 +203,17 @@ def test_fresh_process_loads_and_matches(tiny_exports):
 
 
 @pytest.mark.skipif(not (WIKITEXT / "wiki.test.raw").is_file(), reason=f"wiki.test.raw not found in {WIKITEXT}")
-def test_eval_rows_ppl_and_greedy_match_eager(tiny_model_path, tmp_path):
+def test_eval_rows_ppl_and_greedy_match_eager(tiny_model_path, tmp_path, monkeypatch):
     """The eval CLI's runner with ort and ort-plain: PPL within 0.1% of eager, greedy tokens equal to eager's;
-    the second run reuses the exports kept under the settings' onnx_dir (--onnx-dir)."""
+    the second run reuses the exports kept in the folder the settings name (``onnx_dir``, the CLI's --onnx-dir:
+    handed to the backends, not through $FUSEINFER_ONNX_DIR, which names another folder here)."""
     from fuseinfer.eval import Settings, run
     from fuseinfer.harness.ui import ConsoleUI
 
+    monkeypatch.setenv("FUSEINFER_ONNX_DIR", str(tmp_path / "not-this-one"))
     settings = Settings(model=str(tiny_model_path), backends=("eager", "ort", "ort-plain"), device="cpu",
                         dtype="fp32", prompt_len=16, gen_len=8, warmup=0, repeats=1, seq_len=256, max_windows=3,
-                        data_dir=str(WIKITEXT), debug=True, onnx_dir=str(tmp_path))
+                        data_dir=str(WIKITEXT), debug=True, onnx_dir=str(tmp_path / "exports"))
     ui = ConsoleUI(quiet=True) if "quiet" in ConsoleUI.__init__.__code__.co_varnames else ConsoleUI()
     rows = run(settings, ui)["backends"]
     for name in ("ort", "ort-plain"):
@@ -219,7 +221,7 @@ def test_eval_rows_ppl_and_greedy_match_eager(tiny_model_path, tmp_path):
         assert abs(rows[name]["ppl"] / rows["eager"]["ppl"] - 1) < 1e-3
         assert rows[name]["greedy_match_eager"] == 1.0
         assert rows[name]["export_reused"] is False
-    assert len(os.listdir(tmp_path)) == 2
+    assert len(os.listdir(tmp_path / "exports")) == 2 and not (tmp_path / "not-this-one").exists()
     again = run(Settings(**{**settings.__dict__, "backends": ("ort",), "skip_ppl": True}), ui)["backends"]["ort"]
     assert again["export_reused"] is True and again["status"] == "ok"
 

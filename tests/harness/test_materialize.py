@@ -51,8 +51,8 @@ def test_materialize_without_init_says_how():
 
 
 def test_eval_tp_needs_torchrun(monkeypatch):
-    from fuseinfer.eval.backends import EagerBackend, FuseInferBackend
-    from fuseinfer.parallel.eval_backend import TensorParallelBackend, tp_backend, tp_device
+    from fuseinfer.eval.backends.parallel import TensorParallelBackend, tp_backend, tp_device
+    from fuseinfer.harness.backends import EagerBackend, FuseInferBackend
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(EvalError, match="torchrun --nproc-per-node 2"):

@@ -206,13 +206,13 @@ def test_cli_backend_not_installed(capsys, tmp_path):
 
 
 def test_cli_phase_the_backend_lacks(capsys, tmp_path, monkeypatch):
-    from fuseinfer.eval import registry
-    from fuseinfer.eval.backends import Backend
+    from fuseinfer.harness.backends import Backend
+    from fuseinfer.profile import backends
 
     class PerplexityOnly(Backend):
         name = "ppl-only"
 
-    monkeypatch.setitem(registry.BACKENDS, "ppl-only", PerplexityOnly)
+    monkeypatch.setitem(backends.BACKENDS, "ppl-only", PerplexityOnly)
     err = _cli_error(capsys, "--model", "random:opt-125m", "--device", "cpu", "--backend", "ppl-only", "--phase",
                      "decode", "--out", str(tmp_path))
     assert "has no decode step" in err

@@ -136,40 +136,39 @@ def test_outlier_model_patched_w8a8_keeps_its_perplexity(tiny):
 
 
 def test_eval_backend_is_registered():
-    from fuseinfer.eval.registry import BACKENDS
+    from fuseinfer.eval.backends import BACKENDS
 
     cls = BACKENDS["fuseinfer-w8a8"]
     assert "SmoothQuantW8A8" in cls.summary
 
 
 def test_eval_backend_calibration_flags_and_random_weights(monkeypatch, tmp_path):
-    """--calibration-data / --calibration-samples reach the fuseinfer-w8a8 backend in the settings (the
-    environment untouched; their knobs are the defaults); a random-weight model is calibrated on seeded token ids,
-    and the calibration time is reported apart."""
-    import os
+    """--calibration-data / --calibration-samples reach the fuseinfer-w8a8 backend (in its options, else through
+    their knobs); a random-weight model is calibrated on seeded token ids, and the calibration time is reported
+    apart."""
     from types import SimpleNamespace
 
+    from fuseinfer.eval.backends import BACKENDS
     from fuseinfer.eval.cli import build_parser, settings_from_args
-    from fuseinfer.eval.registry import BACKENDS
+    from fuseinfer.eval.runner import backend_options
     from tests.conftest import random_opt
 
-    monkeypatch.delenv("FUSEINFER_CALIBRATION_DATA", raising=False)
-    monkeypatch.delenv("FUSEINFER_CALIBRATION_SAMPLES", raising=False)
-    (tmp_path / "cal.txt").write_text("some text\n")
-    args = build_parser().parse_args(["--calibration-data", str(tmp_path / "cal.txt"), "--calibration-samples", "3"])
-    settings = settings_from_args(args)
-    assert (settings.calibration_data, settings.calibration_samples) == (str(tmp_path / "cal.txt"), 3)
-    assert "FUSEINFER_CALIBRATION_DATA" not in os.environ and "FUSEINFER_CALIBRATION_SAMPLES" not in os.environ
+    args = build_parser().parse_args(["--calibration-data", "cal.txt", "--calibration-samples", "3"])
+    assert (args.calibration_data, args.calibration_samples) == ("cal.txt", 3)
     cls = BACKENDS["fuseinfer-w8a8"]
-    config = cls(None, None, torch.float32, torch.device("cpu"), 0, settings).quant_config()
-    assert config.calibration == str(tmp_path / "cal.txt") and config.samples == 3
-    monkeypatch.setenv("FUSEINFER_CALIBRATION_DATA", str(tmp_path))  # the knobs: defaults of the settings
+    cpu = (SimpleNamespace(random_weights=True), None, torch.float32, torch.device("cpu"), 0)
+    config = cls(*cpu, backend_options(settings_from_args(args))).quant_config()
+    assert config.calibration == "cal.txt" and config.samples == 3
+    monkeypatch.delenv("FUSEINFER_CALIBRATION_DATA", raising=False)
+    folder = build_parser().parse_args(["--data-dir", str(tmp_path)])  # its wiki.valid.raw, when no calibration flag
+    assert cls(*cpu, backend_options(settings_from_args(folder))).quant_config().calibration == str(tmp_path)
+    monkeypatch.setenv("FUSEINFER_CALIBRATION_DATA", str(tmp_path))
     monkeypatch.setenv("FUSEINFER_CALIBRATION_SAMPLES", "3")
-    config = cls(None, None, torch.float32, torch.device("cpu"), 0).quant_config()
+    config = cls(*cpu).quant_config()
     assert config.calibration == str(tmp_path) and config.samples == 3
     monkeypatch.setenv("FUSEINFER_CALIBRATION_SAMPLES", "2")
     monkeypatch.delenv("FUSEINFER_CALIBRATION_DATA")
-    backend = cls(SimpleNamespace(random_weights=True), None, torch.float32, torch.device("cpu"), 0)
+    backend = cls(*cpu)
     backend.model = random_opt()
     backend.stats = SimpleNamespace(weight_bytes_per_token=1)
     backend.prepare()

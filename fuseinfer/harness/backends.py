@@ -1,42 +1,43 @@
-"""Backends: the ways of running the same model that ``python -m fuseinfer.eval`` compares.
+"""Backends: the ways of running the same model that the eval CLI compares and the profiler profiles.
 
 Each backend loads its own fresh model and exposes the same small interface: ``start`` (allocate what a batch of
 sequences needs, untimed), ``prefill`` (prompt -> first greedy token), ``decode_step`` (token -> next greedy
 token, using the cache ``prefill`` filled) and ``loss`` (one perplexity window). ``unavailable_reason`` says why a
-backend cannot run here (a missing package, say); the runner then reports the reason in its row and goes on.
-A feature package adds backends by listing its classes in ``registry.py``.
+backend cannot run here (a missing package, say); the eval then reports the reason in its row and goes on.
+
+Here: the interface, the options some backends take (:class:`BackendOptions`) and the plain backends (``eager``,
+``compile``, ``fuseinfer``). A feature package defines its backends in its own ``backends.py`` on this interface;
+the eval CLI lists the backends it runs in ``fuseinfer/eval/backends/``.
 """
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-import fuseinfer
-
-from fuseinfer.core import knobs
+from fuseinfer.core.state import patch_report, patch_state
 from fuseinfer.harness.errors import EvalError
 from fuseinfer.harness.models import ModelSource, load_model, model_stats
+from fuseinfer.patching import patch, unpatch
+from fuseinfer.runtime import release
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """logits (B, S, V) -> next token ids (B, 1) from the last position."""
+    return logits[:, -1].argmax(-1, keepdim=True)
 
 
 @dataclass(frozen=True)
 class BackendOptions:
-    """Options of particular backends (the eval's ``--onnx-dir``, ``--calibration-data``, ``--calibration-samples``
-    and ``--data-dir``), which they read from the settings they are given (the run's
-    :class:`~fuseinfer.eval.runner.Settings`, a BackendOptions); an option left out takes its ``FUSEINFER_*``
-    variable (docs/env.md), read when the settings are built."""
+    """What some backends take beyond the model, from the caller (e.g. the eval CLI's flags); None: the knob of the
+    same meaning (``fuseinfer.core.knobs``), else its default."""
 
-    onnx_dir: str | None = field(default_factory=lambda: knobs.get("FUSEINFER_ONNX_DIR"))
-    calibration_data: str | None = field(default_factory=lambda: knobs.get("FUSEINFER_CALIBRATION_DATA"))
-    calibration_samples: int = field(default_factory=lambda: knobs.get_int("FUSEINFER_CALIBRATION_SAMPLES"))
-    data_dir: str | None = None  # None: fuseinfer.core.data finds the WikiText-2 files ($FUSEINFER_DATA_DIR, ...)
-
-
-def _greedy(logits: torch.Tensor) -> torch.Tensor:
-    """logits (B, S, V) -> next token ids (B, 1) from the last position."""
-    return logits[:, -1].argmax(-1, keepdim=True)
+    onnx_dir: str | None = None  # ort / ort-plain / tensorrt: keep and reuse exports here (FUSEINFER_ONNX_DIR)
+    calibration_data: str | None = None  # fuseinfer-w8a8 (FUSEINFER_CALIBRATION_DATA)
+    calibration_samples: int | None = None  # fuseinfer-w8a8 (FUSEINFER_CALIBRATION_SAMPLES)
+    data_dir: str | None = None  # folder with wiki.valid.raw: fuseinfer-w8a8's default calibration text
 
 
 class Backend:
@@ -46,12 +47,9 @@ class Backend:
     summary = ""
 
     def __init__(self, source: ModelSource, config, dtype: torch.dtype, device: torch.device, seed: int,
-                 settings: BackendOptions | None = None):
-        """settings: the run's settings, whose :class:`BackendOptions` a backend reads; None: the defaults."""
-        if settings is None:
-            settings = BackendOptions()
+                 options: BackendOptions | None = None):
         self.source, self.config, self.dtype, self.device, self.seed = source, config, dtype, device, seed
-        self.settings = settings
+        self.options = options if options is not None else BackendOptions()
         self.model: nn.Module | None = None
 
     @classmethod
@@ -108,11 +106,11 @@ class EagerBackend(Backend):
 
         self.cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        return _greedy(out.logits)  # (B, 1)
+        return greedy(out.logits)  # (B, 1)
 
     def decode_step(self, tokens):
         out = self.model(input_ids=tokens, past_key_values=self.cache, use_cache=True)
-        return _greedy(out.logits)  # (B, 1)
+        return greedy(out.logits)  # (B, 1)
 
 
 class CompileBackend(Backend):
@@ -156,7 +154,7 @@ class CompileBackend(Backend):
         out = self._forward(input_ids=input_ids, attention_mask=self.mask, position_ids=position_ids,
                             past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         self.next_position = length
-        return _greedy(out.logits)  # (B, 1)
+        return greedy(out.logits)  # (B, 1)
 
     def decode_step(self, tokens):
         torch.compiler.cudagraph_mark_step_begin()
@@ -168,7 +166,7 @@ class CompileBackend(Backend):
         """tokens, position_ids (B, 1) -> next greedy tokens (B, 1); compiled into one graph."""
         out = self.model(input_ids=tokens, attention_mask=self.mask, position_ids=position_ids,
                          past_key_values=self.cache, use_cache=True)
-        return _greedy(out.logits)
+        return greedy(out.logits)
 
     def loss(self, input_ids, labels):
         return self._forward(input_ids=input_ids, labels=labels).loss
@@ -189,8 +187,8 @@ class FuseInferBackend(EagerBackend):
 
     def prepare(self):
         # a fuseinfer quantized checkpoint loads patched (transformers' quantizer registry): run it as it is
-        self.loaded_patched = fuseinfer.patch_state(self.model) is not None
-        self.report = fuseinfer.patch_report(self.model) if self.loaded_patched else fuseinfer.patch(self.model)
+        self.loaded_patched = patch_state(self.model) is not None
+        self.report = patch_report(self.model) if self.loaded_patched else patch(self.model)
         self.decode = "not run"  # set by start(): the path the timed decode steps take
 
     def start(self, batch_size, max_len):
@@ -207,7 +205,7 @@ class FuseInferBackend(EagerBackend):
 
     def end(self):
         if self.model is not None:
-            fuseinfer.runtime.release(self.model)  # the static cache and decode graph
+            release(self.model)  # the static cache and decode graph
         self.session = None
 
     def prefill(self, input_ids):
@@ -224,12 +222,10 @@ class FuseInferBackend(EagerBackend):
                 "decode": self.decode}
 
     def close(self):
-        if self.model is not None and fuseinfer.patch_state(self.model) is not None:
+        if self.model is not None and patch_state(self.model) is not None:
             if self.loaded_patched:  # (nothing to unpatch to: the checkpoint holds no original weights)
-                fuseinfer.runtime.release(self.model)
+                release(self.model)
             else:
-                fuseinfer.unpatch(self.model)  # frees the runtime's cache and graph
+                unpatch(self.model)  # frees the runtime's cache and graph
         super().close()
 
-
-CORE_BACKENDS = (EagerBackend, CompileBackend, FuseInferBackend)

@@ -1,13 +1,16 @@
-"""The ``fuseinfer-w8a16`` backend of ``python -m fuseinfer.eval``: fuseinfer's backend with int8 weight-only
-quantization (``PatchConfig(quant=Int8WeightOnly())``), the same columns, plus the bytes of its weights: the
-decode GB/s column counts the int8 model's bytes (``weight_bytes_per_token`` below, which the runner uses for this
-row), so it compares with the copy bandwidth as fp16's does."""
+"""The quantized fuseinfer backends (``fuseinfer-w8a16``, ``fuseinfer-w8a8``; registered by the eval CLI, found by
+the profiler): fuseinfer's backend with int8 weight-only quantization (``PatchConfig(quant=Int8WeightOnly())``) or
+SmoothQuant W8A8, plus the bytes of their weights: the eval's decode GB/s column counts the int8 model's bytes
+(``weight_bytes_per_token`` below, which the eval uses for these rows), so it compares with the copy bandwidth as
+fp16's does."""
 from __future__ import annotations
 
-import fuseinfer
-
-from fuseinfer.eval.backends import FuseInferBackend
+from fuseinfer.core.config import PatchConfig
+from fuseinfer.core.quant_config import Int8WeightOnly, SmoothQuantW8A8
+from fuseinfer.harness.backends import Backend, FuseInferBackend
 from fuseinfer.ops.w8a8_linear import w8a8_gemm_note
+from fuseinfer.patching import patch
+from fuseinfer.runtime import release
 
 
 def weight_bytes_per_token(model) -> int:
@@ -29,22 +32,19 @@ class FuseInferW8A16Backend(FuseInferBackend):
     name = "fuseinfer-w8a16"
     summary = "fuseinfer.patch + Int8WeightOnly: int8 weights, W8A16 kernels; static cache + CUDA-graph decode"
 
-    @staticmethod
-    def quant_config():
-        return fuseinfer.Int8WeightOnly()
+    def quant_config(self):
+        return Int8WeightOnly()
 
     def prepare(self):
-        self.report = fuseinfer.patch(self.model, fuseinfer.PatchConfig(quant=self.quant_config()))
+        self.report = patch(self.model, PatchConfig(quant=self.quant_config()))
         self.decode = "not run"
         self.weight_bytes = weight_bytes_per_token(self.model)
 
     def close(self):
         """Release the runtime's cache and graphs and drop the model; no unpatch (the fp16 weights were freed, so
         unpatch refuses, and nothing needs the original model back)."""
-        from fuseinfer.eval.backends import Backend
-
         if self.model is not None:
-            fuseinfer.runtime.release(self.model)
+            release(self.model)
         Backend.close(self)
 
     def details(self):
@@ -57,11 +57,11 @@ class FuseInferW8A16Backend(FuseInferBackend):
 class FuseInferW8A8Backend(FuseInferW8A16Backend):
     """fuseinfer with SmoothQuant W8A8 (alpha 0.5): int8 weights and per-token int8 activations.
 
-    Calibration (the settings' ``calibration_data`` / ``calibration_samples``: ``--calibration-data`` /
-    ``--calibration-samples``, defaults from FUSEINFER_CALIBRATION_DATA / FUSEINFER_CALIBRATION_SAMPLES): a text
-    file or a folder holding wiki.valid.raw (default: the ``--data-dir`` folder's, else wiki.valid.raw where
-    ``fuseinfer.core.data`` finds it: $FUSEINFER_DATA_DIR, the shared folder, ``datasets``), tokenized with the model's
-    own tokenizer, ``samples`` windows of 512 tokens; or saved
+    Calibration (the options ``calibration_data`` / ``calibration_samples``, the eval's ``--calibration-data`` /
+    ``--calibration-samples``; unset, the knobs FUSEINFER_CALIBRATION_DATA / FUSEINFER_CALIBRATION_SAMPLES): a text
+    file or a folder holding wiki.valid.raw (default: wiki.valid.raw in the option ``data_dir``, else where
+    ``fuseinfer.core.data`` finds it: $FUSEINFER_DATA_DIR, the shared folder, ``datasets``), tokenized with the
+    model's own tokenizer, ``samples`` windows of 512 tokens; or saved
     statistics (``.safetensors``). A ``random:`` model has no tokenizer (and its weights no meaning): it is
     calibrated on seeded random token ids instead, which the row's ``calibration_source`` says. The calibration
     time is measured apart from the load time and reported in details() (``calibration_seconds``)."""
@@ -71,13 +71,14 @@ class FuseInferW8A8Backend(FuseInferW8A16Backend):
     SEQ_LEN = 512
 
     def quant_config(self, calibration=None, samples: int | None = None):
-        """The SmoothQuant config: ``calibration`` / ``samples``, else the settings' options."""
-        s = self.settings
+        from fuseinfer.core import knobs
+
+        options = self.options
         if samples is None:
-            samples = s.calibration_samples
+            samples = options.calibration_samples or knobs.get_int("FUSEINFER_CALIBRATION_SAMPLES")
         if calibration is None:
-            calibration = s.calibration_data or s.data_dir  # (a folder holding wiki.valid.raw, or None: found)
-        return fuseinfer.SmoothQuantW8A8(calibration=calibration, samples=samples)
+            calibration = options.calibration_data or knobs.get("FUSEINFER_CALIBRATION_DATA") or options.data_dir
+        return SmoothQuantW8A8(calibration=calibration, samples=samples)
 
     def prepare(self):
         import time
@@ -98,7 +99,7 @@ class FuseInferW8A8Backend(FuseInferW8A16Backend):
             self.calibration_seconds = time.perf_counter() - t0
             stats.source = f"random token ids (seed {self.seed}): a random-weight model has no tokenizer"
             config = self.quant_config(calibration=stats, samples=config.samples)
-        self.report = fuseinfer.patch(self.model, fuseinfer.PatchConfig(quant=config))
+        self.report = patch(self.model, PatchConfig(quant=config))
         self.decode = "not run"
         self.weight_bytes = weight_bytes_per_token(self.model)
 
@@ -122,3 +123,6 @@ class FuseInferW8A8Backend(FuseInferW8A16Backend):
                 "quant_alpha": quant.smoothing.alpha if quant.smoothing else None,
                 "calibration_source": quant.calibration_source, "calibration_samples": quant.calibration_samples,
                 "calibration_seconds": round(seconds, 3)}
+
+
+BACKENDS = (FuseInferW8A16Backend, FuseInferW8A8Backend)

@@ -1,10 +1,11 @@
-"""Eval backends ``ort``, ``ort-plain`` and ``tensorrt`` for ``python -m fuseinfer.eval``.
+"""Backends ``ort``, ``ort-plain`` and ``tensorrt`` (registered by the eval CLI, found by the profiler).
 
 ``ort`` / ``ort-plain``: export the loaded model (fused / plain flavour) into a temporary directory, or reuse an
-export under ``--onnx-dir`` (the settings' ``onnx_dir``; default ``$FUSEINFER_ONNX_DIR``) when its manifest matches the model (config hash, weights
-hash over every weight, flavour, dtype; manifests are read with the schema check of manifest.py), free the
-PyTorch model, and run with :class:`~fuseinfer.export.ort_runtime.OrtDecoder` (CUDA execution provider + IO
-binding on GPU, CPU provider on CPU).
+export under the option ``onnx_dir`` (the eval's ``--onnx-dir``; unset, ``$FUSEINFER_ONNX_DIR``) when its
+manifest matches the model (config hash, weights hash over every weight, flavour, dtype; manifests are read with
+the schema check of manifest.py), free the PyTorch model, and run with
+:class:`~fuseinfer.export.ort_runtime.OrtDecoder` (CUDA execution provider + IO binding on GPU, CPU provider on
+CPU).
 
 Memory: ONNX Runtime allocates through its own CUDA arena, which torch's peak counters (the eval's
 ``peak_memory`` column) cannot see. ``details()`` adds ``device_memory``: the GPU's used memory from
@@ -21,19 +22,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fuseinfer.eval.backends import Backend
+from fuseinfer.core import knobs
 from fuseinfer.export import manifest as mf
 from fuseinfer.export.errors import ExportError
+from fuseinfer.harness.backends import Backend, greedy
 
-def _greedy(logits: torch.Tensor) -> torch.Tensor:
-    return logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+ONNX_DIR_ENV = "FUSEINFER_ONNX_DIR"
 
 
-def export_dir_for(model, flavour: str, dtype: torch.dtype, root: str | None,
-                   memo: dict | None = None) -> tuple[Path, bool]:
-    """(directory to use, whether it is temporary): under ``root`` (``--onnx-dir``), one sub-directory per model,
-    flavour and dtype, reused across runs; else (None) a fresh temporary directory. ``memo``: see
+def export_dir_for(model, flavour: str, dtype: torch.dtype, memo: dict | None = None,
+                   onnx_dir: str | None = None) -> tuple[Path, bool]:
+    """(directory to use, whether it is temporary): under ``onnx_dir`` (None: $FUSEINFER_ONNX_DIR), one
+    sub-directory per model, flavour and dtype, reused across runs; else a fresh temporary directory. ``memo``: see
     manifest.model_hash."""
+    root = onnx_dir or knobs.get(ONNX_DIR_ENV)
     if not root:
         return Path(tempfile.mkdtemp(prefix=f"fuseinfer-onnx-{flavour}-")) / "export", True
     root = Path(root).expanduser()
@@ -69,8 +71,8 @@ class OrtBackend(Backend):
         from fuseinfer.export.ort_runtime import OrtDecoder, device_used_mib
 
         memo = {}  # one pass over the weights per hash method
-        directory, self._temporary = export_dir_for(self.model, self.flavour, self.dtype, self.settings.onnx_dir,
-                                                    memo)
+        directory, self._temporary = export_dir_for(self.model, self.flavour, self.dtype, memo,
+                                                          self.options.onnx_dir)
         self.export_reused = (directory / mf.MANIFEST).is_file()
         if self.export_reused:
             mf.check_matches(mf.read(directory), directory, model=self.model, flavour=self.flavour,
@@ -107,11 +109,11 @@ class OrtBackend(Backend):
             self.ort.end()
 
     def prefill(self, input_ids):
-        tokens = _greedy(self.ort.prefill(input_ids))  # (B, 1)
+        tokens = greedy(self.ort.prefill(input_ids))  # (B, 1)
         return tokens
 
     def decode_step(self, tokens):
-        return _greedy(self.ort.step(tokens))  # (B, 1)
+        return greedy(self.ort.step(tokens))  # (B, 1)
 
     def loss(self, input_ids, labels):
         """Hugging Face's causal LM loss: logits upcast to fp32, shifted, mean over labels != -100."""
@@ -167,7 +169,7 @@ class TensorRTBackend(Backend):
         from fuseinfer.export.tensorrt import TrtDecoder, build_engine
 
         memo = {}
-        directory, self._temporary = export_dir_for(self.model, "plain", self.dtype, self.settings.onnx_dir, memo)
+        directory, self._temporary = export_dir_for(self.model, "plain", self.dtype, memo, self.options.onnx_dir)
         if (directory / mf.MANIFEST).is_file():
             mf.check_matches(mf.read(directory), directory, model=self.model, flavour="plain", dtype=self.dtype,
                              memo=memo)
@@ -189,10 +191,10 @@ class TensorRTBackend(Backend):
             self.trt.end()
 
     def prefill(self, input_ids):
-        return _greedy(self.trt.prefill(input_ids))
+        return greedy(self.trt.prefill(input_ids))
 
     def decode_step(self, tokens):
-        return _greedy(self.trt.step(tokens))
+        return greedy(self.trt.step(tokens))
 
     def loss(self, input_ids, labels):
         logits = self.trt.logits(input_ids).float()
@@ -216,4 +218,4 @@ def _free(device):
 
 
 BACKENDS = (OrtBackend, OrtPlainBackend, TensorRTBackend)
-__all__ = ["OrtBackend", "OrtPlainBackend", "TensorRTBackend", "ExportError", "BACKENDS"]
+__all__ = ["OrtBackend", "OrtPlainBackend", "TensorRTBackend", "ExportError", "BACKENDS", "export_dir_for"]

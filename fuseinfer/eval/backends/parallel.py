@@ -1,16 +1,17 @@
 """``python -m fuseinfer.eval --tp N`` (launched by ``torchrun --nproc-per-node N``): the fuseinfer backend on a
 model sharded by ``tensor_parallel`` over the N ranks; the one-GPU backends report that they do not run. Every
-rank runs the same plan; only rank 0 prints and writes (fuseinfer/eval/cli.py)."""
+rank runs the same plan; only rank 0 prints and writes (``fuseinfer/eval/cli.py``). No backend name of its own:
+the runner asks :func:`tp_backend` for the class that runs a registered backend under ``--tp``."""
 from __future__ import annotations
 
 import atexit
 
 import torch
 
-from fuseinfer.eval.backends import Backend, FuseInferBackend
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.harness.backends import Backend, FuseInferBackend
 from fuseinfer.harness.errors import EvalError
 from fuseinfer.harness.models import load_model, model_stats
-from fuseinfer.core.errors import FuseInferError
 
 
 def tp_device(tp: int, device: str | None) -> torch.device:
@@ -60,7 +61,8 @@ def tp_backend(cls: type[Backend], tp: int) -> type[Backend]:
 class TensorParallelBackend(FuseInferBackend):
     """fuseinfer.parallel.tensor_parallel(model): this rank's shard patched, NCCL all-reduces in the decode graph."""
 
-    summary = "fuseinfer tensor parallel: column- then row-parallel linears in each block; NCCL all-reduce"
+    summary = ("fuseinfer tensor parallel: attention and MLP input projections sharded by columns, output "
+               "projections by rows; NCCL all-reduce")
     tp = 2
 
     def load(self):
