@@ -6,7 +6,7 @@ paths replace it where the model allows (every op patched, no filter_fn, eval mo
 another dtype; else the patched modules run as before):
 
 * **lean** (:func:`lean_logits`): the same fused ops in the same order as the patched modules, called in one loop
-  over (B*S, E) activations: on CUDA straight into the extension (``fuseinfer._C``), elsewhere through the op
+  over (B*S, E) activations: on CUDA straight into the extension (``fuseinfer_C`` ops), elsewhere through the op
   wrappers (their references). No mask is built (the attention op takes the key mask and ``q_start`` as they
   are), the LM head runs for the last position only. Nothing in it reads the GPU from the host, so a caller can
   capture it in a CUDA graph.
@@ -303,7 +303,7 @@ class _Int8Ops(_Ops):
         super().__init__(like, head_dim)
         ext = extension(like.device) if self.direct else None
         # (an extension built without the int8 ops: the wrapper, which falls back to the reference as well)
-        self.int8 = ext.int8_linear if ext is not None and hasattr(ext, "int8_linear") else int8_linear
+        self.int8 = ext.w8a16_linear if ext is not None and hasattr(ext, "w8a16_linear") else int8_linear
 
     def lin(self, spec, x, residual, activation: str) -> torch.Tensor:
         """spec (qweight (N, K) int8, scale (N,) fp32, bias (N,) or None); x (M, K) -> (M, N)."""
@@ -330,7 +330,7 @@ class _W8A8Ops(_Ops):
         self._ext = ext
 
     def _kernel(self, xq, xs, lin, residual, activation: str) -> torch.Tensor:
-        """xq (M, K) int8, xs M fp32 per-token scales -> (M, N): ``fuseinfer._C.w8a8_linear`` (the CUTLASS sm90
+        """xq (M, K) int8, xs M fp32 per-token scales -> (M, N): ``torch.ops.fuseinfer_C.w8a8_linear`` (the CUTLASS sm90
         kernel), without the wrapper's checks (the plan checked the shapes; every tensor here is contiguous)."""
         b = lin._buffers
         bias = b["bias"]
