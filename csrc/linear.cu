@@ -267,23 +267,7 @@ at::Tensor linear_epilogue_cuda(
 
   if (skinny::supported<skinny::HalfWeights>(x, w, m)) {
     count_path(Path::kLinearSkinny);
-    skinny::Params p;
-    p.x = x.data_ptr();
-    p.w = w.data_ptr();
-    p.scale = nullptr;
-    p.bias = b ? b->data_ptr() : nullptr;
-    p.residual = r ? r->data_ptr() : nullptr;
-    p.y = y.data_ptr();
-    p.m = static_cast<int>(m);
-    p.n = static_cast<int>(n);
-    p.k = static_cast<int>(k);
-    p.relu = relu;
-    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-    if (dtype == at::kHalf) {
-      skinny::launch<skinny::HalfWeights, __half>(p, stream);
-    } else {
-      skinny::launch<skinny::HalfWeights, __nv_bfloat16>(p, stream);
-    }
+    skinny::run<skinny::HalfWeights>(x, w, nullptr, b, r, relu, y);
     return y;
   }
 

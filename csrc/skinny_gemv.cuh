@@ -391,6 +391,31 @@ void launch(const Params& p, cudaStream_t stream) {
     launch<W, T, 2>(p, stream);
   }
 }
+
+// y (M, N) = act(scale * (x @ w^T) + bias + residual) on the current stream, for operands that supported<W>()
+// accepts and the entry point has checked (scale: (N,) fp32 for int8 weights, else null; bias, residual: x's dtype,
+// or null; y preallocated, contiguous).
+template <class W>
+void run(const at::Tensor& x, const at::Tensor& w, const float* scale, const at::Tensor* bias,
+         const at::Tensor* residual, bool relu, at::Tensor& y) {
+  Params p;
+  p.x = x.data_ptr();
+  p.w = w.data_ptr();
+  p.scale = scale;
+  p.bias = bias ? bias->data_ptr() : nullptr;
+  p.residual = residual ? residual->data_ptr() : nullptr;
+  p.y = y.data_ptr();
+  p.m = static_cast<int>(x.size(0));
+  p.n = static_cast<int>(w.size(0));
+  p.k = static_cast<int>(x.size(1));
+  p.relu = relu;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (x.scalar_type() == at::kHalf) {
+    launch<W, __half>(p, stream);
+  } else {
+    launch<W, __nv_bfloat16>(p, stream);
+  }
+}
 #endif
 
 }  // namespace skinny

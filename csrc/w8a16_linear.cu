@@ -123,23 +123,7 @@ at::Tensor w8a16_linear_cuda(const at::Tensor& x, const at::Tensor& qweight, con
   if (m > 0 && n > 0 && k > 0 && skinny::supported<skinny::Int8Weights>(x, qweight, m)) {
     ++gemv_calls;
     at::Tensor y = at::empty({m, n}, x.options());
-    skinny::Params p;
-    p.x = x.data_ptr();
-    p.w = qweight.data_ptr();
-    p.scale = scale.data_ptr<float>();
-    p.bias = b ? b->data_ptr() : nullptr;
-    p.residual = r ? r->data_ptr() : nullptr;
-    p.y = y.data_ptr();
-    p.m = static_cast<int>(m);
-    p.n = static_cast<int>(n);
-    p.k = static_cast<int>(k);
-    p.relu = relu;
-    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-    if (dtype == at::kHalf) {
-      skinny::launch<skinny::Int8Weights, __half>(p, stream);
-    } else {
-      skinny::launch<skinny::Int8Weights, __nv_bfloat16>(p, stream);
-    }
+    skinny::run<skinny::Int8Weights>(x, qweight, scale.data_ptr<float>(), b, r, relu, y);
     return y;
   }
   ++dequant_calls;
