@@ -251,7 +251,7 @@ def cuda_extension(mode: str):
     except BuildError as exc:
         raise SystemExit(failure(*exc.args)) from None
     defines = ["-DFUSEINFER_SM90A"] if sm90a else []
-    # FUSEINFER_CUTLASS makes csrc/w8a8_gemm_sm90*.cu compile their kernels (sm_90a turns on
+    # FUSEINFER_CUTLASS makes csrc/w8a8_linear_sm90*.cu compile their kernels (sm_90a turns on
     # CUTLASS_ARCH_MMA_SM90A_ENABLED by itself through __CUDA_ARCH_FEAT_SM90_ALL); without it they are stubs that
     # say why, and w8a8_linear takes torch._int_mm
     cutlass_defines = ["-DFUSEINFER_CUTLASS"] if cutlass else []

@@ -1,4 +1,4 @@
-"""Benchmark of fuseinfer's attention kernel (fuseinfer._C.attention) against PyTorch's SDPA backends.
+"""Benchmark of fuseinfer's attention kernel (fuseinfer_C::attention) against PyTorch's SDPA backends.
 
 Prefill rows: causal self-attention, q = k = v length S, fp16, reported in TFLOP/s with the causal count
 4 * B * H * S^2 * D / 2 (two GEMMs of 2*S*S*D FLOPs each, half of them above the diagonal skipped).
@@ -291,7 +291,8 @@ def main() -> None:
     import fuseinfer
     if not fuseinfer.cuda_extension_available():
         raise SystemExit(f"bench_attention: the CUDA extension is unavailable: {fuseinfer.extension_status()}")
-    import fuseinfer._C as ext
+    from fuseinfer.core.extension import extension
+    ext = extension()
 
     timing = dict(warmup_ms=10, rep_ms=40) if args.quick else dict(warmup_ms=25, rep_ms=100)
     if args.quick:

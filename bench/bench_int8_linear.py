@@ -1,4 +1,5 @@
-"""W8A16 linear (fuseinfer._C.int8_linear) at OPT decode and prefill shapes, against fp16 (fuseinfer._C.linear_epilogue).
+"""W8A16 linear (fuseinfer_C::w8a16_linear) at OPT decode and prefill shapes, against fp16
+(fuseinfer_C::linear_epilogue).
 
 The four linears of an OPT decoder layer with the patched model's epilogues (qkv: bias, out_proj: bias + residual,
 fc1: bias + ReLU, fc2: bias + residual) for OPT-1.3b (h 2048, ffn 8192) and OPT-6.7b (h 4096, ffn 16384).
@@ -26,7 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import graph_calls_ms, measure_ceilings, paired_ms, paired_ratio, write_results  # noqa: E402
 
-import fuseinfer._C as C  # noqa: E402
+from fuseinfer.core.extension import extension  # noqa: E402
+
+C = extension()  # the CUDA extension's ops (torch.ops.fuseinfer_C); None when it is not built
 from fuseinfer.ops import quantize_per_channel  # noqa: E402
 
 DTYPE = torch.float16
@@ -44,7 +47,7 @@ def layers(hidden: int, ffn: int):
 def fns(epilogue: str):
     res = epilogue == "bias+residual"
     act = "relu" if epilogue == "bias+relu" else "none"
-    int8 = lambda x, q, s, b, r: C.int8_linear(x, q, s, b, r if res else None, act)  # noqa: E731
+    int8 = lambda x, q, s, b, r: C.w8a16_linear(x, q, s, b, r if res else None, act)  # noqa: E731
     fp16 = lambda x, w, b, r: C.linear_epilogue(x, w, b, r if res else None, act)  # noqa: E731
     return int8, fp16, res, act
 

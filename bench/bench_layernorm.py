@@ -1,4 +1,4 @@
-"""Fused residual add + LayerNorm (fuseinfer._C.add_layer_norm) against eager PyTorch and torch.compile.
+"""Fused residual add + LayerNorm (fuseinfer_C::add_layer_norm) against eager PyTorch and torch.compile.
 
 Three forms of the op, fp16, hidden sizes 2048 / 4096 / 8192, activation sizes from ~1 MB (working set inside
 the 50 MB L2) to 256 MB (HBM):
@@ -33,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import graph_calls_ms, measure_ceilings, paired_ms, paired_ratio, write_results  # noqa: E402
 
-import fuseinfer._C as C  # noqa: E402
+from fuseinfer.core.extension import extension  # noqa: E402
+
+C = extension()  # the CUDA extension's ops (torch.ops.fuseinfer_C); None when it is not built
 
 EPS = 1e-5
 DTYPE = torch.float16

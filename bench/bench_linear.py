@@ -1,4 +1,4 @@
-"""Linear with fused epilogue (fuseinfer._C.linear_epilogue) against cuBLAS, eager PyTorch and torch.compile.
+"""Linear with fused epilogue (fuseinfer_C::linear_epilogue) against cuBLAS, eager PyTorch and torch.compile.
 
 The four linears of an OPT decoder layer, each with the epilogue the patched model uses, fp16:
   qkv       N = 3h,  K = h    bias
@@ -41,7 +41,9 @@ from common import bench_ms, graph_calls_ms, measure_ceilings, paired_ms, paired
 
 from fuseinfer.core import knobs  # noqa: E402
 
-import fuseinfer._C as C  # noqa: E402
+from fuseinfer.core.extension import extension  # noqa: E402
+
+C = extension()  # the CUDA extension's ops (torch.ops.fuseinfer_C); None when it is not built
 
 DTYPE = torch.float16
 SKINNY_MAX_M = 16

@@ -9,7 +9,7 @@ batch B, prompt P, G new tokens; ms/token = (t(G + 1 new) - t(1 new)) / G, each 
 the same shape (graph capture), median of three. Floor: int8 weight bytes read per step / copy bandwidth measured
 in this run (the copy buffers are freed before the build). The run fails unless the decode took an int8 path:
 the one-kernel step with int8 weights (``session.path`` "one kernel ...", where it applies: batch <= 2 by default)
-or per op with the int8 GEMV (``fuseinfer._C.int8_path_counts()["gemv"]`` rises during the calls: captured kernels
+or per op with the int8 GEMV (``fuseinfer_C::int8_path_counts()["gemv"]`` rises during the calls: captured kernels
 count once, at capture); the path is recorded. Memory: peak allocated during the build
 (the int8 model + one row block's fp16 temporaries) and during decode (+ KV cache, CUDA-graph pools), and the
 driver's view (``torch.cuda.mem_get_info``) at the end. Usage: python bench/bench_opt66b_int8.py [--model opt-66b] [--batch 1] [--prompt 128] [--gen 64]

@@ -1,4 +1,4 @@
-"""Row-wise int8 quantization (fuseinfer._C.quantize_int8_rows) against eager PyTorch and torch.compile.
+"""Row-wise int8 quantization (fuseinfer_C::quantize_int8_rows) against eager PyTorch and torch.compile.
 
 Two forms of the same op (symmetric, scale = max|x| / 127 per row, round half to even), fp16 input:
   per_token    activations (M, K), K = 2048 / 8192 (OPT-1.3b hidden / ffn), M set by the size
@@ -23,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import graph_calls_ms, measure_ceilings, paired_ms, paired_ratio, write_results  # noqa: E402
 
-import fuseinfer._C as C  # noqa: E402
+from fuseinfer.core.extension import extension  # noqa: E402
+
+C = extension()  # the CUDA extension's ops (torch.ops.fuseinfer_C); None when it is not built
 from fuseinfer.ops.quant import quantize_int8_ref  # noqa: E402
 
 DTYPE = torch.float16

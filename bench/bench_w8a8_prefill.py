@@ -11,7 +11,7 @@ Random-weight OPT (default opt-1.3b) fp16 on one GPU; the W8A8 copy is SmoothQua
   before this change);
 * ``w8a8_module``: W8A8 patched modules with ``add_layer_norm_quant`` feeding q/k/v and fc1 (FUSEINFER_PREFILL=module);
 * ``w8a8_lean`` / ``w8a8_graph``: W8A8 through the lean loop / its CUDA graph (FUSEINFER_PREFILL=lean / graph);
-* ``w8a8_gemms``: the 4 x layers W8A8 GEMMs of the forward alone (``fuseinfer._C.w8a8_linear`` on that shape's
+* ``w8a8_gemms``: the 4 x layers W8A8 GEMMs of the forward alone (``torch.ops.fuseinfer_C.w8a8_linear`` on that shape's
   operands, captured in one CUDA graph so no launch gap counts): the GEMM floor of the W8A8 prefill.
 
 Timing: CUDA events around each call with the GPU idle before it (so host launch gaps count), 3 warm-up calls each

@@ -1,4 +1,5 @@
-// Causal attention over a KV cache with per-row key masks: fuseinfer::attention_cuda (see fuseinfer.h).
+// Causal attention over a KV cache with per-row key masks: the ops fuseinfer_C::attention and
+// fuseinfer_C::attention_prefill_kernel (contracts at the registration, end of file).
 //
 // Three kernels, chosen by attention_cuda:
 //
@@ -30,10 +31,12 @@
 // (launch.h).
 
 #include "device_utils.cuh"
-#include "fuseinfer.h"
+#include "knobs.h"
 #include "launch.h"
+#include "path_counts.h"
 #include "sm90.cuh"
 
+#include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGraphsUtils.cuh>
 #include <c10/cuda/CUDAException.h>
@@ -42,6 +45,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -1285,5 +1289,20 @@ at::Tensor attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const 
   }
   return out;
 }
+
+
+// attention(q, k, v, key_mask, q_start, scale): q (B, H, Sq, D); k, v: (B, H, Skv, D); last dim contiguous, other
+// strides arbitrary. key_mask: (B, Skv) bool, true = real token (None: all real). q_start: (B,) int32, key index of
+// query 0 (None: Skv - Sq for every row). Query i of row b attends key j iff key_mask[b, j] and j <= q_start[b] + i;
+// a query with no key gets 0. Returns (B, Sq, H, D) contiguous, q's dtype.
+// attention_prefill_kernel(): the kernel attention runs for prefill (fp16/bf16, Sq > 16) on the current device:
+// "wgmma" (sm_90a build on an sm_90 GPU, FUSEINFER_ATTN_SM90 not 0; a call still falls back when a tensor does not
+// fit a TMA map, there are more than 2^31 work items or scale <= 0) or "mma.sync".
+TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? key_mask, Tensor? q_start, float scale) -> Tensor");
+  m.def("attention_prefill_kernel() -> str", &attention_prefill_kernel);
+}
+
+TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) { m.impl("attention", &attention_cuda); }
 
 }  // namespace fuseinfer

@@ -40,16 +40,18 @@
 // (exact), runs the same mmas with fp32 accumulation, and multiplies each output's dot product by its scale once,
 // in the epilogue, before the bias and residual. The LM head stays fp16/bf16. Q8 = false is the fp16/bf16 kernel.
 #include "device_utils.cuh"
-#include "fuseinfer.h"
-#include "int8_kernels.cuh"
+#include "int8_convert.cuh"
+#include "knobs.h"
 #include "launch.h"
 #include "sm90.cuh"
 
+#include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <torch/library.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -1025,7 +1027,9 @@ int64_t* trace_buffer(const at::Device& device, int64_t blocks, int64_t events) 
 
 }  // namespace
 
-at::Tensor decode_step_trace() { return trace_tensor().defined() ? trace_tensor() : at::Tensor(); }
+c10::optional<at::Tensor> decode_step_trace() {
+  return trace_tensor().defined() ? c10::optional<at::Tensor>(trace_tensor()) : c10::nullopt;
+}
 
 int64_t decode_step_workspace_bytes(int64_t m, int64_t e, int64_t f, int64_t heads, int64_t head_dim,
                                     int64_t capacity) {
@@ -1194,5 +1198,30 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
   }
   return logits;
 }
+
+
+// decode_step: one decode step of a pre-LN OPT: tokens, positions (B,) int64, q_start (B,) int32 (the cache slot each
+// row writes and attends up to), key_mask (B, T) bool; layer_params: 12 per layer (LN1 w, b, qkv w (3E, E), b,
+// out_proj w, b, LN2 w, b, fc1 w, b, fc2 w, b); k_caches, v_caches: (B, H, T, D) per layer, written at q_start.
+// workspace: decode_step_workspace_bytes() bytes, zeroed once, kept between calls. Returns fp32 logits (B, V),
+// rounded to the model dtype first like the LM head's output. weight_scales: empty, or (int8 weight-only) 4 fp32 (N,)
+// per layer for the int8 qkv, out_proj, fc1 and fc2 weights of layer_params.
+// decode_step_fits(m, e, f): whether m rows of hidden e / ffn f fit the kernel's shared memory on the current device.
+// decode_step_trace(): with FUSEINFER_DECODE_TRACE=1, the (blocks, 2 + 8 * layers) trace of the last launch:
+// globaltimer stamps (ns) of the start, per layer the ends of qkv, attention, out_proj, LN2 + fc1, fc2, next LN, then
+// the LM head's end; then per layer the cumulative ns the producer waited for a free ring stage and consumer thread 0
+// for a full one. None otherwise.
+TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
+  m.def("decode_step(Tensor tokens, Tensor positions, Tensor q_start, Tensor key_mask, Tensor embed, "
+        "Tensor pos_embed, Tensor[] layer_params, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor lnf_w, "
+        "Tensor lnf_b, Tensor lm_head, Tensor(c!) workspace, float eps, float scale, Tensor[] weight_scales) "
+        "-> Tensor");
+  m.def("decode_step_workspace_bytes(int m, int e, int f, int heads, int head_dim, int capacity) -> int",
+        &decode_step_workspace_bytes);
+  m.def("decode_step_fits(int m, int e, int f) -> bool", &decode_step_fits);
+  m.def("decode_step_trace() -> Tensor?", &decode_step_trace);
+}
+
+TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) { m.impl("decode_step", &decode_step_cuda); }
 
 }  // namespace fuseinfer

@@ -1,4 +1,4 @@
-// The tail of a fast-decode step as one launch: fuseinfer::emit_tokens_cuda (see fuseinfer.h).
+// The tail of a fast-decode step as one launch: the op fuseinfer_C::emit_tokens.
 //
 // Why: the tail as PyTorch ops (a two-stage argmax over the vocabulary, the padding select, the EOS update, the
 // writes to out / alive / tokens and four counter increments) is ~13 kernels of ~2 µs each inside the decode
@@ -9,11 +9,12 @@
 //     chunk maxima (a tie goes to the lower index, so the first maximum overall wins, as torch.argmax) and does the
 //     bookkeeping of fuseinfer/ops/emit_tokens.py's reference, row r by thread r.
 // NaN counts as the largest value (torch.argmax's rule). Launched with PDL (launch.h).
-#include "fuseinfer.h"
 #include "launch.h"
 
+#include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
 
 #include <climits>
 #include <cstdint>
@@ -175,5 +176,18 @@ void emit_tokens_cuda(const at::Tensor& scores, const at::Tensor& eos, int64_t p
   launch_kernel(emit_tokens_kernel, dim3(kChunks, static_cast<unsigned>(b)), kThreads, 0,
                 at::cuda::getCurrentCUDAStream(), p);
 }
+
+
+// emit_tokens (fuseinfer/ops/emit_tokens.py has the reference): tokens = first argmax of each row of scores (B, V)
+// fp32, padded where a row has finished; unfinished, out[:, step], alive[step] updated; positions, q_start,
+// decode_idx, step advanced by one. scratch: emit_tokens_scratch_ints(B) int32, zeroed once.
+TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
+  m.def("emit_tokens(Tensor scores, Tensor eos, int pad, Tensor(a!) tokens, Tensor(b!) positions, "
+        "Tensor(c!) q_start, Tensor(d!) decode_idx, Tensor(e!) step, Tensor(f!) unfinished, Tensor(g!) out, "
+        "Tensor(h!) alive, Tensor(i!) scratch) -> ()");
+  m.def("emit_tokens_scratch_ints(int rows) -> int", &emit_tokens_scratch_ints);
+}
+
+TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) { m.impl("emit_tokens", &emit_tokens_cuda); }
 
 }  // namespace fuseinfer

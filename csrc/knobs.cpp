@@ -1,9 +1,13 @@
-// Storage of the extension's run-time switches (see knobs.h).
+// Storage of the extension's run-time switches (see knobs.h) and the op fuseinfer_C::set_knobs that fills them.
 #include "knobs.h"
 
-#include <atomic>
-
+#include <ATen/core/Dict.h>
 #include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <map>
+#include <string>
 
 namespace fuseinfer {
 namespace {
@@ -13,16 +17,19 @@ const std::map<std::string, Knob> names = {{"FUSEINFER_PDL", Knob::kPdl},
                                            {"FUSEINFER_GEMM_TUNE", Knob::kGemmTune},
                                            {"FUSEINFER_DECODE_TRACE", Knob::kDecodeTrace},
                                            {"FUSEINFER_W8A8_TILE", Knob::kW8A8Tile}};
+
+// Sets the knobs named in `v`; an unknown name is an error.
+void set_knobs(const c10::Dict<std::string, int64_t>& v) {
+  for (const auto& item : v) {
+    auto it = names.find(item.key());
+    TORCH_CHECK(it != names.end(), "fuseinfer: unknown knob ", item.key());
+    values[static_cast<int>(it->second)].store(static_cast<int>(item.value()), std::memory_order_relaxed);
+  }
+}
 }  // namespace
 
 int knob(Knob k) { return values[static_cast<int>(k)].load(std::memory_order_relaxed); }
 
-void set_knobs(const std::map<std::string, int64_t>& v) {
-  for (const auto& [name, value] : v) {
-    auto it = names.find(name);
-    TORCH_CHECK(it != names.end(), "fuseinfer: unknown knob ", name);
-    values[static_cast<int>(it->second)].store(static_cast<int>(value), std::memory_order_relaxed);
-  }
-}
+TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) { m.def("set_knobs(Dict(str, int) values) -> ()", &set_knobs); }
 
 }  // namespace fuseinfer

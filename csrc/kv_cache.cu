@@ -1,4 +1,4 @@
-// KV-cache append: fuseinfer::kv_cache_append_cuda (see fuseinfer.h).
+// KV-cache append: the op fuseinfer_C::kv_cache_append.
 //
 // k_cache[:, :, slots[s]] = k[:, :, s] and v_cache[:, :, slots[s]] = v[:, :, s] in ONE launch (the decode step
 // writes k and v of every layer, so two index_copy_ launches per layer become one). The grid runs over the
@@ -8,12 +8,13 @@
 // A slot outside [0, T) is skipped on the device: nothing is written for it and the host never syncs.
 // Launched with PDL (launch.h).
 
-#include "fuseinfer.h"
 #include "launch.h"
 
+#include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
 
 #include <climits>
 #include <cstdint>
@@ -119,5 +120,15 @@ void kv_cache_append_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Te
   else
     launch<uint32_t>(p, vec16, stream);
 }
+
+
+// k_cache[:, :, slots[s]] = k[:, :, s] and v_cache[:, :, slots[s]] = v[:, :, s], in one launch.
+// k_cache, v_cache: (B, H, T, D) contiguous; k, v: (B, H, S, D), last dim contiguous, other strides arbitrary;
+// slots: (S,) int64. Same dtype (fp16/bf16/fp32) throughout. Slots outside [0, T) are skipped (no host sync).
+TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
+  m.def("kv_cache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slots) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) { m.impl("kv_cache_append", &kv_cache_append_cuda); }
 
 }  // namespace fuseinfer

@@ -1,10 +1,15 @@
 // Row-wise symmetric int8 quantization (fuseinfer::quantize_int8 over the last dim): per token of activations
-// (M, K) and per output channel of weights (N, K). Device code: int8::quantize_rows_kernel (int8_kernels.cuh).
-#include "int8_kernels.cuh"
-#include "quant.h"
+// (M, K) and per output channel of weights (N, K): the op fuseinfer_C::quantize_int8_rows. Device code:
+// int8::quantize_rows_kernel (int8_convert.cuh).
+#include "int8_convert.cuh"
 
+#include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <tuple>
 
 namespace fuseinfer {
 namespace {
@@ -53,5 +58,12 @@ std::tuple<at::Tensor, at::Tensor> quantize_int8_rows_cuda(const at::Tensor& x) 
   }
   return {q, scale};
 }
+
+
+// quantize_int8_rows(x): x (R, K) contiguous fp16/bf16/fp32 -> (q (R, K) int8, scale (R,) fp32): symmetric, per row,
+// round half to even.
+TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) { m.def("quantize_int8_rows(Tensor x) -> (Tensor, Tensor)"); }
+
+TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) { m.impl("quantize_int8_rows", &quantize_int8_rows_cuda); }
 
 }  // namespace fuseinfer

@@ -108,7 +108,7 @@ def require_kernel():
 
 
 def paths_taken(call):
-    """call()'s result and the extension's paths it took ({name: calls}, csrc/fuseinfer.h path_counts): a test that
+    """call()'s result and the extension's paths it took ({name: calls}, csrc/path_counts.h): a test that
     means to exercise one kernel asserts it, since a silent fallback to another would pass the numerical checks."""
     from fuseinfer.core.extension import extension
     before = extension().path_counts()

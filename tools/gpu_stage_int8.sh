@@ -36,7 +36,7 @@ run() {  # run NAME TIMEOUT_S CMD...
   [ "$rc" -eq 0 ] || status=1
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$R/gpu.txt"
-python3 -c 'import fuseinfer._C as C; assert hasattr(C, "int8_linear"), "rebuild: fuseinfer._C lacks int8_linear"' ||
+python3 -c 'from fuseinfer.core.extension import extension; assert hasattr(extension(), "w8a16_linear"), "rebuild: fuseinfer._C lacks w8a16_linear"' ||
   { echo "fuseinfer._C with the int8 kernels is not built"; exit 1; }
 
 # 0. the int8 one-kernel decode step (csrc/decode_step.cu, Q8; docs/quantization.md "int8 in the one-kernel

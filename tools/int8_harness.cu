@@ -1,4 +1,5 @@
-// Standalone check of the int8 device code (csrc/int8_kernels.cuh) without PyTorch: builds with plain nvcc
+// Standalone check of the int8 device code (csrc/skinny_gemv.cuh, csrc/int8_convert.cuh) without PyTorch: builds
+// with plain nvcc
 //   nvcc -arch=sm_90a -std=c++17 -O3 -DFUSEINFER_KERNEL_HARNESS -Icsrc tools/int8_harness.cu -o int8_harness
 // and, on a GPU, runs the decode GEMV (fp16 and bf16, M = 1, 5, 9, 16, K with and without a tail, bias / ReLU /
 // residual), the dequantize and the row-quantize kernels against a CPU double-precision reference; exit 1 on a
@@ -12,7 +13,8 @@
 #include <random>
 #include <vector>
 
-#include "int8_kernels.cuh"
+#include "int8_convert.cuh"
+#include "skinny_gemv.cuh"
 
 using namespace fuseinfer;
 
@@ -33,8 +35,8 @@ template <> __half host_from_float(float v) { return __float2half_rn(v); }
 template <> __nv_bfloat16 host_from_float(float v) { return __float2bfloat16_rn(v); }
 
 template <typename T, int NT, bool TAIL>
-void launch(const int8::SkinnyParams& p, int warps, int blocks) {
-  int8::skinny_kernel<T, NT, TAIL><<<blocks, 32 * warps>>>(p);
+void launch(const skinny::Params& p, int warps, int blocks) {
+  skinny::skinny_kernel<skinny::Int8Weights, T, NT, TAIL><<<blocks, 32 * warps>>>(p);
 }
 
 template <typename T>
@@ -59,10 +61,10 @@ int run_gemv(int m, int n, int k, bool with_bias, bool with_residual, bool relu,
   CHECK(cudaMemcpy(dx, x.data(), x.size() * sizeof(T), cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(db, bias.data(), n * sizeof(T), cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(dr, res.data(), res.size() * sizeof(T), cudaMemcpyHostToDevice));
-  int8::SkinnyParams p{dx, dq, ds, with_bias ? db : nullptr, with_residual ? dr : nullptr, dy, m, n, k, relu};
+  skinny::Params p{dx, dq, ds, with_bias ? db : nullptr, with_residual ? dr : nullptr, dy, m, n, k, relu};
   const int chunks_per_block = 4 * (m <= 8 ? 2 : 1);
   const bool tail = (k / 16) % chunks_per_block != 0;
-  // the host's contract (int8_linear.cu): at most k-blocks warps and at most `tiles` blocks
+  // the host's contract (skinny::launch, skinny_gemv.cuh): at most k-blocks warps and at most `tiles` blocks
   warps = std::max(1, std::min(warps, (k / 16 + chunks_per_block - 1) / chunks_per_block));
   blocks = std::max(1, std::min(blocks, (n + 15) / 16));
   if (m <= 8) {

@@ -8,7 +8,7 @@ or a cache of tuned choices shared by every model in the process.
 
 Python code reads a knob with :func:`get` (validated against the knob's choices, one clear error otherwise).
 The CUDA extension reads none itself: :func:`push` hands the run-time switches to it as arguments
-(``fuseinfer._C.set_knobs``) when the extension loads, and again whenever a knob is changed through
+(the op ``torch.ops.fuseinfer_C.set_knobs``) when the extension loads, and again whenever a knob is changed through
 :func:`override`. ``docs/env.md`` is generated from this table (``python -m fuseinfer.core.knobs > docs/env.md``) and a
 test checks that it is current and that no other module calls ``os.environ`` for a ``FUSEINFER_`` name.
 
@@ -202,7 +202,7 @@ def extension_values() -> dict[str, int]:
             for k in KNOBS.values() if k.extension}
 
 
-_extension = None  # the loaded fuseinfer._C, attached by _ext.py (knobs imports nothing of fuseinfer's)
+_extension = None  # the loaded extension's ops, attached by _ext.py (knobs imports nothing of fuseinfer's)
 
 
 def attach(ext) -> None:
@@ -213,7 +213,7 @@ def attach(ext) -> None:
 
 
 def push() -> None:
-    """Hand the extension's switches to it (``fuseinfer._C.set_knobs``); a no-op without the extension."""
+    """Hand the extension's switches to it (the op ``fuseinfer_C::set_knobs``); a no-op without the extension."""
     if _extension is not None and hasattr(_extension, "set_knobs"):
         _extension.set_knobs(extension_values())
 

@@ -9,7 +9,7 @@ quantisation of an nn.Linear weight (N, K), one scale per output channel, also r
 On CUDA (``csrc/quant.cu``) the last-dim reduction (both of the above) runs one kernel per call: a block per row
 computes the row's absolute maximum, then quantizes the row (re-read from L1/L2) with one 8-byte store per 8
 values; ``dequantize`` of a 2-D q with one scale per row runs the int8 -> fp16/bf16 kernel of
-``csrc/int8_linear.cu``. Other dims run the reference. W8A16 (``fuseinfer.Int8WeightOnly``) quantizes its
+``csrc/w8a16_linear.cu``. Other dims run the reference. W8A16 (``fuseinfer.Int8WeightOnly``) quantizes its
 weights with ``quantize_per_channel``.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Linear layer with int8 weights (W8A16) and the fused epilogue: ``y = act(x @ (q * scale).T + bias + residual)``.
 
 q: int8 (N, K), scale: fp32 (N,), one per output channel (``fuseinfer/quant``); x, bias, residual and y in the
-model's dtype. On CUDA (``csrc/int8_linear.cu``): for M <= 16 tokens (decode) a GEMV that streams the int8
+model's dtype. On CUDA (``csrc/w8a16_linear.cu``): for M <= 16 tokens (decode) a GEMV that streams the int8
 weights (half the bytes of fp16), converts them to fp16/bf16 in registers (exact: |q| <= 127), multiplies
 on tensor cores with fp32 accumulation and applies ``scale`` in the fp32 epilogue with bias / ReLU / residual; for
 more tokens (prefill) it dequantizes the weight to x's dtype in a scratch buffer and runs the fp16/bf16 cuBLASLt
@@ -15,7 +15,7 @@ from fuseinfer.core.extension import extension, route
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.ops.linear import ACTIVATIONS, linear_epilogue_ref
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # csrc/int8_linear.cu; others run the reference
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # csrc/w8a16_linear.cu; others run the reference
 
 
 def dequantize_weight_ref(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -68,13 +68,13 @@ def _int8_linear_cuda(x, qweight, scale, bias, residual, activation):
     ext = extension(x.device)
     # the decode kernel reads weights before its PDL wait (launch.h): a strided weight, which would be copied just
     # before the call, takes the reference instead
-    if ext is None or not hasattr(ext, "int8_linear") or not qweight.is_contiguous() or x.dtype not in KERNEL_DTYPES:
+    if ext is None or not hasattr(ext, "w8a16_linear") or not qweight.is_contiguous() or x.dtype not in KERNEL_DTYPES:
         return int8_linear_ref(x, qweight, scale, bias, residual, activation)
     lead = x.shape[:-1]
     n = qweight.shape[0]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
     r2 = None if residual is None else residual.reshape(-1, n).contiguous()  # (M, N)
-    y = ext.int8_linear(x2, qweight, scale.contiguous(), None if bias is None else bias.contiguous(), r2,
+    y = ext.w8a16_linear(x2, qweight, scale.contiguous(), None if bias is None else bias.contiguous(), r2,
                         activation)  # (M, N)
     return y.view(*lead, n)
 

@@ -10,7 +10,7 @@ math is fp32 with one rounding to ``out_dtype``, so the only error against fp32 
 Backends (``w8a8_backend(device)`` says which one serves a device):
   * ``cutlass-sm90``: on an sm_90 GPU (H100/H200) with the extension built with CUTLASS and sm_90a, a CUTLASS
     warp-specialized int8 wgmma GEMM with the scales, bias, residual and ReLU in an epilogue visitor tree
-    (``csrc/w8a8_gemm_sm90.cu``), fp16/bf16 output, K % 16 == 0 and N % 8 == 0;
+    (``csrc/w8a8_linear_sm90.cu``), fp16/bf16 output, K % 16 == 0 and N % 8 == 0;
   * ``int_mm``: any other CUDA GPU, a build without CUTLASS, or shapes the kernel does not take (fp32 output, K or N
     not aligned): the documented fallback, ``torch._int_mm`` (cuBLAS / CUTLASS sm80 int8, exact int32 accumulators)
     followed by the rescale and epilogue as separate PyTorch ops (needs M > 16 and K, N multiples of 8; else the
@@ -26,7 +26,7 @@ from fuseinfer.core.errors import FuseInferError
 
 ACTIVATIONS = ("none", "relu")
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-KERNEL_OUT_DTYPES = (torch.float16, torch.bfloat16)  # csrc/w8a8_gemm_sm90.cu
+KERNEL_OUT_DTYPES = (torch.float16, torch.bfloat16)  # csrc/w8a8_linear_sm90.cu
 
 
 def _epilogue(acc: torch.Tensor, x_scale, w_scale, bias, residual, activation: str, out_dtype) -> torch.Tensor:
@@ -69,7 +69,7 @@ def w8a8_backend(device: torch.device, out_dtype: torch.dtype = torch.float16) -
     if device.type != "cuda":
         return "reference"
     ext = extension(device)
-    if ext is None or out_dtype not in KERNEL_OUT_DTYPES or not hasattr(ext, "w8a8_gemm_unavailable"):
+    if ext is None or out_dtype not in KERNEL_OUT_DTYPES or not hasattr(ext, "w8a8_linear_unavailable"):
         return "int_mm"
     return "cutlass-sm90" if _kernel_ok(ext, device) else "int_mm"
 
@@ -80,7 +80,7 @@ _unavailable: dict[int, str] = {}
 def _kernel_ok(ext, device: torch.device) -> bool:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _unavailable:
-        _unavailable[index] = ext.w8a8_gemm_unavailable(index)
+        _unavailable[index] = ext.w8a8_linear_unavailable(index)
     return not _unavailable[index]
 
 
@@ -91,7 +91,7 @@ def w8a8_unavailable_reason(device: torch.device) -> str:
     ext = extension(device)
     if ext is None:
         return "the fuseinfer CUDA extension is not available"
-    if not hasattr(ext, "w8a8_gemm_unavailable"):
+    if not hasattr(ext, "w8a8_linear_unavailable"):
         return "fuseinfer._C is older than this fuseinfer: rebuild it"
     _kernel_ok(ext, device)
     return _unavailable[device.index if device.index is not None else torch.cuda.current_device()]

@@ -7,7 +7,7 @@ patched modules run as before):
 
 * **lean** (:func:`lean_logits`): the model family's lean loop (``ModelFamily.lean_logits``; OPT's:
   ``models/opt/lean.py``): the same fused ops in the same order as the patched modules, called in one loop over
-  (B*S, E) activations: on CUDA straight into the extension (``fuseinfer._C``), elsewhere through the op wrappers
+  (B*S, E) activations: on CUDA straight into the extension (the ``fuseinfer_C`` ops), elsewhere through the op wrappers
   (their references). No mask is built (the attention op takes the key mask and ``q_start`` as they are), the LM
   head runs for the last position only. Nothing in it reads the GPU from the host, so a caller can capture it in a
   CUDA graph. Int8 models (SmoothQuant W8A8, int8 weight-only W8A16) take it too, with the ops of their patched

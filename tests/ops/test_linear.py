@@ -183,6 +183,41 @@ def test_linear_epilogue_kernel(mnk, dtype, epilogue):
     assert_lowp_close(ours, ops.linear_epilogue_ref(x, w, b, r, act), ref32, f"linear {mnk} {epilogue}")
 
 
+def _cancelling_bias_case(device="cpu"):
+    """x (1, 9) @ w (1, 9)^T + bias in fp16 with the bias cancelling all but ~0.0414 of the product (~1.39): the
+    shape of a case a GPU property run drew (K = 9 takes the cuBLASLt path). Returns x, w, b and the exact result
+    (fp64), which fp16 holds exactly: one rounding of the fp32 sum is exact, rounding the product to fp16 before the
+    bias is off by 4e-4 (14 units in the last place)."""
+    x = torch.tensor([[1.5, -2.25, 0.875, 1.1254, -0.6875, 2.0, 0.3125, -1.75, 0.5625]], dtype=torch.float16)
+    w = (torch.tensor([[0.7349, 1.2061, -0.4451, 0.9873, 1.3135, 0.8921, -1.1602, -0.3579, 1.0049]]) * 1.7).half()
+    product = x.double() @ w.double().T  # exact: nine products of 11-bit significands
+    b = (0.0417 - product).half().reshape(1)
+    return x.to(device), w.to(device), b.to(device), (product + b.double()).to(device)
+
+
+def test_cancelling_bias_case_tells_one_rounding_from_two():
+    """The case below is sharp: a product rounded to fp16 before the bias misses the low-precision rule (with
+    PyTorch's one rounding, which is exact here), and eager PyTorch meets it."""
+    x, w, b, exact = _cancelling_bias_case()
+    atol = lowp_atol(exact, torch.float16)
+    twice = (x.double() @ w.double().T).half().double() + b.double()
+    assert (twice.half().double() - exact).abs().item() > atol  # the rule's bound, PyTorch's error being 0
+    assert exact.half().double().equal(exact)
+    assert_lowp_close(ops.linear_epilogue_ref(x, w, b, None, "none"), exact.half(), exact, "eager", atol)
+
+
+@pytest.mark.gpu
+def test_linear_rounds_a_cancelling_bias_sum_once():
+    """The cuBLASLt path adds the bias to the fp32 product and rounds once: no split-K algorithm whose partial sums
+    are reduced in fp16 before the bias epilogue (which made 0.0420 of 0.0417 once). Deterministic, unlike the
+    property test that found it."""
+    x, w, b, exact = _cancelling_bias_case("cuda")
+    ours, paths = paths_taken(lambda: ops.linear_epilogue(x, w, b, None, "none"))
+    assert sum(paths.values()) == 1 and set(paths) <= {"linear.lt_heuristic", "linear.lt_cached"}, paths
+    torch_lowp = ops.linear_epilogue_ref(x, w, b, None, "none")
+    assert_lowp_close(ours, torch_lowp, exact, "linear x(1, 9) cancelling bias", lowp_atol(exact, torch.float16))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16])
 def test_linear_chain_waits_for_its_input(m):
@@ -238,18 +273,19 @@ def test_gemv_requests_its_weights_before_the_pdl_wait():
         if m := re.search(r"arch = sm_(\d+)", line):
             arch, name = int(m.group(1)), None
         elif m := re.search(r"Function : (\S+)", line):
-            name = m.group(1) if arch >= 90 and "skinny_linear_kernel" in m.group(1) else None
+            name = m.group(1) if arch >= 90 and "skinny_kernel" in m.group(1) and "HalfWeights" in m.group(1) \
+                else None
             if name:
                 kernels[name] = []
         elif name:
             kernels[name].append(line)
     assert len(kernels) == 8, sorted(kernels)  # {fp16, bf16} x {one, two n-tiles} x {TAIL, not}
     for name, lines in kernels.items():
-        n_tiles = int(re.search(r"skinny_linear_kernelI\w+?Li([12])ELb[01]E", name).group(1))
+        n_tiles = int(re.search(r"skinny_kernelI\w+?Li([12])ELb[01]E", name).group(1))
         wait = next((i for i, line in enumerate(lines) if "ACQBULK" in line), None)
         assert wait is not None, f"{name}: no griddepcontrol.wait (ACQBULK) in its SASS"
         loads = sum("LDG.E.NA." in line for line in lines[:wait])  # w's L1-bypassing loads; x's are LDG.E.128
-        unroll = 4 if n_tiles == 1 else 2  # skinny_unroll: k-steps per k-block, two 16-byte loads per k-step
+        unroll = 4 if n_tiles == 1 else 2  # HalfWeights::unroll: k-steps per k-block, two 16-byte loads per k-step
         assert loads >= 2 * 2 * unroll, f"{name}: {loads} weight loads before the wait, want {4 * unroll}"
 
 

@@ -22,7 +22,7 @@ def ext():
     from fuseinfer.core.extension import extension
 
     e = extension(torch.device("cuda"))
-    if e is None or not hasattr(e, "int8_linear"):
+    if e is None or not hasattr(e, "w8a16_linear"):
         pytest.skip("fuseinfer._C with the int8 kernels is not built")
     return e
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -199,10 +200,10 @@ def test_gpu_op_without_the_extension_warns_once(fresh_ext):
 
 
 class _Stub:
-    """fuseinfer._C built without CUTLASS: the stub's reason (csrc/w8a8_gemm_sm90.cu)."""
+    """fuseinfer._C built without CUTLASS: the stub's reason (csrc/w8a8_linear_sm90.cu)."""
 
     @staticmethod
-    def w8a8_gemm_unavailable(index):
+    def w8a8_linear_unavailable(index):
         return ("fuseinfer._C was built without CUTLASS (pip install nvidia-cutlass or set FUSEINFER_CUTLASS_DIR to a "
                 "CUTLASS checkout, then rebuild: pip install --no-build-isolation -e .)")
 
@@ -240,3 +241,108 @@ def test_w8a8_patch_report_and_eval_notes_name_the_gemm(tiny_model_path):
         calibration=str(data), samples=2, seq_len=64)))
     assert "W8A8 GEMM: PyTorch reference (cpu" in str(report)
     assert report.quant.gemm in _notes({"w8a8_gemm": report.quant.gemm})
+
+
+# ---- the extension's ops register themselves (csrc/*.cu: TORCH_LIBRARY_FRAGMENT), no central list ----
+
+CSRC = REPO / "csrc"
+_SCHEMA = re.compile(r'm\.def\(\s*"(\w+)\(')
+
+
+def _registered_ops() -> dict[str, list[str]]:
+    """{op name: the csrc files whose TORCH_LIBRARY_FRAGMENT defines it}."""
+    ops: dict[str, list[str]] = {}
+    for path in sorted(CSRC.glob("*")):
+        if path.suffix in (".cu", ".cpp"):
+            for name in _SCHEMA.findall(path.read_text()):
+                ops.setdefault(name, []).append(path.name)
+    return ops
+
+
+def _called_ops() -> dict[str, set[str]]:
+    """{op name: the package files that call it on the extension} (``ext.<op>``, ``extension(...).<op>``,
+    ``hasattr(ext, "<op>")``)."""
+    pattern = re.compile(r'\b(?:ext|_extension|extension\([^()]*\))\.([a-z]\w*)\b'
+                         r'|hasattr\((?:ext|_extension), "(\w+)"\)')
+    calls: dict[str, set[str]] = {}
+    for path in (REPO / "fuseinfer").rglob("*.py"):
+        for match in pattern.finditer(path.read_text()):
+            calls.setdefault(match.group(1) or match.group(2), set()).add(str(path.relative_to(REPO)))
+    return calls
+
+
+def test_every_op_the_package_calls_is_registered_once_in_csrc():
+    """Each op is defined by exactly one csrc file, and every op the Python side calls on the extension (renamed
+    ones included) is one of them."""
+    ops = _registered_ops()
+    assert {name: files for name, files in ops.items() if len(files) > 1} == {}
+    called = _called_ops()
+    assert {"add_layer_norm", "linear_epilogue", "w8a16_linear", "set_knobs"} <= called.keys()
+    assert {name: sorted(files) for name, files in called.items() if name not in ops} == {}
+
+
+def test_no_central_kernel_list():
+    """No file binds or declares every kernel: the module file exports nothing, and no csrc file is a pybind11
+    module listing functions."""
+    module = (CSRC / "module.cpp").read_text()
+    assert not set(_registered_ops()) & set(re.findall(r"\w+", module))
+    for path in CSRC.glob("*"):
+        assert "PYBIND11_MODULE" not in path.read_text(), path.name
+    assert not (CSRC / "bindings.cpp").exists() and not (CSRC / "fuseinfer.h").exists()
+
+
+def test_quantized_linear_files_are_named_after_their_ops():
+    ops = _registered_ops()
+    assert ops["w8a16_linear"] == ["w8a16_linear.cu"] and ops["w8a8_linear"] == ["w8a8_linear_sm90.cu"]
+    # setup.py's CUTLASS gating and the per-dtype split are documented against these names
+    assert (CSRC / "w8a8_linear_sm90_bf16.cu").exists() and (CSRC / "w8a8_linear_sm90.cuh").exists()
+
+
+def test_kernels_resolve_registered_ops_once():
+    """_ext.Kernels: an op of its namespace is its OpOverload, cached as an attribute; a missing one is an
+    AttributeError, so hasattr() reports it (an extension older than the package)."""
+    lib = torch.library.Library("fuseinfer_test_kernels", "DEF")
+    lib.define("twice(Tensor x) -> Tensor")
+    lib.impl("twice", lambda x: x * 2, "CPU")
+    kernels = _ext.Kernels("fuseinfer_test_kernels")
+    assert torch.equal(kernels.twice(torch.ones(2)), torch.full((2,), 2.0))
+    assert isinstance(kernels.twice, torch._ops.OpOverload) and "twice" in vars(kernels)
+    assert not hasattr(kernels, "thrice") and not hasattr(kernels, "__deepcopy__")
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler on PATH")
+def test_host_ops_register_themselves_when_the_module_is_imported(tmp_path):
+    """csrc's host-only files (the module, knobs, path counts) built with the host compiler into an importable _C:
+    importing it registers their ops, and _ext.Kernels calls them through the dispatcher (a dict in and out)."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    flags = setup_py.cxx_flags(setup_py.torch_cxx_std(include_paths()[0]))
+    lib = library_paths()[0]
+    out = tmp_path / "_C.so"
+    cmd = [CXX, "-shared", "-fPIC", "-O0", *[f for f in flags if not f.startswith("-O")], "-DTORCH_EXTENSION_NAME=_C",
+           *(f"-I{d}" for d in [*include_paths(), sysconfig.get_paths()["include"]]),
+           *(str(CSRC / n) for n in ("module.cpp", "knobs.cpp", "path_counts.cpp")),
+           f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-o", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    script = f"""
+import importlib.util, torch
+spec = importlib.util.spec_from_file_location("_C", {str(out)!r})
+spec.loader.exec_module(importlib.util.module_from_spec(spec))
+from fuseinfer.core.extension import Kernels
+k = Kernels()
+counts = k.path_counts()
+assert isinstance(counts, dict) and counts["linear.skinny"] == 0 and len(counts) == 8, counts
+k.set_knobs({{"FUSEINFER_PDL": 0, "FUSEINFER_GEMM_TUNE": 1}})
+try:
+    k.set_knobs({{"FUSEINFER_NOT_A_KNOB": 1}})
+except RuntimeError as exc:
+    assert "unknown knob FUSEINFER_NOT_A_KNOB" in str(exc), exc
+else:
+    raise AssertionError("an unknown knob was accepted")
+assert not hasattr(k, "add_layer_norm")  # (not in this build)
+print("ok")
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]

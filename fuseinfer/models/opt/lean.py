@@ -293,7 +293,7 @@ class Int8LeanOps(LeanOps):
         super().__init__(like, heads, head_dim)
         ext = extension(like.device) if self.direct else None
         # (an extension built without the int8 ops: the wrapper, which falls back to the reference as well)
-        self.int8 = ext.int8_linear if ext is not None and hasattr(ext, "int8_linear") else int8_linear
+        self.int8 = ext.w8a16_linear if ext is not None and hasattr(ext, "w8a16_linear") else int8_linear
 
     def lin(self, x, lin, residual, activation: str) -> torch.Tensor:
         b = lin._buffers
@@ -343,7 +343,7 @@ class W8A8LeanOps(LeanOps):
         return self.lin(x, attn._modules["qkv_proj"], None, "none")
 
     def _kernel(self, xq, xs, lin, residual, activation: str) -> torch.Tensor:
-        """xq (M, K) int8, xs M fp32 per-token scales -> (M, N): ``fuseinfer._C.w8a8_linear`` (the CUTLASS sm90
+        """xq (M, K) int8, xs M fp32 per-token scales -> (M, N): ``torch.ops.fuseinfer_C.w8a8_linear`` (the CUTLASS sm90
         kernel), without the wrapper's checks (the plan checked the shapes; every tensor here is contiguous)."""
         b = lin._buffers
         bias = b["bias"]

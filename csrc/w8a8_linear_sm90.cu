@@ -1,22 +1,26 @@
-// W8A8 linear on Hopper: out = act(x_q @ w_q^T * x_scale[m] * w_scale[n] + bias[n] + residual[m, n]).
+// W8A8 linear on Hopper: out = act(x_q @ w_q^T * x_scale[m] * w_scale[n] + bias[n] + residual[m, n]), the ops
+// fuseinfer_C::w8a8_linear and fuseinfer_C::w8a8_linear_unavailable.
 //
 // The kernels are CUTLASS sm90 warp-specialized int8 wgmma GEMMs with the dequantisation in the epilogue
-// (w8a8_gemm_sm90.cuh). This file holds the host entry point (checks, dispatch by output dtype) and the fp16
-// instantiations; w8a8_gemm_sm90_bf16.cu holds the bf16 ones (separate files so nvcc compiles them in parallel).
+// (w8a8_linear_sm90.cuh). This file holds the host entry point (checks, dispatch by output dtype) and the fp16
+// instantiations; w8a8_linear_sm90_bf16.cu holds the bf16 ones (separate files so nvcc compiles them in parallel).
 //
 // Built only with CUTLASS's headers (setup.py defines FUSEINFER_CUTLASS when it finds them, see
-// FUSEINFER_CUTLASS_DIR) and for sm_90a (FUSEINFER_SM90A); otherwise w8a8_gemm_unavailable() says why and the
+// FUSEINFER_CUTLASS_DIR) and for sm_90a (FUSEINFER_SM90A); otherwise w8a8_linear_unavailable() says why and the
 // Python op (fuseinfer/ops/int8_gemm.py) takes its documented fallback (torch._int_mm + rescale).
 // CUTLASS's device asserts are function calls, which make ptxas serialise the wgmma pipeline (warning C7510):
 // compiled out here, before any header brings in <cassert>.
 #ifndef NDEBUG
 #define NDEBUG
 #endif
-#include "fuseinfer.h"
+#include "knobs.h"
 
+#include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
+#include <torch/library.h>
 
 #include <cstdlib>
 #include <mutex>
@@ -24,11 +28,11 @@
 #include <vector>
 
 #if defined(FUSEINFER_CUTLASS) && defined(FUSEINFER_SM90A)
-#include "w8a8_gemm_sm90.cuh"
+#include "w8a8_linear_sm90.cuh"
 
 namespace fuseinfer {
 namespace w8a8 {
-// fp16 here, bf16 in w8a8_gemm_sm90_bf16.cu
+// fp16 here, bf16 in w8a8_linear_sm90_bf16.cu
 size_t workspace_bytes_f16(GemmParams const& p) { return workspace_bytes<cutlass::half_t>(p); }
 const char* run_f16(GemmParams const& p, cudaStream_t s) { return run<cutlass::half_t>(p, s); }
 size_t workspace_bytes_bf16(GemmParams const& p);
@@ -39,7 +43,7 @@ const char* run_bf16(GemmParams const& p, cudaStream_t s);
 
 namespace fuseinfer {
 
-std::string w8a8_gemm_unavailable(int64_t device) {
+std::string w8a8_linear_unavailable(int64_t device) {
 #if !defined(FUSEINFER_CUTLASS)
   (void)device;
   return "fuseinfer._C was built without CUTLASS (pip install nvidia-cutlass or set FUSEINFER_CUTLASS_DIR to a "
@@ -76,7 +80,7 @@ int sm_count(int device) {
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // The FUSEINFER_W8A8_TILE knob (knobs.h; 0 auto, 1 small, 2 medium, 3 large) forces that tile configuration
-// (w8a8_gemm_sm90.cuh), for benchmarking; read on every call so a benchmark can switch it between calls.
+// (w8a8_linear_sm90.cuh), for benchmarking; read on every call so a benchmark can switch it between calls.
 int forced_config() { return knob(Knob::kW8A8Tile); }
 
 }  // namespace
@@ -87,7 +91,7 @@ void w8a8_linear_cuda(const at::Tensor& x_q, const at::Tensor& x_scale, const at
                       const c10::optional<at::Tensor>& residual, bool relu, at::Tensor& out) {
 #if !(defined(FUSEINFER_CUTLASS) && defined(FUSEINFER_SM90A))
   (void)x_q; (void)x_scale; (void)w_q; (void)w_scale; (void)bias; (void)residual; (void)relu; (void)out;
-  TORCH_CHECK(false, "w8a8_linear: ", w8a8_gemm_unavailable(0));
+  TORCH_CHECK(false, "w8a8_linear: ", w8a8_linear_unavailable(0));
 #else
   TORCH_CHECK(x_q.is_cuda() && x_q.scalar_type() == at::kChar && x_q.dim() == 2 && x_q.is_contiguous(),
               "w8a8_linear: x_q must be a contiguous (M, K) int8 CUDA tensor");
@@ -162,5 +166,18 @@ void w8a8_linear_cuda(const at::Tensor& x_q, const at::Tensor& x_scale, const at
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 #endif
 }
+
+// w8a8_linear(x_q, x_scale, w_q, w_scale, bias, residual, relu, out): x_q (M, K) int8, w_q (N, K) int8, x_scale M
+// fp32, w_scale N fp32, bias (N,), residual (M, N), out (M, N) preallocated, fp16 or bf16 (bias and residual in out's
+// dtype); all contiguous, K % 16 == 0, N % 8 == 0; act = ReLU when relu.
+// w8a8_linear_unavailable(device): "" when w8a8_linear runs on CUDA device `device`, else why not (built without
+// CUTLASS or sm_90a, not sm_90).
+TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
+  m.def("w8a8_linear(Tensor x_q, Tensor x_scale, Tensor w_q, Tensor w_scale, Tensor? bias, Tensor? residual, "
+        "bool relu, Tensor(a!) out) -> ()");
+  m.def("w8a8_linear_unavailable(int device) -> str", &w8a8_linear_unavailable);
+}
+
+TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) { m.impl("w8a8_linear", &w8a8_linear_cuda); }
 
 }  // namespace fuseinfer

@@ -16,7 +16,7 @@
 // turns that load off at run time when there is no residual (C's pointer is then D's, so the TMA descriptor stays
 // valid; nothing is read through it).
 //
-// This header is included only by the w8a8_gemm_sm90*.cu files, and only when FUSEINFER_CUTLASS is defined.
+// This header is included only by the w8a8_linear_sm90*.cu files, and only when FUSEINFER_CUTLASS is defined.
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -215,7 +215,7 @@ struct Sm90Gemm {
 };
 
 // The configurations (kept few: each is most of a minute of nvcc per output dtype), chosen by M, or forced through
-// GemmParams::config (FUSEINFER_W8A8_TILE, read in w8a8_gemm_sm90.cu) so the benchmark can time each:
+// GemmParams::config (FUSEINFER_W8A8_TILE, read in w8a8_linear_sm90.cu) so the benchmark can time each:
 //   kSmall  (M <= 128): 64x128x128 CTA tiles, ping-pong consumer warp groups, no cluster;
 //   kMedium (default for M > 128): 128x128x128 tiles in clusters of 2 along M (B tiles multicast), ping-pong: vLLM's
 //           default for int8 at M > 128;
@@ -240,7 +240,7 @@ inline int pick_config(GemmParams const& p) {
   return p.m <= kSmallM ? 1 : 2;
 }
 
-// Entry points, instantiated per output dtype in w8a8_gemm_sm90.cu (fp16) and w8a8_gemm_sm90_bf16.cu (bf16) so
+// Entry points, instantiated per output dtype in w8a8_linear_sm90.cu (fp16) and w8a8_linear_sm90_bf16.cu (bf16) so
 // the two compile in parallel.
 template <class ElementD>
 size_t workspace_bytes(GemmParams const& p) {

@@ -1,0 +1,19 @@
+// Which kernel, or which way of choosing a cuBLASLt algorithm, each call of attention and linear_epilogue took,
+// counted since the process started; the op path_counts() (path_counts.cpp) maps each name to its count. A GPU test
+// that means to exercise one path asserts that its count, and no other, went up: a silent fallback (a tensor map
+// that does not encode, a misaligned pointer) would otherwise pass the numerical checks on the other path.
+//   attention: wgmma or mma.sync prefill, split-KV (Sq <= 16 or fp32);
+//   linear: the skinny kernel (M <= 16), or cuBLASLt with the algorithm cached for the problem, its heuristic's
+//   first choice (then cached), the fastest of its candidates timed at this call (then cached), or its first
+//   choice under CUDA-graph capture (not cached).
+#pragma once
+
+namespace fuseinfer {
+
+enum class Path : int {
+  kAttentionWgmma, kAttentionMmaSync, kAttentionSplitKv, kLinearSkinny,
+  kLinearLtHeuristic, kLinearLtTuned, kLinearLtCaptured, kLinearLtCached, kCount
+};
+void count_path(Path path);
+
+}  // namespace fuseinfer

@@ -1,0 +1,422 @@
+// The weight-streaming skinny GEMM (decode GEMV) of linear_epilogue (fp16 / bf16 weights, linear.cu) and of
+// w8a16_linear (int8 weights, w8a16_linear.cu), written once and templated on the weight format:
+//
+//   y (M, N) = act(scale[n] * (x (M, K) @ w (N, K)^T) + bias[n] + residual[m, n]),  M <= 16, one store of y,
+//
+// with `scale` only for int8 weights. A persistent grid (one wave: as many blocks as fit on the GPU, at most one per
+// 16-row tile of w) walks the tiles; a block's warps split K and stream the tile with 16-byte L1-bypassing loads,
+// always two k-blocks (of this or the next tile) in flight while multiplying the one before by all M tokens of x
+// with mma.sync m16n8k16 (fp32 accumulate). At each tile's end the warps' partial sums meet in shared memory and the
+// epilogue (scale, bias, residual, ReLU) runs before the single store, with its operands loaded a tile ahead.
+// Launched with PDL (launch.h): each warp's first two k-blocks of weights are requested before waiting for the
+// kernel that writes x (docs/notes.md: 77 -> 92% of copy for OPT-1.3b's qkv at M = 1 in a CUDA graph, against one
+// k-block and the epilogue's loads at its end).
+//
+// What differs between the formats is a policy class W (HalfWeights, Int8Weights below):
+//   W::kChunkElems          elements of K per 16-byte weight chunk (8 fp16/bf16, 16 int8); x's chunks are 8 wide,
+//                           so a weight chunk pairs with kChunkElems / 8 chunks of x;
+//   W::unroll<NT>()         k-steps (of 4 chunks of a row) per k-block, for NT n-tiles of 8 tokens;
+//   W::kScaled              whether the epilogue multiplies by scale[n];
+//   W::mma<T, NT, U>(acc, frag)   the mmas of one k-block.
+// Kept free of torch headers (the host launcher below is not) so that tools/int8_harness.cu compiles the kernel
+// standalone with -DFUSEINFER_KERNEL_HARNESS.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "device_utils.cuh"
+#include "int8_convert.cuh"
+#ifndef FUSEINFER_KERNEL_HARNESS
+#include "launch.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#endif
+
+namespace fuseinfer {
+namespace skinny {
+
+constexpr int kMaxM = 16;     // tokens served (one or two n-tiles of 8)
+constexpr int kRows = 16;     // rows of w (outputs) per tile = the mma's m
+constexpr int kMaxWarps = 16;
+
+struct Params {
+  const void* x;         // (M, K), T
+  const void* w;         // (N, K), T or int8
+  const float* scale;    // (N,) for int8 weights, else unused
+  const void* bias;      // (N,) T or null
+  const void* residual;  // (M, N) T or null
+  void* y;               // (M, N) T
+  int m, n, k;
+  bool relu;
+};
+
+// Streaming 16-byte load of w, which is read exactly once: bypass L1 (x, reused by every block, keeps it) and
+// have L2 fetch 256 aligned bytes per miss from HBM. A coherent load, not ld.global.nc: ptxas treats .nc data as
+// constant and may sink such a load below griddepcontrol.wait (pdl_wait), and did so for the first k-block's weights
+// after an unrelated source change in the epilogue (SASS), which cost 4-13 points of copy (docs/notes.md). Plain
+// loads stay where they are written.
+__device__ __forceinline__ uint4 ld_stream(const uint4* ptr) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint4 v;
+  asm volatile("ld.global.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr));
+  return v;
+#else
+  return __ldg(ptr);
+#endif
+}
+
+// The 16-byte chunks of one k-block (U k-steps) that a lane feeds to its mmas: rows g and g + 8 of the tile's w slab
+// (one weight chunk each per k-step) and token g of each n-tile of x (XC = kChunkElems / 8 chunks per k-step).
+template <int NT, int U, int XC>
+struct Frag {
+  uint4 w_lo[U], w_hi[U], x[U][NT][XC];
+};
+
+// Loads a k-block in two halves: load_w (the weights, which no earlier kernel writes, so it may run before pdl_wait)
+// and load_x (the activations, then the TAIL zeroing). c0 is the lane's weight-chunk index for its first k-step
+// (k-block * 4U + t). TAIL: the last k-block crosses K (K is a multiple of the chunk, so a chunk is inside K or past
+// it); chunks past the end are read at a clamped (valid) index and zeroed in both operands, so they add nothing.
+// Loads are unconditional so that all of them can be in flight together.
+template <int NT, int U, int XC, bool TAIL>
+__device__ __forceinline__ void load_w(Frag<NT, U, XC>& f, const uint4* w_lo, const uint4* w_hi, int c0, int chunks) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int c = TAIL ? min(c0 + 4 * u, chunks - 1) : c0 + 4 * u;
+    f.w_lo[u] = ld_stream(w_lo + c);
+    f.w_hi[u] = ld_stream(w_hi + c);
+  }
+}
+
+// xs[j]: token 8j + g's row of x as 16-byte chunks (8 values each): weight chunk c covers x chunks XC c .. XC c + XC-1.
+template <int NT, int U, int XC, bool TAIL>
+__device__ __forceinline__ void load_x(Frag<NT, U, XC>& f, const uint4* const (&xs)[NT], int c0, int chunks) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int c = TAIL ? min(c0 + 4 * u, chunks - 1) : c0 + 4 * u;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int h = 0; h < XC; ++h) f.x[u][j][h] = __ldg(xs[j] + XC * c + h);
+    }
+  }
+  if (TAIL) {
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (c0 + 4 * u >= chunks) {
+        f.w_lo[u] = f.w_hi[u] = zero;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+#pragma unroll
+          for (int h = 0; h < XC; ++h) f.x[u][j][h] = zero;
+        }
+      }
+    }
+  }
+}
+
+// fp16 / bf16 weights: k-steps of 32 per k-block unit, 4 for one n-tile and 2 for two, so that two k-blocks of
+// fragments (the one being multiplied and the one in flight) fit in 128 registers.
+// Lane (g = lane / 4, t = lane % 4) loads, per k-step of 32 at k0, w[16i + g][k0 + 8t : +8], w[16i + g + 8][same]
+// and x[8j + g][k0 + 8t : +8] for n-tile j. The order of k inside an mma is free (the same permutation on both
+// operands), so those chunks are the mma fragments as they are: mma 1 takes k0 + 8t + {0..3}, mma 2 k0 + 8t + {4..7}:
+//   A = {w_lo.x, w_hi.x, w_lo.y, w_hi.y}, B = {x.x, x.y} and A = {w_lo.z, w_hi.z, w_lo.w, w_hi.w}, B = {x.z, x.w}
+// (A rows g / g + 8 and "columns" 2t, 2t + 1 / 2t + 8, 2t + 9; B column g and rows 2t, 2t + 1 / 2t + 8, 2t + 9).
+struct HalfWeights {
+  static constexpr int kChunkElems = 8;
+  static constexpr bool kScaled = false;
+  template <int NT>
+  __host__ __device__ static constexpr int unroll() { return NT == 1 ? 4 : 2; }
+
+  template <typename T, int NT, int U>
+  __device__ __forceinline__ static void mma(float (&acc)[NT][4], const Frag<NT, U, 1>& f) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        mma_16816<T>(acc[j], {f.w_lo[u].x, f.w_hi[u].x, f.w_lo[u].y, f.w_hi[u].y}, f.x[u][j][0].x, f.x[u][j][0].y);
+        mma_16816<T>(acc[j], {f.w_lo[u].z, f.w_hi[u].z, f.w_lo[u].w, f.w_hi[u].w}, f.x[u][j][0].z, f.x[u][j][0].w);
+      }
+    }
+  }
+};
+
+// int8 weights (scale per output row): k-steps of 64 per k-block unit, 2 for one n-tile, 1 for two (two fragments in
+// flight within the register budget of 16 warps per SM: each k-step holds 2 weight chunks and 2 * NT activation
+// chunks). Per k-step the lane's two weight chunks (16 int8 of rows g and g + 8 at k0 + 16t) become 8 + 8 packed
+// pairs in registers (int8_convert.cuh, exact; lo[i], hi[i]: values 2i, 2i + 1 of the chunk), and four m16n8k16
+// mmas consume them: mma i takes the chunk's values 4i .. 4i + 3 of every lane, as
+//   A = {lo[2i], hi[2i], lo[2i + 1], hi[2i + 1]}   (rows g / g + 8; mma-k 2t, 2t + 1 then 2t + 8, 2t + 9)
+//   B = {xw[2i], xw[2i + 1]}                       (token g; the same mma-k), xw = the 8 words of the x chunks.
+struct Int8Weights {
+  static constexpr int kChunkElems = 16;
+  static constexpr bool kScaled = true;
+  template <int NT>
+  __host__ __device__ static constexpr int unroll() { return NT == 1 ? 2 : 1; }
+
+  template <typename T, int NT, int U>
+  __device__ __forceinline__ static void mma(float (&acc)[NT][4], const Frag<NT, U, 2>& f) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      uint32_t lo[8], hi[8];
+      const uint32_t wl[4] = {f.w_lo[u].x, f.w_lo[u].y, f.w_lo[u].z, f.w_lo[u].w};
+      const uint32_t wh[4] = {f.w_hi[u].x, f.w_hi[u].y, f.w_hi[u].z, f.w_hi[u].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        int8::i8x4_to_x4<T>(wl[i], lo[2 * i], lo[2 * i + 1]);
+        int8::i8x4_to_x4<T>(wh[i], hi[2 * i], hi[2 * i + 1]);
+      }
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const uint32_t xw[8] = {f.x[u][j][0].x, f.x[u][j][0].y, f.x[u][j][0].z, f.x[u][j][0].w,
+                                f.x[u][j][1].x, f.x[u][j][1].y, f.x[u][j][1].z, f.x[u][j][1].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          mma_16816<T>(acc[j], {lo[2 * i], hi[2 * i], lo[2 * i + 1], hi[2 * i + 1]}, xw[2 * i], xw[2 * i + 1]);
+        }
+      }
+    }
+  }
+};
+
+// Persistent grid (at most one wave) of blocks of 32 * W threads (W <= 16 warps, W <= k-blocks). Tile i (16 rows of
+// w, outputs y[:, 16i : 16i + 16]) belongs to block i % gridDim.x; a block walks its tiles in order.
+// Warp v handles the k-blocks v, v + W, v + 2W, ... of each of the block's tiles. Its work is one sequence over
+// (tile, k-block) in two register fragments: it multiplies one item, then reloads that fragment with the item after
+// the other fragment's, across tile boundaries too, so every warp keeps w streaming from launch to exit. At a tile's
+// last item the warps leave their partial sums in shared memory (two buffers, alternating per tile, so one barrier
+// per tile suffices), sync, and run the tile's epilogue while the next tile's first k-blocks are in flight.
+// Rows >= N and tokens >= M read the last valid row instead: an mma output (i, j) depends only on row i of A and
+// column j of B, so those reads only feed accumulators that are never stored.
+template <class W, typename T, int NT, bool TAIL>
+__global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p) {
+  constexpr int U = W::template unroll<NT>();
+  constexpr int XC = W::kChunkElems / 8;  // 16-byte chunks of x per weight chunk
+  constexpr int kChunksPerBlock = 4 * U;  // 16-byte weight chunks per row in a k-block
+  constexpr int kTokens = 8 * NT;
+  using F = Frag<NT, U, XC>;
+  __shared__ float partial[2][kMaxWarps][kRows][kTokens + 1];  // +1: fewer bank conflicts
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int warps = blockDim.x >> 5;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int chunks = p.k / W::kChunkElems;  // 16-byte weight chunks per row
+  const int k_blocks = (chunks + kChunksPerBlock - 1) / kChunksPerBlock;  // TAIL <=> chunks % kChunksPerBlock
+  const int tiles = (p.n + kRows - 1) / kRows;
+
+  const uint4* w = reinterpret_cast<const uint4*>(p.w);
+  const uint4* xs[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    xs[j] = reinterpret_cast<const uint4*>(p.x) + static_cast<int64_t>(min(8 * j + g, p.m - 1)) * (p.k / 8);
+  }
+  const T* bias = static_cast<const T*>(p.bias);
+  const T* residual = static_cast<const T*>(p.residual);
+  T* y = static_cast<T*>(p.y);
+
+  // A warp's items: (tile, k-block) for the block's tiles in order and, within a tile, its k-blocks
+  // warp, warp + W, ... The host launches at most `tiles` blocks and at most `k_blocks` warps, so every warp
+  // has an item in every tile of its block.
+  struct Item {
+    int tile, kb;
+  };
+  auto after = [&](Item i) {
+    i.kb += warps;
+    if (i.kb >= k_blocks) {
+      i.kb = warp;
+      i.tile += gridDim.x;
+    }
+    return i;
+  };
+  auto w_row = [&](int tile, int r) {  // the lane's rows r of tile `tile`
+    return w + static_cast<int64_t>(min(tile * kRows + r, p.n - 1)) * chunks;
+  };
+  auto load_weights = [&](F& f, Item i) {
+    load_w<NT, U, XC, TAIL>(f, w_row(i.tile, g), w_row(i.tile, g + 8), i.kb * kChunksPerBlock + t, chunks);
+  };
+  auto load_acts = [&](F& f, Item i) { load_x<NT, U, XC, TAIL>(f, xs, i.kb * kChunksPerBlock + t, chunks); };
+
+  // The epilogue operands of the thread's first output of a tile (row threadIdx.x % 16, token threadIdx.x / 16),
+  // requested a tile ahead so that the epilogue, which ends the kernel, does not wait for a round trip to memory.
+  const int e_row = threadIdx.x % kRows, e_token = threadIdx.x / kRows;
+  auto e_index = [&](int tile) -> int64_t {  // -1: no such output
+    const int n = tile * kRows + e_row;
+    return tile < tiles && e_token < p.m && n < p.n ? static_cast<int64_t>(e_token) * p.n + n : -1;
+  };
+  auto load_scale = [&](int tile) { return e_index(tile) >= 0 ? p.scale[tile * kRows + e_row] : 0.f; };
+  auto load_bias = [&](int tile) {
+    return bias != nullptr && e_index(tile) >= 0 ? to_float(bias[tile * kRows + e_row]) : 0.f;
+  };
+  auto load_residual = [&](int tile) {
+    const int64_t idx = e_index(tile);
+    return residual != nullptr && idx >= 0 ? to_float(residual[idx]) : 0.f;
+  };
+
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+
+  // PDL (launch.h): the weights of the warp's first two items and the first tile's scale and bias (never written by
+  // the previous kernel) are requested before waiting for the kernel that writes x and the residual, so this grid's
+  // DRAM traffic starts while that kernel is still finishing (all of it when the blocks are resident beside it and
+  // one item pair covers the block's tiles).
+  pdl_launch_dependents();
+  F f0, f1;
+  Item i0{static_cast<int>(blockIdx.x), warp};
+  Item i1 = after(i0);
+  load_weights(f0, i0);
+  if (i1.tile < tiles) load_weights(f1, i1);
+  float e_scale = 0.f;
+  if constexpr (W::kScaled) e_scale = load_scale(i0.tile);
+  float e_bias = load_bias(i0.tile);
+  pdl_wait();
+  load_acts(f0, i0);
+  if (i1.tile < tiles) load_acts(f1, i1);
+  float e_residual = load_residual(i0.tile);
+
+  // step(cur, ci, oi): multiply `cur` (item ci), reload it with the item after oi (the one in the other fragment),
+  // and finish ci's tile if ci was its last item; false once the other fragment holds nothing. The loop alternates
+  // the two fragments (no copy, which would wait for the in-flight loads before issuing the next ones), so two
+  // items are in flight while one is multiplied.
+  auto step = [&](F& cur, Item& ci, const Item& oi) {
+    W::template mma<T>(acc, cur);
+    const bool more = oi.tile < tiles;
+    const Item ni = after(oi);
+    if (more && ni.tile < tiles) {
+      load_weights(cur, ni);
+      load_acts(cur, ni);
+    }
+    if (ci.kb + warps >= k_blocks) {
+      // Accumulator fragment: acc[j] = {(g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)} as
+      // (row, token - 8j). Partial sums meet in shared memory (two buffers by tile parity: one barrier per tile).
+      float(&part)[kMaxWarps][kRows][kTokens + 1] = partial[(ci.tile / gridDim.x) % 2];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        part[warp][g][8 * j + 2 * t] = acc[j][0];
+        part[warp][g][8 * j + 2 * t + 1] = acc[j][1];
+        part[warp][g + 8][8 * j + 2 * t] = acc[j][2];
+        part[warp][g + 8][8 * j + 2 * t + 1] = acc[j][3];
+        acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+      }
+      __syncthreads();
+
+      // Epilogue: thread o sums output (row o % 16, token o / 16) over the warps, then scales it (int8 weights),
+      // adds bias and residual, (ReLU) and rounds once; 16 consecutive threads store 16 consecutive outputs of one
+      // token.
+      const int n0 = ci.tile * kRows;
+      for (int o = threadIdx.x; o < kRows * kTokens; o += blockDim.x) {
+        const int row = o % kRows;
+        const int token = o / kRows;
+        const int n = n0 + row;
+        if (token >= p.m || n >= p.n) continue;
+        float s = 0.f;
+        for (int v = 0; v < warps; ++v) s += part[v][row][token];
+        const int64_t idx = static_cast<int64_t>(token) * p.n + n;
+        if (o == threadIdx.x) {  // the prefetched operands (0 where there are none)
+          if constexpr (W::kScaled) {
+            s = s * e_scale + e_bias + e_residual;
+          } else {
+            s += e_bias;
+            s += e_residual;
+          }
+        } else {
+          if constexpr (W::kScaled) s *= p.scale[n];
+          if (bias) s += to_float(bias[n]);
+          if (residual) s += to_float(residual[idx]);
+        }
+        if (p.relu && s < 0.f) s = 0.f;  // NaN passes through, like torch.relu
+        y[idx] = from_float<T>(s);
+      }
+      if constexpr (W::kScaled) e_scale = load_scale(ci.tile + gridDim.x);
+      e_bias = load_bias(ci.tile + gridDim.x);
+      e_residual = load_residual(ci.tile + gridDim.x);
+    }
+    ci = ni;
+    return more;
+  };
+  while (step(f0, i0, i1) && step(f1, i1, i0)) {
+  }
+}
+
+#ifndef FUSEINFER_KERNEL_HARNESS
+// Whether the skinny kernel serves x (M, K) @ w^T: fp16/bf16 activations, M <= 16, K a multiple of the weight chunk,
+// 16-byte aligned x and w, sm_80+.
+template <class W>
+bool supported(const at::Tensor& x, const at::Tensor& w, int64_t m) {
+  const auto dtype = x.scalar_type();
+  return m <= kMaxM && (dtype == at::kHalf || dtype == at::kBFloat16) && x.size(1) % W::kChunkElems == 0 &&
+         reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0 &&
+         at::cuda::getCurrentDeviceProperties()->major >= 8;
+}
+
+template <class W, typename T, int NT, bool TAIL>
+void launch(const Params& p, cudaStream_t stream) {
+  constexpr int kElemsPerBlock = 4 * W::kChunkElems * W::template unroll<NT>();
+  const int tiles = (p.n + kRows - 1) / kRows;
+  const int k_blocks = (p.k + kElemsPerBlock - 1) / kElemsPerBlock;
+  // 16 warps per block (one block per SM: 127 registers for fp16 weights and NT = 1, 101 for NT = 2) while there
+  // are fewer tiles than two per SM, else 8 (two blocks per SM, each with its own barrier); never more warps than
+  // k-blocks. The grid is one wave, capped at one block per tile.
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int warps = std::max(1, std::min(tiles < 2 * sms ? kMaxWarps : 8, k_blocks));
+  const auto kernel = skinny_kernel<W, T, NT, TAIL>;
+  const int resident = sms * blocks_per_sm(reinterpret_cast<const void*>(kernel), 32 * warps);
+  launch_kernel(kernel, std::min(tiles, resident), 32 * warps, 0, stream, p);
+}
+
+template <class W, typename T, int NT>
+void launch(const Params& p, cudaStream_t stream) {
+  if ((p.k / W::kChunkElems) % (4 * W::template unroll<NT>()) != 0) {
+    launch<W, T, NT, true>(p, stream);
+  } else {
+    launch<W, T, NT, false>(p, stream);
+  }
+}
+
+// Launches the kernel for T = __half or __nv_bfloat16 (one n-tile up to 8 tokens, else two).
+template <class W, typename T>
+void launch(const Params& p, cudaStream_t stream) {
+  if (p.m <= 8) {
+    launch<W, T, 1>(p, stream);
+  } else {
+    launch<W, T, 2>(p, stream);
+  }
+}
+
+// y (M, N) = act(scale * (x @ w^T) + bias + residual) on the current stream, for operands that supported<W>()
+// accepts and the entry point has checked (scale: (N,) fp32 for int8 weights, else null; bias, residual: x's dtype,
+// or null; y preallocated, contiguous).
+template <class W>
+void run(const at::Tensor& x, const at::Tensor& w, const float* scale, const at::Tensor* bias,
+         const at::Tensor* residual, bool relu, at::Tensor& y) {
+  Params p;
+  p.x = x.data_ptr();
+  p.w = w.data_ptr();
+  p.scale = scale;
+  p.bias = bias ? bias->data_ptr() : nullptr;
+  p.residual = residual ? residual->data_ptr() : nullptr;
+  p.y = y.data_ptr();
+  p.m = static_cast<int>(x.size(0));
+  p.n = static_cast<int>(w.size(0));
+  p.k = static_cast<int>(x.size(1));
+  p.relu = relu;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (x.scalar_type() == at::kHalf) {
+    launch<W, __half>(p, stream);
+  } else {
+    launch<W, __nv_bfloat16>(p, stream);
+  }
+}
+#endif
+
+}  // namespace skinny
+}  // namespace fuseinfer
