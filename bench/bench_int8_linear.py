@@ -12,7 +12,7 @@ Prefill, M = 2048 (and 8192 without --quick): int8 (dequantize into a scratch we
 the epilogue) against fp16 alone, paired over five rounds (common.paired_ms); "int8/fp16" = median of per-round
 ratios (target <= 1.10 at OPT-1.3b, 1x2048 summed over the four layers: "sum" rows).
 Every row first checks int8 against an fp32 reference of the dequantized weight: error at most 2x PyTorch fp16's.
-Usage: python bench/bench_int8_linear.py [--quick]  -> bench/results/int8_linear.json and .md
+Usage: python bench/bench_int8_linear.py [--quick]  -> bench/results/w8a16_linear.json and .md
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def main() -> None:
     settings = {"dtype": str(DTYPE), "decode_M": decode_m, "prefill_M": prefill_m, "quick": args.quick,
                 "L2_bytes": l2, "note": "decode: per-call medians in one CUDA graph over weight copies > 4x L2, "
                 "int8 and fp16 in turn over 5 rounds; GB/s counts int8 weight bytes N*K; prefill: paired_ms"}
-    path = write_results("int8_linear", settings, ceilings, rows, COLUMNS)
+    path = write_results("w8a16_linear", settings, ceilings, rows, COLUMNS)
     print(f"wrote {path}")
 
 

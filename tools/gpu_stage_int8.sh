@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU stage of the int8 weight-only (W8A16) feature, issue 35. Assumes the extension is built (gpu_check.sh build,
-# which compiles csrc/int8_linear.cu and csrc/quant.cu with the rest) and the shared assets in .gpu_assets/.
+# which compiles csrc/w8a16_linear.cu and csrc/quant.cu with the rest) and the shared assets in .gpu_assets/.
 # The GPU tests of tests/quant and the main sanitizers run elsewhere (gpu_check.sh gputest / sanitize); this stage
 # keeps only what is int8-specific: memcheck of tools/int8_smoke.py, the benches and the eval rows.
 #
@@ -12,7 +12,7 @@
 #   BENCH_QUANT=1 bash tools/gpu_stage_int8.sh   # also the quantize kernels vs eager / torch.compile (~1 min)
 #
 # Writes logs and results under $OUT/int8 and packs them into $OUT/int8_stage.tar.gz; exits 1 if any step failed.
-# Outputs (in $OUT/int8/bench unless said): int8_linear.{json,md} (GEMV % of copy counting int8 bytes, in a CUDA
+# Outputs (in $OUT/int8/bench unless said): w8a16_linear.{json,md} (GEMV % of copy counting int8 bytes, in a CUDA
 # graph over weights > 4x L2, M = 1, 8, 16; prefill int8/fp16), eval_*.json ($OUT/int8) and int8_eval.{md,json}
 # (bench/quant_eval_summary.py: ms/token, weight bytes, GB/s, % copy, x int8 floor, peak vs fp16, PPL vs fp16),
 # opt66b_int8.{json,md} (OPT-66b random int8 weights built on the GPU: decode ms/token, peak memory, path taken).

@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fuseinfer.ops import int8_linear, linear_epilogue
+from fuseinfer.ops import w8a16_linear, linear_epilogue
 from fuseinfer.ops.w8a16_linear import dequantize_weight
 
 
 # rows up to which a W8A8 linear on CUDA runs the int8 weight-only GEMV instead of quantizing its input (the
-# int8_linear kernel's own GEMV limit): decode reads every weight once per token, so its time is the weight bytes,
+# w8a16_linear kernel's own GEMV limit): decode reads every weight once per token, so its time is the weight bytes,
 # which are the same int8 bytes either way; quantizing the activations there costs a pass and buys nothing
 DECODE_ROWS = 16
 
@@ -55,7 +55,7 @@ class Int8WeightOnlyLinear(QuantizedLinear):
             self.register_buffer("bias", bias)  # (N,)
 
     def fused(self, x, residual=None, activation: str = "none"):
-        return int8_linear(x, self.qweight, self.scale, self.bias, residual, activation)
+        return w8a16_linear(x, self.qweight, self.scale, self.bias, residual, activation)
 
     def _apply(self, fn, recurse=True):
         """``model.half()`` / ``.to(dtype)`` convert every floating-point tensor: the scales stay fp32 (the kernels'
@@ -91,7 +91,7 @@ class QKVSlice(nn.Module):
     def forward(self, x):
         rows = slice(self.index * self.embed_dim, (self.index + 1) * self.embed_dim)
         q = self._qkv
-        return int8_linear(x, q.qweight[rows], q.scale[rows], None if q.bias is None else q.bias[rows])
+        return w8a16_linear(x, q.qweight[rows], q.scale[rows], None if q.bias is None else q.bias[rows])
 
     def extra_repr(self) -> str:
         return f"rows {self.index * self.embed_dim}:{(self.index + 1) * self.embed_dim} of the int8 qkv_proj"

@@ -17,7 +17,7 @@ raises), as the fast-decode runtime only feeds it ids it produced and positions 
 int8 weight-only models (``Int8WeightOnly``): ``weight_scales`` holds 4 fp32 (N,) per-output-channel scales per layer
 (the fused q/k/v, the attention output projection, the MLP's two projections: ``SCALED``) and those four matrices
 of ``layer_params`` are int8 (N, K); each linear then computes ``act(x @ (q * scale).T + bias (+ residual))``
-like ``fuseinfer::int8_linear`` (the kernel streams the int8 tiles and applies the scale to the fp32 accumulator,
+like ``fuseinfer::w8a16_linear`` (the kernel streams the int8 tiles and applies the scale to the fp32 accumulator,
 docs/quantization.md "int8 in the one-kernel step").
 Empty ``weight_scales``: fp16/bf16 weights. The LM head is never quantized here.
 """
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from fuseinfer.core.extension import eager_cuda, extension
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.ops.attention import attention_ref
-from fuseinfer.ops.w8a16_linear import int8_linear_ref
+from fuseinfer.ops.w8a16_linear import w8a16_linear_ref
 
 # a layer's tensors, in order (the model family lists its modules' tensors so, ``models/opt/decode.py``): the
 # attention LayerNorm's weight and bias, the fused (3E, E) q/k/v weight and bias, the attention output projection's
@@ -53,7 +53,7 @@ def opt_decode_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, 
                         weight_scales=()) -> torch.Tensor:
     """Pure-PyTorch reference (in the tensors' dtype; pass fp32 copies for an fp32 reference). Writes the caches
     in place; ``workspace`` is not used. Slots must lie in the cache. With ``weight_scales`` (int8 weights) each
-    linear is ``int8_linear_ref`` with the per-op path's fused residual / ReLU, so it equals the per-op int8 step."""
+    linear is ``w8a16_linear_ref`` with the per-op path's fused residual / ReLU, so it equals the per-op int8 step."""
     if weight_scales:
         return _int8_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches,
                               v_caches, lnf_w, lnf_b, lm_head, eps, scale, weight_scales)
@@ -80,7 +80,7 @@ def opt_decode_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, 
 def _int8_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches, v_caches, lnf_w,
                    lnf_b, lm_head, eps, scale, weight_scales) -> torch.Tensor:
     """The reference step of an int8 weight-only model: the weights of ``SCALED`` are int8 (N, K), dequantized with
-    their scales (fp32, (N,)) by ``int8_linear_ref``; the residual adds and the ReLU fused as the per-op forward
+    their scales (fp32, (N,)) by ``w8a16_linear_ref``; the residual adds and the ReLU fused as the per-op forward
     fuses them (the attention output and second MLP projections take the residual, the first MLP projection the
     ReLU)."""
     m = tokens.numel()
@@ -93,13 +93,13 @@ def _int8_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, layer
             layer_params[PARAMS_PER_LAYER * layer:PARAMS_PER_LAYER * (layer + 1)]
         s_qkv, s_o, s_1, s_2 = weight_scales[len(SCALED) * layer:len(SCALED) * (layer + 1)]
         x = F.layer_norm(h, (e,), ln1_w, ln1_b, eps)
-        q, k, v = int8_linear_ref(x, wqkv, s_qkv, bqkv, None, "none").view(m, 3, heads, d).unbind(1)  # 3 x (M, H, D)
+        q, k, v = w8a16_linear_ref(x, wqkv, s_qkv, bqkv, None, "none").view(m, 3, heads, d).unbind(1)  # 3 x (M, H, D)
         k_cache[rows, :, slots] = k
         v_cache[rows, :, slots] = v
         attn = attention_ref(q.unsqueeze(2), k_cache[:m], v_cache[:m], key_mask[:m], q_start[:m], scale)  # (M,1,H,D)
-        h = int8_linear_ref(attn.reshape(m, e), wo, s_o, bo, h, "none")
+        h = w8a16_linear_ref(attn.reshape(m, e), wo, s_o, bo, h, "none")
         x = F.layer_norm(h, (e,), ln2_w, ln2_b, eps)
-        h = int8_linear_ref(int8_linear_ref(x, w1, s_1, b1, None, "relu"), w2, s_2, b2, h, "none")
+        h = w8a16_linear_ref(w8a16_linear_ref(x, w1, s_1, b1, None, "relu"), w2, s_2, b2, h, "none")
     x = F.layer_norm(h, (e,), lnf_w, lnf_b, eps)
     return F.linear(x, lm_head).float()  # (M, V)
 

@@ -23,7 +23,7 @@ def dequantize_weight_ref(qweight: torch.Tensor, scale: torch.Tensor, dtype: tor
     return (qweight.float() * scale.float()[:, None]).to(dtype)
 
 
-def int8_linear_ref(x, qweight, scale, bias, residual, activation: str):
+def w8a16_linear_ref(x, qweight, scale, bias, residual, activation: str):
     """Pure-PyTorch reference: the weight dequantized to x's dtype, then ``linear_epilogue_ref``. x: (..., K),
     qweight: (N, K) int8, scale: (N,) fp32, bias: (N,), residual: (..., N) -> (..., N).
 
@@ -39,28 +39,28 @@ def _check(x, qweight, scale, bias, residual, activation):
     if activation != "none" and residual is not None:
         raise FuseInferError("an activation and a residual cannot be fused into one linear")
     if qweight.dtype != torch.int8 or qweight.dim() != 2 or x.dim() < 1 or x.shape[-1] != qweight.shape[1]:
-        raise FuseInferError(f"int8_linear: expected x (..., K) and an int8 weight (N, K), got {tuple(x.shape)} and "
+        raise FuseInferError(f"w8a16_linear: expected x (..., K) and an int8 weight (N, K), got {tuple(x.shape)} and "
                              f"{tuple(qweight.shape)} {qweight.dtype}")
     if not x.is_floating_point():
-        raise FuseInferError(f"int8_linear: x must be floating point (the activations stay unquantized), got {x.dtype}")
+        raise FuseInferError(f"w8a16_linear: x must be floating point (the activations stay unquantized), got {x.dtype}")
     n = qweight.shape[0]
     if scale.shape != (n,) or scale.dtype != torch.float32:
-        raise FuseInferError(f"int8_linear: scale must be ({n},) float32, one per output channel, got "
+        raise FuseInferError(f"w8a16_linear: scale must be ({n},) float32, one per output channel, got "
                              f"{tuple(scale.shape)} {scale.dtype}")
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
-        raise FuseInferError(f"int8_linear: bias must be ({n},) in x's dtype {x.dtype}, got {tuple(bias.shape)} "
+        raise FuseInferError(f"w8a16_linear: bias must be ({n},) in x's dtype {x.dtype}, got {tuple(bias.shape)} "
                              f"{bias.dtype}")
     if residual is not None and (residual.shape != (*x.shape[:-1], n) or residual.dtype != x.dtype):
         raise FuseInferError(f"residual must be {tuple(x.shape[:-1]) + (n,)} in {x.dtype}, got "
                              f"{tuple(residual.shape)} in {residual.dtype}")
 
 
-@torch.library.custom_op("fuseinfer::int8_linear", mutates_args=())
+@torch.library.custom_op("fuseinfer::w8a16_linear", mutates_args=())
 def _int8_linear(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
     residual: torch.Tensor | None, activation: str,
 ) -> torch.Tensor:
-    return int8_linear_ref(x, qweight, scale, bias, residual, activation)
+    return w8a16_linear_ref(x, qweight, scale, bias, residual, activation)
 
 
 @_int8_linear.register_kernel("cuda")
@@ -69,7 +69,7 @@ def _int8_linear_cuda(x, qweight, scale, bias, residual, activation):
     # the decode kernel reads weights before its PDL wait (launch.h): a strided weight, which would be copied just
     # before the call, takes the reference instead
     if ext is None or not hasattr(ext, "w8a16_linear") or not qweight.is_contiguous() or x.dtype not in KERNEL_DTYPES:
-        return int8_linear_ref(x, qweight, scale, bias, residual, activation)
+        return w8a16_linear_ref(x, qweight, scale, bias, residual, activation)
     lead = x.shape[:-1]
     n = qweight.shape[0]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
@@ -105,10 +105,10 @@ def _backward(ctx, grad):
 _int8_linear.register_autograd(_backward, setup_context=_setup_context)
 
 
-def int8_linear(x, qweight, scale, bias=None, residual=None, activation: str = "none"):
+def w8a16_linear(x, qweight, scale, bias=None, residual=None, activation: str = "none"):
     """``act(x @ (qweight * scale[:, None]).T + bias + residual)`` with int8 weights, one kernel on CUDA."""
     _check(x, qweight, scale, bias, residual, activation)
-    return route(torch.ops.fuseinfer.int8_linear, int8_linear_ref, _int8_linear_cuda,
+    return route(torch.ops.fuseinfer.w8a16_linear, w8a16_linear_ref, _int8_linear_cuda,
                  (x, qweight, scale, bias, residual, activation), (x, bias, residual))
 
 

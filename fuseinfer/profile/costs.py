@@ -5,7 +5,7 @@ output written once), which is what a roofline compares a measured time against.
 formula for a new op (e.g. an int8 linear ``fuseinfer::int8_*``) without touching this file::
 
     from fuseinfer.profile.costs import register_cost, linear_cost
-    register_cost("fuseinfer::int8_linear", linear_cost(x=0, weight=1, bias=2))
+    register_cost("fuseinfer::w8a16_linear", linear_cost(x=0, weight=1, bias=2))
 """
 from __future__ import annotations
 

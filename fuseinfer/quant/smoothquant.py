@@ -39,7 +39,7 @@ from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.quant_config import check_alpha  # noqa: F401 (SmoothQuant's own check, kept with the config)
 from fuseinfer.ops.w8a8_linear import OUT_DTYPES, w8a8_linear
 from fuseinfer.ops.quant import quantize_int8_ref, quantize_per_token
-from fuseinfer.ops.w8a16_linear import int8_linear
+from fuseinfer.ops.w8a16_linear import w8a16_linear
 from fuseinfer.layers.linear import QuantizedLinear, decode_rows
 
 CALIBRATION_FILE = "wiki.valid.raw"
@@ -329,7 +329,7 @@ class W8A8Linear(QuantizedLinear):
             raise FuseInferError(f"W8A8Linear: input dtype must be one of {OUT_DTYPES}, got {x.dtype}")
         if decode_rows(x):  # decode on CUDA: the W8A16 GEMV on the same int8 weights (quant/linear.py DECODE_ROWS)
             bias = None if self.bias is None else self.bias.to(x.dtype)
-            return int8_linear(x, self.weight_q, self.weight_scale.view(-1), bias, residual, activation)
+            return w8a16_linear(x, self.weight_q, self.weight_scale.view(-1), bias, residual, activation)
         # per token, dynamic: (..., K) int8, (..., 1) fp32 (the fuseinfer::quantize_int8 op)
         q, s = quantize_per_token(x)
         return self.forward_quantized(q, s, residual, activation, x.dtype)

@@ -1,4 +1,4 @@
-"""The int8 CUDA kernels on the GPU (skipped without one): int8_linear's decode GEMV and prefill path against an fp32
+"""The int8 CUDA kernels on the GPU (skipped without one): w8a16_linear's decode GEMV and prefill path against an fp32
 reference (the 2x-torch-error rule: no further from it than PyTorch's own fp16/bf16 linear on the dequantized
 weight, plus a small atol) and an SQNR floor, the path taken, the quantize / dequantize kernels bit for bit
 against their references, and whole models (patched W8A16 logits, CUDA-graph fast decode, checkpoints, the
@@ -12,7 +12,7 @@ import torch
 
 import fuseinfer
 from fuseinfer import Int8WeightOnly, PatchConfig, ops
-from fuseinfer.ops.w8a16_linear import dequantize_weight_ref, int8_linear_ref
+from fuseinfer.ops.w8a16_linear import dequantize_weight_ref, w8a16_linear_ref
 from tests.conftest import random_opt
 
 pytestmark = pytest.mark.gpu
@@ -51,14 +51,14 @@ def test_int8_linear_kernel_vs_fp32_reference(dtype, m, n, k, form):
     act = "relu" if form == "relu" else "none"
     res = r if form == "residual" else None
     before = e.int8_path_counts()
-    y = ops.int8_linear(x, q, s, b, res, act)
+    y = ops.w8a16_linear(x, q, s, b, res, act)
     after = e.int8_path_counts()
     gemv = m <= 16 and k % 16 == 0
     assert after["gemv" if gemv else "dequant_gemm"] == before["gemv" if gemv else "dequant_gemm"] + 1
     w32 = dequantize_weight_ref(q, s, torch.float32)
     ref = torch.nn.functional.linear(x.float(), w32, b.float()) + (0 if res is None else res.float())
     ref = ref.relu() if act == "relu" else ref
-    torch_lp = int8_linear_ref(x, q, s, b, res, act)  # PyTorch in dtype on the dequantized weight
+    torch_lp = w8a16_linear_ref(x, q, s, b, res, act)  # PyTorch in dtype on the dequantized weight
     ours_err = (y.float() - ref).abs().max().item()
     torch_err = (torch_lp.float() - ref).abs().max().item()
     assert ours_err <= 2 * torch_err + 1e-2 * ref.abs().max().item() / 64 + 1e-3, (ours_err, torch_err)
@@ -68,15 +68,15 @@ def test_int8_linear_kernel_vs_fp32_reference(dtype, m, n, k, form):
 def test_int8_linear_in_a_cuda_graph_and_odd_strides():
     ext()
     x, q, s, b, r = operands(4, 512, 1024, torch.float16)
-    expected = ops.int8_linear(x, q, s, b, r)
+    expected = ops.w8a16_linear(x, q, s, b, r)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = ops.int8_linear(x, q, s, b, r)
+        y = ops.w8a16_linear(x, q, s, b, r)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, expected)
     xt = torch.randn(1024, 4, device="cuda", dtype=torch.float16).T  # non-contiguous x
-    torch.testing.assert_close(ops.int8_linear(xt, q, s), int8_linear_ref(xt, q, s, None, None, "none"),
+    torch.testing.assert_close(ops.w8a16_linear(xt, q, s), w8a16_linear_ref(xt, q, s, None, None, "none"),
                                rtol=2e-2, atol=2e-2)
 
 

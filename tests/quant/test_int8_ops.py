@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fuseinfer import FuseInferError, ops
-from fuseinfer.ops.w8a16_linear import dequantize_weight_ref, int8_linear_ref
+from fuseinfer.ops.w8a16_linear import dequantize_weight_ref, w8a16_linear_ref
 
 
 def sqnr_db(ref, approx) -> float:
@@ -29,7 +29,7 @@ def test_int8_linear_ref_matches_formula(activation, residual):
     r = torch.randn(3, 5, 37, dtype=torch.float64) if residual else None
     expected = x @ (q.float() * s[:, None]).double().T + b + (r if residual else 0)  # (dequantized in fp32)
     expected = expected.clamp_min(0) if activation == "relu" else expected
-    torch.testing.assert_close(ops.int8_linear(x, q, s, b, r, activation), expected)
+    torch.testing.assert_close(ops.w8a16_linear(x, q, s, b, r, activation), expected)
 
 
 @settings(max_examples=25, deadline=None)
@@ -42,7 +42,7 @@ def test_int8_linear_odd_shapes_match_the_dequantized_linear(m, n, k, bias, form
     b = torch.randn(n, generator=g) if bias else None
     r = torch.randn(m, n, generator=g) if form == "residual" else None
     act = "relu" if form == "relu" else "none"
-    y = ops.int8_linear(x, q, s, b, r, act)
+    y = ops.w8a16_linear(x, q, s, b, r, act)
     w = q.float() * s[:, None]
     expected = torch.nn.functional.linear(x, w, b) + (0 if r is None else r)
     torch.testing.assert_close(y, expected.relu() if act == "relu" else expected)
@@ -76,15 +76,15 @@ def test_int8_linear_rejects_bad_input():
     q, s = qweight(6, 8)
     x = torch.randn(4, 8)
     with pytest.raises(FuseInferError, match="an int8 weight"):
-        ops.int8_linear(x, q.float(), s)
+        ops.w8a16_linear(x, q.float(), s)
     with pytest.raises(FuseInferError, match=r"scale must be \(6,\) float32"):
-        ops.int8_linear(x, q, s.half())
+        ops.w8a16_linear(x, q, s.half())
     with pytest.raises(FuseInferError, match=r"bias must be \(6,\) in x's dtype"):
-        ops.int8_linear(x, q, s, torch.randn(6).half())
+        ops.w8a16_linear(x, q, s, torch.randn(6).half())
     with pytest.raises(FuseInferError, match="cannot be fused"):
-        ops.int8_linear(x, q, s, residual=torch.randn(4, 6), activation="relu")
+        ops.w8a16_linear(x, q, s, residual=torch.randn(4, 6), activation="relu")
     with pytest.raises(FuseInferError, match="must be floating point"):
-        ops.int8_linear(x.long(), q, s)
+        ops.w8a16_linear(x.long(), q, s)
 
 
 def _opcheck_cases():
@@ -93,9 +93,9 @@ def _opcheck_cases():
     b = torch.randn(12, requires_grad=True)
     r = torch.randn(3, 12, requires_grad=True)
     return {
-        "int8_linear_bias": (torch.ops.fuseinfer.int8_linear.default, (x, q, s, b, None, "none")),
-        "int8_linear_relu": (torch.ops.fuseinfer.int8_linear.default, (x, q, s, b, None, "relu")),
-        "int8_linear_residual": (torch.ops.fuseinfer.int8_linear.default, (x, q, s, None, r, "none")),
+        "int8_linear_bias": (torch.ops.fuseinfer.w8a16_linear.default, (x, q, s, b, None, "none")),
+        "int8_linear_relu": (torch.ops.fuseinfer.w8a16_linear.default, (x, q, s, b, None, "relu")),
+        "int8_linear_residual": (torch.ops.fuseinfer.w8a16_linear.default, (x, q, s, None, r, "none")),
         "quantize_int8": (torch.ops.fuseinfer.quantize_int8.default, (torch.randn(5, 24), -1)),
         "dequantize_int8": (torch.ops.fuseinfer.dequantize_int8.default,
                             (q, s.reshape(-1, 1).requires_grad_(), torch.float32)),
@@ -112,8 +112,8 @@ def test_int8_linear_gradients_are_the_dequantized_linear_gradients():
     q, s = qweight(10, 16)
     x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
     b = torch.randn(10, dtype=torch.float64, requires_grad=True)
-    torch.ops.fuseinfer.int8_linear(x, q, s, b, None, "relu").sum().backward()
+    torch.ops.fuseinfer.w8a16_linear(x, q, s, b, None, "relu").sum().backward()
     x2, b2 = x.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
-    int8_linear_ref(x2, q, s, b2, None, "relu").sum().backward()
+    w8a16_linear_ref(x2, q, s, b2, None, "relu").sum().backward()
     torch.testing.assert_close(x.grad, x2.grad)
     torch.testing.assert_close(b.grad, b2.grad)

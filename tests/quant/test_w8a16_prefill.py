@@ -1,6 +1,6 @@
 """Int8 weight-only (W8A16) models through the lean prefill loop and its CUDA graphs (runtime/prefill.py).
 
-The lean loop runs a W8A16 model's ops in the order its patched modules run them (fp16 LayerNorms, ``int8_linear``
+The lean loop runs a W8A16 model's ops in the order its patched modules run them (fp16 LayerNorms, ``w8a16_linear``
 for the fused q/k/v, out_proj, fc1 and fc2): the same logits and cache contents bit for bit on CPU, the same op
 counts, the same greedy tokens through the lean loop and the modules; a model whose LM head is int8 keeps its
 modules. On the GPU: the lean loop and the prefill graph against the modules (kernels), in fp16 and bf16.
@@ -37,7 +37,7 @@ def _ids(vocab, rows=2, length=24):
 @pytest.mark.parametrize("variant", W8A16_VARIANTS)
 def test_lean_loop_takes_w8a16_models_and_equals_the_patched_modules(variant):
     model = _w8a16(variant)
-    assert_lean_equals_modules(model, _ids(model.config.vocab_size), "fuseinfer::int8_linear")
+    assert_lean_equals_modules(model, _ids(model.config.vocab_size), "fuseinfer::w8a16_linear")
 
 
 def test_int8_lm_head_or_swapped_linear_keeps_the_modules():

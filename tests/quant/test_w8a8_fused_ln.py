@@ -190,17 +190,17 @@ def test_gpu_decode_rows_run_the_w8a16_gemv(monkeypatch):
             calls[name] += 1
             return fn(*args, **kwargs)
         return call
-    monkeypatch.setattr(sq, "int8_linear", counting("int8_linear", sq.int8_linear))
+    monkeypatch.setattr(sq, "w8a16_linear", counting("w8a16_linear", sq.w8a16_linear))
     monkeypatch.setattr(sq, "quantize_per_token", counting("quantize", sq.quantize_per_token))
     monkeypatch.setattr(opt_mod, "_norm_quant", counting("norm_quant", opt_mod._norm_quant))
     ids = _ids(model.config.vocab_size, rows=1, length=12).cuda()
     with torch.no_grad():
         short = model(input_ids=ids).logits[:, -1].float()
-    assert calls == {"int8_linear": 4 * layers}, calls
+    assert calls == {"w8a16_linear": 4 * layers}, calls
     calls.clear()
     with torch.no_grad():
         model(input_ids=_ids(model.config.vocab_size, rows=1, length=40).cuda())
-    assert calls["int8_linear"] == 0 and calls["norm_quant"] == 2 * layers, calls
+    assert calls["w8a16_linear"] == 0 and calls["norm_quant"] == 2 * layers, calls
     # the lean loop takes the same path at 12 rows (the int8 ops, not the W8A8 layers): same logits as the modules
     monkeypatch.setattr(lean.W8A8LeanOps, "__init__",
                         lambda *a, **k: pytest.fail("the lean loop ran W8A8 GEMMs at 12 rows"))

@@ -20,7 +20,7 @@ from fuseinfer.core.extension import extension
 from fuseinfer.core.state import patch_state
 from fuseinfer.layers.linear import decode_rows
 from fuseinfer.models.opt.layer import decoder_layer
-from fuseinfer.ops import add_layer_norm, attention, int8_linear, linear_epilogue
+from fuseinfer.ops import add_layer_norm, attention, w8a16_linear, linear_epilogue
 from fuseinfer.ops.kv_cache import kv_cache_append
 from fuseinfer.ops.layer_norm_quant import add_layer_norm_quant
 from fuseinfer.ops.quant import quantize_per_token
@@ -287,13 +287,13 @@ class LeanOps:
 
 class Int8LeanOps(LeanOps):
     """LeanOps whose linears have int8 weights and fp16/bf16 activations (W8A16, and W8A8 linears at decode-sized
-    inputs): ``int8_linear`` straight into the extension where the fused ops are, else the op wrapper."""
+    inputs): ``w8a16_linear`` straight into the extension where the fused ops are, else the op wrapper."""
 
     def __init__(self, like: torch.Tensor, heads: int, head_dim: int):
         super().__init__(like, heads, head_dim)
         ext = extension(like.device) if self.direct else None
         # (an extension built without the int8 ops: the wrapper, which falls back to the reference as well)
-        self.int8 = ext.w8a16_linear if ext is not None and hasattr(ext, "w8a16_linear") else int8_linear
+        self.int8 = ext.w8a16_linear if ext is not None and hasattr(ext, "w8a16_linear") else w8a16_linear
 
     def lin(self, x, lin, residual, activation: str) -> torch.Tensor:
         b = lin._buffers
