@@ -21,7 +21,7 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 GUIDE = REPO / "docs" / "contributing.md"
 
 PATH = re.compile(r"(?<![\w/.<>-])(?:fuseinfer|tests)/[\w/]*\w\.py\b")
-NAME = re.compile(r"(?<![\w/.<>-])fuseinfer(?:\.[A-Za-z_]\w*)+")
+NAME = re.compile(r"(?<![\w/.<>-])fuseinfer(?:\.[A-Za-z_]\w*)+(?![\w/])")  # (not a schema: fuseinfer.onnx/2)
 FILE_SUFFIXES = ("h", "py", "cu", "cpp", "md", "whl", "json", "so")  # `fuseinfer.h` is a file, not a module
 NOT_CHECKED = ("fuseinfer._C",)  # the compiled extension: absent on a machine without CUDA
 
