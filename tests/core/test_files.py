@@ -117,7 +117,7 @@ def test_check_writable_creates_nothing(tmp_path):
 
 _WRITER = """
 import sys, time
-from fuseinfer import files
+from fuseinfer.core import files
 with files.atomic_dir(sys.argv[1], marker="done.json") as tmp:
     (tmp / "big").write_text("x" * 1000)
     print("writing", flush=True)

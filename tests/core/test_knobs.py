@@ -66,20 +66,20 @@ def test_a_path_knob_naming_nothing_is_an_error(monkeypatch, tmp_path):
 def test_flag_wins_and_says_so(env, flag):
     """The flag's value when given (set as the knob), else the environment's, else the default; a note exactly
     when both are given and differ."""
-    name = "FUSEINFER_BENCH_DIR"
+    name = "FUSEINFER_ONNX_DIR"
     saved = os.environ.get(name)
     notes = []
     try:
         os.environ.pop(name, None)
         if env is not None:
             os.environ[name] = env
-        got = knobs.from_flag(name, "--bench-dir", flag, note=notes.append)
+        got = knobs.from_flag(name, "--onnx-dir", flag, note=notes.append)
         assert got == (flag if flag is not None else env if env is not None else knobs.KNOBS[name].default)
         if flag is not None:
             assert os.environ[name] == flag
         assert len(notes) == (flag is not None and env is not None and flag != env)
         if notes:
-            assert notes[0] == f"--bench-dir {flag} overrides {name}={env}"
+            assert notes[0] == f"--onnx-dir {flag} overrides {name}={env}"
     finally:
         os.environ.pop(name, None)
         if saved is not None:

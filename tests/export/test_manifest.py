@@ -158,9 +158,9 @@ def test_onnx_dir_reuse_checks_every_weight(export, monkeypatch):
     from fuseinfer.export.backends import export_dir_for
 
     model, _, directory = export
-    found, temporary = export_dir_for(model, "fused", torch.float32, str(directory.parent))
+    found, temporary = export_dir_for(model, "fused", torch.float32, onnx_dir=str(directory.parent))
     assert (found, temporary) == (directory, False)
-    elsewhere, _ = export_dir_for(_changed(model), "fused", torch.float32, str(directory.parent))
+    elsewhere, _ = export_dir_for(_changed(model), "fused", torch.float32, onnx_dir=str(directory.parent))
     assert elsewhere != directory and not elsewhere.exists()
 
 
