@@ -47,23 +47,24 @@ def refusal(model: nn.Module) -> str | None:
     return placement.decode_refusal(model) if placement.is_hooked(model) else None
 
 
-def forward(model: nn.Module, fn):
+def forward(model: nn.Module, fn, layers: tuple[str, nn.ModuleList]):
     """The runtime's forward for ``model``: ``fn``, with its logits moved to the model's first device when the
-    model is split over devices (the LM head may sit on the last GPU)."""
-    if fn is None or placement.graph_refusal(model) is None:
+    model is split over devices (the LM head may sit on the last GPU). layers: the model's decoder layers as its
+    family finds them, (qualified name, module list)."""
+    if fn is None or placement.graph_refusal(model, layers) is None:
         return fn
     return placement.logits_on(next(model.parameters()).device, fn)
 
 
-def plan(model: nn.Module) -> DecodePlan:
-    """The DecodePlan of ``model``; logs (once per reason) why CUDA graphs are off."""
+def plan(model: nn.Module, layers: tuple[str, nn.ModuleList]) -> DecodePlan:
+    """The DecodePlan of ``model``; logs (once per reason) why CUDA graphs are off. layers: as :func:`forward`."""
     no_kernel, no_graphs = decode_refusals(model)
     if no_kernel is None and placement.is_hooked(model):
         no_kernel = "the model is placed by accelerate: its hooks run per module (the per-op step calls them)"
     devices = None
-    split = placement.graph_refusal(model)
+    split = placement.graph_refusal(model, layers)
     if split is not None:
-        no_graphs, devices = split, tuple(placement.layer_devices(model))
+        no_graphs, devices = split, tuple(placement.layer_devices(model, layers))
         placement._log_once(f"fast decode: {split}")
     return DecodePlan(no_kernel, no_graphs, devices, "thread_local" if tp_info(model) is not None else "global")
 

@@ -185,11 +185,11 @@ def _log_once(message: str) -> None:
         logger.warning("fuseinfer: %s", message)
 
 
-def layer_devices(model: nn.Module) -> list[torch.device]:
-    """The execution device of each decoder layer (where its KV cache must live)."""
-    layers = model.model.decoder.layers
-    return [_inherited_device(model, f"model.decoder.layers.{i}") or execution_device(layer)
-            for i, layer in enumerate(layers)]
+def layer_devices(model: nn.Module, layers: tuple[str, nn.ModuleList]) -> list[torch.device]:
+    """The execution device of each decoder layer (where its KV cache must live). layers: (qualified name, the
+    module list) of the model's decoder layers, as its family finds them (``ModelFamily.decoder_layers``)."""
+    prefix, modules = layers
+    return [_inherited_device(model, f"{prefix}.{i}") or execution_device(layer) for i, layer in enumerate(modules)]
 
 
 def decode_refusal(model: nn.Module) -> str | None:
@@ -202,11 +202,12 @@ def decode_refusal(model: nn.Module) -> str | None:
     return None
 
 
-def graph_refusal(model: nn.Module) -> str | None:
-    """Why the decode step runs eagerly instead of as a CUDA graph (a model split over devices), or None."""
+def graph_refusal(model: nn.Module, layers: tuple[str, nn.ModuleList]) -> str | None:
+    """Why the decode step runs eagerly instead of as a CUDA graph (a model split over devices), or None; layers as
+    :func:`layer_devices` takes them."""
     if not is_hooked(model):
         return None
-    devices = {d for d in layer_devices(model) if d is not None}
+    devices = {d for d in layer_devices(model, layers) if d is not None}
     devices.add(next(model.parameters()).device)
     devices.discard(torch.device("meta"))
     if len(devices) > 1:

@@ -10,15 +10,16 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "tensor_parallel": "sharding", "tp_info": "sharding", "TPInfo": "sharding",
-    "init_distributed": "dist",
-    "materialize": "materialize", "random_init": "materialize", "random_model": "materialize",
-    "meta_model": "materialize",
+    "tensor_parallel": "fuseinfer.parallel.sharding", "tp_info": "fuseinfer.parallel.sharding",
+    "TPInfo": "fuseinfer.parallel.sharding", "init_distributed": "fuseinfer.parallel.dist",
+    # built by the harness (random: models use them too), offered here with tensor parallel
+    "materialize": "fuseinfer.harness.materialize", "random_init": "fuseinfer.harness.materialize",
+    "random_model": "fuseinfer.harness.materialize", "meta_model": "fuseinfer.harness.materialize",
 }
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -115,7 +115,7 @@ def decode_forward(model):
     if why is not None:
         return None, why
     forward, why = state.family.decode_forward(model)
-    return decode_plan.forward(model, forward), why
+    return decode_plan.forward(model, forward, state.family.decoder_layers(model)), why
 
 
 def _token_ids(value, name: str) -> tuple[int, ...] | Problem:

@@ -82,7 +82,8 @@ class _Session:
         self.graph_steps = runtime.graph_steps  # the most steps per replay of the longer graph
         self.group = self._group_steps(max_new)  # steps per replay of the longer graph
         dev = p.device
-        plan = decode_plan.plan(model)  # placed (accelerate) or tensor-parallel models: fuseinfer/parallel
+        # placed (accelerate) or tensor-parallel models: fuseinfer/parallel
+        plan = decode_plan.plan(model, patch_state(model).family.decoder_layers(model))
         self.cache = cache if cache is not None else kv_cache(
             model, plan, cfg.num_hidden_layers, bucket, heads, cfg.hidden_size // heads, capacity, p.dtype, dev)
         self.weights = weights  # _weights_key(model): where the tensors the graphs read were (see session_for)

@@ -49,7 +49,7 @@ class ForwardGraph:
         dev = self.device = p.device
         # tensor-parallel (this rank's heads, no one-kernel step) and device_map models (a cache per layer device,
         # no graph) as fast decode runs them (fuseinfer/core/decode_plan.py)
-        plan = decode_plan.plan(model)
+        plan = decode_plan.plan(model, patch_state(model).family.decoder_layers(model))
         self.cache = kv_cache(model, plan, cfg.num_hidden_layers, rows, heads, cfg.hidden_size // heads,
                                           capacity, p.dtype, dev)
         self.capture_mode = plan.capture_mode

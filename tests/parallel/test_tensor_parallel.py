@@ -145,3 +145,11 @@ def test_more_ranks_than_gpus_and_no_nccl(monkeypatch):
     monkeypatch.delenv("RANK")
     with pytest.raises(fuseinfer.FuseInferError, match="torchrun"):
         fdist.init_distributed()
+
+
+def test_every_lazy_public_name_resolves():
+    """fuseinfer.parallel's names (imported on first use) all resolve, wherever their module now lives."""
+    import fuseinfer.parallel as par
+
+    for name in par.__all__:
+        assert getattr(par, name) is not None, name
