@@ -12,7 +12,7 @@ from fuseinfer.quant import Int8WeightOnly, QuantConfig, SmoothQuantW8A8, load_q
 from fuseinfer.runtime import generate
 from fuseinfer.runtime.prefill import prefill
 from fuseinfer.core.state import patch_report, patch_state
-
+from fuseinfer.core.version import __version__
 
 from fuseinfer.quant.hf_quantizer import register as _register_quantizer  # noqa: E402  (quant_method "fuseinfer")
 

@@ -346,3 +346,16 @@ print("ok")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+def test_every_public_name_exists_and_the_version_is_setup_pys():
+    """Each name in ``fuseinfer.__all__`` resolves (a name lost from the package's __init__ fails here), and
+    ``fuseinfer.__version__`` is the version setup.py installs."""
+    import re
+
+    import fuseinfer
+
+    missing = [name for name in fuseinfer.__all__ if not hasattr(fuseinfer, name)]
+    assert missing == []
+    version = re.search(r'version="([^"]+)"', (REPO / "setup.py").read_text()).group(1)
+    assert fuseinfer.__version__ == version
