@@ -153,13 +153,15 @@ class ModelStats:
 
 
 def model_stats(model: nn.Module) -> ModelStats:
-    """Parameter counts and bytes of an OPTForCausalLM-like model (``model.model.decoder``, ``model.lm_head``)."""
-    decoder = model.model.decoder
+    """Parameter counts and bytes of a causal LM of a known family (its decoder layers, as the family finds them, and
+    its output embeddings)."""
+    family = models.family_of(model)
+    _, layers = family.decoder_layers(model)
     params = sum(p.numel() for p in model.parameters())
-    linear = sum(m.weight.numel() for m in decoder.modules() if isinstance(m, nn.Linear))
-    position_table = decoder.embed_positions.weight.numel()  # a decode step reads one row of it
+    linear = sum(m.weight.numel() for m in layers.modules() if isinstance(m, nn.Linear))
+    partial = sum(t.numel() for t in family.row_read_tensors(model))  # a decode step reads one row of each
     element_size = next(model.parameters()).element_size()
-    return ModelStats(params=params, matmul_params=linear, lm_head_params=model.lm_head.weight.numel(),
-                      weight_bytes_per_token=(params - position_table) * element_size,
+    return ModelStats(params=params, matmul_params=linear, lm_head_params=model.get_output_embeddings().weight.numel(),
+                      weight_bytes_per_token=(params - partial) * element_size,
                       layers=model.config.num_hidden_layers, hidden=model.config.hidden_size,
                       element_size=element_size)

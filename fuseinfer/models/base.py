@@ -108,6 +108,15 @@ class ModelFamily(ABC):
         """Every SmoothQuant smoothing of ``model``, those it cannot take included (with ``skipped`` set)."""
         raise self._unsupported("SmoothQuant")
 
+    def intermediate_size(self, config) -> int:
+        """The width of the MLP's hidden layer (the profiler's cost models read it)."""
+        return config.intermediate_size
+
+    def row_read_tensors(self, model: nn.Module) -> list[torch.Tensor]:
+        """Tensors a decode step reads one row of, not whole (a learned position table): the eval's weight-bytes
+        per token leaves them out. None by default."""
+        return []
+
     def module_kinds(self) -> dict[str, str]:
         """Module attribute name -> the profiler's kind of range for it: "qkv", "attn_out", "mlp_in", "mlp_out",
         "activation", "projection", "lm_head" (decoder layers, attention modules, LayerNorms and embeddings are

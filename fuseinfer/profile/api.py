@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from fuseinfer.core import files
+from fuseinfer.models import family
 from fuseinfer.harness.devices import DTYPES, resolve_device
 from fuseinfer.harness.environment import environment
 from fuseinfer.harness.models import ModelSource, load_config, resolve_model
@@ -286,7 +287,8 @@ def _model_info(ctx: _Context) -> dict:
     c = ctx.config
     return {"spec": ctx.settings.model, "path": ctx.source.path if ctx.source else None,
             "random_weights": ctx.source.random_weights if ctx.source else None, "layers": c.num_hidden_layers,
-            "hidden": c.hidden_size, "ffn": c.ffn_dim, "heads": c.num_attention_heads, "vocab": c.vocab_size}
+            "hidden": c.hidden_size, "ffn": family(c.model_type).intermediate_size(c), "heads": c.num_attention_heads,
+            "vocab": c.vocab_size}
 
 
 def _time_unprofiled(step, phase: str, device: torch.device, repeats: int) -> dict:
@@ -425,15 +427,16 @@ def _profile_backend(cls, ctx: _Context, ceilings: dict, out_dir: Path | None, u
                         step = _ready(backend, ctx)
                     mfiles, _ = _run_profiler(step, backend.model, device, s, folder, True, "trace_modules.json")
                 files["trace_modules"] = mfiles["trace"]
-        analysis = analyze(load_events(files["trace"]), ctx.config.hidden_size, ctx.config.ffn_dim)
+        ffn = family(ctx.config.model_type).intermediate_size(ctx.config)  # the MLP's width, for the cost models
+        analysis = analyze(load_events(files["trace"]), ctx.config.hidden_size, ffn)
         if "ort_profile" in files:
             notes += ort_nodes.merge(analysis, ort_nodes.analyze_ort(
-                files["ort_profile"], ort_runs, s.active, ctx.config.hidden_size, ctx.config.ffn_dim,
+                files["ort_profile"], ort_runs, s.active, ctx.config.hidden_size, ffn,
                 ctx.config.vocab_size, ctx.config.num_hidden_layers, on_cuda=device.type == "cuda",
                 model_type=ctx.config.model_type),
                 on_cuda=device.type == "cuda")
         if hooks:
-            m = analyze(load_events(files["trace_modules"]), ctx.config.hidden_size, ctx.config.ffn_dim)
+            m = analyze(load_events(files["trace_modules"]), ctx.config.hidden_size, ffn)
             attribution = {k: m[k] for k in ("unit", "kinds", "layers", "ops", "step_ms", "busy_ms", "idle_ms",
                                                   "idle_label")}
             attribution["label"] = label

@@ -16,10 +16,12 @@ from fuseinfer.runtime import release
 def weight_bytes_per_token(model) -> int:
     """Bytes of the tensors one decode step reads: every parameter and buffer once (shared ones once), all but the
     position table (one row of it is read) -- the eval's ModelStats rule, counted on the quantized model."""
+    from fuseinfer.models import family_of
+
     seen, total = set(), 0
-    skip = model.model.decoder.embed_positions.weight.data_ptr()
+    skip = {t.data_ptr() for t in family_of(model).row_read_tensors(model)}
     for t in list(model.parameters()) + list(model.buffers()):
-        if t.numel() == 0 or t.data_ptr() in seen or t.data_ptr() == skip:
+        if t.numel() == 0 or t.data_ptr() in seen or t.data_ptr() in skip:
             continue
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()

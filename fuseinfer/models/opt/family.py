@@ -50,6 +50,12 @@ class OPTFamily(ModelFamily):
     def smoothing_groups(self, model):
         return opt_quant.smoothing_groups(model)
 
+    def intermediate_size(self, config):
+        return config.ffn_dim
+
+    def row_read_tensors(self, model):
+        return [_positions(model)]
+
     def module_kinds(self):
         return dict(self._MODULE_KINDS)
 
@@ -93,3 +99,9 @@ class OPTFamily(ModelFamily):
 
     def tp_finish(self, model, info, state, report):
         return tp.tp_finish(model, info, state, report)
+
+
+def _positions(model):
+    """OPT's learned position table (a decode step reads one row of it)."""
+    base = getattr(model, "model", model)
+    return base.decoder.embed_positions.weight

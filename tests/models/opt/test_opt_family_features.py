@@ -150,3 +150,19 @@ def test_random_quantized_refuses_an_unknown_size_listing_the_names():
 
     with pytest.raises(FuseInferError, match="opt-125m.*opt-66b"):
         random_quantized("opt-7b", device="cpu")
+
+
+def test_mlp_width_and_row_read_tensors():
+    """The profiler's MLP width is OPT's ffn_dim; the tensor a decode step reads one row of is the position table,
+    which the eval's weight bytes per token leave out."""
+    from fuseinfer.harness.models import model_stats
+    from fuseinfer.models import family_of
+
+    model = random_opt(hidden_size=32, num_attention_heads=2, ffn_dim=48, num_hidden_layers=1)
+    fam = family_of(model)
+    assert fam.intermediate_size(model.config) == 48
+    (table,) = fam.row_read_tensors(model)
+    assert table is model.model.decoder.embed_positions.weight
+    stats = model_stats(model)
+    params = sum(p.numel() for p in model.parameters())
+    assert stats.weight_bytes_per_token == (params - table.numel()) * table.element_size()
