@@ -15,7 +15,6 @@ from fuseinfer.core.errors import FuseInferError
 KEEP_ORIGINAL = (None, "cpu")
 
 
-
 def check_alpha(alpha) -> float:
     """SmoothQuant's migration strength: a number in [0, 1]."""
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0 \
@@ -23,6 +22,7 @@ def check_alpha(alpha) -> float:
         raise FuseInferError(f"SmoothQuant alpha must be a number in [0, 1] (0.5 is the paper's choice for OPT), "
                              f"got {alpha!r}")
     return float(alpha)
+
 
 @dataclass(frozen=True)
 class QuantConfig:
@@ -103,7 +103,9 @@ class SmoothQuantW8A8(QuantConfig):
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "samples" else 2):
                 raise FuseInferError(f"SmoothQuantW8A8 {name} must be an integer >= {1 if name == 'samples' else 2}, "
                                      f"got {v!r}")
-        if self.calibration is not None and not (isinstance(self.calibration, (str, os.PathLike)) or type(self.calibration).__name__ == "CalibrationStats"):
+        # (CalibrationStats lives in the quantization package, a layer above: checked by name)
+        stats = type(self.calibration).__name__ == "CalibrationStats"
+        if self.calibration is not None and not (isinstance(self.calibration, (str, os.PathLike)) or stats):
             raise FuseInferError(f"SmoothQuantW8A8 calibration= must be None (the WikiText-2 "
                                  f"validation split), a text file / folder / saved-stats path, or a "
                                  f"CalibrationStats, got {type(self.calibration).__name__}")

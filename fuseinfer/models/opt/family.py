@@ -4,9 +4,9 @@
 :class:`~fuseinfer.models.base.ModelFamily` interface."""
 from __future__ import annotations
 
-from fuseinfer.models.opt import configs, modules as opt, decode as opt_decode, lean, quant as opt_quant, tp
 from fuseinfer.models.base import ModelFamily
-from fuseinfer.models.opt import export as opt_export  # ONNX export
+from fuseinfer.models.opt import configs, decode as opt_decode, export as opt_export, lean, modules as opt, tp
+from fuseinfer.models.opt import quant as opt_quant
 
 
 class OPTFamily(ModelFamily):
