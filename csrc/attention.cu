@@ -850,8 +850,8 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
     for (int u = 0; u < U; ++u) {
       const int key = kb + u * KPS + grp;
       const bool in = key < kb1;
-      kr[u] = in ? __ldg(reinterpret_cast<const uint4*>(kg + key * p.k_ss)) : make_uint4(0, 0, 0, 0);
-      vr[u] = in ? __ldg(reinterpret_cast<const uint4*>(vg + key * p.v_ss)) : make_uint4(0, 0, 0, 0);
+      kr[u] = in ? ld_dep(reinterpret_cast<const uint4*>(kg + key * p.k_ss)) : make_uint4(0, 0, 0, 0);
+      vr[u] = in ? ld_dep(reinterpret_cast<const uint4*>(vg + key * p.v_ss)) : make_uint4(0, 0, 0, 0);
       ok[u] = in && (mrow == nullptr || mrow[key * p.m_ss]);
     }
     // Scores of the U keys for every query (G-lane reduction), -inf where not admissible.

@@ -24,6 +24,53 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// Coherent global loads for data that an earlier kernel of the stream writes (read after pdl_wait()). Not
+// __ldg / ld.global.nc: ptxas treats .nc data as constant for the kernel's whole life and may move such a load above
+// griddepcontrol.wait, where it reads the previous kernel's output before that kernel has written it. In a CUDA
+// graph, where kernels run back to back, the int8 GEMV's activation loads did exactly that (wrong tokens with PDL,
+// right ones without). asm volatile keeps each load after the wait, which is asm volatile too. Only data no kernel
+// writes (weights, embeddings) may take the .nc path.
+__device__ __forceinline__ uint4 ld_dep(const uint4* ptr) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
+  return v;
+}
+__device__ __forceinline__ uint2 ld_dep(const uint2* ptr) {
+  uint2 v;
+  asm volatile("ld.global.v2.u32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(ptr));
+  return v;
+}
+__device__ __forceinline__ unsigned ld_dep(const unsigned* ptr) {
+  unsigned v;
+  asm volatile("ld.global.u32 %0, [%1];\n" : "=r"(v) : "l"(ptr));
+  return v;
+}
+__device__ __forceinline__ unsigned short ld_dep(const unsigned short* ptr) {
+  unsigned short v;
+  asm volatile("ld.global.u16 %0, [%1];\n" : "=h"(v) : "l"(ptr));
+  return v;
+}
+__device__ __forceinline__ float ld_dep(const float* ptr) {
+  return __uint_as_float(ld_dep(reinterpret_cast<const unsigned*>(ptr)));
+}
+
+// ld_dep for any trivially copyable T of 2, 4, 8 or 16 bytes (a pack of elements, one element).
+template <typename T>
+__device__ __forceinline__ T ld_dep_as(const T* ptr) {
+  static_assert(sizeof(T) == 16 || sizeof(T) == 8 || sizeof(T) == 4 || sizeof(T) == 2, "ld_dep_as: 2 to 16 bytes");
+  T out;
+  if constexpr (sizeof(T) == 16) {
+    *reinterpret_cast<uint4*>(&out) = ld_dep(reinterpret_cast<const uint4*>(ptr));
+  } else if constexpr (sizeof(T) == 8) {
+    *reinterpret_cast<uint2*>(&out) = ld_dep(reinterpret_cast<const uint2*>(ptr));
+  } else if constexpr (sizeof(T) == 4) {
+    *reinterpret_cast<unsigned*>(&out) = ld_dep(reinterpret_cast<const unsigned*>(ptr));
+  } else {
+    *reinterpret_cast<unsigned short*>(&out) = ld_dep(reinterpret_cast<const unsigned short*>(ptr));
+  }
+  return out;
+}
+
 // One element to fp32 (exact for every type: a bf16 is the top half of an fp32) and back (round to nearest even).
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }

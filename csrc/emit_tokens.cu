@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kThreads) emit_tokens_kernel(const EmitParams 
   float best = -INFINITY;
   int best_i = INT_MAX;  // "none": any element is better
   for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
-    const float v = __ldg(s + i);
+    const float v = ld_dep(s + i);  // (written by the previous kernel)
     if (better(v, static_cast<int>(i), best, best_i)) best = v, best_i = static_cast<int>(i);
   }
   warp_best(best, best_i);

@@ -132,7 +132,8 @@ __device__ __forceinline__ float row_max(float v, float* scratch) {
   return warp_max(v);
 }
 
-// Read-only load through the non-coherent (texture) path; one 128-bit instruction for a 16-byte pack.
+// Read-only load through the non-coherent (texture) path, for weight and bias only (no kernel writes them); one
+// 128-bit instruction for a 16-byte pack. x and the residual, which earlier kernels write, take load_dep.
 template <typename T, int VEC>
 __device__ __forceinline__ Pack<T, VEC> load(const Pack<T, VEC>* ptr) {
   Pack<T, VEC> out;
@@ -142,6 +143,12 @@ __device__ __forceinline__ Pack<T, VEC> load(const Pack<T, VEC>* ptr) {
     out.v[0] = __ldg(&ptr->v[0]);
   }
   return out;
+}
+
+// Coherent load of a pack an earlier kernel wrote (device_utils.cuh: ld_dep says why not __ldg).
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> load_dep(const Pack<T, VEC>* ptr) {
+  return ld_dep_as(ptr);
 }
 
 // Scalar path may need 1024 threads per row (16 elements each for N = 16384); the vector paths need at most
@@ -211,7 +218,7 @@ __global__ void __launch_bounds__(max_threads<VEC>(), 1) rows_kernel(const typen
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     if (tid + i * tpr < nv) {
-      r.a[i] = load(x + tid + i * tpr);
+      r.a[i] = load_dep(x + tid + i * tpr);
     } else {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) r.a[i].v[j] = from_float<T>(0.f);
@@ -221,7 +228,7 @@ __global__ void __launch_bounds__(max_threads<VEC>(), 1) rows_kernel(const typen
     P b[VPT];
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
-      if (tid + i * tpr < nv) b[i] = load(res + tid + i * tpr);
+      if (tid + i * tpr < nv) b[i] = load_dep(res + tid + i * tpr);
     }
     // s = T(x + r): add in fp32 and round once, exactly like eager `x + r`.
 #pragma unroll

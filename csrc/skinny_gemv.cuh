@@ -103,7 +103,7 @@ __device__ __forceinline__ void load_x(Frag<NT, U, XC>& f, const uint4* const (&
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
 #pragma unroll
-      for (int h = 0; h < XC; ++h) f.x[u][j][h] = __ldg(xs[j] + XC * c + h);
+      for (int h = 0; h < XC; ++h) f.x[u][j][h] = ld_dep(xs[j] + XC * c + h);  // (written by the previous kernel)
     }
   }
   if (TAIL) {

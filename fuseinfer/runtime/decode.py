@@ -112,11 +112,6 @@ class _Session:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per replay -> graph
         self.capture_mode = plan.capture_mode
         self.graphs_on = _graphs_enabled(dev, plan, runtime)  # decode graphs: captured by the first call that decodes
-        if self.graphs_on and self.step_kernel is None and patch_state(model).config.quant is not None:
-            # the per-op step of an int8 model replayed from a CUDA graph emits wrong tokens from its second step
-            # (eager per op and the one-kernel step are right): until that is fixed it runs eagerly
-            self.graphs_on = False
-            self.path += "; eager (an int8 model's per-op step runs without CUDA graphs)"
         COUNTS["session"] += 1
         if self.graphs_on and max_new > 1:  # (a caller of begin/advance, e.g. the eval, gets them at once)
             self._capture(self.group)  # (decode steps: max_new - 1)
