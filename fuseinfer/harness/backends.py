@@ -20,6 +20,7 @@ from torch import nn
 from fuseinfer.core.state import patch_report, patch_state
 from fuseinfer.harness.errors import EvalError
 from fuseinfer.harness.models import ModelSource, load_model, model_stats
+from fuseinfer.models import family
 from fuseinfer.patching import patch, unpatch
 from fuseinfer.runtime import release
 
@@ -137,9 +138,9 @@ class CompileBackend(Backend):
         cfg = self.model.config
         self.cache = StaticCache(config=cfg, max_cache_len=max_len)
         # allocated up front: a cache first touched inside a compiled region would not keep static addresses
-        self.cache.early_initialization(batch_size=batch_size, num_heads=cfg.num_attention_heads,
-                                        head_dim=cfg.hidden_size // cfg.num_attention_heads, dtype=self.dtype,
-                                        device=self.device)
+        kv_heads, head_dim = family(cfg.model_type).kv_layout(cfg)
+        self.cache.early_initialization(batch_size=batch_size, num_heads=kv_heads, head_dim=head_dim,
+                                        dtype=self.dtype, device=self.device)
         # every cache slot marked valid: causality hides the slots not written yet; static shape for the graphs
         self.mask = torch.ones(batch_size, max_len, dtype=torch.long, device=self.device)  # (B, max_len)
         torch._dynamo.mark_static_address(self.mask)  # a graph input that CUDA graphs need not copy per replay

@@ -108,6 +108,12 @@ class ModelFamily(ABC):
         """Every SmoothQuant smoothing of ``model``, those it cannot take included (with ``skipped`` set)."""
         raise self._unsupported("SmoothQuant")
 
+    def kv_layout(self, config) -> tuple[int, int]:
+        """(key/value heads, head dim) of a layer's KV cache: the static caches the runtime allocates have this
+        shape per row. Multi-head attention by default; grouped-query families have fewer key/value heads."""
+        heads = config.num_attention_heads
+        return heads, config.hidden_size // heads
+
     def intermediate_size(self, config) -> int:
         """The width of the MLP's hidden layer (the profiler's cost models read it)."""
         return config.intermediate_size

@@ -1,7 +1,8 @@
 """Causal attention over a KV cache with per-row key masks (FlashAttention-style on CUDA).
 
-One op serves prefill and decode: queries ``q`` (B, H, Sq, D) attend keys ``k``/values ``v`` (B, H, Skv, D)
-that may come from a cache. Masking is described per row instead of by a (B, 1, Sq, Skv) tensor:
+One op serves prefill and decode: queries ``q`` (B, H, Sq, D) attend keys ``k``/values ``v`` (B, Hkv, Skv, D)
+that may come from a cache; with grouped-query attention (Hkv < H, H a multiple of Hkv) query head ``h`` reads
+key/value head ``h // (H / Hkv)``. Masking is described per row instead of by a (B, 1, Sq, Skv) tensor:
 
 * ``key_mask`` (B, Skv) bool, True for real tokens (None: all real) — left padding, static-cache slack;
 * ``q_start`` (B,) int32, the key index of query 0 (None: ``Skv - Sq``, bottom-right-aligned causal).
@@ -19,6 +20,7 @@ from fuseinfer.core.extension import extension, route
 from fuseinfer.core.errors import FuseInferError
 
 KERNEL_HEAD_DIMS = (64, 128)
+KERNEL_GQA = False  # whether the CUDA kernels take Hkv < H (else those calls run SDPA on repeated k / v)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -33,12 +35,21 @@ def allowed_mask(key_mask, q_start, b: int, sq: int, skv: int, device) -> torch.
     return allowed
 
 
+def repeat_kv(q, k, v):
+    """k, v (B, Hkv, Skv, D) repeated to q's H heads (query head h reads key/value head h // (H / Hkv))."""
+    group = q.shape[1] // k.shape[1]
+    if group == 1:
+        return k, v
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
 def _probs(q, k, v, key_mask, q_start, scale: float):
     """The reference's softmax in fp32: P (B, H, Sq, Skv), 0 outside the allowed keys and on rows without any, and
     k, v in fp32 with the keys no query may see (e.g. cache slots not written yet, which the kernels never read)
     zeroed, so that whatever they hold (NaN in uninitialised memory) cannot reach a result through 0 * NaN."""
     b, _, sq, _ = q.shape
     skv = k.shape[2]
+    k, v = repeat_kv(q, k, v)  # (B, H, Skv, D)
     allowed = allowed_mask(key_mask, q_start, b, sq, skv, q.device)  # (B, 1, Sq, Skv)
     seen = allowed.any(2).view(b, 1, skv, 1)  # (B, 1, Skv, 1)
     k32, v32 = k.float().masked_fill(~seen, 0.0), v.float().masked_fill(~seen, 0.0)
@@ -62,6 +73,7 @@ def attention_sdpa(q, k, v, key_mask, q_start, scale: float) -> torch.Tensor:
     mask, queries with no key set to 0 -> (B, Sq, H, D)."""
     b, _, sq, _ = q.shape
     allowed = allowed_mask(key_mask, q_start, b, sq, k.shape[2], q.device)  # (B, 1, Sq, Skv)
+    k, v = repeat_kv(q, k, v)  # (B, H, Skv, D)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
     out = out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)  # (B, H, Sq, D); SDPA may give NaN there
     return out.transpose(1, 2).contiguous()
@@ -89,7 +101,7 @@ def kernel_supports(q: torch.Tensor) -> bool:
 @_attention.register_kernel("cuda")
 def _attention_cuda(q, k, v, key_mask, q_start, scale):
     ext = extension(q.device)
-    if ext is None or not kernel_supports(q):
+    if ext is None or not kernel_supports(q) or (k.shape[1] != q.shape[1] and not KERNEL_GQA):
         return attention_sdpa(q, k, v, key_mask, q_start, scale)
     return ext.attention(q, k, v, key_mask, q_start, scale)
 
@@ -117,6 +129,10 @@ def _backward(ctx, grad):
     dq = torch.matmul(ds, k32)  # (B, H, Sq, D)
     dk = torch.matmul(ds.transpose(-1, -2), q.float())  # (B, H, Skv, D)
     dv = torch.matmul(probs.transpose(-1, -2), do)  # (B, H, Skv, D)
+    group = q.shape[1] // k.shape[1]
+    if group > 1:  # sum over the query heads that share a key/value head: (B, Hkv, Skv, D)
+        dk = dk.unflatten(1, (k.shape[1], group)).sum(2)
+        dv = dv.unflatten(1, (k.shape[1], group)).sum(2)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
@@ -126,10 +142,10 @@ _attention.register_autograd(_backward, setup_context=_setup_context)
 
 def attention(q, k, v, key_mask=None, q_start=None, scale: float | None = None) -> torch.Tensor:
     """Masked causal attention; see the module docstring. Returns (B, Sq, H, D)."""
-    if q.dim() != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[-1] != q.shape[-1] \
-            or q.shape[-1] == 0:
-        raise FuseInferError(f"attention: expected q (B,H,Sq,D) and k, v (B,H,Skv,D), D > 0; got {tuple(q.shape)}, "
-                             f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[1] == 0 \
+            or q.shape[1] % k.shape[1] or k.shape[-1] != q.shape[-1] or q.shape[-1] == 0:
+        raise FuseInferError(f"attention: expected q (B,H,Sq,D) and k, v (B,Hkv,Skv,D) with H a multiple of Hkv, "
+                             f"D > 0; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if not q.dtype == k.dtype == v.dtype:
         raise FuseInferError(f"attention: q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     b, skv = q.shape[0], k.shape[2]

@@ -73,7 +73,8 @@ class _Session:
         """cache: a cache of this bucket and capacity to reuse (a session it belonged to is no longer run);
         rule: the logits processors and per-step outputs the graphs include (processors.py)."""
         cfg, p = model.config, next(model.parameters())
-        heads = cfg.num_attention_heads
+        family = patch_state(model).family
+        kv_heads, head_dim = family.kv_layout(cfg)
         # (the model holds its sessions: a weak reference back keeps it free of reference cycles)
         self.model, self.forward, self.bucket, self.capacity = weakref.proxy(model), forward, bucket, capacity
         self.sampling, self.pad, self.rule = sampling, pad, rule
@@ -83,9 +84,9 @@ class _Session:
         self.group = self._group_steps(max_new)  # steps per replay of the longer graph
         dev = p.device
         # placed (accelerate) or tensor-parallel models: fuseinfer/parallel
-        plan = decode_plan.plan(model, patch_state(model).family.decoder_layers(model))
+        plan = decode_plan.plan(model, family.decoder_layers(model))
         self.cache = cache if cache is not None else kv_cache(
-            model, plan, cfg.num_hidden_layers, bucket, heads, cfg.hidden_size // heads, capacity, p.dtype, dev)
+            model, plan, cfg.num_hidden_layers, bucket, kv_heads, head_dim, capacity, p.dtype, dev)
         self.weights = weights  # _weights_key(model): where the tensors the graphs read were (see session_for)
         self.eos_host = eos  # (n_eos,) int64 on the CPU, may be empty: what fits() compares
         self.eos = eos.to(dev)

@@ -43,15 +43,15 @@ class ForwardGraph:
 
     def __init__(self, model, forward, rows: int, capacity: int, weights: tuple):
         cfg, p = model.config, next(model.parameters())
-        heads = cfg.num_attention_heads
+        family = patch_state(model).family
+        kv_heads, head_dim = family.kv_layout(cfg)
         self.model, self.forward, self.rows, self.capacity = weakref.proxy(model), forward, rows, capacity
         self.weights = weights  # see decode.session_for: where the tensors the graph reads were
         dev = self.device = p.device
         # tensor-parallel (this rank's heads, no one-kernel step) and device_map models (a cache per layer device,
         # no graph) as fast decode runs them (fuseinfer/core/decode_plan.py)
-        plan = decode_plan.plan(model, patch_state(model).family.decoder_layers(model))
-        self.cache = kv_cache(model, plan, cfg.num_hidden_layers, rows, heads, cfg.hidden_size // heads,
-                                          capacity, p.dtype, dev)
+        plan = decode_plan.plan(model, family.decoder_layers(model))
+        self.cache = kv_cache(model, plan, cfg.num_hidden_layers, rows, kv_heads, head_dim, capacity, p.dtype, dev)
         self.capture_mode = plan.capture_mode
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=dev)  # (B, 1)
         self.positions = torch.zeros(rows, 1, dtype=torch.long, device=dev)  # (B, 1) OPT positions

@@ -1,0 +1,132 @@
+"""Rotary position embedding fused with the q/k/v split: one pass over the fused q/k/v projection's output.
+
+``qkv`` (B, S, (H + 2·Hkv)·D) is the output of the one GEMM that computes q, k and v (grouped-query attention: Hkv
+key/value heads, H a multiple of Hkv); ``cos`` and ``sin`` (B, S, D) are what transformers' rotary embedding module
+returns for the positions (every scaling it implements — default, linear, dynamic, llama3 — is already in them).
+
+* ``qkv_rope`` -> q (B, H, S, D), k (B, Hkv, S, D), v (B, Hkv, S, D), contiguous: q and k rotated, v copied; the
+  head-major layout attention and the cache read, so the pass replaces the transposes the split needs anyway.
+* ``qkv_rope_append`` -> q, with the rotated k and v written into a static cache (B, Hkv, T, D) at ``slots`` (S,)
+  (as ``kv_cache_append``) instead of returned: decode's q/k/v split, rotation and cache write are one kernel.
+
+Rotation as transformers' ``apply_rotary_pos_emb``: ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) =
+cat(-x[..., D/2:], x[..., :D/2])``. The reference computes in x's dtype as transformers does (so a patched model on
+CPU equals the unpatched one); the kernel computes in fp32 and rounds once.
+"""
+from __future__ import annotations
+
+import torch
+
+from fuseinfer.core.extension import extension, route
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.ops.kv_cache import kv_cache_append_ref
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # csrc/rope.cu; others run the reference
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def qkv_rope_ref(qkv, cos, sin, heads: int, kv_heads: int):
+    """Pure-PyTorch reference: (B, S, (H + 2 Hkv) D), cos / sin (B, S, D) -> q (B, H, S, D), k, v (B, Hkv, S, D)."""
+    b, s, width = qkv.shape
+    d = width // (heads + 2 * kv_heads)
+    x = qkv.view(b, s, heads + 2 * kv_heads, d).transpose(1, 2)  # (B, H + 2 Hkv, S, D)
+    q, k, v = x.split([heads, kv_heads, kv_heads], dim=1)
+    c, sn = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, S, D)
+    q = q * c + _rotate_half(q) * sn
+    k = k * c + _rotate_half(k) * sn
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def qkv_rope_append_ref(qkv, cos, sin, heads: int, kv_heads: int, k_cache, v_cache, slots):
+    """Reference of the cache-writing form: q (B, H, S, D); k, v written into the caches at ``slots``."""
+    q, k, v = qkv_rope_ref(qkv, cos, sin, heads, kv_heads)
+    kv_cache_append_ref(k_cache, v_cache, k, v, slots)
+    return q
+
+
+@torch.library.custom_op("fuseinfer::qkv_rope", mutates_args=())
+def _qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+              kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return qkv_rope_ref(qkv, cos, sin, heads, kv_heads)
+
+
+@torch.library.custom_op("fuseinfer::qkv_rope_append", mutates_args=("k_cache", "v_cache"))
+def _qkv_rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    return qkv_rope_append_ref(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
+
+
+def kernel_supports(qkv, cos, sin) -> bool:
+    """Whether the CUDA kernel handles these tensors (else the op runs the reference)."""
+    d = cos.shape[-1]
+    return qkv.dtype in KERNEL_DTYPES and cos.dtype == sin.dtype == qkv.dtype and d % 8 == 0 and d <= 256
+
+
+@_qkv_rope.register_kernel("cuda")
+def _qkv_rope_cuda(qkv, cos, sin, heads, kv_heads):
+    ext = extension(qkv.device)
+    if ext is None or not hasattr(ext, "qkv_rope") or not kernel_supports(qkv, cos, sin):
+        return qkv_rope_ref(qkv, cos, sin, heads, kv_heads)
+    return tuple(ext.qkv_rope(qkv.contiguous(), cos.contiguous(), sin.contiguous(), heads, kv_heads))
+
+
+@_qkv_rope_append.register_kernel("cuda")
+def _qkv_rope_append_cuda(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots):
+    ext = extension(qkv.device)
+    if ext is None or not hasattr(ext, "qkv_rope_append") or not kernel_supports(qkv, cos, sin) \
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == qkv.dtype):
+        return qkv_rope_append_ref(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
+    return ext.qkv_rope_append(qkv.contiguous(), cos.contiguous(), sin.contiguous(), heads, kv_heads, k_cache,
+                               v_cache, slots)
+
+
+@_qkv_rope.register_fake
+def _(qkv, cos, sin, heads, kv_heads):
+    b, s, width = qkv.shape
+    d = width // (heads + 2 * kv_heads)
+    return qkv.new_empty(b, heads, s, d), qkv.new_empty(b, kv_heads, s, d), qkv.new_empty(b, kv_heads, s, d)
+
+
+@_qkv_rope_append.register_fake
+def _(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots):
+    b, s, width = qkv.shape
+    return qkv.new_empty(b, heads, s, width // (heads + 2 * kv_heads))
+
+
+def _check(qkv, cos, sin, heads: int, kv_heads: int) -> None:
+    if qkv.dim() != 3 or heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        raise FuseInferError(f"qkv_rope: expected qkv (B, S, (H + 2 Hkv) D) with H a multiple of Hkv > 0, got "
+                             f"{tuple(qkv.shape)}, H={heads}, Hkv={kv_heads}")
+    b, s, width = qkv.shape
+    d = width // (heads + 2 * kv_heads)
+    if d * (heads + 2 * kv_heads) != width or d % 2:
+        raise FuseInferError(f"qkv_rope: qkv's last dim {width} is not (H + 2 Hkv) * D for H={heads}, Hkv={kv_heads} "
+                             "and an even head dim D")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (b, s, d) or t.dtype != qkv.dtype:
+            raise FuseInferError(f"qkv_rope: {name} must be ({b}, {s}, {d}) in {qkv.dtype}, got {tuple(t.shape)} "
+                                 f"{t.dtype}")
+
+
+def qkv_rope(qkv, cos, sin, heads: int, kv_heads: int):
+    """q (B, H, S, D), k, v (B, Hkv, S, D) from the fused projection's output, q and k rotated (see module doc)."""
+    _check(qkv, cos, sin, heads, kv_heads)
+    return route(torch.ops.fuseinfer.qkv_rope, qkv_rope_ref, _qkv_rope_cuda, (qkv, cos, sin, heads, kv_heads),
+                 (qkv, cos, sin))
+
+
+def qkv_rope_append(qkv, cos, sin, heads: int, kv_heads: int, k_cache, v_cache, slots):
+    """q (B, H, S, D) rotated; the rotated k and v written into k_cache / v_cache (B, Hkv, T, D) at slots (S,)."""
+    _check(qkv, cos, sin, heads, kv_heads)
+    b, s, width = qkv.shape
+    d = width // (heads + 2 * kv_heads)
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[:2] != (b, kv_heads) \
+            or k_cache.shape[3] != d or slots.shape != (s,) or slots.dtype != torch.int64:
+        raise FuseInferError(f"qkv_rope_append: expected caches ({b}, {kv_heads}, T, {d}) and int64 slots ({s},), got "
+                             f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}, {tuple(slots.shape)} {slots.dtype}")
+    return route(torch.ops.fuseinfer.qkv_rope_append, qkv_rope_append_ref, _qkv_rope_append_cuda,
+                 (qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots), (qkv, cos, sin))
