@@ -12,10 +12,16 @@ from fuseinfer.models.base import ModelFamily
 _REGISTRY = {
     "opt": (".opt.family", "OPTFamily",
             ("OPTForCausalLM", "OPTModel", "OPTForSequenceClassification", "OPTForQuestionAnswering")),
+    # the Llama architecture: one family module, a class per model_type (Mistral adds a sliding window, Qwen2 q/k/v
+    # biases)
+    "llama": (".llama.family", "LlamaFamily", ("LlamaForCausalLM", "LlamaModel")),
+    "mistral": (".llama.family", "MistralFamily", ("MistralForCausalLM", "MistralModel")),
+    "qwen2": (".llama.family", "Qwen2Family", ("Qwen2ForCausalLM", "Qwen2Model")),
 }
 _loaded: dict[str, ModelFamily] = {}
-# model_type -> the family's light module (no transformers import) holding RANDOM_CONFIGS, its random: names
-_CONFIGS = {"opt": ".opt.configs"}
+# family -> its light module (no transformers import) holding RANDOM_CONFIGS, its random: names (an entry's
+# "model_type", where it has one, names its model_type; else the key does)
+_CONFIGS = {"opt": ".opt.configs", "llama": ".llama.configs"}
 
 
 def family(model_type: str | None) -> ModelFamily | None:
@@ -41,5 +47,5 @@ def family_of(model) -> ModelFamily | None:
 def random_configs() -> dict[str, str]:
     """Every family's published configurations behind ``random:<name>``: hub id -> model_type. Read from the
     families' light config modules, so listing the names (e.g. for --help) loads no modeling code."""
-    return {name: model_type for model_type, module in _CONFIGS.items()
-            for name in importlib.import_module(module, __name__).RANDOM_CONFIGS}
+    return {name: kwargs.get("model_type", model_type) for model_type, module in _CONFIGS.items()
+            for name, kwargs in importlib.import_module(module, __name__).RANDOM_CONFIGS.items()}
