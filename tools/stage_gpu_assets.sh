@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SHARED=${FUSEINFER_SHARED:-../shared}
 mkdir -p .gpu_assets/models .gpu_assets/data
-cp -r "$SHARED/models/opt-wt2-tiny" .gpu_assets/models/
+for m in opt-wt2-tiny llama-wt2-tiny; do cp -r "$SHARED/models/$m" .gpu_assets/models/; done
 cp -r "$SHARED/data/wikitext-2-raw" .gpu_assets/data/
 if [ -n "${TRANSFORMERS_VERSION:-}" ]; then
   python3 -m pip download -q --no-deps --only-binary=:all: -d .gpu_assets/wheels "transformers==$TRANSFORMERS_VERSION"
