@@ -43,9 +43,14 @@ from fuseinfer.core.config import RuntimeConfig
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.ops.emit_tokens import emit_tokens, emit_tokens_scratch
 from fuseinfer.core import decode_plan
-from fuseinfer.core.state import STATE_ATTR, model_lock, patch_state, runtime_config, unwrapped  # noqa: F401 (re-exported)
-from fuseinfer.runtime.args import Call, Sampling, decode_forward, eos_tensor, in_vocabulary, pad_id, prepare_call  # noqa: F401
-from fuseinfer.runtime.cache import COUNTS, StaticKVCache, kv_bytes, kv_cache  # (COUNTS: re-exported for tests and benchmarks)
+from fuseinfer.core.state import (  # noqa: F401 (re-exported)
+    STATE_ATTR, model_lock, patch_state, runtime_config, unwrapped,
+)
+from fuseinfer.runtime.args import (  # noqa: F401 (re-exported)
+    Call, Sampling, decode_forward, eos_tensor, in_vocabulary, pad_id, prepare_call,
+)
+# (COUNTS: re-exported for tests and benchmarks)
+from fuseinfer.runtime.cache import COUNTS, StaticKVCache, kv_bytes, kv_cache
 from fuseinfer.runtime.graphs import capture_stream
 from fuseinfer.runtime.processors import Processors, Rule
 
@@ -189,7 +194,8 @@ class _Session:
         self.q_start.zero_()
         if self.proc is not None:
             self.proc.begin(ids[:b], mask.to(dev), self.bucket)
-        from fuseinfer.runtime.prefill import session_prefill  # graph / lean loop / patched modules (advances counters: reset below)
+        # graph / lean loop / patched modules (advances counters: reset below)
+        from fuseinfer.runtime.prefill import session_prefill
         self._emit(session_prefill(self, ids, pos))
         # decode: the first input sits at slot P with position = number of real prompt tokens
         self.positions[:b, 0] = mask.long().sum(1)

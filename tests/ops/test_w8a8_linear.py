@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fuseinfer import FuseInferError
-int8_gemm = importlib.import_module("fuseinfer.ops.w8a8_linear")  # (the package exports the op function by the same name)
+# (the package exports the op function by the same name)
+int8_gemm = importlib.import_module("fuseinfer.ops.w8a8_linear")
 from fuseinfer.ops.w8a8_linear import w8a8_linear, w8a8_linear_ref
 from fuseinfer.ops.quant import quantize_int8_ref
 

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 import fuseinfer
 from fuseinfer.core import extension as _ext
-int8_gemm = importlib.import_module("fuseinfer.ops.w8a8_linear")  # (the package exports the op function by the same name)
+# (the package exports the op function by the same name)
+int8_gemm = importlib.import_module("fuseinfer.ops.w8a8_linear")
 
 REPO = Path(__file__).resolve().parents[2]
 
