@@ -23,13 +23,13 @@ def prefill_flops(stats: ModelStats, batch: int, prompt_len: int) -> float:
 def decode_bytes_per_step(stats: ModelStats, batch: int, prompt_len: int, gen_len: int) -> float:
     """Bytes one decode step must read from memory, at least (activations and the one position row ignored):
 
-    weight_bytes_per_token               every weight once (all parameters but the position table)
-    + 2 * L * B * ctx * H * e            K and V (H values each per position) of every layer and batch row for the
-                                         ctx positions the step attends: step i of G (from 0, after a prefill of P)
+    weight_bytes_per_token               every weight once (all parameters but tables read a row at a time)
+    + 2 * L * B * ctx * W * e            K and V (W = key/value heads x head dim per position) of every layer and
+                                         batch row for the ctx positions the step attends: step i of G (from 0, after a prefill of P)
                                          attends P + i + 1, so ctx = P + (G + 1) / 2 on average over the G steps
     """
     mean_context = prompt_len + (gen_len + 1) / 2
-    kv = 2 * stats.layers * batch * mean_context * stats.hidden * stats.element_size
+    kv = 2 * stats.layers * batch * mean_context * (stats.kv_width or stats.hidden) * stats.element_size
     return stats.weight_bytes_per_token + kv
 
 

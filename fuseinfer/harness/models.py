@@ -150,6 +150,7 @@ class ModelStats:
     layers: int
     hidden: int
     element_size: int
+    kv_width: int | None = None  # key/value heads x head dim of a layer's cache (None: hidden, multi-head attention)
 
 
 def model_stats(model: nn.Module) -> ModelStats:
@@ -157,6 +158,7 @@ def model_stats(model: nn.Module) -> ModelStats:
     its output embeddings)."""
     family = models.family_of(model)
     _, layers = family.decoder_layers(model)
+    kv_heads, head_dim = family.kv_layout(model.config)
     params = sum(p.numel() for p in model.parameters())
     linear = sum(m.weight.numel() for m in layers.modules() if isinstance(m, nn.Linear))
     partial = sum(t.numel() for t in family.row_read_tensors(model))  # a decode step reads one row of each
@@ -164,4 +166,4 @@ def model_stats(model: nn.Module) -> ModelStats:
     return ModelStats(params=params, matmul_params=linear, lm_head_params=model.get_output_embeddings().weight.numel(),
                       weight_bytes_per_token=(params - partial) * element_size,
                       layers=model.config.num_hidden_layers, hidden=model.config.hidden_size,
-                      element_size=element_size)
+                      element_size=element_size, kv_width=kv_heads * head_dim)
