@@ -44,14 +44,17 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--backends", default="eager,hf_static_compile,fuseinfer")
+    ap.add_argument("--backends", default="eager,hf_static_compile,fuseinfer",
+                    help="comma list of eager, hf_static_compile, fuseinfer, fuseinfer-w8a16")
+    ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     ap.add_argument("--quick", action="store_true", help="batch 1 only, 64 tokens, 3 repeats")
     args = ap.parse_args()
     if args.quick:
         args.batches, args.new_tokens, args.repeats = "1", 64, 3
     ceilings = measure_ceilings()
     source = resolve_model(args.model)
-    base = load_model(source, load_config(source), torch.float16, torch.device("cuda"), seed=0)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    base = load_model(source, load_config(source), dtype, torch.device("cuda"), seed=0)
     base.generation_config.eos_token_id = None  # random weights: never stop early
     stats = model_stats(base)
     weight_bytes = stats.weight_bytes_per_token
@@ -69,11 +72,12 @@ def main() -> None:
             elif name == "hf_static_compile":
                 gen = lambda x, n: model.generate(x, max_new_tokens=n, do_sample=False,  # noqa
                                                   cache_implementation="static")
-            elif name == "fuseinfer":
-                fuseinfer.patch(model)
+            elif name in ("fuseinfer", "fuseinfer-w8a16"):
+                quant = fuseinfer.Int8WeightOnly() if name == "fuseinfer-w8a16" else None
+                fuseinfer.patch(model, fuseinfer.PatchConfig(quant=quant))
                 gen = lambda x, n: fuseinfer.generate(model, x, max_new_tokens=n)  # noqa: E731
             else:
-                ap.error(f"unknown backend {name!r} (eager, hf_static_compile, fuseinfer)")
+                ap.error(f"unknown backend {name!r} (eager, hf_static_compile, fuseinfer, fuseinfer-w8a16)")
             with torch.no_grad():
                 t = ms_per_token(gen, ids, args.new_tokens, args.repeats)
             ms = t["median_ms"]
@@ -98,10 +102,12 @@ def main() -> None:
             *[c for c in ("fuseinfer_over_floor", "fuseinfer_over_floor_kv", "fuseinfer_GBps", "fuseinfer_pct_copy",
                           "fuseinfer_tok_s",
                           "speedup_vs_eager", "speedup_vs_hf_static_compile") if c in rows[0]]]
-    settings = {**vars(args), "dtype": "fp16", "weight_bytes": weight_bytes,
+    settings = {**vars(args), "weight_bytes": weight_bytes,
                 "timing": "(T(1+N new) - T(1 new)) / N per round, the two timed back to back, wall clock around "
                             "synchronised generate; median and p10-p90 over rounds"}
-    print(write_results("decode", settings, ceilings, rows, cols).with_suffix(".md").read_text())
+    name = "decode" if args.model == "random:opt-1.3b" and args.dtype == "fp16" else \
+        f"decode_{args.model.rsplit('/', 1)[-1].removeprefix('random:')}_{args.dtype}"
+    print(write_results(name, settings, ceilings, rows, cols).with_suffix(".md").read_text())
 
 
 if __name__ == "__main__":
