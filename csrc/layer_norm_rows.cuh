@@ -4,8 +4,8 @@
 //
 // One pass over memory: every row is loaded once into registers (x and residual read, s = x + residual rounded to
 // x's dtype optionally written), its mean and biased variance are reduced in fp32 from those registers (two-pass:
-// mean first, then the sum of squared deviations, so no E[x^2] - E[x]^2 cancellation), and the Op's last pass
-// writes its outputs from the same registers.
+// mean first, then the sum of squared deviations, so no E[x^2] - E[x]^2 cancellation; RMSNorm: the mean of squares
+// alone, one pass), and the Op's last pass writes its outputs from the same registers.
 //
 // Work split (chosen on the host from the row length and the row count, see pick_config and vector_config):
 //   * a row of at most 32 * VPT vectors: one warp per row, 4 rows per 128-thread block, shuffle reductions;
@@ -26,7 +26,7 @@
 // `static constexpr Stats kStats = Stats::kRms` (add_rms_norm, rms_norm.cu): the statistics are then RMSNorm's, the
 // mean of squares in fp32 in the same first pass over the registers (no mean subtraction, no second pass), with
 // Row::mean 0 and Row::rstd = rsqrt(mean(s^2) + eps); without it (the LayerNorm ops) they are mean and variance,
-// and the compiled LayerNorm code is what it was before the option existed.
+// compiled to the same machine code as if the option did not exist.
 #pragma once
 #include "device_utils.cuh"
 #include "launch.h"
@@ -179,7 +179,7 @@ constexpr int max_threads() { return VEC == 1 ? 1024 : 512; }
 template <typename T, int VEC, int VPT>
 struct Row {
   Pack<T, VEC> a[VPT], wv[VPT], bv[VPT];
-  float mean, rstd;     // RMS statistics (Stats::kRms): mean is 0
+  float mean, rstd;     // the row's statistics (Stats::kRms: mean 0, rstd = rsqrt(mean(s^2) + eps))
   int64_t index, base;  // the row, and its first pack's index in x
   int tid, tpr, nv;     // thread in the row, threads per row, packs per row
 };
@@ -297,8 +297,8 @@ __global__ void __launch_bounds__(max_threads<VEC>(), 1) rows_kernel(const typen
     }
   }
   if constexpr (kRms) {
-    // rsqrt(mean(s^2) + eps) as the reference: the mean a true division by n (the reference's .mean()), rsqrtf as
-    // torch's rsqrt on CUDA
+    // rsqrt(mean(s^2) + eps) as the reference computes it: the sum divided by n, then rsqrtf (torch's rsqrt on
+    // CUDA)
     r.mean = 0.f;
     r.rstd = rsqrtf(row_sum(local, scratch_mean) / static_cast<float>(p.n) + p.eps);
   } else {
