@@ -140,6 +140,9 @@ OPCHECK_CASES = {  # fp32 inputs (on CUDA: the fp32 kernel; test_opcheck_cuda ta
                                          torch.randn(5, 6, 32, device=dev), torch.randn(32, device=dev), 1e-6, True),
     "add_rms_norm_strided_no_residual": lambda dev: (torch.randn(6, 5, 32, device=dev).transpose(0, 1), None, None,
                                                      1e-6, True),
+    # a weight of another dtype than x: y takes the promoted dtype (the reference's, transformers')
+    "add_rms_norm_fp32_weight": lambda dev: (torch.randn(4, 64, device=dev, dtype=torch.bfloat16), None,
+                                             torch.randn(64, device=dev), 1e-6, True),
     # inputs that need gradients: the autograd formula is registered and traces under AOT autograd
     "add_rms_norm_grad": lambda dev: tuple(torch.randn(*s, device=dev).requires_grad_()
                                            for s in ((5, 123), (5, 123), (123,))) + (1e-6, True),
