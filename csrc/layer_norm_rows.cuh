@@ -1,11 +1,11 @@
-// The row machinery of the fused residual add + LayerNorm kernels, written once: add_layer_norm (layer_norm.cu,
-// stores y) and add_layer_norm_quant (layer_norm_quant.cu, stores y quantised to int8 per token) instantiate it with
-// their own last pass (an Op class, below).
+// The row machinery of the fused residual add + LayerNorm / RMSNorm kernels, written once: add_layer_norm
+// (layer_norm.cu, stores y), add_layer_norm_quant (layer_norm_quant.cu, stores y quantised to int8 per token) and
+// add_rms_norm (rms_norm.cu, RMS statistics, stores y) instantiate it with their own last pass (an Op class, below).
 //
 // One pass over memory: every row is loaded once into registers (x and residual read, s = x + residual rounded to
 // x's dtype optionally written), its mean and biased variance are reduced in fp32 from those registers (two-pass:
-// mean first, then the sum of squared deviations, so no E[x^2] - E[x]^2 cancellation), and the Op's last pass
-// writes its outputs from the same registers.
+// mean first, then the sum of squared deviations, so no E[x^2] - E[x]^2 cancellation; RMSNorm: the mean of squares
+// alone, one pass), and the Op's last pass writes its outputs from the same registers.
 //
 // Work split (chosen on the host from the row length and the row count, see pick_config and vector_config):
 //   * a row of at most 32 * VPT vectors: one warp per row, 4 rows per 128-thread block, shuffle reductions;
@@ -22,7 +22,11 @@
 //
 // An Op provides: Params (deriving from RowParams, plus its outputs), kName (for errors), kPrefetchAffine,
 // outputs_aligned(p) (its outputs' part of the vector-path condition) and
-// finish<T, VEC, VPT, PREFETCHED>(p, row) (the last pass over a Row, after the statistics).
+// finish<T, VEC, VPT, PREFETCHED>(p, row) (the last pass over a Row, after the statistics). Optionally
+// `static constexpr Stats kStats = Stats::kRms` (add_rms_norm, rms_norm.cu): the statistics are then RMSNorm's, the
+// mean of squares in fp32 in the same first pass over the registers (no mean subtraction, no second pass), with
+// Row::mean 0 and Row::rstd = rsqrt(mean(s^2) + eps); without it (the LayerNorm ops) they are mean and variance,
+// compiled to the same machine code as if the option did not exist.
 #pragma once
 #include "device_utils.cuh"
 #include "launch.h"
@@ -34,6 +38,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace fuseinfer {
 namespace ln_rows {
@@ -42,6 +47,19 @@ constexpr int kMaxN = 16384;             // largest supported hidden size
 constexpr int kMaxElemsPerThread = 32;   // row elements per thread on the vector paths (4 x 8 or 8 x 4)
 constexpr int kMaxScalarPerThread = 16;  // same for the scalar path: 1024 threads * 16 = kMaxN
 constexpr int kWarpRowsPerBlock = 4;     // rows per block in the warp-per-row layout
+
+// The statistics a row's Op normalises with: LayerNorm's mean and biased variance, or RMSNorm's mean of squares.
+enum class Stats { kMeanVar, kRms };
+
+// Op::kStats where the Op declares it, else Stats::kMeanVar (the LayerNorm ops do not declare it).
+template <class Op, class = void>
+struct StatsOf {
+  static constexpr Stats value = Stats::kMeanVar;
+};
+template <class Op>
+struct StatsOf<Op, std::void_t<decltype(Op::kStats)>> {
+  static constexpr Stats value = Op::kStats;
+};
 
 // VEC elements of T moved as one load/store (16 bytes for the vector paths, one element for the scalar path).
 template <typename T, int VEC>
@@ -161,7 +179,7 @@ constexpr int max_threads() { return VEC == 1 ? 1024 : 512; }
 template <typename T, int VEC, int VPT>
 struct Row {
   Pack<T, VEC> a[VPT], wv[VPT], bv[VPT];
-  float mean, rstd;
+  float mean, rstd;     // the row's statistics (Stats::kRms: mean 0, rstd = rsqrt(mean(s^2) + eps))
   int64_t index, base;  // the row, and its first pack's index in x
   int tid, tpr, nv;     // thread in the row, threads per row, packs per row
 };
@@ -260,6 +278,9 @@ __global__ void __launch_bounds__(max_threads<VEC>(), 1) rows_kernel(const typen
     }
   }
 
+  // First pass over the registers: the sum (LayerNorm) or the sum of squares (RMSNorm; the zeros past the row's
+  // end add nothing to either).
+  constexpr bool kRms = StatsOf<Op>::value == Stats::kRms;
   float local = 0.f;
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
@@ -267,23 +288,36 @@ __global__ void __launch_bounds__(max_threads<VEC>(), 1) rows_kernel(const typen
     float f[VEC];
     widen(r.a[i], f);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) local += f[j];
-  }
-  const float inv_n = 1.f / static_cast<float>(p.n);
-  r.mean = row_sum(local, scratch_mean) * inv_n;
-
-  // Second pass over the registers: sum of squared deviations (biased variance, like torch).
-  local = 0.f;
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    if (tid + i * tpr < nv) {
-      float f[VEC];
-      widen(r.a[i], f);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) local += (f[j] - r.mean) * (f[j] - r.mean);
+    for (int j = 0; j < VEC; ++j) {
+      if constexpr (kRms) {
+        local += f[j] * f[j];
+      } else {
+        local += f[j];
+      }
     }
   }
-  r.rstd = rsqrtf(row_sum(local, scratch_var) * inv_n + p.eps);
+  if constexpr (kRms) {
+    // rsqrt(mean(s^2) + eps) as the reference computes it: the sum divided by n, then rsqrtf (torch's rsqrt on
+    // CUDA)
+    r.mean = 0.f;
+    r.rstd = rsqrtf(row_sum(local, scratch_mean) / static_cast<float>(p.n) + p.eps);
+  } else {
+    const float inv_n = 1.f / static_cast<float>(p.n);
+    r.mean = row_sum(local, scratch_mean) * inv_n;
+
+    // Second pass over the registers: sum of squared deviations (biased variance, like torch).
+    local = 0.f;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      if (tid + i * tpr < nv) {
+        float f[VEC];
+        widen(r.a[i], f);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) local += (f[j] - r.mean) * (f[j] - r.mean);
+      }
+    }
+    r.rstd = rsqrtf(row_sum(local, scratch_var) * inv_n + p.eps);
+  }
 
   // The next kernel (PDL) may launch now, with only the normalisation and the stores left: triggered at the start
   // instead, its blocks moved in beside this kernel's while those still loaded and reduced, and 20 add+LN calls of

@@ -52,6 +52,14 @@ def other_kernels():
         w, b = torch.randn(123, device="cuda", dtype=dtype), torch.randn(123, device="cuda", dtype=dtype)
         ops.add_layer_norm(x, r, w, b, 1e-5, True)
         ops.add_layer_norm(torch.randn(5, 2048, device="cuda", dtype=dtype), None, None, None, 1e-5, False)
+        # RMSNorm: odd width (scalar path), a block-per-row width (vector path), a misaligned contiguous view
+        ops.add_rms_norm(x, r, w, 1e-6, True)
+        ops.add_rms_norm(torch.randn(5, 4096, device="cuda", dtype=dtype), None, None, 1e-6, False)
+        ops.add_rms_norm(torch.randn(3 * 256 + 1, device="cuda", dtype=dtype)[1:].view(3, 256), None, None, 1e-6, True)
+        # SiLU * up: odd F (scalar path), F % 8 == 0 (16-byte packs), a misaligned contiguous view
+        ops.silu_mul(torch.randn(37, 2 * 123, device="cuda", dtype=dtype))
+        ops.silu_mul(torch.randn(9, 2 * 1024, device="cuda", dtype=dtype))
+        ops.silu_mul(torch.randn(2 * 2 * 64 + 1, device="cuda", dtype=dtype)[1:].view(2, 128))
     for dtype in (torch.float16, torch.bfloat16):
         x, w = torch.randn(19, 96, device="cuda", dtype=dtype), torch.randn(136, 96, device="cuda", dtype=dtype)
         b, r = torch.randn(136, device="cuda", dtype=dtype), torch.randn(19, 136, device="cuda", dtype=dtype)

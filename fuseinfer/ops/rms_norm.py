@@ -51,7 +51,10 @@ def _add_rms_norm_cuda(x, residual, weight, eps, store_sum):
 
 @_add_rms_norm.register_fake
 def _(x, residual, weight, eps, store_sum):
-    return x.new_empty(x.shape), (x.new_empty(x.shape) if store_sum else x.new_empty(0))
+    # y has the reference's dtype: ``weight * n`` promotes (an fp32 weight on bf16 activations gives fp32, as in
+    # transformers)
+    y_dtype = x.dtype if weight is None else torch.promote_types(weight.dtype, x.dtype)
+    return x.new_empty(x.shape, dtype=y_dtype), (x.new_empty(x.shape) if store_sum else x.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):

@@ -18,7 +18,9 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # csrc/silu_mul.
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """Pure-PyTorch reference: (..., 2F) -> (..., F)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    # silu of a contiguous gate, as the model's own gate_proj output: on the CPU, fp32 silu's last bit depends on
+    # the layout (vectorised and scalar exp), and the chunk is a strided view
+    return F.silu(gate.contiguous()) * up
 
 
 @torch.library.custom_op("fuseinfer::silu_mul", mutates_args=())
