@@ -133,6 +133,11 @@ class ModelFamily(ABC):
         """Every SmoothQuant smoothing of ``model``, those it cannot take included (with ``skipped`` set)."""
         raise self._unsupported("SmoothQuant")
 
+    def init_buffers(self, model: nn.Module) -> None:
+        """Recompute the buffers no checkpoint holds (non-persistent, e.g. rotary tables) of a model whose tensors
+        were allocated without values (``to_empty``) or are still on the meta device (then on the CPU). None by
+        default."""
+
     def kv_layout(self, config) -> tuple[int, int]:
         """(key/value heads, head dim) of a layer's KV cache: the static caches the runtime allocates have this
         shape per row. Multi-head attention by default; grouped-query families have fewer key/value heads."""

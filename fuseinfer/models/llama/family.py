@@ -52,6 +52,9 @@ class LlamaFamily(ModelFamily):
     def smoothing_groups(self, model):
         raise FuseInferError(llama_quant.SMOOTHQUANT_REFUSAL)
 
+    def init_buffers(self, model):
+        llama.init_rotary(model)
+
     def kv_layout(self, config):
         return config.num_key_value_heads, llama.head_dim_of(config)
 

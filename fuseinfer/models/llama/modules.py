@@ -556,6 +556,24 @@ def _own_gate_up_storage(mlp, state_dict, prefix, local_metadata) -> None:
                 state_dict[key] = t.clone()
 
 
+@torch.no_grad()
+def init_rotary(model: nn.Module) -> None:
+    """Recompute every rotary embedding's ``inv_freq`` / ``original_inv_freq`` (non-persistent buffers: no checkpoint
+    holds them) as its ``__init__`` does, on the buffer's device (the CPU for one on the meta device)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for m in model.modules():
+        if not (isinstance(m._buffers.get("inv_freq"), torch.Tensor) and hasattr(m, "rope_type")):
+            continue
+        init = m.compute_default_rope_parameters if m.rope_type == "default" else ROPE_INIT_FUNCTIONS[m.rope_type]
+        inv_freq, m.attention_scaling = init(m.config, device=torch.device("cpu"))
+        old = m._buffers["inv_freq"]
+        dev = torch.device("cpu") if old.is_meta else old.device
+        m._buffers["inv_freq"] = inv_freq.to(dev)
+        if "original_inv_freq" in m._buffers:
+            m._buffers["original_inv_freq"] = inv_freq.clone().to(dev)
+
+
 def head_dim_of(config) -> int:
     """The attention head dim of a Llama-architecture config (``head_dim`` where set, else hidden / heads)."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
