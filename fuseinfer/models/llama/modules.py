@@ -44,6 +44,7 @@ from transformers.models.qwen2.modeling_qwen2 import (
 from fuseinfer.core import placement
 from fuseinfer.core.config import PatchConfig, PatchReport, Swap
 from fuseinfer.core.errors import FuseInferError
+from fuseinfer.core.quant_config import SmoothQuantW8A8
 from fuseinfer.core.state import LOCK_ATTR, disown_config, lock_holder
 from fuseinfer.layers import attention_backend, hf_attention
 from fuseinfer.layers.linear import fused_linear
@@ -51,6 +52,7 @@ from fuseinfer.ops import add_rms_norm, linear_epilogue, qkv_rope, qkv_rope_appe
 from fuseinfer.ops.attention import repeat_kv
 from fuseinfer.models.base import FusedWeight
 from fuseinfer.models.llama.layer import decoder_layer
+from fuseinfer.models.llama.quant import SMOOTHQUANT_REFUSAL
 from fuseinfer.models.opt.modules import (  # the engine's generic checks, shared by every family
     OPTPatchRules, _backends, _global_hooks, _has_hooks, _original_forward, _own_qkv_storage, _replace_config,
     _swap_class,
@@ -452,6 +454,8 @@ class LlamaPatchRules:
         why = sliding_window_refusal(model.config)
         if why is not None:
             raise FuseInferError(why)
+        if isinstance(config.quant, SmoothQuantW8A8):  # (before calibration runs the model)
+            raise FuseInferError(SMOOTHQUANT_REFUSAL)
         ops = frozenset(config.ops)
         state = {"classes": [], "fused": [], "config": None, "attn_backends": []}
         like = next(model.parameters())
