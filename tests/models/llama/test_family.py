@@ -151,7 +151,8 @@ def _perplexities(model, path, windows: int, quant=None, device="cpu") -> tuple[
     eager = perplexity(loss, wins, torch.device(device)).ppl
     fuseinfer.patch(model, PatchConfig(quant=quant))
     patched = perplexity(loss, wins, torch.device(device)).ppl
-    fuseinfer.unpatch(model) if quant is None or quant.keep_original else None
+    if quant is None:
+        fuseinfer.unpatch(model)
     assert math.isfinite(eager) and math.isfinite(patched)
     return eager, patched
 
@@ -421,3 +422,24 @@ def test_family_interface_refusals_are_clear():
     assert fam.module_kinds()["gate_proj"] == "mlp_in" and fam.module_kinds()["o_proj"] == "attn_out"
     assert models.family("mistral").config_class().__name__ == "MistralConfig"
     assert models.family("qwen2").config_class().__name__ == "Qwen2Config"
+
+
+def test_attention_weights_and_hidden_states_as_transformers_records_them(tiny_llama_path):
+    """output_attentions / output_hidden_states: the patched model (grouped-query k / v repeated for the weights)
+    records what transformers' eager model records."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    ids = _ids(model)
+    mask = _left_padded(ids)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, output_attentions=True, output_hidden_states=True)
+        fuseinfer.patch(model)
+        ours = model(input_ids=ids, attention_mask=mask, output_attentions=True, output_hidden_states=True)
+    assert len(ours.attentions) == len(ref.attentions) == model.config.num_hidden_layers
+    for a, b in zip(ours.attentions, ref.attentions):
+        assert a.shape == (3, model.config.num_attention_heads, 21, 21)
+        torch.testing.assert_close(a[1:], b[1:], rtol=0, atol=1e-6)  # (rows 1, 2: padded queries differ in row 0)
+    for a, b in zip(ours.hidden_states, ref.hidden_states):
+        _assert_logits_close(a, b, mask, ATOL32)
