@@ -49,8 +49,7 @@ from fuseinfer.core.state import LOCK_ATTR, disown_config, lock_holder
 from fuseinfer.layers import attention_backend, hf_attention
 from fuseinfer.layers.linear import fused_linear
 from fuseinfer.ops import add_rms_norm, linear_epilogue, qkv_rope, qkv_rope_append, silu_mul
-from fuseinfer.ops import attention as attention_op
-from fuseinfer.ops.attention import repeat_kv
+from fuseinfer.ops.attention import KERNEL_GQA, repeat_kv
 from fuseinfer.models.base import FusedWeight
 from fuseinfer.models.llama.layer import decoder_layer
 from fuseinfer.models.llama.quant import SMOOTHQUANT_REFUSAL
@@ -527,7 +526,7 @@ class LlamaPatchRules:
         state["classes"].append((module, type(module)))
         backends = _backends(module, ops, like)
         cfg = getattr(module, "config", None)
-        if backends.get("attention") == "cuda" and not attention_op.KERNEL_GQA \
+        if backends.get("attention") == "cuda" and not KERNEL_GQA \
                 and cfg.num_key_value_heads != cfg.num_attention_heads:
             backends["attention"] = "sdpa (grouped-query k / v: no kernel for them yet)"
         report.swaps.append(Swap(name, type(module).__name__, cls.__name__, backends))

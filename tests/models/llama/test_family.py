@@ -459,3 +459,15 @@ def test_patched_generate_with_other_settings_equals_transformers(settings, tiny
         ref = model.generate(ids, **kwargs)
         fuseinfer.patch(model)
         assert torch.equal(model.generate(ids, **kwargs), ref)
+
+
+def test_report_names_sdpa_where_grouped_query_attention_has_no_kernel(monkeypatch):
+    """On a GPU whose attention kernel takes no grouped-query k / v, the report says SDPA runs the attention (the
+    backends faked as CUDA here: the branch is host-side)."""
+    monkeypatch.setattr(llama_modules, "_backends", lambda module, ops, like: {op: "cuda" for op in ops})
+    monkeypatch.setattr(llama_modules, "KERNEL_GQA", False)
+    report = fuseinfer.patch(random_llama(num_attention_heads=4, num_key_value_heads=2))
+    attn = next(s for s in report.swaps if s.new_class == "FusedLlamaAttention")
+    assert attn.ops["attention"].startswith("sdpa (grouped-query") and attn.ops["qkv"] == "cuda"
+    report = fuseinfer.patch(random_llama(num_attention_heads=4, num_key_value_heads=4))
+    assert next(s for s in report.swaps if s.new_class == "FusedLlamaAttention").ops["attention"] == "cuda"
