@@ -471,3 +471,35 @@ def test_report_names_sdpa_where_grouped_query_attention_has_no_kernel(monkeypat
     assert attn.ops["attention"].startswith("sdpa (grouped-query") and attn.ops["qkv"] == "cuda"
     report = fuseinfer.patch(random_llama(num_attention_heads=4, num_key_value_heads=4))
     assert next(s for s in report.swaps if s.new_class == "FusedLlamaAttention").ops["attention"] == "cuda"
+
+
+def test_patched_model_compiles_to_one_graph_of_the_registered_ops():
+    from conftest import traced_by_compile
+
+    model = random_llama("qwen2")
+    ids = _ids(model, rows=2, length=9)
+    ref = _logits(model, ids, None)
+    fuseinfer.patch(model)
+    with torch.no_grad():
+        out, code = traced_by_compile(model, input_ids=ids)
+    torch.testing.assert_close(out.logits.float(), ref, rtol=0, atol=ATOL32)
+    layers = model.config.num_hidden_layers
+    counts = {op: code.count(f"fuseinfer.{op}") for op in ("add_rms_norm", "qkv_rope", "silu_mul", "linear_epilogue")}
+    # per layer: 2 norms, q/k/v + rotary, gate/up + silu_mul, GEMMs q/k/v, o_proj, gate/up, down_proj; the final norm
+    assert counts == {"add_rms_norm": 2 * layers + 1, "qkv_rope": layers, "silu_mul": layers,
+                      "linear_epilogue": 4 * layers}, counts
+
+
+def test_random_model_materialized_from_meta_runs_fast_decode():
+    """The eval's random: models: built on meta, materialized (the rotary tables recomputed), patched, decoded."""
+    from fuseinfer.harness.materialize import materialize, meta_model, random_init
+
+    fam = models.family("qwen2")
+    cfg = fam.build_config("Qwen/Qwen2.5-1.5B")
+    cfg.num_hidden_layers, cfg.vocab_size = 1, 1000
+    model = materialize(meta_model(cfg, torch.float32), "cpu", random_init(0, 0.02))
+    ref = model.model.rotary_emb.compute_default_rope_parameters(cfg)[0]
+    assert torch.equal(model.model.rotary_emb.inv_freq, ref)
+    fuseinfer.patch(model)
+    ids = torch.randint(0, 1000, (2, 8), generator=torch.Generator().manual_seed(0))
+    assert fuseinfer.generate(model, ids, max_new_tokens=3, min_new_tokens=3).shape == (2, 11)
