@@ -6,8 +6,9 @@ linear: ``quantize_per_channel`` (``fuseinfer/ops/quant.py``: CUDA kernel on GPU
 scale per row; the ``nn.Linear`` is replaced in its parent by an :class:`Int8WeightOnlyLinear` holding them and the
 original bias Parameter. A fused weight (the family's ``fused_weights``: the q/k/v ``qkv_weight``, (3E, E), built by
 the family's patch; gate/up where a family fuses them) becomes one int8 (N, E) + (N,) scales in the module's child of
-the fused weight's name (``qkv_proj``); its parts (the q/k/v projections) become :class:`QKVSlice` views of it. The replaced fp16 weights are freed as each is done (peak: the model plus one
-weight's temporaries), after a copy to host memory when ``keep_original="cpu"``.
+the fused weight's name (``qkv_proj``); its parts (the q/k/v projections) become :class:`QKVSlice` views of it. The
+replaced fp16 weights are freed as each is done (peak: the model plus one weight's temporaries), after a copy to host
+memory when ``keep_original="cpu"``.
 """
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ from fuseinfer.models.base import FusedWeight
 from fuseinfer.models.llama.layer import decoder_layer
 from fuseinfer.models.llama.quant import SMOOTHQUANT_REFUSAL
 from fuseinfer.models.opt.modules import (  # the engine's generic checks, shared by every family
-    OPTPatchRules, _backends, _global_hooks, _has_hooks, _original_forward, _own_qkv_storage, _replace_config,
+    OPTPatchRules, _backends, _has_hooks, _original_forward, _own_qkv_storage, _replace_config,
     _swap_class,
 )
 
@@ -72,18 +72,17 @@ ARCHS = {
 QKV = FusedWeight("qkv_proj", "qkv_weight", "qkv_bias", ("q_proj", "k_proj", "v_proj"), "_fuseinfer_qkv_params")
 GATE_UP = FusedWeight("gate_up_proj", "gate_up_weight", "gate_up_bias", ("gate_proj", "up_proj"),
                       "_fuseinfer_gate_up_params")
-Group = FusedWeight
 
 
 # ---------------------------------------------------------------------------------------------- fused weights
 
-def _params(module: nn.Module, group: Group) -> tuple:
+def _params(module: nn.Module, group: FusedWeight) -> tuple:
     """The parts' weights and biases as stored (``_parameters``: where functional_call swaps tensors in)."""
     mods = module._modules
     return tuple(mods[name]._parameters[p] for name in group.parts for p in ("weight", "bias"))
 
 
-def fuse(module: nn.Module, group: Group) -> None:
+def fuse(module: nn.Module, group: FusedWeight) -> None:
     """Concatenate the parts' weights (and biases) into one tensor and make the parts views of it."""
     projs = [module._modules[n] for n in group.parts]
     module.__dict__[group.weight] = torch.cat([p.weight.detach() for p in projs])  # (sum N_i, E)
@@ -92,7 +91,7 @@ def fuse(module: nn.Module, group: Group) -> None:
     link(module, group)
 
 
-def link(module: nn.Module, group: Group) -> None:
+def link(module: nn.Module, group: FusedWeight) -> None:
     """Point the parts' Parameters (the same objects, so optimizers and hooks keep them) at their rows of the fused
     tensors, and remember those objects."""
     w, b = module.__dict__[group.weight], module.__dict__[group.bias]
@@ -107,7 +106,7 @@ def link(module: nn.Module, group: Group) -> None:
     module.__dict__[group.params] = _params(module, group)
 
 
-def unfuse(module: nn.Module, group: Group) -> None:
+def unfuse(module: nn.Module, group: FusedWeight) -> None:
     """Give every part storage of its own again and drop the fused tensors."""
     for name in group.parts:
         proj = module._modules[name]
@@ -118,7 +117,7 @@ def unfuse(module: nn.Module, group: Group) -> None:
         module.__dict__.pop(key, None)
 
 
-def _linked(module: nn.Module, group: Group) -> bool:
+def _linked(module: nn.Module, group: FusedWeight) -> bool:
     """Whether the fused GEMM serves this forward: the weight-only quantizer put its int8 linear in place, or the
     parts hold the Parameters linked to the fused tensor, still its rows (``param.data = t`` keeps the Parameter,
     not the view; data pointers checked in eager mode only), and none needs a gradient (autograd does not connect
@@ -145,7 +144,7 @@ def _linked(module: nn.Module, group: Group) -> bool:
     return True
 
 
-def _fused_group_linear(module: nn.Module, group: Group, x: torch.Tensor) -> torch.Tensor:
+def _fused_group_linear(module: nn.Module, group: FusedWeight, x: torch.Tensor) -> torch.Tensor:
     """x (..., E) @ the fused weight -> (..., sum N_i): the quantized linear where there is one."""
     quant = module._modules.get(group.name)
     if quant is not None:
@@ -418,9 +417,10 @@ def _bypass_reason(module: nn.Module, ops, like: torch.Tensor) -> str | None:
         if _has_hooks(module):
             return "the MLP has hooks (the fused one returns its output plus the residual)"
         act = module._modules.get("act_fn")
-        if type(act).__name__ not in _SILU or _has_hooks(act):
-            return (f"its activation is {type(act).__name__}{' with hooks' if act is not None and _has_hooks(act) else ''}"
-                    ", not a plain SiLU (silu_mul fuses SiLU only)")
+        if type(act).__name__ not in _SILU:
+            return f"its activation is {type(act).__name__}, not SiLU (silu_mul fuses SiLU only)"
+        if _has_hooks(act):
+            return "act_fn has hooks (the fused forward does not call it)"
         kinds = {n: nn.Linear for n in ("gate_proj", "up_proj", "down_proj")}
     elif isinstance(module, tuple(a[0] for a in ARCHS.values())) and "layer_norm" in ops:
         norms = tuple(a[3] for a in ARCHS.values())
@@ -512,7 +512,7 @@ class LlamaPatchRules:
         return state
 
     @staticmethod
-    def _fuse(module: nn.Module, group: Group, state: dict) -> None:
+    def _fuse(module: nn.Module, group: FusedWeight, state: dict) -> None:
         fuse(module, group)
         state["fused"].append((module, group))
         if group is QKV:  # state_dict hands the q/k/v weights out as copies (see the OPT family's hook)
@@ -588,5 +588,5 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-__all__ = ["ARCHS", "FUSED", "GATE_UP", "QKV", "LlamaPatchRules", "ModuleOps", "fuse", "link", "unfuse",
-           "_global_hooks", "_has_hooks"]
+__all__ = ["ARCHS", "FUSED", "GATE_UP", "QKV", "LlamaPatchRules", "ModuleOps", "fuse", "head_dim_of", "init_rotary",
+           "link", "sliding_window_refusal", "unfuse"]

@@ -503,3 +503,14 @@ def test_random_model_materialized_from_meta_runs_fast_decode():
     fuseinfer.patch(model)
     ids = torch.randint(0, 1000, (2, 8), generator=torch.Generator().manual_seed(0))
     assert fuseinfer.generate(model, ids, max_new_tokens=3, min_new_tokens=3).shape == (2, 11)
+
+
+def test_mlp_with_another_activation_is_skipped_with_the_reason():
+    model = random_llama(hidden_act="gelu")
+    ids = _ids(model)
+    ref = _logits(model, ids, None)
+    report = fuseinfer.patch(model)
+    skipped = dict(report.skipped)
+    assert set(skipped) == {"model.layers.0.mlp", "model.layers.1.mlp"} and "not SiLU" in skipped["model.layers.0.mlp"]
+    assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
+    torch.testing.assert_close(_logits(model, ids, None), ref, rtol=0, atol=ATOL32)
