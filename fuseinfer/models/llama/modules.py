@@ -537,7 +537,7 @@ class LlamaPatchRules:
     def unpatch(self, model: nn.Module, state: dict) -> None:
         for module, group in state["fused"]:
             unfuse(module, group)
-        for handle in state.get("qkv_hooks", ()) + state.get("input_checks", ()):
+        for handle in [*state.get("qkv_hooks", ()), *state.get("input_checks", ())]:
             handle.remove()
         placement.restore_forwards(state)
         for module, cls in state["classes"]:

@@ -514,3 +514,20 @@ def test_mlp_with_another_activation_is_skipped_with_the_reason():
     assert set(skipped) == {"model.layers.0.mlp", "model.layers.1.mlp"} and "not SiLU" in skipped["model.layers.0.mlp"]
     assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
     torch.testing.assert_close(_logits(model, ids, None), ref, rtol=0, atol=ATOL32)
+
+
+@pytest.mark.parametrize("ops", [("layer_norm",), ("linear",), ("qkv",), ("attention",), ("qkv", "attention"),
+                                 ("layer_norm", "linear", "attention")])
+def test_any_subset_of_ops_keeps_the_logits(ops):
+    model = random_llama("qwen2", num_attention_heads=8, num_key_value_heads=2)
+    ids = _ids(model)
+    mask = _left_padded(ids)
+    ref = _logits(model, ids, mask)
+    report = fuseinfer.patch(model, PatchConfig(ops=ops))
+    assert report.swaps and not report.skipped
+    _assert_logits_close(_logits(model, ids, mask), ref, mask, ATOL32)
+    from fuseinfer.runtime.args import decode_forward
+
+    forward, why = decode_forward(model)
+    assert forward is None and "every op" in why
+    fuseinfer.unpatch(model)
