@@ -1,4 +1,4 @@
-"""Shared fixtures: where the shared assets live, tiny OPT models, and the visible skip of GPU tests."""
+"""Shared fixtures: where the shared assets live, tiny OPT and Llama models, and the visible skip of GPU tests."""
 from __future__ import annotations
 
 import os
@@ -11,6 +11,7 @@ from helpers import DEVICES
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("FUSEINFER_SHARED", REPO.parent / "shared"))
 TINY_MODEL = SHARED / "models" / "opt-wt2-tiny"
+TINY_LLAMA = SHARED / "models" / "llama-wt2-tiny"  # trained 4-layer Llama: hidden 256, 4 heads, 2 KV heads, tied
 WIKITEXT = SHARED / "data" / "wikitext-2-raw"
 
 
@@ -42,6 +43,34 @@ def tiny_model_path() -> Path:
     if not (TINY_MODEL / "config.json").exists():
         pytest.skip(f"shared model not found at {TINY_MODEL}; set FUSEINFER_SHARED to the shared/ folder")
     return TINY_MODEL
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path() -> Path:
+    if not (TINY_LLAMA / "config.json").exists():
+        pytest.skip(f"shared model not found at {TINY_LLAMA}; set FUSEINFER_SHARED to the shared/ folder")
+    return TINY_LLAMA
+
+
+def random_llama(model_type: str = "llama", seed: int = 0, dtype=torch.float32, device="cpu", **overrides):
+    """A small randomly initialised Llama / Mistral / Qwen2 causal LM in eval mode (grouped-query: 4 heads, 2 KV
+    heads by default); ``overrides`` go to its config. RMSNorm weights perturbed so that they are exercised."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                  tie_word_embeddings=False)
+    if model_type == "mistral":
+        kwargs["sliding_window"] = None
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kwargs),
+                                             attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model.to(device=device, dtype=dtype)
 
 
 def random_opt(seed: int = 0, dtype=torch.float32, device="cpu", **overrides):

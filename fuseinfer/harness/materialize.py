@@ -44,8 +44,13 @@ def materialize(model: nn.Module, device, init: Init | None = None, shard: Shard
     device map): a meta parameter from ``init`` (required then), another one copied; with ``shard``, only the slice
     it names (copied from the host slice, not the whole tensor). One full parameter at a time is on the device
     besides the model. Tied parameters stay one object (on the device of the first name that holds them)."""
+    from fuseinfer import models
+
     where = device if callable(device) else (lambda name, d=torch.device(device): d)
     made: dict[int, nn.Parameter | None] = {}
+    fam = models.family_of(model)
+    if fam is not None:  # buffers no checkpoint holds (rotary tables), made on the CPU, placed below
+        fam.init_buffers(model)
     for prefix, module in model.named_modules():
         for pname, param in list(module._parameters.items()):
             if param is None:

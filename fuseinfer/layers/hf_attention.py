@@ -21,7 +21,7 @@ from transformers.masking_utils import (
 from transformers.utils.output_capturing import _active_collector
 
 from fuseinfer.core.config import ATTN_NAME
-from fuseinfer.ops.attention import allowed_mask
+from fuseinfer.ops.attention import allowed_mask, repeat_kv
 from fuseinfer.layers.attention_backend import attention_for
 
 NAME = ATTN_NAME
@@ -99,7 +99,8 @@ def fuseinfer_attention_forward(module, query, key, value, attention_mask, scali
         return attention(query, key, value, attention_mask.key_mask, attention_mask.q_start, scale), None
     if attention_mask is None:  # called without a mask: OPT is causal
         return attention(query, key, value, None, None, scale), None
-    # a prepared 4D mask (user-supplied, or a pattern MaskInfo cannot express)
+    # a prepared 4D mask (user-supplied, or a pattern MaskInfo cannot express); grouped-query k / v repeated to H heads
+    key, value = repeat_kv(query, key, value)
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scale)
     return out.transpose(1, 2).contiguous(), None
 

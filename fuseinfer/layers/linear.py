@@ -81,20 +81,23 @@ class QKVSlice(nn.Module):
     ``bias`` are registered as None so that the family's check that the projections are still the fused ones
     (which compares the stored parameters) sees them as they were recorded."""
 
-    def __init__(self, qkv: Int8WeightOnlyLinear, index: int, embed_dim: int):
+    def __init__(self, qkv: Int8WeightOnlyLinear, index: int, embed_dim: int, start: int | None = None):
+        """Rows [start, start + embed_dim) (``start`` None: index * embed_dim; grouped-query k / v rows differ in
+        number from q's)."""
         super().__init__()
         object.__setattr__(self, "_qkv", qkv)  # a sibling, not a child (it must not appear twice in the tree)
         self.index, self.embed_dim = index, embed_dim
+        self.start = index * embed_dim if start is None else start
         self.register_parameter("weight", None)
         self.register_parameter("bias", None)
 
     def forward(self, x):
-        rows = slice(self.index * self.embed_dim, (self.index + 1) * self.embed_dim)
+        rows = slice(self.start, self.start + self.embed_dim)
         q = self._qkv
         return w8a16_linear(x, q.qweight[rows], q.scale[rows], None if q.bias is None else q.bias[rows])
 
     def extra_repr(self) -> str:
-        return f"rows {self.index * self.embed_dim}:{(self.index + 1) * self.embed_dim} of the int8 qkv_proj"
+        return f"rows {self.start}:{self.start + self.embed_dim} of the int8 fused linear"
 
 
 def int8_input(module: nn.Module | None) -> QuantizedLinear | None:

@@ -33,6 +33,20 @@ class Smoothing:
     what: str                # the input, for reports: "<layer> q/k/v input"
     skipped: str = ""        # why it cannot be smoothed in this model; "" when it can
 
+@dataclass(frozen=True)
+class FusedWeight:
+    """One weight ``patch`` concatenated from several linears of a module (e.g. q/k/v): the linears ``parts`` hold
+    row views of the plain attributes ``weight`` / ``bias`` of the module's ``__dict__``; ``params`` names the
+    attribute holding the Parameters linked to it. Weight-only quantization quantizes it as one tensor, into the
+    module's child ``name``."""
+
+    name: str
+    weight: str
+    bias: str
+    parts: tuple[str, ...]
+    params: str
+
+
 # --- ONNX export (fuseinfer.export) ---
 class AttentionProjections(NamedTuple):
     """What an export strategy needs of one self-attention module: its q, k, v projections (``nn.Linear``, E -> E)
@@ -100,6 +114,17 @@ class ModelFamily(ABC):
         again, after a quantizer put them back."""
         raise self._unsupported("fused q/k/v")
 
+    def fused_weights(self, module: nn.Module) -> tuple[FusedWeight, ...]:
+        """The fused weights of a module ``patch`` swapped (each quantizes as one tensor): the q/k/v ``qkv_weight``
+        where the module has one, by default."""
+        if isinstance(module.__dict__.get("qkv_weight"), torch.Tensor):
+            return (FusedWeight("qkv_proj", "qkv_weight", "qkv_bias", self.qkv_names, "_fuseinfer_qkv_params"),)
+        return ()
+
+    def relink_fused(self, module: nn.Module, fused: FusedWeight) -> None:
+        """Make ``fused.parts`` of ``module`` views of its fused tensors again, after a quantizer put them back."""
+        self.relink_qkv(module)
+
     def quant_targets(self, model: nn.Module) -> list[str]:
         """Qualified names of every decoder linear a quantization scheme replaces, in module order."""
         raise self._unsupported("quantization")
@@ -107,6 +132,11 @@ class ModelFamily(ABC):
     def smoothing_groups(self, model: nn.Module) -> list[Smoothing]:
         """Every SmoothQuant smoothing of ``model``, those it cannot take included (with ``skipped`` set)."""
         raise self._unsupported("SmoothQuant")
+
+    def init_buffers(self, model: nn.Module) -> None:
+        """Recompute the buffers no checkpoint holds (non-persistent, e.g. rotary tables) of a model whose tensors
+        were allocated without values (``to_empty``) or are still on the meta device (then on the CPU). None by
+        default."""
 
     def kv_layout(self, config) -> tuple[int, int]:
         """(key/value heads, head dim) of a layer's KV cache: the static caches the runtime allocates have this

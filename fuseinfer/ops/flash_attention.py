@@ -118,6 +118,8 @@ def plan(q, k, key_mask, q_start) -> tuple[str | None, object]:
         return "seqused", None
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         return None, "a key mask inside CUDA-graph capture (its runs cannot be checked without a host sync)"
+    if k.shape[1] != q.shape[1]:  # (the runs path flattens k / v per query head)
+        return None, "grouped-query k / v with a key mask: the runs path takes one key/value head per query head"
     exact, lo, hi = _left_padded(key_mask, q_start, sq)
     return ("runs", (lo, hi)) if exact else (None, "a row's allowed keys are not one run (a mask with holes)")
 

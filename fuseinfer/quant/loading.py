@@ -108,12 +108,17 @@ def tied_parameters(model) -> list:
 def to_empty_keep_ties(model, device, ties=None) -> None:
     """``model.to_empty(device=device)``, then the parameters that were one object (``ties``, default: now) are made
     one again (moving to or from the meta device gives each module its own new Parameter)."""
+    from fuseinfer import models
+
     ties = tied_parameters(model) if ties is None else ties
     model.to_empty(device=device)
     for group in ties:
         first = group[0][0]._parameters[group[0][1]]
         for module, name in group[1:]:
             module._parameters[name] = first
+    fam = models.family_of(model)
+    if fam is not None:  # buffers no checkpoint holds (rotary tables): to_empty left them uninitialised
+        fam.init_buffers(model)
 
 
 def refresh_report(model) -> None:

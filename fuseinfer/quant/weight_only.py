@@ -4,10 +4,11 @@ Runs after the model family's swaps (``patching.patch``). Plan first (which line
 config that selects nothing raises before anything is touched (the engine then undoes the family's swaps). Per
 linear: ``quantize_per_channel`` (``fuseinfer/ops/quant.py``: CUDA kernel on GPU) gives int8 (N, K) and one fp32
 scale per row; the ``nn.Linear`` is replaced in its parent by an :class:`Int8WeightOnlyLinear` holding them and the
-original bias Parameter. The fused q/k/v (``qkv_weight``, (3E, E), built by the family's patch) becomes one int8
-(3E, E) + (3E,) scales in the attention module's ``qkv_proj``; its q/k/v projections (the family's ``qkv_names``)
-become :class:`QKVSlice` views of it. The replaced fp16 weights are freed as each is done (peak: the model plus one
-weight's temporaries), after a copy to host memory when ``keep_original="cpu"``.
+original bias Parameter. A fused weight (the family's ``fused_weights``: the q/k/v ``qkv_weight``, (3E, E), built by
+the family's patch; gate/up where a family fuses them) becomes one int8 (N, E) + (N,) scales in the module's child of
+the fused weight's name (``qkv_proj``); its parts (the q/k/v projections) become :class:`QKVSlice` views of it. The
+replaced fp16 weights are freed as each is done (peak: the model plus one weight's temporaries), after a copy to host
+memory when ``keep_original="cpu"``.
 """
 from __future__ import annotations
 
@@ -62,24 +63,26 @@ def _size(n: int) -> str:
 
 @dataclass
 class _Target:
-    name: str  # qualified name of the linear, or of the attention module + ".qkv_proj"
+    name: str  # qualified name of the linear, or of the module + "." + the fused weight's name (e.g. ".qkv_proj")
     parent: nn.Module
-    attr: str  # the linear's attribute on parent; "" for a fused q/k/v (parent is the attention module)
+    attr: str  # the linear's attribute on parent; "" for a fused weight (e.g. q/k/v; parent holds it)
     tied: bool = False  # the weight is also another module's (LM head tied to the embeddings)
+    fused: object = None  # the family's FusedWeight of a fused target
 
 
 def _targets(model: nn.Module, config, report) -> list[_Target]:
     """The linears to quantize: those of the modules the family swapped (``report.swaps``, chosen by the
     PatchConfig's ops and filter_fn) and, with include_lm_head, the LM head."""
     out = []
-    qkv_names = models.family_of(model).qkv_names
+    fam = models.family_of(model)
     for swap in report.swaps:
         module = model.get_submodule(swap.name)
-        fused_qkv = isinstance(module.__dict__.get("qkv_weight"), torch.Tensor)
-        if fused_qkv:
-            out.append(_Target(f"{swap.name}.qkv_proj".lstrip("."), module, ""))
+        fused = fam.fused_weights(module)  # (the q/k/v of an attention, ...: each one tensor)
+        for f in fused:
+            out.append(_Target(f"{swap.name}.{f.name}".lstrip("."), module, "", fused=f))
+        parts = {n for f in fused for n in f.parts}
         for attr, child in module.named_children():
-            if type(child) is nn.Linear and not (fused_qkv and attr in qkv_names):
+            if type(child) is nn.Linear and attr not in parts:
                 out.append(_Target(f"{swap.name}.{attr}".lstrip("."), module, attr))
     if config.include_lm_head:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -121,7 +124,7 @@ class WeightOnlyState:
 
     config: object
     linears: list = field(default_factory=list)  # (parent, attr, original nn.Linear, kept weight | None, tied)
-    qkvs: list = field(default_factory=list)  # (attention, (q, k, v) nn.Linear, kept (3E, E) | None)
+    qkvs: list = field(default_factory=list)  # (module, its parts' nn.Linears, kept fused weight | None, FusedWeight)
 
     def check_undo(self) -> None:
         if self.config.keep_original is None:
@@ -139,13 +142,13 @@ class WeightOnlyState:
             if not tied:
                 original.weight.data = kept.to(current.qweight.device)
             setattr(parent, attr, original)
-        for attn, projs, kept in reversed(self.qkvs):
-            qkv = attn._modules.pop("qkv_proj")
-            attn.__dict__["qkv_weight"] = kept.to(qkv.qweight.device)
-            attn.__dict__["qkv_bias"] = qkv.bias
-            for name, proj in zip(fam.qkv_names, projs):
+        for attn, projs, kept, fused in reversed(self.qkvs):
+            qkv = attn._modules.pop(fused.name)
+            attn.__dict__[fused.weight] = kept.to(qkv.qweight.device)
+            attn.__dict__[fused.bias] = qkv.bias
+            for name, proj in zip(fused.parts, projs):
                 setattr(attn, name, proj)
-            fam.relink_qkv(attn)  # the projections' weights and biases become views of the buffers again
+            fam.relink_fused(attn, fused)  # the projections' weights and biases become views of the buffers again
 
 
 def quantize_weight_only(model: nn.Module, config, report) -> WeightOnlyState:
@@ -160,7 +163,6 @@ def quantize_weight_only(model: nn.Module, config, report) -> WeightOnlyState:
     keep = None if empty else config.keep_original
     qreport = QuantReport(config.scheme, kept_original=keep)
     state = WeightOnlyState(config)
-    qkv_names = models.family_of(model).qkv_names
     for t in targets:
         if t.attr:  # one nn.Linear
             lin = t.parent._modules[t.attr]
@@ -172,23 +174,24 @@ def quantize_weight_only(model: nn.Module, config, report) -> WeightOnlyState:
             setattr(t.parent, t.attr, new)
             if not t.tied:
                 lin.weight.data = _placeholder(w)  # frees it (the kept copy, if any, is in the state)
-        else:  # fused q/k/v of an attention module
-            attn = t.parent
-            w, bias = attn.qkv_weight, attn.qkv_bias  # (3E, E), (3E,) or None
+        else:  # a fused weight (e.g. the q/k/v of an attention module)
+            attn, f = t.parent, t.fused
+            w, bias = attn.__dict__[f.weight], attn.__dict__[f.bias]  # (N, E) (q/k/v: (3E, E)), (N,) or None
             q, scale = _quantize(w, empty)
             qkv = Int8WeightOnlyLinear(q, scale, bias)
-            projs = tuple(attn._modules[n] for n in qkv_names)
-            state.qkvs.append((attn, projs, _kept(w, keep)))
-            attn.qkv_proj = qkv
-            embed = w.shape[0] // 3
-            for i, (name, proj) in enumerate(zip(qkv_names, projs)):
-                setattr(attn, name, QKVSlice(qkv, i, embed))
-                proj.weight.data = _placeholder(w)  # (views of the (3E, E) buffer: all must go to free it)
+            projs = tuple(attn._modules[n] for n in f.parts)
+            state.qkvs.append((attn, projs, _kept(w, keep), f))
+            setattr(attn, f.name, qkv)
+            start = 0
+            for name, proj in zip(f.parts, projs):  # (row counts may differ: grouped-query k / v)
+                setattr(attn, name, QKVSlice(qkv, 0, proj.out_features, start))
+                start += proj.out_features
+                proj.weight.data = _placeholder(w)  # (views of the fused buffer: all must go to free it)
                 if proj.bias is not None:
                     proj.bias.data = _placeholder(w)
-            attn.__dict__["qkv_weight"] = None
-            attn.__dict__["qkv_bias"] = None
-            attn._fuseinfer_qkv_params = (None,) * 6  # what _qkv_linked compares the QKVSlice's None params with
+            attn.__dict__[f.weight] = None
+            attn.__dict__[f.bias] = None
+            attn.__dict__[f.params] = (None,) * (2 * len(f.parts))  # what the link check compares the slices' with
             before = w.numel() * w.element_size()
         qreport.entries.append(QuantEntry(t.name, tuple(q.shape), before, q.numel() + 4 * scale.numel()))
     report.quant = qreport

@@ -1,0 +1,93 @@
+"""The Llama-architecture model families (Llama, Mistral, Qwen2): the module swaps (``modules.py``), the fast-decode
+forward (``decode.py``) and what the feature packages need (``quant.py``, ``configs.py``) behind the
+:class:`~fuseinfer.models.base.ModelFamily` interface. One class per ``model_type``; they differ only in the
+transformers classes they patch and the random: configurations they list."""
+from __future__ import annotations
+
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.models.base import ModelFamily
+from fuseinfer.models.llama import configs, decode as llama_decode, modules as llama, quant as llama_quant
+
+
+class LlamaFamily(ModelFamily):
+    model_type = "llama"
+    architectures = ("LlamaForCausalLM", "LlamaModel")
+
+    def __init__(self):
+        self._rules = llama.LlamaPatchRules()
+
+    def patch(self, model, config, report):
+        return self._rules.patch(model, config, report)
+
+    def unpatch(self, model, state):
+        self._rules.unpatch(model, state)
+
+    def decode_forward(self, model):
+        return llama_decode.decode_forward(model)
+
+    # ---- what the feature packages need (quant, profile, the harness's random: configurations)
+
+    qkv_names = llama.QKV.parts
+    config_fields = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "vocab_size", "attention_bias", "mlp_bias",
+                     "tie_word_embeddings")
+    _MODULE_KINDS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "attn_out", "gate_proj": "mlp_in",
+                     "up_proj": "mlp_in", "down_proj": "mlp_out", "act_fn": "activation", "lm_head": "lm_head"}
+
+    def decoder_layers(self, model):
+        return llama_quant.decoder_layers(model)
+
+    def fused_weights(self, module):
+        return tuple(g for g in getattr(module, "_groups", ()) if module.__dict__.get(g.weight) is not None)
+
+    def relink_fused(self, module, fused):
+        llama.link(module, fused)
+
+    def relink_qkv(self, attn):
+        llama.link(attn, llama.QKV)
+
+    def quant_targets(self, model):
+        return llama_quant.quant_targets(model)
+
+    def smoothing_groups(self, model):
+        raise FuseInferError(llama_quant.SMOOTHQUANT_REFUSAL)
+
+    def init_buffers(self, model):
+        llama.init_rotary(model)
+
+    def kv_layout(self, config):
+        return config.num_key_value_heads, llama.head_dim_of(config)
+
+    def module_kinds(self):
+        return dict(self._MODULE_KINDS)
+
+    def random_configs(self):
+        return {name: {k: v for k, v in kwargs.items() if k != "model_type"}
+                for name, kwargs in configs.RANDOM_CONFIGS.items() if kwargs["model_type"] == self.model_type}
+
+    def config_class(self):
+        from transformers import LlamaConfig
+
+        return LlamaConfig
+
+
+class MistralFamily(LlamaFamily):
+    model_type = "mistral"
+    architectures = ("MistralForCausalLM", "MistralModel")
+    config_fields = tuple(f for f in LlamaFamily.config_fields if f not in ("attention_bias", "mlp_bias"))
+
+    def config_class(self):
+        from transformers import MistralConfig
+
+        return MistralConfig
+
+
+class Qwen2Family(LlamaFamily):
+    model_type = "qwen2"
+    architectures = ("Qwen2ForCausalLM", "Qwen2Model")
+    config_fields = tuple(f for f in LlamaFamily.config_fields if f not in ("attention_bias", "mlp_bias"))
+
+    def config_class(self):
+        from transformers import Qwen2Config
+
+        return Qwen2Config

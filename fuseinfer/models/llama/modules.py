@@ -1,0 +1,592 @@
+"""Patch rules for the Llama architecture: Hugging Face Llama, Mistral and Qwen2 (their causal LMs and base models).
+
+Swaps, by changing the class of the existing modules to subclasses (as the OPT family does, so hooks, parameters and
+``isinstance`` checks stay as they are):
+
+* the decoder layer -> ``Fused<Arch>DecoderLayer``: :func:`~fuseinfer.models.llama.layer.decoder_layer` over
+  :class:`ModuleOps`: residual add + RMSNorm in one kernel (``add_rms_norm``), the residual adds of the attention and
+  the MLP in the o_proj / down_proj GEMM epilogues;
+* the attention -> ``Fused<Arch>Attention``: q/k/v as one GEMM over a ((H + 2 Hkv) D, E) tensor whose rows the q/k/v
+  weights (and Qwen2's biases) are views of, so no memory is added and ``state_dict`` keeps their names; the split,
+  the rotary embedding (the model's own cos / sin tables) and, over fuseinfer's static cache, the cache write in one
+  pass (``qkv_rope`` / ``qkv_rope_append``); transformers' caches (DynamicCache, StaticCache) through their
+  ``update``; attention through the registered ``"fuseinfer"`` implementation (grouped-query k / v as they are);
+  o_proj (+ residual) fused;
+* the MLP -> ``Fused<Arch>MLP``: gate and up as one (2F, E) GEMM (the two weights views of it), ``silu_mul``, then
+  down_proj (+ residual) fused;
+* the final RMSNorm -> ``Fused<Arch>RMSNorm`` (the ``add_rms_norm`` kernel);
+* the base model (``LlamaModel`` ...) -> ``Locked<Arch>Model``: the same forward, holding the model's lock, so that
+  ``patch`` / ``unpatch`` in another thread wait for a running forward;
+* ``config._attn_implementation`` -> ``"fuseinfer"`` on a copy of the config (as for OPT).
+
+What stays unswapped, and why, follows the OPT family's rules (``models/opt/modules.py``, whose checks this module
+reuses): training mode, autocast to another dtype and global module hooks run the original forwards; a module whose
+fused forward would bypass a hooked or non-plain submodule (an adapter) is skipped and reported; a ``filter_fn``
+picks the candidates. Mistral with a sliding window shorter than its context, and Qwen2 with sliding-window layers,
+are refused: fuseinfer's attention has no window.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel, LlamaRMSNorm, apply_rotary_pos_emb,
+)
+from transformers.models.mistral.modeling_mistral import (
+    MistralAttention, MistralDecoderLayer, MistralMLP, MistralModel, MistralRMSNorm,
+)
+from transformers.models.qwen2.modeling_qwen2 import (
+    Qwen2Attention, Qwen2DecoderLayer, Qwen2MLP, Qwen2Model, Qwen2RMSNorm,
+)
+
+from fuseinfer.core import placement
+from fuseinfer.core.config import PatchConfig, PatchReport, Swap
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.core.quant_config import SmoothQuantW8A8
+from fuseinfer.core.state import LOCK_ATTR, disown_config, lock_holder
+from fuseinfer.layers import attention_backend, hf_attention
+from fuseinfer.layers.linear import fused_linear
+from fuseinfer.ops import add_rms_norm, linear_epilogue, qkv_rope, qkv_rope_append, silu_mul
+from fuseinfer.ops.attention import KERNEL_GQA, repeat_kv
+from fuseinfer.models.base import FusedWeight
+from fuseinfer.models.llama.layer import decoder_layer
+from fuseinfer.models.llama.quant import SMOOTHQUANT_REFUSAL
+from fuseinfer.models.opt.modules import (  # the engine's generic checks, shared by every family
+    OPTPatchRules, _backends, _has_hooks, _original_forward, _own_qkv_storage, _replace_config,
+    _swap_class,
+)
+
+# (decoder layer, attention, MLP, RMSNorm, base model) of each architecture
+ARCHS = {
+    "llama": (LlamaDecoderLayer, LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaModel),
+    "mistral": (MistralDecoderLayer, MistralAttention, MistralMLP, MistralRMSNorm, MistralModel),
+    "qwen2": (Qwen2DecoderLayer, Qwen2Attention, Qwen2MLP, Qwen2RMSNorm, Qwen2Model),
+}
+
+
+# The fused weights: row concatenations of a module's linears in plain attributes of its ``__dict__`` (outside the
+# parameter and buffer registries, so ``state_dict`` lists what the unpatched model lists); ``name``: the one int8
+# linear the weight-only quantizer puts in their place
+QKV = FusedWeight("qkv_proj", "qkv_weight", "qkv_bias", ("q_proj", "k_proj", "v_proj"), "_fuseinfer_qkv_params")
+GATE_UP = FusedWeight("gate_up_proj", "gate_up_weight", "gate_up_bias", ("gate_proj", "up_proj"),
+                      "_fuseinfer_gate_up_params")
+
+
+# ---------------------------------------------------------------------------------------------- fused weights
+
+def _params(module: nn.Module, group: FusedWeight) -> tuple:
+    """The parts' weights and biases as stored (``_parameters``: where functional_call swaps tensors in)."""
+    mods = module._modules
+    return tuple(mods[name]._parameters[p] for name in group.parts for p in ("weight", "bias"))
+
+
+def fuse(module: nn.Module, group: FusedWeight) -> None:
+    """Concatenate the parts' weights (and biases) into one tensor and make the parts views of it."""
+    projs = [module._modules[n] for n in group.parts]
+    module.__dict__[group.weight] = torch.cat([p.weight.detach() for p in projs])  # (sum N_i, E)
+    biased = projs[0].bias is not None
+    module.__dict__[group.bias] = torch.cat([p.bias.detach() for p in projs]) if biased else None
+    link(module, group)
+
+
+def link(module: nn.Module, group: FusedWeight) -> None:
+    """Point the parts' Parameters (the same objects, so optimizers and hooks keep them) at their rows of the fused
+    tensors, and remember those objects."""
+    w, b = module.__dict__[group.weight], module.__dict__[group.bias]
+    start = 0
+    for name in group.parts:
+        proj = module._modules[name]
+        rows = proj.out_features
+        proj.weight.data = w[start:start + rows]
+        if b is not None:
+            proj.bias.data = b[start:start + rows]
+        start += rows
+    module.__dict__[group.params] = _params(module, group)
+
+
+def unfuse(module: nn.Module, group: FusedWeight) -> None:
+    """Give every part storage of its own again and drop the fused tensors."""
+    for name in group.parts:
+        proj = module._modules[name]
+        proj.weight.data = proj.weight.detach().clone()
+        if proj.bias is not None:
+            proj.bias.data = proj.bias.detach().clone()
+    for key in (group.weight, group.bias, group.params):
+        module.__dict__.pop(key, None)
+
+
+def _linked(module: nn.Module, group: FusedWeight) -> bool:
+    """Whether the fused GEMM serves this forward: the weight-only quantizer put its int8 linear in place, or the
+    parts hold the Parameters linked to the fused tensor, still its rows (``param.data = t`` keeps the Parameter,
+    not the view; data pointers checked in eager mode only), and none needs a gradient (autograd does not connect
+    the fused tensor to them)."""
+    if group.name in module._modules:
+        return True
+    params = _params(module, group)
+    if any(a is not b for a, b in zip(params, module.__dict__.get(group.params, ()))) or \
+            group.params not in module.__dict__:
+        return False
+    if torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in params):
+        return False
+    if torch.compiler.is_compiling():
+        return True
+    w, b = module.__dict__[group.weight], module.__dict__[group.bias]
+    offset = 0
+    for name in group.parts:
+        proj = module._modules[name]
+        if proj.weight.data_ptr() != w.data_ptr() + offset * w.stride(0) * w.element_size():
+            return False
+        if b is not None and proj.bias.data_ptr() != b.data_ptr() + offset * b.element_size():
+            return False
+        offset += proj.out_features
+    return True
+
+
+def _fused_group_linear(module: nn.Module, group: FusedWeight, x: torch.Tensor) -> torch.Tensor:
+    """x (..., E) @ the fused weight -> (..., sum N_i): the quantized linear where there is one."""
+    quant = module._modules.get(group.name)
+    if quant is not None:
+        return quant.fused(x)
+    return linear_epilogue(x, module.__dict__[group.weight], module.__dict__[group.bias], None, "none")
+
+
+class _FusedWeights:
+    """Mixin of the modules holding fused tensors: ``model.to`` / ``.half()`` convert them (plain attributes) and
+    the parts become views of the converted tensors again; a deep copy or unpickled copy relinks its own."""
+
+    _groups: tuple = ()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for g in self._groups:
+            if self.__dict__.get(g.weight) is not None:
+                with torch.no_grad():
+                    for key in (g.weight, g.bias):
+                        if self.__dict__.get(key) is not None:
+                            self.__dict__[key] = fn(self.__dict__[key])
+                link(self, g)
+        return self
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for g in self._groups:
+            if self.__dict__.get(g.weight) is not None:
+                link(self, g)
+
+
+# ---------------------------------------------------------------------------------------------- fused modules
+
+def _static_cache(cache) -> bool:
+    """Whether ``cache`` is fuseinfer's static KV cache (per-layer (B, Hkv, T, D) ``keys`` / ``values`` and the
+    slots of the next write, ``write_idx``), which the fused rotary writes into directly."""
+    return isinstance(getattr(cache, "keys", None), list) and isinstance(getattr(cache, "write_idx", None),
+                                                                         torch.Tensor)
+
+
+class _FusedAttention(_FusedWeights):
+    """The attention with fused q/k/v + rotary (+ static-cache write), fuseinfer's attention and a fused o_proj."""
+
+    _groups = (QKV,)
+    _fuseinfer_ops: frozenset = frozenset()
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                residual=None, **kwargs):
+        """residual: added to the output in o_proj's epilogue (the decoder layer's stream)."""
+        if _original_forward(self, hidden_states):
+            out, weights = super().forward(hidden_states, position_embeddings, attention_mask, past_key_values,
+                                           **kwargs)
+            return (out if residual is None else residual + out), weights
+        ops = self._fuseinfer_ops
+        b, s, _ = hidden_states.shape
+        cfg, d = self.config, self.head_dim
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        cos, sin = position_embeddings  # (B or 1, S, D)
+        if "qkv" in ops and _linked(self, QKV):
+            qkv = fused_linear(self, hidden_states)  # (B, S, (H + 2 Hkv) D); int8 weights when quantized
+            cos, sin = cos.expand(b, s, d), sin.expand(b, s, d)
+            if _static_cache(past_key_values):  # rotary, split and cache write in one pass
+                i = self.layer_idx
+                keys, values = past_key_values.keys[i], past_key_values.values[i]
+                slots = past_key_values.write_idx
+                slots = slots if slots.device == qkv.device else slots.to(qkv.device)
+                q = qkv_rope_append(qkv, cos, sin, heads, kv_heads, keys, values, slots)  # (B, H, S, D)
+                k, v = keys, values  # (B, Hkv, T, D)
+            else:
+                q, k, v = qkv_rope(qkv, cos, sin, heads, kv_heads)  # (B, H, S, D), (B, Hkv, S, D) x 2
+                if past_key_values is not None:
+                    k, v = past_key_values.update(k, v, self.layer_idx)
+        else:
+            q, k, v = (proj(hidden_states).view(b, s, -1, d).transpose(1, 2)
+                       for proj in (self.q_proj, self.k_proj, self.v_proj))
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            if past_key_values is not None:
+                k, v = past_key_values.update(k, v, self.layer_idx)
+        impl = cfg._attn_implementation
+        if impl == hf_attention.NAME and (kwargs.get("output_attentions") or hf_attention.weights_requested(self)):
+            # the weights were asked for, which the kernel does not form: eager over k / v repeated to H heads
+            k, v = repeat_kv(q, k, v)
+            attn, weights = hf_attention.eager_attention_with_weights(self, q, k, v, attention_mask, self.scaling)
+        elif impl == hf_attention.NAME:
+            attn, weights = hf_attention.fuseinfer_attention_forward(self, q, k, v, attention_mask,
+                                                                     scaling=self.scaling)
+        else:
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+            from transformers.models.llama.modeling_llama import eager_attention_forward
+
+            fn = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
+            kwargs.pop("output_attentions", None)
+            attn, weights = fn(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+        attn = attn.reshape(b, s, -1)  # (B, S, H D)
+        if "linear" in ops:
+            return fused_linear(self.o_proj, attn, residual), weights
+        out = self.o_proj(attn)
+        return (out if residual is None else residual + out), weights
+
+
+class _FusedMLP(_FusedWeights):
+    """The gated MLP with gate / up as one GEMM, ``silu_mul``, and down_proj (+ residual) fused."""
+
+    _groups = (GATE_UP,)
+    _fuseinfer_ops: frozenset = frozenset()
+
+    def forward(self, x, residual=None):
+        if _original_forward(self, x):
+            out = super().forward(x)
+            return out if residual is None else residual + out
+        if _linked(self, GATE_UP):
+            g = silu_mul(_fused_group_linear(self, GATE_UP, x))  # (..., 2F) -> (..., F)
+        else:
+            g = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+        return fused_linear(self.down_proj, g, residual)
+
+
+class _FusedRMSNorm:
+    """The RMSNorm running the ``add_rms_norm`` kernel (bit-exact with transformers' where ``rsqrt`` agrees)."""
+
+    def forward(self, x):
+        if _original_forward(self, x):
+            return super().forward(x)
+        return add_rms_norm(x, None, self.weight, self.variance_epsilon)[0]
+
+
+class _PendingAttention:
+    """:meth:`ModuleOps.attention`'s result: the attention module's call, made by the o_proj step that follows (the
+    module runs o_proj itself, with the residual in its epilogue, and its hooks see its whole output)."""
+
+    __slots__ = ("attn", "x", "kwargs")
+
+    def __init__(self, attn, x, kwargs):
+        self.attn, self.x, self.kwargs = attn, x, kwargs
+
+
+class _PendingMLP:
+    """:meth:`ModuleOps.gated_mlp`'s result: the MLP module's call, made by the down_proj step that follows."""
+
+    __slots__ = ("mlp", "x")
+
+    def __init__(self, mlp, x):
+        self.mlp, self.x = mlp, x
+
+
+class ModuleOps:
+    """The patched modules' strategy for :func:`~fuseinfer.models.llama.layer.decoder_layer`, over (B, S, E) with
+    transformers' cache and mask (``ctx``: the attention module's keyword arguments). The attention and the MLP run
+    as calls of their modules (patched or not, so their hooks and a filter_fn's choice hold); the RMSNorms run
+    fused when the layer's ops include ``layer_norm``."""
+
+    __slots__ = ("fused_norm",)
+
+    def __init__(self, layer: nn.Module):
+        self.fused_norm = "layer_norm" in layer._fuseinfer_ops
+
+    def norm(self, x, norm, residual=None):
+        if not self.fused_norm:
+            s = x if residual is None else residual + x
+            return norm(s), s
+        y, s = add_rms_norm(x, residual, norm.weight, norm.variance_epsilon, residual is not None)
+        return y, (x if residual is None else s)
+
+    def attention(self, i, attn, x, ctx):
+        return _PendingAttention(attn, x, ctx)
+
+    def gated_mlp(self, mlp, x):
+        return _PendingMLP(mlp, x)
+
+    def linear(self, x, lin, residual=None):
+        if type(x) is _PendingAttention:  # o_proj: the attention module's call
+            if isinstance(x.attn, _FusedAttention):
+                return x.attn(x.x, residual=residual, **x.kwargs)[0]
+            out = x.attn(x.x, **x.kwargs)[0]  # left unpatched (filter_fn, hooks)
+            return out if residual is None else residual + out
+        if type(x) is _PendingMLP:  # down_proj: the MLP module's call
+            if isinstance(x.mlp, _FusedMLP):
+                return x.mlp(x.x, residual=residual)
+            out = x.mlp(x.x)
+            return out if residual is None else residual + out
+        out = lin(x)
+        return out if residual is None else residual + out
+
+
+class _FusedDecoderLayer:
+    """The decoder layer as :func:`decoder_layer` over :class:`ModuleOps`."""
+
+    _fuseinfer_ops: frozenset = frozenset()
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                position_embeddings=None, **kwargs):
+        if _original_forward(self, hidden_states):
+            return super().forward(hidden_states, attention_mask, position_ids, past_key_values, use_cache,
+                                   position_embeddings, **kwargs)
+        ctx = dict(attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+                   use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        return decoder_layer(ModuleOps(self), self._modules["self_attn"].layer_idx, self, hidden_states, ctx)
+
+
+def _locked_forward(base: type):
+    @functools.wraps(base.forward)
+    def forward(self, *args, **kwargs):
+        """The base model's forward holding the patched model's lock (``ModelLock`` in ``__dict__[LOCK_ATTR]``)."""
+        holder = self.__dict__.get(LOCK_ATTR)
+        if holder is None or torch.compiler.is_compiling():  # (dynamo does not trace a lock)
+            return base.forward(self, *args, **kwargs)
+        with holder.lock:  # (``base.forward``, not super(): unpatch may have restored the class meanwhile)
+            return base.forward(self, *args, **kwargs)
+
+    return forward
+
+
+def _make_classes() -> dict[type, type]:
+    """transformers class -> its fused (or locked) subclass, each a module-level name here (so pickle finds it)."""
+    out = {}
+    for layer, attn, mlp, norm, model in ARCHS.values():
+        for base, mixin, prefix in ((layer, _FusedDecoderLayer, "Fused"), (attn, _FusedAttention, "Fused"),
+                                    (mlp, _FusedMLP, "Fused"), (norm, _FusedRMSNorm, "Fused")):
+            cls = type(prefix + base.__name__, (mixin, base), {"__module__": __name__, "__doc__": mixin.__doc__})
+            out[base] = globals()[cls.__name__] = cls
+        cls = type("Locked" + model.__name__, (model,), {"__module__": __name__, "forward": _locked_forward(model),
+                                                          "__doc__": _locked_forward.__doc__})
+        out[model] = globals()[cls.__name__] = cls
+    return out
+
+
+FUSED = _make_classes()
+_ORIGINAL = {v: k for k, v in FUSED.items()}
+
+
+# ---------------------------------------------------------------------------------------------- patch rules
+
+def sliding_window_refusal(config) -> str | None:
+    """Why a model of ``config`` cannot be patched because of its sliding-window attention, or None."""
+    window = getattr(config, "sliding_window", None)
+    limit = getattr(config, "max_position_embeddings", None)
+    if config.model_type == "qwen2":
+        if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+            return (f"this Qwen2 model has sliding-window attention layers (use_sliding_window=True, window "
+                    f"{window}), which fuseinfer's attention does not implement: load it with "
+                    "use_sliding_window=False (the same model for contexts within the window)")
+        return None
+    if window is not None and (limit is None or window < limit):
+        return (f"this {config.model_type} model attends within a sliding window of {window} tokens (shorter than its "
+                f"max_position_embeddings={limit}), which fuseinfer's attention does not implement: set "
+                "config.sliding_window = None before patching (the same model for contexts of at most "
+                f"{window} tokens), and keep contexts within the window")
+    return None
+
+
+_SILU = ("SiLU", "SiLUActivation")  # torch's and transformers' (ACT2FN["silu"]) SiLU modules
+
+
+def _bypass_reason(module: nn.Module, ops, like: torch.Tensor) -> str | None:
+    """Why ``module`` must stay unswapped, or None: placement, mixed dtypes, or a submodule its fused forward reads
+    instead of calling that is not a plain hook-free ``nn.Linear`` / RMSNorm (an adapter, a hook)."""
+    why = placement.bypass_reason(module)
+    if why is not None:
+        return why
+    dtypes = {p.dtype for p in module.parameters()} - {like.dtype}
+    if dtypes:
+        return (f"it has {'/'.join(sorted(str(d) for d in dtypes))} parameters in a {like.dtype} model: the fused ops "
+                f"take one dtype (e.g. model.to({like.dtype}))")
+    kinds: dict = {}
+    if isinstance(module, tuple(a[1] for a in ARCHS.values())):
+        if _has_hooks(module):  # (the decoder layer would hand it the residual to fuse into o_proj)
+            return "the attention module has hooks (the fused one returns its output plus the residual)"
+        kinds = {n: nn.Linear for n in (QKV.parts if "qkv" in ops else ()) + (("o_proj",) if "linear" in ops else ())}
+    elif isinstance(module, tuple(a[2] for a in ARCHS.values())):
+        if _has_hooks(module):
+            return "the MLP has hooks (the fused one returns its output plus the residual)"
+        act = module._modules.get("act_fn")
+        if type(act).__name__ not in _SILU:
+            return f"its activation is {type(act).__name__}, not SiLU (silu_mul fuses SiLU only)"
+        if _has_hooks(act):
+            return "act_fn has hooks (the fused forward does not call it)"
+        kinds = {n: nn.Linear for n in ("gate_proj", "up_proj", "down_proj")}
+    elif isinstance(module, tuple(a[0] for a in ARCHS.values())) and "layer_norm" in ops:
+        norms = tuple(a[3] for a in ARCHS.values())
+        kinds = {n: norms for n in ("input_layernorm", "post_attention_layernorm")}
+    for n, kind in kinds.items():
+        sub = module._modules[n]
+        if type(sub) not in (kind if isinstance(kind, tuple) else (kind,)):
+            return f"{n} is a {type(sub).__name__}, not a plain one (the fused forward would bypass it)"
+        if _has_hooks(sub):
+            return f"{n} has hooks (the fused forward does not call it)"
+    return None
+
+
+def check_inputs(model, args, kwargs):
+    """Forward pre-hook on the base model: an empty batch or sequence is one clear error instead of a reshape error
+    inside a fused op. Shapes only: no device sync, so it stays capturable."""
+    x = kwargs.get("input_ids", args[0] if args else None)
+    name = "input_ids"
+    if x is None:
+        x, name = kwargs.get("inputs_embeds"), "inputs_embeds"
+    if x is not None and x.dim() >= 2 and (x.shape[0] == 0 or x.shape[1] == 0):
+        raise FuseInferError(f"empty input: {name} has shape {tuple(x.shape)}; pass at least one row of at least one "
+                             "token")
+    return None
+
+
+class LlamaPatchRules:
+    """Patch and unpatch rules for the Llama architecture (``decode.py`` has the fast-decode parts)."""
+
+    def patch(self, model: nn.Module, config: PatchConfig, report: PatchReport) -> dict:
+        why = sliding_window_refusal(model.config)
+        if why is not None:
+            raise FuseInferError(why)
+        if isinstance(config.quant, SmoothQuantW8A8):  # (before calibration runs the model)
+            raise FuseInferError(SMOOTHQUANT_REFUSAL)
+        ops = frozenset(config.ops)
+        state = {"classes": [], "fused": [], "config": None, "attn_backends": []}
+        like = next(model.parameters())
+        layer_ops = ops & {"layer_norm", "linear"}
+        attn_ops = ops & {"qkv", "linear", "attention"} - ({"attention"} if model.training else set())
+        layers, attns, mlps, norms, bases = (tuple(a[i] for a in ARCHS.values()) for i in range(5))
+        plan = []  # (module, name, ops): every filter_fn call and check comes before the first swap
+        for name, module in model.named_modules():
+            kind = type(module)
+            if kind in layers and layer_ops and config.selects(module, name):
+                plan.append((module, name, layer_ops))
+            elif kind in attns and attn_ops and config.selects(module, name):
+                plan.append((module, name, attn_ops))
+            elif kind in mlps and "linear" in ops and config.selects(module, name):
+                plan.append((module, name, frozenset({"linear"})))
+            elif isinstance(module, bases) and type(module.norm) in norms and "layer_norm" in ops:
+                norm_name = f"{name}.norm".lstrip(".")
+                if config.selects(module.norm, norm_name):
+                    plan.append((module.norm, norm_name, frozenset({"layer_norm"})))
+        for module, name, module_ops in plan:
+            why = _bypass_reason(module, module_ops, like)
+            if why is not None:
+                report.skipped.append((name, why))
+                continue
+            if isinstance(module, attns) and "qkv" in module_ops:
+                self._fuse(module, QKV, state)
+            elif isinstance(module, mlps):
+                self._fuse(module, GATE_UP, state)
+            self._swap(module, name, module_ops, state, report, like)
+        found = [m for m in model.modules() if isinstance(m, bases)] if report.swaps else []
+        state["input_checks"] = [m.register_forward_pre_hook(check_inputs, with_kwargs=True) for m in found]
+        state["locked"] = [m for m in found if type(m) in bases]
+        holder = lock_holder(model)
+        for module in state["locked"]:  # (the holder stays in the base model's __dict__ after unpatch)
+            cls = FUSED[type(module)]
+            _swap_class(module, cls)
+            object.__setattr__(module, LOCK_ATTR, holder)
+            placement.swap_forward(module, cls, state)
+        if "attention" in ops:
+            if model.training:
+                report.skipped.append(("attention", "model is in training mode; call model.eval() first"))
+            else:
+                state["config"] = OPTPatchRules._own_config(model)
+                before = model.config._attn_implementation
+                model.config._attn_implementation = hf_attention.NAME
+                report.attn_implementation = (before, hf_attention.NAME)
+                head_dim = head_dim_of(model.config)
+                names = attention_backend.resolve(config, head_dim)
+                state["attn_backends"] = attention_backend.install(model, names, attns)
+                report.attention_backends = attention_backend.describe(names, config, like, head_dim)
+        if not report.swaps:
+            report.skipped.append(("all modules", f"no {model.config.model_type} module matched the config's ops and "
+                                                  "filter_fn"))
+        return state
+
+    @staticmethod
+    def _fuse(module: nn.Module, group: FusedWeight, state: dict) -> None:
+        fuse(module, group)
+        state["fused"].append((module, group))
+        if group is QKV:  # state_dict hands the q/k/v weights out as copies (see the OPT family's hook)
+            state.setdefault("qkv_hooks", []).append(module._register_state_dict_hook(_own_qkv_storage))
+        else:
+            state.setdefault("qkv_hooks", []).append(module._register_state_dict_hook(_own_gate_up_storage))
+
+    @staticmethod
+    def _swap(module, name, ops, state, report, like):
+        cls = FUSED[type(module)]
+        state["classes"].append((module, type(module)))
+        backends = _backends(module, ops, like)
+        cfg = getattr(module, "config", None)
+        if backends.get("attention") == "cuda" and not KERNEL_GQA \
+                and cfg.num_key_value_heads != cfg.num_attention_heads:
+            backends["attention"] = "sdpa (grouped-query k / v: no kernel for them yet)"
+        report.swaps.append(Swap(name, type(module).__name__, cls.__name__, backends))
+        module.__class__ = cls
+        module._fuseinfer_ops = frozenset(ops)
+        placement.swap_forward(module, cls, state)
+
+    def unpatch(self, model: nn.Module, state: dict) -> None:
+        for module, group in state["fused"]:
+            unfuse(module, group)
+        for handle in [*state.get("qkv_hooks", ()), *state.get("input_checks", ())]:
+            handle.remove()
+        placement.restore_forwards(state)
+        for module, cls in state["classes"]:
+            module.__class__ = cls
+            del module._fuseinfer_ops
+        for module in state.get("locked", ()):
+            _swap_class(module, _ORIGINAL[type(module)])
+        if state["config"] is not None:
+            original, own = state["config"]
+            disown_config(own)
+            # what else changed on the copy while patched (e.g. use_cache) carries over to the original
+            original.__dict__.update({k: v for k, v in own.__dict__.items() if k != "_attn_implementation_internal"})
+            _replace_config(model, own, original)
+        attention_backend.uninstall(state.get("attn_backends", ()))
+
+
+def _own_gate_up_storage(mlp, state_dict, prefix, local_metadata) -> None:
+    """state_dict hook: the gate / up weights (views of one tensor) as copies with storage of their own, as the
+    unpatched model's are (transformers reads tensors sharing storage as tied weights)."""
+    for name in GATE_UP.parts:
+        for p in ("weight", "bias"):
+            key = f"{prefix}{name}.{p}"
+            t = state_dict.get(key)
+            if t is not None and not isinstance(t, nn.Parameter):
+                state_dict[key] = t.clone()
+
+
+@torch.no_grad()
+def init_rotary(model: nn.Module) -> None:
+    """Recompute every rotary embedding's ``inv_freq`` / ``original_inv_freq`` (non-persistent buffers: no checkpoint
+    holds them) as its ``__init__`` does, on the buffer's device (the CPU for one on the meta device)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for m in model.modules():
+        if not (isinstance(m._buffers.get("inv_freq"), torch.Tensor) and hasattr(m, "rope_type")):
+            continue
+        init = m.compute_default_rope_parameters if m.rope_type == "default" else ROPE_INIT_FUNCTIONS[m.rope_type]
+        inv_freq, m.attention_scaling = init(m.config, device=torch.device("cpu"))
+        old = m._buffers["inv_freq"]
+        dev = torch.device("cpu") if old.is_meta else old.device
+        m._buffers["inv_freq"] = inv_freq.to(dev)
+        if "original_inv_freq" in m._buffers:
+            m._buffers["original_inv_freq"] = inv_freq.clone().to(dev)
+
+
+def head_dim_of(config) -> int:
+    """The attention head dim of a Llama-architecture config (``head_dim`` where set, else hidden / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+__all__ = ["ARCHS", "FUSED", "GATE_UP", "QKV", "LlamaPatchRules", "ModuleOps", "fuse", "head_dim_of", "init_rotary",
+           "link", "sliding_window_refusal", "unfuse"]
