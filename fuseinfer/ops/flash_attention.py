@@ -111,6 +111,8 @@ def plan(q, k, key_mask, q_start) -> tuple[str | None, object]:
         return None, f"flash-attn-4 does not import ({why})"
     if not fa_supports(q):
         return None, f"flash-attn-4 does not take {q.dtype} head dim {q.shape[-1]} on {q.device.type}"
+    if k.shape[1] != q.shape[1]:  # (the "runs" mapping flattens one key/value head per query head)
+        return None, "grouped-query attention (fewer key/value heads than query heads)"
     sq, skv = q.shape[2], k.shape[2]
     if key_mask is None and q_start is None:
         return ("dense", None) if sq <= skv else (None, "more queries than keys without a q_start")
