@@ -38,7 +38,8 @@ def qkv_rope_ref(qkv, cos, sin, heads: int, kv_heads: int):
     c, sn = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, S, D)
     q = q * c + _rotate_half(q) * sn
     k = k * c + _rotate_half(k) * sn
-    return q.contiguous(), k.contiguous(), v.contiguous()
+    # v copied even where its view is contiguous already (S = 1): an op's output must not alias its input
+    return q.contiguous(), k.contiguous(), v.clone(memory_format=torch.contiguous_format)
 
 
 def qkv_rope_append_ref(qkv, cos, sin, heads: int, kv_heads: int, k_cache, v_cache, slots):
@@ -105,25 +106,26 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dq, dk, dv):
-    """The reference's gradients, in fp32. The rotation is linear, y = x cos + R x sin with R = rotate_half, and
+    """The reference's gradients, in fp32 (fp64 for fp64 inputs). The rotation is linear, y = x cos + R x sin with R = rotate_half, and
     R^T = -R, so dx = dy cos - rotate_half(dy sin); dcos = sum over heads of dy x, dsin = sum over heads of
     dy R x (q and k heads both); v's gradient passes through. dqkv goes back to the (B, S, (H + 2 Hkv) D) layout."""
     qkv, cos, sin = ctx.saved_tensors
     heads, kv_heads = ctx.heads, ctx.kv_heads
     b, s, width = qkv.shape
     d = width // (heads + 2 * kv_heads)
-    c, sn = cos.float().unsqueeze(1), sin.float().unsqueeze(1)  # (B, 1, S, D)
-    zeros = lambda h: qkv.new_zeros(b, h, s, d, dtype=torch.float32)  # noqa: E731  (an undefined output gradient)
-    dq = zeros(heads) if dq is None else dq.float()  # (B, H, S, D)
-    dk = zeros(kv_heads) if dk is None else dk.float()  # (B, Hkv, S, D)
-    dv = zeros(kv_heads) if dv is None else dv.float()
+    wide = torch.promote_types(qkv.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+    c, sn = cos.to(wide).unsqueeze(1), sin.to(wide).unsqueeze(1)  # (B, 1, S, D)
+    zeros = lambda h: qkv.new_zeros(b, h, s, d, dtype=wide)  # noqa: E731  (an undefined output gradient)
+    dq = zeros(heads) if dq is None else dq.to(wide)  # (B, H, S, D)
+    dk = zeros(kv_heads) if dk is None else dk.to(wide)  # (B, Hkv, S, D)
+    dv = zeros(kv_heads) if dv is None else dv.to(wide)
     dqk = torch.cat([dq, dk], 1)  # (B, H + Hkv, S, D): the rotated heads
     dqkv = dcos = dsin = None
     if ctx.needs_input_grad[0]:
         dx = dqk * c - _rotate_half(dqk * sn)  # (B, H + Hkv, S, D)
         dqkv = torch.cat([dx, dv], 1).transpose(1, 2).reshape(b, s, width).to(qkv.dtype)
     if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-        x = qkv.float().view(b, s, heads + 2 * kv_heads, d).transpose(1, 2)[:, :heads + kv_heads]  # (B, H+Hkv, S, D)
+        x = qkv.to(wide).view(b, s, heads + 2 * kv_heads, d).transpose(1, 2)[:, :heads + kv_heads]  # (B, H+Hkv, S, D)
         if ctx.needs_input_grad[1]:
             dcos = (dqk * x).sum(1).to(cos.dtype)  # (B, S, D)
         if ctx.needs_input_grad[2]:
