@@ -106,9 +106,10 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dq, dk, dv):
-    """The reference's gradients, in fp32 (fp64 for fp64 inputs). The rotation is linear, y = x cos + R x sin with R = rotate_half, and
-    R^T = -R, so dx = dy cos - rotate_half(dy sin); dcos = sum over heads of dy x, dsin = sum over heads of
-    dy R x (q and k heads both); v's gradient passes through. dqkv goes back to the (B, S, (H + 2 Hkv) D) layout."""
+    """The reference's gradients, in fp32 (fp64 for fp64 inputs). The rotation is linear, y = x cos + R x sin with
+    R = rotate_half and R^T = -R, so dx = dy cos - rotate_half(dy sin); dcos = sum over heads of dy x, dsin = sum
+    over heads of dy R x (q and k heads both); v's gradient passes through. dqkv goes back to the (B, S,
+    (H + 2 Hkv) D) layout."""
     qkv, cos, sin = ctx.saved_tensors
     heads, kv_heads = ctx.heads, ctx.kv_heads
     b, s, width = qkv.shape
