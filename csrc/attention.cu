@@ -18,11 +18,16 @@
 //    element only in tiles that need them; a warp skips tiles that lie wholly above its diagonal.
 //
 //  * Split-KV (flash-decoding; every dtype when Sq <= 16, and the simple fp32 path for any Sq): grid over
-//    (batch * head, split, query chunk of QB queries). Each block runs an online softmax over its slice of the
-//    keys with 16-byte loads (G = D / VEC threads share one key row), merges its lanes and warps, and writes
-//    either the final output (one split) or a partial (max, sum, unnormalised acc) to fp32 scratch; the last
-//    block of a (batch, head, chunk) to arrive (atomic counter, self-resetting) merges the partials into the
-//    output, so decode is one launch. The number of splits is picked so that the grid fills the SMs.
+//    (batch * key/value head, split, chunk of QB rows), a row being one query of one of the query heads that read
+//    that key/value head (grouped-query attention packs them; without GQA the rows are one head's queries).
+//    Each block runs an online softmax over its slice of the keys with 16-byte loads (G = D / VEC threads share
+//    one key row), merges its lanes and warps, and writes either the final output (one split) or a partial (max,
+//    sum, unnormalised acc) to fp32 scratch; the last block of a (batch, key/value head, chunk) to arrive (atomic
+//    counter, self-resetting) merges the partials into the output, so decode is one launch. The number of splits is picked so that the grid fills the SMs.
+//
+// Grouped-query attention: k and v have Hkv heads, H a multiple of Hkv; query head h reads key/value head
+// h / (H / Hkv) (AttnParams::group). The prefills index the shared head per block / work item; split-KV packs a
+// key/value head's query heads into one block's rows.
 //
 // Semantics shared by all: query i of row b attends key j iff key_mask[b, j] && j <= q_start[b] + i
 // (q_start defaults to Skv - Sq); a query with no admissible key gets exactly 0. Scores are q.k * scale,
@@ -48,6 +53,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -65,8 +71,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 // Everything both kernel families need; strides in elements.
 struct AttnParams {
   const void* q;          // (B, H, Sq, D)
-  const void* k;          // (B, H, Skv, D)
-  const void* v;          // (B, H, Skv, D)
+  const void* k;          // (B, Hkv, Skv, D): query head h reads key/value head h / group
+  const void* v;          // (B, Hkv, Skv, D)
   void* out;              // (B, Sq, H, D) contiguous
   const bool* key_mask;   // (B, Skv) or nullptr
   const int* q_start;     // (B,) or nullptr
@@ -76,6 +82,7 @@ struct AttnParams {
   int64_t m_sb, m_ss;     // key_mask strides
   int64_t qs_s;           // q_start stride
   int B, H, Sq, Skv;
+  int group;              // query heads per key/value head, H / Hkv (1: multi-head attention)
   float scale_log2;       // scale * log2(e): scores live in the exp2 domain
 };
 
@@ -197,8 +204,11 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int64_t stride, int 
   }
 }
 
-// grid (B * H, ceil(Sq / BM)), block 32 * WARPS, dynamic smem 2 stages x (K, V) x BN x D.
-template <typename T, int D, int WARPS, int BN, int MIN_BLOCKS>
+// grid (B * H, ceil(Sq / BM)), block 32 * WARPS, dynamic smem 2 stages x (K, V) x BN x D. Blocks of the query heads
+// of one key/value head (GQA) read the same K/V tiles, mostly from L2.
+// GQA: whether p.group may exceed 1 (a separate instance, so that multi-head attention keeps its register budget: the
+// division left the D = 64 instance a spill at its 128-register bound).
+template <typename T, int D, int WARPS, int BN, int MIN_BLOCKS, bool GQA>
 __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) prefill_kernel(const AttnParams p) {
   constexpr int NT = 32 * WARPS;
   constexpr int BM = 16 * WARPS;   // query rows per block, 16 per warp
@@ -225,8 +235,9 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) prefill_kernel(const A
   const bool has_mask = p.key_mask != nullptr;
 
   const T* qg = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh;
-  const T* kg = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh;
-  const T* vg = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh;
+  const int hk = GQA ? h / p.group : h;  // key/value head
+  const T* kg = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh;
+  const T* vg = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh;
   const bool* mrow = has_mask ? p.key_mask + b * p.m_sb : nullptr;
   auto mask_at = [&](int key) -> bool { return key < n_end && mrow[key * p.m_ss]; };
 
@@ -500,7 +511,7 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
   // Geometry of work item w, the same for the producer and the consumers: its (b, h), first query row m0, the
   // q_start of its row and n_end, the end of the keys its last query may see.
   struct Item {
-    int b, h, m0, qs, n_end, n_tiles;
+    int b, h, hk, m0, qs, n_end, n_tiles;  // hk: the key/value head of query head h
   };
   auto item = [&](int w) {
     Item it;
@@ -508,6 +519,7 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
     sched.item(w, mb, bh);
     it.b = bh / p.H;
     it.h = bh % p.H;
+    it.hk = p.group == 1 ? it.h : it.h / p.group;
     it.m0 = Sq - (sched.n_mb - mb) * C::BM;  // blocks end-aligned: see Sm90Sched
     it.qs = p.q_start ? p.q_start[it.b * p.qs_s] : Skv - Sq;
     const int last_q = min(it.m0 + C::BM, Sq) - 1;
@@ -562,8 +574,8 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
         if (lane == 0) {
           mbar_expect_tx(bar, STAGE_BYTES);
           for (int hf = 0; hf < C::HALVES; ++hf) {
-            tma_load_4d(k_dst + hf * BN * 128, &tm_k, hf * 64, n0, it.h, it.b, bar);
-            tma_load_4d(v_dst + hf * BN * 128, &tm_v, hf * 64, n0, it.h, it.b, bar);
+            tma_load_4d(k_dst + hf * BN * 128, &tm_k, hf * 64, n0, it.hk, it.b, bar);
+            tma_load_4d(v_dst + hf * BN * 128, &tm_v, hf * 64, n0, it.hk, it.b, bar);
           }
         }
         if (tail) {
@@ -794,11 +806,15 @@ struct SplitCfg {
   static_assert(G <= 32 && 32 % G == 0, "a key row must be read by a power-of-two part of a warp");
 };
 
-// grid (B * H, splits, ceil(Sq / QB)), block kSplitThreads. Block (bh, split, z) handles queries
-// z*QB .. z*QB+QB-1 over keys [split * kps, (split + 1) * kps) of [0, key_end), where key_end is the causal
-// limit of its last query and kps = round_up(ceil(key_end / splits), KPI). splits == 1: writes out. Else the
-// first `used` = ceil(key_end / kps) splits write part_acc (B*H, Sq, splits, D) and part_ml (B*H, Sq, splits)
-// = (max, sum), every block counts itself in at counters[bh * gridDim.z + z] (zero on entry), and the last
+// Grouped-query attention packs the query heads of one key/value head into a block (FlashDecoding's GQA packing):
+// the rows of key/value head hk are the group * Sq pairs (query head hk * group + r / Sq, query r % Sq), so each K/V
+// row a block loads serves every query head that reads it (decode with Sq = 1 and 4 query heads per key/value head
+// reads the cache once instead of four times). With group 1 the rows are the queries of head h, as before.
+// grid (B * Hkv, splits, ceil(R / QB)), R = group * Sq rows; block kSplitThreads. Block (bkv, split, z) handles
+// rows z*QB .. z*QB+QB-1 over keys [split * kps, (split + 1) * kps) of [0, key_end), where key_end is the causal
+// limit of its latest query and kps = round_up(ceil(key_end / splits), KPI). splits == 1: writes out. Else the
+// first `used` = ceil(key_end / kps) splits write part_acc (B*Hkv, R, splits, D) and part_ml (B*Hkv, R, splits)
+// = (max, sum), every block counts itself in at counters[bkv * gridDim.z + z] (zero on entry), and the last
 // one to arrive merges the used partials into out and sets the counter back to zero.
 template <typename T, int D, int QB>
 __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
@@ -812,23 +828,36 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = tid / G, c = tid % G;  // key slot within a step, 16-byte chunk of the row
-  const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
+  const int kv_heads = p.H / p.group, rows = p.group * p.Sq;
+  const int bkv = blockIdx.x, b = bkv / kv_heads, hk = bkv % kv_heads;
   const int split = blockIdx.y, splits = gridDim.y;
-  const int q0 = blockIdx.z * QB, nq = min(QB, p.Sq - q0);
+  const int r0 = blockIdx.z * QB, nq = min(QB, rows - r0);
   const int qs = p.q_start ? p.q_start[b * p.qs_s] : p.Skv - p.Sq;
+  // Row i of the block: query head hk * group + (r0 + i) / Sq, query (r0 + i) % Sq (row i itself when group is 1).
+  auto row_head = [&](int i) { return p.group == 1 ? hk : hk * p.group + (r0 + i) / p.Sq; };
+  auto row_query = [&](int i) { return p.group == 1 ? r0 + i : (r0 + i) % p.Sq; };
+  int lim[QB];  // last admissible key of each row (causal); rows past nq see no key
+  int last_query = 0;
+#pragma unroll
+  for (int i = 0; i < QB; ++i) {
+    lim[i] = i < nq ? qs + row_query(i) : INT_MIN;
+    if (i < nq) last_query = max(last_query, row_query(i));
+  }
   const int key_end =
-      static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(p.Skv, int64_t(qs) + q0 + nq)));
+      static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(p.Skv, int64_t(qs) + last_query + 1)));
   const int kps = ((key_end + splits - 1) / splits + KPI - 1) / KPI * KPI;
   const int kb0 = split * kps, kb1 = min(kb0 + kps, key_end);
 
-  // This thread's slice of each query, pre-scaled into the log2 domain; missing queries are 0.
+  // This thread's slice of each row's query, pre-scaled into the log2 domain; missing rows are 0.
   float qf[QB][VEC];
   {
-    const T* qg = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + c * VEC;
+    const T* qg = static_cast<const T*>(p.q) + b * p.q_sb + c * VEC;
 #pragma unroll
-    for (int i = 0; i < QB; ++i)
+    for (int i = 0; i < QB; ++i) {
+      const T* qrow = qg + (i < nq ? row_head(i) * p.q_sh + int64_t(row_query(i)) * p.q_ss : 0);
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) qf[i][e] = i < nq ? to_float(qg[(q0 + i) * p.q_ss + e]) * p.scale_log2 : 0.f;
+      for (int e = 0; e < VEC; ++e) qf[i][e] = i < nq ? to_float(qrow[e]) * p.scale_log2 : 0.f;
+    }
   }
   float m[QB], l[QB], acc[QB][VEC];  // per query: running max, sum, this thread's D-slice of P V
 #pragma unroll
@@ -839,8 +868,8 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
     for (int e = 0; e < VEC; ++e) acc[i][e] = 0.f;
   }
 
-  const T* kg = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + c * VEC;
-  const T* vg = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + c * VEC;
+  const T* kg = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + c * VEC;
+  const T* vg = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh + c * VEC;
   const bool* mrow = p.key_mask ? p.key_mask + b * p.m_sb : nullptr;
   for (int kb = kb0; kb < kb1; kb += KPI) {
     // Issue every load of the iteration first: U key rows (K and V) and their mask bytes.
@@ -868,7 +897,7 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
         for (int e = 0; e < VEC; ++e) s = fmaf(qf[i][e], kf[e], s);
 #pragma unroll
         for (int off = G / 2; off > 0; off >>= 1) s += __shfl_xor_sync(kFullMask, s, off);
-        sc[u][i] = ok[u] && key <= qs + q0 + i ? s : -INFINITY;
+        sc[u][i] = ok[u] && key <= lim[i] ? s : -INFINITY;
       }
     }
     // Online update: new max over the U keys, rescale, then P V one key row at a time.
@@ -947,9 +976,10 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
         }
       }
       if (splits == 1) {
-        out[((int64_t(b) * p.Sq + q0 + i) * p.H + h) * D + d] = from_float<T>(sum > 0.f ? a / sum : 0.f);
+        out[((int64_t(b) * p.Sq + row_query(i)) * p.H + row_head(i)) * D + d] =
+            from_float<T>(sum > 0.f ? a / sum : 0.f);
       } else {
-        const int64_t row = (int64_t(bh) * p.Sq + q0 + i) * splits + split;
+        const int64_t row = (int64_t(bkv) * rows + r0 + i) * splits + split;
         part_acc[row * D + d] = a;
         if (d == 0) part_ml[row] = make_float2(mx, sum);
       }
@@ -963,7 +993,7 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
   __threadfence();
   __syncthreads();
   if (tid == 0) {
-    int* cnt = counters + int64_t(bh) * gridDim.z + blockIdx.z;
+    int* cnt = counters + int64_t(bkv) * gridDim.z + blockIdx.z;
     const bool last = atomicAdd(cnt, 1) == splits - 1;
     if (last) *cnt = 0;
     __threadfence();
@@ -973,7 +1003,7 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
   if (!s_last) return;
   for (int idx = tid; idx < nq * D; idx += kSplitThreads) {
     const int i = idx / D, d = idx % D;
-    const int64_t row = (int64_t(bh) * p.Sq + q0 + i) * splits;  // first split of this query
+    const int64_t row = (int64_t(bkv) * rows + r0 + i) * splits;  // first split of this row
     float mx = -INFINITY;
 #pragma unroll 4
     for (int s = 0; s < used; ++s) mx = fmaxf(mx, __ldcg(&part_ml[row + s]).x);
@@ -987,7 +1017,8 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
         a += cw * __ldcg(&part_acc[(row + s) * D + d]);
       }
     }
-    out[((int64_t(b) * p.Sq + q0 + i) * p.H + h) * D + d] = from_float<T>(sum > 0.f ? a / sum : 0.f);
+    out[((int64_t(b) * p.Sq + row_query(i)) * p.H + row_head(i)) * D + d] =
+        from_float<T>(sum > 0.f ? a / sum : 0.f);
   }
 }
 
@@ -999,7 +1030,8 @@ template <typename T, int D, int WARPS, int BN, int MIN_BLOCKS>
 void run_prefill(const AttnParams& p, cudaStream_t stream) {
   constexpr int BM = 16 * WARPS;
   const int smem = 4 * BN * D * static_cast<int>(sizeof(T));
-  auto kernel = prefill_kernel<T, D, WARPS, BN, MIN_BLOCKS>;
+  auto kernel = p.group == 1 ? prefill_kernel<T, D, WARPS, BN, MIN_BLOCKS, false>
+                             : prefill_kernel<T, D, WARPS, BN, MIN_BLOCKS, true>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(p.B * p.H, (p.Sq + BM - 1) / BM);
   launch_kernel(kernel, grid, 32 * WARPS, smem, stream, p);
@@ -1099,9 +1131,10 @@ bool run_prefill_sm90(const AttnParams& p, const at::TensorOptions& opts, cudaSt
   using C = Sm90Cfg<D>;
   constexpr bool bf16 = std::is_same_v<T, __nv_bfloat16>;
   CUtensorMap tq, tk, tv;
+  const int kv_heads = p.H / p.group;  // K and V maps span the Hkv key/value heads
   if (!make_tensor_map(&tq, p.q, bf16, p.B, p.H, p.Sq, D, p.q_sb, p.q_sh, p.q_ss, C::BM) ||
-      !make_tensor_map(&tk, p.k, bf16, p.B, p.H, p.Skv, D, p.k_sb, p.k_sh, p.k_ss, C::BN) ||
-      !make_tensor_map(&tv, p.v, bf16, p.B, p.H, p.Skv, D, p.v_sb, p.v_sh, p.v_ss, C::BN))
+      !make_tensor_map(&tk, p.k, bf16, p.B, kv_heads, p.Skv, D, p.k_sb, p.k_sh, p.k_ss, C::BN) ||
+      !make_tensor_map(&tv, p.v, bf16, p.B, kv_heads, p.Skv, D, p.v_sb, p.v_sh, p.v_ss, C::BN))
     return false;
   auto kernel = prefill_sm90_kernel<T, D>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
@@ -1111,9 +1144,10 @@ bool run_prefill_sm90(const AttnParams& p, const at::TensorOptions& opts, cudaSt
   if (n_mb * bh > INT32_MAX) return false;
   sched.n_mb = static_cast<int>(n_mb);
   sched.bh = static_cast<int>(bh);
-  // Heads per group: K and V of a group (2 * Skv * D * 2 bytes per head) fill at most half of L2.
+  // Heads per group: K and V of a group (2 * Skv * D * 2 bytes per key/value head, shared by p.group consecutive
+  // query heads) fill at most half of L2.
   const int64_t kv_bytes = int64_t(4) * p.Skv * D;
-  sched.group = static_cast<int>(std::clamp<int64_t>(props->l2CacheSize / 2 / kv_bytes, 1, bh));
+  sched.group = static_cast<int>(std::clamp<int64_t>(props->l2CacheSize / 2 / kv_bytes * p.group, 1, bh));
   const int ctas = std::min(sched.items(), props->multiProcessorCount);
   at::Tensor per_call_counters;
   sched.counter = kernel_counters(CounterPool::kPrefillQueue, 2 + int64_t(ctas) * C::Q_BUFS, opts, per_call_counters);
@@ -1141,12 +1175,14 @@ void prefill(const AttnParams& p, int D, const at::TensorOptions& opts, cudaStre
 template <typename T, int D, int QB>
 void run_split_kv(const AttnParams& p, const at::Tensor& q, cudaStream_t stream) {
   using Cfg = SplitCfg<T, D, QB>;
-  const int qchunks = (p.Sq + QB - 1) / QB;
+  const int64_t rows = int64_t(p.group) * p.Sq;  // per key/value head: its query heads' queries (GQA packing)
+  const int qchunks = static_cast<int>(std::min<int64_t>((rows + QB - 1) / QB, INT32_MAX));
   TORCH_CHECK(qchunks <= 65535, "attention_cuda: Sq = ", p.Sq, " is too long for the split-KV path");
-  const int64_t base = int64_t(p.B) * p.H * qchunks;
+  const int kv_blocks = p.B * (p.H / p.group);
+  const int64_t base = int64_t(kv_blocks) * qchunks;
   // As many splits as fit in one wave of resident blocks (launch bounds guarantee MIN_BLOCKS per SM; a
   // partial second wave would idle most SMs), at least one full iteration (KPI keys) per split. One split
-  // (no scratch, no merge) when Skv <= KPI or the (b, h, chunk) blocks alone fill over half the wave.
+  // (no scratch, no merge) when Skv <= KPI or the (b, hkv, chunk) blocks alone fill over half the wave.
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t want = int64_t(sms) * Cfg::MIN_BLOCKS / base;
   const int64_t max_splits = std::min<int64_t>(128, (p.Skv + Cfg::KPI - 1) / Cfg::KPI);
@@ -1165,17 +1201,19 @@ void run_split_kv(const AttnParams& p, const at::Tensor& q, cudaStream_t stream)
     ml_ptr = reinterpret_cast<float2*>(part_ml.data_ptr<float>());
     counters = kernel_counters(CounterPool::kSplitKv, base, q.options(), per_call_counters);
   }
-  launch_kernel(split_kv_kernel<T, D, QB>, dim3(p.B * p.H, splits, qchunks), kSplitThreads, 0, stream, p, acc_ptr,
+  launch_kernel(split_kv_kernel<T, D, QB>, dim3(kv_blocks, splits, qchunks), kSplitThreads, 0, stream, p, acc_ptr,
                 ml_ptr, counters);
 }
 
+// QB from the rows of a key/value head (group * Sq): a block serves up to QB of them.
 template <typename T, int D>
 void split_kv_d(const AttnParams& p, const at::Tensor& q, cudaStream_t stream) {
-  if (p.Sq == 1)
+  const int64_t rows = int64_t(p.group) * p.Sq;
+  if (rows == 1)
     run_split_kv<T, D, 1>(p, q, stream);
-  else if (p.Sq == 2)
+  else if (rows == 2)
     run_split_kv<T, D, 2>(p, q, stream);
-  else if (p.Sq <= 4)
+  else if (rows <= 4)
     run_split_kv<T, D, 4>(p, q, stream);
   else
     run_split_kv<T, D, 8>(p, q, stream);
@@ -1221,9 +1259,10 @@ at::Tensor attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const 
   TORCH_CHECK(k_in.scalar_type() == dtype && v_in.scalar_type() == dtype,
               "attention_cuda: q, k, v must share one dtype");
   const int64_t B = q_in.size(0), H = q_in.size(1), Sq = q_in.size(2), D = q_in.size(3), Skv = k_in.size(2);
-  TORCH_CHECK(k_in.size(0) == B && k_in.size(1) == H && k_in.size(3) == D && v_in.sizes() == k_in.sizes(),
-              "attention_cuda: k and v must be (B, H, Skv, D) matching q ", q_in.sizes(), ", got k ",
-              k_in.sizes(), " and v ", v_in.sizes());
+  const int64_t Hkv = k_in.size(1);
+  TORCH_CHECK(k_in.size(0) == B && Hkv > 0 && H % Hkv == 0 && k_in.size(3) == D && v_in.sizes() == k_in.sizes(),
+              "attention_cuda: k and v must be (B, Hkv, Skv, D) matching q ", q_in.sizes(),
+              " with H a multiple of Hkv, got k ", k_in.sizes(), " and v ", v_in.sizes());
   TORCH_CHECK(D == 64 || D == 128, "attention_cuda: head dim must be 64 or 128 (got ", D,
               "); use the reference implementation for other head dims");
   TORCH_CHECK(q_in.stride(3) == 1 && k_in.stride(3) == 1 && v_in.stride(3) == 1,
@@ -1271,6 +1310,7 @@ at::Tensor attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const 
   p.k_sb = k.stride(0), p.k_sh = k.stride(1), p.k_ss = k.stride(2);
   p.v_sb = v.stride(0), p.v_sh = v.stride(1), p.v_ss = v.stride(2);
   p.B = static_cast<int>(B), p.H = static_cast<int>(H), p.Sq = static_cast<int>(Sq), p.Skv = static_cast<int>(Skv);
+  p.group = static_cast<int>(H / Hkv);
   p.scale_log2 = static_cast<float>(scale) * kLog2e;
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -1291,8 +1331,9 @@ at::Tensor attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const 
 }
 
 
-// attention(q, k, v, key_mask, q_start, scale): q (B, H, Sq, D); k, v: (B, H, Skv, D); last dim contiguous, other
-// strides arbitrary. key_mask: (B, Skv) bool, true = real token (None: all real). q_start: (B,) int32, key index of
+// attention(q, k, v, key_mask, q_start, scale): q (B, H, Sq, D); k, v: (B, Hkv, Skv, D) with H a multiple of Hkv
+// (grouped-query attention: query head h reads key/value head h / (H / Hkv)); last dim contiguous, other strides
+// arbitrary. key_mask: (B, Skv) bool, true = real token (None: all real). q_start: (B,) int32, key index of
 // query 0 (None: Skv - Sq for every row). Query i of row b attends key j iff key_mask[b, j] and j <= q_start[b] + i;
 // a query with no key gets 0. Returns (B, Sq, H, D) contiguous, q's dtype.
 // attention_prefill_kernel(): the kernel attention runs for prefill (fp16/bf16, Sq > 16) on the current device:

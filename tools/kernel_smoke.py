@@ -133,5 +133,44 @@ if part in ("all", "prefill"):
         attention(dtype, d, 300, 700, q_start=300)
         attention(dtype, d, 200, 400, q_start=100)
         attention(dtype, d, 300, 700, q_start=300, heads=60)
+
+
+# ---- grouped-query attention (Hkv < H: split-KV packs a key/value head's query heads; the prefills index the shared
+# head) and the fused rotary q/k/v split (every vector width: head dims 128, 80, 36, 6) ----
+def gqa_attention(dtype, d, sq, skv, heads, kv_heads, q_start=None):
+    """attention() above with k, v of kv_heads heads; prefills on both kernels."""
+    q = torch.randn(2, heads, sq, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(2, kv_heads, skv, d, device="cuda", dtype=dtype) for _ in range(2))
+    key_mask = torch.arange(skv, device="cuda")[None] >= torch.tensor([0, 11], device="cuda")[:, None]
+    qs = None if q_start is None else torch.full((2,), q_start, dtype=torch.int32, device="cuda")
+    for enabled in (True, False) if sq > 16 else (True,):
+        with sm90_prefill(enabled):
+            ops.attention(q, k, v, key_mask, qs, d ** -0.5)
+            ops.attention(q, k, v, None, qs, d ** -0.5)
+
+
+def rope_kernels():
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for d in (128, 80, 36, 6):
+            h, hkv, s = 6, 2, 13
+            qkv = torch.randn(2, s, (h + 2 * hkv) * d, device="cuda", dtype=dtype)
+            cos, sin = (torch.randn(2, s, d, device="cuda", dtype=dtype) for _ in range(2))
+            ops.qkv_rope(qkv, cos, sin, h, hkv)
+            caches = [torch.zeros(2, hkv, 20, d, device="cuda", dtype=dtype) for _ in range(2)]
+            slots = torch.tensor([0, 3, 19, 20, -1, 5, 6, 7, 8, 9, 10, 11, 12], device="cuda")  # two out of range
+            ops.qkv_rope_append(qkv, cos, sin, h, hkv, *caches, slots)
+
+
+if part in ("all", "no-ring-wrap"):
+    rope_kernels()
+    for dtype in (torch.float16, torch.bfloat16):
+        for d in (64, 128):
+            for sq, skv in ((77, 77), (1, 300), (4, 129), (16, 700)):
+                gqa_attention(dtype, d, sq, skv, 12, 2)  # 6 query heads per key/value head
+            gqa_attention(dtype, d, 1, 3000, 32, 8)  # decode with several splits (scratch, merge counters)
+if part in ("all", "prefill"):
+    for dtype, d in ((torch.float16, 64), (torch.bfloat16, 128)):
+        gqa_attention(dtype, d, 300, 700, 8, 2, q_start=300)  # the wgmma ring wraps, a cache tail to zero
+        gqa_attention(dtype, d, 300, 700, 64, 8, q_start=300)  # more work items than SMs
 torch.cuda.synchronize()
 print(f"kernel_smoke ({part}): all kernels ran")

@@ -20,7 +20,7 @@ from fuseinfer.core.extension import extension, route
 from fuseinfer.core.errors import FuseInferError
 
 KERNEL_HEAD_DIMS = (64, 128)
-KERNEL_GQA = False  # whether the CUDA kernels take Hkv < H (else those calls run SDPA on repeated k / v)
+KERNEL_GQA = True  # whether the CUDA kernels take Hkv < H (else those calls run SDPA on repeated k / v)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 

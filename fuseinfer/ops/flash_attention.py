@@ -20,7 +20,8 @@ How our mask description maps onto flash-attn-4's API (``flash_attn_func`` / ``f
   holes runs our kernel.
 * inside CUDA-graph capture (``fuseinfer.generate``) a key mask cannot be checked (no host sync there), so those calls
   run our kernel; so do fp32 inputs, head dims flash-attn-4 does not take on sm_90 (8..256, multiple of 8),
-  inputs that need gradients, torch.func transforms and CPUs (the reference).
+  grouped-query attention (fewer key/value heads than query heads: the per-(row, head) mapping above assumes one
+  key/value head per query head), inputs that need gradients, torch.func transforms and CPUs (the reference).
 
 Queries without any allowed key return 0, as our kernel does (set explicitly, whatever the package writes there).
 """
@@ -111,6 +112,8 @@ def plan(q, k, key_mask, q_start) -> tuple[str | None, object]:
         return None, f"flash-attn-4 does not import ({why})"
     if not fa_supports(q):
         return None, f"flash-attn-4 does not take {q.dtype} head dim {q.shape[-1]} on {q.device.type}"
+    if k.shape[1] != q.shape[1]:  # (the "runs" mapping flattens one key/value head per query head)
+        return None, "grouped-query attention (fewer key/value heads than query heads)"
     sq, skv = q.shape[2], k.shape[2]
     if key_mask is None and q_start is None:
         return ("dense", None) if sq <= skv else (None, "more queries than keys without a q_start")

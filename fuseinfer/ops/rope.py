@@ -38,7 +38,8 @@ def qkv_rope_ref(qkv, cos, sin, heads: int, kv_heads: int):
     c, sn = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, S, D)
     q = q * c + _rotate_half(q) * sn
     k = k * c + _rotate_half(k) * sn
-    return q.contiguous(), k.contiguous(), v.contiguous()
+    # v copied even where its view is contiguous already (S = 1): an op's output must not alias its input
+    return q.contiguous(), k.contiguous(), v.clone(memory_format=torch.contiguous_format)
 
 
 def qkv_rope_append_ref(qkv, cos, sin, heads: int, kv_heads: int, k_cache, v_cache, slots):
@@ -61,9 +62,10 @@ def _qkv_rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, he
 
 
 def kernel_supports(qkv, cos, sin) -> bool:
-    """Whether the CUDA kernel handles these tensors (else the op runs the reference)."""
+    """Whether the CUDA kernel handles these tensors (else the op runs the reference): any even head dim (16-byte
+    vectors where D / 2 allows, narrower ones else)."""
     d = cos.shape[-1]
-    return qkv.dtype in KERNEL_DTYPES and cos.dtype == sin.dtype == qkv.dtype and d % 8 == 0 and d <= 256
+    return qkv.dtype in KERNEL_DTYPES and cos.dtype == sin.dtype == qkv.dtype and d > 0 and d % 2 == 0
 
 
 @_qkv_rope.register_kernel("cuda")
@@ -97,6 +99,45 @@ def _(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots):
     return qkv.new_empty(b, heads, s, width // (heads + 2 * kv_heads))
 
 
+def _setup_context(ctx, inputs, output):
+    qkv, cos, sin, heads, kv_heads = inputs
+    ctx.save_for_backward(qkv, cos, sin)
+    ctx.heads, ctx.kv_heads = heads, kv_heads
+
+
+def _backward(ctx, dq, dk, dv):
+    """The reference's gradients, in fp32 (fp64 for fp64 inputs). The rotation is linear, y = x cos + R x sin with
+    R = rotate_half and R^T = -R, so dx = dy cos - rotate_half(dy sin); dcos = sum over heads of dy x, dsin = sum
+    over heads of dy R x (q and k heads both); v's gradient passes through. dqkv goes back to the (B, S,
+    (H + 2 Hkv) D) layout."""
+    qkv, cos, sin = ctx.saved_tensors
+    heads, kv_heads = ctx.heads, ctx.kv_heads
+    b, s, width = qkv.shape
+    d = width // (heads + 2 * kv_heads)
+    wide = torch.promote_types(qkv.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+    c, sn = cos.to(wide).unsqueeze(1), sin.to(wide).unsqueeze(1)  # (B, 1, S, D)
+    zeros = lambda h: qkv.new_zeros(b, h, s, d, dtype=wide)  # noqa: E731  (an undefined output gradient)
+    dq = zeros(heads) if dq is None else dq.to(wide)  # (B, H, S, D)
+    dk = zeros(kv_heads) if dk is None else dk.to(wide)  # (B, Hkv, S, D)
+    dv = zeros(kv_heads) if dv is None else dv.to(wide)
+    dqk = torch.cat([dq, dk], 1)  # (B, H + Hkv, S, D): the rotated heads
+    dqkv = dcos = dsin = None
+    if ctx.needs_input_grad[0]:
+        dx = dqk * c - _rotate_half(dqk * sn)  # (B, H + Hkv, S, D)
+        dqkv = torch.cat([dx, dv], 1).transpose(1, 2).reshape(b, s, width).to(qkv.dtype)
+    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        x = qkv.to(wide).view(b, s, heads + 2 * kv_heads, d).transpose(1, 2)[:, :heads + kv_heads]  # (B, H+Hkv, S, D)
+        if ctx.needs_input_grad[1]:
+            dcos = (dqk * x).sum(1).to(cos.dtype)  # (B, S, D)
+        if ctx.needs_input_grad[2]:
+            dsin = (dqk * _rotate_half(x)).sum(1).to(sin.dtype)
+    return dqkv, dcos, dsin, None, None
+
+
+# the kernel is forward-only: a call whose inputs need gradients goes through the dispatcher (core.extension.route)
+_qkv_rope.register_autograd(_backward, setup_context=_setup_context)
+
+
 def _check(qkv, cos, sin, heads: int, kv_heads: int) -> None:
     if qkv.dim() != 3 or heads <= 0 or kv_heads <= 0 or heads % kv_heads:
         raise FuseInferError(f"qkv_rope: expected qkv (B, S, (H + 2 Hkv) D) with H a multiple of Hkv > 0, got "
@@ -120,7 +161,9 @@ def qkv_rope(qkv, cos, sin, heads: int, kv_heads: int):
 
 
 def qkv_rope_append(qkv, cos, sin, heads: int, kv_heads: int, k_cache, v_cache, slots):
-    """q (B, H, S, D) rotated; the rotated k and v written into k_cache / v_cache (B, Hkv, T, D) at slots (S,)."""
+    """q (B, H, S, D) rotated; the rotated k and v written into k_cache / v_cache (B, Hkv, T, D) at slots (S,).
+    Inference only: it has no autograd formula (a cache write is not differentiated); slots must lie in [0, T) (the
+    reference raises on others, the CUDA kernel skips them without a host sync)."""
     _check(qkv, cos, sin, heads, kv_heads)
     b, s, width = qkv.shape
     d = width // (heads + 2 * kv_heads)

@@ -1,7 +1,8 @@
 """fuseinfer::attention (fuseinfer/ops/attention.py): the reference against SDPA and per-row formulas (left padding,
-decode offsets, queries without keys, unwritten cache slots), bad input, gradients, the SDPA fallback, the
-registration (opcheck), property tests against the reference (hypothesis) on every device, and the CUDA kernels
-(wgmma / mma.sync prefill, split-KV decode) with their path counts."""
+decode offsets, queries without keys, unwritten cache slots), grouped-query attention against repeated key/value
+heads, bad input, gradients, the SDPA fallback, the registration (opcheck), property tests against the reference
+(hypothesis) on every device, and the CUDA kernels (wgmma / mma.sync prefill, split-KV decode; multi-head and
+grouped-query) with their path counts."""
 from __future__ import annotations
 
 import math
@@ -32,9 +33,17 @@ def _seed():
     torch.manual_seed(0)
 
 
-def _attention_inputs(b=3, h=4, sq=113, skv=113, d=64, dtype=torch.float32, device="cpu"):
-    q, k, v = (torch.randn(b, h, s, d, dtype=dtype, device=device) for s in (sq, skv, skv))
+def _attention_inputs(b=3, h=4, sq=113, skv=113, d=64, dtype=torch.float32, device="cpu", kv_heads=None):
+    q = torch.randn(b, h, sq, d, dtype=dtype, device=device)
+    k, v = (torch.randn(b, kv_heads or h, skv, d, dtype=dtype, device=device) for _ in range(2))
     return q, k, v
+
+
+def _repeated(q, k, v):
+    """k, v (B, Hkv, Skv, D) repeated to q's heads by hand (query head h reads key/value head h // group)."""
+    group = q.shape[1] // k.shape[1]
+    idx = torch.arange(q.shape[1], device=q.device) // group
+    return k[:, idx], v[:, idx]
 
 
 def test_attention_rejects_bad_input_with_one_clear_error(device):
@@ -60,6 +69,55 @@ def test_attention_rejects_mismatched_shapes(device):
     q, k, v = _attention_inputs(device=device)
     with pytest.raises(FuseInferError, match=r"expected q \(B,H,Sq,D\)"):
         ops.attention(q, k[:, :, :, :32], v)
+    with pytest.raises(FuseInferError, match="H a multiple of Hkv"):  # 4 query heads, 3 key/value heads
+        ops.attention(q, k[:, :3], v[:, :3])
+    with pytest.raises(FuseInferError, match="H a multiple of Hkv"):
+        ops.attention(q, k[:, :2], v[:, :1])
+
+
+@pytest.mark.parametrize("h,kv_heads", [(4, 2), (12, 2), (8, 1), (6, 6)])
+def test_gqa_reference_equals_repeated_key_value_heads(h, kv_heads):
+    """Query head h reads key/value head h // (H / Hkv): the op on Hkv heads gives what it gives on k, v repeated to
+    H heads by hand, bit for bit, with left padding and per-row q_start."""
+    q, k, v = _attention_inputs(b=2, h=h, sq=5, skv=23, d=16, kv_heads=kv_heads)
+    key_mask = torch.arange(23)[None] >= torch.tensor([[0], [6]])
+    q_start = torch.tensor([18, 9], dtype=torch.int32)
+    ours = ops.attention(q, k, v, key_mask, q_start, 0.25)
+    assert torch.equal(ours, ops.attention(q, *_repeated(q, k, v), key_mask, q_start, 0.25))
+    if 1 < kv_heads < h:  # (the grouping matters: query head h reading key/value head h % Hkv differs)
+        wrong = torch.arange(h) % kv_heads
+        assert not torch.equal(ours, ops.attention(q, k[:, wrong], v[:, wrong], key_mask, q_start, 0.25))
+
+
+def test_gqa_gradients_sum_over_the_group(device):
+    """dK and dV of a key/value head are the sums over the query heads that read it: the op's formula against
+    autograd through the hand-repeated heads, in float64."""
+    q, k, v = (t.double().requires_grad_() for t in _attention_inputs(b=2, h=6, sq=4, skv=9, d=8, device=device,
+                                                                       kv_heads=2))
+    key_mask = torch.arange(9, device=device)[None] >= torch.tensor([[0], [3]], device=device)
+    g = torch.randn(2, 4, 6, 8, dtype=torch.float64, device=device)  # (B, Sq, H, D)
+    ours = torch.autograd.grad(ops.attention(q, k, v, key_mask, None, 0.3), (q, k, v), g)
+    expected = torch.autograd.grad(ops.attention(q, *_repeated(q, k, v), key_mask, None, 0.3), (q, k, v), g)
+    for name, a, e in zip("qkv", ours, expected):
+        assert a.shape == e.shape
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_flash_attn_backend_leaves_gqa_to_our_op(monkeypatch):
+    """The flash-attn backend's per-(row, head) mapping flattens one key/value head per query head: it refuses GQA,
+    and the call runs our op (the reference here), whatever the package would take."""
+    from fuseinfer.ops import flash_attention as fa_op
+
+    monkeypatch.setattr(fa_op, "_fa", object())  # "imports"; any call into it would fail the test
+    monkeypatch.setattr(fa_op, "_fa_error", None)
+    monkeypatch.setattr(fa_op, "fa_supports", lambda q: True)
+    q, k, v = _attention_inputs(b=2, h=4, sq=3, skv=10, d=8, kv_heads=2)
+    key_mask = torch.arange(10)[None] >= torch.tensor([[0], [4]])
+    for mask in (None, key_mask):
+        kind, why = fa_op.plan(q, k, mask, None)
+        assert kind is None and "grouped-query" in why
+        torch.testing.assert_close(fa_op.flash_attention_cuda(q, k, v, mask, None, 0.3),
+                                   ops.attention_ref(q, k, v, mask, None, 0.3), rtol=1e-5, atol=1e-5)
 
 
 def test_attention_gradients_match_autograd_in_float64(device):
@@ -187,7 +245,8 @@ def test_opcheck(case, device):
 
 @st.composite
 def attention_cases(draw, device):
-    """(q, k, v, key_mask, q_start, scale, nan_from): batch 1-4, heads 1-4; one query (decode), a few, or a prefill;
+    """(q, k, v, key_mask, q_start, scale, nan_from): batch 1-4, heads 1-4, key/value heads any divisor of them
+    (grouped-query attention); one query (decode), a few, or a prefill;
     head dims the kernels take (64, 128) and others (odd ones on the CPU); random left padding per row (up to all
     of a row: no key at all), q_start None (bottom-right causal), one for all rows or per row (negative: queries
     before every key; past Skv - Sq: a static cache's slack); q as a view into a fused QKV buffer; unwritten cache
@@ -195,6 +254,7 @@ def attention_cases(draw, device):
     torch.manual_seed(draw(st.integers(0, 2**32 - 1)))  # the tensors follow from the drawn seed (replayable)
     cuda = device == "cuda"
     b, h = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    kv_heads = draw(st.sampled_from([n for n in range(1, h + 1) if h % n == 0]))  # GQA where h allows
     sq = draw(st.one_of(st.just(1), st.integers(2, 16), st.integers(17, 80 if not cuda else 600)))
     skv = draw(st.integers(1, 100 if not cuda else 1200))
     d = draw(st.sampled_from([64, 128]) | (st.integers(1, 40) if not cuda else st.sampled_from([32, 64, 96, 128])))
@@ -215,9 +275,9 @@ def attention_cases(draw, device):
         q = torch.randn(b, sq, 3, h, d, device=device)[:, :, 0].transpose(1, 2)
     else:
         q = torch.randn(b, h, sq, d, device=device)
-    k, v = (torch.randn(b, h, skv, d, device=device) for _ in range(2))
+    k, v = (torch.randn(b, kv_heads, skv, d, device=device) for _ in range(2))
     if draw(st.booleans()):  # k, v as a longer cache's first slots (a row stride > Skv * D)
-        k, v = (torch.randn(b, h, skv + 7, d, device=device)[:, :, :skv] for _ in range(2))
+        k, v = (torch.randn(b, kv_heads, skv + 7, d, device=device)[:, :, :skv] for _ in range(2))
     # cache slots past the last key any query may see: never written, may hold anything (on CUDA only where the
     # kernels serve: the SDPA fallback reads every key, and the runtime's caches start zeroed)
     last = (skv - 1 if q_start is None else int(q_start.max()) + sq - 1)
@@ -248,8 +308,9 @@ def test_attention_matches_reference_property(device):
         k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)  # the references multiply masked-out NaN slots by 0
         hi = ref_dtype(q.dtype)
         ref = ops.attention_ref(q.to(hi), k.to(hi), v.to(hi), key_mask, q_start, scale).to(hi)
-        if device == "cuda":  # plain PyTorch in q's dtype: SDPA with the boolean mask
-            torch_same = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+        if device == "cuda":  # plain PyTorch in q's dtype: SDPA with the boolean mask (on repeated k, v for GQA)
+            torch_same = torch.nn.functional.scaled_dot_product_attention(q, *_repeated(q, k, v), attn_mask=allowed,
+                                                                          scale=scale)
             torch_same = torch_same.transpose(1, 2)
         else:  # the reference in q's dtype (fp32 softmax, one rounding at the end), what the CPU op runs
             torch_same = ops.attention_ref(q, k, v, key_mask, q_start, scale)
@@ -274,13 +335,13 @@ def test_attention_opcheck_property(device):
 
 # ---- CUDA kernels ----
 
-def _attn_case(b, h, sq, skv, d, dtype, pads=None, q_start=None, strided_q=False, nan_from=None):
+def _attn_case(b, h, sq, skv, d, dtype, pads=None, q_start=None, strided_q=False, nan_from=None, kv_heads=None):
     if strided_q:  # q as a view into a fused (B, S, 3, H, D) projection, like the patched OPT produces
         qkv = torch.randn(b, sq, 3, h, d, device="cuda", dtype=dtype)
         q = qkv[:, :, 0].transpose(1, 2)
     else:
         q = torch.randn(b, h, sq, d, device="cuda", dtype=dtype)
-    k, v = (torch.randn(b, h, skv, d, device="cuda", dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(b, kv_heads or h, skv, d, device="cuda", dtype=dtype) for _ in range(2))
     if nan_from is not None:  # cache slots past the chunk: never written, may hold anything (must not be used)
         k[:, :, nan_from:] = float("nan")
         v[:, :, nan_from:] = float("nan")
@@ -289,6 +350,27 @@ def _attn_case(b, h, sq, skv, d, dtype, pads=None, q_start=None, strided_q=False
         key_mask = torch.arange(skv, device="cuda")[None] >= torch.tensor(pads, device="cuda")[:, None]
     qs = None if q_start is None else torch.tensor(q_start, device="cuda", dtype=torch.int32).expand(b).contiguous()
     return q, k, v, key_mask, qs
+
+
+def _check_attention_kernel(case: dict, path: str, d: int, dtype) -> torch.Tensor:
+    """ops.attention on the case through `path` (asserted by its path count) against the fp32 reference with the 2x
+    rule (plain PyTorch: SDPA in the inputs' dtype on repeated key/value heads); queries without keys give 0."""
+    q, k, v, key_mask, q_start = _attn_case(d=d, dtype=dtype, **case)
+    b, h, sq, _ = q.shape
+    scale = d ** -0.5
+    ours, paths = paths_taken(lambda: ops.attention(q, k, v, key_mask, q_start, scale))  # (B, Sq, H, D)
+    assert paths == {f"attention.{path}": 1}, paths
+    assert ours.shape == (b, sq, h, d) and ours.is_contiguous()
+    k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)  # the references multiply masked-out NaN slots by 0
+    ref32 = ops.attention_ref(q.float(), k.float(), v.float(), key_mask, q_start, scale)
+    allowed = allowed_mask(key_mask, q_start, b, sq, k.shape[2], q.device)  # (B, 1, Sq, Skv)
+    has_key = allowed.any(-1).view(b, sq)  # (B, Sq)
+    assert ours[~has_key].abs().max().item() == 0 if (~has_key).any() else True
+    torch_lowp = torch.nn.functional.scaled_dot_product_attention(q, *_repeated(q, k, v), attn_mask=allowed,
+                                                                  scale=scale)
+    torch_lowp = torch_lowp.transpose(1, 2)
+    assert_lowp_close(ours[has_key], torch_lowp[has_key], ref32[has_key], str(case))
+    return ours
 
 
 ATTN_CASES = {
@@ -334,20 +416,74 @@ def test_attention_kernel(case, path, d, dtype, set_knob):
     if path == "wgmma" and not wgmma_available():
         pytest.skip("the wgmma prefill needs an sm_90 GPU")
     set_knob("FUSEINFER_ATTN_SM90", "0" if path == "mma_sync" else "1")
-    q, k, v, key_mask, q_start = _attn_case(d=d, dtype=dtype, **ATTN_CASES[case])
-    b, h, sq, _ = q.shape
-    scale = d ** -0.5
-    ours, paths = paths_taken(lambda: ops.attention(q, k, v, key_mask, q_start, scale))  # (B, Sq, H, D)
-    assert paths == {f"attention.{path}": 1}, paths
-    assert ours.shape == (b, sq, h, d) and ours.is_contiguous()
-    k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)  # the references multiply masked-out NaN slots by 0
-    ref32 = ops.attention_ref(q.float(), k.float(), v.float(), key_mask, q_start, scale)
-    allowed = allowed_mask(key_mask, q_start, b, sq, k.shape[2], q.device)  # (B, 1, Sq, Skv)
-    has_key = allowed.any(-1).view(b, sq)  # (B, Sq)
-    assert ours[~has_key].abs().max().item() == 0 if (~has_key).any() else True
-    torch_lowp = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
-    torch_lowp = torch_lowp.transpose(1, 2)
-    assert_lowp_close(ours[has_key], torch_lowp[has_key], ref32[has_key], case)
+    _check_attention_kernel(ATTN_CASES[case], path, d, dtype)
+
+
+# grouped-query attention: query heads per key/value head 1, 2, 4, 6 and 8 (Llama 3 8B has 32 / 8, Qwen2.5 1.5B
+# 12 / 2); the split-KV cases pack a key/value head's query heads into one block, their rows spanning heads
+GQA_CASES = {
+    "g1_decode_3_per_row_q_start": dict(b=2, h=4, kv_heads=4, sq=3, skv=500, q_start=[-2, 400], nan_from=403),
+    "g2_prefill_113_pad": dict(b=3, h=4, kv_heads=2, sq=113, skv=113, pads=[0, 5, 100]),
+    "g2_decode_4_static_cache": dict(b=2, h=4, kv_heads=2, sq=4, skv=1024, q_start=500, pads=[0, 9], nan_from=504),
+    "g4_prefill_2048": dict(b=1, h=32, kv_heads=8, sq=2048, skv=2048),
+    "g4_decode_1_ctx_8192": dict(b=4, h=32, kv_heads=8, sq=1, skv=8192, pads=[0, 100, 4000, 8191]),
+    "g6_prefill_300_into_cache": dict(b=2, h=12, kv_heads=2, sq=300, skv=700, q_start=300, pads=[0, 37],
+                                      nan_from=600, strided_q=True),
+    "g6_decode_1_pad": dict(b=3, h=12, kv_heads=2, sq=1, skv=333, pads=[0, 17, 300]),
+    "g8_prefill_64_after_8192_keys": dict(b=2, h=8, kv_heads=1, sq=64, skv=8192, q_start=8100, pads=[0, 5000],
+                                          nan_from=8164),
+    "g8_chunk_16_after_cache": dict(b=2, h=16, kv_heads=2, sq=16, skv=700, pads=[3, 0]),
+    "g8_decode_3_per_row_q_start": dict(b=2, h=8, kv_heads=1, sq=3, skv=777, q_start=[-2, 600], nan_from=603),
+}
+
+
+def _gqa_paths():
+    for case in sorted(GQA_CASES):
+        paths = ("wgmma", "mma_sync") if GQA_CASES[case]["sq"] > 16 else ("split_kv",)
+        yield from ((case, path) for path in paths)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,path", list(_gqa_paths()))
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", LOWP)
+def test_attention_kernel_gqa(case, path, d, dtype, set_knob):
+    if path == "wgmma" and not wgmma_available():
+        pytest.skip("the wgmma prefill needs an sm_90 GPU")
+    set_knob("FUSEINFER_ATTN_SM90", "0" if path == "mma_sync" else "1")
+    _check_attention_kernel(GQA_CASES[case], path, d, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["wgmma", "mma_sync"])
+def test_gqa_prefill_equals_the_kernel_on_repeated_heads(path, set_knob):
+    """The prefills compute each (row, query head) alike whichever key/value head layout feeds it: on Hkv heads they
+    give the bits they give on k, v repeated to H heads (only the addressing of K and V differs)."""
+    if path == "wgmma" and not wgmma_available():
+        pytest.skip("the wgmma prefill needs an sm_90 GPU")
+    set_knob("FUSEINFER_ATTN_SM90", "0" if path == "mma_sync" else "1")
+    q, k, v, key_mask, q_start = _attn_case(2, 12, 300, 700, 128, torch.bfloat16, pads=[0, 37], q_start=300,
+                                            kv_heads=2)
+    ours = ops.attention(q, k, v, key_mask, q_start, 0.1)
+    assert torch.equal(ours, ops.attention(q, *(t.contiguous() for t in _repeated(q, k, v)), key_mask, q_start, 0.1))
+
+
+@pytest.mark.gpu
+def test_gqa_decode_replays_in_a_cuda_graph():
+    """Split-KV decode with GQA packing (several splits: merge counters, scratch) captured and replayed as the
+    cache fills: each replay equals an eager call."""
+    q, k, v, key_mask, _ = _attn_case(2, 32, 1, 4096, 128, torch.float16, pads=[0, 1000], kv_heads=8)
+    q_start = torch.tensor([100, 100], dtype=torch.int32, device="cuda")
+    ops.attention(q, k, v, key_mask, q_start, 0.1)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.attention(q, k, v, key_mask, q_start, 0.1)
+    for step in (1500, 4000, 4095):
+        q.copy_(torch.randn_like(q))
+        q_start.fill_(step)
+        graph.replay()
+        assert torch.equal(out, ops.attention(q, k, v, key_mask, q_start, 0.1)), step
 
 
 @pytest.mark.gpu
