@@ -128,7 +128,7 @@ def record_kernel_calls(monkeypatch) -> list[str]:
         def __getattr__(self, name):
             attr = getattr(self.ext, name)
             if name not in ("add_layer_norm", "linear_epilogue", "attention", "kv_cache_append", "decode_step",
-                            "emit_tokens", "add_rms_norm", "silu_mul"):
+                            "emit_tokens", "add_rms_norm", "silu_mul", "qkv_rope", "qkv_rope_append"):
                 return attr
             return lambda *args, **kwargs: calls.append(name) or attr(*args, **kwargs)
 

@@ -97,8 +97,9 @@ def load_config(source: ModelSource, quantized: str | None = None):
         config = AutoConfig.from_pretrained(source.path)
     except Exception as exc:  # hub, network and file errors all end the run with one line
         raise _load_failed(source, exc) from None
-    if config.model_type != "opt":
-        raise EvalError(f"{source.path!r} is a {config.model_type!r} model; fuseinfer.eval measures OPT models")
+    if models.family(config.model_type) is None:
+        raise EvalError(f"{source.path!r} is a {config.model_type!r} model; fuseinfer measures the families it "
+                        f"patches: {models.supported()}")
     scheme = checkpoint_scheme(config)
     if scheme is not None and quantized is not None:
         raise EvalError(f"{source.path!r} is a fuseinfer quantized checkpoint ({scheme}): {quantized}; pass the "

@@ -55,6 +55,16 @@ class LlamaFamily(ModelFamily):
     def init_buffers(self, model):
         llama.init_rotary(model)
 
+    def row_read_tensors(self, model):
+        """The input embedding table when the LM head does not share it: a decode step reads one row of it."""
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        if head is not None and head.weight is embed.weight:
+            return []
+        return [embed.weight]
+
+    def intermediate_size(self, config):
+        return config.intermediate_size
+
     def kv_layout(self, config):
         return config.num_key_value_heads, llama.head_dim_of(config)
 

@@ -117,12 +117,15 @@ def test_empty_model_is_on_meta_with_the_config_shapes():
 
 
 def test_random_names_resolve_through_the_family():
-    assert models.random_configs() == {name: "opt" for name in FAM.random_configs()}
-    assert set(SHORT_NAMES) == set(published_names()) == {n.split("/")[1] for n in FAM.random_configs()}
+    opt_names = {name: kind for name, kind in models.random_configs().items() if kind == "opt"}
+    assert opt_names == {name: "opt" for name in FAM.random_configs()}
+    assert set(SHORT_NAMES) == set(published_names()) == {n.split("/")[1].lower() for n in models.random_configs()}
+    assert {n.split("/")[1] for n in FAM.random_configs()} <= set(published_names())
     for short, hub_id in published_names().items():
         source = resolve_model(f"random:{short}")
         assert source.random_weights and source.path == hub_id
-        assert load_config(source).to_dict() == FAM.build_config(hub_id).to_dict()
+        family = models.family(models.random_configs()[hub_id])
+        assert load_config(source).to_dict() == family.build_config(hub_id).to_dict()
 
 
 @settings(max_examples=25, deadline=None)
