@@ -74,6 +74,8 @@ def _case(model, ids, tied: bool) -> dict:
     out["tied_expected"] = tied
     with torch.no_grad():
         logits = model(ids, attention_mask=mask).logits
+    out["train"] = _error(lambda: model.train()(ids))  # (the original forward: no all-reduce)
+    model.eval()
     out["scale"] = patched.abs().max().item()
     out["logits_err"] = (logits - patched).abs().max().item()
     out["vs_unpatched_err"] = (logits - unpatched).abs().max().item()
@@ -118,6 +120,19 @@ def _worker(rank: int, size: int, init_file: str, out_dir: str, tiny: str | None
         model = random_llama(kind, **overrides)
         ids = torch.randint(3, model.config.vocab_size, (2, 9))
         result[name] = _case(model, ids, tied=False)
+    # built on the meta device, each rank drawing only its shards: the model random_model draws whole
+    from fuseinfer.parallel import meta_model, random_init, random_model
+
+    cfg = random_llama(num_attention_heads=8, num_key_value_heads=2).config
+    whole = random_model(cfg, torch.float32, "cpu", seed=3)
+    fuseinfer.patch(whole)
+    meta = meta_model(cfg, torch.float32)
+    tensor_parallel(meta, init=random_init(3))
+    ids = torch.randint(3, cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        want = whole(ids).logits
+        result["meta_err"] = (meta(ids).logits - want).abs().max().item()
+    result["meta_scale"] = want.abs().max().item()
     if tiny is not None:
         from transformers import AutoModelForCausalLM
 
@@ -157,6 +172,7 @@ def _check_case(results, name, heads, kv_heads, ffn, hidden, head_dim, biases=(F
         assert c["unfused_err"] < tol and c["copy_err"] == 0.0, name
         assert c["generate_equal"] and c["hf_generate_equal"], name
         assert "tensor parallel" in c["path"]
+        assert "runs in eval mode" in c["train"]
         assert f"TPFused{'Qwen2' if 'qwen2' in name else 'Mistral' if 'mistral' in name else 'Llama'}DecoderLayer" \
             in c["report"] and "Attention -> TPFused" in c["report"]
         assert f"{h} query and {kv} key/value heads and {f} MLP units per rank" in c["report"]
@@ -179,6 +195,12 @@ def test_tp2_tiny_trained_llama(tp_results):
     if "tiny" not in tp_results[0]:
         pytest.skip(f"shared model not found at {TINY_LLAMA}; set FUSEINFER_SHARED to the shared/ folder")
     _check_case(tp_results, "tiny", 4, 2, 704, 256, 64)
+
+
+def test_tp2_from_the_meta_device(tp_results):
+    for r in tp_results:
+        # (random_init draws the RMSNorm weights near 0, so the logits are small: a relative bound)
+        assert r["meta_scale"] > 1e-3 and r["meta_err"] < 1e-4 * r["meta_scale"]
 
 
 def test_tp_refusals_raise_on_every_rank(tp_results):
@@ -256,3 +278,63 @@ def test_rank_config_reads_the_model_config_live():
     assert model.config.output_attentions
     with pytest.raises(fuseinfer.FuseInferError, match="fixed by the split"):
         view.num_attention_heads = 8
+
+
+# ---- two GPUs, NCCL: the CUDA kernels on each rank's heads, the all-reduces captured in the decode graphs
+
+def _gpu_worker(rank: int, size: int, port: int, out_dir: str, tiny: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    for knob in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):  # no NVLink multicast
+        os.environ.setdefault(knob, "0" if knob == "NCCL_NVLS_ENABLE" else "1")
+    from transformers import AutoModelForCausalLM
+
+    from fuseinfer.parallel import init_distributed, tensor_parallel
+
+    device = init_distributed()
+    dtype = torch.float16
+
+    def load(dt):
+        return AutoModelForCausalLM.from_pretrained(tiny, dtype=dt, attn_implementation="sdpa").eval()
+
+    ids = torch.randint(3, 8192, (3, 24), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding
+    with torch.no_grad():
+        ref32 = load(torch.float32)(ids, attention_mask=mask).logits  # (B, S, V) on the CPU
+        one = load(dtype).to(device)
+        torch16 = one(ids.to(device), attention_mask=mask.to(device)).logits.float().cpu()
+        fuseinfer.patch(one)
+        gen = dict(max_new_tokens=12, min_new_tokens=12, pad_token_id=1)
+        want = fuseinfer.generate(one, ids.to(device), mask.to(device), **gen).cpu()
+        model = load(dtype)
+        tensor_parallel(model, device=device)
+        ours = model(ids.to(device), attention_mask=mask.to(device)).logits.float().cpu()
+        got = fuseinfer.generate(model, ids.to(device), mask.to(device), **gen).cpu()
+    valid = mask.bool()  # padded positions' logits are not compared
+    session = next(iter(model._fuseinfer_sessions.values()))
+    result = {"ours_err": (ours - ref32)[valid].abs().max().item(),
+              "torch_err": (torch16 - ref32)[valid].abs().max().item(), "tokens_equal": torch.equal(got, want),
+              "cache_heads": session.cache.keys[0].shape[1], "path": session.path}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_tp2_tiny_llama_on_two_gpus(tmp_path, tiny_llama_path):
+    """TP=2 over NCCL in fp16: logits within twice torch's fp16 error of the fp32 reference, the greedy tokens (CUDA
+    graph decode, all-reduces captured) those of the model patched on one GPU, a cache of one key/value head."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_gpu_worker, args=(2, port, str(tmp_path), str(tiny_llama_path)), nprocs=2, join=True)
+    for rank in range(2):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["ours_err"] <= 2 * r["torch_err"] + 1e-3, r
+        assert r["tokens_equal"] and r["cache_heads"] == 1, r
+        assert "tensor parallel" in r["path"] and "eager" not in r["path"], r["path"]  # CUDA graphs on

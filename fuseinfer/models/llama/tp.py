@@ -114,9 +114,10 @@ class _TPAttention:
 
 def _eval_only(module: nn.Module, x) -> None:
     if _original_forward(module, x):
-        raise FuseInferError("a tensor-parallel Llama-architecture layer runs in eval mode, without autocast to another "
-                             "dtype and without global module hooks (those run the original forward, which has no "
-                             "all-reduce after o_proj and down_proj): call model.eval() and run in the model's dtype")
+        raise FuseInferError("a tensor-parallel Llama-architecture layer runs in eval mode, without autocast to "
+                             "another dtype and without global module hooks (those run the original forward, which "
+                             "has no all-reduce after o_proj and down_proj): call model.eval() and run in the "
+                             "model's dtype")
 
 
 class _TPDecoderLayer:
