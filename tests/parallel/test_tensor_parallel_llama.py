@@ -120,6 +120,18 @@ def _worker(rank: int, size: int, init_file: str, out_dir: str, tiny: str | None
         model = random_llama(kind, **overrides)
         ids = torch.randint(3, model.config.vocab_size, (2, 9))
         result[name] = _case(model, ids, tied=False)
+    # int8 weight-only: each rank quantizes its shards (its own per-row scales over a row-parallel weight's columns)
+    int8 = fuseinfer.PatchConfig(quant=fuseinfer.Int8WeightOnly())
+    model = random_llama("qwen2", num_attention_heads=8, num_key_value_heads=2)
+    ids = torch.randint(3, model.config.vocab_size, (2, 9))
+    one = copy.deepcopy(model)
+    fuseinfer.patch(one, int8)
+    with torch.no_grad():
+        exact = model(ids).logits
+        result["int8_one_err"] = (one(ids).logits - exact).abs().max().item()
+        report = tensor_parallel(model, config=int8)
+        result["int8_tp_err"] = (model(ids).logits - exact).abs().max().item()
+    result["int8_report"] = str(report)
     # built on the meta device, each rank drawing only its shards: the model random_model draws whole
     from fuseinfer.parallel import meta_model, random_init, random_model
 
@@ -195,6 +207,12 @@ def test_tp2_tiny_trained_llama(tp_results):
     if "tiny" not in tp_results[0]:
         pytest.skip(f"shared model not found at {TINY_LLAMA}; set FUSEINFER_SHARED to the shared/ folder")
     _check_case(tp_results, "tiny", 4, 2, 704, 256, 64)
+
+
+def test_tp2_int8_weight_only(tp_results):
+    for r in tp_results:
+        assert "qkv_proj" in r["int8_report"] and "TPFusedQwen2Attention" in r["int8_report"]
+        assert 0 < r["int8_tp_err"] <= 2 * r["int8_one_err"], (r["int8_tp_err"], r["int8_one_err"])
 
 
 def test_tp2_from_the_meta_device(tp_results):
@@ -280,6 +298,14 @@ def test_rank_config_reads_the_model_config_live():
         view.num_attention_heads = 8
 
 
+def test_tp_reason_refuses_what_patch_refuses():
+    """A sliding window fuseinfer's attention does not implement is refused before anything is sharded (patch would
+    refuse it only after every rank had placed its shards)."""
+    fam = family("mistral")
+    assert "sliding window of 16 tokens" in fam.tp_reason(random_llama("mistral", sliding_window=16), 2)
+    assert fam.tp_reason(random_llama("mistral"), 2) is None
+
+
 # ---- two GPUs, NCCL: the CUDA kernels on each rank's heads, the all-reduces captured in the decode graphs
 
 def _gpu_worker(rank: int, size: int, port: int, out_dir: str, tiny: str) -> None:
@@ -338,3 +364,4 @@ def test_tp2_tiny_llama_on_two_gpus(tmp_path, tiny_llama_path):
         assert r["ours_err"] <= 2 * r["torch_err"] + 1e-3, r
         assert r["tokens_equal"] and r["cache_heads"] == 1, r
         assert "tensor parallel" in r["path"] and "eager" not in r["path"], r["path"]  # CUDA graphs on
+

@@ -29,6 +29,7 @@ import re
 import torch.distributed as dist
 from torch import nn
 
+from fuseinfer.core.decode_plan import TP_ATTR  # (the TPInfo each decoder layer and attention module holds too)
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.models.llama.layer import decoder_layer
 from fuseinfer.models.llama.modules import (
@@ -38,7 +39,6 @@ from fuseinfer.models.llama.modules import (
 _CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _COLUMN = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
 _ROW = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.(weight|bias)$")
-TP_ATTR = "_fuseinfer_tp"  # (the TPInfo each decoder layer and attention module holds; sharding.py's name)
 
 
 class TPOps:
