@@ -1,8 +1,8 @@
 """Tensor parallel over ``torch.distributed`` (NCCL on GPUs, gloo on CPU), Megatron's layout: each block's
 column-parallel linears keep this rank's output features, its row-parallel ones this rank's input features, and one
 all-reduce per block sums the partial results. Which tensors split how, and the tensor-parallel layer, are the model
-family's (``ModelFamily.tp_*``; OPT: ``models/opt/tp.py``); this module checks the input on every rank, places each
-rank's shard and patches it.
+family's (``ModelFamily.tp_*``: ``models/opt/tp.py``, ``models/llama/tp.py``); this module checks the input on every
+rank, places each rank's shard and patches it.
 
 Why not transformers' ``tp_plan`` / ``DistributedConfig``: OPT's config has no ``base_model_tp_plan`` in
 transformers 5.x, and that path shards through DTensor-wrapped nn.Linear forwards, which the fused modules bypass
@@ -96,14 +96,14 @@ def _local_error(model, size: int, tp_size, device: torch.device, backend: str, 
 
 def tensor_parallel(model: nn.Module, tp_size: int | None = None, group=None, *, device=None,
                     init: Init | None = None, config=None):
-    """Shard ``model`` (an unpatched causal LM whose family has a tensor-parallel plan, OPT's, in eval mode, on the
+    """Shard ``model`` (an unpatched causal LM whose family has a tensor-parallel plan, in eval mode, on the
     CPU, on this rank's GPU or on the meta device with ``init``) over the ranks of ``group`` (default: the whole
     default group; ``init_distributed`` joins it), place this rank's shard on ``device`` (default: the current GPU under NCCL, the CPU under gloo),
     and patch it (``config``: a PatchConfig, default every op). Returns the PatchReport.
 
-    Every rank must call it (it runs collectives). Bad input (TP size not dividing the heads or ffn, more ranks
-    than GPUs, a model accelerate dispatched, no NCCL for CUDA, ranks with different configs) raises one
-    FuseInferError on every rank, naming the rank that found it, before anything is changed."""
+    Every rank must call it (it runs collectives). Bad input (TP size not dividing the (key/value) heads or the MLP
+    width, more ranks than GPUs, a model accelerate dispatched, no NCCL for CUDA, ranks with different configs)
+    raises one FuseInferError on every rank, naming the rank that found it, before anything is changed."""
     from fuseinfer.core.config import PatchConfig
     from fuseinfer.patching import patch
     from fuseinfer.core.state import patch_state, unwrapped

@@ -80,6 +80,27 @@ class LlamaFamily(ModelFamily):
 
         return LlamaConfig
 
+    # ---- tensor parallel (``tp.py``)
+
+    def tp_reason(self, model, size):
+        return _tp().tp_reason(model, size)
+
+    def tp_shard_spec(self, info):
+        return _tp().tp_shard_spec(info)
+
+    def tp_prepare(self, model, info):
+        _tp().tp_prepare(model, info)
+
+    def tp_finish(self, model, info, state, report):
+        return _tp().tp_finish(model, info, state, report)
+
+
+def _tp():
+    """The tensor-parallel plan (imports torch.distributed: loaded when a model is split)."""
+    from fuseinfer.models.llama import tp
+
+    return tp
+
 
 class MistralFamily(LlamaFamily):
     model_type = "mistral"

@@ -416,7 +416,8 @@ def test_init_buffers_recomputes_the_rotary_tables():
 def test_family_interface_refusals_are_clear():
     fam = models.family("llama")
     model = random_llama()
-    assert fam.prefill_reason(model) and fam.tp_reason(model, 2)
+    assert fam.prefill_reason(model)
+    assert fam.tp_reason(model, 2) is None and "num_key_value_heads=2" in fam.tp_reason(model, 4)  # (tp.py)
     with pytest.raises(NotImplementedError, match="no graph"):
         fam.export_spec(model)
     with pytest.raises(FuseInferError, match="SmoothQuant"):
