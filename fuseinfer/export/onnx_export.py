@@ -96,8 +96,8 @@ def _example(spec: ExportSpec, device, dtype):
 def to_onnx(model, out_dir, flavour: str = "fused", dtype: torch.dtype | None = None,
             device: str | torch.device | None = None, overwrite: bool = False, opset: int = OPSET,
             source: str | None = None, memo: dict | None = None) -> dict:
-    """Export a causal LM (of a family with an export graph: OPT) to ``out_dir``; returns the manifest (also
-    written as fuseinfer_onnx.json).
+    """Export a causal LM (of a family with an export graph: OPT, Llama, Mistral, Qwen2) to ``out_dir``; returns the
+    manifest (also written as fuseinfer_onnx.json).
 
     ``dtype`` / ``device``: export in that dtype on that device (default: the model's). The model itself is
     never changed: a model in another dtype or on another device is copied first. ``source``: how the model was
