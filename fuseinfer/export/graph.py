@@ -23,7 +23,12 @@ residual: SkipSimplifiedLayerNormalization in the fused flavour, Pow / ReduceMea
 one), ``gated_mlp`` (act(gate) * up; fused: one FusedMatMul for gate and up), and, when the context carries rotary
 tables, rotary attention with grouped-query key/value heads: RotaryEmbedding + GroupQueryAttention (past/present
 with the key/value heads, the padding as its ``attention_bias``) in the fused flavour; rotate_half on the gathered
-cos / sin rows and k / v repeated per query-head group in the plain one.
+cos / sin rows and k / v repeated per query-head group in the plain one. Every contrib op runs on onnxruntime's
+CPU provider (fp32 and fp16); what stays standard ops in the fused flavour: the first layer's RMSNorm (no residual
+to skip; onnxruntime fuses it into SimplifiedLayerNormalization when it loads the graph), SiLU (Sigmoid, Mul) and
+q/k/v biases (one Add: GroupQueryAttention has no bias input). GroupQueryAttention's limits: several new tokens over
+a past need batch 1 (one-token steps and a fresh prefill take any batch), and the CUDA provider runs an
+``attention_bias`` only in onnxruntime builds that support it there (older ones refuse it at run time).
 
 The strategy protocol is the decoder layer's (``norm``, ``linear``, ``attention``: see models/opt/layer.py) plus what
 a whole graph needs: ``bind(projections)`` (the attention modules' :class:`~fuseinfer.models.base.

@@ -102,9 +102,9 @@ class LayerOps:
     """The decoder layer's strategy protocol (models/llama/layer.py) over an export strategy: RMSNorm and the gated
     MLP by the strategy's ``rms_norm`` / ``gated_mlp``, the rest as they are."""
 
-    def __init__(self, ops):
+    def __init__(self, ops, layers: nn.ModuleList):
         self.ops = ops
-        self._layer = {}  # id(mlp) -> its layer index (the strategy binds gate / up by layer)
+        self._layer = {id(layer.mlp): i for i, layer in enumerate(layers)}  # the strategy binds gate / up by layer
 
     def norm(self, x, norm, residual=None):
         return self.ops.rms_norm(x, norm.weight, norm.variance_epsilon, residual)
@@ -133,12 +133,12 @@ class LlamaStepGraph(nn.Module):
                                        kv_heads=sp.cache_heads, window=window_of(a, model.config))
                   for a in (layer.self_attn for layer in layers)],
                  [(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in layers])
-        self.layer_ops = LayerOps(ops)
-        self.layer_ops._layer = {id(layer.mlp): i for i, layer in enumerate(layers)}
+        self.layer_ops = LayerOps(ops, layers)
         # constants of the graph (plain attributes, not buffers: the traced graph takes them as initializers)
         self.rotary = rotary_tables(model, sp.max_positions)
         self.attention = ("com.microsoft.RotaryEmbedding + com.microsoft.GroupQueryAttention (causal, key/value "
-                          f"heads {sp.cache_heads}, padding as attention_bias: -10000 on padded keys)"
+                          f"heads {sp.cache_heads}, padding as attention_bias: -10000 on padded keys; several new tokens over a past "
+                          "need batch 1)"
                           if type(ops).__name__ == "FusedOps" else
                           "rotate_half with gathered cos / sin rows, k / v repeated per query-head group, MatMul / "
                           "Where(causal and not padding) / Softmax(fp32) / MatMul")

@@ -157,6 +157,23 @@ def test_random_ort_logits_match_pytorch(tmp_path, name, flavour):
     _check_ort(model, tmp_path / "x", flavour, prompt_len=5)
 
 
+def test_a_patched_model_exports_the_same_graph(tiny_llama_path, tmp_path):
+    """A model patched by fuseinfer (fused q/k/v and gate/up, residual + RMSNorm modules) exports what the
+    unpatched one computes."""
+    import fuseinfer
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+    ids, mask = _batch(model.config.vocab_size)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)).logits
+    fuseinfer.patch(model)  # on the CPU every op runs its PyTorch reference
+    assert type(model.model.layers[0].self_attn).__module__.startswith("fuseinfer")
+    to_onnx(model, tmp_path / "x", flavour="fused")
+    got = OrtDecoder(tmp_path / "x", "cpu", model=model).logits(ids, mask)
+    assert (got - ref)[mask.bool()].abs().max() < ATOL
+
+
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_greedy_tokens_of_a_padded_batch_equal_generate(tiny, tiny_exports, flavour):
     """Greedy decoding through ORT (left-padded batch of 2, 16 tokens) gives generate's tokens."""
