@@ -31,9 +31,10 @@ a past need batch 1 (one-token steps and a fresh prefill take any batch), and th
 ``attention_bias`` only in onnxruntime builds that support it there (older ones refuse it at run time).
 
 The strategy protocol is the decoder layer's (``norm``, ``linear``, ``attention``: see models/opt/layer.py) plus what
-a whole graph needs: ``bind(projections)`` (the attention modules' :class:`~fuseinfer.models.base.
-AttentionProjections`, by layer, given once before tracing), ``context(attention_mask, s, past)`` (the ``ctx`` of
-the layers: mask, past tensors, and the ``presents`` list that ``attention`` appends each layer's key and value
+a whole graph needs: ``bind(projections, mlps=())`` (the attention modules' :class:`~fuseinfer.models.base.
+AttentionProjections` and the gated MLPs' (gate, up) linears, by layer, given once before tracing),
+``context(attention_mask, s, past, positions=None, rotary=None)`` (the ``ctx`` of the layers: mask, past tensors,
+position ids and rotary tables, and the ``presents`` list that ``attention`` appends each layer's key and value
 to), ``add(x, residual)`` (a residual sum that the next ``norm`` takes), ``value(x)`` (a tensor of a pending result)
 and ``last(x, keep)`` (the last ``keep`` positions, all of them for 0). ``linear`` without an activation returns a
 :class:`Pending` ``x @ W.T`` whose bias and residual the next ``norm`` adds: one SkipLayerNormalization in the fused
@@ -74,6 +75,8 @@ class Context:
 
 class PlainOps:
     """Each step with standard ops, the way the Hugging Face model computes it."""
+
+    flavour = "plain"
 
     def __init__(self, dtype):
         self.dtype = dtype
@@ -205,6 +208,8 @@ class PlainOps:
 class FusedOps(PlainOps):
     """Each step as an onnxruntime contrib op where one fits."""
 
+    flavour = "fused"
+
     def __init__(self, dtype):
         super().__init__(dtype)
         self.qkv = []
@@ -288,7 +293,6 @@ class FusedOps(PlainOps):
             q, k, v, bias, ctx.mask, ctx.past[2 * i], ctx.past[2 * i + 1], p.num_heads, p.scaling)
         ctx.presents += [present_k, present_v]
         return out
-
 
     def grouped_attention(self, i, p, x, ctx):
         """RotaryEmbedding on q and k (when the context has rotary tables), then GroupQueryAttention over the past

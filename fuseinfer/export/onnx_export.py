@@ -228,9 +228,10 @@ def _manifest(model, spec, flavour, dtype, device, opset, source, ops, inputs, o
         "inputs": inputs,
         "outputs": outputs,
         "position_ids": spec.position_ids,
-        "attention": attention or ("com.microsoft.MultiHeadAttention, unidirectional=1 (causal, offset by the past length), "
-                      "padding as attention_bias (-10000 on padded keys)") if flavour == "fused" else
-                     "MatMul / Where(causal and not padding) / Softmax(fp32) / MatMul",
+        "attention": attention or (
+            "com.microsoft.MultiHeadAttention, unidirectional=1 (causal, offset by the past length), padding as "
+            "attention_bias (-10000 on padded keys)" if flavour == "fused" else
+            "MatMul / Where(causal and not padding) / Softmax(fp32) / MatMul"),
         "contrib_ops": contrib,
         "op_counts": ops,
         "run": ("fuseinfer.export.OrtDecoder(dir, device) (IO binding; see docs/export.md), or any ONNX Runtime: "

@@ -136,10 +136,11 @@ class LlamaStepGraph(nn.Module):
         self.layer_ops = LayerOps(ops, layers)
         # constants of the graph (plain attributes, not buffers: the traced graph takes them as initializers)
         self.rotary = rotary_tables(model, sp.max_positions)
+        # how the graph attends, for the manifest
         self.attention = ("com.microsoft.RotaryEmbedding + com.microsoft.GroupQueryAttention (causal, key/value "
-                          f"heads {sp.cache_heads}, padding as attention_bias: -10000 on padded keys; several new tokens over a past "
-                          "need batch 1)"
-                          if type(ops).__name__ == "FusedOps" else
+                          f"heads {sp.cache_heads}, padding as attention_bias: -10000 on padded keys; several new "
+                          "tokens over a past need batch 1)"
+                          if ops.flavour == "fused" else
                           "rotate_half with gathered cos / sin rows, k / v repeated per query-head group, MatMul / "
                           "Where(causal and not padding) / Softmax(fp32) / MatMul")
 
