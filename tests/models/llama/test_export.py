@@ -27,6 +27,7 @@ CONTRIB = "com.microsoft"
 RANDOM = {
     "qwen2": dict(model_type="qwen2"),  # q/k/v biases, 4 heads over 2 key/value heads
     "mistral_window": dict(model_type="mistral", sliding_window=4),  # sequences of 10-12: the window matters
+    "qwen2_window_layer": dict(model_type="qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1),
     "llama_biases": dict(attention_bias=True, mlp_bias=True),  # o_proj / down_proj biases into the next norm
     "llama_mha": dict(num_key_value_heads=4),  # key/value heads = heads: still GroupQueryAttention when fused
     "llama_linear_rope": dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
@@ -149,7 +150,7 @@ def test_qwen2_ort_logits_match_pytorch(qwen2, qwen2_exports, flavour):
     _check_ort(qwen2, qwen2_exports[flavour][1], flavour, prompt_len=5)
 
 
-@pytest.mark.parametrize("name", ["mistral_window", "llama3_rope_head_dim", "llama_biases"])
+@pytest.mark.parametrize("name", ["mistral_window", "qwen2_window_layer", "llama3_rope_head_dim", "llama_biases"])
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_random_ort_logits_match_pytorch(tmp_path, name, flavour):
     model = random_llama(**RANDOM[name])
@@ -310,11 +311,26 @@ def test_node_types_are_pinned(tiny_exports, qwen2_exports):
     assert plain["Softmax"] == 4 and plain["MatMul"] == 4 * (3 + 1 + 3) + 4 * 2 + 1  # projections, QK, PV, head
 
 
-def test_sliding_window_reaches_group_query_attention(tmp_path):
-    model = random_llama(**RANDOM["mistral_window"])
+@pytest.mark.parametrize("name, windows", [("mistral_window", [4, 4]), ("qwen2_window_layer", [-1, 4])])
+def test_sliding_window_reaches_group_query_attention(tmp_path, name, windows):
+    """Mistral's window on every layer; Qwen2's on the layers its layer_types make sliding."""
+    model = random_llama(**RANDOM[name])
     to_onnx(model, tmp_path / "x", flavour="fused")
     _, contrib = _contrib(tmp_path / "x")
-    assert [_attrs(n)["local_window_size"] for n in contrib if n.op_type == "GroupQueryAttention"] == [4, 4]
+    assert [_attrs(n)["local_window_size"] for n in contrib if n.op_type == "GroupQueryAttention"] == windows
+
+
+def test_manifest_kv_heads_are_checked(tiny_exports, tmp_path):
+    """A manifest whose kv_heads is no head count is refused in one line; one without it (an older export) reads
+    as multi-head."""
+    manifest = dict(tiny_exports["fused"][0])
+    for bad in (0, 5, "2"):
+        manifest["model"] = {**tiny_exports["fused"][0]["model"], "kv_heads": bad}
+        with pytest.raises(ExportError, match="kv_heads .* is not a head count"):
+            mf.validate(manifest, tmp_path / mf.MANIFEST)
+    del manifest["model"]["kv_heads"]
+    mf.validate(manifest, tmp_path / mf.MANIFEST)
+    assert mf.kv_heads(manifest) == manifest["model"]["heads"]
 
 
 def test_manifest_names_the_kv_heads(tiny, tiny_exports):
