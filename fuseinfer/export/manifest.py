@@ -58,6 +58,13 @@ IO_KEYS = {"name": str, "dtype": str, "shape": list}
 POSITIVE = ("layers", "heads", "head_dim", "hidden", "vocab", "max_positions")
 
 
+def kv_heads(manifest: dict) -> int:
+    """The heads of an export's past / present tensors: ``model.kv_heads`` (grouped-query attention), else the
+    attention heads (exports made before grouped-query models could be exported)."""
+    m = manifest["model"]
+    return m.get("kv_heads", m["heads"])
+
+
 def config_hash(config) -> str:
     """A hash of the configuration fields the exported graph depends on (the model family names them; others,
     e.g. transformers_version, do not matter)."""
@@ -194,6 +201,8 @@ def validate(manifest, path) -> None:
         bad = f"weights_hash {manifest['model']['weights_hash']!r} names no known method"
     elif any(manifest["model"][k] < 1 for k in POSITIVE):
         bad = f"a model size ({', '.join(POSITIVE)}) is below 1"
+    elif not (isinstance(kv_heads(manifest), int) and 1 <= kv_heads(manifest) <= manifest["model"]["heads"]):
+        bad = f"kv_heads {kv_heads(manifest)!r} is not a head count from 1 to heads"
     for io in manifest["inputs"] + manifest["outputs"]:
         if bad is None and not isinstance(io, dict):
             bad = "an input or output is not an object"

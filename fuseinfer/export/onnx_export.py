@@ -44,6 +44,7 @@ def io_names(num_layers: int) -> tuple[list[str], list[str]]:
 
 
 def _io_spec(num_layers, heads, head_dim, vocab, dtype_name):
+    """``heads``: the past / present tensors' (the key/value heads of grouped-query attention)."""
     kv = ["batch", heads, "past_sequence", head_dim]
     present = ["batch", heads, "past_sequence + sequence", head_dim]
     inputs = [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"]},
@@ -87,7 +88,7 @@ def _example(spec: ExportSpec, device, dtype):
     ids = torch.full((2, 3), 4, dtype=torch.long, device=device)
     mask = torch.ones(2, 5, dtype=torch.long, device=device)
     keep = torch.zeros(1, dtype=torch.long, device=device)
-    past = [torch.zeros(2, spec.heads, 2, spec.head_dim, dtype=dtype, device=device)
+    past = [torch.zeros(2, spec.cache_heads, 2, spec.head_dim, dtype=dtype, device=device)
             for _ in range(2 * spec.layers)]
     return (ids, mask, keep, *past)
 
@@ -95,8 +96,8 @@ def _example(spec: ExportSpec, device, dtype):
 def to_onnx(model, out_dir, flavour: str = "fused", dtype: torch.dtype | None = None,
             device: str | torch.device | None = None, overwrite: bool = False, opset: int = OPSET,
             source: str | None = None, memo: dict | None = None) -> dict:
-    """Export a causal LM (of a family with an export graph: OPT) to ``out_dir``; returns the manifest (also
-    written as fuseinfer_onnx.json).
+    """Export a causal LM (of a family with an export graph: OPT, Llama, Mistral, Qwen2) to ``out_dir``; returns the
+    manifest (also written as fuseinfer_onnx.json).
 
     ``dtype`` / ``device``: export in that dtype on that device (default: the model's). The model itself is
     never changed: a model in another dtype or on another device is copied first. ``source``: how the model was
@@ -124,6 +125,7 @@ def to_onnx(model, out_dir, flavour: str = "fused", dtype: torch.dtype | None = 
         dynamic.update({n: {0: "batch", 2: "past_sequence"} for n in inputs[3:]})
         dynamic.update({n: {0: "batch", 2: "total_sequence"} for n in outputs[1:]})
         graph = DecoderGraph(model, flavour)
+        attention = getattr(graph, "attention", None)  # how the graph attends (the family's words), or OPT's
         # the exporter sets eval mode and then restores the *wrapper's* mode on every submodule: a fresh module is
         # in training mode, which would leave the caller's model with dropout on; restore the model's own mode
         graph.train(model.training)
@@ -137,8 +139,9 @@ def to_onnx(model, out_dir, flavour: str = "fused", dtype: torch.dtype | None = 
         del graph
         ops = _consolidate(traced / mf.MODEL_FILE, tmp / mf.MODEL_FILE)
         shutil.rmtree(traced)
-        io_in, io_out = _io_spec(spec.layers, spec.heads, spec.head_dim, spec.vocab, mf.DTYPE_NAMES[dtype])
-        manifest = _manifest(model, spec, flavour, dtype, device, opset, source, ops, io_in, io_out, memo)
+        io_in, io_out = _io_spec(spec.layers, spec.cache_heads, spec.head_dim, spec.vocab, mf.DTYPE_NAMES[dtype])
+        manifest = _manifest(model, spec, flavour, dtype, device, opset, source, ops, io_in, io_out, memo,
+                             attention)
         manifest["export_seconds"] = round(time.perf_counter() - start, 2)
         mf.write(tmp, manifest)  # last: the manifest marks a finished export
     return manifest
@@ -182,7 +185,7 @@ def _tensors(graph):
 
 # optional outputs a consumer of the graph never needs: SkipLayerNormalization's mean and inv_std_var (training
 # outputs; the CUDA kernel does not write them) and the last one's input_skip_bias_sum
-OPTIONAL_OUTPUTS = {"SkipLayerNormalization": (1, 2, 3)}
+OPTIONAL_OUTPUTS = {"SkipLayerNormalization": (1, 2, 3), "SkipSimplifiedLayerNormalization": (1, 2, 3)}
 
 
 def _drop_unused_optional_outputs(graph) -> None:
@@ -197,7 +200,8 @@ def _drop_unused_optional_outputs(graph) -> None:
             node.output.pop()
 
 
-def _manifest(model, spec, flavour, dtype, device, opset, source, ops, inputs, outputs, memo=None) -> dict:
+def _manifest(model, spec, flavour, dtype, device, opset, source, ops, inputs, outputs, memo=None,
+              attention=None) -> dict:
     import onnx
     import transformers
 
@@ -219,13 +223,15 @@ def _manifest(model, spec, flavour, dtype, device, opset, source, ops, inputs, o
         "model": {"source": source or getattr(cfg, "_name_or_path", "") or "in-memory model",
                   "config_hash": mf.config_hash(cfg), "weights_hash": mf.model_hash(model, memo=memo),
                   "layers": spec.layers, "heads": spec.heads, "head_dim": spec.head_dim, "hidden": spec.hidden,
-                  "vocab": spec.vocab, "max_positions": spec.max_positions, "pad_token_id": spec.pad_token_id},
+                  "vocab": spec.vocab, "max_positions": spec.max_positions, "pad_token_id": spec.pad_token_id,
+                  "kv_heads": spec.cache_heads},
         "inputs": inputs,
         "outputs": outputs,
         "position_ids": spec.position_ids,
-        "attention": ("com.microsoft.MultiHeadAttention, unidirectional=1 (causal, offset by the past length), "
-                      "padding as attention_bias (-10000 on padded keys)") if flavour == "fused" else
-                     "MatMul / Where(causal and not padding) / Softmax(fp32) / MatMul",
+        "attention": attention or (
+            "com.microsoft.MultiHeadAttention, unidirectional=1 (causal, offset by the past length), padding as "
+            "attention_bias (-10000 on padded keys)" if flavour == "fused" else
+            "MatMul / Where(causal and not padding) / Softmax(fp32) / MatMul"),
         "contrib_ops": contrib,
         "op_counts": ops,
         "run": ("fuseinfer.export.OrtDecoder(dir, device) (IO binding; see docs/export.md), or any ONNX Runtime: "

@@ -94,7 +94,8 @@ class OrtDecoder:
         self.manifest = mf.read(self.directory)
         mf.check_matches(self.manifest, self.directory, model=model, config=config, flavour=flavour, dtype=dtype)
         m = self.manifest["model"]
-        self.layers, self.heads, self.head_dim, self.vocab = m["layers"], m["heads"], m["head_dim"], m["vocab"]
+        self.layers, self.head_dim, self.vocab = m["layers"], m["head_dim"], m["vocab"]
+        self.heads = mf.kv_heads(self.manifest)  # the KV cache's heads (fewer with grouped-query attention)
         self.dtype = mf.DTYPES[self.manifest["dtype"]]
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

@@ -75,7 +75,7 @@ def build_engine(onnx_dir, out, fp16: bool = False, int8: bool = False, max_batc
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * 2**30))
     if fp16 or manifest["dtype"] == "fp16":
         config.set_flag(trt.BuilderFlag.FP16)
-    h, d = m["heads"], m["head_dim"]
+    h, d = mf.kv_heads(manifest), m["head_dim"]
     profile = builder.create_optimization_profile()
     profile.set_shape("input_ids", (1, 1), (opt_batch, 1), (max_batch, max_len))
     profile.set_shape("attention_mask", (1, 1), (opt_batch, opt_past + 1), (max_batch, max_len))
@@ -99,7 +99,8 @@ class TrtDecoder:
         self.device = torch.device(device)
         self.manifest = mf.read(onnx_dir)
         m = self.manifest["model"]
-        self.layers, self.heads, self.head_dim, self.vocab = m["layers"], m["heads"], m["head_dim"], m["vocab"]
+        self.layers, self.head_dim, self.vocab = m["layers"], m["head_dim"], m["vocab"]
+        self.heads = mf.kv_heads(self.manifest)  # the KV cache's heads
         self.dtype = mf.DTYPES[self.manifest["dtype"]]
         self.runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         self.engine = self.runtime.deserialize_cuda_engine(Path(engine_path).read_bytes())

@@ -49,14 +49,18 @@ class FusedWeight:
 
 # --- ONNX export (fuseinfer.export) ---
 class AttentionProjections(NamedTuple):
-    """What an export strategy needs of one self-attention module: its q, k, v projections (``nn.Linear``, E -> E)
-    and the head layout; ``scaling`` multiplies q (or Q K^T) before the softmax."""
+    """What an export strategy needs of one self-attention module: its q, k, v projections (``nn.Linear``: E ->
+    heads * head_dim for q, kv_heads * head_dim for k and v) and the head layout; ``scaling`` multiplies q (or
+    Q K^T) before the softmax. ``kv_heads``: grouped-query attention's key/value heads (None: ``num_heads``);
+    ``window``: a sliding window (query i sees keys i - window < j <= i; None: every earlier key)."""
     q: nn.Module
     k: nn.Module
     v: nn.Module
     num_heads: int
     head_dim: int
     scaling: float
+    kv_heads: int | None = None
+    window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,12 @@ class ExportSpec:
     max_positions: int
     pad_token_id: int | None
     position_ids: str  # how the graph computes the position ids (for the manifest's reader)
+    kv_heads: int | None = None  # the past / present tensors' heads (grouped-query attention); None: ``heads``
+
+    @property
+    def cache_heads(self) -> int:
+        """The heads of the past / present tensors (B, cache_heads, P, head_dim)."""
+        return self.kv_heads or self.heads
 
 
 class ModelFamily(ABC):

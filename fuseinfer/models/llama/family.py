@@ -7,6 +7,7 @@ from __future__ import annotations
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.models.base import ModelFamily
 from fuseinfer.models.llama import configs, decode as llama_decode, modules as llama, quant as llama_quant
+from fuseinfer.models.llama import export as llama_export
 
 
 class LlamaFamily(ModelFamily):
@@ -79,6 +80,19 @@ class LlamaFamily(ModelFamily):
         from transformers import LlamaConfig
 
         return LlamaConfig
+
+    # --- ONNX export (fuseinfer.export) ---
+    def export_spec(self, model):
+        return llama_export.spec(model)
+
+    def export_config_fields(self):
+        return llama_export.CONFIG_FIELDS
+
+    def export_graph(self, model, ops):
+        return llama_export.LlamaStepGraph(model, ops)
+
+    def ort_matmul_kinds(self):
+        return dict(llama_export.ORT_MATMUL_KINDS)
 
     # ---- tensor parallel (``tp.py``)
 
