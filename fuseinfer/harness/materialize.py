@@ -23,15 +23,15 @@ Shard = Callable[[str], "tuple[int, int, int] | None | str"]
 
 
 def random_init(seed: int = 0, std: float = 0.02) -> Init:
-    """OPT-like random weights: matrices, embeddings and biases ~ N(0, std), LayerNorm weights 1 + N(0, std),
-    LayerNorm biases N(0, std) (biases are not zero, so a bias added twice shows in a comparison). Drawn in fp32
+    """Random weights: matrices, embeddings and biases ~ N(0, std), norm weights (LayerNorm, RMSNorm: a module whose
+    name has "norm") 1 + N(0, std), LayerNorm biases N(0, std) (biases are not zero, so a bias added twice shows in a comparison). Drawn in fp32
     with a generator seeded by ``seed`` and the name (crc32), then rounded to ``dtype``: the same values for every
     dtype on one device type."""
 
     def init(name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         gen = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
         t = torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, std, generator=gen)
-        if "layer_norm" in name and name.endswith(".weight"):
+        if name.endswith(".weight") and "norm" in name.rsplit(".", 2)[-2]:
             t += 1.0
         return t.to(dtype)
 

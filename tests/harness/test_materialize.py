@@ -60,3 +60,16 @@ def test_eval_tp_needs_torchrun(monkeypatch):
     assert issubclass(tp_backend(FuseInferBackend, 2), TensorParallelBackend)
     assert "only the fuseinfer backend" in tp_backend(EagerBackend, 2).unavailable_reason(torch.device("cpu"))
     assert tp_backend(EagerBackend, 1) is EagerBackend
+
+
+@pytest.mark.parametrize("name,near_one", [
+    ("model.layers.0.input_layernorm.weight", True), ("model.layers.3.post_attention_layernorm.weight", True),
+    ("model.norm.weight", True), ("model.decoder.layers.0.self_attn_layer_norm.weight", True),
+    ("model.decoder.final_layer_norm.bias", False), ("model.layers.0.mlp.down_proj.weight", False),
+    ("model.embed_tokens.weight", False),
+])
+def test_random_init_puts_every_norm_weight_near_one(name, near_one):
+    """RMSNorm weights (Llama's ``*layernorm`` / ``norm``) as well as LayerNorm's: weights near 0 would make a random
+    model's activations vanish layer by layer."""
+    t = random_init(seed=0)(name, (256,), torch.float32, torch.device("cpu"))
+    assert (abs(t.mean().item() - 1.0) < 0.01) == near_one
