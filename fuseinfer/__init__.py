@@ -1,4 +1,5 @@
-"""fuseinfer: fused CUDA ops for Hugging Face OPT models, applied in place and reversibly.
+"""fuseinfer: fused CUDA ops for Hugging Face decoder models (OPT; Llama, Mistral, Qwen2), applied in place and
+reversibly.
 
     report = fuseinfer.patch(model)   # swaps modules, returns a PatchReport
     fuseinfer.unpatch(model)          # restores the original model exactly

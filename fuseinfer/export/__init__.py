@@ -1,4 +1,5 @@
-"""Export OPT models to ONNX (plain, or with onnxruntime's fused contrib ops) and TensorRT; run the exports.
+"""Export OPT and Llama-architecture models to ONNX (plain, or with onnxruntime's fused contrib ops) and TensorRT;
+run the exports.
 
     from fuseinfer.export import to_onnx, OrtDecoder
     to_onnx(model, "opt-onnx", flavour="fused")          # model.onnx + model.onnx.data + fuseinfer_onnx.json

@@ -1,9 +1,10 @@
-"""``python -m fuseinfer.export onnx|tensorrt ...``: export an OPT model, one line on stderr for bad input.
+"""``python -m fuseinfer.export onnx|tensorrt ...``: export a model of a family fuseinfer patches, one line on stderr
+for bad input.
 
     python -m fuseinfer.export onnx --model opt-1.3b --dtype fp16 --device cuda --out opt13b-onnx [--plain]
     python -m fuseinfer.export tensorrt --onnx opt13b-onnx-plain --out opt13b.plan --fp16
 
-Exit codes: 0 done, 2 bad input (unknown model, non-OPT model, existing --out without --overwrite, an --out that
+Exit codes: 0 done, 2 bad input (unknown model, a model of another family, existing --out without --overwrite, an --out that
 holds anything but an earlier export, unwritable --out, missing package), always as one ``error:`` line.
 """
 from __future__ import annotations
@@ -30,7 +31,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m fuseinfer.export", description="Export OPT models to ONNX and TensorRT.")
+    p = _Parser(prog="python -m fuseinfer.export",
+                description="Export OPT and Llama-architecture models to ONNX and TensorRT.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     o = sub.add_parser("onnx", help="ONNX graph with a KV cache (+ fuseinfer_onnx.json)")
     o.add_argument("--model", required=True, help=f"short name ({', '.join(SHORT_NAMES)}), hub id, local "
