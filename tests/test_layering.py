@@ -156,6 +156,17 @@ def test_family_names_stay_in_the_family_folder():
     assert hits == []
 
 
+def test_no_family_imports_another():
+    """A family owns its model: what families share lives in fuseinfer/models/common.py (or below), never in another
+    family's folder."""
+    def family(module: str):
+        parts = module.split(".")
+        return parts[2] if len(parts) > 3 and parts[:2] == ["fuseinfer", "models"] else None
+
+    bad = [f"{m} -> {t}" for m, t in _all_edges() if family(m) and family(t) and family(m) != family(t)]
+    assert bad == []
+
+
 def test_cycle_checker_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 

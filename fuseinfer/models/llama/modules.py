@@ -19,8 +19,7 @@ Swaps, by changing the class of the existing modules to subclasses (as the OPT f
   ``patch`` / ``unpatch`` in another thread wait for a running forward;
 * ``config._attn_implementation`` -> ``"fuseinfer"`` on a copy of the config (as for OPT).
 
-What stays unswapped, and why, follows the OPT family's rules (``models/opt/modules.py``, whose checks this module
-reuses): training mode, autocast to another dtype and global module hooks run the original forwards; a module whose
+What stays unswapped, and why, follows the rules every family shares (``models/common.py``): training mode, autocast to another dtype and global module hooks run the original forwards; a module whose
 fused forward would bypass a hooked or non-plain submodule (an adapter) is skipped and reported; a ``filter_fn``
 picks the candidates. Mistral with a sliding window shorter than its context, and Qwen2 with sliding-window layers,
 are refused: fuseinfer's attention has no window.
@@ -53,9 +52,15 @@ from fuseinfer.ops.attention import KERNEL_GQA, repeat_kv
 from fuseinfer.models.base import FusedWeight
 from fuseinfer.models.llama.layer import decoder_layer
 from fuseinfer.models.llama.quant import SMOOTHQUANT_REFUSAL
-from fuseinfer.models.opt.modules import (  # the engine's generic checks, shared by every family
-    OPTPatchRules, _backends, _has_hooks, _original_forward, _own_qkv_storage, _replace_config,
-    _swap_class,
+from fuseinfer.models.common import (
+    PendingAttention as _PendingAttention,
+    has_hooks as _has_hooks,
+    op_backends as _backends,
+    original_forward as _original_forward,
+    own_config_copy,
+    own_qkv_storage as _own_qkv_storage,
+    replace_config as _replace_config,
+    swap_class as _swap_class,
 )
 
 # (decoder layer, attention, MLP, RMSNorm, base model) of each architecture
@@ -269,16 +274,6 @@ class _FusedRMSNorm:
         if _original_forward(self, x):
             return super().forward(x)
         return add_rms_norm(x, None, self.weight, self.variance_epsilon)[0]
-
-
-class _PendingAttention:
-    """:meth:`ModuleOps.attention`'s result: the attention module's call, made by the o_proj step that follows (the
-    module runs o_proj itself, with the residual in its epilogue, and its hooks see its whole output)."""
-
-    __slots__ = ("attn", "x", "kwargs")
-
-    def __init__(self, attn, x, kwargs):
-        self.attn, self.x, self.kwargs = attn, x, kwargs
 
 
 class _PendingMLP:
@@ -498,7 +493,7 @@ class LlamaPatchRules:
             if model.training:
                 report.skipped.append(("attention", "model is in training mode; call model.eval() first"))
             else:
-                state["config"] = OPTPatchRules._own_config(model)
+                state["config"] = own_config_copy(model)
                 before = model.config._attn_implementation
                 model.config._attn_implementation = hf_attention.NAME
                 report.attn_implementation = (before, hf_attention.NAME)

@@ -31,9 +31,10 @@ from torch import nn
 
 from fuseinfer.core.decode_plan import TP_ATTR  # (the TPInfo each decoder layer and attention module holds too)
 from fuseinfer.core.errors import FuseInferError
+from fuseinfer.models.common import megatron_shard_spec, original_forward as _original_forward
 from fuseinfer.models.llama.layer import decoder_layer
 from fuseinfer.models.llama.modules import (
-    ARCHS, FUSED, ModuleOps, _original_forward, head_dim_of, sliding_window_refusal,
+    ARCHS, FUSED, ModuleOps, head_dim_of, sliding_window_refusal,
 )
 
 _CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -172,14 +173,7 @@ def tp_reason(model: nn.Module, size: int) -> str | None:
 
 def tp_shard_spec(info):
     """name -> how this rank keeps that tensor: (dim, rank, size), None (replicated) or "drop" (not on this rank)."""
-    def spec(name: str):
-        if _COLUMN.search(name):
-            return (0, info.rank, info.size)  # weight (N, K) rows / bias (N,): this rank's output features
-        if _ROW.search(name):  # weight (N, K) columns: this rank's input features; the bias on rank 0 only
-            return (1, info.rank, info.size) if name.endswith(".weight") else (None if info.rank == 0 else "drop")
-        return None  # replicated
-
-    return spec
+    return megatron_shard_spec(info, _COLUMN, _ROW)
 
 
 def tp_prepare(model: nn.Module, info) -> None:

@@ -15,14 +15,8 @@ from fuseinfer.core.state import patch_state, runtime_config
 from fuseinfer.ops import decode_step as decode_step_op
 from fuseinfer.ops import decode_step_workspace, opt_decode_step
 from fuseinfer.layers import attention_backend, hf_attention
-from fuseinfer.models.opt.modules import (
-    FusedOPTAttention,
-    FusedOPTDecoderLayer,
-    _global_hooks,
-    _has_hooks,
-    _qkv_linked,
-    _qkv_params,
-)
+from fuseinfer.models.common import global_hooks, has_hooks
+from fuseinfer.models.opt.modules import FusedOPTAttention, FusedOPTDecoderLayer, _qkv_linked, _qkv_params
 
 
 def decode_forward(model: nn.Module):
@@ -72,7 +66,7 @@ def decode_step_kernel(model: nn.Module, cache):
     if dec.embed_positions.offset != 2:
         return None, ("the kernel reads positions with OPT's offset 2, the model's is "
                       f"{dec.embed_positions.offset}")
-    if _global_hooks() or any(_has_hooks(m) for m in model.modules()):
+    if global_hooks() or any(has_hooks(m) for m in model.modules()):
         return None, "a module has hooks, which the one-kernel step would bypass (the per-op step calls them)"
     embed = dec.embed_tokens.weight
     heads = cfg.num_attention_heads

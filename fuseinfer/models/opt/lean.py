@@ -170,7 +170,7 @@ def lean_reason(model: nn.Module, weights: bool = True) -> str | None:
     calls none); with ``weights``, that each q/k/v projection still holds its rows of the fused (3E, E) buffer
     (``param.data = t`` unlinks them: the patched modules then run three GEMMs); once per patch: the structure
     (:func:`_structure_reason`)."""
-    from fuseinfer.models.opt.modules import _global_hooks, _has_hooks
+    from fuseinfer.models.common import global_hooks, has_hooks
 
     plan, why = _plan(model)
     if why is not None:
@@ -180,7 +180,7 @@ def lean_reason(model: nn.Module, weights: bool = True) -> str | None:
     dev, dtype = plan.lm_head.weight.device.type, plan.lm_head.weight.dtype
     if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != dtype:
         return "autocast to another dtype than the model's (the patched modules run the original forward)"
-    if _global_hooks() or any(_has_hooks(m) for m in (model, *plan.called) if m._forward_hooks
+    if global_hooks() or any(has_hooks(m) for m in (model, *plan.called) if m._forward_hooks
                               or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
                               or "forward" in m.__dict__ or "_hf_hook" in m.__dict__):
         return "a module has hooks, which the lean loop would bypass"

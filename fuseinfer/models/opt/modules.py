@@ -37,7 +37,6 @@ Hooks added after ``patch`` are not seen by the fused forwards.
 """
 from __future__ import annotations
 
-import copy
 import functools
 
 import torch
@@ -48,33 +47,25 @@ from transformers.models.opt.modeling_opt import (
     OPTDecoderLayer,
 )
 
-from fuseinfer.core.extension import backend_for
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.config import PatchConfig, PatchReport, Swap
 from fuseinfer.ops import add_layer_norm
 from fuseinfer.ops.layer_norm_quant import add_layer_norm_quant
 from fuseinfer.layers.linear import decode_rows, fused_linear, int8_input
-from fuseinfer.ops.attention import kernel_supports
 from fuseinfer.core import placement
-from fuseinfer.core.state import LOCK_ATTR, disown_config, lock_holder, own_config
+from fuseinfer.core.state import LOCK_ATTR, disown_config, lock_holder
 from fuseinfer.layers import attention_backend, hf_attention
+from fuseinfer.models.common import (
+    PendingAttention as _PendingAttention,
+    has_hooks as _has_hooks,
+    op_backends as _backends,
+    original_forward as _original_forward,
+    own_config_copy,
+    own_qkv_storage as _own_qkv_storage,
+    replace_config as _replace_config,
+    swap_class as _swap_class,
+)
 from fuseinfer.models.opt.layer import decoder_layer
-
-
-def _original_forward(module: nn.Module, x: torch.Tensor) -> bool:
-    """Whether a fused module runs its original forward: in training mode (dropout is not fused), under autocast
-    to another dtype than x's (autocast picks each op's dtype, which the fused ops do not model), and while a
-    global module hook is registered (it must see every submodule call, which the fused forwards skip)."""
-    return module.training or _global_hooks() or (torch.is_autocast_enabled(x.device.type)
-                                                  and torch.get_autocast_dtype(x.device.type) != x.dtype)
-
-
-def _global_hooks() -> bool:
-    """Whether a hook for every module is registered (``torch.nn.modules.module.register_module_forward_hook``
-    and its pre-hook and backward siblings; profilers such as torch's ModuleTracker use them)."""
-    m = torch.nn.modules.module
-    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
-                or m._global_backward_pre_hooks)
 
 
 class FusedLayerNorm(nn.LayerNorm):
@@ -175,16 +166,6 @@ class _Quantized:
 
     def __init__(self, x, q):
         self.x, self.q = x, q
-
-
-class _PendingAttention:
-    """:meth:`ModuleOps.attention`'s result: the attention module's call, made by the out_proj step that follows (the
-    module runs out_proj itself, with the residual in its epilogue, and its hooks see its whole output)."""
-
-    __slots__ = ("attn", "x", "kwargs")
-
-    def __init__(self, attn, x, kwargs):
-        self.attn, self.x, self.kwargs = attn, x, kwargs
 
 
 class ModuleOps:
@@ -351,7 +332,7 @@ class OPTPatchRules:
             if model.training:
                 report.skipped.append(("attention", "model is in training mode; call model.eval() first"))
             else:
-                state["config"] = self._own_config(model)
+                state["config"] = own_config_copy(model)
                 before = model.config._attn_implementation
                 model.config._attn_implementation = hf_attention.NAME
                 report.attn_implementation = (before, hf_attention.NAME)
@@ -370,17 +351,6 @@ class OPTPatchRules:
         module.__class__ = cls
         module._fuseinfer_ops = frozenset(ops)
         placement.swap_forward(module, cls, state)  # under an accelerate hook: the hook calls cls.forward
-
-    @staticmethod
-    def _own_config(model: nn.Module):
-        """Give ``model`` and each of its modules that holds its config object a shallow copy of it (OPT's config has
-        no sub-configs), so that changing the attention implementation leaves other models on that object (e.g.
-        ``OPTForCausalLM(other.config)``) as they are. Returns (original, copy) for ``unpatch`` (not the holders:
-        the state lives on the model, which must not reference itself, README's Fast decode)."""
-        original, own = model.config, copy.copy(model.config)
-        _replace_config(model, original, own)
-        own_config(own, model)
-        return original, own
 
     @staticmethod
     def _fuse_qkv(attn: OPTAttention, state):
@@ -416,54 +386,6 @@ class OPTPatchRules:
             original.__dict__.update({k: v for k, v in own.__dict__.items() if k != "_attn_implementation_internal"})
             _replace_config(model, own, original)
         attention_backend.uninstall(state.get("attn_backends", ()))
-
-
-def _swap_class(model: nn.Module, cls: type) -> None:
-    """Change a transformers model's class, carrying over what transformers registered for its class (the outputs
-    that ``output_hidden_states`` / ``output_attentions`` record, keyed by the class's name)."""
-    try:
-        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
-    except ImportError:  # (a transformers without that registry reads the class attribute)
-        _CAN_RECORD_REGISTRY = None
-    recorded = _CAN_RECORD_REGISTRY.get(model) if _CAN_RECORD_REGISTRY is not None else None
-    model.__class__ = cls
-    if recorded:
-        _CAN_RECORD_REGISTRY[model] = recorded
-
-
-def _own_qkv_storage(attn, state_dict, prefix, local_metadata) -> None:
-    """state_dict hook: the q/k/v weights and biases (views of the one (3E, E) tensor) as copies, each with storage
-    of its own, as the unpatched model's are: transformers takes tensors that share storage for tied weights (its
-    save and tied-weights checks). Parameters (``keep_vars=True``) stay themselves."""
-    for name in ("q_proj", "k_proj", "v_proj"):
-        for p in ("weight", "bias"):
-            key = f"{prefix}{name}.{p}"
-            t = state_dict.get(key)
-            if t is not None and not isinstance(t, nn.Parameter):
-                state_dict[key] = t.clone()
-
-
-def _replace_config(model: nn.Module, old, new) -> None:
-    """Point every module of ``model`` that holds the config object ``old`` at ``new``."""
-    for m in model.modules():
-        if m.__dict__.get("config") is old:
-            m.config = new
-
-
-def _has_hooks(module: nn.Module) -> bool:
-    """Forward (pre-)hooks other than transformers' own output capture (installed on the decoder layers and
-    attention modules by the first call with output_hidden_states / output_attentions; it records the hidden
-    states and the attention weights, which the fused modules return as the originals do), backward (pre-)hooks,
-    or a forward replaced on the instance (accelerate's hooks, ``_hf_hook``, work that way)."""
-    hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
-    return (_forward_replaced(module) and not placement.passive_hook(module)) or \
-        bool(module._backward_hooks or module._backward_pre_hooks) or \
-        any(getattr(h, "__module__", None) not in ("transformers.utils.output_capturing", __name__) for h in hooks)
-
-
-def _forward_replaced(module: nn.Module) -> bool:
-    """Whether ``module.forward`` is replaced on the instance (accelerate's hooks, ``_hf_hook``, work that way)."""
-    return "forward" in module.__dict__ or hasattr(module, "_hf_hook")
 
 
 def _bypass_reason(module: nn.Module, ops, like: torch.Tensor) -> str | None:
@@ -541,17 +463,3 @@ def _link_qkv(attn: OPTAttention) -> None:
         if attn.qkv_bias is not None:
             proj.bias.data = attn.qkv_bias[i * e:(i + 1) * e]
     attn._fuseinfer_qkv_params = _qkv_params(attn)
-
-
-def _backends(module: nn.Module, ops, like: torch.Tensor) -> dict[str, str]:
-    """op -> 'cuda' | 'reference' | 'sdpa (why)' for a module's parameters (``like``'s device and dtype for a
-    module without any, e.g. a LayerNorm with elementwise_affine=False)."""
-    p = next(module.parameters(), like)
-    out = {op: backend_for(p) for op in sorted(ops)}
-    if "attention" in out and p.is_cuda:  # on CUDA, what our kernel does not cover runs SDPA
-        head_dim = getattr(module, "head_dim", 0)
-        if out["attention"] != "cuda":
-            out["attention"] = "sdpa (no fuseinfer kernels here)"
-        elif not kernel_supports(p.new_empty(1, 1, 1, head_dim)):
-            out["attention"] = f"sdpa (no kernel for {p.dtype}, head dim {head_dim})"
-    return out

@@ -21,7 +21,8 @@ from torch import nn
 from transformers.models.opt.modeling_opt import OPTAttention, OPTDecoderLayer
 
 from fuseinfer.core.errors import FuseInferError
-from fuseinfer.models.opt.modules import FusedOPTDecoderLayer, ModuleOps, _original_forward
+from fuseinfer.models.common import megatron_shard_spec, original_forward as _original_forward
+from fuseinfer.models.opt.modules import FusedOPTDecoderLayer, ModuleOps
 
 _COLUMN = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.[qkv]_proj|fc1)\.(weight|bias)$")
 _ROW = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.out_proj|fc2)\.(weight|bias)$")
@@ -99,14 +100,7 @@ def tp_reason(model: nn.Module, size: int) -> str | None:
 
 def tp_shard_spec(info):
     """name -> how this rank keeps that tensor: (dim, rank, size), None (replicated) or "drop" (not on this rank)."""
-    def spec(name: str):
-        if _COLUMN.search(name):
-            return (0, info.rank, info.size)  # weight (N, K) rows / bias (N,): this rank's output features
-        if _ROW.search(name):  # weight (N, K) columns: this rank's input features; the bias on rank 0 only
-            return (1, info.rank, info.size) if name.endswith(".weight") else (None if info.rank == 0 else "drop")
-        return None  # replicated
-
-    return spec
+    return megatron_shard_spec(info, _COLUMN, _ROW)
 
 
 def tp_prepare(model: nn.Module, info) -> None:

@@ -418,8 +418,7 @@ def test_family_interface_refusals_are_clear():
     model = random_llama()
     assert fam.prefill_reason(model)
     assert fam.tp_reason(model, 2) is None and "num_key_value_heads=2" in fam.tp_reason(model, 4)  # (tp.py)
-    with pytest.raises(NotImplementedError, match="no graph"):
-        fam.export_spec(model)
+    assert fam.export_spec(model).kv_heads == model.config.num_key_value_heads  # (export.py)
     with pytest.raises(FuseInferError, match="SmoothQuant"):
         fam.smoothing_groups(model)
     assert fam.module_kinds()["gate_proj"] == "mlp_in" and fam.module_kinds()["o_proj"] == "attn_out"

@@ -1,0 +1,135 @@
+"""What every family's module swaps share: when a fused module must run its original forward (training, autocast,
+hooks), class and config swaps that keep transformers' bookkeeping, the state_dict hook for fused q/k/v storage, the
+op backends a patch report lists, the pending attention call of a patched-modules strategy, and Megatron's shard
+spec for tensor parallel. Families import these; no family imports another family's modules.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from fuseinfer.core import placement
+from fuseinfer.core.extension import backend_for
+from fuseinfer.core.state import own_config
+from fuseinfer.ops.attention import kernel_supports
+
+
+def original_forward(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether a fused module runs its original forward: in training mode (dropout is not fused), under autocast
+    to another dtype than x's (autocast picks each op's dtype, which the fused ops do not model), and while a
+    global module hook is registered (it must see every submodule call, which the fused forwards skip)."""
+    return module.training or global_hooks() or (torch.is_autocast_enabled(x.device.type)
+                                                 and torch.get_autocast_dtype(x.device.type) != x.dtype)
+
+
+def global_hooks() -> bool:
+    """Whether a hook for every module is registered (``torch.nn.modules.module.register_module_forward_hook``
+    and its pre-hook and backward siblings; profilers such as torch's ModuleTracker use them)."""
+    m = torch.nn.modules.module
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
+                or m._global_backward_pre_hooks)
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Forward (pre-)hooks other than transformers' own output capture (installed on the decoder layers and
+    attention modules by the first call with output_hidden_states / output_attentions; it records the hidden
+    states and the attention weights, which the fused modules return as the originals do) and fuseinfer's own
+    (input checks), backward (pre-)hooks, or a forward replaced on the instance (accelerate's hooks, ``_hf_hook``,
+    work that way)."""
+    hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
+    return (forward_replaced(module) and not placement.passive_hook(module)) or \
+        bool(module._backward_hooks or module._backward_pre_hooks) or \
+        any(not _own_hook(getattr(h, "__module__", None) or "") for h in hooks)
+
+
+def _own_hook(module_name: str) -> bool:
+    return module_name == "transformers.utils.output_capturing" or module_name.startswith("fuseinfer.")
+
+
+def forward_replaced(module: nn.Module) -> bool:
+    """Whether ``module.forward`` is replaced on the instance (accelerate's hooks, ``_hf_hook``, work that way)."""
+    return "forward" in module.__dict__ or hasattr(module, "_hf_hook")
+
+
+def swap_class(model: nn.Module, cls: type) -> None:
+    """Change a transformers model's class, carrying over what transformers registered for its class (the outputs
+    that ``output_hidden_states`` / ``output_attentions`` record, keyed by the class's name)."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # (a transformers without that registry reads the class attribute)
+        _CAN_RECORD_REGISTRY = None
+    recorded = _CAN_RECORD_REGISTRY.get(model) if _CAN_RECORD_REGISTRY is not None else None
+    model.__class__ = cls
+    if recorded:
+        _CAN_RECORD_REGISTRY[model] = recorded
+
+
+def own_qkv_storage(attn, state_dict, prefix, local_metadata) -> None:
+    """state_dict hook: the q/k/v weights and biases (views of one fused tensor) as copies, each with storage of
+    its own, as the unpatched model's are: transformers takes tensors that share storage for tied weights (its
+    save and tied-weights checks). Parameters (``keep_vars=True``) stay themselves."""
+    for name in ("q_proj", "k_proj", "v_proj"):
+        for p in ("weight", "bias"):
+            key = f"{prefix}{name}.{p}"
+            t = state_dict.get(key)
+            if t is not None and not isinstance(t, nn.Parameter):
+                state_dict[key] = t.clone()
+
+
+def replace_config(model: nn.Module, old, new) -> None:
+    """Point every module of ``model`` that holds the config object ``old`` at ``new``."""
+    for m in model.modules():
+        if m.__dict__.get("config") is old:
+            m.config = new
+
+
+def own_config_copy(model: nn.Module):
+    """Give ``model`` and each of its modules that holds its config object a shallow copy of it, so that changing
+    the attention implementation leaves other models on that object (e.g. ``OPTForCausalLM(other.config)``) as
+    they are. Returns (original, copy) for ``unpatch`` (not the holders: the state lives on the model, which must
+    not reference itself)."""
+    original, own = model.config, copy.copy(model.config)
+    replace_config(model, original, own)
+    own_config(own, model)
+    return original, own
+
+
+def op_backends(module: nn.Module, ops, like: torch.Tensor) -> dict[str, str]:
+    """op -> 'cuda' | 'reference' | 'sdpa (why)' for a module's parameters (``like``'s device and dtype for a
+    module without any, e.g. a LayerNorm with elementwise_affine=False)."""
+    p = next(module.parameters(), like)
+    out = {op: backend_for(p) for op in sorted(ops)}
+    if "attention" in out and p.is_cuda:  # on CUDA, what our kernel does not cover runs SDPA
+        head_dim = getattr(module, "head_dim", 0)
+        if out["attention"] != "cuda":
+            out["attention"] = "sdpa (no fuseinfer kernels here)"
+        elif not kernel_supports(p.new_empty(1, 1, 1, head_dim)):
+            out["attention"] = f"sdpa (no kernel for {p.dtype}, head dim {head_dim})"
+    return out
+
+
+class PendingAttention:
+    """A patched-modules strategy's ``attention`` result: the attention module's call, made by the output
+    projection's step that follows (the module runs that projection itself, with the residual in its epilogue, and
+    its hooks see its whole output)."""
+
+    __slots__ = ("attn", "x", "kwargs")
+
+    def __init__(self, attn, x, kwargs):
+        self.attn, self.x, self.kwargs = attn, x, kwargs
+
+
+def megatron_shard_spec(info, column, row):
+    """Tensor parallel's shard spec for ``materialize`` (Megatron's layout): parameter name -> (dim, rank, size),
+    None (replicated) or "drop" (not on this rank). ``column`` / ``row``: compiled patterns of the column-parallel
+    (split by output features) and row-parallel (split by input features; bias on rank 0 only) parameters."""
+    def spec(name: str):
+        if column.search(name):
+            return (0, info.rank, info.size)  # weight (N, K) rows / bias (N,): this rank's output features
+        if row.search(name):  # weight (N, K) columns: this rank's input features; the bias on rank 0 only
+            return (1, info.rank, info.size) if name.endswith(".weight") else (None if info.rank == 0 else "drop")
+        return None  # replicated
+
+    return spec
