@@ -48,23 +48,27 @@ from common import bench_ms, event_ms, measure_ceilings, percentile_stats, wall_
 
 import fuseinfer  # noqa: E402
 from fuseinfer.harness.models import load_config, load_model, model_stats, resolve_model  # noqa: E402
+from fuseinfer.models import family_of  # noqa: E402
 from fuseinfer.runtime import prefill as pf  # noqa: E402
 from fuseinfer.runtime.decode import COUNTS, Sampling, decode_forward, session_for  # noqa: E402
 
 TARGETS_MS = {(1, 128): 1.3, (1, 512): 2.8}  # issue 41, H100
 
 
-def gemm_floor_ms(cfg, b: int, s: int) -> tuple[float, float]:
-    """(sum of cuBLAS's times on the forward's GEMM shapes, their FLOPs) for B x S tokens (fp16, cold L2)."""
-    e, f, v, layers = cfg.hidden_size, cfg.ffn_dim, cfg.vocab_size, cfg.num_hidden_layers
+def gemm_floor_ms(model, b: int, s: int) -> tuple[float, float]:
+    """(sum of cuBLAS's times on the forward's GEMM shapes, their FLOPs) for B x S tokens (fp16, cold L2): every
+    linear of a decoder layer (as the unpatched model has them) at M = B*S, times the layers, and the LM head at
+    M = B."""
+    _, layers = family_of(model).decoder_layers(model)
+    head = model.get_output_embeddings().weight
     m = b * s
-    shapes = [(m, 3 * e, e), (m, e, e), (m, f, e), (m, e, f)]
+    shapes = [(m, lin.out_features, lin.in_features, len(layers)) for lin in layers[0].modules()
+              if isinstance(lin, torch.nn.Linear)] + [(b, head.shape[0], head.shape[1], 1)]
     total_ms, flops = 0.0, 0.0
-    for rows, n, k in shapes + [(b, v, cfg.word_embed_proj_dim)]:
+    for rows, n, k, count in shapes:
         x = torch.randn(rows, k, device="cuda", dtype=torch.float16)
         w = torch.randn(n, k, device="cuda", dtype=torch.float16)
         t = bench_ms(lambda: torch.mm(x, w.t()), warmup_ms=10, rep_ms=40)["median_ms"]
-        count = 1 if n == v else layers
         total_ms += count * t
         flops += count * 2 * rows * n * k
     return total_ms, flops
@@ -80,7 +84,7 @@ def main() -> None:
     ap.add_argument("--model", default="random:opt-1.3b")
     ap.add_argument("--shapes", default="1x128,1x512,8x128,8x512,1x2048")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--ttft-prompts", default="128,512")
+    ap.add_argument("--ttft-prompts", default="128,512", help="comma list, or none")
     ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows (saves minutes)")
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
@@ -118,8 +122,10 @@ def main() -> None:
             impls[name] = call
         impls["patched"] = lambda: patched(input_ids=ids, use_cache=False, logits_to_keep=1)
         impls["patched_full"] = lambda: patched(input_ids=ids, use_cache=False)
-        impls["prefill_lean"] = lambda: fuseinfer.prefill(patched, ids)
-        for choice in ("module", "lean", "graph", "auto"):
+        lean = family_of(patched).prefill_reason(patched) is None  # (a family without a lean loop: the modules)
+        if lean:
+            impls["prefill_lean"] = lambda: fuseinfer.prefill(patched, ids)
+        for choice in ("module", "lean", "graph", "auto") if lean else ("module",):
             impls[f"begin_{choice}"] = lambda c=choice: (set_prefill(patched, c), session.begin(ids, mask))
         with torch.no_grad():
             for name, fn in impls.items():  # warm-up (compiles, graph captures)
@@ -135,7 +141,7 @@ def main() -> None:
                 for name, fn in impls.items():
                     times[name].append(event_ms(fn))
         set_prefill(patched, "auto")
-        floor_gemm, flops = gemm_floor_ms(cfg, b, s)
+        floor_gemm, flops = gemm_floor_ms(base, b, s)
         floor_weights = weight_bytes / (ceilings["copy_GBps"] * 1e9) * 1e3
         row = {"shape": f"{b}x{s}", "floor_weights_ms": floor_weights, "floor_gemm_ms": floor_gemm,
                "floor_ms": max(floor_weights, floor_gemm), "gemm_TFLOPs_cublas": flops / (floor_gemm * 1e-3) / 1e12}
@@ -144,12 +150,14 @@ def main() -> None:
             row[name] = st
             row[f"{name}_ms"] = st["median_ms"]
             row[f"{name}_spread"] = f"{st['p10_ms']:.3g}-{st['p90_ms']:.3g}"
-        best = min(("begin_lean", "begin_graph"), key=lambda k: row[f"{k}_ms"])
-        row["faster_new_path"] = best
-        row["auto_over_floor"] = row["begin_auto_ms"] / row["floor_ms"]
-        target = TARGETS_MS.get((b, s))
+        paths = [k for k in ("begin_lean", "begin_graph") if f"{k}_ms" in row]
+        row["faster_new_path"] = min(paths, key=lambda k: row[f"{k}_ms"]) if paths else ""
+        auto = row.get("begin_auto_ms", row["begin_module_ms"])
+        row["auto_over_floor"] = auto / row["floor_ms"]
+        row["patched_over_gemm"] = row["patched_ms"] / floor_gemm
+        target = TARGETS_MS.get((b, s)) if args.model == "random:opt-1.3b" else None
         row["target_ms"] = target if target is not None else ""
-        if s == 2048 and b == 1:
+        if s == 2048 and b == 1 and args.model == "random:opt-1.3b":
             row["target_ms"] = f"<= patched ({row['patched_ms']:.3g})"
         graph_info[f"{b}x{s}"] = pf.graph_stats(session)
         print(f"{b}x{s}: " + ", ".join(f"{k} {row[k + '_ms']:.3f}" for k in impls) +
@@ -157,7 +165,7 @@ def main() -> None:
         rows.append(row)
     # time to first token
     ttft, ttft_rebuilds = {}, {}
-    for p in [int(x) for x in args.ttft_prompts.split(",")]:
+    for p in [int(x) for x in args.ttft_prompts.split(",") if x != "none"]:
         ids = torch.randint(3, cfg.vocab_size, (1, p), device="cuda")
         gens = {"model.generate (patched)": lambda: patched.generate(ids, max_new_tokens=1, do_sample=False),
                 "fuseinfer.generate": lambda: fuseinfer.generate(patched, ids, max_new_tokens=1),
@@ -177,14 +185,15 @@ def main() -> None:
         for r in rows:
             if r["shape"] == f"1x{p}":
                 r["ttft_ms"] = ttft[p]["model.generate (patched)"]["median_ms"]
-                r["ttft_over_prefill"] = r["ttft_ms"] / r["begin_auto_ms"]
+                r["ttft_over_prefill"] = r["ttft_ms"] / r.get("begin_auto_ms", r["begin_module_ms"])
         print(f"TTFT prompt {p} (sessions/graphs made while timed: {ttft_rebuilds[p] or 'none'}): "
               + ", ".join(f"{k} {v['median_ms']:.3f} ms" for k, v in ttft[p].items())
-              + ("" if prefill_row is None else f" (begin_auto {prefill_row['begin_auto_ms']:.3f} ms)"), flush=True)
+              + ("" if prefill_row is None else f" (prefill {prefill_row.get('begin_auto_ms', prefill_row['begin_module_ms']):.3f} ms)"),
+              flush=True)
     names = [k[:-3] for k in rows[0] if k.endswith("_ms") and not k.startswith("floor") and k != "ttft_ms"
              and k != "target_ms" and isinstance(rows[0][k], float)]
     cols = ["shape", "floor_ms", "floor_weights_ms", "floor_gemm_ms", *[f"{n}_ms" for n in names],
-            "faster_new_path", "auto_over_floor", "target_ms", "ttft_ms", "ttft_over_prefill"]
+            "faster_new_path", "auto_over_floor", "patched_over_gemm", "target_ms", "ttft_ms", "ttft_over_prefill"]
     settings = {**vars(args), "dtype": "fp16", "weight_bytes": weight_bytes, "compile_s": compile_s,
                 "prefill_graphs": graph_info, "ttft": {str(k): v for k, v in ttft.items()},
                 "ttft_rebuilds": {str(k): v for k, v in ttft_rebuilds.items()},
@@ -194,7 +203,8 @@ def main() -> None:
                 "length_bucket": pf.LENGTH_BUCKET, "auto_graph_max_tokens": pf.AUTO_GRAPH_MAX_TOKENS,
                 "timing": "CUDA events around each call, GPU idle before it; 3 warm-up calls each, then reps rounds "
                           "with every implementation once per round; median (p10-p90 in the JSON and *_spread)"}
-    out = write_results("prefill", settings, ceilings, rows, cols)
+    name = "prefill" if args.model == "random:opt-1.3b" else f"prefill_{args.model.removeprefix('random:')}"
+    out = write_results(name, settings, ceilings, rows, cols)
     print(out.with_suffix(".md").read_text())
     del compiled
     gc.collect()
