@@ -430,10 +430,12 @@ def _profile_backend(cls, ctx: _Context, ceilings: dict, out_dir: Path | None, u
         ffn = family(ctx.config.model_type).intermediate_size(ctx.config)  # the MLP's width, for the cost models
         analysis = analyze(load_events(files["trace"]), ctx.config.hidden_size, ffn)
         if "ort_profile" in files:
+            kv_heads, head_dim = family(ctx.config.model_type).kv_layout(ctx.config)
             notes += ort_nodes.merge(analysis, ort_nodes.analyze_ort(
                 files["ort_profile"], ort_runs, s.active, ctx.config.hidden_size, ffn,
                 ctx.config.vocab_size, ctx.config.num_hidden_layers, on_cuda=device.type == "cuda",
-                model_type=ctx.config.model_type),
+                model_type=ctx.config.model_type,
+                qkv_width=(ctx.config.num_attention_heads + 2 * kv_heads) * head_dim),
                 on_cuda=device.type == "cuda")
         if hooks:
             m = analyze(load_events(files["trace_modules"]), ctx.config.hidden_size, ffn)

@@ -55,8 +55,10 @@ def _shapes(typed: list) -> tuple[list, list]:
 class _Kinds:
     """Gives each node of one run its kind and decoder layer, in run order (see the module docstring)."""
 
-    def __init__(self, hidden: int, ffn: int, vocab: int | None, layers: int | None, names: dict[str, str]):
+    def __init__(self, hidden: int, ffn: int, vocab: int | None, layers: int | None, names: dict[str, str],
+                 qkv_width: int | None = None):
         self.hidden, self.ffn, self.vocab, self.layers, self.names = hidden, ffn, vocab, layers, names
+        self.qkv_width = qkv_width or 3 * hidden  # the fused q/k/v product's width ((H + 2 Hkv) D with grouped heads)
         self.layer, self.attended = 0, False
 
     def __call__(self, op: str, dims: list, out: list) -> tuple[str, int | None]:
@@ -76,12 +78,12 @@ class _Kinds:
             names = self.names
             if self.vocab is not None and n == self.vocab:
                 return names["head"], None
-            if n == self.ffn:
+            if n in (self.ffn, 2 * self.ffn):  # (2F: gate and up as one product)
                 return names["mlp_in"], layer
             if k == self.ffn:
                 self.layer, self.attended = self.layer + 1, False
                 return names["mlp_out"], layer
-            if n == 3 * self.hidden:
+            if n == self.qkv_width:
                 return names["qkv"], layer
             if k == n == self.hidden:
                 return names["out" if self.attended else "qkv"], layer
@@ -101,7 +103,8 @@ def _matmul_cost(dims: list, types: list, out: list):
 
 
 def analyze_ort(path: str | Path, runs: int, steps: int, hidden: int, ffn: int, vocab: int | None = None,
-                layers: int | None = None, on_cuda: bool = False, *, model_type: str) -> dict:
+                layers: int | None = None, on_cuda: bool = False, *, model_type: str,
+                qkv_width: int | None = None) -> dict:
     """Tables of the last ``runs`` session runs of ORT's profile ``path`` of a ``model_type`` model (its family
     names the matrix products' kinds), per step (``steps`` steps made them):
     ``ops`` (the torch op table's fields), ``kinds``, ``layers``, ``busy_ms`` (node time per step) and ``run_ms``
@@ -120,7 +123,7 @@ def analyze_ort(path: str | Path, runs: int, steps: int, hidden: int, ffn: int, 
     for e in nodes:
         i = next(j for j, (s, end) in enumerate(starts) if s <= e["ts"] <= end)
         if i != run_index:  # a new run: layers count from 0 again
-            run_index, kinds = i, _Kinds(hidden, ffn, vocab, layers, names)
+            run_index, kinds = i, _Kinds(hidden, ffn, vocab, layers, names, qkv_width)
         args = e.get("args") or {}
         op = args.get("op_name", "?")
         dims, types = _shapes(args.get("input_type_shape"))

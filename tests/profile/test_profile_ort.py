@@ -77,3 +77,24 @@ def test_ort_profile_kinds_layers_and_runs(tmp_path):
     assert out["busy_ms"] == pytest.approx(0.039) and out["run_ms"] == pytest.approx(0.1)
     mlp_in = next(r for r in out["ops"] if r["kind"] == "mlp_in")
     assert mlp_in["calls"] == 2 and mlp_in["flops_per_call"] == 2 * 2 * h * f
+
+
+def test_ort_profile_names_grouped_query_and_gated_products(tmp_path):
+    """A Llama-architecture graph: the fused q/k/v product is (H + 2 Hkv) D wide, not 3 E, and gate/up is one 2F
+    product; both are named by kind (not "other")."""
+    h, f, v, qkv = 8, 32, 50, 16  # e.g. 4 heads of 2 and 2 key/value heads: (4 + 2 * 2) * 2
+
+    def layer(t):
+        return [_node("qkv", "MatMul", t, 1, [[1, 2, h]], [[1, 2, qkv]]),
+                _node("gqa", "GroupQueryAttention", t + 1, 2, [[1, 2, h]], [[1, 2, h]]),
+                _node("o", "MatMul", t + 3, 1, [[1, 2, h]], [[1, 2, h]]),
+                _node("gate_up", "MatMul", t + 5, 4, [[1, 2, h]], [[1, 2, 2 * f]]),
+                _node("down", "MatMul", t + 10, 4, [[1, 2, f]], [[1, 2, h]])]
+
+    events = [{"cat": "Session", "name": "model_run", "ts": 0, "dur": 100}] + layer(1) + \
+        [_node("head", "MatMul", 40, 10, [[1, 1, h]], [[1, 1, v]])]
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(events))
+    out = analyze_ort(path, runs=1, steps=1, hidden=h, ffn=f, vocab=v, layers=1, model_type="llama", qkv_width=qkv)
+    kinds = {r["kind"] for r in out["kinds"]}
+    assert {"qkv", "mlp_in", "mlp_out", "lm_head"} <= kinds and "other" not in kinds
