@@ -6,13 +6,15 @@ spec for tensor parallel. Families import these; no family imports another famil
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 from torch import nn
 
 from fuseinfer.core import placement
 from fuseinfer.core.extension import backend_for
-from fuseinfer.core.state import own_config
+from fuseinfer.core.state import LOCK_ATTR, disown_config, own_config
+from fuseinfer.layers import attention_backend, hf_attention
 from fuseinfer.ops.attention import kernel_supports
 
 
@@ -66,16 +68,24 @@ def swap_class(model: nn.Module, cls: type) -> None:
         _CAN_RECORD_REGISTRY[model] = recorded
 
 
-def own_qkv_storage(attn, state_dict, prefix, local_metadata) -> None:
-    """state_dict hook: the q/k/v weights and biases (views of one fused tensor) as copies, each with storage of
-    its own, as the unpatched model's are: transformers takes tensors that share storage for tied weights (its
-    save and tied-weights checks). Parameters (``keep_vars=True``) stay themselves."""
-    for name in ("q_proj", "k_proj", "v_proj"):
+def _own_storage(names, module, state_dict, prefix, local_metadata) -> None:
+    for name in names:
         for p in ("weight", "bias"):
             key = f"{prefix}{name}.{p}"
             t = state_dict.get(key)
             if t is not None and not isinstance(t, nn.Parameter):
                 state_dict[key] = t.clone()
+
+
+def own_storage_hook(names: tuple):
+    """A state_dict hook giving the weights and biases of the submodules ``names`` (views of one fused tensor) as
+    copies, each with storage of its own, as the unpatched model's are: transformers takes tensors that share
+    storage for tied weights (its save and tied-weights checks). Parameters (``keep_vars=True``) stay themselves.
+    (A partial of a module-level function, so that a model holding it still pickles.)"""
+    return functools.partial(_own_storage, tuple(names))
+
+
+own_qkv_storage = own_storage_hook(("q_proj", "k_proj", "v_proj"))
 
 
 def replace_config(model: nn.Module, old, new) -> None:
@@ -94,6 +104,49 @@ def own_config_copy(model: nn.Module):
     replace_config(model, original, own)
     own_config(own, model)
     return original, own
+
+
+def lock_models(modules, cls_of, holder, state: dict) -> None:
+    """Swap each base model in ``modules`` to its locked class ``cls_of(module)`` (a forward holding the patched
+    model's lock ``holder``, kept in its ``__dict__``); ``state["locked"]`` lists them for :func:`unlock_models`."""
+    state["locked"] = list(modules)
+    for module in state["locked"]:  # (the holder stays in the module's __dict__ after unpatch: see its forward)
+        cls = cls_of(module)
+        swap_class(module, cls)
+        object.__setattr__(module, LOCK_ATTR, holder)
+        placement.swap_forward(module, cls, state)
+
+
+def unlock_models(state: dict, cls_of) -> None:
+    for module in state.get("locked", ()):
+        swap_class(module, cls_of(module))
+
+
+def install_attention(model: nn.Module, config, report, like: torch.Tensor, head_dim: int, attention_types: tuple,
+                      state: dict) -> None:
+    """Point the model at fuseinfer's attention implementation (on a copy of its config, so that other models on
+    the same config object keep theirs) and install the attention backends the patch config resolves; in training
+    mode report it skipped. :func:`restore_attention` undoes it."""
+    if model.training:
+        report.skipped.append(("attention", "model is in training mode; call model.eval() first"))
+        return
+    state["config"] = own_config_copy(model)
+    before = model.config._attn_implementation
+    model.config._attn_implementation = hf_attention.NAME
+    report.attn_implementation = (before, hf_attention.NAME)
+    names = attention_backend.resolve(config, head_dim)
+    state["attn_backends"] = attention_backend.install(model, names, attention_types)
+    report.attention_backends = attention_backend.describe(names, config, like, head_dim)
+
+
+def restore_attention(model: nn.Module, state: dict) -> None:
+    if state.get("config") is not None:
+        original, own = state["config"]
+        disown_config(own)
+        # what else changed on the copy while patched (e.g. use_cache) carries over to the original
+        original.__dict__.update({k: v for k, v in own.__dict__.items() if k != "_attn_implementation_internal"})
+        replace_config(model, own, original)
+    attention_backend.uninstall(state.get("attn_backends", ()))
 
 
 def op_backends(module: nn.Module, ops, like: torch.Tensor) -> dict[str, str]:

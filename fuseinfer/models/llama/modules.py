@@ -44,8 +44,8 @@ from fuseinfer.core import placement
 from fuseinfer.core.config import PatchConfig, PatchReport, Swap
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.quant_config import SmoothQuantW8A8
-from fuseinfer.core.state import LOCK_ATTR, disown_config, lock_holder
-from fuseinfer.layers import attention_backend, hf_attention
+from fuseinfer.core.state import LOCK_ATTR, lock_holder
+from fuseinfer.layers import hf_attention
 from fuseinfer.layers.linear import fused_linear
 from fuseinfer.ops import add_rms_norm, linear_epilogue, qkv_rope, qkv_rope_append, silu_mul
 from fuseinfer.ops.attention import KERNEL_GQA, repeat_kv
@@ -53,14 +53,16 @@ from fuseinfer.models.base import FusedWeight
 from fuseinfer.models.llama.layer import decoder_layer
 from fuseinfer.models.llama.quant import SMOOTHQUANT_REFUSAL
 from fuseinfer.models.common import (
+    install_attention,
+    lock_models,
+    own_storage_hook,
+    restore_attention,
+    unlock_models,
     PendingAttention as _PendingAttention,
     has_hooks as _has_hooks,
     op_backends as _backends,
     original_forward as _original_forward,
-    own_config_copy,
     own_qkv_storage as _own_qkv_storage,
-    replace_config as _replace_config,
-    swap_class as _swap_class,
 )
 
 # (decoder layer, attention, MLP, RMSNorm, base model) of each architecture
@@ -482,25 +484,9 @@ class LlamaPatchRules:
             self._swap(module, name, module_ops, state, report, like)
         found = [m for m in model.modules() if isinstance(m, bases)] if report.swaps else []
         state["input_checks"] = [m.register_forward_pre_hook(check_inputs, with_kwargs=True) for m in found]
-        state["locked"] = [m for m in found if type(m) in bases]
-        holder = lock_holder(model)
-        for module in state["locked"]:  # (the holder stays in the base model's __dict__ after unpatch)
-            cls = FUSED[type(module)]
-            _swap_class(module, cls)
-            object.__setattr__(module, LOCK_ATTR, holder)
-            placement.swap_forward(module, cls, state)
+        lock_models([m for m in found if type(m) in bases], lambda m: FUSED[type(m)], lock_holder(model), state)
         if "attention" in ops:
-            if model.training:
-                report.skipped.append(("attention", "model is in training mode; call model.eval() first"))
-            else:
-                state["config"] = own_config_copy(model)
-                before = model.config._attn_implementation
-                model.config._attn_implementation = hf_attention.NAME
-                report.attn_implementation = (before, hf_attention.NAME)
-                head_dim = head_dim_of(model.config)
-                names = attention_backend.resolve(config, head_dim)
-                state["attn_backends"] = attention_backend.install(model, names, attns)
-                report.attention_backends = attention_backend.describe(names, config, like, head_dim)
+            install_attention(model, config, report, like, head_dim_of(model.config), attns, state)
         if not report.swaps:
             report.skipped.append(("all modules", f"no {model.config.model_type} module matched the config's ops and "
                                                   "filter_fn"))
@@ -513,7 +499,7 @@ class LlamaPatchRules:
         if group is QKV:  # state_dict hands the q/k/v weights out as copies (see the OPT family's hook)
             state.setdefault("qkv_hooks", []).append(module._register_state_dict_hook(_own_qkv_storage))
         else:
-            state.setdefault("qkv_hooks", []).append(module._register_state_dict_hook(_own_gate_up_storage))
+            state.setdefault("qkv_hooks", []).append(module._register_state_dict_hook(own_storage_hook(GATE_UP.parts)))
 
     @staticmethod
     def _swap(module, name, ops, state, report, like):
@@ -538,26 +524,8 @@ class LlamaPatchRules:
         for module, cls in state["classes"]:
             module.__class__ = cls
             del module._fuseinfer_ops
-        for module in state.get("locked", ()):
-            _swap_class(module, _ORIGINAL[type(module)])
-        if state["config"] is not None:
-            original, own = state["config"]
-            disown_config(own)
-            # what else changed on the copy while patched (e.g. use_cache) carries over to the original
-            original.__dict__.update({k: v for k, v in own.__dict__.items() if k != "_attn_implementation_internal"})
-            _replace_config(model, own, original)
-        attention_backend.uninstall(state.get("attn_backends", ()))
-
-
-def _own_gate_up_storage(mlp, state_dict, prefix, local_metadata) -> None:
-    """state_dict hook: the gate / up weights (views of one tensor) as copies with storage of their own, as the
-    unpatched model's are (transformers reads tensors sharing storage as tied weights)."""
-    for name in GATE_UP.parts:
-        for p in ("weight", "bias"):
-            key = f"{prefix}{name}.{p}"
-            t = state_dict.get(key)
-            if t is not None and not isinstance(t, nn.Parameter):
-                state_dict[key] = t.clone()
+        unlock_models(state, lambda m: _ORIGINAL[type(m)])
+        restore_attention(model, state)
 
 
 @torch.no_grad()

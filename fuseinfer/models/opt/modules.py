@@ -53,17 +53,18 @@ from fuseinfer.ops import add_layer_norm
 from fuseinfer.ops.layer_norm_quant import add_layer_norm_quant
 from fuseinfer.layers.linear import decode_rows, fused_linear, int8_input
 from fuseinfer.core import placement
-from fuseinfer.core.state import LOCK_ATTR, disown_config, lock_holder
-from fuseinfer.layers import attention_backend, hf_attention
+from fuseinfer.core.state import LOCK_ATTR, lock_holder
+from fuseinfer.layers import hf_attention
 from fuseinfer.models.common import (
+    install_attention,
+    lock_models,
+    restore_attention,
+    unlock_models,
     PendingAttention as _PendingAttention,
     has_hooks as _has_hooks,
     op_backends as _backends,
     original_forward as _original_forward,
-    own_config_copy,
     own_qkv_storage as _own_qkv_storage,
-    replace_config as _replace_config,
-    swap_class as _swap_class,
 )
 from fuseinfer.models.opt.layer import decoder_layer
 
@@ -322,24 +323,11 @@ class OPTPatchRules:
         decoders = [module for module in model.modules() if isinstance(module, OPTDecoder)] if report.swaps else []
         state["input_checks"] = [module.register_forward_pre_hook(check_decoder_inputs, with_kwargs=True)
                                  for module in decoders]
-        state["locked"] = [module for module in decoders if type(module) is OPTDecoder]
-        holder = lock_holder(model)
-        for module in state["locked"]:  # (the holder stays in the decoder's __dict__ after unpatch: see forward)
-            _swap_class(module, LockedOPTDecoder)
-            object.__setattr__(module, LOCK_ATTR, holder)
-            placement.swap_forward(module, LockedOPTDecoder, state)
+        lock_models([module for module in decoders if type(module) is OPTDecoder], lambda m: LockedOPTDecoder,
+                    lock_holder(model), state)
         if "attention" in ops:
-            if model.training:
-                report.skipped.append(("attention", "model is in training mode; call model.eval() first"))
-            else:
-                state["config"] = own_config_copy(model)
-                before = model.config._attn_implementation
-                model.config._attn_implementation = hf_attention.NAME
-                report.attn_implementation = (before, hf_attention.NAME)
-                head_dim = model.config.hidden_size // model.config.num_attention_heads
-                names = attention_backend.resolve(config, head_dim)
-                state["attn_backends"] = attention_backend.install(model, names, (OPTAttention,))
-                report.attention_backends = attention_backend.describe(names, config, like, head_dim)
+            install_attention(model, config, report, like, model.config.hidden_size // model.config.num_attention_heads,
+                              (OPTAttention,), state)
         if not report.swaps:
             report.skipped.append(("all modules", "no OPT module matched the config's ops and filter_fn"))
         return state
@@ -377,15 +365,8 @@ class OPTPatchRules:
         for module, cls in state["classes"]:
             module.__class__ = cls
             del module._fuseinfer_ops
-        for module in state.get("locked", ()):
-            _swap_class(module, OPTDecoder)
-        if state["config"] is not None:
-            original, own = state["config"]
-            disown_config(own)
-            # what else changed on the copy while patched (e.g. use_cache) carries over to the original
-            original.__dict__.update({k: v for k, v in own.__dict__.items() if k != "_attn_implementation_internal"})
-            _replace_config(model, own, original)
-        attention_backend.uninstall(state.get("attn_backends", ()))
+        unlock_models(state, lambda m: OPTDecoder)
+        restore_attention(model, state)
 
 
 def _bypass_reason(module: nn.Module, ops, like: torch.Tensor) -> str | None:
