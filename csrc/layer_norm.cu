@@ -42,20 +42,8 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm_cuda(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual,
     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
     double eps, bool store_sum) {
-  TORCH_CHECK(x.is_cuda(), "add_layer_norm: x must be a CUDA tensor");
-  TORCH_CHECK(x.dim() >= 1, "add_layer_norm: x must have at least one dimension");
-  TORCH_CHECK(x.is_contiguous(), "add_layer_norm: x must be contiguous");
-  const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat,
-              "add_layer_norm: dtype must be float16, bfloat16 or float32, got ", dtype);
+  ln_rows::check_rows("add_layer_norm", x, residual);
   const int64_t n = x.size(-1);
-  const bool has_residual = residual.has_value() && residual->defined();
-  if (has_residual) {
-    TORCH_CHECK(residual->device() == x.device(), "add_layer_norm: residual must be on x's device");
-    TORCH_CHECK(residual->scalar_type() == dtype, "add_layer_norm: residual must have x's dtype");
-    TORCH_CHECK(residual->sizes() == x.sizes(), "add_layer_norm: residual must have x's shape");
-    TORCH_CHECK(residual->is_contiguous(), "add_layer_norm: residual must be contiguous");
-  }
   ln_rows::check_param("add_layer_norm", weight, x, n, "weight");
   ln_rows::check_param("add_layer_norm", bias, x, n, "bias");
 
@@ -69,7 +57,7 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm_cuda(
   LayerNormOp::Params p;
   ln_rows::fill_rows(p, x, residual, weight, bias, eps, store_sum ? s.data_ptr() : nullptr);
   p.y = y.data_ptr();
-  ln_rows::dispatch_dtype<LayerNormOp>(p, dtype);
+  ln_rows::dispatch_dtype<LayerNormOp>(p, x.scalar_type());
   return {y, s};
 }
 

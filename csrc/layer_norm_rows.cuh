@@ -409,6 +409,23 @@ void dispatch(const typename Op::Params& p, cudaStream_t stream) {
   }
 }
 
+// Checks the rows every row op takes: x a contiguous CUDA tensor of at least one dimension in fp16 / bf16 / fp32, and
+// an optional residual with x's device, dtype and shape, contiguous.
+inline void check_rows(const char* op, const at::Tensor& x, const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.is_cuda(), op, ": x must be a CUDA tensor");
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dimension");
+  TORCH_CHECK(x.is_contiguous(), op, ": x must be contiguous");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat,
+              op, ": dtype must be float16, bfloat16 or float32, got ", dtype);
+  if (residual.has_value() && residual->defined()) {
+    TORCH_CHECK(residual->device() == x.device(), op, ": residual must be on x's device");
+    TORCH_CHECK(residual->scalar_type() == dtype, op, ": residual must have x's dtype");
+    TORCH_CHECK(residual->sizes() == x.sizes(), op, ": residual must have x's shape");
+    TORCH_CHECK(residual->is_contiguous(), op, ": residual must be contiguous");
+  }
+}
+
 // Checks an optional weight or bias against x: on x's device, x's dtype, contiguous (N,).
 inline void check_param(const char* op, const c10::optional<at::Tensor>& t, const at::Tensor& x, int64_t n,
                         const char* name) {

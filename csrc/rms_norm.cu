@@ -57,20 +57,8 @@ struct RmsNormOp {
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_cuda(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                                      const c10::optional<at::Tensor>& weight, double eps,
                                                      bool store_sum) {
-  TORCH_CHECK(x.is_cuda(), "add_rms_norm: x must be a CUDA tensor");
-  TORCH_CHECK(x.dim() >= 1, "add_rms_norm: x must have at least one dimension");
-  TORCH_CHECK(x.is_contiguous(), "add_rms_norm: x must be contiguous");
-  const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat,
-              "add_rms_norm: dtype must be float16, bfloat16 or float32, got ", dtype);
+  ln_rows::check_rows("add_rms_norm", x, residual);
   const int64_t n = x.size(-1);
-  const bool has_residual = residual.has_value() && residual->defined();
-  if (has_residual) {
-    TORCH_CHECK(residual->device() == x.device(), "add_rms_norm: residual must be on x's device");
-    TORCH_CHECK(residual->scalar_type() == dtype, "add_rms_norm: residual must have x's dtype");
-    TORCH_CHECK(residual->sizes() == x.sizes(), "add_rms_norm: residual must have x's shape");
-    TORCH_CHECK(residual->is_contiguous(), "add_rms_norm: residual must be contiguous");
-  }
   ln_rows::check_param("add_rms_norm", weight, x, n, "weight");
 
   const at::cuda::CUDAGuard guard(x.device());
@@ -83,7 +71,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_cuda(const at::Tensor& x, const 
   RmsNormOp::Params p;
   ln_rows::fill_rows(p, x, residual, weight, c10::nullopt, eps, store_sum ? s.data_ptr() : nullptr);
   p.y = y.data_ptr();
-  ln_rows::dispatch_dtype<RmsNormOp>(p, dtype);
+  ln_rows::dispatch_dtype<RmsNormOp>(p, x.scalar_type());
   return {y, s};
 }
 
