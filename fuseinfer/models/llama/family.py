@@ -76,10 +76,12 @@ class LlamaFamily(ModelFamily):
         return {name: {k: v for k, v in kwargs.items() if k != "model_type"}
                 for name, kwargs in configs.RANDOM_CONFIGS.items() if kwargs["model_type"] == self.model_type}
 
-    def config_class(self):
-        from transformers import LlamaConfig
+    _config_class = "LlamaConfig"
 
-        return LlamaConfig
+    def config_class(self):
+        import transformers
+
+        return getattr(transformers, self._config_class)
 
     # --- ONNX export (fuseinfer.export) ---
     def export_spec(self, model):
@@ -116,23 +118,18 @@ def _tp():
     return tp
 
 
+_NO_LLAMA_BIAS_FIELDS = tuple(f for f in LlamaFamily.config_fields if f not in ("attention_bias", "mlp_bias"))
+
+
 class MistralFamily(LlamaFamily):
     model_type = "mistral"
     architectures = ("MistralForCausalLM", "MistralModel")
-    config_fields = tuple(f for f in LlamaFamily.config_fields if f not in ("attention_bias", "mlp_bias"))
-
-    def config_class(self):
-        from transformers import MistralConfig
-
-        return MistralConfig
+    config_fields = _NO_LLAMA_BIAS_FIELDS
+    _config_class = "MistralConfig"
 
 
 class Qwen2Family(LlamaFamily):
     model_type = "qwen2"
     architectures = ("Qwen2ForCausalLM", "Qwen2Model")
-    config_fields = tuple(f for f in LlamaFamily.config_fields if f not in ("attention_bias", "mlp_bias"))
-
-    def config_class(self):
-        from transformers import Qwen2Config
-
-        return Qwen2Config
+    config_fields = _NO_LLAMA_BIAS_FIELDS
+    _config_class = "Qwen2Config"
