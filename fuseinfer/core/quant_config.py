@@ -155,7 +155,8 @@ class Float8(QuantConfig):
     def describe(self) -> dict:
         return {**super().describe(), "bits": 8, "alpha": self.alpha, "format": "float8_e4m3fn",
                 "weights": "e4m3 per output channel, scale = amax / 448",
-                "activations": "e4m3 per token, dynamic, scale = amax / 448", "qkv": "fused (3E, E) when patch fuses q/k/v"}
+                "activations": "e4m3 per token, dynamic, scale = amax / 448",
+                "qkv": "fused (3E, E) when patch fuses q/k/v"}
 
 
 # config class -> the function that applies it: quantize(config, model, report) -> undo state. The quantization

@@ -1,8 +1,8 @@
-"""The quantized fuseinfer backends (``fuseinfer-w8a16``, ``fuseinfer-w8a8``, ``fuseinfer-fp8``; registered by the eval CLI, found by
-the profiler): fuseinfer's backend with int8 weight-only quantization (``PatchConfig(quant=Int8WeightOnly())``) or
-SmoothQuant W8A8, plus the bytes of their weights: the eval's decode GB/s column counts the int8 model's bytes
-(``weight_bytes_per_token`` below, which the eval uses for these rows), so it compares with the copy bandwidth as
-fp16's does."""
+"""The quantized fuseinfer backends (``fuseinfer-w8a16``, ``fuseinfer-w8a8``, ``fuseinfer-fp8``; registered by the
+eval CLI, found by the profiler): fuseinfer's backend with int8 weight-only quantization
+(``PatchConfig(quant=Int8WeightOnly())``), SmoothQuant W8A8 or FP8 W8A8 (``Float8()``), plus the bytes of their
+weights: the eval's decode GB/s column counts the quantized model's bytes (``weight_bytes_per_token`` below, which
+the eval uses for these rows), so it compares with the copy bandwidth as fp16's does."""
 from __future__ import annotations
 
 from fuseinfer.core.config import PatchConfig

@@ -273,7 +273,8 @@ def _empty_layout(model: nn.Module, config, targets, report, qkv_names: tuple[st
     """Swap in W8A8Linears with uninitialized tensors (and the q/k/v slices) as ``quantize_w8a8`` would, without
     calibrating or smoothing: a checkpoint's tensors (the smoothed LayerNorms and biases among them) are loaded
     into them next. The originals are freed (unpatch refuses)."""
-    qreport = W8A8Report(config.scheme, kept_original=None, calibration_source=f"a saved {SAVED.get(config.scheme, config.scheme)} checkpoint")
+    saved = SAVED.get(config.scheme, config.scheme)
+    qreport = W8A8Report(config.scheme, kept_original=None, calibration_source=f"a saved {saved} checkpoint")
     state = W8A8State(config)
     for t in targets:
         w, bias = _target_weight(t)
