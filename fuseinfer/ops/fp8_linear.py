@@ -19,6 +19,8 @@ A CUTLASS FP8 GEMM with the epilogue fused and an FP8 decode GEMV are the next s
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from fuseinfer.core.errors import FuseInferError
@@ -85,9 +87,18 @@ def fp8_linear_ref(x_q, x_scale, w_q, w_scale, bias, residual, activation: str, 
     return _epilogue(acc, x_scale, w_scale, bias, residual, activation, out_dtype)
 
 
+# device index -> why torch._scaled_mm raised there (its first line): that device then runs the reference, and the
+# patch report / eval notes say why (a constraint of another torch version, not a wrong result)
+_failed: dict[int, str] = {}
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def fp8_backend(device: torch.device) -> str:
     """'scaled_mm' or 'reference': what serves an FP8 linear on ``device`` (K, N multiples of 16)."""
-    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm") or _index(device) in _failed:
         return "reference"
     return "scaled_mm" if torch.cuda.get_device_capability(device) >= MIN_CAPABILITY else "reference"
 
@@ -97,6 +108,8 @@ def fp8_gemm_note(device: torch.device, out_dtype: torch.dtype = torch.float16) 
     if fp8_backend(device) == "scaled_mm":
         return ("FP8 GEMM: torch._scaled_mm (row-wise scales, bf16 output; bias / residual / ReLU as separate ops; "
                 "K or N not a multiple of 16: the reference)")
+    if device.type == "cuda" and _index(device) in _failed:
+        return f"FP8 GEMM: PyTorch reference (torch._scaled_mm raised on this GPU: {_failed[_index(device)]}; slow)"
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return (f"FP8 GEMM: PyTorch reference (compute capability {major}.{minor} < 8.9: no FP8 tensor cores; "
@@ -112,8 +125,16 @@ def _scaled_mm(x_q, x_scale, w_q, w_scale, bias, residual, activation, out_dtype
     if m == 0 or k == 0 or k % ALIGN or n % ALIGN or fp8_backend(x_q.device) != "scaled_mm":
         return fp8_linear_ref(x_q, x_scale, w_q, w_scale, bias, residual, activation, out_dtype)
     # row-major (M, K) x column-major (K, N): w_q (N, K) contiguous, transposed as a view
-    y = torch._scaled_mm(x2.contiguous(), w_q.contiguous().t(), scale_a=x_scale.reshape(m, 1).float().contiguous(),
-                         scale_b=w_scale.reshape(1, n).float().contiguous(), out_dtype=torch.bfloat16)  # (M, N)
+    try:
+        y = torch._scaled_mm(x2.contiguous(), w_q.contiguous().t(),
+                             scale_a=x_scale.reshape(m, 1).float().contiguous(),
+                             scale_b=w_scale.reshape(1, n).float().contiguous(), out_dtype=torch.bfloat16)  # (M, N)
+    except RuntimeError as exc:  # a constraint this torch build has: the reference from now on, and said so
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        _failed[_index(x_q.device)] = why
+        warnings.warn(f"fuseinfer: torch._scaled_mm raised ({why}); FP8 linears on this GPU run the PyTorch "
+                      "reference", RuntimeWarning, stacklevel=2)
+        return fp8_linear_ref(x_q, x_scale, w_q, w_scale, bias, residual, activation, out_dtype)
     y = y.float().view(*lead, n)
     if bias is not None:
         y = y + bias.float()

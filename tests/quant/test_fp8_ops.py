@@ -4,6 +4,7 @@ the accuracy of FP8 against the unquantized fp32 linear (SQNR floor), the op reg
 on a GPU of compute capability >= 8.9 (marked), the torch._scaled_mm path against the reference."""
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -182,9 +183,11 @@ def test_scaled_mm_path_matches_the_reference(lead, n, k, dtype):
     """torch._scaled_mm (fp32 accumulation, bf16 output, then the epilogue) against the float64 formula: within a
     bf16 rounding of the GEMM output plus the out_dtype rounding. (5, 24, 40): K, N not multiples of 16, the
     reference path."""
+    mod = importlib.import_module("fuseinfer.ops.fp8_linear")  # (the package exports the function by that name)
+
     _needs_fp8_gpu()
-    assert fp8_backend(torch.device("cuda")) == "scaled_mm"
-    assert "_scaled_mm" in fp8_gemm_note(torch.device("cuda"))
+    assert fp8_backend(torch.device("cuda")) == "scaled_mm", mod._failed
+    assert "_scaled_mm (" in fp8_gemm_note(torch.device("cuda"))
     for act, residual in (("none", True), ("relu", False)):
         args = quantized(lead, n, k, dtype, bias=True, residual=residual, device="cuda")
         out = fp8_linear(*args, activation=act, out_dtype=dtype)
@@ -196,6 +199,7 @@ def test_scaled_mm_path_matches_the_reference(lead, n, k, dtype):
         assert ((out.double() - ref).abs().cpu() <= tol).all(), (out.double() - ref).abs().max()
         cpu = fp8_linear_ref(*(None if t is None else t.cpu() for t in args), act, dtype)
         assert sqnr_db(cpu, out.cpu()) >= 40  # the GPU path and the CPU reference agree far beyond fp8's noise
+    assert not mod._failed, mod._failed  # torch._scaled_mm ran (it did not fall back after an error)
 
 
 @pytest.mark.gpu
@@ -205,3 +209,42 @@ def test_quantize_on_cuda_matches_the_cpu_reference():
     q, s = quantize_fp8_per_token(x.cuda())
     rq, rs = quantize_fp8_ref(x, -1)
     assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s.cpu(), rs)
+
+
+def test_scaled_mm_wiring_and_fallback_on_cpu(monkeypatch):
+    """The GPU path's call, run on the CPU with a stand-in for torch._scaled_mm that checks what the row-wise FP8
+    GEMM requires (row-major A, column-major B, fp32 scales (M, 1) and (1, N), bf16 output) and computes it; then a
+    _scaled_mm that raises: the reference from then on, the note saying why."""
+    mod = importlib.import_module("fuseinfer.ops.fp8_linear")
+    seen = []
+
+    def fake(a, b, scale_a, scale_b, out_dtype):
+        m, k = a.shape
+        n = b.shape[1]
+        assert a.is_contiguous() and b.stride() == (1, k) and b.shape == (k, n)
+        assert scale_a.shape == (m, 1) and scale_b.shape == (1, n) and scale_a.dtype == scale_b.dtype == torch.float32
+        assert scale_a.is_contiguous() and scale_b.is_contiguous() and out_dtype == torch.bfloat16
+        seen.append((m, n, k))
+        return ((a.double() @ b.double()) * scale_a.double() * scale_b.double()).to(out_dtype)
+
+    monkeypatch.setattr(mod, "fp8_backend", lambda device: "scaled_mm")
+    monkeypatch.setattr(mod, "_index", lambda device: 0)
+    monkeypatch.setattr(mod, "_failed", {})
+    monkeypatch.setattr(torch, "_scaled_mm", fake)
+    args = quantized((2, 9), 32, 48, torch.float16, bias=True, residual=True)
+    out = mod._fp8_linear_cuda(*args, "relu", torch.float16)
+    assert seen == [(18, 32, 48)] and out.shape == (2, 9, 32) and out.dtype == torch.float16
+    ref = float64_formula(*args, "relu")
+    gemm = float64_formula(*args[:4], None, None, "none").abs()
+    assert ((out.double() - ref).abs() <= gemm * 2 ** -8 + ref.abs() * 2 ** -10 + 1e-3).all()
+    mod._fp8_linear_cuda(*quantized((3,), 24, 40), "none", torch.float32)  # K, N not multiples of 16: reference
+    assert len(seen) == 1
+
+    def broken(*a, **k):
+        raise RuntimeError("Only bf16 high precision output types are supported for row-wise scaling.")
+
+    monkeypatch.setattr(torch, "_scaled_mm", broken)
+    with pytest.warns(RuntimeWarning, match="run the PyTorch reference"):
+        out = mod._fp8_linear_cuda(*args, "none", torch.float16)
+    torch.testing.assert_close(out, fp8_linear_ref(*args, "none", torch.float16))
+    assert "row-wise scaling" in mod._failed[0]

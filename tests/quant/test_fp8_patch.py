@@ -72,6 +72,11 @@ def test_fp8_perplexity_within_half_a_percent(tiny_model_path, device, dtype):
     print(f"[{report.quant.gemm}] opt-wt2-tiny {dtype} ppl {ppl_fp:.3f}, FP8 {ppl_q:.3f} "
           f"({100 * (ppl_q / ppl_fp - 1):+.3f}%)")
     assert ppl_q != ppl_fp  # (the quantized linears ran)
+    if device == "cuda" and torch.cuda.get_device_capability() >= (8, 9):  # torch._scaled_mm ran, no fallback
+        import importlib
+
+        assert "_scaled_mm (" in report.quant.gemm
+        assert not importlib.import_module("fuseinfer.ops.fp8_linear")._failed
     assert abs(ppl_q / ppl_fp - 1) < 0.005
 
 
@@ -258,3 +263,19 @@ def test_fuseinfer_fp8_backend_is_registered():
 
     assert BACKENDS["fuseinfer-fp8"] is FuseInferFP8Backend
     assert FuseInferFP8Backend.quant_config(None) == Float8()
+
+
+def test_eval_runs_the_fp8_backend(tiny_model_path):
+    """python -m fuseinfer.eval's runner with the fuseinfer-fp8 row: the perplexity within 0.5% of the fuseinfer
+    row's, the 16 quantized weights and the GEMM named in its details."""
+    from fuseinfer.eval.runner import Settings, run
+    from tests.eval.test_cli import quiet_ui
+
+    _needs_wikitext()
+    settings = Settings(model=str(tiny_model_path), backends=("fuseinfer", "fuseinfer-fp8"), device="cpu",
+                        dtype="fp32", data_dir=str(WIKITEXT), skip_latency=True, max_windows=2)
+    rows = run(settings, quiet_ui())["backends"]
+    fp, f8 = rows["fuseinfer"]["ppl"], rows["fuseinfer-fp8"]["ppl"]
+    assert rows["fuseinfer-fp8"]["quantized_weights"] == 16 and rows["fuseinfer-fp8"]["quant_scheme"] == "float8"
+    assert "FP8 GEMM: PyTorch reference" in rows["fuseinfer-fp8"]["fp8_gemm"]
+    assert f8 != fp and abs(f8 / fp - 1) < 0.005
