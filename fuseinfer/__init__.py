@@ -9,7 +9,7 @@ from fuseinfer.core.extension import cuda_extension_available, extension_status
 from fuseinfer.core.config import OPS, PatchConfig, PatchReport, RuntimeConfig
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.patching import patch, unpatch
-from fuseinfer.quant import Int8WeightOnly, QuantConfig, SmoothQuantW8A8, load_quantized, save_quantized
+from fuseinfer.quant import Float8, Int8WeightOnly, QuantConfig, SmoothQuantW8A8, load_quantized, save_quantized
 from fuseinfer.runtime import generate
 from fuseinfer.runtime.prefill import prefill
 from fuseinfer.core.state import patch_report, patch_state
@@ -20,7 +20,7 @@ from fuseinfer.quant.hf_quantizer import register as _register_quantizer  # noqa
 _register_quantizer()
 
 __all__ = [
-    "OPS", "FuseInferError", "Int8WeightOnly", "PatchConfig", "PatchReport", "QuantConfig", "RuntimeConfig",
+    "OPS", "Float8", "FuseInferError", "Int8WeightOnly", "PatchConfig", "PatchReport", "QuantConfig", "RuntimeConfig",
     "SmoothQuantW8A8", "cuda_extension_available", "extension_status", "generate", "load_quantized", "patch",
     "patch_report", "patch_state", "prefill", "save_quantized", "unpatch", "__version__",
 ]

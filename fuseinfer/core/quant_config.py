@@ -98,17 +98,7 @@ class SmoothQuantW8A8(QuantConfig):
     def __post_init__(self):
         super().__post_init__()
         check_alpha(self.alpha)
-        for name in ("samples", "seq_len"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "samples" else 2):
-                raise FuseInferError(f"SmoothQuantW8A8 {name} must be an integer >= {1 if name == 'samples' else 2}, "
-                                     f"got {v!r}")
-        # (CalibrationStats lives in the quantization package, a layer above: checked by name)
-        stats = type(self.calibration).__name__ == "CalibrationStats"
-        if self.calibration is not None and not (isinstance(self.calibration, (str, os.PathLike)) or stats):
-            raise FuseInferError(f"SmoothQuantW8A8 calibration= must be None (the WikiText-2 "
-                                 f"validation split), a text file / folder / saved-stats path, or a "
-                                 f"CalibrationStats, got {type(self.calibration).__name__}")
+        _check_calibration(self)
         if self.include_lm_head:
             raise FuseInferError("SmoothQuantW8A8 quantizes the decoder linears only (the LM head's input is the "
                                  "final LayerNorm's, not calibrated): use include_lm_head=False")
@@ -116,6 +106,57 @@ class SmoothQuantW8A8(QuantConfig):
     def describe(self) -> dict:
         return {**super().describe(), "bits": 8, "alpha": self.alpha, "weights": "int8 per output channel, symmetric",
                 "activations": "int8 per token, dynamic, symmetric", "qkv": "fused (3E, E) when patch fuses q/k/v"}
+
+
+def _check_calibration(config) -> None:
+    """The calibration fields of a smoothing scheme (SmoothQuantW8A8, Float8): samples, seq_len, calibration."""
+    what = type(config).__name__
+    for name in ("samples", "seq_len"):
+        v = getattr(config, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "samples" else 2):
+            raise FuseInferError(f"{what} {name} must be an integer >= {1 if name == 'samples' else 2}, got {v!r}")
+    # (CalibrationStats lives in the quantization package, a layer above: checked by name)
+    stats = type(config.calibration).__name__ == "CalibrationStats"
+    if config.calibration is not None and not (isinstance(config.calibration, (str, os.PathLike)) or stats):
+        raise FuseInferError(f"{what} calibration= must be None (the WikiText-2 validation split), a text file / "
+                             f"folder / saved-stats path, or a CalibrationStats, got "
+                             f"{type(config.calibration).__name__}")
+
+
+@dataclass(frozen=True)
+class Float8(QuantConfig):
+    """FP8 W8A8 (e4m3, ``fuseinfer/quant/fp8.py``): the decoder linears (q/k/v, the attention output and MLP
+    projections) get float8_e4m3fn weights with one fp32 scale per output channel (``scale = max|w_row| / 448``)
+    and float8_e4m3fn activations quantized per token at run time (dynamic, ``scale = max|x_row| / 448``). OPT
+    models.
+
+    alpha: None (default: no smoothing, no calibration) or SmoothQuant's migration strength in [0, 1], which
+      smooths the activation outliers into the weights first, exactly as ``SmoothQuantW8A8`` does (same
+      calibration sources: ``calibration``, ``samples`` windows of ``seq_len`` tokens, ``tokenizer``).
+    """
+
+    alpha: float | None = None
+    calibration: object = None
+    samples: int = 128
+    seq_len: int = 512
+    tokenizer: object = field(default=None, repr=False, compare=False)
+
+    scheme = "float8"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.alpha is not None:
+            check_alpha(self.alpha)
+        _check_calibration(self)
+        if self.include_lm_head:
+            raise FuseInferError("Float8 quantizes the decoder linears only for now (OPT ties the LM head to the "
+                                 "input embeddings): use include_lm_head=False")
+
+    def describe(self) -> dict:
+        return {**super().describe(), "bits": 8, "alpha": self.alpha, "format": "float8_e4m3fn",
+                "weights": "e4m3 per output channel, scale = amax / 448",
+                "activations": "e4m3 per token, dynamic, scale = amax / 448",
+                "qkv": "fused (3E, E) when patch fuses q/k/v"}
 
 
 # config class -> the function that applies it: quantize(config, model, report) -> undo state. The quantization

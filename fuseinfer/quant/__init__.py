@@ -1,14 +1,15 @@
 """Quantization for fuseinfer: configs for ``PatchConfig(quant=...)``, quantized modules, checkpoints.
 
     fuseinfer.patch(model, fuseinfer.PatchConfig(quant=fuseinfer.Int8WeightOnly()))   # W8A16
+    fuseinfer.patch(model, fuseinfer.PatchConfig(quant=fuseinfer.Float8()))           # FP8 (e4m3) W8A8
     fuseinfer.save_quantized(model, "dir");  model = fuseinfer.load_quantized("dir", device="cuda")
 
 See docs/quantization.md.
 """
-from fuseinfer.core.quant_config import Int8WeightOnly, QuantConfig, SmoothQuantW8A8
+from fuseinfer.core.quant_config import Float8, Int8WeightOnly, QuantConfig, SmoothQuantW8A8
 from fuseinfer.quant import apply as _apply  # noqa: F401  (registers the schemes with the engine)
 
-__all__ = ["Int8WeightOnly", "QuantConfig", "SmoothQuantW8A8", "load_quantized", "save_quantized"]
+__all__ = ["Float8", "Int8WeightOnly", "QuantConfig", "SmoothQuantW8A8", "load_quantized", "save_quantized"]
 
 
 def save_quantized(model, directory):

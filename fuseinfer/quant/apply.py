@@ -10,11 +10,12 @@ from __future__ import annotations
 import weakref
 
 from fuseinfer.core.errors import FuseInferError
-from fuseinfer.core.quant_config import Int8WeightOnly, QuantConfig, SmoothQuantW8A8, register_scheme
+from fuseinfer.core.quant_config import Float8, Int8WeightOnly, QuantConfig, SmoothQuantW8A8, register_scheme
+from fuseinfer.quant.fp8 import quantize_fp8
 from fuseinfer.quant.w8a8 import quantize_w8a8
 from fuseinfer.quant.weight_only import quantize_weight_only
 
-HANDLERS = {Int8WeightOnly: quantize_weight_only, SmoothQuantW8A8: quantize_w8a8}
+HANDLERS = {Int8WeightOnly: quantize_weight_only, SmoothQuantW8A8: quantize_w8a8, Float8: quantize_fp8}
 
 
 def quantize(config: QuantConfig, model, report):

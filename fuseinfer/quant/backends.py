@@ -1,13 +1,14 @@
-"""The quantized fuseinfer backends (``fuseinfer-w8a16``, ``fuseinfer-w8a8``; registered by the eval CLI, found by
-the profiler): fuseinfer's backend with int8 weight-only quantization (``PatchConfig(quant=Int8WeightOnly())``) or
-SmoothQuant W8A8, plus the bytes of their weights: the eval's decode GB/s column counts the int8 model's bytes
-(``weight_bytes_per_token`` below, which the eval uses for these rows), so it compares with the copy bandwidth as
-fp16's does."""
+"""The quantized fuseinfer backends (``fuseinfer-w8a16``, ``fuseinfer-w8a8``, ``fuseinfer-fp8``; registered by the
+eval CLI, found by the profiler): fuseinfer's backend with int8 weight-only quantization
+(``PatchConfig(quant=Int8WeightOnly())``), SmoothQuant W8A8 or FP8 W8A8 (``Float8()``), plus the bytes of their
+weights: the eval's decode GB/s column counts the quantized model's bytes (``weight_bytes_per_token`` below, which
+the eval uses for these rows), so it compares with the copy bandwidth as fp16's does."""
 from __future__ import annotations
 
 from fuseinfer.core.config import PatchConfig
-from fuseinfer.core.quant_config import Int8WeightOnly, SmoothQuantW8A8
+from fuseinfer.core.quant_config import Float8, Int8WeightOnly, SmoothQuantW8A8
 from fuseinfer.harness.backends import Backend, FuseInferBackend
+from fuseinfer.ops.fp8_linear import fp8_gemm_note
 from fuseinfer.ops.w8a8_linear import w8a8_gemm_note
 from fuseinfer.patching import patch
 from fuseinfer.runtime import release
@@ -127,4 +128,20 @@ class FuseInferW8A8Backend(FuseInferW8A16Backend):
                 "calibration_seconds": round(seconds, 3)}
 
 
-BACKENDS = (FuseInferW8A16Backend, FuseInferW8A8Backend)
+class FuseInferFP8Backend(FuseInferW8A16Backend):
+    """fuseinfer with FP8 W8A8 (``Float8()``): e4m3 weights per output channel and e4m3 activations per token, no
+    smoothing (no calibration); ``torch._scaled_mm`` on GPUs of compute capability >= 8.9."""
+
+    name = "fuseinfer-fp8"
+    summary = "fuseinfer.patch + Float8: e4m3 weights and activations (torch._scaled_mm on sm_89+)"
+
+    def quant_config(self):
+        return Float8()
+
+    def details(self):
+        param = None if self.model is None else next(self.model.parameters(), None)
+        gemm = self.report.quant.gemm if param is None else fp8_gemm_note(param.device, self.model.dtype)
+        return {**super().details(), "fp8_gemm": gemm}
+
+
+BACKENDS = (FuseInferW8A16Backend, FuseInferW8A8Backend, FuseInferFP8Backend)

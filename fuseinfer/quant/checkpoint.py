@@ -50,7 +50,7 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 # safetensors' dtype names of the dtypes a quantized model holds
 ST_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
              torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
-             torch.bool: "BOOL"}
+             torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3"}
 
 
 # ---------------------------------------------------------------------------------------------------------- saving
@@ -65,8 +65,8 @@ def save_quantized(model, directory) -> Path:
     state = patch_state(model)
     if state is None or state.config.quant is None:
         raise FuseInferError("save_quantized takes a model quantized by fuseinfer.patch(model, fuseinfer.PatchConfig("
-                             "quant=fuseinfer.Int8WeightOnly() or fuseinfer.SmoothQuantW8A8())); this one is not "
-                             "quantized")
+                             "quant=fuseinfer.Int8WeightOnly(), fuseinfer.SmoothQuantW8A8() or "
+                             "fuseinfer.Float8())); this one is not quantized")
     if getattr(model, "config", None) is None:
         raise FuseInferError("save_quantized needs a Hugging Face model with a config")
     directory = Path(directory)
@@ -205,14 +205,14 @@ def check_record(record) -> dict:
     """The checkpoint's ``quantization_config``, every field fuseinfer reads checked by type and value; returns
     them normalised (FuseInferError naming the field otherwise)."""
     from fuseinfer.core.config import OPS
-    from fuseinfer.core.quant_config import Int8WeightOnly, SmoothQuantW8A8
+    from fuseinfer.core.quant_config import Float8, Int8WeightOnly, SmoothQuantW8A8
 
     if not isinstance(record, dict):
         raise FuseInferError(f"quantization_config must be a JSON object, got {type(record).__name__}")
     if record.get("quant_method") != QUANT_METHOD:
         raise FuseInferError(f"quantization_config.quant_method is {record.get('quant_method')!r}, not "
                              f"{QUANT_METHOD!r}: not a fuseinfer checkpoint")
-    schemes = (Int8WeightOnly.scheme, SmoothQuantW8A8.scheme)
+    schemes = (Int8WeightOnly.scheme, SmoothQuantW8A8.scheme, Float8.scheme)
     scheme = _field(record, "scheme", str, f"one of {list(schemes)}", required=True)
     if scheme not in schemes:
         raise FuseInferError(f"quantization_config.scheme {scheme!r} is not supported by this fuseinfer (supported: "
@@ -242,18 +242,26 @@ def check_record(record) -> dict:
         if not 0 <= alpha <= 1:
             raise FuseInferError(f"quantization_config.alpha must be a number in [0, 1], got {alpha!r}")
         out["alpha"] = float(alpha)
+    if scheme == Float8.scheme:  # (None: not smoothed)
+        alpha = _field(record, "alpha", (int, float, type(None)), "null or a number in [0, 1]", default=None)
+        if alpha is not None and not 0 <= alpha <= 1:
+            raise FuseInferError(f"quantization_config.alpha must be null or a number in [0, 1], got {alpha!r}")
+        out["alpha"] = None if alpha is None else float(alpha)
     return out
 
 
 def empty_layout(checked: dict):
     """The config that lays out the checkpoint's scheme with empty tensors (``_empty``: no quantization, and for
     SmoothQuant no calibration or smoothing; the saved tensors hold their results)."""
-    from fuseinfer.core.quant_config import Int8WeightOnly, SmoothQuantW8A8
+    from fuseinfer.core.quant_config import Float8, Int8WeightOnly, SmoothQuantW8A8
 
     if checked["scheme"] == Int8WeightOnly.scheme:
         return dataclasses.replace(Int8WeightOnly(include_lm_head=checked["include_lm_head"]), _empty=True)
     if checked["include_lm_head"]:
-        raise FuseInferError("quantization_config.include_lm_head must be false for smoothquant_w8a8 checkpoints")
+        raise FuseInferError(f"quantization_config.include_lm_head must be false for {checked['scheme']} "
+                             "checkpoints")
+    if checked["scheme"] == Float8.scheme:
+        return dataclasses.replace(Float8(alpha=checked["alpha"]), _empty=True)
     return dataclasses.replace(SmoothQuantW8A8(alpha=checked["alpha"]), _empty=True)
 
 

@@ -23,6 +23,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -57,8 +58,9 @@ class W8A8Report(QuantReport):
 
     def __str__(self) -> str:
         how = f"measured in {self.calibration_seconds:.2f} s" if self.calibration_seconds else "given"
-        lines = [super().__str__(),
-                 f"  calibration: {self.calibration_samples} sample(s) from {self.calibration_source} ({how})"]
+        lines = [super().__str__()]
+        if self.calibration_source:  # (none for a scheme without smoothing: Float8 with alpha=None)
+            lines.append(f"  calibration: {self.calibration_samples} sample(s) from {self.calibration_source} ({how})")
         if self.smoothing is not None:
             lines += ["  " + line for line in self.smoothing.summary().splitlines()]
         if self.gemm:
@@ -172,27 +174,43 @@ def _quantize(w: torch.Tensor, bias: torch.Tensor | None, empty: bool = False) -
     return W8A8Linear(q, scale, None if bias is None else bias.detach().clone())
 
 
-def quantize_w8a8(model: nn.Module, config, report) -> W8A8State:
-    """SmoothQuant W8A8 of the swapped modules' linears (see the module docstring); returns the state."""
+@dataclass(frozen=True)
+class Flavor:
+    """What a scheme with per-token dynamic activations swaps in (the int8 W8A8 one here; FP8's in
+    ``quant/fp8.py``): ``build(w, bias, empty)`` -> the quantized linear (``weight_q``, ``weight_scale`` (N, 1)),
+    the q/k/v slice class, and the note naming the GEMM it runs (``gemm_note(device, dtype)``)."""
+
+    build: Callable
+    slice_cls: type
+    gemm_note: Callable
+
+
+def quantize_w8a8(model: nn.Module, config, report, flavor: Flavor | None = None) -> W8A8State:
+    """SmoothQuant W8A8 of the swapped modules' linears (see the module docstring); returns the state. ``flavor``
+    (default: int8) picks the quantized linear; a config whose ``alpha`` is None is neither calibrated nor
+    smoothed."""
+    flavor = INT8 if flavor is None else flavor
+    what = type(config).__name__
     for n, m in model.named_modules():
         if isinstance(m, (QuantizedLinear, W8A8QKVSlice)):
             raise FuseInferError(f"this model is already quantized ({n} is a {type(m).__name__}): load the "
-                                 "unquantized model to quantize it with SmoothQuantW8A8")
-    fam = model_family(model, "SmoothQuantW8A8")
+                                 f"unquantized model to quantize it with {what}")
+    fam = model_family(model, what)
     targets = _targets(model, config, report)
     if not targets:
         raise FuseInferError("nothing to quantize: the PatchConfig's ops and filter_fn left no decoder linear "
                              "patched; select at least one decoder layer or attention module")
     if config._empty:  # the layout of a saved W8A8 model (checkpoint.load_quantized): no calibration, no smoothing
-        return _empty_layout(model, config, targets, report, fam.qkv_names)
+        return _empty_layout(model, config, targets, report, fam.qkv_names, flavor)
     keep = config.keep_original
-    stats, seconds = _stats(model, config)
+    smoothing_on = config.alpha is not None
+    stats, seconds = _stats(model, config) if smoothing_on else (None, 0.0)
     # every Parameter smoothing or quantization changes (LayerNorms, producing linears, quantized linears; the
     # q/k/v ones are views of the (3E, E) buffer, rebuilt from them on undo), kept before the first change
     kept_params = {}
     if keep == "cpu":
         modules = dict(model.named_modules())
-        groups, _ = smoothing_plan(model)
+        groups = smoothing_plan(model)[0] if smoothing_on else []
         owners = [modules[g.source] for g in groups] + [modules[n] for g in groups for n in g.targets]
         owners += [t.parent._modules[t.attr] for t in targets if t.attr]
         owners += [t.parent._modules[n] for t in targets if not t.attr for n in fam.qkv_names]
@@ -200,18 +218,19 @@ def quantize_w8a8(model: nn.Module, config, report) -> W8A8State:
             for p in (m.weight, m.bias):
                 if p is not None and id(p) not in kept_params:
                     kept_params[id(p)] = (p, _kept(p, keep))
-    smoothing = smooth(model, stats, config.alpha)
-    qreport = W8A8Report(config.scheme, kept_original=keep, smoothing=smoothing, calibration_source=stats.source,
-                         calibration_samples=stats.samples, calibration_seconds=seconds)
+    smoothing = smooth(model, stats, config.alpha) if smoothing_on else None
+    qreport = W8A8Report(config.scheme, kept_original=keep, smoothing=smoothing,
+                         calibration_source=stats.source if stats else "", calibration_samples=stats.samples
+                         if stats else 0, calibration_seconds=seconds)
     state = W8A8State(config, params=list(kept_params.values()))
     for t in targets:
         w, bias = _target_weight(t)  # (N, K); q/k/v: (3E, E), smoothed in place through the q/k/v views
-        new = _quantize(w, bias)
+        new = flavor.build(w, bias)
         before = w.numel() * w.element_size()
-        _swap_in(state, t, new, w, fam.qkv_names)
-        after = new.weight_q.numel() + 4 * new.weight_scale.numel()
+        _swap_in(state, t, new, w, fam.qkv_names, flavor.slice_cls)
+        after = new.weight_q.numel() + 4 * new.weight_scale.numel()  # (1-byte weights: int8 or e4m3)
         qreport.entries.append(QuantEntry(t.name, tuple(new.weight_q.shape), before, after))
-    qreport.gemm = w8a8_gemm_note(w.device, w.dtype)
+    qreport.gemm = flavor.gemm_note(w.device, w.dtype)
     report.quant = qreport
     return state
 
@@ -224,7 +243,8 @@ def _target_weight(t) -> tuple:
     return t.parent.qkv_weight, t.parent.qkv_bias
 
 
-def _swap_in(state: W8A8State, t, new, w: torch.Tensor, qkv_names: tuple[str, ...]) -> None:
+def _swap_in(state: W8A8State, t, new, w: torch.Tensor, qkv_names: tuple[str, ...],
+             slice_cls: type = W8A8QKVSlice) -> None:
     """Put ``new`` in the target's place, remembered in ``state`` for unpatch: a linear, or the fused q/k/v of an
     attention (its projections ``qkv_names`` become slices of ``new``); the replaced tensors become placeholders."""
     if t.attr:
@@ -239,7 +259,7 @@ def _swap_in(state: W8A8State, t, new, w: torch.Tensor, qkv_names: tuple[str, ..
     attn.qkv_proj = new
     embed = w.shape[0] // 3
     for i, (name, proj) in enumerate(zip(qkv_names, projs)):
-        setattr(attn, name, W8A8QKVSlice(new, i, embed))
+        setattr(attn, name, slice_cls(new, i, embed))
         proj.weight.data = _placeholder(w)
         if proj.bias is not None:
             proj.bias.data = _placeholder(w)
@@ -248,18 +268,24 @@ def _swap_in(state: W8A8State, t, new, w: torch.Tensor, qkv_names: tuple[str, ..
     attn._fuseinfer_qkv_params = (None,) * 6
 
 
-def _empty_layout(model: nn.Module, config, targets, report, qkv_names: tuple[str, ...]) -> W8A8State:
+def _empty_layout(model: nn.Module, config, targets, report, qkv_names: tuple[str, ...], flavor: Flavor
+                  ) -> W8A8State:
     """Swap in W8A8Linears with uninitialized tensors (and the q/k/v slices) as ``quantize_w8a8`` would, without
     calibrating or smoothing: a checkpoint's tensors (the smoothed LayerNorms and biases among them) are loaded
     into them next. The originals are freed (unpatch refuses)."""
-    qreport = W8A8Report(config.scheme, kept_original=None, calibration_source="a saved W8A8 checkpoint")
+    saved = SAVED.get(config.scheme, config.scheme)
+    qreport = W8A8Report(config.scheme, kept_original=None, calibration_source=f"a saved {saved} checkpoint")
     state = W8A8State(config)
     for t in targets:
         w, bias = _target_weight(t)
-        new = _quantize(w, bias, empty=True)
+        new = flavor.build(w, bias, empty=True)
         before = w.numel() * w.element_size()
-        _swap_in(state, t, new, w, qkv_names)
+        _swap_in(state, t, new, w, qkv_names, flavor.slice_cls)
         qreport.entries.append(QuantEntry(t.name, tuple(new.weight_q.shape), before,
                                           new.weight_q.numel() + 4 * new.weight_scale.numel()))
     report.quant = qreport
     return state
+
+
+SAVED = {"smoothquant_w8a8": "W8A8", "float8": "FP8"}  # (the patch report's name of a loaded scheme)
+INT8 = Flavor(_quantize, W8A8QKVSlice, w8a8_gemm_note)

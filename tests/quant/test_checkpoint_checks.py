@@ -60,7 +60,7 @@ def _refused_everywhere(path: Path, *words) -> None:
 _TYPES = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=8),
                    st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=3), st.integers(), max_size=1))
 BAD = {  # field -> values of a wrong type or value
-    "scheme": _TYPES.filter(lambda v: v not in ("int8_weight_only", "smoothquant_w8a8")),
+    "scheme": _TYPES.filter(lambda v: v not in ("int8_weight_only", "smoothquant_w8a8", "float8")),
     "ops": st.one_of(st.sampled_from(["attention", "linear"]), st.lists(st.sampled_from(["attn", "", "LINEAR"]),
                                                                         min_size=1, max_size=2),
                      st.lists(st.integers(), min_size=1, max_size=2), st.none(), st.integers()),

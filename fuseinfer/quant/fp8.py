@@ -1,0 +1,108 @@
+"""FP8 W8A8 (``Float8``) through ``patch``: e4m3 weights per output channel, e4m3 activations per token, and the
+optional SmoothQuant smoothing before them.
+
+The flow is SmoothQuant W8A8's (``quant/w8a8.py``: calibrate and smooth when ``alpha`` is set, swap the linears of
+the swapped modules, the q/k/v fused as one (3E, E) ``qkv_proj`` with slice views in the projections' places, the
+same undo state and checkpoint layout), with :class:`Float8Linear` in place of the int8 ``W8A8Linear``. The linear
+quantizes its input per token (``quantize_fp8_per_token``) and calls ``fuseinfer.ops.fp8_linear``:
+``torch._scaled_mm`` on GPUs of compute capability >= 8.9, the fp32 reference elsewhere. It does not take int8
+activations (``takes_int8`` is False), so the fused decoder layers feed it their fp16/bf16 LayerNorm output and
+call ``fused`` (``layers.linear.fused_linear``); the OPT lean prefill loop runs int8 models only, so FP8 models run
+their patched modules.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.layers.linear import QuantizedLinear
+from fuseinfer.ops.fp8_linear import FP8_DTYPE, fp8_gemm_note, fp8_linear, quantize_fp8_per_token, quantize_fp8_ref
+from fuseinfer.ops.w8a8_linear import OUT_DTYPES
+from fuseinfer.quant.smoothquant import model_family
+from fuseinfer.quant.w8a8 import Flavor, W8A8QKVSlice, quantize_w8a8
+
+FAMILIES = ("opt",)  # the families whose fused q/k/v layout (three equal row blocks) the swap takes
+
+
+class Float8Linear(QuantizedLinear):
+    """An nn.Linear with float8_e4m3fn weights (per output channel, fp32 scales) whose input is quantized to e4m3
+    per token at run time. ``fused(x, residual, activation)`` is the call the patched forwards make."""
+
+    def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight_q", weight_q)          # (N, K) float8_e4m3fn
+        self.register_buffer("weight_scale", weight_scale)  # (N, 1) fp32
+        self.register_buffer("bias", bias)                  # (N,) or None
+        self.in_features, self.out_features = weight_q.shape[1], weight_q.shape[0]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Float8Linear:
+        return build(linear.weight, linear.bias)
+
+    def _apply(self, fn, recurse=True):
+        """``model.half()`` / ``.to(dtype)`` convert every floating-point tensor, float8 ones included: the weights
+        go back to e4m3 (exact: every e4m3 value is an fp16 / bf16 / fp32 value) and the scales stay fp32."""
+        super()._apply(fn, recurse)
+        if self.weight_q.dtype != FP8_DTYPE and not self.weight_q.is_meta:
+            self.weight_q = self.weight_q.to(FP8_DTYPE)
+        if self.weight_scale.dtype != torch.float32 and not self.weight_scale.is_meta:
+            self.weight_scale = self.weight_scale.float()
+        return self
+
+    def dequantized_weight(self, dtype=torch.float32) -> torch.Tensor:
+        return (self.weight_q.float() * self.weight_scale).to(dtype)  # (N, K)
+
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None = None, activation: str = "none"):
+        """act(x @ W.T + bias + residual) with x quantized per token first; x (..., K) -> (..., N) in x's dtype."""
+        if x.dtype not in OUT_DTYPES:
+            raise FuseInferError(f"Float8Linear: input dtype must be one of {OUT_DTYPES}, got {x.dtype}")
+        q, s = quantize_fp8_per_token(x)  # (..., K) e4m3, (..., 1) fp32
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return fp8_linear(q, s, self.weight_q, self.weight_scale, bias, residual, activation, x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 weights and activations"
+
+
+class Float8QKVSlice(W8A8QKVSlice):
+    """A q/k/v projection of an attention module whose q/k/v are one (3E, E) :class:`Float8Linear`: rows
+    [index * E, (index + 1) * E) of it, for the original forward (training mode, global hooks)."""
+
+    def forward(self, x):  # (..., E) -> (..., E)
+        rows = slice(self.index * self.embed_dim, (self.index + 1) * self.embed_dim)
+        q = self._qkv
+        xq, xs = quantize_fp8_per_token(x)
+        bias = None if q.bias is None else q.bias[rows].to(x.dtype)
+        return fp8_linear(xq, xs, q.weight_q[rows], q.weight_scale[rows], bias, None, "none", x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"rows {self.index * self.embed_dim}:{(self.index + 1) * self.embed_dim} of the FP8 qkv_proj"
+
+
+def build(w: torch.Tensor, bias: torch.Tensor | None, empty: bool = False) -> Float8Linear:
+    """(N, K) weight -> Float8Linear; with ``empty``, uninitialized tensors of its layout on w's device (what
+    ``load_quantized`` fills from a checkpoint; w may be on the meta device)."""
+    if empty:
+        n, k = w.shape
+        return Float8Linear(torch.empty(n, k, dtype=FP8_DTYPE, device=w.device),
+                            torch.empty(n, 1, dtype=torch.float32, device=w.device),
+                            None if bias is None else torch.empty_like(bias))
+    with torch.no_grad():
+        q, scale = quantize_fp8_ref(w.detach(), -1)  # (N, K) e4m3, (N, 1) fp32
+    return Float8Linear(q, scale, None if bias is None else bias.detach().clone())
+
+
+FP8 = Flavor(build, Float8QKVSlice, fp8_gemm_note)
+
+
+def quantize_fp8(model: nn.Module, config, report):
+    """Float8 of the swapped modules' linears (see the module docstring); returns the undo state."""
+    fam = model_family(model, "Float8")
+    if fam.model_type not in FAMILIES:
+        raise FuseInferError(f"Float8 supports {', '.join(FAMILIES).upper()} models for now, got a "
+                             f"{fam.model_type} model: quantize it with Int8WeightOnly instead")
+    return quantize_w8a8(model, config, report, FP8)
