@@ -64,7 +64,13 @@ def _compare(root: Path, module: str, tmp_path: Path) -> None:
         pytest.skip("transformers' tests need the parameterized package (pip install parameterized; setup.py's test "
                     "extra has it)")
     runs = [_run(root, module, tmp_path, patched) for patched in (False, True)]  # side by side: half the wall time
-    logs = [proc.communicate(timeout=900)[0] for proc, _ in runs]
+    try:
+        logs = [proc.communicate(timeout=900)[0] for proc, _ in runs]
+    finally:  # (a run past the timeout must not outlive the test)
+        for proc, _ in runs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     for (proc, out), log, what in zip(runs, logs, ("unpatched", "patched")):
         assert out.exists(), f"the {what} run recorded nothing (exit {proc.returncode}):\n{log[-4000:]}"
     base, patched = (json.loads(out.read_text()) for _, out in runs)
