@@ -298,7 +298,8 @@ if __name__ == "__main__":  # (tests/repo/test_install.py imports the helpers ab
         python_requires=">=3.10",
         install_requires=["torch>=2.11", "transformers>=5.17,<5.24", "safetensors", "rich", "numpy"],
         extras_require={"test": ["pytest>=8", "matplotlib", "hypothesis>=6", "onnx>=1.16", "onnxruntime>=1.20",
-                                 "onnxscript", "accelerate>=1.0"],
+                                 "onnxscript", "accelerate>=1.0",
+                                 "parameterized"],  # (transformers' own model tests, tests/third_party/)
                         "multi-gpu": ["accelerate>=1.0"],
                         "plot": ["matplotlib"],
                         "export": ["onnx>=1.16", "onnxruntime>=1.20"],  # CUDA: onnxruntime-gpu instead

@@ -78,7 +78,11 @@ def fuseinfer_attention_forward(module, query, key, value, attention_mask, scali
     through eager attention when the call records them (an attention module ``patch`` left unswapped).
 
     In training mode (a model patched in eval mode, then ``.train()``) it runs transformers' SDPA attention, which
-    has a backward and applies the attention dropout; the fused kernel is for inference only."""
+    has a backward and applies the attention dropout (eager where the call records the weights, which SDPA does not
+    form); the fused kernel is for inference only."""
+    if module.training and weights_requested(module):
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return eager_attention_with_weights(module, query, key, value, attention_mask, scale, dropout=dropout)
     if module.training:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -108,8 +112,11 @@ def fuseinfer_attention_forward(module, query, key, value, attention_mask, scali
 def eager_attention_with_weights(module, query, key, value, attention_mask, scaling: float, dropout=0.0, **kwargs):
     """OPT's eager attention over the mask the ``fuseinfer`` builder made (a :class:`MaskInfo`, None or a 4D
     mask), for calls that ask for the attention weights, which the kernel does not form:
-    ((B, Sq, H, D), weights (B, H, Sq, Skv))."""
+    ((B, Sq, H, D), weights (B, H, Sq, Skv)). Grouped-query key/value (B, Hkv, Skv, D) are repeated to H heads;
+    ``dropout`` applies to the weights in training mode."""
     from transformers.models.opt.modeling_opt import eager_attention_forward
+
+    key, value = repeat_kv(query, key, value)
 
     if attention_mask is None or isinstance(attention_mask, MaskInfo):
         info = attention_mask or MaskInfo(None, None)
@@ -118,7 +125,7 @@ def eager_attention_with_weights(module, query, key, value, attention_mask, scal
     if attention_mask.dtype == torch.bool:  # eager adds the mask to the scores
         attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
             ~attention_mask, torch.finfo(query.dtype).min)
-    return eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=0.0)
+    return eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout)
 
 
 AttentionInterface.register(NAME, fuseinfer_attention_forward)
