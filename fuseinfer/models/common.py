@@ -37,7 +37,7 @@ def global_hooks() -> bool:
 def has_hooks(module: nn.Module) -> bool:
     """Forward (pre-)hooks other than transformers' own output capture (installed on the decoder layers and
     attention modules by the first call with output_hidden_states / output_attentions; it records the hidden
-    states and the attention weights, which the fused modules return as the originals do) and fuseinfer's own
+    states and the attention weights, which the fused modules return as the originals do) and the families' own
     (input checks), backward (pre-)hooks, or a forward replaced on the instance (accelerate's hooks, ``_hf_hook``,
     work that way)."""
     hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
@@ -47,7 +47,9 @@ def has_hooks(module: nn.Module) -> bool:
 
 
 def _own_hook(module_name: str) -> bool:
-    return module_name == "transformers.utils.output_capturing" or module_name.startswith("fuseinfer.")
+    """transformers' output capture, or a hook a family's patch installs (its input checks); a profiler's or any
+    other package's hook (fuseinfer's own profiler included) is a user hook."""
+    return module_name == "transformers.utils.output_capturing" or module_name.startswith("fuseinfer.models.")
 
 
 def forward_replaced(module: nn.Module) -> bool:

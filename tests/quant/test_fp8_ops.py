@@ -32,7 +32,10 @@ FP8_OPCHECK = ("test_autograd_registration", "test_faketensor", "test_aot_dispat
 
 
 def sqnr_db(ref, approx) -> float:
-    return 10 * math.log10(ref.double().pow(2).sum().item() / (ref.double() - approx.double()).pow(2).sum().item())
+    """Signal-to-noise ratio of ``approx`` against ``ref`` in dB (inf where they are equal: the GPU takes the
+    reference for shapes ``_scaled_mm`` cannot take)."""
+    noise = (ref.double() - approx.double()).pow(2).sum().item()
+    return math.inf if noise == 0 else 10 * math.log10(ref.double().pow(2).sum().item() / noise)
 
 
 def operands(lead, n, k, dtype=torch.float32, bias=True, residual=False, seed=0, device="cpu"):
