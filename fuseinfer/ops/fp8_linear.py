@@ -25,7 +25,7 @@ import torch
 
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.extension import route
-from fuseinfer.ops.w8a8_linear import ACTIVATIONS, OUT_DTYPES, _epilogue
+from fuseinfer.ops.w8a8_linear import _epilogue, check_scaled_linear
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -164,28 +164,8 @@ def _(x_q, x_scale, w_q, w_scale, bias, residual, activation, out_dtype):
 
 
 def _check(x_q, x_scale, w_q, w_scale, bias, residual, activation, out_dtype):
-    if activation not in ACTIVATIONS:
-        raise FuseInferError(f"fp8_linear: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if out_dtype not in OUT_DTYPES:
-        raise FuseInferError(f"fp8_linear: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
-    if x_q.dtype != FP8_DTYPE or w_q.dtype != FP8_DTYPE:
-        raise FuseInferError(f"fp8_linear: x_q and w_q must be float8_e4m3fn (quantize them first: "
-                             f"quantize_fp8_per_token / quantize_fp8_ref), got {x_q.dtype}, {w_q.dtype}")
-    if w_q.dim() != 2 or x_q.dim() < 1 or x_q.shape[-1] != w_q.shape[1]:
-        raise FuseInferError(f"fp8_linear: expected x_q (..., K) and w_q (N, K), got {tuple(x_q.shape)} and "
-                             f"{tuple(w_q.shape)}")
-    rows, n = x_q.shape[:-1].numel(), w_q.shape[0]
-    if x_scale.dtype != torch.float32 or x_scale.numel() != rows or x_scale.shape[:-1] != x_q.shape[:-1]:
-        raise FuseInferError(f"fp8_linear: x_scale must be fp32 {tuple(x_q.shape[:-1]) + (1,)} (one per token), got "
-                             f"{tuple(x_scale.shape)} {x_scale.dtype}")
-    if w_scale.dtype != torch.float32 or w_scale.numel() != n or w_scale.shape[0] != n:
-        raise FuseInferError(f"fp8_linear: w_scale must be fp32 ({n}, 1) or ({n},) (one per output channel), got "
-                             f"{tuple(w_scale.shape)} {w_scale.dtype}")
-    if bias is not None and (bias.shape != (n,) or bias.dtype != out_dtype):
-        raise FuseInferError(f"fp8_linear: bias must be ({n},) in {out_dtype}, got {tuple(bias.shape)} {bias.dtype}")
-    if residual is not None and (residual.shape != (*x_q.shape[:-1], n) or residual.dtype != out_dtype):
-        raise FuseInferError(f"fp8_linear: residual must be {tuple(x_q.shape[:-1]) + (n,)} in {out_dtype}, got "
-                             f"{tuple(residual.shape)} {residual.dtype}")
+    check_scaled_linear("fp8_linear", FP8_DTYPE, "quantize_fp8_per_token / quantize_fp8_ref", x_q, x_scale, w_q,
+                        w_scale, bias, residual, activation, out_dtype)
 
 
 def fp8_linear(x_q, x_scale, w_q, w_scale, bias=None, residual=None, activation: str = "none",

@@ -157,29 +157,38 @@ def _(x_q, x_scale, w_q, w_scale, bias, residual, activation, out_dtype):
     return x_q.new_empty(*x_q.shape[:-1], w_q.shape[0], dtype=out_dtype)
 
 
-def _check(x_q, x_scale, w_q, w_scale, bias, residual, activation, out_dtype):
+def check_scaled_linear(op: str, qdtype: torch.dtype, hint: str, x_q, x_scale, w_q, w_scale, bias, residual,
+                        activation, out_dtype) -> None:
+    """The argument checks of a linear on quantized activations and weights with per-token and per-channel scales
+    (``w8a8_linear``, ``fp8_linear``): one FuseInferError naming the argument and the fix. ``qdtype``: the
+    quantized dtype both operands must have; ``hint``: how to quantize them."""
     if activation not in ACTIVATIONS:
-        raise FuseInferError(f"w8a8_linear: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        raise FuseInferError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
     if out_dtype not in OUT_DTYPES:
-        raise FuseInferError(f"w8a8_linear: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
-    if x_q.dtype != torch.int8 or w_q.dtype != torch.int8:
-        raise FuseInferError(f"w8a8_linear: x_q and w_q must be int8 (quantize them first: "
-                             f"fuseinfer.ops.quantize_per_token / quantize_per_channel), got {x_q.dtype}, {w_q.dtype}")
+        raise FuseInferError(f"{op}: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    if x_q.dtype != qdtype or w_q.dtype != qdtype:
+        raise FuseInferError(f"{op}: x_q and w_q must be {str(qdtype).removeprefix('torch.')} (quantize them first: "
+                             f"{hint}), got {x_q.dtype}, {w_q.dtype}")
     if w_q.dim() != 2 or x_q.dim() < 1 or x_q.shape[-1] != w_q.shape[1]:
-        raise FuseInferError(f"w8a8_linear: expected x_q (..., K) and w_q (N, K), got {tuple(x_q.shape)} and "
+        raise FuseInferError(f"{op}: expected x_q (..., K) and w_q (N, K), got {tuple(x_q.shape)} and "
                              f"{tuple(w_q.shape)}")
     rows, n = x_q.shape[:-1].numel(), w_q.shape[0]
     if x_scale.dtype != torch.float32 or x_scale.numel() != rows or x_scale.shape[:-1] != x_q.shape[:-1]:
-        raise FuseInferError(f"w8a8_linear: x_scale must be fp32 {tuple(x_q.shape[:-1]) + (1,)} (one per token), got "
+        raise FuseInferError(f"{op}: x_scale must be fp32 {tuple(x_q.shape[:-1]) + (1,)} (one per token), got "
                              f"{tuple(x_scale.shape)} {x_scale.dtype}")
     if w_scale.dtype != torch.float32 or w_scale.numel() != n or w_scale.shape[0] != n:
-        raise FuseInferError(f"w8a8_linear: w_scale must be fp32 ({n}, 1) or ({n},) (one per output channel), got "
+        raise FuseInferError(f"{op}: w_scale must be fp32 ({n}, 1) or ({n},) (one per output channel), got "
                              f"{tuple(w_scale.shape)} {w_scale.dtype}")
     if bias is not None and (bias.shape != (n,) or bias.dtype != out_dtype):
-        raise FuseInferError(f"w8a8_linear: bias must be ({n},) in {out_dtype}, got {tuple(bias.shape)} {bias.dtype}")
+        raise FuseInferError(f"{op}: bias must be ({n},) in {out_dtype}, got {tuple(bias.shape)} {bias.dtype}")
     if residual is not None and (residual.shape != (*x_q.shape[:-1], n) or residual.dtype != out_dtype):
-        raise FuseInferError(f"w8a8_linear: residual must be {tuple(x_q.shape[:-1]) + (n,)} in {out_dtype}, got "
+        raise FuseInferError(f"{op}: residual must be {tuple(x_q.shape[:-1]) + (n,)} in {out_dtype}, got "
                              f"{tuple(residual.shape)} {residual.dtype}")
+
+
+def _check(x_q, x_scale, w_q, w_scale, bias, residual, activation, out_dtype):
+    check_scaled_linear("w8a8_linear", torch.int8, "fuseinfer.ops.quantize_per_token / quantize_per_channel",
+                        x_q, x_scale, w_q, w_scale, bias, residual, activation, out_dtype)
 
 
 def w8a8_linear(x_q, x_scale, w_q, w_scale, bias=None, residual=None, activation: str = "none",
