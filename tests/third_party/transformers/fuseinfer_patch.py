@@ -20,7 +20,7 @@ import threading
 import pytest
 
 PATCH = os.environ.get("HFSUITE_PATCH") == "1"
-FAMILIES = ("llama",)  # transformers.models.<name>.modeling_<name> whose classes get patched
+FAMILIES = ("llama", "mistral", "qwen2")  # transformers.models.<name>.modeling_<name> whose classes get patched
 _local = threading.local()
 _state = {"outcomes": {}, "patched": {}, "current": None}
 

@@ -1,7 +1,10 @@
 """transformers' common model tests (``ModelTesterMixin`` of the vendored ``test_modeling_common``) on the Llama
 classes, with a small model tester of our own: transformers' source distribution ships the common tests but not
 ``tests/models/llama/test_modeling_llama.py``. Written in that module's style so that it runs under the same
-harness; a handful of generation and cache checks stand in for ``GenerationTesterMixin``, which is not shipped."""
+harness; a handful of generation and cache checks stand in for ``GenerationTesterMixin``, which is not shipped.
+
+The tester and the test class are written for the whole Llama architecture: the Mistral and Qwen2 modules subclass
+them with their own config and model classes (``config_class``, ``config_kwargs``, ``all_model_classes``)."""
 import unittest
 
 import torch
@@ -23,6 +26,9 @@ from ...test_modeling_common import ModelTesterMixin, ids_tensor
 class LlamaModelTester:
     """Builds the config and inputs the common tests ask for: a 2-layer grouped-query Llama (4 heads, 2 KV heads)."""
 
+    config_class = LlamaConfig
+    config_kwargs = {}  # a family's own config settings, on top of the shared ones below
+
     def __init__(self, parent, batch_size=13, seq_length=7, vocab_size=99, hidden_size=32, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=37, is_training=True):
         self.parent = parent
@@ -33,11 +39,11 @@ class LlamaModelTester:
         self.num_labels, self.num_choices, self.type_sequence_label_size = 3, 4, 2
 
     def get_config(self):
-        return LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                           num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-                           num_key_value_heads=self.num_key_value_heads, intermediate_size=self.intermediate_size,
-                           hidden_act="silu", max_position_embeddings=512, initializer_range=0.02, pad_token_id=0,
-                           bos_token_id=1, eos_token_id=2)
+        return self.config_class(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                                 num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+                                 num_key_value_heads=self.num_key_value_heads, intermediate_size=self.intermediate_size,
+                                 hidden_act="silu", max_position_embeddings=512, initializer_range=0.02,
+                                 pad_token_id=0, bos_token_id=1, eos_token_id=2, **self.config_kwargs)
 
     def prepare_config_and_inputs_for_common(self):
         # (B, S) token ids and a mask keeping row i's first i + 1 positions (all of them from row S - 1 on)
@@ -48,31 +54,33 @@ class LlamaModelTester:
 
 @require_torch
 class LlamaCommonTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
+    # (base model, causal LM, sequence / question-answering / token heads: the order the checks below index)
     all_model_classes = (LlamaModel, LlamaForCausalLM, LlamaForSequenceClassification, LlamaForQuestionAnswering,
                          LlamaForTokenClassification)
+    model_tester_class = LlamaModelTester
 
     def setUp(self):
-        self.model_tester = LlamaModelTester(self)
+        self.model_tester = self.model_tester_class(self)
 
     def _causal_lm(self):
         config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
         torch.manual_seed(0)
-        return LlamaForCausalLM(config).to(torch_device).eval(), inputs
+        return self.all_model_classes[1](config).to(torch_device).eval(), inputs
 
-    def test_llama_heads(self):
+    def test_heads(self):
         config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
         config.num_labels = 3
         b, s = self.model_tester.batch_size, self.model_tester.seq_length
         for cls, labels, shape in (
-            (LlamaForSequenceClassification, ids_tensor([b], 2), (b, 3)),
-            (LlamaForTokenClassification, ids_tensor([b, s], 3), (b, s, 3)),
+            (self.all_model_classes[2], ids_tensor([b], 2), (b, 3)),
+            (self.all_model_classes[4], ids_tensor([b, s], 3), (b, s, 3)),
         ):
             model = cls(config).to(torch_device).eval()
             out = model(**inputs, labels=labels)
             self.assertEqual(out.logits.shape, shape)
             self.assertTrue(torch.isfinite(out.loss))
 
-    def test_llama_cache_matches_full_forward(self):
+    def test_cache_matches_full_forward(self):
         # the last 3 positions' logits: one forward over everything vs a prefix forward and then the rest on its cache
         model, inputs = self._causal_lm()
         ids = inputs["input_ids"]
@@ -83,7 +91,7 @@ class LlamaCommonTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase
             step = model(ids[:, -3:], past_key_values=cache, use_cache=True).logits
         torch.testing.assert_close(step, full, atol=1e-4, rtol=1e-4)
 
-    def test_llama_greedy_generate_matches_stepwise_argmax(self):
+    def test_greedy_generate_matches_stepwise_argmax(self):
         # greedy generate (with its cache) against argmax over repeated full forwards
         model, inputs = self._causal_lm()
         ids = inputs["input_ids"][:2]
@@ -94,7 +102,7 @@ class LlamaCommonTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase
                 seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], dim=-1)
         self.assertEqual(out.tolist(), seq.tolist())
 
-    def test_llama_left_padded_generate_matches_unpadded(self):
+    def test_left_padded_generate_matches_unpadded(self):
         # one prompt, alone and left-padded in a batch with a longer one: the same greedy continuation
         model, inputs = self._causal_lm()
         ids = inputs["input_ids"]
