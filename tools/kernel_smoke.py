@@ -32,11 +32,12 @@ assert torch.cuda.is_available()
 torch.manual_seed(0)
 
 
-def attention(dtype, d, sq, skv, q_start=None, heads=3):
-    """Causal attention of 2 x `heads` heads, with and without a key mask (row 1's first 11 keys masked); prefills
-    (sq > 16) run twice, with FUSEINFER_ATTN_SM90 1 and 0: the wgmma and the mma.sync kernel on an sm_90a build."""
+def attention(dtype, d, sq, skv, q_start=None, heads=3, kv_heads=None):
+    """Causal attention of 2 x `heads` query heads over `kv_heads` key/value heads (default: `heads`), with and
+    without a key mask (row 1's first 11 keys masked); prefills (sq > 16) run twice, with FUSEINFER_ATTN_SM90 1 and
+    0: the wgmma and the mma.sync kernel on an sm_90a build."""
     q = torch.randn(2, heads, sq, d, device="cuda", dtype=dtype)
-    k, v = (torch.randn(2, heads, skv, d, device="cuda", dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(2, kv_heads or heads, skv, d, device="cuda", dtype=dtype) for _ in range(2))
     key_mask = torch.arange(skv, device="cuda")[None] >= torch.tensor([0, 11], device="cuda")[:, None]
     qs = None if q_start is None else torch.full((2,), q_start, dtype=torch.int32, device="cuda")
     for enabled in (True, False) if sq > 16 else (True,):
@@ -137,18 +138,6 @@ if part in ("all", "prefill"):
 
 # ---- grouped-query attention (Hkv < H: split-KV packs a key/value head's query heads; the prefills index the shared
 # head) and the fused rotary q/k/v split (every vector width: head dims 128, 80, 36, 6) ----
-def gqa_attention(dtype, d, sq, skv, heads, kv_heads, q_start=None):
-    """attention() above with k, v of kv_heads heads; prefills on both kernels."""
-    q = torch.randn(2, heads, sq, d, device="cuda", dtype=dtype)
-    k, v = (torch.randn(2, kv_heads, skv, d, device="cuda", dtype=dtype) for _ in range(2))
-    key_mask = torch.arange(skv, device="cuda")[None] >= torch.tensor([0, 11], device="cuda")[:, None]
-    qs = None if q_start is None else torch.full((2,), q_start, dtype=torch.int32, device="cuda")
-    for enabled in (True, False) if sq > 16 else (True,):
-        with sm90_prefill(enabled):
-            ops.attention(q, k, v, key_mask, qs, d ** -0.5)
-            ops.attention(q, k, v, None, qs, d ** -0.5)
-
-
 def rope_kernels():
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for d in (128, 80, 36, 6):
@@ -166,11 +155,11 @@ if part in ("all", "no-ring-wrap"):
     for dtype in (torch.float16, torch.bfloat16):
         for d in (64, 128):
             for sq, skv in ((77, 77), (1, 300), (4, 129), (16, 700)):
-                gqa_attention(dtype, d, sq, skv, 12, 2)  # 6 query heads per key/value head
-            gqa_attention(dtype, d, 1, 3000, 32, 8)  # decode with several splits (scratch, merge counters)
+                attention(dtype, d, sq, skv, heads=12, kv_heads=2)  # 6 query heads per key/value head
+            attention(dtype, d, 1, 3000, heads=32, kv_heads=8)  # decode with several splits (scratch, merge counters)
 if part in ("all", "prefill"):
     for dtype, d in ((torch.float16, 64), (torch.bfloat16, 128)):
-        gqa_attention(dtype, d, 300, 700, 8, 2, q_start=300)  # the wgmma ring wraps, a cache tail to zero
-        gqa_attention(dtype, d, 300, 700, 64, 8, q_start=300)  # more work items than SMs
+        attention(dtype, d, 300, 700, q_start=300, heads=8, kv_heads=2)  # the wgmma ring wraps, a cache tail to zero
+        attention(dtype, d, 300, 700, q_start=300, heads=64, kv_heads=8)  # more work items than SMs
 torch.cuda.synchronize()
 print(f"kernel_smoke ({part}): all kernels ran")
