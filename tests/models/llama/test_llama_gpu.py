@@ -33,7 +33,12 @@ def _ids(model, rows=4, length=24, seed=0):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_patched_logits_within_the_low_precision_rule(tiny_llama_path, dtype):
-    ref32, lowp = _load(tiny_llama_path, torch.float32), _load(tiny_llama_path, dtype)
+    _assert_patched_within_the_low_precision_rule(_load(tiny_llama_path, torch.float32),
+                                                  _load(tiny_llama_path, dtype), f"{dtype} logits")
+
+
+def _assert_patched_within_the_low_precision_rule(ref32, lowp, what: str):
+    """``lowp`` patched against its unpatched self, both against the fp32 model ``ref32``, on left-padded rows."""
     ids, mask = _ids(lowp)
     real = mask.bool()
     with torch.no_grad():
@@ -41,7 +46,7 @@ def test_patched_logits_within_the_low_precision_rule(tiny_llama_path, dtype):
         torch_lowp = lowp(input_ids=ids, attention_mask=mask).logits[real]
         fuseinfer.patch(lowp)
         ours = lowp(input_ids=ids, attention_mask=mask).logits[real]
-    assert_lowp_close(ours, torch_lowp, ref, f"{dtype} logits", atol=1e-2)
+    assert_lowp_close(ours, torch_lowp, ref, what, atol=1e-2)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "mistral"])
@@ -52,14 +57,7 @@ def test_random_qwen2_and_mistral_logits_on_cuda(kind):
                              intermediate_size=2 * hidden, device="cuda")
         lowp = random_llama(kind, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
                             intermediate_size=2 * hidden, device="cuda", dtype=torch.float16)
-        ids, mask = _ids(lowp)
-        real = mask.bool()
-        with torch.no_grad():
-            ref = ref32(input_ids=ids, attention_mask=mask).logits[real]
-            torch_lowp = lowp(input_ids=ids, attention_mask=mask).logits[real]
-            fuseinfer.patch(lowp)
-            ours = lowp(input_ids=ids, attention_mask=mask).logits[real]
-        assert_lowp_close(ours, torch_lowp, ref, f"{kind} head dim {hidden // heads}", atol=1e-2)
+        _assert_patched_within_the_low_precision_rule(ref32, lowp, f"{kind} head dim {hidden // heads}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
