@@ -95,7 +95,9 @@ class LlamaCommonTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase
         # greedy generate (with its cache) against argmax over repeated full forwards
         model, inputs = self._causal_lm()
         ids = inputs["input_ids"][:2]
-        out = model.generate(ids, max_new_tokens=5, do_sample=False, min_new_tokens=5, pad_token_id=0)
+        # (an explicit mask: random ids may hold the pad token, from which generate would infer right padding)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                             min_new_tokens=5, pad_token_id=0)
         seq = ids
         with torch.no_grad():
             for _ in range(5):
