@@ -29,6 +29,22 @@ from fuseinfer.harness.metrics import decode_bytes_per_step  # noqa: E402
 from fuseinfer.harness.models import load_config, load_model, model_stats, resolve_model  # noqa: E402
 
 
+# fuseinfer backends -> their quantization scheme (None: fp16/bf16)
+SCHEMES = {"fuseinfer": None, "fuseinfer-w8a16": fuseinfer.Int8WeightOnly, "fuseinfer-fp8": fuseinfer.Float8}
+
+
+def eight_bit_elements(model) -> int:
+    """Elements of the 8-bit weights a patched model's quantized linears stream (each saves a byte against fp16)."""
+    from fuseinfer.layers.linear import QuantizedLinear
+
+    seen = {}
+    for m in model.modules():
+        sw = m.step_weights() if isinstance(m, QuantizedLinear) else None
+        if sw is not None:
+            seen[sw[0].data_ptr()] = sw[0].numel()
+    return sum(seen.values())
+
+
 def ms_per_token(gen, ids, new_tokens: int, repeats: int) -> dict:
     """Median, p10 and p90 over rounds of (T(1 + N new) - T(1 new)) / N, the two timed back to back per round."""
     for n in (1, 1 + new_tokens):  # warm-up both lengths (compiles, captures graphs)
@@ -45,7 +61,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--backends", default="eager,hf_static_compile,fuseinfer",
-                    help="comma list of eager, hf_static_compile, fuseinfer, fuseinfer-w8a16")
+                    help="comma list of eager, hf_static_compile, fuseinfer, fuseinfer-w8a16, fuseinfer-fp8; a "
+                         "'-perop' suffix on a fuseinfer backend turns the one-kernel step off")
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     ap.add_argument("--quick", action="store_true", help="batch 1 only, 64 tokens, 3 repeats")
     args = ap.parse_args()
@@ -72,12 +89,16 @@ def main() -> None:
             elif name == "hf_static_compile":
                 gen = lambda x, n: model.generate(x, max_new_tokens=n, do_sample=False,  # noqa
                                                   cache_implementation="static")
-            elif name in ("fuseinfer", "fuseinfer-w8a16"):
-                quant = fuseinfer.Int8WeightOnly() if name == "fuseinfer-w8a16" else None
-                fuseinfer.patch(model, fuseinfer.PatchConfig(quant=quant))
+            elif name.removesuffix("-perop") in SCHEMES:
+                quant = SCHEMES[name.removesuffix("-perop")]
+                runtime = fuseinfer.RuntimeConfig(decode_kernel="off") if name.endswith("-perop") else None
+                fuseinfer.patch(model, fuseinfer.PatchConfig(quant=quant() if quant else None, runtime=runtime))
                 gen = lambda x, n: fuseinfer.generate(model, x, max_new_tokens=n)  # noqa: E731
+                if quant is not None:  # the weight-read floor with the 8-bit weights (1 byte instead of 2)
+                    eight_bit = weight_bytes - eight_bit_elements(model)
+                    row["floor_8bit_ms"] = eight_bit / (ceilings["copy_GBps"] * 1e9) * 1e3
             else:
-                ap.error(f"unknown backend {name!r} (eager, hf_static_compile, fuseinfer, fuseinfer-w8a16)")
+                ap.error(f"unknown backend {name!r} (eager, hf_static_compile, {', '.join(SCHEMES)}; '-perop')")
             with torch.no_grad():
                 t = ms_per_token(gen, ids, args.new_tokens, args.repeats)
             ms = t["median_ms"]
@@ -97,7 +118,7 @@ def main() -> None:
                 if f"{other}_ms" in row:
                     row[f"speedup_vs_{other}"] = row[f"{other}_ms"] / row["fuseinfer_ms"]
         rows.append(row)
-    cols = ["batch", "context", "floor_ms", "floor_kv_ms",
+    cols = ["batch", "context", "floor_ms", "floor_kv_ms", *[c for c in ("floor_8bit_ms",) if c in rows[0]],
             *[c for c in rows[0] if c.endswith("_ms") and not c.startswith("floor")],
             *[c for c in ("fuseinfer_over_floor", "fuseinfer_over_floor_kv", "fuseinfer_GBps", "fuseinfer_pct_copy",
                           "fuseinfer_tok_s",

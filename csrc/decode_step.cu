@@ -39,7 +39,10 @@
 // 16 fp32 per-channel scales (in row 1's padding); consume converts the int8 weights to fp16/bf16 in registers
 // (exact), runs the same mmas with fp32 accumulation, and multiplies each output's dot product by its scale once,
 // in the epilogue, before the bias and residual. The LM head stays fp16/bf16. Q8 = false is the fp16/bf16 kernel.
+// FP8 models (E4M3, with Q8): the same stream of 8-bit tiles holds float8 e4m3 weights, converted by
+// fp8_convert.cuh (one instruction per pair on Hopper) instead; everything else is the int8 kernel's.
 #include "device_utils.cuh"
+#include "fp8_convert.cuh"
 #include "int8_convert.cuh"
 #include "knobs.h"
 #include "launch.h"
@@ -323,7 +326,7 @@ __device__ void produce(Ring& ring, const void* w, const void* bias, int n, int 
 // Q8: int8 w; a warp step covers 64 k (lane (g, t): 16 weights of rows g and g + 8, k = 16 t .. 16 t + 15 of the
 // step, one 16-byte load each as in the fp16 path), converted to T in registers, four mmas; the sum of a tile's
 // output is its dot product times the channel's scale (from the tile's first stage), then plus epi.pre's extra.
-template <typename T, bool Q8 = false, typename Epilogue>
+template <typename T, bool Q8 = false, bool E4M3 = false, typename Epilogue>
 __device__ void consume(Ring& ring, const char* x, int x_stride, int m, int n, int k,
                         float (*partial)[kConsumerWarps][kTileRows][kMaxTokens + 1], int& pbuf, const Epilogue& epi) {
   constexpr int kStageK = Q8 ? kQ8Chunk : kChunk;  // k per stage
@@ -359,14 +362,21 @@ __device__ void consume(Ring& ring, const char* x, int x_stride, int m, int n, i
           const uint4 x0 = *reinterpret_cast<const uint4*>(xrow + (k0 + s * 64) * 2);       // k 16 t .. + 7
           const uint4 x1 = *reinterpret_cast<const uint4*>(xrow + (k0 + s * 64) * 2 + 16);  // k 16 t + 8 .. + 15
           uint32_t l[8], h[8];
-          int8::i8x4_to_x4<T>(lo.x, l[0], l[1]);
-          int8::i8x4_to_x4<T>(lo.y, l[2], l[3]);
-          int8::i8x4_to_x4<T>(lo.z, l[4], l[5]);
-          int8::i8x4_to_x4<T>(lo.w, l[6], l[7]);
-          int8::i8x4_to_x4<T>(hi.x, h[0], h[1]);
-          int8::i8x4_to_x4<T>(hi.y, h[2], h[3]);
-          int8::i8x4_to_x4<T>(hi.z, h[4], h[5]);
-          int8::i8x4_to_x4<T>(hi.w, h[6], h[7]);
+          const auto convert = [](uint32_t w, uint32_t& a, uint32_t& b) {
+            if constexpr (E4M3) {
+              fp8::e4m3x4_to_x4<T>(w, a, b);
+            } else {
+              int8::i8x4_to_x4<T>(w, a, b);
+            }
+          };
+          convert(lo.x, l[0], l[1]);
+          convert(lo.y, l[2], l[3]);
+          convert(lo.z, l[4], l[5]);
+          convert(lo.w, l[6], l[7]);
+          convert(hi.x, h[0], h[1]);
+          convert(hi.y, h[2], h[3]);
+          convert(hi.z, h[4], h[5]);
+          convert(hi.w, h[6], h[7]);
           const uint32_t a0[4] = {l[0], h[0], l[1], h[1]};  // k 0-3 of the lane's 16, with x0.x, x0.y
           const uint32_t a1[4] = {l[2], h[2], l[3], h[3]};  // k 4-7, x0.z, x0.w
           const uint32_t a2[4] = {l[4], h[4], l[5], h[5]};  // k 8-11, x1.x, x1.y
@@ -846,7 +856,7 @@ struct LogitsEpilogue {  // fp32 logits, rounded to the model dtype first like t
   }
 };
 
-template <typename T, int D, bool Q8>
+template <typename T, int D, bool Q8, bool E4M3 = false>
 __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_constant__ StepParams params) {
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[32], empty[32];
@@ -941,23 +951,23 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
     const LayerWeights& L = p.layer[l];
     const uint32_t epoch = epoch0 + l + 1;
     const int ev = 1 + kTracePhases * l;
-    consume<T, Q8>(ring, x, p.x_stride, p.m, 3 * p.e, p.e, partial, pbuf,
+    consume<T, Q8, E4M3>(ring, x, p.x_stride, p.m, 3 * p.e, p.e, partial, pbuf,
                QkvEpilogue<T>{p.q, p.kv_new, static_cast<T*>(L.k_cache),
                               static_cast<T*>(L.v_cache), p.q_start, p.e, p.heads, p.capacity, D, epoch});
     mark(ev);
     attention<T, D>(ring, p, slices, epoch, l, &partial[pbuf][0][0][0]);
     mark(ev + 1);
     stage_rows(p, x, p.attn, p.e, epoch);
-    consume<T, Q8>(ring, x, p.x_stride, p.m, p.e, p.e, partial, pbuf,
+    consume<T, Q8, E4M3>(ring, x, p.x_stride, p.m, p.e, p.e, partial, pbuf,
                ResidualEpilogue<T>{p.h[1], p.h[0], p.e, epoch, &kept, l > 0});
     mark(ev + 2);
     layer_norm_rows<T>(p, x, lnp, static_cast<const T*>(L.ln2_w), static_cast<const T*>(L.ln2_b), p.h[0], nullptr,
                        epoch, ln_stat);
-    consume<T, Q8>(ring, x, p.x_stride, p.m, p.f, p.e, partial, pbuf,
+    consume<T, Q8, E4M3>(ring, x, p.x_stride, p.m, p.f, p.e, partial, pbuf,
                ReluEpilogue<T>{p.ffn, p.f, epoch});
     mark(ev + 3);
     stage_rows(p, x, p.ffn, p.f, epoch);
-    consume<T, Q8>(ring, x, p.x_stride, p.m, p.e, p.f, partial, pbuf,
+    consume<T, Q8, E4M3>(ring, x, p.x_stride, p.m, p.e, p.f, partial, pbuf,
                ResidualEpilogue<T>{p.h[0], p.h[1], p.e, epoch, &kept, true});
     mark(ev + 4);
     const bool last = l + 1 == p.layers;
@@ -1047,7 +1057,11 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
                             const at::Tensor& lm_head, at::Tensor& workspace, double eps, double scale,
                             const std::vector<at::Tensor>& weight_scales) {
   const c10::cuda::CUDAGuard guard(embed.device());
-  const bool q8 = !weight_scales.empty();  // int8 weight-only: layer weights int8, 4 fp32 scale vectors per layer
+  // 8-bit weights: int8 weight-only or FP8 (e4m3) models, the format of the first qkv weight; 4 fp32 scale vectors
+  // per layer
+  const bool q8 = !weight_scales.empty();
+  const bool e4m3 = q8 && layer_params.size() > 2 && layer_params[2].scalar_type() == at::kFloat8_e4m3fn;
+  const auto w8_type = e4m3 ? at::kFloat8_e4m3fn : at::kChar;
   const auto dtype = embed.scalar_type();
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers >= 1 && layers <= kMaxLayers && v_caches.size() == k_caches.size() &&
@@ -1087,10 +1101,10 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
   auto check_weight = [&](const at::Tensor& w, int64_t rows, int64_t cols, int64_t layer, int which, const char* what) {
     if (!q8) return check(w, {rows, cols}, what);
     const at::Tensor& sc = weight_scales[4 * layer + which];
-    TORCH_CHECK(w.device() == embed.device() && w.scalar_type() == at::kChar && w.is_contiguous() &&
+    TORCH_CHECK(w.device() == embed.device() && w.scalar_type() == w8_type && w.is_contiguous() &&
                     w.sizes().equals({rows, cols}) && reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
-                "decode_step: ", what, " must be a contiguous, 16-byte aligned [", rows, ", ", cols,
-                "] int8 tensor on the model's device");
+                "decode_step: ", what, " must be a contiguous, 16-byte aligned [", rows, ", ", cols, "] ",
+                e4m3 ? "float8_e4m3fn" : "int8", " tensor on the model's device (one 8-bit format for all layers)");
     TORCH_CHECK(sc.device() == embed.device() && sc.scalar_type() == at::kFloat && sc.is_contiguous() &&
                     sc.sizes().equals({rows}) && reinterpret_cast<uintptr_t>(sc.data_ptr()) % 16 == 0,
                 "decode_step: the scales of ", what, " must be a contiguous, 16-byte aligned [", rows,
@@ -1183,7 +1197,15 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
     launch_kernel_with(attrs, pdl_enabled() ? 2 : 1, kernel, props->multiProcessorCount, kThreads, smem,
                        at::cuda::getCurrentCUDAStream(), p);
   };
-  if (q8) {
+  if (e4m3) {
+    if (dtype == at::kHalf) {
+      head_dim == 64 ? launch(decode_step_kernel<__half, 64, true, true>)
+                     : launch(decode_step_kernel<__half, 128, true, true>);
+    } else {
+      head_dim == 64 ? launch(decode_step_kernel<__nv_bfloat16, 64, true, true>)
+                     : launch(decode_step_kernel<__nv_bfloat16, 128, true, true>);
+    }
+  } else if (q8) {
     if (dtype == at::kHalf) {
       head_dim == 64 ? launch(decode_step_kernel<__half, 64, true>) : launch(decode_step_kernel<__half, 128, true>);
     } else {
@@ -1204,8 +1226,8 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
 // row writes and attends up to), key_mask (B, T) bool; layer_params: 12 per layer (LN1 w, b, qkv w (3E, E), b,
 // out_proj w, b, LN2 w, b, fc1 w, b, fc2 w, b); k_caches, v_caches: (B, H, T, D) per layer, written at q_start.
 // workspace: decode_step_workspace_bytes() bytes, zeroed once, kept between calls. Returns fp32 logits (B, V),
-// rounded to the model dtype first like the LM head's output. weight_scales: empty, or (int8 weight-only) 4 fp32 (N,)
-// per layer for the int8 qkv, out_proj, fc1 and fc2 weights of layer_params.
+// rounded to the model dtype first like the LM head's output. weight_scales: empty, or (8-bit weights) 4 fp32 (N,)
+// per layer for the int8 or float8_e4m3fn qkv, out_proj, fc1 and fc2 weights of layer_params.
 // decode_step_fits(m, e, f): whether m rows of hidden e / ffn f fit the kernel's shared memory on the current device.
 // decode_step_trace(): with FUSEINFER_DECODE_TRACE=1, the (blocks, 2 + 8 * layers) trace of the last launch:
 // globaltimer stamps (ns) of the start, per layer the ends of qkv, attention, out_proj, LN2 + fc1, fc2, next LN, then

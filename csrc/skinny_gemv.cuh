@@ -12,9 +12,9 @@
 // kernel that writes x (docs/notes.md: 77 -> 92% of copy for OPT-1.3b's qkv at M = 1 in a CUDA graph, against one
 // k-block and the epilogue's loads at its end).
 //
-// What differs between the formats is a policy class W (HalfWeights, Int8Weights below):
-//   W::kChunkElems          elements of K per 16-byte weight chunk (8 fp16/bf16, 16 int8); x's chunks are 8 wide,
-//                           so a weight chunk pairs with kChunkElems / 8 chunks of x;
+// What differs between the formats is a policy class W (HalfWeights, Int8Weights / Fp8Weights below):
+//   W::kChunkElems          elements of K per 16-byte weight chunk (8 fp16/bf16, 16 int8 / e4m3); x's chunks are 8
+//                           wide, so a weight chunk pairs with kChunkElems / 8 chunks of x;
 //   W::unroll<NT>()         k-steps (of 4 chunks of a row) per k-block, for NT n-tiles of 8 tokens;
 //   W::kScaled              whether the epilogue multiplies by scale[n];
 //   W::mma<T, NT, U>(acc, frag)   the mmas of one k-block.
@@ -27,6 +27,7 @@
 #include <cstdint>
 
 #include "device_utils.cuh"
+#include "fp8_convert.cuh"
 #include "int8_convert.cuh"
 #ifndef FUSEINFER_KERNEL_HARNESS
 #include "launch.h"
@@ -155,7 +156,10 @@ struct HalfWeights {
 // mmas consume them: mma i takes the chunk's values 4i .. 4i + 3 of every lane, as
 //   A = {lo[2i], hi[2i], lo[2i + 1], hi[2i + 1]}   (rows g / g + 8; mma-k 2t, 2t + 1 then 2t + 8, 2t + 9)
 //   B = {xw[2i], xw[2i + 1]}                       (token g; the same mma-k), xw = the 8 words of the x chunks.
-struct Int8Weights {
+// E4M3: float8 e4m3 weights instead (fp8_convert.cuh: one conversion instruction per pair on sm_89+, exact), the
+// same layout, scale and epilogue.
+template <bool E4M3>
+struct ByteWeights {
   static constexpr int kChunkElems = 16;
   static constexpr bool kScaled = true;
   template <int NT>
@@ -170,8 +174,13 @@ struct Int8Weights {
       const uint32_t wh[4] = {f.w_hi[u].x, f.w_hi[u].y, f.w_hi[u].z, f.w_hi[u].w};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        int8::i8x4_to_x4<T>(wl[i], lo[2 * i], lo[2 * i + 1]);
-        int8::i8x4_to_x4<T>(wh[i], hi[2 * i], hi[2 * i + 1]);
+        if constexpr (E4M3) {
+          fp8::e4m3x4_to_x4<T>(wl[i], lo[2 * i], lo[2 * i + 1]);
+          fp8::e4m3x4_to_x4<T>(wh[i], hi[2 * i], hi[2 * i + 1]);
+        } else {
+          int8::i8x4_to_x4<T>(wl[i], lo[2 * i], lo[2 * i + 1]);
+          int8::i8x4_to_x4<T>(wh[i], hi[2 * i], hi[2 * i + 1]);
+        }
       }
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
@@ -185,6 +194,8 @@ struct Int8Weights {
     }
   }
 };
+using Int8Weights = ByteWeights<false>;
+using Fp8Weights = ByteWeights<true>;
 
 // Persistent grid (at most one wave) of blocks of 32 * W threads (W <= 16 warps, W <= k-blocks). Tile i (16 rows of
 // w, outputs y[:, 16i : 16i + 16]) belongs to block i % gridDim.x; a block walks its tiles in order.

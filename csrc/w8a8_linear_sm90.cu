@@ -1,5 +1,5 @@
 // W8A8 linear on Hopper: out = act(x_q @ w_q^T * x_scale[m] * w_scale[n] + bias[n] + residual[m, n]), the ops
-// fuseinfer_C::w8a8_linear and fuseinfer_C::w8a8_linear_unavailable.
+// fuseinfer_C::w8a8_linear (int8 or float8 e4m3 operands) and fuseinfer_C::w8a8_linear_unavailable.
 //
 // The kernels are CUTLASS sm90 warp-specialized int8 wgmma GEMMs with the dequantisation in the epilogue
 // (w8a8_linear_sm90.cuh). This file holds the host entry point (checks, dispatch by output dtype) and the fp16
@@ -33,10 +33,15 @@
 namespace fuseinfer {
 namespace w8a8 {
 // fp16 here, bf16 in w8a8_linear_sm90_bf16.cu
-size_t workspace_bytes_f16(GemmParams const& p) { return workspace_bytes<cutlass::half_t>(p); }
-const char* run_f16(GemmParams const& p, cudaStream_t s) { return run<cutlass::half_t>(p, s); }
+size_t workspace_bytes_f16(GemmParams const& p) { return workspace_bytes<int8_t, cutlass::half_t>(p); }
+const char* run_f16(GemmParams const& p, cudaStream_t s) { return run<int8_t, cutlass::half_t>(p, s); }
 size_t workspace_bytes_bf16(GemmParams const& p);
 const char* run_bf16(GemmParams const& p, cudaStream_t s);
+// FP8 (e4m3) operands: fp8_linear_sm90.cu, fp8_linear_sm90_bf16.cu
+size_t workspace_bytes_fp8_f16(GemmParams const& p);
+const char* run_fp8_f16(GemmParams const& p, cudaStream_t s);
+size_t workspace_bytes_fp8_bf16(GemmParams const& p);
+const char* run_fp8_bf16(GemmParams const& p, cudaStream_t s);
 }  // namespace w8a8
 }  // namespace fuseinfer
 #endif
@@ -93,11 +98,12 @@ void w8a8_linear_cuda(const at::Tensor& x_q, const at::Tensor& x_scale, const at
   (void)x_q; (void)x_scale; (void)w_q; (void)w_scale; (void)bias; (void)residual; (void)relu; (void)out;
   TORCH_CHECK(false, "w8a8_linear: ", w8a8_linear_unavailable(0));
 #else
-  TORCH_CHECK(x_q.is_cuda() && x_q.scalar_type() == at::kChar && x_q.dim() == 2 && x_q.is_contiguous(),
-              "w8a8_linear: x_q must be a contiguous (M, K) int8 CUDA tensor");
-  TORCH_CHECK(w_q.scalar_type() == at::kChar && w_q.dim() == 2 && w_q.is_contiguous() &&
+  const bool fp8 = x_q.scalar_type() == at::kFloat8_e4m3fn;  // else int8
+  TORCH_CHECK(x_q.is_cuda() && (x_q.scalar_type() == at::kChar || fp8) && x_q.dim() == 2 && x_q.is_contiguous(),
+              "w8a8_linear: x_q must be a contiguous (M, K) int8 or float8_e4m3fn CUDA tensor");
+  TORCH_CHECK(w_q.scalar_type() == x_q.scalar_type() && w_q.dim() == 2 && w_q.is_contiguous() &&
               w_q.size(1) == x_q.size(1) && w_q.device() == x_q.device(),
-              "w8a8_linear: w_q must be a contiguous (N, K) int8 tensor on x_q's device");
+              "w8a8_linear: w_q must be a contiguous (N, K) tensor of x_q's dtype on x_q's device");
   const int64_t m = x_q.size(0), k = x_q.size(1), n = w_q.size(0);
   TORCH_CHECK(x_scale.scalar_type() == at::kFloat && x_scale.is_contiguous() && x_scale.numel() == m &&
               x_scale.device() == x_q.device(), "w8a8_linear: x_scale must be M contiguous fp32 values");
@@ -130,8 +136,8 @@ void w8a8_linear_cuda(const at::Tensor& x_q, const at::Tensor& x_scale, const at
 
   const at::cuda::CUDAGuard guard(x_q.device());
   w8a8::GemmParams p;
-  p.a = static_cast<const int8_t*>(x_q.data_ptr());
-  p.b = static_cast<const int8_t*>(w_q.data_ptr());
+  p.a = x_q.data_ptr();
+  p.b = w_q.data_ptr();
   p.a_scale = x_scale.data_ptr<float>();
   p.w_scale = w_scale.data_ptr<float>();
   p.bias = has_bias ? bias->data_ptr() : nullptr;
@@ -154,20 +160,23 @@ void w8a8_linear_cuda(const at::Tensor& x_q, const at::Tensor& x_scale, const at
   }
 
   const bool f16 = dtype == at::kHalf;
-  const size_t bytes = f16 ? w8a8::workspace_bytes_f16(p) : w8a8::workspace_bytes_bf16(p);
+  const size_t bytes = fp8 ? (f16 ? w8a8::workspace_bytes_fp8_f16(p) : w8a8::workspace_bytes_fp8_bf16(p))
+                           : (f16 ? w8a8::workspace_bytes_f16(p) : w8a8::workspace_bytes_bf16(p));
   at::Tensor workspace;
   if (bytes > 0) {
     workspace = at::empty({static_cast<int64_t>(bytes)}, x_q.options().dtype(at::kByte));
     p.workspace = workspace.data_ptr();
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const char* error = f16 ? w8a8::run_f16(p, stream) : w8a8::run_bf16(p, stream);
+  const char* error = fp8 ? (f16 ? w8a8::run_fp8_f16(p, stream) : w8a8::run_fp8_bf16(p, stream))
+                          : (f16 ? w8a8::run_f16(p, stream) : w8a8::run_bf16(p, stream));
   TORCH_CHECK(error[0] == '\0', "w8a8_linear: ", error, " (M=", m, " N=", n, " K=", k, ")");
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 #endif
 }
 
-// w8a8_linear(x_q, x_scale, w_q, w_scale, bias, residual, relu, out): x_q (M, K) int8, w_q (N, K) int8, x_scale M
+// w8a8_linear(x_q, x_scale, w_q, w_scale, bias, residual, relu, out): x_q (M, K) and w_q (N, K) both int8 or both
+// float8_e4m3fn (FP8: fp32 accumulation), x_scale M
 // fp32, w_scale N fp32, bias (N,), residual (M, N), out (M, N) preallocated, fp16 or bf16 (bias and residual in out's
 // dtype); all contiguous, K % 16 == 0, N % 8 == 0; act = ReLU when relu.
 // w8a8_linear_unavailable(device): "" when w8a8_linear runs on CUDA device `device`, else why not (built without

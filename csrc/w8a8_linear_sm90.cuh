@@ -3,7 +3,8 @@
 //
 //   out[m, n] = act(acc[m, n] * a_scale[m] * w_scale[n] + bias[n] + residual[m, n])      (fp32 math, one rounding)
 //
-//   acc = x_q (M, K) int8 @ w_q (N, K)^T int8, exact in int32;
+//   acc = x_q (M, K) int8 @ w_q (N, K)^T int8, exact in int32 (or, the FP8 instantiations, float8 e4m3 operands
+//   with fp32 accumulation: CUTLASS's FP8 "fast accumulation" mainloop, as TensorRT-LLM and vLLM run it);
 //   a_scale (M,) fp32 per token, w_scale (N,) fp32 per output channel, bias (N,) and residual (M, N) in the output
 //   dtype (fp16 / bf16), each optional at run time; act = ReLU or identity, chosen at run time (max with 0 or -inf).
 //
@@ -31,6 +32,7 @@
 #include <cute/tensor.hpp>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace fuseinfer {
 namespace w8a8 {
@@ -40,8 +42,8 @@ namespace fusion = cutlass::epilogue::fusion;
 
 // What one call needs; pointers are device pointers, rows are contiguous.
 struct GemmParams {
-  const int8_t* a;         // (M, K) activations, int8
-  const int8_t* b;         // (N, K) weights, int8 (nn.Linear layout)
+  const void* a;           // (M, K) activations, int8 or float8 e4m3 (the instantiation's ElementAB)
+  const void* b;           // (N, K) weights, the same type (nn.Linear layout)
   const float* a_scale;    // (M,)
   const float* w_scale;    // (N,)
   const void* bias;        // (N,) output dtype, or null
@@ -121,7 +123,7 @@ struct Epilogue {
   using RN = std::integral_constant<cutlass::FloatRoundStyle, cutlass::FloatRoundStyle::round_to_nearest>;
   static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
 
-  using Acc = fusion::Sm90AccFetch;                                                               // int32
+  using Acc = fusion::Sm90AccFetch;                                                               // int32 / fp32
   using WScale = fusion::Sm90RowBroadcast<0, TileShape, float, float, Stride<_0, _1, _0>>;        // (N,)
   using AScale = fusion::Sm90ColBroadcast<0, TileShape, float, float, Stride<_1, _0, _0>>;        // (M,)
   using Bias = fusion::Sm90RowBroadcast<0, TileShape, ElementD, float, Stride<_0, _1, _0>>;       // (N,), null = 0
@@ -151,26 +153,29 @@ struct Epilogue {
   }
 };
 
-// One CUTLASS kernel: CTA tile, cluster shape and schedule (a handful of these, chosen by M on the host).
-template <class ElementD, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+// One CUTLASS kernel: operand type (int8_t or cutlass::float_e4m3_t), CTA tile, cluster shape and schedule (a
+// handful of these, chosen by M on the host).
+template <class ElementAB, class ElementD, class TileShape, class ClusterShape, class KernelSchedule,
+          class EpilogueSchedule>
 struct Sm90Gemm {
+  using ElementAcc = std::conditional_t<std::is_same_v<ElementAB, int8_t>, int32_t, float>;
   using EpilogueTree = Epilogue<TileShape, ElementD>;
   using ElementC = ElementD;  // the residual
   using LayoutA = cutlass::layout::RowMajor;     // (M, K), K contiguous
   using LayoutB = cutlass::layout::ColumnMajor;  // (K, N) column-major = (N, K) row-major
   using LayoutCD = cutlass::layout::RowMajor;    // (M, N)
-  static constexpr int kAlignAB = 16;            // 16 int8 = 16 bytes (TMA)
+  static constexpr int kAlignAB = 16;            // 16 one-byte values = 16 bytes (TMA)
   static constexpr int kAlignCD = 8;             // 8 x 16-bit = 16 bytes
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, int32_t, float,
+      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, float,
       ElementC, LayoutCD, kAlignCD, ElementD, LayoutCD, kAlignCD,
       EpilogueSchedule, typename EpilogueTree::Tree>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, int8_t, LayoutA, kAlignAB, int8_t, LayoutB, kAlignAB,
-      int32_t, TileShape, ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA, kAlignAB, ElementAB, LayoutB,
+      kAlignAB, ElementAcc, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
@@ -195,7 +200,7 @@ struct Sm90Gemm {
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {p.m, p.n, p.k, 1},
-        {p.a, stride_a, p.b, stride_b},
+        {static_cast<ElementAB const*>(p.a), stride_a, static_cast<ElementAB const*>(p.b), stride_b},
         {EpilogueTree::arguments(p), c, stride_c, static_cast<ElementD*>(p.out), stride_d},
         hw};
     return args;
@@ -221,16 +226,28 @@ struct Sm90Gemm {
 //           default for int8 at M > 128;
 //   kLarge  (alternative for large M, timed by bench/bench_w8a8.py): 256x128x128 tiles, cluster 2x1, cooperative
 //           (both consumer warp groups on one tile, 128 rows each): half the B traffic per output of kMedium.
-using KPingpong = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-using KCooperative = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+// FP8 operands take CUTLASS's FP8 fast-accumulation schedules (the tensor cores' own accumulation, no periodic
+// promotion to fp32 registers), the ones TensorRT-LLM and vLLM use for FP8 GEMMs.
+template <class ElementAB>
+constexpr bool kFp8 = !std::is_same_v<ElementAB, int8_t>;
+template <class ElementAB>
+using KPingpong = std::conditional_t<kFp8<ElementAB>, cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum,
+                                     cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
+template <class ElementAB>
+using KCooperative =
+    std::conditional_t<kFp8<ElementAB>, cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum,
+                       cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
 using EPingpong = cutlass::epilogue::TmaWarpSpecialized;
 using ECooperative = cutlass::epilogue::TmaWarpSpecializedCooperative;
-template <class ElementD>
-using GemmSmall = Sm90Gemm<ElementD, Shape<_64, _128, _128>, Shape<_1, _1, _1>, KPingpong, EPingpong>;
-template <class ElementD>
-using GemmMedium = Sm90Gemm<ElementD, Shape<_128, _128, _128>, Shape<_2, _1, _1>, KPingpong, EPingpong>;
-template <class ElementD>
-using GemmLarge = Sm90Gemm<ElementD, Shape<_256, _128, _128>, Shape<_2, _1, _1>, KCooperative, ECooperative>;
+template <class ElementAB, class ElementD>
+using GemmSmall =
+    Sm90Gemm<ElementAB, ElementD, Shape<_64, _128, _128>, Shape<_1, _1, _1>, KPingpong<ElementAB>, EPingpong>;
+template <class ElementAB, class ElementD>
+using GemmMedium =
+    Sm90Gemm<ElementAB, ElementD, Shape<_128, _128, _128>, Shape<_2, _1, _1>, KPingpong<ElementAB>, EPingpong>;
+template <class ElementAB, class ElementD>
+using GemmLarge = Sm90Gemm<ElementAB, ElementD, Shape<_256, _128, _128>, Shape<_2, _1, _1>, KCooperative<ElementAB>,
+                           ECooperative>;
 
 constexpr int kSmallM = 128;  // M <= kSmallM takes GemmSmall by default
 
@@ -240,22 +257,23 @@ inline int pick_config(GemmParams const& p) {
   return p.m <= kSmallM ? 1 : 2;
 }
 
-// Entry points, instantiated per output dtype in w8a8_linear_sm90.cu (fp16) and w8a8_linear_sm90_bf16.cu (bf16) so
-// the two compile in parallel.
-template <class ElementD>
+// Entry points, instantiated per operand type and output dtype in w8a8_linear_sm90.cu (int8, fp16),
+// w8a8_linear_sm90_bf16.cu (int8, bf16), fp8_linear_sm90.cu (e4m3, fp16) and fp8_linear_sm90_bf16.cu (e4m3, bf16) so
+// that they compile in parallel.
+template <class ElementAB, class ElementD>
 size_t workspace_bytes(GemmParams const& p) {
   switch (pick_config(p)) {
-    case 1: return GemmSmall<ElementD>::workspace_bytes(p);
-    case 3: return GemmLarge<ElementD>::workspace_bytes(p);
-    default: return GemmMedium<ElementD>::workspace_bytes(p);
+    case 1: return GemmSmall<ElementAB, ElementD>::workspace_bytes(p);
+    case 3: return GemmLarge<ElementAB, ElementD>::workspace_bytes(p);
+    default: return GemmMedium<ElementAB, ElementD>::workspace_bytes(p);
   }
 }
-template <class ElementD>
+template <class ElementAB, class ElementD>
 const char* run(GemmParams const& p, cudaStream_t stream) {
   switch (pick_config(p)) {
-    case 1: return GemmSmall<ElementD>::run(p, stream);
-    case 3: return GemmLarge<ElementD>::run(p, stream);
-    default: return GemmMedium<ElementD>::run(p, stream);
+    case 1: return GemmSmall<ElementAB, ElementD>::run(p, stream);
+    case 3: return GemmLarge<ElementAB, ElementD>::run(p, stream);
+    default: return GemmMedium<ElementAB, ElementD>::run(p, stream);
   }
 }
 

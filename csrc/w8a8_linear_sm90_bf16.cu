@@ -10,8 +10,8 @@
 
 namespace fuseinfer {
 namespace w8a8 {
-size_t workspace_bytes_bf16(GemmParams const& p) { return workspace_bytes<cutlass::bfloat16_t>(p); }
-const char* run_bf16(GemmParams const& p, cudaStream_t s) { return run<cutlass::bfloat16_t>(p, s); }
+size_t workspace_bytes_bf16(GemmParams const& p) { return workspace_bytes<int8_t, cutlass::bfloat16_t>(p); }
+const char* run_bf16(GemmParams const& p, cudaStream_t s) { return run<int8_t, cutlass::bfloat16_t>(p, s); }
 }  // namespace w8a8
 }  // namespace fuseinfer
 #endif

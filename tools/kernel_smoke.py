@@ -67,6 +67,11 @@ def other_kernels():
         ops.linear_epilogue(x, w, b, None, "relu")
         ops.linear_epilogue(x, w, b, r, "none")
         ops.linear_epilogue(x[:1], w, b, r[:1], "none")
+        # the e4m3 weight GEMV: one and two n-tiles, a K tail (K % 128 != 0), N not a multiple of 16
+        wq, ws = ops.quantize_fp8_ref(torch.randn(136, 96, device="cuda"), -1)
+        for rows in (1, 11):
+            ops.fp8_weight_linear(x[:rows], wq, ws.view(-1), b, r[:rows], "none")
+            ops.fp8_weight_linear(x[:rows], wq, ws.view(-1), b, None, "relu")
         for d in (64, 128):
             for sq, skv in ((77, 77), (1, 300), (4, 129)):
                 attention(dtype, d, sq, skv)
@@ -75,14 +80,16 @@ def other_kernels():
         ops.kv_cache_append(cache, cache.clone(), kv, kv, torch.tensor([3, 9, 10, 11, 39], device="cuda"))
 
 
-def decode_step(dtype, layers, hidden, heads, ffn, capacity, slots, pad, int8=False):
+def decode_step(dtype, layers, hidden, heads, ffn, capacity, slots, pad, int8=False, fp8=False):
     """The one-kernel decode step of a random pre-LN OPT, one row per slot in ``slots`` (this step's cache
     slot), with the first ``pad`` keys of row 1 masked (left padding); ``int8``: quantized with Int8WeightOnly
     (the kernel's int8 weight stream), asserted to take the kernel."""
     cfg = OPTConfig(vocab_size=1000, hidden_size=hidden, num_hidden_layers=layers, ffn_dim=ffn,
                     num_attention_heads=heads, max_position_embeddings=capacity + 2, word_embed_proj_dim=hidden)
     model = OPTForCausalLM(cfg).eval().to("cuda", dtype)
-    fuseinfer.patch(model, fuseinfer.PatchConfig(quant=fuseinfer.Int8WeightOnly()) if int8 else None)
+    quant = fuseinfer.Int8WeightOnly() if int8 else fuseinfer.Float8() if fp8 else None
+    fuseinfer.patch(model, fuseinfer.PatchConfig(quant=quant) if quant is not None else None)
+    int8 = int8 or fp8  # (the kernel's 8-bit weight stream, int8 or e4m3)
     dec, rows, d = model.model.decoder, len(slots), hidden // heads
     scales = decode_step_weight_scales(model)
     assert bool(scales) == int8 and kernel_supports(rows, dec.embed_tokens.weight, ffn, d, int8=int8)
@@ -125,6 +132,7 @@ if part in ("all", "int8-step"):
     for dtype in (torch.float16, torch.bfloat16):
         decode_step(dtype, 2, 256, 4, 512, 96, [70, 50, 70], 20, int8=True)
     decode_step(torch.float16, 3, 512, 4, 2048, 1536, [1499, 1100], 300, int8=True)  # d128, rings wrap
+    decode_step(torch.bfloat16, 2, 256, 4, 512, 96, [70, 50, 70], 20, fp8=True)  # e4m3 weights
 # prefills of 3-8 key tiles, where the wgmma kernel's ring of three TMA-filled stages wraps, and prefills into a
 # cache whose keys past the chunk the kernel zeroes in its last tile (a generic write after the TMA write); the
 # last one has more work items than an H100 has SMs, so blocks of the persistent kernel run several

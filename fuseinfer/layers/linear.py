@@ -36,6 +36,12 @@ class QuantizedLinear(nn.Module):
     def fused(self, x, residual=None, activation: str = "none"):
         raise NotImplementedError
 
+    def step_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The 8-bit (N, K) weight (int8 or float8_e4m3fn) and its fp32 (N,) per-output-channel scales that a
+        weight-streaming decode kernel may read in place of this layer (``act(x @ (w * scale).T + bias)`` on the
+        unquantized activations), or None where the layer is not that."""
+        return None
+
     def forward(self, x):
         return self.fused(x)
 
@@ -56,6 +62,9 @@ class Int8WeightOnlyLinear(QuantizedLinear):
 
     def fused(self, x, residual=None, activation: str = "none"):
         return w8a16_linear(x, self.qweight, self.scale, self.bias, residual, activation)
+
+    def step_weights(self):
+        return self.qweight, self.scale
 
     def _apply(self, fn, recurse=True):
         """``model.half()`` / ``.to(dtype)`` convert every floating-point tensor: the scales stay fp32 (the kernels'

@@ -1,11 +1,12 @@
 """Fused ops: each module holds a pure-PyTorch reference and a ``fuseinfer::<name>`` torch.library custom op
 that runs the CUDA kernel when the extension is built and the tensors are on CUDA, the reference otherwise.
-``quant`` (int8 quantize / dequantize), ``w8a16_linear`` (W8A16 GEMM), ``w8a8_linear`` and ``fp8_linear`` (FP8
-e4m3 W8A8) serve ``fuseinfer.quant``.
+``quant`` (int8 quantize / dequantize), ``w8a16_linear`` (W8A16 GEMM), ``w8a8_linear``, ``fp8_linear`` (FP8
+e4m3 W8A8) and ``fp8_weight_linear`` (its decode GEMV) serve ``fuseinfer.quant``.
 """
 from fuseinfer.ops.attention import attention, attention_ref
 from fuseinfer.ops.decode_step import decode_step_workspace, opt_decode_step, opt_decode_step_ref
 from fuseinfer.ops.emit_tokens import emit_tokens, emit_tokens_ref, emit_tokens_scratch
+from fuseinfer.ops.fp8_gemv import fp8_weight_linear, fp8_weight_linear_ref
 from fuseinfer.ops.fp8_linear import fp8_linear, fp8_linear_ref, quantize_fp8_per_token, quantize_fp8_ref
 from fuseinfer.ops.w8a16_linear import dequantize_weight, w8a16_linear, w8a16_linear_ref
 from fuseinfer.ops.kv_cache import kv_cache_append, kv_cache_append_ref
@@ -27,7 +28,8 @@ from fuseinfer.ops.quant import (
 __all__ = [
     "add_layer_norm", "add_layer_norm_ref", "attention", "attention_ref", "decode_step_workspace", "dequantize",
     "dequantize_int8_ref", "dequantize_weight", "emit_tokens", "emit_tokens_ref", "emit_tokens_scratch",
-    "fp8_linear", "fp8_linear_ref", "quantize_fp8_per_token", "quantize_fp8_ref",
+    "fp8_linear", "fp8_linear_ref", "fp8_weight_linear", "fp8_weight_linear_ref", "quantize_fp8_per_token",
+    "quantize_fp8_ref",
     "w8a16_linear", "w8a16_linear_ref", "kv_cache_append", "kv_cache_append_ref", "linear_epilogue", "linear_epilogue_ref",
     "opt_decode_step", "opt_decode_step_ref", "quantize_int8_ref", "quantize_per_channel", "quantize_per_token",
     "add_layer_norm_quant", "add_layer_norm_quant_ref", "w8a8_linear", "w8a8_linear_ref",

@@ -18,7 +18,9 @@ int8 weight-only models (``Int8WeightOnly``): ``weight_scales`` holds 4 fp32 (N,
 (the fused q/k/v, the attention output projection, the MLP's two projections: ``SCALED``) and those four matrices
 of ``layer_params`` are int8 (N, K); each linear then computes ``act(x @ (q * scale).T + bias (+ residual))``
 like ``fuseinfer::w8a16_linear`` (the kernel streams the int8 tiles and applies the scale to the fp32 accumulator,
-docs/quantization.md "int8 in the one-kernel step").
+docs/quantization.md "int8 in the one-kernel step"). FP8 models (``Float8``) pass the same four matrices as
+float8_e4m3fn (N, K) with their scales: the kernel streams the same 8-bit tiles and converts e4m3 instead of int8
+(the activations stay fp16/bf16, as the FP8 linears' decode GEMV keeps them). One 8-bit format for all layers.
 Empty ``weight_scales``: fp16/bf16 weights. The LM head is never quantized here.
 """
 from __future__ import annotations
@@ -151,21 +153,27 @@ def _(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_ca
     return embed.new_empty(tokens.numel(), lm_head.shape[0], dtype=torch.float32)
 
 
+WEIGHT_FORMATS = (torch.int8, torch.float8_e4m3fn)  # the 8-bit weights the step streams
+
+
 def _check_int8(layer_params, weight_scales, layers: int) -> None:
-    """One clear error for int8 weights / scales that do not match what the kernel and the reference read."""
+    """One clear error for 8-bit weights / scales that do not match what the kernel and the reference read."""
     if len(weight_scales) != len(SCALED) * layers:
         raise FuseInferError(f"int8 step: expected {len(SCALED)} weight scales per layer (q/k/v, attention "
                              "output, MLP in, MLP out), "
                              f"got {len(weight_scales)} for {layers} layer(s)")
+    fmt = layer_params[SCALED[0]].dtype
     for layer in range(layers):
         for i, index in enumerate(SCALED):
             w = layer_params[PARAMS_PER_LAYER * layer + index]
             s = weight_scales[len(SCALED) * layer + i]
-            if w.dtype != torch.int8 or w.dim() != 2 or s.dtype != torch.float32 or tuple(s.shape) != (w.shape[0],):
+            if fmt not in WEIGHT_FORMATS or w.dtype != fmt or w.dim() != 2 or s.dtype != torch.float32 \
+                    or tuple(s.shape) != (w.shape[0],):
                 raise FuseInferError(
-                    f"int8 step: layer {layer} parameter {index} must be an int8 (N, K) weight with (N,) float32 "
-                    f"scales, got {w.dtype} {tuple(w.shape)} and {s.dtype} {tuple(s.shape)} (quantize the model "
-                    "with PatchConfig(quant=Int8WeightOnly()) and pass opt_decode.decode_step_weight_scales(model))")
+                    f"8-bit step: layer {layer} parameter {index} must be an int8 or float8_e4m3fn (N, K) weight "
+                    f"(one format for all) with (N,) float32 scales, got {w.dtype} {tuple(w.shape)} and {s.dtype} "
+                    f"{tuple(s.shape)} (quantize the model with PatchConfig(quant=Int8WeightOnly()) or Float8() and "
+                    "pass opt_decode.decode_step_weight_scales(model))")
 
 
 def opt_decode_step(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches, v_caches,

@@ -8,6 +8,10 @@ max|x_row| / 448, dynamic), w_q (N, K) float8_e4m3fn with per-output-channel fp3
 epilogue is ``fused_linear``'s protocol, shared with the int8 W8A8 op (``w8a8_linear._epilogue``).
 
 Backends (``fp8_backend(device)`` says which one serves a device):
+  * ``cutlass-sm90``: an sm_90 GPU with the extension built with CUTLASS (the int8 W8A8 kernels' build): the CUTLASS
+    warp-specialized FP8 GEMM (fast accumulation, fp32) with the per-token x per-channel scales, bias, residual and
+    ReLU in its epilogue and one rounding to the output dtype (``w8a8_linear.sm90_scaled_linear``). K % 16 and N % 8;
+    other shapes take the next backend;
   * ``scaled_mm``: a CUDA GPU of compute capability >= 8.9 (Ada, H100/H200): ``torch._scaled_mm`` with row-wise
     scales (x_scale (M, 1) x w_scale (1, N), fp32 accumulation), bf16 output (the row-wise path's output dtype),
     then the bias / residual / ReLU as separate PyTorch ops in fp32. Needs K and N multiples of 16; other shapes
@@ -15,7 +19,7 @@ Backends (``fp8_backend(device)`` says which one serves a device):
   * ``reference``: CPU, older GPUs and the shapes above: ``fp8_linear_ref``, the fp8 values' products summed in fp32
     (float64 on CUDA, where an fp32 matmul may run in TF32).
 
-A CUTLASS FP8 GEMM with the epilogue fused and an FP8 decode GEMV are the next steps (docs/quantization.md).
+At decode-sized inputs the FP8 linears run the e4m3 weight GEMV instead (``fp8_gemv.py``).
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import torch
 
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.extension import route
-from fuseinfer.ops.w8a8_linear import _epilogue, check_scaled_linear
+from fuseinfer.ops.w8a8_linear import _epilogue, check_scaled_linear, sm90_scaled_linear, w8a8_backend
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -96,16 +100,28 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def fp8_backend(device: torch.device) -> str:
-    """'scaled_mm' or 'reference': what serves an FP8 linear on ``device`` (K, N multiples of 16)."""
+def fp8_backend(device: torch.device, out_dtype: torch.dtype = torch.float16) -> str:
+    """'cutlass-sm90', 'scaled_mm' or 'reference': what serves an FP8 linear on ``device`` (aligned shapes)."""
+    if device.type == "cuda" and w8a8_backend(device, out_dtype) == "cutlass-sm90":
+        return "cutlass-sm90"
+    return "scaled_mm" if _scaled_mm_ok(device) else "reference"
+
+
+def _scaled_mm_ok(device: torch.device) -> bool:
+    """Whether torch._scaled_mm serves FP8 linears on ``device`` (compute capability >= 8.9, and it has not raised
+    there)."""
     if device.type != "cuda" or not hasattr(torch, "_scaled_mm") or _index(device) in _failed:
-        return "reference"
-    return "scaled_mm" if torch.cuda.get_device_capability(device) >= MIN_CAPABILITY else "reference"
+        return False
+    return torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
 
 
 def fp8_gemm_note(device: torch.device, out_dtype: torch.dtype = torch.float16) -> str:
     """One line for the patch report and the eval's notes: the GEMM an FP8 linear runs on ``device``."""
-    if fp8_backend(device) == "scaled_mm":
+    backend = fp8_backend(device, out_dtype)
+    if backend == "cutlass-sm90":
+        return ("FP8 GEMM: CUTLASS sm_90 e4m3 (scales, bias, residual, ReLU in the epilogue; K % 16 or N % 8 "
+                "otherwise: torch._scaled_mm)")
+    if backend == "scaled_mm":
         return ("FP8 GEMM: torch._scaled_mm (row-wise scales, bf16 output; bias / residual / ReLU as separate ops; "
                 "K or N not a multiple of 16: the reference)")
     if device.type == "cuda" and _index(device) in _failed:
@@ -122,7 +138,7 @@ def _scaled_mm(x_q, x_scale, w_q, w_scale, bias, residual, activation, out_dtype
     lead, k, n = x_q.shape[:-1], x_q.shape[-1], w_q.shape[0]
     x2 = x_q.reshape(-1, k)  # (M, K)
     m = x2.shape[0]
-    if m == 0 or k == 0 or k % ALIGN or n % ALIGN or fp8_backend(x_q.device) != "scaled_mm":
+    if m == 0 or k == 0 or k % ALIGN or n % ALIGN or not _scaled_mm_ok(x_q.device):
         return fp8_linear_ref(x_q, x_scale, w_q, w_scale, bias, residual, activation, out_dtype)
     # row-major (M, K) x column-major (K, N): w_q (N, K) contiguous, transposed as a view
     try:
@@ -155,6 +171,10 @@ def _fp8_linear(
 
 @_fp8_linear.register_kernel("cuda")
 def _fp8_linear_cuda(x_q, x_scale, w_q, w_scale, bias, residual, activation, out_dtype):
+    if x_q.numel():
+        out = sm90_scaled_linear(x_q, x_scale, w_q, w_scale, bias, residual, activation, out_dtype)
+        if out is not None:
+            return out
     return _scaled_mm(x_q, x_scale, w_q, w_scale, bias, residual, activation, out_dtype)
 
 

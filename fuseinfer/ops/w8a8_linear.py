@@ -130,11 +130,21 @@ def _w8a8_linear(
 
 @_w8a8_linear.register_kernel("cuda")
 def _w8a8_linear_cuda(x_q, x_scale, w_q, w_scale, bias, residual, activation, out_dtype):
+    out = sm90_scaled_linear(x_q, x_scale, w_q, w_scale, bias, residual, activation, out_dtype)
+    if out is None:
+        return _int_mm_fallback(x_q, x_scale, w_q, w_scale, bias, residual, activation, out_dtype)
+    return out
+
+
+def sm90_scaled_linear(x_q, x_scale, w_q, w_scale, bias, residual, activation, out_dtype) -> torch.Tensor | None:
+    """The CUTLASS sm_90 GEMM with the scales, bias, residual and ReLU in its epilogue, for int8 or float8_e4m3fn
+    operands (``fuseinfer_C::w8a8_linear``; the arguments as ``w8a8_linear_ref``'s), or None where it does not
+    serve them (no kernel on this device, another output dtype, K % 16 or N % 8)."""
     ext = extension(x_q.device)
     k, n = x_q.shape[-1], w_q.shape[0]
     if (ext is None or out_dtype not in KERNEL_OUT_DTYPES or not hasattr(ext, "w8a8_linear")
             or not _kernel_ok(ext, x_q.device) or k % 16 or n % 8):
-        return _int_mm_fallback(x_q, x_scale, w_q, w_scale, bias, residual, activation, out_dtype)
+        return None
     lead = x_q.shape[:-1]
     x2 = _aligned(x_q.reshape(-1, k))  # (M, K)
     m = x2.shape[0]

@@ -5,9 +5,11 @@ The flow is SmoothQuant W8A8's (``quant/w8a8.py``: calibrate and smooth when ``a
 the swapped modules, the q/k/v fused as one (3E, E) ``qkv_proj`` with slice views in the projections' places, the
 same undo state and checkpoint layout), with :class:`Float8Linear` in place of the int8 ``W8A8Linear``. The linear
 quantizes its input per token (``quantize_fp8_per_token``) and calls ``fuseinfer.ops.fp8_linear``:
-``torch._scaled_mm`` on GPUs of compute capability >= 8.9, the fp32 reference elsewhere. It does not take int8
-activations (``takes_int8`` is False), so the fused decoder layers feed it their fp16/bf16 LayerNorm output and
-call ``fused`` (``layers.linear.fused_linear``); the OPT lean prefill loop runs int8 models only, so FP8 models run
+``torch._scaled_mm`` on GPUs of compute capability >= 8.9, the fp32 reference elsewhere; at decode-sized inputs on
+CUDA (``decode_rows``) it runs the e4m3 weight GEMV on the unquantized activations instead
+(``fuseinfer.ops.fp8_weight_linear``), as the int8 W8A8 linears run the int8 weight-only GEMV there. It does not
+take int8 activations (``takes_int8`` is False), so the fused decoder layers feed it their fp16/bf16 LayerNorm output
+and call ``fused`` (``layers.linear.fused_linear``); the OPT lean prefill loop runs int8 models only, so FP8 models run
 their patched modules.
 """
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch
 from torch import nn
 
 from fuseinfer.core.errors import FuseInferError
-from fuseinfer.layers.linear import QuantizedLinear
+from fuseinfer.layers.linear import QuantizedLinear, decode_rows
+from fuseinfer.ops.fp8_gemv import fp8_weight_linear
 from fuseinfer.ops.fp8_linear import FP8_DTYPE, fp8_gemm_note, fp8_linear, quantize_fp8_per_token, quantize_fp8_ref
 from fuseinfer.ops.w8a8_linear import OUT_DTYPES
 from fuseinfer.quant.smoothquant import model_family
@@ -57,9 +60,16 @@ class Float8Linear(QuantizedLinear):
         """act(x @ W.T + bias + residual) with x quantized per token first; x (..., K) -> (..., N) in x's dtype."""
         if x.dtype not in OUT_DTYPES:
             raise FuseInferError(f"Float8Linear: input dtype must be one of {OUT_DTYPES}, got {x.dtype}")
-        q, s = quantize_fp8_per_token(x)  # (..., K) e4m3, (..., 1) fp32
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        if decode_rows(x):  # decode on CUDA: the e4m3 weight GEMV on fp16/bf16 activations (ops/fp8_gemv.py)
+            return fp8_weight_linear(x, self.weight_q, self.weight_scale.view(-1), bias, residual, activation)
+        q, s = quantize_fp8_per_token(x)  # (..., K) e4m3, (..., 1) fp32
         return fp8_linear(q, s, self.weight_q, self.weight_scale, bias, residual, activation, x.dtype)
+
+    def step_weights(self):
+        """The one-kernel decode step streams the e4m3 weights on fp16/bf16 activations (as ``fused`` does at
+        decode-sized inputs)."""
+        return self.weight_q, self.weight_scale.view(-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fused(x)

@@ -375,7 +375,7 @@ def test_decode_step_kernel_takes_int8_weight_only_models():
     part = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=128, num_hidden_layers=2)
     fuseinfer.patch(part, fuseinfer.PatchConfig(quant=fuseinfer.Int8WeightOnly(),
                                                 filter_fn=lambda m, name: "layers.1" not in name))
-    assert "layer 1's self_attn.qkv_proj is not an int8" in decode_step_kernel(part, _int8_stub_cache(1))[1]
+    assert "layer 1's self_attn.qkv_proj is not a quantized linear" in decode_step_kernel(part, _int8_stub_cache(1))[1]
 
 
 def test_auto_takes_the_int8_step_only_up_to_its_measured_hidden_size(monkeypatch):
@@ -405,15 +405,18 @@ INT8_GPU_CASES = {  # hidden and ffn multiples of 64 (the int8 k-step)
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", sorted(INT8_GPU_CASES))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_int8_kernel_matches_fp32_reference(case, dtype):
-    """The one-kernel step with int8 weights against the int8 reference in fp32 (the same int8 weights and scales),
-    within twice the reference's own error in the model dtype; and repeated launches give the same logits."""
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_8bit_kernel_matches_fp32_reference(case, dtype, scheme):
+    """The one-kernel step with int8 (Int8WeightOnly) or e4m3 (Float8) weights against the reference in fp32 (the
+    same 8-bit weights and scales), within twice the reference's own error in the model dtype; and repeated launches
+    give the same logits."""
     overrides, pads, q_start, capacity = INT8_GPU_CASES[case]
     model = random_opt(device="cuda", dtype=dtype, num_hidden_layers=3, vocab_size=4000,
                        max_position_embeddings=2048, **overrides)
-    fuseinfer.patch(model, INT8)
+    fuseinfer.patch(model, INT8 if scheme == "int8" else fuseinfer.PatchConfig(quant=fuseinfer.Float8()))
     args = _step_inputs(model, pads, q_start, capacity)
-    assert args["weight_scales"] and args["layer_params"][2].dtype == torch.int8
+    fmt = torch.int8 if scheme == "int8" else torch.float8_e4m3fn
+    assert args["weight_scales"] and args["layer_params"][2].dtype == fmt
     assert kernel_supports(len(pads), args["embed"], overrides["ffn_dim"], args["k_caches"][0].shape[-1], int8=True)
     ours = _assert_step_within_rule(args, dtype)
     for _ in range(3):
@@ -451,3 +454,73 @@ def test_int8_fast_decode_takes_the_kernel_and_matches_per_op_tokens(tiny_model_
                 (kernel, bucket, sessions[bucket].path)
     assert torch.equal(out["on"][0], out["off"][0])
     assert torch.equal(out["on"][1], out["off"][1])
+
+
+# ---- FP8 models (Float8): the same step streaming e4m3 weights (the activations stay fp16/bf16) ----
+
+FP8 = fuseinfer.PatchConfig(quant=fuseinfer.Float8())
+# opcheck's schema test compares inputs with torch.allclose, which float8 tensors do not implement
+FP8_OPCHECK = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+@torch.no_grad()
+def test_fp8_reference_is_the_fp_step_on_the_dequantized_weights():
+    """With e4m3 weights the reference step is the fp32 step on the weights times their scales (the activations
+    are not quantized: what the FP8 linears' decode GEMV computes)."""
+    model = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=128, num_hidden_layers=2)
+    fuseinfer.patch(model, FP8)
+    args = _step_inputs(model, pads=[0, 3], q_start=[9, 9], capacity=12)
+    assert len(args["weight_scales"]) == 8
+    assert all(args["layer_params"][12 * i + j].dtype == torch.float8_e4m3fn for i in range(2) for j in (2, 4, 8, 10))
+    ref = opt_decode_step_ref(**args)
+    scales = iter(args["weight_scales"])
+    fp_ref = opt_decode_step_ref(**{**args, "weight_scales": [], "layer_params": [
+        p if p.dtype != torch.float8_e4m3fn else p.float() * next(scales)[:, None] for p in args["layer_params"]]})
+    torch.testing.assert_close(fp_ref, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_opcheck_cpu():
+    model = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=128, num_hidden_layers=2)
+    fuseinfer.patch(model, FP8)
+    args = _step_inputs(model, pads=[0, 2], q_start=[7, 7], capacity=12)
+    torch.library.opcheck(torch.ops.fuseinfer.opt_decode_step.default, tuple(args.values()), test_utils=FP8_OPCHECK)
+
+
+def test_mixed_8bit_formats_are_one_clear_error():
+    model = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=128, num_hidden_layers=2)
+    fuseinfer.patch(model, FP8)
+    args = _step_inputs(model, pads=[0], q_start=[3], capacity=8)
+    params = list(args["layer_params"])
+    params[4] = params[4].float().to(torch.int8)  # layer 0's out_proj int8, the rest e4m3
+    with pytest.raises(fuseinfer.FuseInferError, match="layer 0 parameter 4 must be an int8 or float8_e4m3fn"):
+        opt_decode_step(**{**args, "layer_params": params})
+
+
+def test_decode_step_kernel_takes_fp8_models():
+    """Float8 models pass the scheme checks (on this CPU the step stops at the kernel check); other schemes run per
+    op."""
+    from fuseinfer.models.opt.decode import _int8_unsupported, decode_step_kernel
+
+    model = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=128, num_hidden_layers=2)
+    fuseinfer.patch(model, FP8)
+    assert _int8_unsupported(model, fuseinfer.patch_state(model).config.quant) is None
+    assert decode_step_kernel(model, _int8_stub_cache(1))[1].startswith("no kernel")
+    assert "SmoothQuantW8A8 runs per op" in _int8_unsupported(model, object.__new__(fuseinfer.SmoothQuantW8A8))
+
+
+@pytest.mark.gpu
+def test_fp8_fast_decode_takes_the_kernel_and_matches_per_op_tokens(tiny_model_path):
+    """The trained tiny model in fp16 with Float8: fast decode runs the one-kernel step (decode_kernel='on') and
+    gives the per-op step's greedy tokens (decode_kernel='off': the FP8 linears' e4m3 GEMV)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float16).cuda().eval()
+    fuseinfer.patch(model, FP8)
+    ids = torch.randint(3, 8192, (3, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    out = {}
+    for kernel in ("off", "on"):
+        fuseinfer.runtime.set_runtime(model, decode_kernel=kernel)
+        out[kernel] = fuseinfer.generate(model, ids[:1], max_new_tokens=32)
+        path = model.__dict__[SESSIONS_ATTR][1].path
+        assert path.startswith("one kernel" if kernel == "on" else "per op"), (kernel, path)
+    assert torch.equal(out["on"], out["off"])

@@ -180,22 +180,29 @@ def _needs_fp8_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lead,n,k", [((64,), 128, 256), ((2, 37), 256, 512), ((1,), 48, 64), ((5,), 24, 40)])
+@pytest.mark.parametrize("lead,n,k", [((64,), 128, 256), ((2, 37), 256, 512), ((1,), 48, 64), ((5,), 24, 40),
+                                      ((300,), 1024, 2048)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_scaled_mm_path_matches_the_reference(lead, n, k, dtype):
-    """torch._scaled_mm (fp32 accumulation, bf16 output, then the epilogue) against the float64 formula: within a
+@pytest.mark.parametrize("path", ["cutlass", "scaled_mm"])
+def test_gpu_paths_match_the_reference(lead, n, k, dtype, path):
+    """The CUTLASS sm_90 FP8 GEMM with its fused epilogue (what fp8_linear runs on an H100/H200 build with CUTLASS)
+    and torch._scaled_mm (fp32 accumulation, bf16 output, then the epilogue) against the float64 formula: within a
     bf16 rounding of the GEMM output plus the out_dtype rounding. (5, 24, 40): K, N not multiples of 16, the
     reference path."""
     mod = importlib.import_module("fuseinfer.ops.fp8_linear")  # (the package exports the function by that name)
 
     _needs_fp8_gpu()
-    assert fp8_backend(torch.device("cuda")) == "scaled_mm", mod._failed
-    assert "_scaled_mm (" in fp8_gemm_note(torch.device("cuda"))
+    if path == "cutlass":
+        assert fp8_backend(torch.device("cuda"), dtype) == "cutlass-sm90", "the sm_90 FP8 GEMM is not built"
+        assert "CUTLASS sm_90 e4m3" in fp8_gemm_note(torch.device("cuda"), dtype)
     for act, residual in (("none", True), ("relu", False)):
         args = quantized(lead, n, k, dtype, bias=True, residual=residual, device="cuda")
-        out = fp8_linear(*args, activation=act, out_dtype=dtype)
-        via_op = torch.ops.fuseinfer.fp8_linear(*args, act, dtype)  # the dispatcher's CUDA registration
-        assert torch.equal(out, via_op)
+        if path == "cutlass":
+            out = fp8_linear(*args, activation=act, out_dtype=dtype)
+            via_op = torch.ops.fuseinfer.fp8_linear(*args, act, dtype)  # the dispatcher's CUDA registration
+            assert torch.equal(out, via_op)
+        else:
+            out = mod._scaled_mm(*args, act, dtype)
         ref = float64_formula(*args, act)
         gemm = float64_formula(*args[:4], None, None, "none").abs()
         tol = (gemm * 2 ** -8 + ref.abs() * torch.finfo(dtype).eps + 1e-3).cpu()
@@ -230,7 +237,7 @@ def test_scaled_mm_wiring_and_fallback_on_cpu(monkeypatch):
         seen.append((m, n, k))
         return ((a.double() @ b.double()) * scale_a.double() * scale_b.double()).to(out_dtype)
 
-    monkeypatch.setattr(mod, "fp8_backend", lambda device: "scaled_mm")
+    monkeypatch.setattr(mod, "_scaled_mm_ok", lambda device: True)
     monkeypatch.setattr(mod, "_index", lambda device: 0)
     monkeypatch.setattr(mod, "_failed", {})
     monkeypatch.setattr(torch, "_scaled_mm", fake)

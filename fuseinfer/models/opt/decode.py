@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fuseinfer.core.quant_config import Int8WeightOnly
-from fuseinfer.layers.linear import Int8WeightOnlyLinear
+from fuseinfer.core.quant_config import Float8, Int8WeightOnly
+from fuseinfer.layers.linear import QuantizedLinear
 from fuseinfer.core.state import patch_state, runtime_config
 from fuseinfer.ops import decode_step as decode_step_op
 from fuseinfer.ops import decode_step_workspace, opt_decode_step
@@ -94,13 +94,17 @@ def decode_step_kernel(model: nn.Module, cache):
     return step, None
 
 
+STEP_SCHEMES = (Int8WeightOnly, Float8)  # the quantized models whose 8-bit weights the one-kernel step streams
+
+
 def _int8_unsupported(model: nn.Module, quant) -> str | None:
-    """Why the one-kernel step cannot run this quantized model, or None: it takes Int8WeightOnly models whose
-    every decoder linear (the fused q/k/v, out_proj, fc1, fc2) is an Int8WeightOnlyLinear with an int8 (N, K)
-    weight and fp32 (N,) scales, and whose LM head is unquantized (the default, include_lm_head=False)."""
-    if not isinstance(quant, Int8WeightOnly):
-        return (f"the one-kernel step streams fp16/bf16 or int8 weight-only weights; {type(quant).__name__} runs "
-                "per op")
+    """Why the one-kernel step cannot run this quantized model, or None: it takes Int8WeightOnly and Float8 models
+    whose every decoder linear (the fused q/k/v, out_proj, fc1, fc2) streams an 8-bit (N, K) weight with fp32 (N,)
+    scales and a bias (``QuantizedLinear.step_weights``), and whose LM head is unquantized (Int8WeightOnly's
+    default, include_lm_head=False; Float8 never quantizes it)."""
+    if not isinstance(quant, STEP_SCHEMES):
+        return (f"the one-kernel step streams fp16/bf16, int8 weight-only or FP8 weights; {type(quant).__name__} "
+                "runs per op")
     if type(model.lm_head) is not nn.Linear:
         return ("the one-kernel step keeps the LM head in fp16/bf16: quantize with include_lm_head=False (the "
                 "default) to use it")
@@ -108,35 +112,41 @@ def _int8_unsupported(model: nn.Module, quant) -> str | None:
         attn = layer.self_attn
         for name, lin in (("self_attn.qkv_proj", attn._modules.get("qkv_proj")), ("self_attn.out_proj", attn.out_proj),
                           ("fc1", layer.fc1), ("fc2", layer.fc2)):
-            if type(lin) is not Int8WeightOnlyLinear or lin.qweight.dtype != torch.int8 or lin.qweight.dim() != 2 \
-                    or lin.scale.dtype != torch.float32 or lin.scale.shape != (lin.qweight.shape[0],) \
-                    or lin.bias is None:
-                return (f"layer {i}'s {name} is not an int8 weight-only linear with an int8 (N, K) weight, fp32 "
-                        "scales and a bias (filter_fn left it unquantized?): the int8 one-kernel step quantizes "
-                        "every decoder linear")
+            sw = lin.step_weights() if isinstance(lin, QuantizedLinear) else None
+            if sw is None or sw[0].dtype not in decode_step_op.WEIGHT_FORMATS or sw[0].dim() != 2 \
+                    or sw[1].dtype != torch.float32 or sw[1].shape != (sw[0].shape[0],) or lin.bias is None:
+                return (f"layer {i}'s {name} is not a quantized linear with an 8-bit (N, K) weight, fp32 scales "
+                        "and a bias (filter_fn left it unquantized?): the 8-bit one-kernel step quantizes every "
+                        "decoder linear")
     return None
 
 
 def decode_step_weight_scales(model: nn.Module) -> list[torch.Tensor]:
-    """The per-output-channel fp32 scales of an int8 weight-only model, 4 per layer (qkv, out_proj, fc1, fc2:
-    ``decode_step.SCALED``), for ``fuseinfer::opt_decode_step``; [] when the model's linears are not quantized."""
+    """The per-output-channel fp32 scales of an 8-bit model (int8 weight-only, FP8), 4 per layer (qkv, out_proj,
+    fc1, fc2: ``decode_step.SCALED``), for ``fuseinfer::opt_decode_step``; [] when the model's linears are not
+    quantized."""
     scales = []
     for layer in model.model.decoder.layers:
         lins = (layer.self_attn._modules.get("qkv_proj"), layer.self_attn.out_proj, layer.fc1, layer.fc2)
-        if not any(isinstance(lin, Int8WeightOnlyLinear) for lin in lins):
+        if not any(_step_weights(lin) is not None for lin in lins):
             continue
-        scales += [lin.scale for lin in lins]
+        scales += [_step_weights(lin)[1] for lin in lins]
     return scales
+
+
+def _step_weights(linear: nn.Module):
+    """A quantized linear's (8-bit weight, scales) the step streams, or None."""
+    return linear.step_weights() if isinstance(linear, QuantizedLinear) else None
 
 
 def decode_step_params(model: nn.Module) -> list[torch.Tensor]:
     """The 12 per-layer tensors ``fuseinfer::opt_decode_step`` takes, for a patched pre-LN OPTForCausalLM; of an
-    int8 weight-only model, its int8 weights (and the fused q/k/v's int8 weight and bias) in their place."""
+    8-bit model, its 8-bit weights (and the fused q/k/v's 8-bit weight and bias) in their place."""
     params = []
     for layer in model.model.decoder.layers:
         a = layer.self_attn
         qkv = a._modules.get("qkv_proj")
-        qkv_w, qkv_b = (a.qkv_weight, a.qkv_bias) if qkv is None else (qkv.qweight, qkv.bias)
+        qkv_w, qkv_b = (a.qkv_weight, a.qkv_bias) if qkv is None else (_weight(qkv), qkv.bias)
         params += [layer.self_attn_layer_norm.weight, layer.self_attn_layer_norm.bias, qkv_w, qkv_b,
                    _weight(a.out_proj), a.out_proj.bias, layer.final_layer_norm.weight, layer.final_layer_norm.bias,
                    _weight(layer.fc1), layer.fc1.bias, _weight(layer.fc2), layer.fc2.bias]
@@ -144,8 +154,9 @@ def decode_step_params(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _weight(linear: nn.Module) -> torch.Tensor:
-    """The weight the step streams: an int8 linear's int8 (N, K) ``qweight``, else the (N, K) ``weight``."""
-    return linear.qweight if isinstance(linear, Int8WeightOnlyLinear) else linear.weight
+    """The weight the step streams: a quantized linear's 8-bit (N, K) weight, else the (N, K) ``weight``."""
+    sw = _step_weights(linear)
+    return linear.weight if sw is None else sw[0]
 
 
 def forward_last_logits(model: nn.Module, tokens, positions, cache, q_start, keep: int = 0) -> torch.Tensor:
