@@ -334,6 +334,11 @@ class W8A8Linear(QuantizedLinear):
         q, s = quantize_per_token(x)
         return self.forward_quantized(q, s, residual, activation, x.dtype)
 
+    def step_weights(self):
+        """The one-kernel decode step streams the int8 weights on fp16/bf16 activations (as ``fused`` does at
+        decode-sized inputs)."""
+        return self.weight_q, self.weight_scale.view(-1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fused(x)
 

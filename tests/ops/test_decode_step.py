@@ -505,7 +505,7 @@ def test_decode_step_kernel_takes_fp8_models():
     fuseinfer.patch(model, FP8)
     assert _int8_unsupported(model, fuseinfer.patch_state(model).config.quant) is None
     assert decode_step_kernel(model, _int8_stub_cache(1))[1].startswith("no kernel")
-    assert "SmoothQuantW8A8 runs per op" in _int8_unsupported(model, object.__new__(fuseinfer.SmoothQuantW8A8))
+    assert "object runs per op" in _int8_unsupported(model, object())
 
 
 @pytest.mark.gpu
@@ -524,3 +524,20 @@ def test_fp8_fast_decode_takes_the_kernel_and_matches_per_op_tokens(tiny_model_p
         path = model.__dict__[SESSIONS_ATTR][1].path
         assert path.startswith("one kernel" if kernel == "on" else "per op"), (kernel, path)
     assert torch.equal(out["on"], out["off"])
+
+
+def test_decode_step_kernel_takes_w8a8_models():
+    """SmoothQuant W8A8 models: their int8 weights are what the decode GEMV reads at decode rows, so the one-kernel
+    step takes them too (on this CPU it stops at the kernel check); the weights the step streams are the int8 ones."""
+    from fuseinfer.models.opt.decode import _int8_unsupported, decode_step_kernel
+
+    model = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=128, num_hidden_layers=2)
+    from fuseinfer.quant.smoothquant import calibrate
+
+    stats = calibrate(model, ids=torch.arange(3, 40)[None], seq_len=16)
+    fuseinfer.patch(model, fuseinfer.PatchConfig(quant=fuseinfer.SmoothQuantW8A8(calibration=stats)))
+    assert _int8_unsupported(model, fuseinfer.patch_state(model).config.quant) is None
+    assert decode_step_kernel(model, _int8_stub_cache(1))[1].startswith("no kernel")
+    params = decode_step_params(model)
+    assert all(params[12 * i + j].dtype == torch.int8 for i in range(2) for j in (2, 4, 8, 10))
+    assert len(decode_step_weight_scales(model)) == 8

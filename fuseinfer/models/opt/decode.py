@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fuseinfer.core.quant_config import Float8, Int8WeightOnly
+from fuseinfer.core.quant_config import Float8, Int8WeightOnly, SmoothQuantW8A8
 from fuseinfer.layers.linear import QuantizedLinear
 from fuseinfer.core.state import patch_state, runtime_config
 from fuseinfer.ops import decode_step as decode_step_op
@@ -94,17 +94,18 @@ def decode_step_kernel(model: nn.Module, cache):
     return step, None
 
 
-STEP_SCHEMES = (Int8WeightOnly, Float8)  # the quantized models whose 8-bit weights the one-kernel step streams
+# the quantized models whose 8-bit weights the one-kernel step streams (W8A8 and FP8 linears run their weights on
+# unquantized activations at decode anyway: layers/linear.py decode_rows)
+STEP_SCHEMES = (Int8WeightOnly, SmoothQuantW8A8, Float8)
 
 
 def _int8_unsupported(model: nn.Module, quant) -> str | None:
-    """Why the one-kernel step cannot run this quantized model, or None: it takes Int8WeightOnly and Float8 models
-    whose every decoder linear (the fused q/k/v, out_proj, fc1, fc2) streams an 8-bit (N, K) weight with fp32 (N,)
+    """Why the one-kernel step cannot run this quantized model, or None: it takes Int8WeightOnly, W8A8 and Float8
+    models whose every decoder linear (the fused q/k/v, out_proj, fc1, fc2) streams an 8-bit (N, K) weight with fp32 (N,)
     scales and a bias (``QuantizedLinear.step_weights``), and whose LM head is unquantized (Int8WeightOnly's
     default, include_lm_head=False; Float8 never quantizes it)."""
     if not isinstance(quant, STEP_SCHEMES):
-        return (f"the one-kernel step streams fp16/bf16, int8 weight-only or FP8 weights; {type(quant).__name__} "
-                "runs per op")
+        return (f"the one-kernel step streams fp16/bf16, int8 or FP8 weights; {type(quant).__name__} runs per op")
     if type(model.lm_head) is not nn.Linear:
         return ("the one-kernel step keeps the LM head in fp16/bf16: quantize with include_lm_head=False (the "
                 "default) to use it")
