@@ -58,11 +58,12 @@ def _positions(mask):
 
 
 def _over_cache(fn, model, ids, mask):
-    """fn(model, ids, positions, cache, q_start) over a fresh 64-slot static cache, slots [0, S):
+    """fn(model, ids, positions, cache, q_start) over a fresh static cache of S + 16 slots, slots [0, S):
     (logits (B, V), every layer's keys and values of those slots)."""
     cfg, p = model.config, next(model.parameters())
     kv_heads, head_dim = models.family_of(model).kv_layout(cfg)
-    cache = StaticKVCache(cfg.num_hidden_layers, ids.shape[0], kv_heads, head_dim, 64, p.dtype, p.device)
+    cache = StaticKVCache(cfg.num_hidden_layers, ids.shape[0], kv_heads, head_dim, ids.shape[1] + 16, p.dtype,
+                          p.device)
     cache.key_mask[:, :ids.shape[1]] = mask.bool()
     cache.key_mask[:, ids.shape[1]:] = True
     cache.write_idx = torch.arange(ids.shape[1], device=p.device)
@@ -341,3 +342,148 @@ def test_plan_follows_unpatch_and_deep_copy():
     torch.testing.assert_close(fuseinfer.prefill(twin, ids, mask), ref, rtol=1e-5, atol=1e-5)
     fuseinfer.unpatch(model)
     assert not any("prefill" in k for k in model.__dict__)
+
+
+# ---- GPU: the lean loop straight into the kernels, and its prefill graphs ----
+
+# Llama-3.2-1B's shapes (hidden 2048, 32 heads over 8 KV heads of dim 64, MLP 8192, vocab 128256, tied embeddings,
+# llama3 rope), two layers
+_1B = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, head_dim=64, intermediate_size=8192,
+           vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=4096, num_hidden_layers=2,
+           rms_norm_eps=1e-5, rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0,
+                                                   low_freq_factor=1.0, high_freq_factor=4.0,
+                                                   original_max_position_embeddings=8192))
+_LOWP = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+def _cuda_models(dtype, quant=None, model_type="llama", **overrides):
+    """(fp32 reference, unpatched ``dtype``, patched ``dtype``) copies of one random 1B-shaped model on CUDA."""
+    import copy
+
+    m32 = random_llama(model_type, device="cuda", **{**_1B, **overrides})
+    lowp = copy.deepcopy(m32).to(dtype)
+    patched = copy.deepcopy(lowp)
+    fuseinfer.patch(patched, PatchConfig(quant=quant))
+    return m32, lowp, patched
+
+
+def _cuda_batch(vocab, rows=3, length=200, seed=2):
+    """Left-padded ids and mask on CUDA: row 1 (if any) has 17 pads, row 2 (if any) all but 50 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (rows, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1:2, :17] = 0
+    mask[2:3, :length - 50] = 0
+    return ids.cuda(), mask.cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", _LOWP)
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_lean_prefill_and_hidden_within_the_low_precision_rule_on_cuda(dtype, model_type):
+    """fuseinfer.prefill (the lean loop straight into the extension) and lean_hidden, left-padded: within the
+    low-precision rule of the fp32 model, as the patched forward is; the lean loop over the cache gives the decode
+    forward's logits and k/v (the same kernels on the same shapes); a user can capture fuseinfer.prefill."""
+    from helpers import assert_lowp_close, require_kernel
+
+    require_kernel()
+    m32, lowp, model = _cuda_models(dtype, model_type=model_type)
+    assert lean.LeanOps(next(model.parameters()), 32, 8, 64).direct  # (the extension's ops, not the wrappers)
+    ids, mask = _cuda_batch(model.config.vocab_size)
+    pos = _positions(mask)
+    real = mask.bool()
+    kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=pos)
+    with torch.no_grad():
+        ref32, torch_lowp, patched = (m(**kwargs).logits[:, -1].float() for m in (m32, lowp, model))
+        hidden32, hidden_lowp = (m.model(**kwargs).last_hidden_state[real] for m in (m32, lowp))
+    fam = models.family_of(model)
+    assert fam.prefill_reason(model) is None
+    ours = fuseinfer.prefill(model, ids, mask)
+    assert_lowp_close(ours, torch_lowp, ref32, f"{dtype} lean prefill", atol=1e-2)
+    assert_lowp_close(patched, torch_lowp, ref32, f"{dtype} patched forward", atol=1e-2)
+    hidden = fam.lean_hidden(model, ids, pos, real)
+    assert hidden.dtype == dtype
+    assert_lowp_close(hidden[real], hidden_lowp, hidden32, f"{dtype} lean_hidden", atol=1e-2)
+    # over the static cache: what fast decode's prefill computes with the patched modules
+    lean_out, ref_out = _over_cache(pf.lean_logits, model, ids, mask), _over_cache(forward_last_logits, model, ids,
+                                                                                    mask)
+    torch.testing.assert_close(lean_out[0], ref_out[0], rtol=1e-2, atol=1e-2)
+    for a, b in zip(lean_out[1] + lean_out[2], ref_out[1] + ref_out[2]):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = fuseinfer.prefill(model, ids, mask)
+    graph.replay()
+    torch.testing.assert_close(static, ours, rtol=2e-3, atol=2e-3)  # (cuBLASLt takes its heuristic under capture)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", _LOWP)
+@pytest.mark.parametrize("prompt", [100, 300])
+def test_prefill_graph_logits_on_cuda(dtype, prompt):
+    """Fast decode's prefill through a bucket graph of the lean loop (right padding to the bucket): the first
+    logits within the low-precision rule, replayed again by the next call, and the first token of the
+    patched-modules prefill."""
+    from helpers import assert_lowp_close, require_kernel
+
+    from fuseinfer.runtime.decode import SESSIONS_ATTR
+
+    require_kernel()
+    m32, lowp, model = _cuda_models(dtype)
+    ids, mask = _cuda_batch(model.config.vocab_size, rows=2, length=prompt)
+    fuseinfer.runtime.set_runtime(model, prefill="module")
+    ref = fuseinfer.generate(model, ids, mask, max_new_tokens=4)
+    fuseinfer.runtime.set_runtime(model, prefill="graph")  # (and fresh sessions)
+    ours = fuseinfer.generate(model, ids, mask, max_new_tokens=4)
+    session = model.__dict__[SESSIONS_ATTR][2]
+    assert list(pf.graph_stats(session)) == [pf.length_bucket(prompt)]
+    assert torch.equal(fuseinfer.generate(model, ids, mask, max_new_tokens=4), ours)  # replayed again
+    # (later tokens may flip at a near-tie of random weights: the tiny model's are compared whole below)
+    assert torch.equal(ours[:, :prompt + 1], ref[:, :prompt + 1])
+    pos = _positions(mask)
+    with torch.no_grad():
+        ref32 = m32(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1].float()
+        torch_lowp = lowp(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1].float()
+    graph = pf._graphs[session.cache][pf.length_bucket(prompt)]
+    session.cache.key_mask.zero_()
+    session.cache.key_mask[:, :prompt] = mask.bool()
+    session.cache.key_mask[:, prompt:] = True
+    session.q_start.zero_()
+    logits = graph.run(ids, pos, session.pad).clone()
+    assert_lowp_close(logits, torch_lowp, ref32, f"{dtype} prefill graph", atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_int8_weight_only_lean_prefill_on_cuda():
+    """W8A16 through the lean loop (w8a16_linear straight into the extension): as close to the fp32 model as the
+    patched int8 modules are (the rule with the patched forward as the baseline)."""
+    from helpers import assert_lowp_close, require_kernel
+
+    require_kernel()
+    m32, _, model = _cuda_models(torch.float16, quant=Int8WeightOnly())
+    ids, mask = _cuda_batch(model.config.vocab_size)
+    kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=_positions(mask))
+    with torch.no_grad():
+        ref32, patched = (m(**kwargs).logits[:, -1].float() for m in (m32, model))
+    assert models.family_of(model).prefill_reason(model) is None
+    assert_lowp_close(fuseinfer.prefill(model, ids, mask), patched, ref32, "W8A16 lean prefill", atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", _LOWP)
+def test_tiny_model_tokens_equal_through_graph_lean_and_modules_on_cuda(tiny_llama_path, dtype):
+    """The trained tiny model: fuseinfer.generate's greedy tokens are the same with the prefill graph, the lean
+    loop and the patched modules, and the patched model.generate's with the lean prefill."""
+    from helpers import assert_same_tokens_graph_lean_modules, require_kernel
+    from transformers import AutoModelForCausalLM
+
+    require_kernel()
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=dtype).cuda().eval()
+    ids, mask = _cuda_batch(model.config.vocab_size, rows=1, length=40, seed=5)
+    fuseinfer.patch(model)
+    assert_same_tokens_graph_lean_modules(model, ids, max_new_tokens=24)
+    kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=1)
+    fuseinfer.runtime.set_runtime(model, prefill="module")
+    ref = model.generate(ids, **kwargs)
+    fuseinfer.runtime.set_runtime(model, prefill="lean")
+    assert torch.equal(model.generate(ids, **kwargs), ref)
