@@ -109,7 +109,7 @@ def _structure_reason(model: nn.Module) -> str | None:
     base = model.model
     rope = getattr(base.rotary_emb, "rope_type", None) or \
         (getattr(model.config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope in _DYNAMIC_ROPE:
+    if rope in _DYNAMIC_ROPE or "dynamic" in rope:  # (transformers updates any "dynamic" type per call)
         return (f"rope_type {rope!r} rescales its tables from the longest position seen (a host read per call), "
                 "which the lean prefill's CUDA graphs cannot take")
     if type(base.norm) not in _NORMS:
