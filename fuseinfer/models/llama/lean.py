@@ -183,6 +183,11 @@ def _intact(plan: _Plan) -> bool:
 
 # ---- the strategy ----
 
+def _kernels(like: torch.Tensor):
+    """The extension's ops for tensors like ``like`` (``core.extension.extension``), or None off CUDA."""
+    return extension(like.device) if like.is_cuda else None
+
+
 class LeanOps:
     """The patched modules' ops over (B*S, E) activations: straight into the extension (``direct``: CUDA, the
     extension loaded for the device with every op the loop calls, fp16/bf16, a head dim the attention kernel takes),
@@ -193,7 +198,7 @@ class LeanOps:
     def __init__(self, like: torch.Tensor, heads: int, kv_heads: int, head_dim: int):
         from fuseinfer.ops.attention import KERNEL_DTYPES, KERNEL_GQA, KERNEL_HEAD_DIMS
 
-        ext = extension(like.device) if like.is_cuda else None
+        ext = _kernels(like)
         self.direct = (ext is not None and like.dtype in KERNEL_DTYPES and head_dim in KERNEL_HEAD_DIMS
                        and (KERNEL_GQA or heads == kv_heads) and all(hasattr(ext, n) for n in _RAW_OPS))
         if self.direct:  # the calls the wrappers make in eager CUDA mode, minus their Python checks

@@ -344,6 +344,58 @@ def test_plan_follows_unpatch_and_deep_copy():
     assert not any("prefill" in k for k in model.__dict__)
 
 
+def test_direct_calls_pass_what_the_extension_takes(monkeypatch):
+    """The loop's calls straight into the extension (CUDA), checked on CPU: a stand-in extension whose ops are the
+    references with the raw ops' argument order, refusing non-contiguous tensors as the kernels do, gives the op
+    wrappers' logits and cache contents bit for bit (bf16, head dim 64, grouped-query, Qwen2's biases; W8A16)."""
+    from fuseinfer.ops.attention import attention_ref
+    from fuseinfer.ops.kv_cache import kv_cache_append_ref
+    from fuseinfer.ops.linear import linear_epilogue_ref
+    from fuseinfer.ops.rms_norm import add_rms_norm_ref
+    from fuseinfer.ops.rope import qkv_rope_append_ref, qkv_rope_ref
+    from fuseinfer.ops.silu_mul import silu_mul_ref
+    from fuseinfer.ops.w8a16_linear import w8a16_linear_ref
+
+    calls = []
+
+    def raw(name, fn):
+        def op(*args):
+            for a in args:
+                assert not isinstance(a, torch.Tensor) or a.is_contiguous(), f"{name}: a non-contiguous argument"
+            calls.append(name)
+            return fn(*args)
+        return op
+
+    class Kernels:
+        add_rms_norm = staticmethod(raw("add_rms_norm", add_rms_norm_ref))
+        linear_epilogue = staticmethod(raw("linear_epilogue", linear_epilogue_ref))
+        qkv_rope = staticmethod(raw("qkv_rope", qkv_rope_ref))
+        qkv_rope_append = staticmethod(raw("qkv_rope_append", qkv_rope_append_ref))
+        silu_mul = staticmethod(raw("silu_mul", silu_mul_ref))
+        attention = staticmethod(raw("attention", attention_ref))
+        w8a16_linear = staticmethod(raw("w8a16_linear", w8a16_linear_ref))
+        kv_cache_append = staticmethod(raw("kv_cache_append", kv_cache_append_ref))
+
+    for quant in (None, Int8WeightOnly()):
+        model = random_llama("qwen2", hidden_size=256, intermediate_size=320, dtype=torch.bfloat16)  # head dim 64
+        fuseinfer.patch(model, PatchConfig(quant=quant))
+        ids, mask = _batch()
+        ref = _over_cache(pf.lean_logits, model, ids, mask)
+        ref_hidden = models.family_of(model).lean_hidden(model, ids, _positions(mask), mask.bool())
+        with monkeypatch.context() as m:
+            m.setattr(lean, "_kernels", lambda like: Kernels())
+            assert lean.LeanOps(next(model.parameters()), 4, 2, 64).direct
+            calls.clear()
+            ours = _over_cache(pf.lean_logits, model, ids, mask)
+            hidden = models.family_of(model).lean_hidden(model, ids, _positions(mask), mask.bool())
+        gemm = "w8a16_linear" if quant is not None else "linear_epilogue"
+        # (two forwards: the loop over the cache, then lean_hidden's without one)
+        assert calls.count(gemm) == 2 * 4 * model.config.num_hidden_layers
+        assert calls.count("qkv_rope_append") == calls.count("qkv_rope") == model.config.num_hidden_layers
+        for a, b in zip([ours[0], *ours[1], *ours[2], hidden], [ref[0], *ref[1], *ref[2], ref_hidden]):
+            assert torch.equal(a, b)
+
+
 # ---- GPU: the lean loop straight into the kernels, and its prefill graphs ----
 
 # Llama-3.2-1B's shapes (hidden 2048, 32 heads over 8 KV heads of dim 64, MLP 8192, vocab 128256, tied embeddings,
