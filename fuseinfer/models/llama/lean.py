@@ -69,8 +69,9 @@ class _Plan:
             kids += [(mlp._modules, n) for n in (*GATE_UP.parts, "down_proj", GATE_UP.name) if n in mlp._modules]
         self.children = tuple((mods, name, mods[name]) for mods, name in kids)
         self.layer_list = base.layers._modules  # (a layer appended after patch: the patched forward runs it)
-        # the fp16/bf16 fused weights: (module, its fused weight's __dict__ key, ((part's parameters, linked weight,
-        # linked bias, first row), ...)): their parts must still be the Parameters linked to its rows at each call
+        # the fp16/bf16 fused weights: (module, the fused weight's and bias's __dict__ keys, ((a part's parameters,
+        # its linked weight, its linked bias, its first row), ...)): the parts must still hold the Parameters linked
+        # to the fused rows at each call
         # (``param.data = t`` unlinks them: the patched modules then run the parts' own GEMMs)
         links = []
         for module, group in [(a, QKV) for a in attns] + [(m, GATE_UP) for m in mlps]:
