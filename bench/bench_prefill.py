@@ -1,7 +1,8 @@
 """Prefill latency and time to first token (issue 41): the lean loop and the per-bucket prefill graphs against eager,
 torch.compile and today's patched forward, with the floors measured in the same run.
 
-Random-weight OPT (default opt-1.3b) fp16, prompts of random ids (no padding), for each shape B x S:
+Random weights (``--model``, default opt-1.3b; any family with a lean loop, e.g.
+``random:meta-llama/Llama-3.2-1B``) in fp16, prompts of random ids (no padding), for each shape B x S:
 
 * ``eager``: the unpatched model, ``model(input_ids, use_cache=False, logits_to_keep=1)``;
 * ``compile`` / ``compile_ro``: that call through ``torch.compile(model)`` (default mode) and
@@ -44,6 +45,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 from common import bench_ms, event_ms, measure_ceilings, percentile_stats, wall_ms, write_results  # noqa: E402
 
 import fuseinfer  # noqa: E402
@@ -86,7 +88,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--ttft-prompts", default="128,512", help="comma list, or none")
     ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows (saves minutes)")
+    ap.add_argument("--out", default=None, help="folder for the results (default: bench/results, or "
+                                                "FUSEINFER_BENCH_DIR)")
     args = ap.parse_args()
+    if args.out:
+        common.RESULTS_DIR = Path(args.out)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     ceilings = measure_ceilings()
     source = resolve_model(args.model)
@@ -194,7 +200,7 @@ def main() -> None:
              and k != "target_ms" and isinstance(rows[0][k], float)]
     cols = ["shape", "floor_ms", "floor_weights_ms", "floor_gemm_ms", *[f"{n}_ms" for n in names],
             "faster_new_path", "auto_over_floor", "patched_over_gemm", "target_ms", "ttft_ms", "ttft_over_prefill"]
-    settings = {**vars(args), "dtype": "fp16", "weight_bytes": weight_bytes, "compile_s": compile_s,
+    settings = {**{k: v for k, v in vars(args).items() if k != "out"}, "dtype": "fp16", "weight_bytes": weight_bytes, "compile_s": compile_s,
                 "prefill_graphs": graph_info, "ttft": {str(k): v for k, v in ttft.items()},
                 "ttft_rebuilds": {str(k): v for k, v in ttft_rebuilds.items()},
                 "ttft_timing": "wall clock of one max_new_tokens=1 call, GPU synchronised before and after (host "
@@ -203,7 +209,8 @@ def main() -> None:
                 "length_bucket": pf.LENGTH_BUCKET, "auto_graph_max_tokens": pf.AUTO_GRAPH_MAX_TOKENS,
                 "timing": "CUDA events around each call, GPU idle before it; 3 warm-up calls each, then reps rounds "
                           "with every implementation once per round; median (p10-p90 in the JSON and *_spread)"}
-    name = "prefill" if args.model == "random:opt-1.3b" else f"prefill_{args.model.removeprefix('random:')}"
+    name = "prefill" if args.model == "random:opt-1.3b" else \
+        f"prefill_{args.model.removeprefix('random:').replace('/', '_')}"  # (a hub id's slash: not a folder)
     out = write_results(name, settings, ceilings, rows, cols)
     print(out.with_suffix(".md").read_text())
     del compiled

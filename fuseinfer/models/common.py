@@ -1,7 +1,8 @@
 """What every family's module swaps share: when a fused module must run its original forward (training, autocast,
 hooks), class and config swaps that keep transformers' bookkeeping, the state_dict hook for fused q/k/v storage, the
-op backends a patch report lists, the pending attention call of a patched-modules strategy, and Megatron's shard
-spec for tensor parallel. Families import these; no family imports another family's modules.
+op backends a patch report lists, the pending attention call of a patched-modules strategy, Megatron's shard
+spec for tensor parallel, and what the lean prefill loops check before each call (their plan's cache, the call
+checks). Families import these; no family imports another family's modules.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch import nn
 
 from fuseinfer.core import placement
 from fuseinfer.core.extension import backend_for
-from fuseinfer.core.state import LOCK_ATTR, disown_config, own_config
+from fuseinfer.core.state import LOCK_ATTR, disown_config, own_config, patch_state
 from fuseinfer.layers import attention_backend, hf_attention
 from fuseinfer.ops.attention import kernel_supports
 
@@ -188,3 +189,41 @@ def megatron_shard_spec(info, column, row):
         return None  # replicated
 
     return spec
+
+
+# ---- the lean prefill loops (models/<family>/lean.py) ----
+
+LEAN_PLAN_KEY = "prefill_plan"  # where a lean loop's plan is kept in the patch state's family dict
+
+
+def lean_plan(model: nn.Module, layers, structure_reason, build):
+    """(the model's lean-loop plan, None), or (None, why the lean loop cannot serve it): ``structure_reason(model)``
+    checked and ``build(model)`` made once per patch, kept with it (in the patch state, which unpatch drops and a deep
+    copy of the model copies along with its modules), rebuilt when ``layers`` (the decoder's layer list) is another
+    object. ``model`` may be a weak proxy (a session's)."""
+    state = patch_state(model)
+    if state is None:
+        return None, "fuseinfer.prefill needs a patched model: call fuseinfer.patch(model) first"
+    cached = state.state.get(LEAN_PLAN_KEY)
+    if cached is not None and cached[0] is layers:
+        return cached[1], cached[2]
+    why = structure_reason(model)
+    plan = build(model) if why is None else None
+    state.state[LEAN_PLAN_KEY] = (layers, plan, why)
+    return plan, why
+
+
+def lean_call_reason(model: nn.Module, called, like: torch.Tensor) -> str | None:
+    """Why a lean loop cannot stand in for the patched modules on this call, or None: training mode, autocast to
+    another dtype than ``like``'s (a weight of the model), hooks on the model or on a module the patched forward
+    calls (``called``; the lean loop calls none of them)."""
+    if model.training:
+        return "model is in training mode"
+    dev, dtype = like.device.type, like.dtype
+    if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != dtype:
+        return "autocast to another dtype than the model's (the patched modules run the original forward)"
+    if global_hooks() or any(has_hooks(m) for m in (model, *called) if m._forward_hooks or m._forward_pre_hooks
+                              or m._backward_hooks or m._backward_pre_hooks or "forward" in m.__dict__
+                              or "_hf_hook" in m.__dict__):
+        return "a module has hooks, which the lean loop would bypass"
+    return None

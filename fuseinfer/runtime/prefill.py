@@ -6,7 +6,7 @@ where the model allows (every op patched, no filter_fn, eval mode, no hooks, no 
 patched modules run as before):
 
 * **lean** (:func:`lean_logits`): the model family's lean loop (``ModelFamily.lean_logits``; OPT's:
-  ``models/opt/lean.py``): the same fused ops in the same order as the patched modules, called in one loop over
+  ``models/opt/lean.py``, the Llama family's: ``models/llama/lean.py``): the same fused ops in the same order as the patched modules, called in one loop over
   (B*S, E) activations: on CUDA straight into the extension (the ``fuseinfer_C`` ops), elsewhere through the op wrappers
   (their references). No mask is built (the attention op takes the key mask and ``q_start`` as they are), the LM
   head runs for the last position only. Nothing in it reads the GPU from the host, so a caller can capture it in a
@@ -94,9 +94,6 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
     # the model's lock: a patch / unpatch in another thread waits for this call (the lean loop reads the patched
     # layers directly, never through the decoder's locked forward), and this call waits for it
     with model_lock(model), torch.no_grad():
-        if lean_reason(model) is not None:
-            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
-            return out.logits[:, -1].float()
         if attention_mask is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
             key_mask = None
@@ -104,6 +101,12 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
             mask = attention_mask.long()
             positions = mask.cumsum(1) * mask - 1  # (B, S), -1 on padding, as OPT does
             key_mask = attention_mask.bool()
+        if lean_reason(model) is not None:
+            # the positions passed: what OPT computes from the mask, and what rotary models need for left padding
+            # (they would count the padding otherwise), as generate and the lean loop use them
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False,
+                        logits_to_keep=1)
+            return out.logits[:, -1].float()
         return lean_logits(model, input_ids, positions, key_mask=key_mask)
 
 

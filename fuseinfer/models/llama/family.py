@@ -1,12 +1,12 @@
 """The Llama-architecture model families (Llama, Mistral, Qwen2): the module swaps (``modules.py``), the fast-decode
-forward (``decode.py``) and what the feature packages need (``quant.py``, ``configs.py``) behind the
-:class:`~fuseinfer.models.base.ModelFamily` interface. One class per ``model_type``; they differ only in the
-transformers classes they patch and the random: configurations they list."""
+forward (``decode.py``), the lean prefill loop (``lean.py``) and what the feature packages need (``quant.py``,
+``configs.py``) behind the :class:`~fuseinfer.models.base.ModelFamily` interface. One class per ``model_type``; they
+differ only in the transformers classes they patch and the random: configurations they list."""
 from __future__ import annotations
 
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.models.base import ModelFamily
-from fuseinfer.models.llama import configs, decode as llama_decode, modules as llama, quant as llama_quant
+from fuseinfer.models.llama import configs, decode as llama_decode, lean, modules as llama, quant as llama_quant
 from fuseinfer.models.llama import export as llama_export
 
 
@@ -95,6 +95,21 @@ class LlamaFamily(ModelFamily):
 
     def ort_matmul_kinds(self):
         return dict(llama_export.ORT_MATMUL_KINDS)
+
+    # ---- the runtime's lean prefill (``lean.py``)
+
+    def prefill_reason(self, model, weights=True):
+        return lean.lean_reason(model, weights)
+
+    def lean_logits(self, model, tokens, positions, key_mask=None, q_start=None, cache=None, slots=None, last=None):
+        return lean.lean_logits(model, tokens, positions, key_mask, q_start, cache, slots, last)
+
+    def lean_hidden(self, model, tokens, positions, key_mask=None, kv_out=None):
+        """The lean loop without a cache (check :meth:`prefill_reason` first): the final hidden states after the final
+        RMSNorm for every position, (B, S, E) in the model's dtype. tokens, positions: (B, S) int64; key_mask: (B, S)
+        bool or None; ``kv_out``: None, or a list to which each layer appends its (k, v), each (B, Hkv, S, D) in the
+        model's dtype as transformers' DynamicCache holds them (k after the rotary embedding)."""
+        return lean.lean_hidden(model, tokens, positions, key_mask, kv_out)
 
     # ---- tensor parallel (``tp.py``)
 

@@ -19,14 +19,13 @@ from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.extension import extension
 from fuseinfer.core.state import patch_state
 from fuseinfer.layers.linear import decode_rows
+from fuseinfer.models.common import lean_call_reason, lean_plan
 from fuseinfer.models.opt.layer import decoder_layer
 from fuseinfer.ops import add_layer_norm, attention, w8a16_linear, linear_epilogue
 from fuseinfer.ops.kv_cache import kv_cache_append
 from fuseinfer.ops.layer_norm_quant import add_layer_norm_quant
 from fuseinfer.ops.quant import quantize_per_token
 from fuseinfer.ops.w8a8_linear import w8a8_backend, w8a8_linear
-
-PLAN_KEY = "prefill_plan"  # where the plan is kept in the patch state's family dict
 
 
 # ---- what the lean loop reads from the model ----
@@ -148,20 +147,10 @@ def _structure_reason(model: nn.Module) -> str | None:
 
 
 def _plan(model: nn.Module) -> tuple[_Plan | None, str | None]:
-    """The model's plan, or None and why not: built once per patch and kept with it (in the patch state, which
-    unpatch drops and a deep copy of the model copies along with its modules), rebuilt if the layer list is
-    replaced. ``model`` may be a weak proxy (a session's)."""
-    state = patch_state(model)
-    if state is None:
-        return None, "fuseinfer.prefill needs a patched model: call fuseinfer.patch(model) first"
+    """The model's plan, or None and why not (``models.common.lean_plan``: kept with the patch, rebuilt if the
+    layer list is replaced). ``model`` may be a weak proxy (a session's)."""
     layers = getattr(getattr(getattr(model, "model", None), "decoder", None), "layers", None)
-    cached = state.state.get(PLAN_KEY)
-    if cached is not None and cached[0] is layers:
-        return cached[1], cached[2]
-    why = _structure_reason(model)
-    plan = _Plan(model) if why is None else None
-    state.state[PLAN_KEY] = (layers, plan, why)
-    return plan, why
+    return lean_plan(model, layers, _structure_reason, _Plan)
 
 
 def lean_reason(model: nn.Module, weights: bool = True) -> str | None:
@@ -170,20 +159,12 @@ def lean_reason(model: nn.Module, weights: bool = True) -> str | None:
     calls none); with ``weights``, that each q/k/v projection still holds its rows of the fused (3E, E) buffer
     (``param.data = t`` unlinks them: the patched modules then run three GEMMs); once per patch: the structure
     (:func:`_structure_reason`)."""
-    from fuseinfer.models.common import global_hooks, has_hooks
-
     plan, why = _plan(model)
     if why is not None:
         return why
-    if model.training:
-        return "model is in training mode"
-    dev, dtype = plan.lm_head.weight.device.type, plan.lm_head.weight.dtype
-    if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != dtype:
-        return "autocast to another dtype than the model's (the patched modules run the original forward)"
-    if global_hooks() or any(has_hooks(m) for m in (model, *plan.called) if m._forward_hooks
-                              or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-                              or "forward" in m.__dict__ or "_hf_hook" in m.__dict__):
-        return "a module has hooks, which the lean loop would bypass"
+    why = lean_call_reason(model, plan.called, plan.lm_head.weight)
+    if why is not None:
+        return why
     if weights and plan.quant is not None and not _linears_intact(plan):
         return "an int8 linear was replaced after patch (the lean loop would not call it)"
     if weights and plan.quant is None and not _qkv_intact(plan):

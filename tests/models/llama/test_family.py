@@ -180,7 +180,8 @@ def test_greedy_tokens_equal_transformers_with_left_padding(kind, tiny_cpu):
 
 
 def test_fast_decode_takes_the_family_forward(tiny_cpu):
-    """fuseinfer.generate runs this family's decode forward over the static cache (per op: no one-kernel step)."""
+    """fuseinfer.generate runs this family's decode forward over the static cache (per op: no one-kernel step), and
+    for the prompt where its RuntimeConfig says prefill='module'."""
     from fuseinfer.models.llama import decode as llama_decode
     from fuseinfer.runtime import decode as rt
 
@@ -199,10 +200,18 @@ def test_fast_decode_takes_the_family_forward(tiny_cpu):
         fuseinfer.generate(model, ids, torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4)
     finally:
         llama_decode.forward_last_logits = original
-    assert [tuple(s) for s in calls] == [(2, 6), (2, 1), (2, 1), (2, 1)]  # the prompt, then a token per step
+    assert [tuple(s) for s in calls] == [(2, 1), (2, 1), (2, 1)]  # a token per step (the prompt: the lean loop)
     assert models.family("llama").decode_step_kernel(model, None)[0] is None
     session = next(s for s in rt.sessions_of(model)[0].values() if hasattr(s, "path"))
     assert session.path.startswith("per op")
+    with fuseinfer.runtime.using_runtime(model, prefill="module"):  # the prompt through the patched modules
+        calls.clear()
+        llama_decode.forward_last_logits = counting
+        try:
+            fuseinfer.generate(model, ids, torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2)
+        finally:
+            llama_decode.forward_last_logits = original
+        assert [tuple(s) for s in calls] == [(2, 6), (2, 1)]
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
