@@ -113,6 +113,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--no-gemv-table", action="store_true", help="only the decode step")
+    ap.add_argument("--quant", choices=["none", "int8", "fp8"], default="none",
+                    help="the step's weights: fp16, int8 weight-only or FP8 (e4m3)")
     ap.add_argument("--trace-out", default=None, help="save the one-kernel step's raw trace here (torch.save)")
     ap.add_argument("--sweep", default="", help="environment settings read when a session is made, each "
                     "combination timed in this process, e.g. 'FUSEINFER_DECODE_KERNEL=0,1,0,1'")
@@ -122,7 +124,8 @@ def main() -> None:
         gemv_table(args.batch)
     src = resolve_model(args.model)
     model = load_model(src, load_config(src), torch.float16, torch.device("cuda"), seed=0)
-    fuseinfer.patch(model)
+    quant = {"none": None, "int8": fuseinfer.Int8WeightOnly(), "fp8": fuseinfer.Float8()}[args.quant]
+    fuseinfer.patch(model, fuseinfer.PatchConfig(quant=quant))
     ids = torch.randint(3, model.config.vocab_size, (args.batch, args.context), device="cuda")
     if args.sweep:
         sweep = [(k, v.split(",")) for k, v in (part.split("=") for part in args.sweep.split(";"))]
