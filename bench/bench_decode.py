@@ -91,7 +91,7 @@ def main() -> None:
                                                   cache_implementation="static")
             elif name.removesuffix("-perop") in SCHEMES:
                 quant = SCHEMES[name.removesuffix("-perop")]
-                runtime = fuseinfer.RuntimeConfig(decode_kernel="off") if name.endswith("-perop") else None
+                runtime = fuseinfer.RuntimeConfig(decode_kernel="off" if name.endswith("-perop") else "auto")
                 fuseinfer.patch(model, fuseinfer.PatchConfig(quant=quant() if quant else None, runtime=runtime))
                 gen = lambda x, n: fuseinfer.generate(model, x, max_new_tokens=n)  # noqa: E731
                 if quant is not None:  # the weight-read floor with the 8-bit weights (1 byte instead of 2)
