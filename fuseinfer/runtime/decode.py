@@ -57,6 +57,7 @@ from fuseinfer.runtime.processors import Processors, Rule
 SESSIONS_ATTR = "_fuseinfer_sessions"
 STOP_CHECK_EVERY = 16
 CAPACITY_ROUND = 128
+FUSED_SAMPLING = True  # sampling by fuseinfer::sample_tokens (False: the warpers as PyTorch ops; benchmarks compare)
 SESSIONS_PER_BUCKET = 4  # settings kept per batch bucket (each: its step buffers, processors, decode graphs)
 CPU_CACHE_BUDGET = 512 << 20  # KV-cache bytes a model keeps between calls on the CPU (set_cache_budget)
 CUDA_CACHE_FRACTION = 2  # ... on a GPU: its memory / this
@@ -111,7 +112,7 @@ class _Session:
         self.scores_out = torch.zeros(bucket, self.max_new, vocab, device=dev) if rule.output_scores else None
         self.logits_out = torch.zeros(bucket, self.max_new, vocab, device=dev) if rule.output_logits else None
         # sampling in one pass (fuseinfer::sample_tokens) unless the warped scores are asked for
-        self.fused_sampling = sampling.do_sample and self.scores_out is None
+        self.fused_sampling = FUSED_SAMPLING and sampling.do_sample and self.scores_out is None
         self.batch = bucket  # real rows of the current call (set by begin)
         # The decode step: one kernel for the whole model where it has one, else the patched modules per op
         self.step_kernel, why = (None, plan.no_kernel) if plan.no_kernel else \
