@@ -4,15 +4,19 @@
 // Why: the PyTorch warpers sort the whole vocabulary (top-p), take a top-k, a softmax, a cumsum and a scatter, then
 // the exponential race: ~15 kernels inside the decode graph, ~0.2 ms of a 1 ms step at batch 1. Here, per row:
 //   1. read the row once: z = logit / temperature, its order-preserving 32-bit key (kept in shared memory when the
-//      row fits, ~54k tokens; else later passes read the row again from L2) and the row maximum m;
-//   2. top-k: radix select of the k-th largest key, 8 bits a level, per-bin counts;
-//   3. top-p: radix select of the smallest key v* with mass(key <= v*) > (1 - top_p) * mass(kept), per-bin
+//      row fits, ~54k tokens; else later passes read the row again from L2), the row maximum m and the smallest
+//      finite z;
+//   2. top-k: select the k-th largest key over five levels of 256 bins with per-bin counts: first 256 equal
+//      slices of [smallest, m] (a row's keys share their top bits, so key digits would put nearly every token in
+//      a few bins, whose atomics serialise), then the 32 key bits, 8 a level, of the tokens in the chosen slice;
+//   3. top-p: the same levels select the smallest key v* with mass(key <= v*) > (1 - top_p) * mass(kept), per-bin
 //      probability mass exp(z - m) over the tokens top-k kept; then how many tokens equal to v* the reference's
 //      cumulative sum drops (the lowest indices: a stable ascending sort), found by an ordered scan when any;
 //   4. the draw over the kept tokens (min-p: exp(z - m) >= min_p): the Gumbel-max argmax of z - log(-log u), u from
 //      Philox4x32-10 at counter (i / 4, row, offset), key seed, exactly as the reference.
-// Histograms: 256 bins, 8 copies (warp w adds to copy w % 8), a warp's lanes of one bin merged first (match_any:
-// the top digits of a row's keys fall into a few bins, where per-lane atomics would serialise).
+// Histograms: 256 bins, 8 copies (warp w adds to copy w % 8); where a warp's tokens fall into few bins (ties), its
+// lanes of one bin are merged first (match_any). -inf (and NaN) tokens take no part: no probability, and top-k
+// keeps every token when fewer than k are finite.
 // Launched with PDL (launch.h): the scores, the seed and the step counter come from earlier kernels.
 #include "launch.h"
 
@@ -62,6 +66,9 @@ __device__ __forceinline__ float key_value(uint32_t k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
+// Whether a key is a finite value's (-inf and NaN keys lie outside; keys of +inf too).
+__device__ __forceinline__ bool is_finite_key(uint32_t k) { return k > 0x007fffffu && k < 0xff800000u; }
+
 // Philox4x32-10 (Random123): four 32-bit words for counter c, key k (the reference's philox4x32).
 __device__ __forceinline__ uint4 philox(uint4 c, uint2 k) {
 #pragma unroll
@@ -95,11 +102,19 @@ __device__ __forceinline__ float block_max(float v, Shared& sh) {
   return __shfl_sync(kFull, v, 0);
 }
 
-// Per-bin counts (and, kMass, masses exp(z - m)) of the keys >= lo whose bits above `shift + 8` equal prefix's,
-// binned by bits [shift, shift + 8); the copies merged into hcnt[0, kBins) / hmass[0, kBins) on return.
-template <bool kMass, typename KeyAt>
-__device__ void histogram(const KeyAt& key_at, int v, int shift, uint32_t prefix, uint32_t lo, float m,
-                          unsigned* hcnt, float* hmass) {
+__device__ __forceinline__ int block_sum(int v, Shared& sh) {
+  v = __reduce_add_sync(kFull, v);
+  if ((threadIdx.x & 31) == 0) sh.i[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = __reduce_add_sync(kFull, threadIdx.x < 32 ? sh.i[threadIdx.x] : 0);
+  __syncthreads();
+  return __shfl_sync(kFull, v, 0);
+}
+
+// Per-bin counts (and, kMass, masses exp(z - m)) of the keys, in bin digit(key) (kBins: not counted); the copies
+// merged into hcnt[0, kBins) / hmass[0, kBins) on return.
+template <bool kMass, typename KeyAt, typename Digit>
+__device__ void histogram(const KeyAt& key_at, int v, const Digit& digit, float m, unsigned* hcnt, float* hmass) {
   for (int j = threadIdx.x; j < kCopies * kBins; j += kThreads) {
     hcnt[j] = 0;
     if constexpr (kMass) hmass[j] = 0.f;
@@ -114,10 +129,8 @@ __device__ void histogram(const KeyAt& key_at, int v, int shift, uint32_t prefix
     float w = 0.f;
     if (i < v) {
       const uint32_t k = key_at(i);
-      if (k >= lo && (shift == 24 || (k >> (shift + 8)) == (prefix >> (shift + 8)))) {
-        bin = (k >> shift) & (kBins - 1);
-        if constexpr (kMass) w = __expf(key_value(k) - m);
-      }
+      bin = digit(k);
+      if (kMass && bin != kBins) w = __expf(key_value(k) - m);
     }
     if (!__any_sync(kFull, bin != kBins)) continue;
     const unsigned peers = __match_any_sync(kFull, bin);
@@ -182,6 +195,7 @@ __device__ void select_count_desc(const unsigned* hcnt, unsigned rem, Shared& sh
 // highest bin with a key. sh.bin, sh.mass = the mass of the lower bins, sh.count = the bin's keys.
 __device__ void select_mass_asc(const unsigned* hcnt, const float* hmass, float t, Shared& sh) {
   const int lane = threadIdx.x & 31;
+  t = fmaxf(t, 0.f);  // (rounding may leave it just below 0: the first bin with mass, not an empty one)
   float ms[8], tot = 0.f;
   unsigned any = 0;
 #pragma unroll
@@ -253,14 +267,18 @@ __global__ void __launch_bounds__(kThreads) sample_tokens_kernel(const SamplePar
     }
   };
 
-  // 1. keys and the maximum
-  float m = -INFINITY;
+  // 1. keys, the maximum, the smallest finite value, the finite count
+  float m = -INFINITY, zmin = INFINITY;
+  int finite = 0;
   for (int i = tid; i < v; i += kThreads) {
     const float z = scaled(i);
     if constexpr (kCached) keys[i] = order_key(z);
     m = fmaxf(m, z);
+    if (is_finite_key(order_key(z))) zmin = fminf(zmin, z), ++finite;
   }
   m = block_max(m, sh);  // (its barriers publish the keys)
+  zmin = -block_max(-zmin, sh);
+  finite = block_sum(finite, sh);
   if (m == -INFINITY) {  // nothing to sample from: token 0, as the reference's argmax of an all -inf row
     if (tid == 0) p.tokens[row] = 0;
     if constexpr (kKept) {
@@ -268,17 +286,31 @@ __global__ void __launch_bounds__(kThreads) sample_tokens_kernel(const SamplePar
     }
     return;
   }
+  // the first level's slice of a finite value, ascending with it: 255 - floor((m - z) * scale), in [0, 255]
+  // (monotone: each operation rounds monotonically); one slice when every finite value is equal
+  float scale = m > zmin ? 255.99f / (m - zmin) : 0.f;
+  if (!(scale <= 3.0e38f)) scale = 0.f;
+  auto slice = [m, scale](uint32_t k) -> unsigned {
+    return 255u - static_cast<unsigned>(fminf((m - key_value(k)) * scale, 255.f));
+  };
 
-  // 2. top-k: keys >= the k-th largest stay
+  // 2. top-k: keys >= the k-th largest stay (every key when fewer than k are finite)
   uint32_t lo = 0;
-  if (p.top_k > 0 && p.top_k < v) {
+  if (p.top_k > 0 && p.top_k < finite) {
+    unsigned s0 = 0, rem = p.top_k;
     uint32_t prefix = 0;
-    unsigned rem = p.top_k;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-      histogram<false>(key_at, v, shift, prefix, 0, m, hcnt, hmass);
+    for (int level = 0; level < 5; ++level) {
+      const int shift = 32 - 8 * level;  // (level 0: the slices)
+      histogram<false>(key_at, v, [&](uint32_t k) -> unsigned {
+        if (!is_finite_key(k)) return kBins;
+        if (level == 0) return slice(k);
+        if (slice(k) != s0 || (shift < 24 && (k >> (shift + 8)) != (prefix >> (shift + 8)))) return kBins;
+        return (k >> shift) & (kBins - 1);
+      }, m, hcnt, hmass);
       if (tid < 32) select_count_desc(hcnt, rem, sh);
       __syncthreads();
-      prefix |= sh.bin << shift;
+      if (level == 0) s0 = sh.bin;
+      else prefix |= sh.bin << shift;
       rem -= sh.count;
       __syncthreads();
     }
@@ -292,9 +324,16 @@ __global__ void __launch_bounds__(kThreads) sample_tokens_kernel(const SamplePar
     uint32_t prefix = 0;
     float below = 0.f, target = 0.f;
     unsigned n = 0;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-      histogram<true>(key_at, v, shift, prefix, lo, m, hcnt, hmass);
-      if (shift == 24) {  // the kept mass, every bin of the first level
+    unsigned s0 = 0;
+    for (int level = 0; level < 5; ++level) {
+      const int shift = 32 - 8 * level;  // (level 0: the slices)
+      histogram<true>(key_at, v, [&](uint32_t k) -> unsigned {
+        if (!is_finite_key(k) || k < lo) return kBins;
+        if (level == 0) return slice(k);
+        if (slice(k) != s0 || (shift < 24 && (k >> (shift + 8)) != (prefix >> (shift + 8)))) return kBins;
+        return (k >> shift) & (kBins - 1);
+      }, m, hcnt, hmass);
+      if (level == 0) {  // the kept mass, every bin of the first level
         float s = tid < kBins ? hmass[tid] : 0.f;
         s = warp_sum(s);
         if ((tid & 31) == 0) sh.f[tid >> 5] = s;
@@ -306,7 +345,8 @@ __global__ void __launch_bounds__(kThreads) sample_tokens_kernel(const SamplePar
       }
       if (tid < 32) select_mass_asc(hcnt, hmass, target - below, sh);
       __syncthreads();
-      prefix |= sh.bin << shift;
+      if (level == 0) s0 = sh.bin;
+      else prefix |= sh.bin << shift;
       below += sh.mass;
       n = sh.count;
       __syncthreads();

@@ -41,7 +41,7 @@ def _rows(kinds, v: int, gen: torch.Generator) -> torch.Tensor:
 def _oracle(row: torch.Tensor, temperature, top_k, top_p, min_p, tol_p: float = 1e-5, tol_min: float = 1e-5):
     """(kept, ambiguous) (V,) bool for one row, in float64 with an explicit (value, index) order: the warpers'
     rule written out. ``ambiguous``: tokens whose cumulative probability (top-p) or probability ratio (min-p) lies
-    within the tolerance of the cut-off, where float32 rounding may decide either way."""
+    within the relative tolerance of the cut-off, where float32 rounding may decide either way."""
     v = row.numel()
     z = row / temperature if temperature != 1.0 else row  # (the fp32 division the op makes)
     z = z.double()
@@ -61,7 +61,7 @@ def _oracle(row: torch.Tensor, temperature, top_k, top_p, min_p, tol_p: float = 
         drop[-1] = False
         idx = torch.tensor(order)
         kept[idx[drop]] = False
-        amb[idx[(cum - (1 - top_p)).abs() <= tol_p]] = True
+        amb[idx[(cum - (1 - top_p)).abs() <= tol_p * (1 - top_p)]] = True  # (float32 sums: relative error)
     if min_p is not None and min_p > 0:
         zz = torch.where(kept, z, float("-inf"))
         ratio = torch.exp(zz - zz.max())
@@ -79,7 +79,7 @@ def _check_kept(kept: torch.Tensor, rows: torch.Tensor, params, tol_p=1e-5, tol_
         wrong = ((kept[r].cpu() & finite) != (want & finite)) & ~amb
         assert not wrong.any(), (r, params, wrong.nonzero()[:5].flatten().tolist(), int(want.sum()),
                                  int(kept[r].sum()))
-        assert int(amb.sum()) <= 8, (r, params)  # (the tolerance must not hide a whole class of tokens)
+        assert int(amb.sum()) <= max(8, rows.shape[1] // 500), (r, params)  # (it must not hide a class of tokens)
 
 
 # ---- the warpers ----
