@@ -102,19 +102,30 @@ __device__ __forceinline__ float block_max(float v, Shared& sh) {
   return __shfl_sync(kFull, v, 0);
 }
 
+__device__ __forceinline__ int warp_sum_int(int v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+
 __device__ __forceinline__ int block_sum(int v, Shared& sh) {
-  v = __reduce_add_sync(kFull, v);
+  v = warp_sum_int(v);
   if ((threadIdx.x & 31) == 0) sh.i[threadIdx.x >> 5] = v;
   __syncthreads();
-  v = __reduce_add_sync(kFull, threadIdx.x < 32 ? sh.i[threadIdx.x] : 0);
+  v = warp_sum_int(threadIdx.x < 32 ? sh.i[threadIdx.x] : 0);
   __syncthreads();
   return __shfl_sync(kFull, v, 0);
 }
 
 // Per-bin counts (and, kMass, masses exp(z - m)) of the keys, in bin digit(key) (kBins: not counted); the copies
 // merged into hcnt[0, kBins) / hmass[0, kBins) on return.
-template <bool kMass, typename KeyAt, typename Digit>
-__device__ void histogram(const KeyAt& key_at, int v, const Digit& digit, float m, unsigned* hcnt, float* hmass) {
+// Rounds of kThreads tokens per step of the passes over a row: their loads first, so that a warp has several in
+// flight (one at a time, a row re-read from L2 would take ~0.5 us per round of latency).
+constexpr int kUnroll = 4;
+
+template <bool kMass, typename RawAt, typename KeyOf, typename Digit>
+__device__ void histogram(const RawAt& raw_at, const KeyOf& key_of, int v, const Digit& digit, float m,
+                          unsigned* hcnt, float* hmass) {
   for (int j = threadIdx.x; j < kCopies * kBins; j += kThreads) {
     hcnt[j] = 0;
     if constexpr (kMass) hmass[j] = 0.f;
@@ -123,31 +134,40 @@ __device__ void histogram(const KeyAt& key_at, int v, const Digit& digit, float 
   const int lane = threadIdx.x & 31, copy = (threadIdx.x >> 5) % kCopies;
   unsigned* cnt = hcnt + copy * kBins;
   float* mass = hmass + copy * kBins;
-  for (int base = 0; base < v; base += kThreads) {  // (whole warps every round: the warp intrinsics below)
-    const int i = base + static_cast<int>(threadIdx.x);
-    unsigned bin = kBins;  // kBins: not counted
-    float w = 0.f;
-    if (i < v) {
-      const uint32_t k = key_at(i);
-      bin = digit(k);
-      if (kMass && bin != kBins) w = __expf(key_value(k) - m);
+  for (int base = 0; base < v; base += kUnroll * kThreads) {  // (whole warps every round: the warp intrinsics)
+    uint32_t raw[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * kThreads + static_cast<int>(threadIdx.x);
+      raw[u] = i < v ? raw_at(i) : 0u;
     }
-    if (!__any_sync(kFull, bin != kBins)) continue;
-    const unsigned peers = __match_any_sync(kFull, bin);
-    const bool leader = lane == __ffs(peers) - 1 && bin != kBins;
-    if (leader) atomicAdd(cnt + bin, static_cast<unsigned>(__popc(peers)));
-    if constexpr (kMass) {
-      unsigned leaders = __ballot_sync(kFull, leader);
-      if (__popc(leaders) <= 4) {  // few bins in this warp: one warp sum each
-        while (leaders) {
-          const int l = __ffs(leaders) - 1;
-          leaders &= leaders - 1;
-          const unsigned b = __shfl_sync(kFull, bin, l);
-          const float part = warp_sum(bin == b ? w : 0.f);
-          if (lane == l) atomicAdd(mass + b, part);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * kThreads + static_cast<int>(threadIdx.x);
+      unsigned bin = kBins;  // kBins: not counted
+      float w = 0.f;
+      if (i < v) {
+        const uint32_t k = key_of(raw[u]);
+        bin = digit(k);
+        if (kMass && bin != kBins) w = __expf(key_value(k) - m);
+      }
+      if (!__any_sync(kFull, bin != kBins)) continue;
+      const unsigned peers = __match_any_sync(kFull, bin);
+      const bool leader = lane == __ffs(peers) - 1 && bin != kBins;
+      if (leader) atomicAdd(cnt + bin, static_cast<unsigned>(__popc(peers)));
+      if constexpr (kMass) {
+        unsigned leaders = __ballot_sync(kFull, leader);
+        if (__popc(leaders) <= 4) {  // few bins in this warp: one warp sum each
+          while (leaders) {
+            const int l = __ffs(leaders) - 1;
+            leaders &= leaders - 1;
+            const unsigned b = __shfl_sync(kFull, bin, l);
+            const float part = warp_sum(bin == b ? w : 0.f);
+            if (lane == l) atomicAdd(mass + b, part);
+          }
+        } else if (bin != kBins) {
+          atomicAdd(mass + bin, w);
         }
-      } else if (bin != kBins) {
-        atomicAdd(mass + bin, w);
       }
     }
   }
@@ -255,26 +275,43 @@ __global__ void __launch_bounds__(kThreads) sample_tokens_kernel(const SamplePar
   pdl_wait();  // the scores, seed and step counter come from earlier kernels
   const int row = blockIdx.x, v = p.v, tid = threadIdx.x;
   const float* x = p.scores + static_cast<int64_t>(row) * v;
-  auto scaled = [&](int i) {
-    const float z = ld_dep(x + i);
-    return p.scale ? z / p.temperature : z;  // (IEEE division, as the reference's)
-  };
-  auto key_at = [&](int i) -> uint32_t {
+  // a token's raw 32 bits (its key when cached, else its logit's bits: loaded apart from the key's computation)
+  auto raw_at = [&](int i) -> uint32_t {
     if constexpr (kCached) {
       return keys[i];
     } else {
-      return order_key(scaled(i));
+      return ld_dep(reinterpret_cast<const unsigned*>(x + i));
     }
   };
+  auto key_of = [&](uint32_t raw) -> uint32_t {
+    if constexpr (kCached) {
+      return raw;
+    } else {
+      const float z = __uint_as_float(raw);
+      return order_key(p.scale ? z / p.temperature : z);  // (IEEE division, as the reference's)
+    }
+  };
+  auto key_at = [&](int i) -> uint32_t { return key_of(raw_at(i)); };
 
   // 1. keys, the maximum, the smallest finite value, the finite count
   float m = -INFINITY, zmin = INFINITY;
   int finite = 0;
-  for (int i = tid; i < v; i += kThreads) {
-    const float z = scaled(i);
-    if constexpr (kCached) keys[i] = order_key(z);
-    m = fmaxf(m, z);
-    if (is_finite_key(order_key(z))) zmin = fminf(zmin, z), ++finite;
+  for (int base = 0; base < v; base += 2 * kUnroll * kThreads) {
+    float xs[2 * kUnroll];
+#pragma unroll
+    for (int u = 0; u < 2 * kUnroll; ++u) {
+      const int i = base + u * kThreads + tid;
+      xs[u] = i < v ? ld_dep(x + i) : -INFINITY;
+    }
+#pragma unroll
+    for (int u = 0; u < 2 * kUnroll; ++u) {
+      const int i = base + u * kThreads + tid;
+      const float z = p.scale ? xs[u] / p.temperature : xs[u];  // (IEEE division, as the reference's)
+      const uint32_t k = order_key(z);
+      if (kCached && i < v) keys[i] = k;
+      m = fmaxf(m, z);
+      if (is_finite_key(k)) zmin = fminf(zmin, z), ++finite;
+    }
   }
   m = block_max(m, sh);  // (its barriers publish the keys)
   zmin = -block_max(-zmin, sh);
@@ -301,7 +338,7 @@ __global__ void __launch_bounds__(kThreads) sample_tokens_kernel(const SamplePar
     uint32_t prefix = 0;
     for (int level = 0; level < 5; ++level) {
       const int shift = 32 - 8 * level;  // (level 0: the slices)
-      histogram<false>(key_at, v, [&](uint32_t k) -> unsigned {
+      histogram<false>(raw_at, key_of, v, [&](uint32_t k) -> unsigned {
         if (!is_finite_key(k)) return kBins;
         if (level == 0) return slice(k);
         if (slice(k) != s0 || (shift < 24 && (k >> (shift + 8)) != (prefix >> (shift + 8)))) return kBins;
@@ -327,7 +364,7 @@ __global__ void __launch_bounds__(kThreads) sample_tokens_kernel(const SamplePar
     unsigned s0 = 0;
     for (int level = 0; level < 5; ++level) {
       const int shift = 32 - 8 * level;  // (level 0: the slices)
-      histogram<true>(key_at, v, [&](uint32_t k) -> unsigned {
+      histogram<true>(raw_at, key_of, v, [&](uint32_t k) -> unsigned {
         if (!is_finite_key(k) || k < lo) return kBins;
         if (level == 0) return slice(k);
         if (slice(k) != s0 || (shift < 24 && (k >> (shift + 8)) != (prefix >> (shift + 8)))) return kBins;
