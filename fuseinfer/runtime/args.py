@@ -44,7 +44,7 @@ class Sampling:
         """Processed logits (B, V) fp32 -> the sampled tokens (B,) int64 in one pass (fuseinfer::sample_tokens: the
         warpers and a Philox draw keyed by ``seed`` at counter ``offset``, both (1,) int64 device tensors), without
         materialising the warped scores."""
-        return sample_tokens(logits, seed, offset, self.temperature, self.top_k, self.top_p, self.min_p)
+        return sample_tokens(logits.float(), seed, offset, self.temperature, self.top_k, self.top_p, self.min_p)
 
     def choose(self, warped: torch.Tensor) -> torch.Tensor:
         """Warped scores (B, V) -> scores whose first maximum per row is the next token."""
