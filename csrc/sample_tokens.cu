@@ -424,8 +424,6 @@ __global__ void __launch_bounds__(kThreads) sample_tokens_kernel(const SamplePar
   int best_i = INT_MAX;
   const int groups = (v + 3) / 4;
   for (int g = tid; g < groups; g += kThreads) {
-    const uint4 r = philox(make_uint4(g, row, static_cast<unsigned>(off), static_cast<unsigned>(off >> 32)), key);
-    const unsigned words[4] = {r.x, r.y, r.z, r.w};
     uint32_t ks[4];
     if (kCached && 4 * g + 3 < v) {  // one 16-byte shared load (four scalar ones would conflict 4-way)
       const uint4 q = *reinterpret_cast<const uint4*>(keys + 4 * g);
@@ -434,19 +432,25 @@ __global__ void __launch_bounds__(kThreads) sample_tokens_kernel(const SamplePar
 #pragma unroll
       for (int e = 0; e < 4; ++e) ks[e] = 4 * g + e < v ? key_at(4 * g + e) : 0u;
     }
+    bool kept[4], any = false;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = 4 * g + e;
-      if (i >= v) break;
       const uint32_t k = ks[e];
-      bool kept = k >= lo && (k > vstar || (k == vstar && i >= cut));
-      const float z = key_value(k);
-      if (kept && p.min_p > 0.f) kept = expf(z - m) >= p.min_p;
-      if constexpr (kKept) p.kept[static_cast<int64_t>(row) * v + i] = kept;
-      if (!kept) continue;
+      kept[e] = i < v && k >= lo && (k > vstar || (k == vstar && i >= cut));
+      if (kept[e] && p.min_p > 0.f) kept[e] = expf(key_value(k) - m) >= p.min_p;
+      if (kKept && i < v) p.kept[static_cast<int64_t>(row) * v + i] = kept[e];
+      any |= kept[e];
+    }
+    if (!any) continue;  // (top-k, peaked rows: most groups of four hold no kept token, and need no numbers)
+    const uint4 r = philox(make_uint4(g, row, static_cast<unsigned>(off), static_cast<unsigned>(off >> 32)), key);
+    const unsigned words[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (!kept[e]) continue;
       const float u = (static_cast<float>(words[e] >> 9) + 0.5f) * 0x1p-23f;
-      const float gk = z - logf(-logf(u));
-      if (better(gk, i, best, best_i)) best = gk, best_i = i;
+      const float gk = key_value(ks[e]) - logf(-logf(u));
+      if (better(gk, 4 * g + e, best, best_i)) best = gk, best_i = 4 * g + e;
     }
   }
 #pragma unroll
