@@ -78,6 +78,19 @@ def test_output_scores_keeps_the_warped_scores(tiny_model_path):
         assert torch.isfinite(scores.gather(1, out.sequences[:, p + t, None])).all()
 
 
+def test_pytorch_warpers_path_still_samples(tiny_model_path, monkeypatch):
+    """decode.FUSED_SAMPLING = False (what bench_sampling compares): the warpers as PyTorch ops and the race."""
+    from fuseinfer.runtime import decode
+
+    monkeypatch.setattr(decode, "FUSED_SAMPLING", False)
+    model, tok = _load(tiny_model_path)
+    fuseinfer.patch(model)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    greedy = fuseinfer.generate(model, enc.input_ids, enc.attention_mask, max_new_tokens=8)
+    top1 = fuseinfer.generate(model, enc.input_ids, enc.attention_mask, max_new_tokens=8, do_sample=True, top_k=1)
+    assert torch.equal(top1, greedy) and not _session(model).fused_sampling
+
+
 @pytest.mark.gpu
 def test_sampling_inside_the_decode_graphs(tiny_model_path):
     from helpers import require_kernel
