@@ -99,10 +99,14 @@ def test_sampling_inside_the_decode_graphs(tiny_model_path):
     model, tok = _load(tiny_model_path, "cuda")
     enc = tok(PROMPTS, return_tensors="pt", padding=True).to("cuda")
     fuseinfer.patch(model)
-    greedy = fuseinfer.generate(model, enc.input_ids, enc.attention_mask, max_new_tokens=40, do_sample=False)
     out = _reproducible(model, enc, max_new_tokens=40, do_sample=True, top_p=0.9, temperature=0.7)
     session = _session(model)
     assert session.fused_sampling and session.graphs and out.shape[1] == enc.input_ids.shape[1] + 40
+    # top-k 1 leaves the maximum (every tied one: fp16 logits tie), through the kernel and the graphs
     top1 = fuseinfer.generate(model, enc.input_ids, enc.attention_mask, max_new_tokens=40, do_sample=True, top_k=1,
-                              temperature=0.7)
-    assert torch.equal(top1, greedy)  # top-k 1 leaves the argmax, through the kernel and the graphs
+                              temperature=0.7, return_dict_in_generate=True, output_logits=True)
+    assert _session(model).fused_sampling
+    p = enc.input_ids.shape[1]
+    for t, logits in enumerate(top1.logits):  # (B, V) per step
+        chosen = logits.gather(1, top1.sequences[:, p + t, None].to(logits.device))
+        assert torch.equal(chosen[:, 0], logits.amax(-1))
