@@ -8,7 +8,9 @@
 //   * the last block to finish (an atomic ticket, reset by that block for the next launch) merges each row's
 //     chunk maxima (a tie goes to the lower index, so the first maximum overall wins, as torch.argmax) and does the
 //     bookkeeping of fuseinfer/ops/emit_tokens.py's reference, row r by thread r.
-// NaN counts as the largest value (torch.argmax's rule). Launched with PDL (launch.h).
+// NaN counts as the largest value (torch.argmax's rule). With `chosen` (B,) int64 (sampling: fuseinfer::sample_tokens
+// chose the tokens already), a second kernel of one block does the bookkeeping alone with those tokens; the greedy
+// kernel is unchanged. Launched with PDL (launch.h).
 #include "launch.h"
 
 #include <ATen/ATen.h>
@@ -42,6 +44,7 @@ struct EmitParams {
   float* chunk_max;   // scratch: (B, kChunks)
   int* chunk_arg;     // scratch: (B, kChunks)
   unsigned* ticket;   // scratch: blocks finished so far
+  const int64_t* chosen;  // (B,) or null: emit_chosen_kernel's tokens
 };
 
 // Whether (v, i) comes before (best, best_i) in torch.argmax's order: larger value (NaN largest), then lower index.
@@ -57,6 +60,32 @@ __device__ __forceinline__ void warp_best(float& v, int& i) {
     const float ov = __shfl_xor_sync(0xffffffffu, v, o);
     const int oi = __shfl_xor_sync(0xffffffffu, i, o);
     if (better(ov, oi, v, i)) v = ov, i = oi;
+  }
+}
+
+// The bookkeeping of the reference, row r by thread r, with row r's token token_of(r); one block.
+template <typename TokenOf>
+__device__ __forceinline__ void finish_rows(const EmitParams& p, const TokenOf& token_of) {
+  const int64_t at = *p.step;
+  bool running = false;
+  for (int r = threadIdx.x; r < p.b; r += kThreads) {
+    int64_t token = token_of(r);
+    bool live = p.unfinished[r];
+    if (!live) token = p.pad;
+    for (int e = 0; live && e < p.n_eos; ++e) live = token != p.eos[e];
+    p.unfinished[r] = live;
+    running |= live;
+    if (at >= 0 && at < p.max_new) p.out[r * p.max_new + at] = token;  // a step outside [0, max_new) writes no slot
+    p.tokens[r] = token;
+    p.positions[r] += 1;
+    p.q_start[r] += 1;
+  }
+  running = __syncthreads_or(running);
+  if (threadIdx.x == 0) {
+    if (at >= 0 && at < p.max_new) p.alive[at] = running;
+    *p.step = at + 1;
+    *p.decode_idx += 1;
+    *p.ticket = 0;  // ready for the next launch
   }
 }
 
@@ -93,9 +122,7 @@ __global__ void __launch_bounds__(kThreads) emit_tokens_kernel(const EmitParams 
   __syncthreads();
   if (!last) return;
   __threadfence();  // every block's result, after all tickets
-  const int64_t at = *p.step;
-  bool running = false;
-  for (int r = threadIdx.x; r < p.b; r += kThreads) {
+  finish_rows(p, [&](int r) {
     float v = -INFINITY;
     int nxt = INT_MAX;
     for (int c = 0; c < kChunks; ++c) {
@@ -103,24 +130,17 @@ __global__ void __launch_bounds__(kThreads) emit_tokens_kernel(const EmitParams 
       const int ci = __ldcg(p.chunk_arg + r * kChunks + c);
       if (better(cv, ci, v, nxt)) v = cv, nxt = ci;
     }
-    int64_t token = nxt;
-    bool live = p.unfinished[r];
-    if (!live) token = p.pad;
-    for (int e = 0; live && e < p.n_eos; ++e) live = token != p.eos[e];
-    p.unfinished[r] = live;
-    running |= live;
-    if (at >= 0 && at < p.max_new) p.out[r * p.max_new + at] = token;  // a step outside [0, max_new) writes no slot
-    p.tokens[r] = token;
-    p.positions[r] += 1;
-    p.q_start[r] += 1;
-  }
-  running = __syncthreads_or(running);
-  if (threadIdx.x == 0) {
-    if (at >= 0 && at < p.max_new) p.alive[at] = running;
-    *p.step = at + 1;
-    *p.decode_idx += 1;
-    *p.ticket = 0;  // ready for the next launch
-  }
+    return static_cast<int64_t>(nxt);
+  });
+}
+
+// grid 1, block kThreads: the bookkeeping with the tokens in p.chosen (written by the kernel before).
+__global__ void __launch_bounds__(kThreads) emit_chosen_kernel(const EmitParams p) {
+  pdl_launch_dependents();
+  pdl_wait();
+  finish_rows(p, [&](int r) {
+    return static_cast<int64_t>(ld_dep_as(reinterpret_cast<const unsigned long long*>(p.chosen + r)));
+  });
 }
 
 }  // namespace
@@ -129,7 +149,8 @@ int64_t emit_tokens_scratch_ints(int64_t rows) { return 1 + 2 * rows * kChunks; 
 
 void emit_tokens_cuda(const at::Tensor& scores, const at::Tensor& eos, int64_t pad, at::Tensor& tokens,
                       at::Tensor& positions, at::Tensor& q_start, at::Tensor& decode_idx, at::Tensor& step,
-                      at::Tensor& unfinished, at::Tensor& out, at::Tensor& alive, at::Tensor& scratch) {
+                      at::Tensor& unfinished, at::Tensor& out, at::Tensor& alive, at::Tensor& scratch,
+                      const std::optional<at::Tensor>& chosen) {
   const int64_t b = scores.size(0), v = scores.size(1);
   TORCH_CHECK(scores.is_cuda() && scores.scalar_type() == at::kFloat && scores.dim() == 2 && scores.is_contiguous(),
               "emit_tokens_cuda: scores must be a contiguous (B, V) float32 CUDA tensor");
@@ -152,6 +173,7 @@ void emit_tokens_cuda(const at::Tensor& scores, const at::Tensor& eos, int64_t p
   check(alive, at::kBool, max_new, "alive");
   check(eos, at::kLong, eos.numel(), "eos");
   check(scratch, at::kInt, emit_tokens_scratch_ints(b), "scratch");
+  if (chosen.has_value()) check(*chosen, at::kLong, b, "chosen");
   const at::cuda::CUDAGuard guard(scores.device());
   EmitParams p{};
   p.scores = scores.data_ptr<float>();
@@ -173,6 +195,11 @@ void emit_tokens_cuda(const at::Tensor& scores, const at::Tensor& eos, int64_t p
   p.ticket = reinterpret_cast<unsigned*>(s);
   p.chunk_max = reinterpret_cast<float*>(s + 1);
   p.chunk_arg = s + 1 + b * kChunks;
+  if (chosen.has_value()) {  // (the ticket stays 0: this kernel takes none)
+    p.chosen = chosen->data_ptr<int64_t>();
+    launch_kernel(emit_chosen_kernel, dim3(1), kThreads, 0, at::cuda::getCurrentCUDAStream(), p);
+    return;
+  }
   launch_kernel(emit_tokens_kernel, dim3(kChunks, static_cast<unsigned>(b)), kThreads, 0,
                 at::cuda::getCurrentCUDAStream(), p);
 }
@@ -180,11 +207,12 @@ void emit_tokens_cuda(const at::Tensor& scores, const at::Tensor& eos, int64_t p
 
 // emit_tokens (fuseinfer/ops/emit_tokens.py has the reference): tokens = first argmax of each row of scores (B, V)
 // fp32, padded where a row has finished; unfinished, out[:, step], alive[step] updated; positions, q_start,
-// decode_idx, step advanced by one. scratch: emit_tokens_scratch_ints(B) int32, zeroed once.
+// decode_idx, step advanced by one. scratch: emit_tokens_scratch_ints(B) int32, zeroed once. chosen: (B,) int64
+// tokens to record instead of the argmax (scores then unread).
 TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
   m.def("emit_tokens(Tensor scores, Tensor eos, int pad, Tensor(a!) tokens, Tensor(b!) positions, "
         "Tensor(c!) q_start, Tensor(d!) decode_idx, Tensor(e!) step, Tensor(f!) unfinished, Tensor(g!) out, "
-        "Tensor(h!) alive, Tensor(i!) scratch) -> ()");
+        "Tensor(h!) alive, Tensor(i!) scratch, Tensor? chosen=None) -> ()");
   m.def("emit_tokens_scratch_ints(int rows) -> int", &emit_tokens_scratch_ints);
 }
 

@@ -107,19 +107,37 @@ def decode_step(dtype, layers, hidden, heads, ffn, capacity, slots, pad, int8=Fa
                             scales)
 
 
-def emit_tokens():
-    """The decode step's tail: 3 rows over a vocabulary of 1001 (not a multiple of the kernel's chunks), one EOS."""
-    scores = torch.randn(3, 1001, device="cuda")
+def emit_tokens(scores=None, chosen=None):
+    """The decode step's tail: 3 rows over a vocabulary of 1001 (not a multiple of the kernel's chunks), one EOS;
+    with ``chosen``, the one-block kernel that records those tokens."""
+    scores = torch.randn(3, 1001, device="cuda") if scores is None else scores
     step = dict(tokens=torch.zeros(3, 1, dtype=torch.long), positions=torch.zeros(3, 1, dtype=torch.long),
                 q_start=torch.zeros(3, dtype=torch.int32), decode_idx=torch.zeros(1, dtype=torch.long),
                 step=torch.zeros(1, dtype=torch.long), unfinished=torch.ones(3, dtype=torch.bool),
                 out=torch.zeros(3, 4, dtype=torch.long), alive=torch.ones(4, dtype=torch.bool))
     ops.emit_tokens(scores, torch.tensor([2], device="cuda"), 1, *(t.cuda() for t in step.values()),
-                    ops.emit_tokens_scratch(3, "cuda"))
+                    ops.emit_tokens_scratch(3, "cuda"), chosen)
+
+
+def sample_tokens():
+    """Sampling's token choice: a vocabulary of 1001 (the row in shared memory; odd, a tail past the Philox groups
+    of four) and Qwen2's 151936 (re-read from global memory), each warper and ties at the cut-offs (fp16-rounded
+    logits); then the bookkeeping with the chosen tokens (emit_tokens' one-block kernel)."""
+    from fuseinfer.core.extension import extension
+
+    seed, off = torch.tensor([5], device="cuda"), torch.tensor([2], device="cuda")
+    for v in (1001, 151936):
+        scores = (torch.randn(3, v, device="cuda") * 3).half().float()
+        scores[2, ::3] = float("-inf")
+        for temperature, top_k, top_p, min_p in ((1.0, 0, 1.0, 0.0), (0.7, 50, 0.9, 0.0), (1.3, 0, 0.95, 0.05)):
+            chosen = ops.sample_tokens(scores, seed, off, temperature, top_k, top_p, min_p)
+            extension().sample_tokens_kept(scores, seed, off, temperature, top_k, top_p, min_p)
+    emit_tokens(scores, chosen)
 
 
 if part in ("all", "no-ring-wrap"):
     other_kernels()
+    sample_tokens()
     for dtype in (torch.float16, torch.bfloat16):
         decode_step(dtype, 2, 256, 4, 512, 96, [70, 50, 70], 20)  # short: a few stages per block
     emit_tokens()

@@ -1,7 +1,8 @@
 """Fused ops: each module holds a pure-PyTorch reference and a ``fuseinfer::<name>`` torch.library custom op
 that runs the CUDA kernel when the extension is built and the tensors are on CUDA, the reference otherwise.
 ``quant`` (int8 quantize / dequantize), ``w8a16_linear`` (W8A16 GEMM), ``w8a8_linear``, ``fp8_linear`` (FP8
-e4m3 W8A8) and ``fp8_weight_linear`` (its decode GEMV) serve ``fuseinfer.quant``.
+e4m3 W8A8) and ``fp8_weight_linear`` (its decode GEMV) serve ``fuseinfer.quant``; ``sample_tokens`` is sampling's
+token choice in one pass.
 """
 from fuseinfer.ops.attention import attention, attention_ref
 from fuseinfer.ops.decode_step import decode_step_workspace, opt_decode_step, opt_decode_step_ref
@@ -15,6 +16,7 @@ from fuseinfer.ops.layer_norm import add_layer_norm, add_layer_norm_ref
 from fuseinfer.ops.layer_norm_quant import add_layer_norm_quant, add_layer_norm_quant_ref
 from fuseinfer.ops.linear import linear_epilogue, linear_epilogue_ref
 from fuseinfer.ops.rms_norm import add_rms_norm, add_rms_norm_ref
+from fuseinfer.ops.sample_tokens import sample_tokens, sample_tokens_ref, warp_ref
 from fuseinfer.ops.rope import qkv_rope, qkv_rope_append, qkv_rope_append_ref, qkv_rope_ref
 from fuseinfer.ops.silu_mul import silu_mul, silu_mul_ref
 from fuseinfer.ops.quant import (
@@ -34,5 +36,5 @@ __all__ = [
     "opt_decode_step", "opt_decode_step_ref", "quantize_int8_ref", "quantize_per_channel", "quantize_per_token",
     "add_layer_norm_quant", "add_layer_norm_quant_ref", "w8a8_linear", "w8a8_linear_ref",
     "add_rms_norm", "add_rms_norm_ref", "qkv_rope", "qkv_rope_append", "qkv_rope_append_ref", "qkv_rope_ref",
-    "silu_mul", "silu_mul_ref",
+    "sample_tokens", "sample_tokens_ref", "silu_mul", "silu_mul_ref", "warp_ref",
 ]

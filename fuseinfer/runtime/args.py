@@ -13,6 +13,7 @@ import torch
 
 from fuseinfer.core import decode_plan, placement
 from fuseinfer.core.state import patch_state
+from fuseinfer.ops.sample_tokens import sample_tokens, warp_ref
 from fuseinfer.runtime.processors import Rule, bad_words, repetition_penalty_skips_padding
 
 
@@ -37,21 +38,13 @@ class Sampling:
         """Processed logits (B, V) fp32 -> the warped scores transformers samples from (and reports as scores)."""
         if not self.do_sample:
             return logits
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        if self.top_k:
-            kth = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if self.top_p is not None and self.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, dim=-1)  # ascending, like TopPLogitsWarper
-            cum = sorted_logits.softmax(-1).cumsum(-1)
-            drop = cum <= 1 - self.top_p
-            drop[:, -1] = False  # keep at least the most likely token
-            logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
-        if self.min_p is not None:  # MinPLogitsWarper: drop p < min_p * max p (the top token always stays)
-            probs = logits.softmax(-1)
-            logits = logits.masked_fill(probs < self.min_p * probs.amax(-1, keepdim=True), float("-inf"))
-        return logits
+        return warp_ref(logits, self.temperature, self.top_k, self.top_p, self.min_p)
+
+    def sample(self, logits: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        """Processed logits (B, V) fp32 -> the sampled tokens (B,) int64 in one pass (fuseinfer::sample_tokens: the
+        warpers and a Philox draw keyed by ``seed`` at counter ``offset``, both (1,) int64 device tensors), without
+        materialising the warped scores."""
+        return sample_tokens(logits.float(), seed, offset, self.temperature, self.top_k, self.top_p, self.min_p)
 
     def choose(self, warped: torch.Tensor) -> torch.Tensor:
         """Warped scores (B, V) -> scores whose first maximum per row is the next token."""

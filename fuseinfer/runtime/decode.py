@@ -57,6 +57,7 @@ from fuseinfer.runtime.processors import Processors, Rule
 SESSIONS_ATTR = "_fuseinfer_sessions"
 STOP_CHECK_EVERY = 16
 CAPACITY_ROUND = 128
+FUSED_SAMPLING = True  # sampling by fuseinfer::sample_tokens (False: the warpers as PyTorch ops; benchmarks compare)
 SESSIONS_PER_BUCKET = 4  # settings kept per batch bucket (each: its step buffers, processors, decode graphs)
 CPU_CACHE_BUDGET = 512 << 20  # KV-cache bytes a model keeps between calls on the CPU (set_cache_budget)
 CUDA_CACHE_FRACTION = 2  # ... on a GPU: its memory / this
@@ -104,11 +105,14 @@ class _Session:
         self.out = torch.full((bucket, self.max_new), pad, dtype=torch.long, device=dev)  # (B, max_new)
         self.alive = torch.ones(self.max_new, dtype=torch.bool, device=dev)  # any row unfinished after step i
         self.scratch = emit_tokens_scratch(bucket, dev)
+        self.seed = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) the call's sampling seed (set by begin)
         vocab = model.get_output_embeddings().out_features
         self.proc = Processors(rule, bucket, capacity, vocab, dev) if rule.active else None
         # per-step outputs of return_dict_in_generate, (B, max_new, V) fp32, only when asked for
         self.scores_out = torch.zeros(bucket, self.max_new, vocab, device=dev) if rule.output_scores else None
         self.logits_out = torch.zeros(bucket, self.max_new, vocab, device=dev) if rule.output_logits else None
+        # sampling in one pass (fuseinfer::sample_tokens) unless the warped scores are asked for
+        self.fused_sampling = FUSED_SAMPLING and sampling.do_sample and self.scores_out is None
         self.batch = bucket  # real rows of the current call (set by begin)
         # The decode step: one kernel for the whole model where it has one, else the patched modules per op
         self.step_kernel, why = (None, plan.no_kernel) if plan.no_kernel else \
@@ -141,8 +145,17 @@ class _Session:
     def _emit(self, logits: torch.Tensor) -> None:
         """Choose the next tokens from logits (B, V), record them and the stop state at ``step``, advance every
         counter (one kernel on CUDA: fuseinfer::emit_tokens). Before the choice: the call's logits processors and
-        warpers in transformers' order, and the per-step outputs where asked for."""
+        warpers in transformers' order, and the per-step outputs where asked for. Sampling without output_scores:
+        the warpers and the draw are one op (fuseinfer::sample_tokens, Philox keyed by the call's seed at the step
+        counter), whose tokens emit_tokens records."""
         scores = self.proc(logits, self.step) if self.proc is not None else logits
+        if self.fused_sampling:
+            chosen = self.sampling.sample(scores, self.seed, self.step)  # (B,)
+            if self.logits_out is not None:
+                self.logits_out.index_copy_(1, self.step, logits[:, None])
+            emit_tokens(scores, self.eos, self.pad, self.tokens, self.positions, self.q_start, self.decode_idx,
+                        self.step, self.unfinished, self.out, self.alive, self.scratch, chosen)
+            return
         scores = self.sampling.warp(scores)
         if self.scores_out is not None:
             self.scores_out.index_copy_(1, self.step, scores[:, None])
@@ -187,6 +200,8 @@ class _Session:
         pos[:b] = mask.long().cumsum(1) * mask - 1  # (B, P), -1 on padding, as OPT does
         self.unfinished.fill_(True)
         self.unfinished[b:] = False
+        if self.fused_sampling:  # from torch's generator, so that torch.manual_seed makes the call reproducible
+            self.seed.copy_(torch.randint(2**62, (1,)))
         self.out.fill_(self.pad)
         self.alive.fill_(True)
         self.step.zero_()

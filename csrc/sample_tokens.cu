@@ -1,0 +1,546 @@
+// Sampling's next-token choice, one block per row: the op fuseinfer_C::sample_tokens (fuseinfer/ops/sample_tokens.py
+// has the reference and the meaning of every argument).
+//
+// Why: the PyTorch warpers sort the whole vocabulary (top-p), take a top-k, a softmax, a cumsum and a scatter, then
+// the exponential race: ~15 kernels inside the decode graph, ~0.2 ms of a 1 ms step at batch 1. Here, per row:
+//   1. read the row once: z = logit / temperature, its order-preserving 32-bit key (kept in shared memory when the
+//      row fits, ~54k tokens; else later passes read the row again from L2), the row maximum m and the smallest
+//      finite z;
+//   2. top-k: select the k-th largest key over five levels of 256 bins with per-bin counts: first 256 equal
+//      slices of [smallest, m] (a row's keys share their top bits, so key digits would put nearly every token in
+//      a few bins, whose atomics serialise), then the 32 key bits, 8 a level, of the tokens in the chosen slice;
+//   3. top-p: the same levels select the smallest key v* with mass(key <= v*) > (1 - top_p) * mass(kept), per-bin
+//      probability mass exp(z - m) over the tokens top-k kept; then how many tokens equal to v* the reference's
+//      cumulative sum drops (the lowest indices: a stable ascending sort), found by an ordered scan when any;
+//   4. the draw over the kept tokens (min-p: exp(z - m) >= min_p): the Gumbel-max argmax of z - log(-log u), u from
+//      Philox4x32-10 at counter (i / 4, row, offset), key seed, exactly as the reference.
+// Histograms: 256 bins, 8 copies (warp w adds to copy w % 8); where a warp's tokens fall into few bins (ties), its
+// lanes of one bin are merged first (match_any). -inf (and NaN) tokens take no part: no probability, and top-k
+// keeps every token when fewer than k are finite.
+// Launched with PDL (launch.h): the scores, the seed and the step counter come from earlier kernels.
+#include "launch.h"
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <climits>
+#include <cstdint>
+#include <tuple>
+
+namespace fuseinfer {
+namespace {
+
+constexpr int kThreads = 1024;
+constexpr int kWarps = kThreads / 32;
+constexpr int kBins = 256;  // one radix digit: 8 bits, four levels for a 32-bit key
+constexpr int kCopies = 8;
+constexpr int kHistBytes = 2 * kCopies * kBins * 4;  // counts (u32) and masses (f32)
+constexpr unsigned kFull = 0xffffffffu;
+
+struct SampleParams {
+  const float* scores;   // (B, V)
+  int64_t* tokens;       // (B,)
+  const int64_t* seed;   // (1,)
+  const int64_t* offset; // (1,)
+  int v;
+  float temperature;
+  bool scale;   // temperature != 1 (the reference divides only then)
+  int top_k;    // 0: off (also when >= V: every token stays)
+  float drop;   // 1 - top_p; top-p on when use_top_p
+  bool use_top_p;
+  float min_p;  // 0: off
+  bool* kept;   // (B, V) or null: sample_tokens_kept's mask of the tokens the warpers keep (tests)
+};
+
+// The fp32 value's order-preserving key (ascending keys, ascending values; -0 and +0 share +0's key, as they compare
+// equal in the reference).
+__device__ __forceinline__ uint32_t order_key(float z) {
+  uint32_t u = __float_as_uint(z);
+  if (u == 0x80000000u) u = 0;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_value(uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// Whether a key is a finite value's (-inf and NaN keys lie outside; keys of +inf too).
+__device__ __forceinline__ bool is_finite_key(uint32_t k) { return k > 0x007fffffu && k < 0xff800000u; }
+
+// Philox4x32-10 (Random123): four 32-bit words for counter c, key k (the reference's philox4x32).
+__device__ __forceinline__ uint4 philox(uint4 c, uint2 k) {
+#pragma unroll
+  for (int r = 0; r < 10; ++r) {
+    if (r) k.x += 0x9E3779B9u, k.y += 0xBB67AE85u;
+    const unsigned lo0 = 0xD2511F53u * c.x, hi0 = __umulhi(0xD2511F53u, c.x);
+    const unsigned lo1 = 0xCD9E8D57u * c.z, hi1 = __umulhi(0xCD9E8D57u, c.z);
+    c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
+  }
+  return c;
+}
+
+// Whether (g, i) beats (best, best_i) in the draw: larger key, then lower index (torch.argmax's first maximum).
+__device__ __forceinline__ bool better(float g, int i, float best, int best_i) {
+  return g > best || (g == best && i < best_i);
+}
+
+struct Shared {
+  float f[kWarps];
+  int i[kWarps];
+  unsigned bin, count, index;
+  float mass;
+};
+
+__device__ __forceinline__ float block_max(float v, Shared& sh) {
+  v = warp_max(v);
+  if ((threadIdx.x & 31) == 0) sh.f[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = warp_max(threadIdx.x < 32 ? sh.f[threadIdx.x] : -INFINITY);
+  __syncthreads();
+  return __shfl_sync(kFull, v, 0);
+}
+
+__device__ __forceinline__ int warp_sum_int(int v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+
+__device__ __forceinline__ int block_sum(int v, Shared& sh) {
+  v = warp_sum_int(v);
+  if ((threadIdx.x & 31) == 0) sh.i[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = warp_sum_int(threadIdx.x < 32 ? sh.i[threadIdx.x] : 0);
+  __syncthreads();
+  return __shfl_sync(kFull, v, 0);
+}
+
+// Per-bin counts (and, kMass, masses exp(z - m)) of the keys, in bin digit(key) (kBins: not counted); the copies
+// merged into hcnt[0, kBins) / hmass[0, kBins) on return.
+// Rounds of kThreads tokens per step of the passes over a row: their loads first, so that a warp has several in
+// flight (one at a time, a row re-read from L2 would take ~0.5 us per round of latency).
+constexpr int kUnroll = 4;
+
+template <bool kMass, typename RawAt, typename KeyOf, typename Digit>
+__device__ void histogram(const RawAt& raw_at, const KeyOf& key_of, int v, const Digit& digit, float m,
+                          unsigned* hcnt, float* hmass) {
+  for (int j = threadIdx.x; j < kCopies * kBins; j += kThreads) {
+    hcnt[j] = 0;
+    if constexpr (kMass) hmass[j] = 0.f;
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, copy = (threadIdx.x >> 5) % kCopies;
+  unsigned* cnt = hcnt + copy * kBins;
+  float* mass = hmass + copy * kBins;
+  for (int base = 0; base < v; base += kUnroll * kThreads) {  // (whole warps every round: the warp intrinsics)
+    uint32_t raw[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * kThreads + static_cast<int>(threadIdx.x);
+      raw[u] = i < v ? raw_at(i) : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * kThreads + static_cast<int>(threadIdx.x);
+      unsigned bin = kBins;  // kBins: not counted
+      float w = 0.f;
+      if (i < v) {
+        const uint32_t k = key_of(raw[u]);
+        bin = digit(k);
+        if (kMass && bin != kBins) w = __expf(key_value(k) - m);
+      }
+      if (!__any_sync(kFull, bin != kBins)) continue;
+      const unsigned peers = __match_any_sync(kFull, bin);
+      const bool leader = lane == __ffs(peers) - 1 && bin != kBins;
+      if (leader) atomicAdd(cnt + bin, static_cast<unsigned>(__popc(peers)));
+      if constexpr (kMass) {
+        unsigned leaders = __ballot_sync(kFull, leader);
+        if (__popc(leaders) <= 4) {  // few bins in this warp: one warp sum each
+          while (leaders) {
+            const int l = __ffs(leaders) - 1;
+            leaders &= leaders - 1;
+            const unsigned b = __shfl_sync(kFull, bin, l);
+            const float part = warp_sum(bin == b ? w : 0.f);
+            if (lane == l) atomicAdd(mass + b, part);
+          }
+        } else if (bin != kBins) {
+          atomicAdd(mass + bin, w);
+        }
+      }
+    }
+  }
+  __syncthreads();
+  for (int b = threadIdx.x; b < kBins; b += kThreads) {
+    unsigned c = 0;
+    float s = 0.f;
+    for (int j = 0; j < kCopies; ++j) {
+      c += hcnt[j * kBins + b];
+      if constexpr (kMass) s += hmass[j * kBins + b];
+    }
+    hcnt[b] = c;
+    if constexpr (kMass) hmass[b] = s;
+  }
+  __syncthreads();
+}
+
+// Warp 0: the bin holding the rem-th largest counted key (bins from the top); sh.bin, sh.count = keys in higher bins.
+__device__ void select_count_desc(const unsigned* hcnt, unsigned rem, Shared& sh) {
+  const int lane = threadIdx.x & 31;
+  unsigned c[8], tot = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) tot += (c[j] = hcnt[kBins - 1 - 8 * lane - j]);
+  unsigned incl = tot;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const unsigned n = __shfl_up_sync(kFull, incl, o);
+    if (lane >= o) incl += n;
+  }
+  const unsigned excl = incl - tot;
+  if (excl < rem && rem <= incl) {  // exactly one lane: the counted keys number >= rem
+    unsigned acc = excl;
+    for (int j = 0; j < 8; ++j) {
+      if (acc + c[j] >= rem) {
+        sh.bin = kBins - 1 - 8 * lane - j;
+        sh.count = acc;
+        break;
+      }
+      acc += c[j];
+    }
+  }
+}
+
+// Warp 0: the first bin (ascending) whose cumulative mass exceeds t; none (float rounding, or t >= the total): the
+// highest bin with a key. sh.bin, sh.mass = the mass of the lower bins, sh.count = the bin's keys.
+__device__ void select_mass_asc(const unsigned* hcnt, const float* hmass, float t, Shared& sh) {
+  const int lane = threadIdx.x & 31;
+  t = fmaxf(t, 0.f);  // (rounding may leave it just below 0: the first bin with mass, not an empty one)
+  float ms[8], tot = 0.f;
+  unsigned any = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    tot += (ms[j] = hmass[8 * lane + j]);
+    any |= hcnt[8 * lane + j];
+  }
+  float incl = tot;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const float n = __shfl_up_sync(kFull, incl, o);
+    if (lane >= o) incl += n;
+  }
+  float excl = __shfl_up_sync(kFull, incl, 1);
+  if (lane == 0) excl = 0.f;
+  const unsigned over = __ballot_sync(kFull, incl > t);
+  const unsigned filled = __ballot_sync(kFull, any != 0);
+  int pick = -1;  // the bin
+  float below = 0.f;
+  if (over) {
+    if (lane == __ffs(over) - 1) {
+      float acc = excl;
+      for (int j = 0; j < 8 && pick < 0; ++j) {
+        if (acc + ms[j] > t) pick = 8 * lane + j, below = acc;
+        else acc += ms[j];
+      }
+      if (pick < 0) {  // (the lane's own sum rounded otherwise): its highest bin with a key
+        acc = excl;
+        for (int j = 0; j < 8; ++j) {
+          if (hcnt[8 * lane + j]) pick = 8 * lane + j, below = acc;
+          acc += ms[j];
+        }
+      }
+    }
+  } else if (filled && lane == 31 - __clz(filled)) {
+    float acc = excl;
+    for (int j = 0; j < 8; ++j) {
+      if (hcnt[8 * lane + j]) pick = 8 * lane + j, below = acc;
+      acc += ms[j];
+    }
+  }
+  if (pick >= 0) {
+    sh.bin = pick;
+    sh.mass = below;
+    sh.count = hcnt[pick];
+  }
+}
+
+template <bool kCached, bool kKept>
+__global__ void __launch_bounds__(kThreads) sample_tokens_kernel(const SampleParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned* hcnt = reinterpret_cast<unsigned*>(smem);
+  float* hmass = reinterpret_cast<float*>(hcnt + kCopies * kBins);
+  uint32_t* keys = reinterpret_cast<uint32_t*>(hmass + kCopies * kBins);  // (V,) when kCached
+  __shared__ Shared sh;
+  pdl_launch_dependents();
+  pdl_wait();  // the scores, seed and step counter come from earlier kernels
+  const int row = blockIdx.x, v = p.v, tid = threadIdx.x;
+  const float* x = p.scores + static_cast<int64_t>(row) * v;
+  // a token's raw 32 bits (its key when cached, else its logit's bits: loaded apart from the key's computation)
+  auto raw_at = [&](int i) -> uint32_t {
+    if constexpr (kCached) {
+      return keys[i];
+    } else {
+      return ld_dep(reinterpret_cast<const unsigned*>(x + i));
+    }
+  };
+  auto key_of = [&](uint32_t raw) -> uint32_t {
+    if constexpr (kCached) {
+      return raw;
+    } else {
+      const float z = __uint_as_float(raw);
+      return order_key(p.scale ? z / p.temperature : z);  // (IEEE division, as the reference's)
+    }
+  };
+  auto key_at = [&](int i) -> uint32_t { return key_of(raw_at(i)); };
+
+  // 1. keys, the maximum, the smallest finite value, the finite count
+  float m = -INFINITY, zmin = INFINITY;
+  int finite = 0;
+  for (int base = 0; base < v; base += 2 * kUnroll * kThreads) {
+    float xs[2 * kUnroll];
+#pragma unroll
+    for (int u = 0; u < 2 * kUnroll; ++u) {
+      const int i = base + u * kThreads + tid;
+      xs[u] = i < v ? ld_dep(x + i) : -INFINITY;
+    }
+#pragma unroll
+    for (int u = 0; u < 2 * kUnroll; ++u) {
+      const int i = base + u * kThreads + tid;
+      const float z = p.scale ? xs[u] / p.temperature : xs[u];  // (IEEE division, as the reference's)
+      const uint32_t k = order_key(z);
+      if (kCached && i < v) keys[i] = k;
+      m = fmaxf(m, z);
+      if (is_finite_key(k)) zmin = fminf(zmin, z), ++finite;
+    }
+  }
+  m = block_max(m, sh);  // (its barriers publish the keys)
+  zmin = -block_max(-zmin, sh);
+  finite = block_sum(finite, sh);
+  if (m == -INFINITY) {  // nothing to sample from: token 0, as the reference's argmax of an all -inf row
+    if (tid == 0) p.tokens[row] = 0;
+    if constexpr (kKept) {
+      for (int i = tid; i < v; i += kThreads) p.kept[static_cast<int64_t>(row) * v + i] = true;  // (none removed)
+    }
+    return;
+  }
+  // the first level's slice of a finite value, ascending with it: 255 - floor((m - z) * scale), in [0, 255]
+  // (monotone: each operation rounds monotonically); one slice when every finite value is equal
+  float scale = m > zmin ? 255.99f / (m - zmin) : 0.f;
+  if (!(scale <= 3.0e38f)) scale = 0.f;
+  auto slice = [m, scale](uint32_t k) -> unsigned {
+    return 255u - static_cast<unsigned>(fminf((m - key_value(k)) * scale, 255.f));
+  };
+
+  // 2. top-k: keys >= the k-th largest stay (every key when fewer than k are finite)
+  uint32_t lo = 0;
+  if (p.top_k > 0 && p.top_k < finite) {
+    unsigned s0 = 0, rem = p.top_k;
+    uint32_t prefix = 0;
+    for (int level = 0; level < 5; ++level) {
+      const int shift = 32 - 8 * level;  // (level 0: the slices)
+      histogram<false>(raw_at, key_of, v, [&](uint32_t k) -> unsigned {
+        if (!is_finite_key(k)) return kBins;
+        if (level == 0) return slice(k);
+        if (slice(k) != s0 || (shift < 24 && (k >> (shift + 8)) != (prefix >> (shift + 8)))) return kBins;
+        return (k >> shift) & (kBins - 1);
+      }, m, hcnt, hmass);
+      if (tid < 32) select_count_desc(hcnt, rem, sh);
+      __syncthreads();
+      if (level == 0) s0 = sh.bin;
+      else prefix |= sh.bin << shift;
+      rem -= sh.count;
+      __syncthreads();
+    }
+    lo = prefix;
+  }
+
+  // 3. top-p: keys > v* stay, and of those equal to v* the ones from index `cut` on
+  uint32_t vstar = 0;
+  int cut = 0;
+  if (p.use_top_p) {
+    uint32_t prefix = 0;
+    float below = 0.f, target = 0.f;
+    unsigned n = 0;
+    unsigned s0 = 0;
+    for (int level = 0; level < 5; ++level) {
+      const int shift = 32 - 8 * level;  // (level 0: the slices)
+      histogram<true>(raw_at, key_of, v, [&](uint32_t k) -> unsigned {
+        if (!is_finite_key(k) || k < lo) return kBins;
+        if (level == 0) return slice(k);
+        if (slice(k) != s0 || (shift < 24 && (k >> (shift + 8)) != (prefix >> (shift + 8)))) return kBins;
+        return (k >> shift) & (kBins - 1);
+      }, m, hcnt, hmass);
+      if (level == 0) {  // the kept mass, every bin of the first level
+        float s = tid < kBins ? hmass[tid] : 0.f;
+        s = warp_sum(s);
+        if ((tid & 31) == 0) sh.f[tid >> 5] = s;
+        __syncthreads();
+        float total = 0.f;
+        for (int w = 0; w < kBins / 32; ++w) total += sh.f[w];
+        target = p.drop * total;
+        __syncthreads();
+      }
+      if (tid < 32) select_mass_asc(hcnt, hmass, target - below, sh);
+      __syncthreads();
+      if (level == 0) s0 = sh.bin;
+      else prefix |= sh.bin << shift;
+      below += sh.mass;
+      n = sh.count;
+      __syncthreads();
+    }
+    vstar = prefix;
+    // tokens equal to v* at ascending positions below + j * p, j = 1..n: those with below + j * p <= target drop
+    const float pv = __expf(key_value(vstar) - m);
+    int drop = pv > 0.f ? static_cast<int>(fminf(floorf((target - below) / pv), static_cast<float>(n))) : 0;
+    drop = max(0, min(drop, static_cast<int>(n) - 1));  // at least one stays (the top token when t >= the total)
+    if (drop > 0) {  // the drop-th (from 0) token equal to v*, in index order: the first that stays
+      int seen = 0;
+      for (int base = 0; base < v; base += kThreads) {
+        const int i = base + tid;
+        const bool eq = i < v && key_at(i) == vstar;
+        const int here = __syncthreads_count(eq);
+        if (seen + here > drop) {
+          const unsigned bal = __ballot_sync(kFull, eq);
+          if ((tid & 31) == 0) sh.i[tid >> 5] = __popc(bal);
+          __syncthreads();
+          int before = seen;
+          for (int w = 0; w < (tid >> 5); ++w) before += sh.i[w];
+          before += __popc(bal & ((1u << (tid & 31)) - 1));
+          if (eq && before == drop) sh.index = i;
+          __syncthreads();
+          cut = sh.index;
+          break;
+        }
+        seen += here;
+      }
+    }
+  }
+
+  // 4. the draw: Gumbel-max over the kept tokens
+  const uint64_t seed = ld_dep_as(reinterpret_cast<const unsigned long long*>(p.seed));
+  const uint64_t off = ld_dep_as(reinterpret_cast<const unsigned long long*>(p.offset));
+  const uint2 key = make_uint2(static_cast<unsigned>(seed), static_cast<unsigned>(seed >> 32));
+  float best = -INFINITY;
+  int best_i = INT_MAX;
+  const int groups = (v + 3) / 4;
+  for (int g = tid; g < groups; g += kThreads) {
+    uint32_t ks[4];
+    if (kCached && 4 * g + 3 < v) {  // one 16-byte shared load (four scalar ones would conflict 4-way)
+      const uint4 q = *reinterpret_cast<const uint4*>(keys + 4 * g);
+      ks[0] = q.x, ks[1] = q.y, ks[2] = q.z, ks[3] = q.w;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ks[e] = 4 * g + e < v ? key_at(4 * g + e) : 0u;
+    }
+    bool kept[4], any = false;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 4 * g + e;
+      const uint32_t k = ks[e];
+      kept[e] = i < v && k >= lo && (k > vstar || (k == vstar && i >= cut));
+      if (kept[e] && p.min_p > 0.f) kept[e] = expf(key_value(k) - m) >= p.min_p;
+      if (kKept && i < v) p.kept[static_cast<int64_t>(row) * v + i] = kept[e];
+      any |= kept[e];
+    }
+    if (!any) continue;  // (top-k, peaked rows: most groups of four hold no kept token, and need no numbers)
+    const uint4 r = philox(make_uint4(g, row, static_cast<unsigned>(off), static_cast<unsigned>(off >> 32)), key);
+    const unsigned words[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (!kept[e]) continue;
+      const float u = (static_cast<float>(words[e] >> 9) + 0.5f) * 0x1p-23f;
+      const float gk = key_value(ks[e]) - logf(-logf(u));
+      if (better(gk, 4 * g + e, best, best_i)) best = gk, best_i = 4 * g + e;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+    const float ob = __shfl_xor_sync(kFull, best, o);
+    const int oi = __shfl_xor_sync(kFull, best_i, o);
+    if (better(ob, oi, best, best_i)) best = ob, best_i = oi;
+  }
+  if ((tid & 31) == 0) sh.f[tid >> 5] = best, sh.i[tid >> 5] = best_i;
+  __syncthreads();
+  if (tid == 0) {
+    for (int w = 1; w < kWarps; ++w) {
+      if (better(sh.f[w], sh.i[w], best, best_i)) best = sh.f[w], best_i = sh.i[w];
+    }
+    p.tokens[row] = best_i == INT_MAX ? 0 : best_i;
+  }
+}
+
+}  // namespace
+
+namespace {
+
+void launch_sample(const at::Tensor& scores, const at::Tensor& seed, const at::Tensor& offset, double temperature,
+                   int64_t top_k, double top_p, double min_p, at::Tensor& tokens, at::Tensor* kept) {
+  TORCH_CHECK(scores.is_cuda() && scores.scalar_type() == at::kFloat && scores.dim() == 2 && scores.is_contiguous(),
+              "sample_tokens_cuda: scores must be a contiguous (B, V) float32 CUDA tensor");
+  const int64_t b = scores.size(0), v = scores.size(1);
+  TORCH_CHECK(b >= 1 && b <= 65535 && v >= 1 && v < (int64_t{1} << 30), "sample_tokens_cuda: unsupported shape ",
+              scores.sizes());
+  for (const at::Tensor* t : {&seed, &offset}) {
+    TORCH_CHECK(t->device() == scores.device() && t->scalar_type() == at::kLong && t->numel() == 1,
+                "sample_tokens_cuda: seed and offset must be (1,) int64 tensors on the scores' device");
+  }
+  TORCH_CHECK(temperature > 0, "sample_tokens_cuda: temperature must be > 0");
+  const at::cuda::CUDAGuard guard(scores.device());
+  SampleParams p{};
+  p.scores = scores.data_ptr<float>();
+  p.tokens = tokens.data_ptr<int64_t>();
+  p.seed = seed.data_ptr<int64_t>();
+  p.offset = offset.data_ptr<int64_t>();
+  p.v = static_cast<int>(v);
+  p.temperature = static_cast<float>(temperature);
+  p.scale = temperature != 1.0;
+  p.top_k = top_k > 0 && top_k < v ? static_cast<int>(top_k) : 0;
+  p.use_top_p = top_p < 1.0;
+  p.drop = static_cast<float>(1.0 - top_p);  // (the reference compares its fp32 cumsum with 1 - top_p as fp32)
+  p.min_p = min_p > 0 ? static_cast<float>(min_p) : 0.f;
+  int optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, scores.get_device()));
+  const int64_t cached_bytes = kHistBytes + 4 * v;
+  const bool cached = cached_bytes + static_cast<int64_t>(sizeof(Shared)) + 1024 <= optin;
+  const int smem = static_cast<int>(cached ? cached_bytes : kHistBytes);
+  p.kept = kept != nullptr ? kept->data_ptr<bool>() : nullptr;
+  auto kernel = kept != nullptr ? (cached ? sample_tokens_kernel<true, true> : sample_tokens_kernel<false, true>)
+                                : (cached ? sample_tokens_kernel<true, false> : sample_tokens_kernel<false, false>);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  launch_kernel(kernel, dim3(static_cast<unsigned>(b)), kThreads, smem, at::cuda::getCurrentCUDAStream(), p);
+}
+
+}  // namespace
+
+at::Tensor sample_tokens_cuda(const at::Tensor& scores, const at::Tensor& seed, const at::Tensor& offset,
+                              double temperature, int64_t top_k, double top_p, double min_p) {
+  at::Tensor tokens = at::empty({scores.size(0)}, scores.options().dtype(at::kLong));
+  launch_sample(scores, seed, offset, temperature, top_k, top_p, min_p, tokens, nullptr);
+  return tokens;
+}
+
+// The same draw, and the (B, V) mask of the tokens the warpers keep (the tests compare it with the reference's).
+std::tuple<at::Tensor, at::Tensor> sample_tokens_kept_cuda(const at::Tensor& scores, const at::Tensor& seed,
+                                                           const at::Tensor& offset, double temperature,
+                                                           int64_t top_k, double top_p, double min_p) {
+  at::Tensor tokens = at::empty({scores.size(0)}, scores.options().dtype(at::kLong));
+  at::Tensor kept = at::empty(scores.sizes(), scores.options().dtype(at::kBool));
+  launch_sample(scores, seed, offset, temperature, top_k, top_p, min_p, tokens, &kept);
+  return {tokens, kept};
+}
+
+// sample_tokens (fuseinfer/ops/sample_tokens.py has the reference): scores (B, V) fp32 -> (B,) int64 tokens drawn
+// after the warpers temperature, top-k (0: off), top-p (1: off), min-p (0: off); seed, offset (1,) int64.
+TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
+  m.def("sample_tokens(Tensor scores, Tensor seed, Tensor offset, float temperature, int top_k, float top_p, "
+        "float min_p) -> Tensor");
+  m.def("sample_tokens_kept(Tensor scores, Tensor seed, Tensor offset, float temperature, int top_k, float top_p, "
+        "float min_p) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) {
+  m.impl("sample_tokens", &sample_tokens_cuda);
+  m.impl("sample_tokens_kept", &sample_tokens_kept_cuda);
+}
+
+}  // namespace fuseinfer

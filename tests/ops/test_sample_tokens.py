@@ -1,0 +1,320 @@
+"""fuseinfer::sample_tokens (fuseinfer/ops/sample_tokens.py): the warpers' kept sets against transformers' warpers
+and a float64 per-row oracle (ties at every cut-off, -inf entries; hypothesis), the Philox stream against the
+published known-answer vectors, the draw's distribution (chi-square, with a check that the test rejects a wrong
+distribution), determinism, opcheck, emit_tokens with chosen tokens; on a GPU the kernel's kept set and tokens
+against the reference across vocabularies up to Qwen2's, its draws' distribution and a CUDA graph replay."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from helpers import examples, given, require_kernel, st
+
+from fuseinfer import FuseInferError, ops
+from fuseinfer.ops.sample_tokens import philox4x32, philox_uniform, sample_tokens_ref, warp_ref
+
+KINDS = ("normal", "fp16", "integers", "neg_inf", "peak", "all_neg_inf")
+
+
+def _rows(kinds, v: int, gen: torch.Generator) -> torch.Tensor:
+    """(len(kinds), v) fp32 logits: 'normal' (no ties), 'fp16' (rounded to fp16: ties as an fp16 model's logits
+    have), 'integers' (few distinct values: ties at every cut-off), 'neg_inf' (a third banned, as processors do),
+    'peak' (one token holds nearly all the mass), 'all_neg_inf' (nothing left)."""
+    rows = []
+    for kind in kinds:
+        r = torch.randn(v, generator=gen) * 3
+        if kind == "fp16":
+            r = r.half().float()
+        elif kind == "integers":
+            r = torch.randint(-4, 5, (v,), generator=gen).float()
+        elif kind == "neg_inf":
+            r[torch.rand(v, generator=gen) < 0.33] = float("-inf")
+        elif kind == "peak":
+            r[int(torch.randint(v, (1,), generator=gen))] = 40.0
+        elif kind == "all_neg_inf":
+            r = torch.full((v,), float("-inf"))
+        rows.append(r)
+    return torch.stack(rows)
+
+
+def _oracle(row: torch.Tensor, temperature, top_k, top_p, min_p, tol_p: float = 1e-5, tol_min: float = 1e-5):
+    """(kept, ambiguous) (V,) bool for one row, in float64 with an explicit (value, index) order: the warpers'
+    rule written out. ``ambiguous``: tokens whose cumulative probability (top-p) or probability ratio (min-p) lies
+    within the relative tolerance of the cut-off, where float32 rounding may decide either way."""
+    v = row.numel()
+    z = row / temperature if temperature != 1.0 else row  # (the fp32 division the op makes)
+    z = z.double()
+    kept = torch.ones(v, dtype=torch.bool)
+    amb = torch.zeros(v, dtype=torch.bool)
+    if not torch.isfinite(z).any():
+        return kept, amb
+    if top_k and top_k < v:
+        kth = z.sort(descending=True).values[top_k - 1]
+        kept &= z >= kth
+    if top_p is not None and top_p < 1.0:
+        zz = torch.where(kept, z, float("-inf"))
+        idx = torch.from_numpy(np.lexsort((np.arange(v), zz.numpy())))  # ascending, ties by index (stable)
+        cum = torch.softmax(zz, 0)[idx].cumsum(0)
+        drop = cum <= 1 - top_p
+        drop[-1] = False
+        kept[idx[drop]] = False
+        amb[idx[(cum - (1 - top_p)).abs() <= tol_p * (1 - top_p)]] = True  # (float32 sums: relative error)
+    if min_p is not None and min_p > 0:
+        zz = torch.where(kept, z, float("-inf"))
+        ratio = torch.exp(zz - zz.max())
+        amb |= kept & ((ratio - min_p).abs() <= tol_min * min_p)
+        kept &= ratio >= min_p
+    return kept, amb
+
+
+def _check_kept(kept: torch.Tensor, rows: torch.Tensor, params, tol_p=1e-5, tol_min=1e-5) -> None:
+    """kept (B, V) bool equals the oracle's on the finite logits (a -inf one has no probability either way)
+    except on its ambiguous tokens (few)."""
+    for r in range(rows.shape[0]):
+        want, amb = _oracle(rows[r], *params, tol_p=tol_p, tol_min=tol_min)
+        finite = torch.isfinite(rows[r])
+        wrong = ((kept[r].cpu() & finite) != (want & finite)) & ~amb
+        assert not wrong.any(), (r, params, wrong.nonzero()[:5].flatten().tolist(), int(want.sum()),
+                                 int(kept[r].sum()))
+        assert int(amb.sum()) <= max(8, rows.shape[1] // 50), (r, params)  # (it must not hide a class of tokens)
+
+
+# ---- the warpers ----
+
+@st.composite
+def warp_cases(draw):
+    torch.manual_seed(draw(st.integers(0, 2**32 - 1)))
+    v = draw(st.one_of(st.integers(1, 40), st.integers(41, 2000)))
+    kinds = draw(st.lists(st.sampled_from(KINDS), min_size=1, max_size=4))
+    rows = _rows(kinds, v, torch.Generator().manual_seed(draw(st.integers(0, 2**31))))
+    temperature = draw(st.sampled_from([1.0, 0.7, 1.3, 0.05]))
+    top_k = draw(st.sampled_from([None, 1, 2, 5, 50, 5000]))
+    top_p = draw(st.sampled_from([None, 1.0, 0.0, 0.3, 0.9, 0.999]))
+    min_p = draw(st.sampled_from([None, 0.0, 0.05, 0.5]))
+    return rows, (temperature, top_k, top_p, min_p)
+
+
+@examples("cpu", cpu=60, cuda=60)
+@given(case=warp_cases())
+def test_warp_ref_kept_set_matches_oracle(case):
+    rows, params = case
+    _check_kept(torch.isfinite(warp_ref(rows, *params)), rows, params)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(0.7, None, 0.9, None), (1.3, 40, 0.8, None),
+                                                           (1.0, 5, None, 0.1), (0.5, 100, 0.95, 0.02)])
+def test_warp_ref_equals_transformers_warpers(temperature, top_k, top_p, min_p):
+    """Exactly transformers' warpers (no ties in these rows, where an unstable sort could order them otherwise)."""
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(1)) * 4
+    want = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        want = TopKLogitsWarper(top_k)(None, want)
+    if top_p is not None:
+        want = TopPLogitsWarper(top_p)(None, want)
+    if min_p is not None:
+        want = MinPLogitsWarper(min_p)(None, want)
+    assert torch.equal(warp_ref(logits, temperature, top_k, top_p, min_p), want)
+
+
+def test_ties_at_the_cut_offs_resolve_as_transformers():
+    """top-k keeps every token equal to the k-th value; top-p drops the lowest indices of a tied group first (the
+    stable ascending sort's cumulative sum: 0.25, 0.5 are <= 0.5)."""
+    kept = torch.isfinite(warp_ref(torch.tensor([[3.0, 1.0, 3.0, 3.0]]), top_k=2))
+    assert kept.tolist() == [[True, False, True, True]]
+    kept = torch.isfinite(warp_ref(torch.tensor([[1.0, 1.0, 1.0, 1.0]]), top_p=0.5))
+    assert kept.tolist() == [[False, False, True, True]]
+    kept = torch.isfinite(warp_ref(torch.tensor([[2.0, 1.0, 1.0, 5.0]]), top_p=0.0))  # keeps the top token only
+    assert kept.tolist() == [[False, False, False, True]]
+
+
+# ---- the draw ----
+
+def test_philox_known_answers():
+    """Random123's known-answer vectors of Philox4x32-10."""
+    t = lambda *xs: tuple(torch.tensor(x) for x in xs)  # noqa: E731
+    cases = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+             ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+             ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for counter, key, want in cases:
+        assert tuple(int(w) for w in philox4x32(t(*counter), t(*key))) == want
+
+
+def test_uniforms_lie_strictly_inside_zero_one_and_depend_on_every_input():
+    seed, off = torch.tensor([12345]), torch.tensor([3])
+    u = philox_uniform(seed, off, 3, 4001)
+    assert u.shape == (3, 4001) and bool((u > 0).all() and (u < 1).all())
+    assert abs(float(u.mean()) - 0.5) < 0.01
+    for other in (philox_uniform(seed + 1, off, 3, 4001), philox_uniform(seed, off + 1, 3, 4001),
+                  philox_uniform(seed, off + 2**32, 3, 4001)):
+        assert (other != u).float().mean() > 0.99
+    assert (u[0] != u[1]).float().mean() > 0.99  # rows: other streams
+    assert torch.equal(philox_uniform(seed, off, 3, 4001), u)
+
+
+def chi2_limit(df: int, z: float = 3.7) -> float:
+    """An upper quantile of chi-square(df) (Wilson-Hilferty; z = 3.7: ~1e-4 of false alarms)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi2(tokens: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, int]:
+    """(statistic, degrees of freedom, draws outside the support) of drawn tokens against probabilities (V,);
+    categories expected fewer than 5 times are pooled."""
+    n = tokens.numel()
+    counts = torch.bincount(tokens.cpu(), minlength=probs.numel()).double()
+    probs = probs.double().cpu()
+    outside = int(counts[probs == 0].sum())
+    big = probs * n >= 5
+    obs = torch.cat([counts[big], counts[~big & (probs > 0)].sum()[None]])
+    exp = torch.cat([probs[big] * n, (probs[~big & (probs > 0)] * n).sum()[None]])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    return float(((obs - exp) ** 2 / exp).sum()), int(keep.sum()) - 1, outside
+
+
+def _draws(fn, row: torch.Tensor, n: int, params, device="cpu") -> torch.Tensor:
+    """n draws of one row: n copies of it (each row its own Philox stream) at one seed and offset."""
+    rows = row.to(device)[None].expand(n, -1).contiguous()
+    seed, off = torch.tensor([2024], device=device), torch.tensor([7], device=device)
+    return fn(rows, seed, off, *params)
+
+
+@pytest.mark.parametrize("params", [(0.7, 8, 0.9, 0.0), (1.0, 0, 1.0, 0.0), (1.3, 0, 0.8, 0.05)])
+def test_reference_draws_follow_the_warped_distribution(params):
+    row = torch.randn(24, generator=torch.Generator().manual_seed(5)) * 2
+    tokens = _draws(sample_tokens_ref, row, 20000, params)
+    temperature, top_k, top_p, min_p = params
+    probs = warp_ref(row[None], temperature, top_k or None, top_p if top_p < 1 else None, min_p or None)[0]
+    stat, df, outside = chi2(tokens, probs.softmax(0))
+    assert outside == 0 and stat < chi2_limit(df), (stat, df)
+    # the test can fail: the same draws against another temperature's distribution are rejected
+    wrong = warp_ref(row[None], temperature * 1.25, top_k or None, top_p if top_p < 1 else None, min_p or None)[0]
+    assert chi2(tokens, wrong.softmax(0))[0] > chi2_limit(df)
+
+
+def test_draws_are_a_function_of_seed_and_offset():
+    rows = torch.randn(64, 500, generator=torch.Generator().manual_seed(0))
+    a = sample_tokens_ref(rows, torch.tensor([1]), torch.tensor([0]), 1.0, 0, 0.9, 0.0)
+    assert torch.equal(a, sample_tokens_ref(rows, torch.tensor([1]), torch.tensor([0]), 1.0, 0, 0.9, 0.0))
+    assert not torch.equal(a, sample_tokens_ref(rows, torch.tensor([2]), torch.tensor([0]), 1.0, 0, 0.9, 0.0))
+    assert not torch.equal(a, sample_tokens_ref(rows, torch.tensor([1]), torch.tensor([1]), 1.0, 0, 0.9, 0.0))
+    assert torch.equal(ops.sample_tokens(rows, torch.tensor([1]), torch.tensor([0]), top_p=0.9), a)
+    # top-k 1: the argmax, whatever the draw; an all -inf row: token 0
+    rows[3] = float("-inf")
+    top1 = ops.sample_tokens(rows, torch.tensor([9]), torch.tensor([4]), 0.7, top_k=1)
+    assert torch.equal(top1[torch.arange(64) != 3], rows.argmax(-1)[torch.arange(64) != 3]) and int(top1[3]) == 0
+
+
+def test_bad_input_is_one_clear_error():
+    with pytest.raises(FuseInferError, match="sample_tokens"):
+        ops.sample_tokens(torch.zeros(2, 5, dtype=torch.float16), torch.tensor([1]), torch.tensor([0]))
+    with pytest.raises(FuseInferError, match="temperature"):
+        ops.sample_tokens(torch.zeros(2, 5), torch.tensor([1]), torch.tensor([0]), temperature=0.0)
+
+
+def test_opcheck_cpu():
+    rows = _rows(("normal", "fp16", "neg_inf"), 300, torch.Generator().manual_seed(0))
+    torch.library.opcheck(torch.ops.fuseinfer.sample_tokens.default,
+                          (rows, torch.tensor([3]), torch.tensor([1]), 0.8, 20, 0.9, 0.01))
+
+
+def _emit_state(b, max_new, device):
+    return [torch.zeros(b, 1, dtype=torch.long, device=device), torch.zeros(b, 1, dtype=torch.long, device=device),
+            torch.zeros(b, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.long, device=device),
+            torch.zeros(1, dtype=torch.long, device=device), torch.tensor([True, True, False], device=device),
+            torch.full((b, max_new), -1, dtype=torch.long, device=device),
+            torch.ones(max_new, dtype=torch.bool, device=device), ops.emit_tokens_scratch(b, device)]
+
+
+def test_emit_tokens_records_chosen_tokens(device="cpu"):
+    scores = torch.randn(3, 50, device=device)
+    chosen = torch.tensor([4, 7, 9], device=device)
+    st_ = _emit_state(3, 4, device)
+    ops.emit_tokens(scores, torch.tensor([7], device=device), 1, *st_, chosen)
+    assert st_[6][:, 0].tolist() == [4, 7, 1] and st_[0].flatten().tolist() == [4, 7, 1]  # row 2 had finished
+    assert st_[5].tolist() == [True, False, False] and int(st_[4]) == 1  # row 1 produced the EOS
+    with pytest.raises(FuseInferError):
+        ops.emit_tokens(scores, torch.tensor([7], device=device), 1, *st_, chosen[:2])
+    torch.library.opcheck(torch.ops.fuseinfer.emit_tokens.default,
+                          (scores, torch.tensor([7], device=device), 1, *_emit_state(3, 16, device), chosen))
+
+
+# ---- CUDA kernel ----
+
+def _kernel_kept(rows, seed, off, params):
+    from fuseinfer.core.extension import extension
+
+    temperature, top_k, top_p, min_p = params
+    return extension().sample_tokens_kept(rows, seed, off, temperature, top_k or 0,
+                                          1.0 if top_p is None else top_p, 0.0 if min_p is None else min_p)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [1000, 50272, 151936])
+@pytest.mark.parametrize("top_k", [None, 1, 50])
+@pytest.mark.parametrize("top_p", [None, 0.9, 0.999])
+@pytest.mark.parametrize("min_p", [None, 0.05])
+def test_kernel_kept_set_and_tokens_match_reference(v, top_k, top_p, min_p):
+    """The kernel keeps the reference's tokens (but where float rounding decides a cut-off) and draws the
+    reference's token from the same Philox numbers (but at a near-tie of two Gumbel keys)."""
+    require_kernel()
+    gen = torch.Generator().manual_seed(v + (top_k or 0))
+    rows = _rows(KINDS + ("fp16", "integers", "normal"), v, gen)
+    params = (0.7, top_k, top_p, min_p)
+    seed, off = torch.tensor([77], device="cuda"), torch.tensor([5], device="cuda")
+    tokens, kept = _kernel_kept(rows.cuda(), seed, off, params)
+    # (fp32 sums of up to 152k probabilities in two orders: a looser tolerance at the top-p cut-off)
+    _check_kept(kept, rows, params, tol_p=2e-4, tol_min=1e-5)
+    ref = sample_tokens_ref(rows, seed.cpu(), off.cpu(), *params[:1], top_k or 0,
+                            1.0 if top_p is None else top_p, 0.0 if min_p is None else min_p)
+    assert torch.equal(ops.sample_tokens(rows.cuda(), seed, off, *params), tokens)  # the op serves the kernel
+    same_kept = (kept.cpu() & torch.isfinite(rows)) == torch.isfinite(warp_ref(rows, *params))
+    agree = (tokens.cpu() == ref) | ~same_kept.all(-1)
+    assert int((~agree).sum()) <= 1, (tokens.cpu().tolist(), ref.tolist())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v,params", [(1000, (0.7, 50, 1.0, 0.0)), (1000, (1.0, 0, 0.9, 0.0)),
+                                      (60000, (0.8, 0, 0.95, 0.02)), (151936, (1.2, 40, 0.9, 0.0))])
+def test_kernel_draws_follow_the_warped_distribution(v, params):
+    require_kernel()
+    row = torch.randn(v, generator=torch.Generator().manual_seed(3)) * 2
+    row[: v // 2] -= 6  # (most of the mass on a few hundred tokens: categories big enough to test)
+    n = 20000 if v <= 1000 else 6000
+    tokens = _draws(lambda *a: ops.sample_tokens(*a), row, n, params, device="cuda")
+    temperature, top_k, top_p, min_p = params
+    probs = warp_ref(row[None], temperature, top_k or None, top_p if top_p < 1 else None, min_p or None)[0].softmax(0)
+    stat, df, outside = chi2(tokens, probs)
+    assert outside == 0 and stat < chi2_limit(df), (stat, df)
+
+
+@pytest.mark.gpu
+def test_kernel_in_cuda_graph_draws_anew_per_offset_and_opcheck():
+    """Replays of a captured draw read the offset from the device: each replay equals the reference at its offset."""
+    require_kernel()
+    rows = _rows(("normal", "fp16", "peak"), 50272, torch.Generator().manual_seed(0)).cuda()
+    seed, off = torch.tensor([11], device="cuda"), torch.tensor([0], device="cuda")
+    ops.sample_tokens(rows, seed, off, 0.9, top_p=0.9)  # warm-up outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.sample_tokens(rows, seed, off, 0.9, top_p=0.9)
+        off += 1
+    got, want = [], []
+    for step in range(6):
+        graph.replay()
+        got.append(out.cpu().clone())
+        want.append(sample_tokens_ref(rows.cpu(), seed.cpu(), torch.tensor([step]), 0.9, 0, 0.9, 0.0))
+    assert int(off) == 6
+    assert sum(torch.equal(g, w) for g, w in zip(got, want)) >= 5 and len({tuple(g.tolist()) for g in got}) > 1
+    torch.library.opcheck(torch.ops.fuseinfer.sample_tokens.default, (rows, seed, off, 0.8, 20, 0.9, 0.01))
+
+
+@pytest.mark.gpu
+def test_kernel_emit_tokens_records_chosen_tokens():
+    require_kernel()
+    test_emit_tokens_records_chosen_tokens("cuda")
