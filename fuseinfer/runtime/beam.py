@@ -31,7 +31,9 @@ from fuseinfer.core import decode_plan
 from fuseinfer.core.decode_plan import tp_info
 from fuseinfer.core.state import patch_state, runtime_config
 from fuseinfer.runtime.cache import COUNTS, StaticKVCache
-from fuseinfer.runtime.decode import CAPACITY_ROUND, STOP_CHECK_EVERY, _graphs_enabled, capture_graphs, sessions_of
+from fuseinfer.runtime.decode import (
+    CAPACITY_ROUND, STOP_CHECK_EVERY, _graphs_enabled, capture_graphs, sessions_of, trim_sessions,
+)
 
 KEY = "beam"  # sessions[(KEY, rows)] -> BeamSession
 PROGRAMS_PER_SESSION = 4  # settings kept per session (each: its state buffers and graphs)
@@ -352,6 +354,7 @@ class _Program:
         COUNTS["beam_graphs"] += 1
         ses.prompt.zero_()
         ses.real.zero_()
+        ses.cache.key_mask.fill_(True)  # (no query of the warm-up without a key; the prefill rewrites the mask)
         self.begin(torch.zeros(ses.rows, self.eos_mask.shape[0], device=ses.device))
         steps = min(ses.graph_steps, self.settings.max_new - 1)
         self.graphs = capture_graphs(self.decode_step, sorted({1, steps}), self.step, ses.capture_mode)
@@ -403,8 +406,10 @@ def beam_generate(model, forward, input_ids: torch.Tensor, mask: torch.Tensor, s
     with torch.cuda.device(dev) if dev.type == "cuda" else _null():
         session = session_for(model, forward, rows, input_ids.shape[1] + settings.max_new)
         out = session.run(input_ids, mask, settings)
-        if dev.type == "cuda":
+        if dev.type == "cuda":  # (the result is copied out of the session's buffers before the next caller runs)
             torch.cuda.current_stream(dev).synchronize()
+        del session
+        trim_sessions(model)  # the cache budget, as after the other paths' calls
     return out
 
 
