@@ -16,7 +16,7 @@ The settings it serves (``refusal``): greedy beam search (no sampling, groups or
 
 The prompt is prefilled for every beam row (as transformers does, so the logits are those of the middle path bit
 for bit). The KV cache is one tensor (layers, k/v, rows, heads, capacity, head dim), each layer's keys and values
-views of it, so that the reorder of the generated slots of every layer is three gathers. On the CPU (and with
+views of it, so that the reorder of the generated slots of every layer is one gather and one scatter. On the CPU (and with
 ``RuntimeConfig(cuda_graphs=False)``) the same step runs eagerly.
 """
 from __future__ import annotations
@@ -325,7 +325,7 @@ class _Program:
         for old, new in ((self.run_seq, run_seq), (self.run_scores, run_scores), (self.run_bidx, run_bidx),
                          (self.seqs, seqs), (self.scores, scores), (self.bidx, bidx), (self.finished, finished),
                          (self.improvable, improvable)):
-            old.copy_(torch.where(stopped, old, new))
+            torch.where(stopped, old, new, out=old)
         self.done.copy_(stopped | ~go_on)
 
     def decode_step(self) -> None:
@@ -336,8 +336,9 @@ class _Program:
         # are idle) every row its own parent and token 0, as the unset slots hold -1
         stopped = self.done
         parent = torch.where(stopped, self.rows, self.run_bidx.index_select(2, self.step).reshape(-1).long())
-        region = ses.kv.index_select(4, self.slots)  # (L, 2, R, H, N, D) the new tokens' slots
-        ses.kv.index_copy_(4, self.slots, region.index_select(2, parent))
+        # the new tokens' slots of every layer, rows taken from their parents: one gather, one scatter
+        region = ses.kv[:, :, parent[:, None], :, self.slots[None, :]]  # (R, N, L, 2, H, D)
+        ses.kv[:, :, self.rows[:, None], :, self.slots[None, :]] = region
         ses.tokens.copy_(torch.where(stopped, 0, self.run_seq.index_select(2, self.step).reshape(-1, 1)))  # (R, 1)
         slot = ses.prompt + self.step  # (1,)
         ses.positions.copy_(ses.real + self.step)
