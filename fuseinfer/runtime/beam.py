@@ -16,8 +16,8 @@ The settings it serves (``refusal``): greedy beam search (no sampling, groups or
 
 The prompt is prefilled for every beam row (as transformers does, so the logits are those of the middle path bit
 for bit). The KV cache is one tensor (layers, k/v, rows, heads, capacity, head dim), each layer's keys and values
-views of it, so that the reorder of the generated slots of every layer is one gather and one scatter. On the CPU (and with
-``RuntimeConfig(cuda_graphs=False)``) the same step runs eagerly.
+views of it, so that the reorder of the generated slots of every layer is one gather and one scatter. On the CPU
+(and with ``RuntimeConfig(cuda_graphs=False)``) the same step runs eagerly.
 """
 from __future__ import annotations
 
