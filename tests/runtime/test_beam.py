@@ -62,9 +62,10 @@ def _inputs(batch: int, vocab: int, pad: int, length: int = 10, seed: int = 0):
 def _check(pair, ids, mask, **kw):
     """The patched model's beam search takes the one-graph path and returns the unpatched model's tokens."""
     base, patched = pair
-    ref = base.generate(ids, attention_mask=mask, do_sample=False, **kw)
+    kw = {"do_sample": False, **kw}
+    ref = base.generate(ids, attention_mask=mask, **kw)
     before = COUNTS["beam"]
-    out = patched.generate(ids, attention_mask=mask, do_sample=False, **kw)
+    out = patched.generate(ids, attention_mask=mask, **kw)
     assert COUNTS["beam"] == before + 1, "the one-graph beam search did not run"
     assert out.shape == ref.shape and torch.equal(out, ref), f"{kw}\nours {out[:, ids.shape[1]:]}\n" \
                                                              f"ref  {ref[:, ids.shape[1]:]}"
@@ -199,3 +200,44 @@ def test_other_beam_searches_take_the_middle_path(case, rand_opt, caplog, monkey
     assert "takes the middle path" in caplog.text
     seq = out.sequences if case == "return_dict" else out
     assert torch.equal(seq, ref.sequences if case == "return_dict" else ref)
+
+
+class _EagerGraph:
+    def __init__(self, step, n):
+        self.step, self.n = step, n
+
+    def replay(self):
+        for _ in range(self.n):
+            self.step()
+
+
+def test_captured_steps_on_the_cpu_equal_transformers(monkeypatch):
+    """The graph bookkeeping on the CPU: ``capture_graphs`` stands in with two real warm-up steps (on the state a
+    step scored on zero logits leaves) and eager replays of 1 and ``graph_steps`` steps; the call after the capture
+    resets that state, an early stop inside a multi-step replay leaves the result as it was, one capture per
+    setting."""
+    def capture(step, counts, step_counter, mode):
+        for _ in range(2):
+            step_counter.zero_()
+            step()
+        step_counter.zero_()
+        return {n: _EagerGraph(step, n) for n in counts}
+
+    monkeypatch.setattr(beam, "_graphs_enabled", lambda dev, plan, runtime: True)
+    monkeypatch.setattr(beam, "capture_graphs", capture)
+    pair = _pair(random_opt(seed=2))
+    ids, mask = _inputs(3, 512, 1, seed=4)
+    kw = dict(max_new_tokens=21, num_beams=3, do_sample=False)
+    plain = pair[0].generate(ids, attention_mask=mask, eos_token_id=None, num_return_sequences=3, **kw)
+    stopping = dict(early_stopping=True, num_return_sequences=2)
+    # an EOS with which the search stops early (steps 2 to 17: inside the first replay of 16 steps)
+    eos = next(t for t in dict.fromkeys(plain[:, ids.shape[1]:].flatten().tolist())
+               if pair[0].generate(ids, attention_mask=mask, eos_token_id=t, **stopping, **kw).shape[1]
+               < ids.shape[1] + 18)
+    captures = COUNTS["beam_graphs"]
+    for settings_ in ({}, dict(eos_token_id=eos, **stopping)):
+        for _ in range(2):
+            _check(pair, ids, mask, **kw, **settings_)
+    assert COUNTS["beam_graphs"] == captures + 2
+    programs = pair[1].__dict__[SESSIONS_ATTR][(beam.KEY, 9)].programs.values()
+    assert all(sorted(p.graphs) == sorted({1, min(p.session.graph_steps, 20)}) for p in programs)
