@@ -10,7 +10,7 @@ min_new_tokens = max_new_tokens so that each setting decodes the same number of 
   patched_b     ... min_new_tokens=new (the bench's common setting; same call as patched_a here, listed as in the issue)
   patched_c     ... repetition_penalty=1.1
   hf_beam4      unpatched beam search, num_beams=4: static cache if transformers accepts it, else its default
-  patched_beam4 patched model.generate(num_beams=4) (the middle path)
+  patched_beam4 patched model.generate(num_beams=4) (the one-graph beam search, runtime/beam.py)
 ms/token = (T(new tokens) - T(1 token)) / (new - 1): two calls per round timed with CUDA events, so prefill cancels;
 median over rounds with min and max. Derived: ratio to fuseinfer.generate (targets: patched_a..c <= 1.15) and
 patched_beam4 / hf_beam4 (target < 1). Results: $FUSEINFER_BENCH_DIR/generate.{json,md}.

@@ -689,7 +689,8 @@ def test_patch_through_torch_compile_wrapper_and_own_generate_restored():
     assert fuseinfer.patch_report(model) is not None
     assert torch.equal(compiled.generate(ids, max_new_tokens=5, do_sample=False), ref)
     assert torch.equal(fuseinfer.generate(compiled, ids, max_new_tokens=5), ref)
-    compiled.generate(ids, max_new_tokens=5, do_sample=False, num_beams=2)  # middle path: runs the user's
+    compiled.generate(ids, max_new_tokens=5, do_sample=False, num_beams=2,
+                      return_dict_in_generate=True)  # middle path: runs the user's
     assert own_calls == [1]
     fuseinfer.unpatch(compiled)
     assert model.generate is own

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU stage of issue 34 section 1 (model.generate paths, concurrency): the gpu tests of tests/runtime/ and
-# bench/bench_generate.py. Writes logs and results to $OUT and one tarball $OUT/generate_results.tar.gz.
+# GPU stage of issue 34 section 1 (model.generate paths, concurrency): the gpu tests of tests/runtime/,
+# bench/bench_generate.py and bench/bench_beam.py. Writes logs and results to $OUT and one tarball
+# $OUT/generate_results.tar.gz.
 # Needs the extension built (pip install --no-deps --no-build-isolation -e .) and FUSEINFER_SHARED.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -13,5 +14,7 @@ python3 -m pytest -q -m gpu tests/runtime/ tests/runtime/test_decode.py -p no:ca
 tail -3 "$OUT/generate/pytest_gpu.log"
 timeout 420 python3 bench/bench_generate.py > "$OUT/generate/bench_generate.log" 2>&1 || rc=1
 tail -40 "$OUT/generate/bench_generate.log"
+timeout 480 python3 bench/bench_beam.py --out "$OUT/generate" > "$OUT/generate/bench_beam.log" 2>&1 || rc=1
+tail -12 "$OUT/generate/bench_beam.log"
 tar -czf "$OUT/generate_results.tar.gz" -C "$OUT" generate
 exit $rc

@@ -2,7 +2,8 @@
 
 1. the fast path (``fuseinfer.generate``: static cache, graph-replayed decode steps with the token choice and the
    logits processors inside the graph) when every setting of the call is one it runs (``_FAST``);
-2. the middle path (``hf_cache.py``) for the other settings of transformers' loop (beam search, assisted
+2. for greedy beam search, ``beam.py`` (the whole beam step, cache reorder and scoring included, one graph replay);
+   the middle path (``hf_cache.py``) for the other settings of transformers' loop (other beam searches, assisted
    decoding, custom logits processors / stopping criteria, ...): transformers' loop, the model's forward one
    graph replay per decode step over fuseinfer's static cache;
 3. transformers' generate unchanged (the model's own cache), logging the reason once per kind of reason, for what
@@ -59,8 +60,7 @@ def _reasons(model, input_ids, kwargs, configs: list, get, defaults: dict, check
         return "input_ids must be a (batch, length) tensor", False
     if input_ids.device != next(model.parameters()).device:
         return "input_ids are on another device than the model", False
-    set_keys = set().union(*(c.to_diff_dict() for c in configs)) | set(kwargs)
-    wants = {k for k in set_keys if (value := get(k)) is not None and value != defaults.get(k)}
+    wants = _wants(configs, kwargs, get, defaults)
     if get("return_dict_in_generate") and (get("output_attentions") or get("output_hidden_states")):
         return "output_attentions / output_hidden_states (the fused forward does not make them)", False
     extra = sorted(set(kwargs) - _KWARGS)
@@ -70,6 +70,12 @@ def _reasons(model, input_ids, kwargs, configs: list, get, defaults: dict, check
     if unsupported:
         return f"generation config sets {unsupported}", not (set(unsupported) & _NOT_MIDDLE)
     return None, True
+
+
+def _wants(configs: list, kwargs, get, defaults: dict) -> set:
+    """The settings the call sets to something other than transformers' defaults (keyword or either config)."""
+    set_keys = set().union(*(c.to_diff_dict() for c in configs)) | set(kwargs)
+    return {k for k in set_keys if (value := get(k)) is not None and value != defaults.get(k)}
 
 
 def _resolver(model, generation_config, kwargs):
@@ -181,6 +187,15 @@ def _generate(model, inputs, generation_config, kwargs):
             problem = "pad token (pad_token_id, else the first EOS id) is not in the model's vocabulary"
         if problem is None and max_new < 1:
             problem = "no new tokens"
+        if problem is None and (get("num_beams") or 1) > 1:
+            from fuseinfer.runtime import beam
+
+            why = beam.refusal(get, _wants(configs, kwargs, get, defaults), kwargs, model)
+            if why is None:
+                settings = beam.settings_for(get, input_ids, max_new, eos)
+                return beam.beam_generate(model, checked[0], input_ids,
+                                          torch.ones_like(input_ids) if mask is None else mask, settings)
+            reason = f"{reason}; {why}"
         if problem is None:
             _log(f"model.generate takes the middle path (transformers' loop, fused static-cache forward): {reason}",
                  logging.INFO)

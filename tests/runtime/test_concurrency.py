@@ -51,7 +51,7 @@ def test_four_threads_five_calls_each_give_the_single_threaded_results(device):
     def fast(ids, mask, n, i):
         return fuseinfer.generate(model, ids, mask, max_new_tokens=n, repetition_penalty=1.0 + 0.1 * i)
 
-    def hooked(ids, mask, n, i):  # model.generate: fast path for even jobs, middle path (beams) for odd ones
+    def hooked(ids, mask, n, i):  # model.generate: fast path for even jobs, beam path for odd ones
         extra = {} if i % 2 == 0 else {"num_beams": 2}
         return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, **extra)
 

@@ -187,7 +187,7 @@ def test_sampling_distribution_matches_transformers_warpers(temperature, top_k, 
     torch.testing.assert_close(ours, warped.softmax(-1), rtol=1e-5, atol=1e-7)
 
 
-def test_beam_search_takes_the_middle_path_with_logged_reason(tiny_model_path, caplog):
+def test_beam_search_takes_the_beam_path_and_the_middle_path_with_logged_reason(tiny_model_path, caplog):
     model, tok = _load(tiny_model_path)
     enc = tok(PROMPTS[:2], return_tensors="pt", padding=True)
     ref = model.generate(**enc, max_new_tokens=8, num_beams=2)
@@ -195,9 +195,14 @@ def test_beam_search_takes_the_middle_path_with_logged_reason(tiny_model_path, c
     with caplog.at_level(logging.INFO, logger="fuseinfer"):
         out = model.generate(**enc, max_new_tokens=8, num_beams=2)
     assert torch.equal(out, ref)
+    assert "middle path" not in caplog.text and "falls back" not in caplog.text
+    assert set(model.__dict__[SESSIONS_ATTR]) == {("beam", 4)}  # 2 prompts x 2 beams, no fast-path session
+    with caplog.at_level(logging.INFO, logger="fuseinfer"):
+        out = model.generate(**enc, max_new_tokens=8, num_beams=2, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
     assert "takes the middle path (transformers' loop, fused static-cache forward): unsupported generate() " \
-           "arguments ['num_beams']" in caplog.text
-    assert set(model.__dict__[SESSIONS_ATTR]) == {("hf", 4)}  # 2 prompts x 2 beams, no fast-path session
+           "arguments ['num_beams']; return_dict_in_generate" in caplog.text
+    assert ("hf", 4) in model.__dict__[SESSIONS_ATTR]
 
 
 @pytest.mark.parametrize("case", ["partial_patch", "patched_in_training_mode", "use_cache_false"])

@@ -457,9 +457,9 @@ def test_attention_weights_and_hidden_states_as_transformers_records_them(tiny_l
 
 
 @pytest.mark.parametrize("settings", [dict(num_beams=3), dict(repetition_penalty=1.3, no_repeat_ngram_size=2)],
-                         ids=["beams_middle_path", "processors_fast_path"])
+                         ids=["beams_beam_path", "processors_fast_path"])
 def test_patched_generate_with_other_settings_equals_transformers(settings, tiny_cpu):
-    """Beam search (transformers' loop over fuseinfer's static-cache forward) and logits processors (fast decode)."""
+    """Beam search (one graph replay per step, runtime/beam.py) and logits processors (fast decode)."""
     model = tiny_cpu()
     ids = _ids(model, rows=2, length=12, seed=5)
     mask = _left_padded(ids)[:2]
