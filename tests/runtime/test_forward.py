@@ -149,6 +149,24 @@ def test_an_empty_dynamic_cache_passed_in_is_filled_and_returned():
     assert not fast and cache.get_seq_length() == ids.shape[1] + 1
 
 
+def test_transformers_generate_leaves_its_calls_to_the_modules_and_the_fast_forward_intact():
+    """patched model.generate with a cache of the caller's runs transformers' own loop, with the attention
+    implementation the model had before patching: the prefill then runs the patched modules (which run that one),
+    the tokens are the unpatched ones, and the next plain call still takes the fast forward (nothing cached the
+    refusal)."""
+    from transformers import DynamicCache
+
+    ref, model = _pair()
+    ids, mask = _batch()
+    gen = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=1)
+    expected = ref.generate(ids, past_key_values=DynamicCache(config=ref.config), **gen)
+    before = COUNTS["fast_forward"]
+    with torch.no_grad():
+        out = model.generate(ids, past_key_values=DynamicCache(config=model.config), **gen)
+    assert COUNTS["fast_forward"] == before and torch.equal(out, expected)
+    assert _fast(model, ids, attention_mask=mask)[1]
+
+
 def test_use_cache_false_position_ids_and_return_dict_false():
     _, model = _pair()
     ids, mask = _batch()

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fuseinfer.core.config import ATTN_NAME as NAME
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.extension import extension
 from fuseinfer.core.state import patch_state
@@ -111,7 +112,7 @@ def _int8_layer_reason(layer: nn.Module, kind: str) -> str | None:
 def _structure_reason(model: nn.Module) -> str | None:
     """Why the lean loop cannot stand in for ``model``'s patched modules (checked once per model), or None."""
     from fuseinfer.core.config import OPS
-    from fuseinfer.layers import attention_backend, hf_attention
+    from fuseinfer.layers import attention_backend
     from fuseinfer.models.opt.modules import FusedLayerNorm, FusedOPTAttention, FusedOPTDecoderLayer
 
     state = patch_state(model)
@@ -126,9 +127,6 @@ def _structure_reason(model: nn.Module) -> str | None:
         return f"attention_backend={state.config.attention_backend!r} runs in the patched modules"
     if model.__class__.__name__ != "OPTForCausalLM":  # (__class__: a weak proxy's is its referent's)
         return f"the lean prefill needs an OPTForCausalLM, got {model.__class__.__name__}"
-    if model.config._attn_implementation != hf_attention.NAME:
-        return ("the model does not run the fuseinfer attention (patch() skips it in training mode: call "
-                "model.eval() before fuseinfer.patch(model))")
     dec = model.model.decoder
     if dec.final_layer_norm is not None and type(dec.final_layer_norm) is not FusedLayerNorm:
         return "the final LayerNorm is not patched"
@@ -179,6 +177,11 @@ def lean_reason(model: nn.Module, weights: bool = True) -> str | None:
         return why
     if model.training:
         return "model is in training mode"
+    # (at every call, not with the structure: transformers' generate, the fallback of the patched one, switches
+    # the attention implementation back for its call, and the patched modules then run that one)
+    if model.config._attn_implementation != NAME:
+        return ("the model does not run the fuseinfer attention (patch() skips it in training mode: call "
+                "model.eval() before fuseinfer.patch(model))")
     dev, dtype = plan.lm_head.weight.device.type, plan.lm_head.weight.dtype
     if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != dtype:
         return "autocast to another dtype than the model's (the patched modules run the original forward)"
