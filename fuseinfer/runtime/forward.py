@@ -165,10 +165,10 @@ def fast_forward(model: nn.Module, names: tuple, args: tuple, kwargs: dict):
         if value or (value is None and getattr(config, flag, False)):
             return None
     mask, pos = kw.get("attention_mask"), kw.get("position_ids")
-    if mask is not None and (type(mask) is not torch.Tensor or mask.shape != ids.shape):
+    if mask is not None and (type(mask) is not torch.Tensor or mask.shape != ids.shape or mask.device != ids.device):
         return None
     if pos is not None and (type(pos) is not torch.Tensor or pos.dim() != 2 or pos.shape[1] != s
-                            or pos.shape[0] not in (1, b)):
+                            or pos.shape[0] not in (1, b) or pos.device != ids.device):
         return None
     keep = _keep(kw.get("logits_to_keep", 0), s)
     if keep is None:
@@ -206,7 +206,7 @@ def fast_forward(model: nn.Module, names: tuple, args: tuple, kwargs: dict):
                 return None
             kv = [] if want_kv else None
             hidden = family.lean_hidden(model, ids, positions, key_mask, kv)  # (B, S, E)
-        logits = head(hidden[:, keep] if type(keep) is slice else hidden.index_select(1, keep)).contiguous()
+        logits = head(hidden[:, keep]).contiguous()  # (B, kept, V)
         if cache is None and use_cache:
             cache = _new_cache(model, config)
         COUNTS["fast_forward"] += 1
@@ -397,13 +397,14 @@ class HiddenGraph:
         replay. The padding [S, length) keeps what earlier calls left there (valid ids and positions): only its
         own positions read it (causal attention)."""
         s = ids.shape[1]
-        self.ids[:, :s].copy_(ids)
-        self.pos[:, :s].copy_(positions)
-        if key_mask is None:
-            self.key_mask[:, :s].fill_(True)
-        else:
-            self.key_mask[:, :s].copy_(key_mask)
-        self.graph.replay()
+        with torch.cuda.device(self.ids.device):  # (the graph's device, whichever is current)
+            self.ids[:, :s].copy_(ids)
+            self.pos[:, :s].copy_(positions)
+            if key_mask is None:
+                self.key_mask[:, :s].fill_(True)
+            else:
+                self.key_mask[:, :s].copy_(key_mask)
+            self.graph.replay()
         return self.hidden, self.kv_buffer
 
 
