@@ -22,7 +22,8 @@ passed in, else a new one) holding every layer's keys and values, which transfor
 
 **CUDA graphs.** On CUDA with ``RuntimeConfig.cuda_graphs`` and prefill ``auto`` / ``graph``, the call replays a
 graph of ``lean_hidden`` (plus, when a cache is wanted, every layer's k/v copied into one buffer) per (batch, length
-bucket, cache or not), captured on the shape's first use (``COUNTS["forward_graph"]``). The prompt is right-padded
+bucket, cache or not), captured on the shape's first use (``COUNTS["forward_graph"]``; a call made while the
+caller captures a graph of its own runs the lean loop into the caller's graph). The prompt is right-padded
 to its bucket (a multiple of ``prefill.LENGTH_BUCKET``): attention is causal, so the padding changes no earlier
 position. ``auto`` takes graphs up to ``AUTO_GRAPH_MAX_TOKENS`` rows x bucket tokens, as fast decode's prefill does.
 After the replay the LM head runs on the kept positions of the graph's hidden states (a new tensor) and the k/v are
@@ -279,6 +280,8 @@ def _graph_for(model: nn.Module, state, rows: int, s: int, kv: bool):
     dev = model.lm_head.weight.device
     length = length_bucket(s)
     if dev.type != "cuda" or (runtime.prefill == "auto" and rows * length > AUTO_GRAPH_MAX_TOKENS):
+        return None
+    if torch.cuda.is_current_stream_capturing():  # a caller capturing the call itself gets the lean loop captured
         return None
     if rows * s <= DECODE_ROWS and state.config.quant is not None:
         return None
