@@ -10,9 +10,9 @@ back). Its forward serves a call itself when the lean loop computes what the pat
   None or (B or 1, S); no ``inputs_embeds``; no ``past_key_values``, or an empty ``DynamicCache``; no
   ``output_attentions`` / ``output_hidden_states`` (neither in the call nor in the config); ``logits_to_keep`` an int
   or a 1-D tensor of positions; no other argument;
-* gradients off (``torch.no_grad`` / ``torch.inference_mode``), not compiling, ``RuntimeConfig.prefill`` other than
-  ``module``, and the family's ``prefill_reason`` None (eval mode, every op patched, no hooks, no autocast to
-  another dtype, the fused weights intact).
+* gradients off (``torch.no_grad`` / ``torch.inference_mode``), not compiling or tracing,
+  ``RuntimeConfig.prefill`` other than ``module``, and the family's ``prefill_reason`` None (eval mode, every op
+  patched, no hooks, no autocast to another dtype, the fused weights intact).
 
 Every other call runs the original forward (the patched modules), unchanged. The fast forward computes
 ``hidden = family.lean_hidden(...)`` at every position, ``logits = model.lm_head(hidden[:, kept])``, the loss through
@@ -97,7 +97,7 @@ def fast_class(base: type) -> type:
 
         @functools.wraps(original)
         def forward(self, *args, **kwargs):
-            if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            if not torch.is_grad_enabled() and not torch.compiler.is_compiling() and not torch.jit.is_tracing():
                 out = fast_forward(self, names, args, kwargs)
                 if out is not None:
                     return out
@@ -239,7 +239,8 @@ def _sessions(model: nn.Module):
 
 def _new_cache(model: nn.Module, config):
     """An empty ``DynamicCache(config=config)``, copied from one made once per model: making it reads the whole
-    config (hundreds of microseconds a call on transformers 5.23). Its layers are new objects, uninitialised like the template's."""
+    config (hundreds of microseconds a call on transformers 5.23). Its layers are new objects, uninitialised like
+    the template's."""
     sessions = _sessions(model)
     cached = sessions.get((KEY, "cache"))
     if cached is None or cached[0] is not config:
