@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from fuseinfer.core.errors import FuseInferError
-from fuseinfer.core.state import model_lock, patch_state, runtime_config
+from fuseinfer.core.state import model_lock, patch_state
 from fuseinfer.layers.linear import DECODE_ROWS
 from fuseinfer.runtime.cache import COUNTS
 from fuseinfer.runtime.decode import SESSIONS_ATTR
