@@ -180,10 +180,10 @@ def fast_forward(model: nn.Module, names: tuple, args: tuple, kwargs: dict):
 
         if type(cache) is not DynamicCache or cache.get_seq_length() != 0:
             return None
-    state = patch_state(model)
-    if state is None or state.config.runtime.prefill == "module":
-        return None
     with model_lock(model):  # (patch / unpatch in another thread wait for this call, and it for them)
+        state = patch_state(model)
+        if state is None or state.config.runtime.prefill == "module":
+            return None
         family = state.family
         head = model.lm_head
         # (weights=False: the graph checks its own; the eager loop checks them below)
