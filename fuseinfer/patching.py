@@ -20,7 +20,6 @@ from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.quant_config import apply_scheme
 from fuseinfer.layers import attention_backend
 from fuseinfer.core.placement import offloaded_tensor_names, placement
-from fuseinfer.models.common import swap_class
 from fuseinfer.runtime import GenerateHook, release
 from fuseinfer.runtime.forward import fast_class_for
 from fuseinfer.core.state import (
@@ -116,6 +115,8 @@ def _patch(model: nn.Module, config: PatchConfig | None) -> PatchReport:
             raise
     if not (config.quant is not None and config.quant._empty):  # (a meta build warns once its tensors are placed)
         warn_if_references_only(report)
+    from fuseinfer.models.common import swap_class  # (imports transformers: not at ``import fuseinfer``)
+
     forward_class = None
     fast = fast_class_for(model, family)  # model(input_ids) through the lean loop where it applies
     if fast is not None:
@@ -149,6 +150,8 @@ def _unpatch(model: nn.Module) -> nn.Module:
     if patched.generate is not None:
         object.__setattr__(model, "generate", patched.generate)
     if patched.forward_class is not None:
+        from fuseinfer.models.common import swap_class
+
         swap_class(model, patched.forward_class)
     if patched.quant is not None:
         patched.quant.undo(model)

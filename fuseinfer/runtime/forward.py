@@ -48,11 +48,9 @@ from torch import nn
 
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.state import model_lock, patch_state
-from fuseinfer.layers.linear import DECODE_ROWS
 from fuseinfer.runtime.cache import COUNTS
 from fuseinfer.runtime.decode import SESSIONS_ATTR
 from fuseinfer.runtime.graphs import capture_stream
-from fuseinfer.runtime.prefill import AUTO_GRAPH_MAX_TOKENS, length_bucket
 
 KEY = "forward"  # sessions[(KEY, rows, length bucket, kv)] -> HiddenGraph
 # the arguments the fast forward takes (any other one set to something but None / False sends the call to the
@@ -185,9 +183,11 @@ def fast_forward(model: nn.Module, names: tuple, args: tuple, kwargs: dict):
         if state is None or state.config.runtime.prefill == "module":
             return None
         family = state.family
-        head = model.lm_head
         # (weights=False: the graph checks its own; the eager loop checks them below)
-        if ids.device != head.weight.device or family.prefill_reason(model, weights=False) is not None:
+        if family.prefill_reason(model, weights=False) is not None:
+            return None
+        dev = next(model.parameters()).device
+        if ids.device != dev:
             return None
         use_cache = kw.get("use_cache")
         if use_cache is None:
@@ -195,7 +195,7 @@ def fast_forward(model: nn.Module, names: tuple, args: tuple, kwargs: dict):
         want_kv = cache is not None or bool(use_cache)
         positions = family.forward_positions(model, ids, mask) if pos is None else pos.expand(b, s)
         key_mask = None if mask is None else mask.bool()
-        graph = _graph_for(model, state, b, s, want_kv)
+        graph = _graph_for(model, state, dev, b, s, want_kv)
         if graph is not None:
             hidden, kv = graph.run(ids, positions, key_mask)
             hidden = hidden[:, :s]  # (B, S, E) of the graph's (B, bucket, E)
@@ -207,7 +207,7 @@ def fast_forward(model: nn.Module, names: tuple, args: tuple, kwargs: dict):
                 return None
             kv = [] if want_kv else None
             hidden = family.lean_hidden(model, ids, positions, key_mask, kv)  # (B, S, E)
-        logits = head(hidden[:, keep]).contiguous()  # (B, kept, V)
+        logits = model.lm_head(hidden[:, keep]).contiguous()  # (B, kept, V)
         if cache is None and use_cache:
             cache = _new_cache(model, config)
         COUNTS["fast_forward"] += 1
@@ -271,16 +271,18 @@ def _fill(cache, kv: list) -> None:
 
 # ---- CUDA graphs ----
 
-def _graph_for(model: nn.Module, state, rows: int, s: int, kv: bool):
-    """The model's graph for ``rows`` prompts of ``s`` tokens (captured on first use), or None where graphs do not
+def _graph_for(model: nn.Module, state, dev: torch.device, rows: int, s: int, kv: bool):
+    """The model's graph on ``dev`` for ``rows`` prompts of ``s`` tokens (captured on first use), or None where graphs do not
     apply: not CUDA, CUDA graphs off, prefill ``lean``, (auto) too many tokens, or an int8 model at decode-sized
     inputs (its linears run the GEMV there, which a padded bucket would switch to the prefill GEMM)."""
+    from fuseinfer.layers.linear import DECODE_ROWS  # (imports transformers: not at ``import fuseinfer``)
+    from fuseinfer.runtime.prefill import AUTO_GRAPH_MAX_TOKENS, length_bucket
+
     runtime = state.config.runtime
-    if runtime.prefill not in ("auto", "graph") or not runtime.cuda_graphs:
+    if runtime.prefill not in ("auto", "graph") or not runtime.cuda_graphs or dev.type != "cuda":
         return None
-    dev = model.lm_head.weight.device
     length = length_bucket(s)
-    if dev.type != "cuda" or (runtime.prefill == "auto" and rows * length > AUTO_GRAPH_MAX_TOKENS):
+    if runtime.prefill == "auto" and rows * length > AUTO_GRAPH_MAX_TOKENS:
         return None
     if torch.cuda.is_current_stream_capturing():  # a caller capturing the call itself gets the lean loop captured
         return None
@@ -299,7 +301,7 @@ def _graph_for(model: nn.Module, state, rows: int, s: int, kv: bool):
             return None
         pool = next((g.pool for g in graphs.values()), None)
         with torch.cuda.device(dev):
-            graph = sessions[key] = HiddenGraph(model, state.family, rows, length, kv, pool)
+            graph = sessions[key] = HiddenGraph(model, state.family, dev, rows, length, kv, pool)
     return graph
 
 
@@ -353,14 +355,13 @@ class HiddenGraph:
     def __reduce__(self):
         return type(None), ()
 
-    def __init__(self, model: nn.Module, family, rows: int, length: int, kv: bool, pool=None):
+    def __init__(self, model: nn.Module, family, dev: torch.device, rows: int, length: int, kv: bool, pool=None):
         """pool: another graph's memory pool to share (graphs of one model never run concurrently: calls hold the
         model's lock, and each replay's outputs are consumed before the next)."""
         COUNTS["forward_graph"] += 1
         self.model, self.family = weakref.proxy(model), family
         self.probe = _Probe(model)  # (the probe holds the modules' dicts, not the model: no reference cycle)
         self.layers = model.config.num_hidden_layers
-        dev = model.lm_head.weight.device
         # (normal tensors, also when the first call runs under inference_mode: later calls copy into them)
         with torch.inference_mode(False), torch.no_grad():
             self.ids = torch.zeros(rows, length, dtype=torch.long, device=dev)  # (B, L); padding: any valid id

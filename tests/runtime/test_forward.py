@@ -136,6 +136,20 @@ def test_trained_tiny_model_logits_cache_and_greedy_continuation(tiny_model_path
     assert torch.equal(model.generate(**enc, **gen), ref.generate(**enc, **gen))
 
 
+@pytest.mark.parametrize("lm_head", [False, True], ids=["int8_layers", "int8_lm_head_too"])
+def test_int8_weight_only_models(lm_head):
+    """A W8A16 model takes the fast forward (its lean loop runs the int8 linears): the patched modules' logits and
+    cache; with its LM head quantized too, the modules serve the call."""
+    model = random_opt()
+    fuseinfer.patch(model, fuseinfer.PatchConfig(quant=fuseinfer.Int8WeightOnly(include_lm_head=lm_head)))
+    ids, mask = _batch()
+    out, fast = _fast(model, ids, attention_mask=mask)
+    assert fast != lm_head
+    mods = _modules(model, ids, attention_mask=mask)
+    assert torch.equal(out.logits, mods.logits)
+    _same_cache(out.past_key_values, mods.past_key_values, ids.shape[1])
+
+
 def test_an_empty_dynamic_cache_passed_in_is_filled_and_returned():
     from transformers import DynamicCache
 
