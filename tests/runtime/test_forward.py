@@ -136,6 +136,40 @@ def test_trained_tiny_model_logits_cache_and_greedy_continuation(tiny_model_path
     assert torch.equal(model.generate(**enc, **gen), ref.generate(**enc, **gen))
 
 
+@pytest.mark.parametrize("model_type", ["opt", "llama", "mistral", "qwen2"])
+def test_each_family_with_a_lean_loop_serves_its_causal_lm(model_type):
+    """Family-generic: a causal LM whose family implements ``lean_hidden`` gets the fast forward (the patched
+    modules' logits and cache bit for bit on CPU, with left padding; a cached continuation and generate as the
+    unpatched model's); one whose family has none keeps its class and the modules."""
+    from conftest import random_llama
+
+    from fuseinfer.models import family
+    from fuseinfer.models.base import ModelFamily
+
+    ref = random_opt() if model_type == "opt" else random_llama(model_type)
+    model = copy.deepcopy(ref)
+    fuseinfer.patch(model)
+    has_loop = type(family(model_type)).lean_hidden is not ModelFamily.lean_hidden
+    assert (type(model) is not type(ref)) == has_loop
+    ids, mask = _batch()
+    out, fast = _fast(model, ids, attention_mask=mask)
+    assert fast == has_loop
+    mods = _modules(model, ids, attention_mask=mask)
+    assert torch.equal(out.logits, mods.logits)
+    _same_cache(out.past_key_values, mods.past_key_values, ids.shape[1])
+    with torch.no_grad():
+        unpatched = ref(ids, attention_mask=mask)
+        nxt = out.logits[:, -1:].argmax(-1)  # (B, 1)
+        longer = torch.cat([mask, torch.ones_like(nxt)], 1)
+        step = model(nxt, attention_mask=longer, past_key_values=out.past_key_values)
+        ref_step = ref(nxt, attention_mask=longer, past_key_values=unpatched.past_key_values)
+    real = mask.bool()
+    torch.testing.assert_close(out.logits[real], unpatched.logits[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(step.logits, ref_step.logits, rtol=1e-5, atol=1e-5)
+    gen = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=ref.config.pad_token_id)
+    assert torch.equal(model.generate(ids, **gen), ref.generate(ids, **gen))
+
+
 @pytest.mark.parametrize("lm_head", [False, True], ids=["int8_layers", "int8_lm_head_too"])
 def test_int8_weight_only_models(lm_head):
     """A W8A16 model takes the fast forward (its lean loop runs the int8 linears): the patched modules' logits and
