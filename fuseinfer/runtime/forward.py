@@ -272,9 +272,10 @@ def _fill(cache, kv: list) -> None:
 # ---- CUDA graphs ----
 
 def _graph_for(model: nn.Module, state, dev: torch.device, rows: int, s: int, kv: bool):
-    """The model's graph on ``dev`` for ``rows`` prompts of ``s`` tokens (captured on first use), or None where graphs do not
-    apply: not CUDA, CUDA graphs off, prefill ``lean``, (auto) too many tokens, or an int8 model at decode-sized
-    inputs (its linears run the GEMV there, which a padded bucket would switch to the prefill GEMM)."""
+    """The model's graph on ``dev`` for ``rows`` prompts of ``s`` tokens (captured on first use), or None where
+    graphs do not apply: not CUDA, CUDA graphs off, prefill ``lean``, (auto) too many tokens, the caller capturing,
+    or an int8 model at decode-sized inputs (its linears run the GEMV there, which a padded bucket would switch to
+    the prefill GEMM)."""
     from fuseinfer.layers.linear import DECODE_ROWS  # (imports transformers: not at ``import fuseinfer``)
     from fuseinfer.runtime.prefill import AUTO_GRAPH_MAX_TOKENS, length_bucket
 
