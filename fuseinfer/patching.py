@@ -4,7 +4,8 @@ Model families live in ``fuseinfer/models/`` (one file each, registered by ``mod
 :class:`fuseinfer.models.base.ModelFamily`). The engine checks the input before anything is touched, so a refused
 model is left exactly as it was, keeps the state needed to undo the patch on the model itself (``state.py``), and
 renders the report. On models with ``generate`` it also installs the fast-decode ``generate`` of
-``fuseinfer.runtime`` (which hands unsupported calls back to transformers).
+``fuseinfer.runtime`` (which hands unsupported calls back to transformers), and a causal LM whose family has a lean
+loop gets the fast forward's class (``runtime/forward.py``), which unpatch takes back.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from fuseinfer.core.quant_config import apply_scheme
 from fuseinfer.layers import attention_backend
 from fuseinfer.core.placement import offloaded_tensor_names, placement
 from fuseinfer.runtime import GenerateHook, release
+from fuseinfer.runtime.forward import fast_class_for
 from fuseinfer.core.state import (
     STATE_ATTR,
     PatchState,
@@ -113,8 +115,15 @@ def _patch(model: nn.Module, config: PatchConfig | None) -> PatchReport:
             raise
     if not (config.quant is not None and config.quant._empty):  # (a meta build warns once its tensors are placed)
         warn_if_references_only(report)
+    from fuseinfer.models.common import swap_class  # (imports transformers: not at ``import fuseinfer``)
+
+    forward_class = None
+    fast = fast_class_for(model, family)  # model(input_ids) through the lean loop where it applies
+    if fast is not None:
+        forward_class = type(model)
+        swap_class(model, fast)
     object.__setattr__(model, STATE_ATTR, PatchState(family, state, report, config, model.__dict__.get("generate"),
-                                                     quant))
+                                                     quant, forward_class))
     if hasattr(model, "generate"):
         object.__setattr__(model, "generate", GenerateHook(model))
     return report
@@ -140,6 +149,10 @@ def _unpatch(model: nn.Module) -> nn.Module:
     model.__dict__.pop("generate", None)
     if patched.generate is not None:
         object.__setattr__(model, "generate", patched.generate)
+    if patched.forward_class is not None:
+        from fuseinfer.models.common import swap_class
+
+        swap_class(model, patched.forward_class)
     if patched.quant is not None:
         patched.quant.undo(model)
     patched.family.unpatch(model, patched.state)

@@ -61,7 +61,9 @@ def test_patched_opt_fp16_logits_on_cuda(variant):
         model16 = model32.half()
         torch16 = model16(input_ids=ids, attention_mask=mask).logits
         report = fuseinfer.patch(model16)
-        ours, paths = paths_taken(lambda: model16(input_ids=ids, attention_mask=mask).logits)
+        # (the patched modules: the model's own forward would replay a graph of the lean loop, runtime/forward.py)
+        with fuseinfer.runtime.using_runtime(model16, prefill="module"):
+            ours, paths = paths_taken(lambda: model16(input_ids=ids, attention_mask=mask).logits)
     assert report.backends == {op: {"cuda"} for op in fuseinfer.OPS}, str(report)
     assert _kernel_calls(paths) == _layer_kernel_calls(4), paths
     real = mask.bool()

@@ -60,9 +60,9 @@ class RuntimeConfig:
     cuda_graphs: fast decode replays its step (and ``prefill='auto'`` / ``'graph'`` its prefill) as CUDA graphs;
       False runs them eagerly.
     graph_steps: decode steps in fast decode's longer CUDA graph (1: one step per replay).
-    prefill: fast decode's prefill (docs/prefill.md): ``auto`` (CUDA graphs per prompt-length bucket up to a
-      measured size, else the lean layer loop), ``graph`` (graphs wherever they apply), ``lean`` (the loop, no
-      graphs) or ``module`` (the patched modules).
+    prefill: fast decode's prefill and the patched model's own forward (docs/prefill.md): ``auto`` (CUDA graphs
+      per prompt-length bucket up to a measured size, else the lean layer loop), ``graph`` (graphs wherever they
+      apply), ``lean`` (the loop, no graphs) or ``module`` (the patched modules).
     tp_graphs: a tensor-parallel model's decode step is captured as CUDA graphs (False: eager, e.g. when an NCCL
       all-reduce cannot be captured).
     """

@@ -83,7 +83,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "`0`: a tensor-parallel model's decode step runs eagerly (its CUDA graphs hold NCCL all-reduces)", ("0", "1"),
          field="tp_graphs"),
     Knob("FUSEINFER_PREFILL", "auto", "config",
-         "fast decode's prefill (docs/prefill.md): `auto` (CUDA graphs per prompt-length bucket up to "
+         "fast decode's prefill and the patched model's own forward (docs/prefill.md): `auto` (CUDA graphs per "
+         "prompt-length bucket up to "
          "`AUTO_GRAPH_MAX_TOKENS`, else the lean layer loop), `graph` (graphs wherever they apply), `lean` (the "
          "loop, no graphs) or `module` (the patched modules)", ("auto", "graph", "lean", "module"), field="prefill"),
     Knob("FUSEINFER_SHARED", "../shared", "call",

@@ -26,6 +26,7 @@ class PatchState(NamedTuple):
     config: PatchConfig
     generate: object = None  # the model's own instance attribute ``generate`` before patching, if it had one
     quant: object = None  # PatchConfig.quant's state (its ``undo(model)`` runs in unpatch), or None
+    forward_class: type | None = None  # the model's class before patch gave it the fast forward's, or None
 
 
 def unwrapped(model):

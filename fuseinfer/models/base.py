@@ -235,6 +235,23 @@ class ModelFamily(ABC):
         without, attention reads this prompt's k/v, ``key_mask`` (B, S) bool or None."""
         raise NotImplementedError(self.prefill_reason(model))
 
+    def lean_hidden(self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, key_mask=None,
+                    kv_out=None) -> torch.Tensor:
+        """The lean layer loop without a cache (check :meth:`prefill_reason` first): the final hidden states
+        (B, S, E) of every position, after the final norm, in the model's dtype (what the base model's
+        ``last_hidden_state`` is). tokens, positions: (B, S) int64 (see :meth:`forward_positions`); key_mask (B, S)
+        bool or None. ``kv_out``: None, or a list to which every layer appends its ``(k, v)``, each (B, key/value
+        heads, S, head_dim) in the model's dtype exactly as transformers' cache would store them (views allowed)."""
+        raise NotImplementedError(self.prefill_reason(model))
+
+    def forward_positions(self, model: nn.Module, input_ids: torch.Tensor,
+                          attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """The positions (B, S) int64 the model's own forward gives ``input_ids`` (B, S) when called without a
+        cache and without ``position_ids`` (the fast forward hands them to :meth:`lean_hidden`). By default
+        0 .. S-1 in every row, padding or not (transformers' rotary models)."""
+        b, s = input_ids.shape
+        return torch.arange(s, device=input_ids.device).expand(b, s)
+
     def tp_reason(self, model: nn.Module, size: int) -> str | None:
         """Why ``model`` cannot be split over ``size`` tensor-parallel ranks, or None."""
         return f"no tensor-parallel plan for {self.model_type or type(self).__name__}"

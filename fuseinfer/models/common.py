@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from fuseinfer.core import placement
+from fuseinfer.core.config import ATTN_NAME
 from fuseinfer.core.extension import backend_for
 from fuseinfer.core.state import LOCK_ATTR, disown_config, own_config, patch_state
 from fuseinfer.layers import attention_backend, hf_attention
@@ -219,6 +220,11 @@ def lean_call_reason(model: nn.Module, called, like: torch.Tensor) -> str | None
     calls (``called``; the lean loop calls none of them)."""
     if model.training:
         return "model is in training mode"
+    # (at every call, not with the structure: transformers' generate, the fallback of the patched one, switches
+    # the attention implementation back for its call, and the patched modules then run that one)
+    if model.config._attn_implementation != ATTN_NAME:
+        return ("the model does not run the fuseinfer attention (patch() skips it in training mode: call "
+                "model.eval() before fuseinfer.patch(model))")
     dev, dtype = like.device.type, like.dtype
     if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != dtype:
         return "autocast to another dtype than the model's (the patched modules run the original forward)"

@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import VARIANTS, random_opt
 from helpers import (assert_lean_equals_modules, assert_same_tokens_graph_lean_modules,
-                     assert_same_tokens_lean_and_modules, fuseinfer_op_counts)
+                     assert_same_tokens_lean_and_modules, fuseinfer_op_counts, modules_forward)
 
 import fuseinfer
 from fuseinfer import PatchConfig, SmoothQuantW8A8
@@ -62,22 +62,20 @@ def test_pre_ln_layer_runs_add_layer_norm_quant(unfused):
     _, model = _w8a8()
     ids = _ids(model.config.vocab_size)
     layers = model.config.num_hidden_layers
-    fused = fuseinfer_op_counts(lambda: model(input_ids=ids))
+    fused = fuseinfer_op_counts(lambda: modules_forward(model, input_ids=ids))
     # per layer: 2 fused LN+quant, 4 W8A8 GEMMs, 2 quantize (attention output -> out_proj, fc1 output -> fc2);
     # the decoder's final LayerNorm is the one fp16 LayerNorm left
     assert fused["fuseinfer::add_layer_norm_quant"] == 2 * layers
     assert fused["fuseinfer::w8a8_linear"] == 4 * layers
     assert fused["fuseinfer::quantize_int8"] == 2 * layers
     assert fused["fuseinfer::add_layer_norm"] == 1
-    with torch.no_grad():
-        got = model(input_ids=ids).logits
+    got = modules_forward(model, input_ids=ids).logits
     unfused()
-    plain = fuseinfer_op_counts(lambda: model(input_ids=ids))
+    plain = fuseinfer_op_counts(lambda: modules_forward(model, input_ids=ids))
     assert plain["fuseinfer::add_layer_norm_quant"] == 0
     assert plain["fuseinfer::add_layer_norm"] == 2 * layers + 1
     assert plain["fuseinfer::quantize_int8"] == 4 * layers
-    with torch.no_grad():
-        before = model(input_ids=ids).logits
+    before = modules_forward(model, input_ids=ids).logits
     # CPU: add_layer_norm_quant_ref is add_layer_norm_ref then quantize_int8_ref, exactly the unfused path
     assert torch.equal(got, before)
 
@@ -101,7 +99,7 @@ def test_fused_path_within_w8a8_tolerance_of_the_reference_path(variant):
 def test_post_ln_layer_keeps_the_fp16_layernorm():
     """Post-LN (opt-350m): the LayerNorm output is the residual stream, so it is formed and quantized apart."""
     _, model = _w8a8("post_ln_project_in_out")
-    counts = fuseinfer_op_counts(lambda: model(input_ids=_ids(model.config.vocab_size)))
+    counts = fuseinfer_op_counts(lambda: modules_forward(model, input_ids=_ids(model.config.vocab_size)))
     assert counts["fuseinfer::add_layer_norm_quant"] == 0
     assert counts["fuseinfer::quantize_int8"] == 4 * model.config.num_hidden_layers
 
@@ -194,12 +192,10 @@ def test_gpu_decode_rows_run_the_w8a16_gemv(monkeypatch):
     monkeypatch.setattr(sq, "quantize_per_token", counting("quantize", sq.quantize_per_token))
     monkeypatch.setattr(opt_mod, "_norm_quant", counting("norm_quant", opt_mod._norm_quant))
     ids = _ids(model.config.vocab_size, rows=1, length=12).cuda()
-    with torch.no_grad():
-        short = model(input_ids=ids).logits[:, -1].float()
+    short = modules_forward(model, input_ids=ids).logits[:, -1].float()
     assert calls == {"w8a16_linear": 4 * layers}, calls
     calls.clear()
-    with torch.no_grad():
-        model(input_ids=_ids(model.config.vocab_size, rows=1, length=40).cuda())
+    modules_forward(model, input_ids=_ids(model.config.vocab_size, rows=1, length=40).cuda())
     assert calls["w8a16_linear"] == 0 and calls["norm_quant"] == 2 * layers, calls
     # the lean loop takes the same path at 12 rows (the int8 ops, not the W8A8 layers): same logits as the modules
     monkeypatch.setattr(lean.W8A8LeanOps, "__init__",

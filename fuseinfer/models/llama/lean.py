@@ -90,7 +90,7 @@ def _structure_reason(model: nn.Module) -> str | None:
     """Why the lean loop cannot stand in for ``model``'s patched modules (checked once per patch), or None."""
     from fuseinfer.core.config import OPS
     from fuseinfer.core.quant_config import Int8WeightOnly
-    from fuseinfer.layers import attention_backend, hf_attention
+    from fuseinfer.layers import attention_backend
 
     state = patch_state(model)
     if state is None or set(state.config.ops) != set(OPS) or state.config.filter_fn is not None:
@@ -104,9 +104,6 @@ def _structure_reason(model: nn.Module) -> str | None:
     backends = {n for m in model.modules() for n in m.__dict__.get(attention_backend.ATTR, {}).values()}
     if backends - {"fuseinfer"}:  # (what patch resolved the config's backend to, per phase)
         return f"attention_backend={state.config.attention_backend!r} runs in the patched modules"
-    if model.config._attn_implementation != hf_attention.NAME:
-        return ("the model does not run the fuseinfer attention (patch() skips it in training mode: call "
-                "model.eval() before fuseinfer.patch(model))")
     base = model.model
     rope = getattr(base.rotary_emb, "rope_type", None) or \
         (getattr(model.config, "rope_parameters", None) or {}).get("rope_type", "default")

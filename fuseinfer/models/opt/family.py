@@ -88,6 +88,15 @@ class OPTFamily(ModelFamily):
     def lean_logits(self, model, tokens, positions, key_mask=None, q_start=None, cache=None, slots=None, last=None):
         return lean.lean_logits(model, tokens, positions, key_mask, q_start, cache, slots, last)
 
+    def lean_hidden(self, model, tokens, positions, key_mask=None, kv_out=None):
+        return lean.lean_hidden(model, tokens, positions, key_mask, kv_out)
+
+    def forward_positions(self, model, input_ids, attention_mask):
+        if attention_mask is None:
+            return super().forward_positions(model, input_ids, attention_mask)
+        mask = attention_mask.long()
+        return mask.cumsum(1) * mask - 1  # (B, S), -1 on padding, as OPTDecoder computes them
+
     def tp_reason(self, model, size):
         return tp.tp_reason(model, size)
 

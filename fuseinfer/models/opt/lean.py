@@ -1,7 +1,9 @@
 """The lean prefill loop over a patched OPTForCausalLM: ``decoder_layer`` over (B*S, E) activations with the
 fused ops called straight into the extension on CUDA (``fuseinfer._C``; elsewhere the op wrappers and their
-references), no mask built, the LM head for one position only. ``runtime/prefill.py`` (modes, length buckets, CUDA
-graphs) reaches it through the family interface (``OPTFamily.prefill_reason`` / ``lean_logits``).
+references), no mask built, the LM head for one position only (``lean_logits``), or the final hidden states of every
+position (``lean_hidden``, for the patched model's own forward: ``runtime/forward.py``). ``runtime/prefill.py``
+(modes, length buckets, CUDA graphs) reaches it through the family interface (``OPTFamily.prefill_reason`` /
+``lean_logits`` / ``lean_hidden``).
 
 Three strategies: :class:`LeanOps` (fp16/bf16), :class:`Int8LeanOps` (int8 weight-only linears, and W8A8 linears at
 decode-sized inputs on CUDA, which run the GEMV as the patched modules do) and :class:`W8A8LeanOps` (SmoothQuant:
@@ -108,7 +110,7 @@ def _int8_layer_reason(layer: nn.Module, kind: str) -> str | None:
 def _structure_reason(model: nn.Module) -> str | None:
     """Why the lean loop cannot stand in for ``model``'s patched modules (checked once per model), or None."""
     from fuseinfer.core.config import OPS
-    from fuseinfer.layers import attention_backend, hf_attention
+    from fuseinfer.layers import attention_backend
     from fuseinfer.models.opt.modules import FusedLayerNorm, FusedOPTAttention, FusedOPTDecoderLayer
 
     state = patch_state(model)
@@ -123,9 +125,6 @@ def _structure_reason(model: nn.Module) -> str | None:
         return f"attention_backend={state.config.attention_backend!r} runs in the patched modules"
     if model.__class__.__name__ != "OPTForCausalLM":  # (__class__: a weak proxy's is its referent's)
         return f"the lean prefill needs an OPTForCausalLM, got {model.__class__.__name__}"
-    if model.config._attn_implementation != hf_attention.NAME:
-        return ("the model does not run the fuseinfer attention (patch() skips it in training mode: call "
-                "model.eval() before fuseinfer.patch(model))")
     dec = model.model.decoder
     if dec.final_layer_norm is not None and type(dec.final_layer_norm) is not FusedLayerNorm:
         return "the final LayerNorm is not patched"
@@ -213,6 +212,8 @@ class LeanOps:
     choose exactly as the patched modules' calls do. One per forward; ``ctx``: (B, S, key_mask, q_start, cache,
     slots)."""
 
+    kv_out = None  # a list each layer's attention appends its (k, v) (B, H, S, D) to (lean_hidden), or None
+
     def __init__(self, like: torch.Tensor, heads: int, head_dim: int):
         from fuseinfer.ops.attention import KERNEL_DTYPES, KERNEL_HEAD_DIMS
 
@@ -260,6 +261,8 @@ class LeanOps:
         heads, d = self.heads, self.head_dim
         q, k, v = self.qkv(attn, x).view(b, s, 3, heads, d).unbind(2)  # 3 x (B, S, H, D)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
+        if self.kv_out is not None:  # (lean_hidden's caller builds transformers' cache from them)
+            self.kv_out.append((k, v))
         if cache is not None:
             self.append(cache.keys[i], cache.values[i], k, v, slots)
             k, v = cache.keys[i], cache.values[i]  # (B, H, T, D)
@@ -353,19 +356,24 @@ def _embed(plan: _Plan, tokens: torch.Tensor, positions: torch.Tensor) -> torch.
     return h.view(-1, h.shape[-1])
 
 
-def _head(plan: _Plan, ops: LeanOps, h: torch.Tensor) -> torch.Tensor:
-    """h (B, E) at the positions whose next token is wanted -> fp32 logits (B, V)."""
+def _final(plan: _Plan, ops: LeanOps, h: torch.Tensor) -> torch.Tensor:
+    """h (N, E) -> what the LM head reads (N, E_word): the final LayerNorm and project_out, as OPTDecoder ends."""
     dec = plan.dec
     if dec.final_layer_norm is not None:
         ln = dec.final_layer_norm
         h = ops.ln(h.contiguous(), None, ln._parameters.get("weight"), ln._parameters.get("bias"), ln.eps)
     if dec.project_out is not None:
         h = F.linear(h, dec.project_out.weight)
-    return F.linear(h, plan.lm_head.weight, plan.lm_head.bias).float()
+    return h
 
 
-def _run(plan: _Plan, tokens, positions, key_mask, q_start, cache, slots, last=None) -> torch.Tensor:
-    """The lean loop: fp32 logits (B, V) at position ``last`` ((1,) int64 on the device; None: the last one)."""
+def _head(plan: _Plan, ops: LeanOps, h: torch.Tensor) -> torch.Tensor:
+    """h (B, E) at the positions whose next token is wanted -> fp32 logits (B, V)."""
+    return F.linear(_final(plan, ops, h), plan.lm_head.weight, plan.lm_head.bias).float()
+
+
+def _layers(plan: _Plan, tokens, positions, key_mask, q_start, cache, slots, kv_out=None):
+    """The embeddings and every decoder layer: (the strategy, h (B*S, E)). kv_out: see :func:`lean_hidden`."""
     b, s = tokens.shape
     h = _embed(plan, tokens, positions)  # (B*S, E)
     like = plan.lm_head.weight
@@ -375,19 +383,45 @@ def _run(plan: _Plan, tokens, positions, key_mask, q_start, cache, slots, last=N
         ops = Int8LeanOps(like, plan.heads, plan.head_dim)
     else:
         ops = LeanOps(like, plan.heads, plan.head_dim)
+    ops.kv_out = kv_out
     ctx, pre_ln = (b, s, key_mask, q_start, cache, slots), plan.pre_ln
     for i, layer in enumerate(plan.layers):
         h = decoder_layer(ops, i, layer, h, ctx, pre_ln)
+    return ops, h
+
+
+def _run(plan: _Plan, tokens, positions, key_mask, q_start, cache, slots, last=None) -> torch.Tensor:
+    """The lean loop: fp32 logits (B, V) at position ``last`` ((1,) int64 on the device; None: the last one)."""
+    b, s = tokens.shape
+    ops, h = _layers(plan, tokens, positions, key_mask, q_start, cache, slots)
     h = h.view(b, s, -1)
     h = h[:, -1] if last is None else h.index_select(1, last).view(b, -1)  # (B, E)
     return _head(plan, ops, h)
+
+
+def _checked_plan(model: nn.Module) -> _Plan:
+    plan, why = _plan(model)
+    if why is not None:
+        raise FuseInferError(why)
+    return plan
 
 
 @torch.no_grad()
 def lean_logits(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, key_mask=None, q_start=None,
                 cache=None, slots=None, last=None) -> torch.Tensor:
     """``OPTFamily.lean_logits``: the lean loop over a patched OPTForCausalLM (check :func:`lean_reason` first)."""
-    plan, why = _plan(model)
-    if why is not None:
-        raise FuseInferError(why)
-    return _run(plan, tokens, positions, key_mask, q_start, cache, slots, last)
+    return _run(_checked_plan(model), tokens, positions, key_mask, q_start, cache, slots, last)
+
+
+@torch.no_grad()
+def lean_hidden(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, key_mask=None,
+                kv_out=None) -> torch.Tensor:
+    """``OPTFamily.lean_hidden``: the lean loop without a cache, (B, S, E_word) in the model's dtype: what
+    ``OPTModel``'s last_hidden_state is (after the final LayerNorm and project_out) at every position. tokens,
+    positions: (B, S) int64 (OPT's positions, -1 on padding); key_mask (B, S) bool or None. kv_out: None, or a
+    list to which each layer appends its (k, v), each (B, H, S, D) views, unscaled, as transformers' cache holds
+    them."""
+    plan = _checked_plan(model)
+    b, s = tokens.shape
+    ops, h = _layers(plan, tokens, positions, key_mask, None, None, None, kv_out)
+    return _final(plan, ops, h).view(b, s, -1)

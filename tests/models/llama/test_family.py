@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 from conftest import WIKITEXT, random_llama
-from helpers import assert_same_state, state
+from helpers import assert_same_state, state, modules_forward
 
 import fuseinfer
 from fuseinfer import FuseInferError, PatchConfig
@@ -113,8 +113,7 @@ def test_patch_runs_the_fused_ops(tiny_cpu, monkeypatch):
         counting(llama_modules, name)
     counting(linear_layer, "linear_epilogue")
     counting(attention_backend.IMPLS, "fuseinfer")
-    with torch.no_grad():
-        model(input_ids=_ids(model, rows=1, length=5))
+    modules_forward(model, input_ids=_ids(model, rows=1, length=5))
     layers = model.config.num_hidden_layers
     # 2 RMSNorms per layer + the final one; q/k/v, o_proj and down_proj per layer (gate/up: the module's own call)
     assert calls == {"add_rms_norm": 2 * layers + 1, "qkv_rope": layers, "silu_mul": layers,
