@@ -4,7 +4,7 @@ cuBLAS fp16, and the e4m3 weight GEMV of decode against the int8 and fp16 ones.
 Part 1, GEMM (``fp8_gemm`` results): OPT-1.3b and OPT-6.7b prefill shapes, M = 2048 (and 8192 unless --quick), each
 layer's linear with the epilogue it has in the model (q/k/v: + bias; out_proj, fc2: + bias + residual; fc1: + bias,
 ReLU). Timed in turn over rounds (common.paired_ms; "x" columns are medians of per-round ratios):
-  ours           fuseinfer.ops.fp8_linear: e4m3 x e4m3 wgmma (CUTLASS sm90, fp32 accumulation) with the per-token x
+  ours           fuseinfer.ops.fp8_linear: e4m3 x e4m3 wgmma (CUTLASS sm90, fast accumulation) with the per-token x
                  per-channel scales, bias, residual / ReLU in the epilogue, fp16 out (the backend is recorded per row);
   scaled_mm      torch._scaled_mm with row-wise scales (bf16 out), then the epilogue as PyTorch ops (fuseinfer's FP8
                  path without the kernel);

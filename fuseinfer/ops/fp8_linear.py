@@ -9,7 +9,7 @@ epilogue is ``fused_linear``'s protocol, shared with the int8 W8A8 op (``w8a8_li
 
 Backends (``fp8_backend(device)`` says which one serves a device):
   * ``cutlass-sm90``: an sm_90 GPU with the extension built with CUTLASS (the int8 W8A8 kernels' build): the CUTLASS
-    warp-specialized FP8 GEMM (fp32 accumulation) with the per-token x per-channel scales, bias, residual and
+    warp-specialized FP8 GEMM (the tensor cores' fast accumulation) with the per-token x per-channel scales, bias, residual and
     ReLU in its epilogue and one rounding to the output dtype (``w8a8_linear.sm90_scaled_linear``). K % 16 and N % 8;
     other shapes take the next backend;
   * ``scaled_mm``: a CUDA GPU of compute capability >= 8.9 (Ada, H100/H200): ``torch._scaled_mm`` with row-wise
