@@ -93,13 +93,18 @@ struct Shared {
   float mass;
 };
 
+// Block reductions whose result every thread gets: each warp reduces the kWarps partials itself (lane j reads
+// warp j's). (Not warp 0 alone and a shuffle from lane 0: that shuffle stays inside each warp, so warps 1..31 got
+// their own lane 0's partial: -inf for the row maximum, and every warp but the first took the empty-row exit.)
+static_assert(kWarps == 32, "block_max / block_sum: one partial per lane");
+
 __device__ __forceinline__ float block_max(float v, Shared& sh) {
   v = warp_max(v);
   if ((threadIdx.x & 31) == 0) sh.f[threadIdx.x >> 5] = v;
   __syncthreads();
-  v = warp_max(threadIdx.x < 32 ? sh.f[threadIdx.x] : -INFINITY);
-  __syncthreads();
-  return __shfl_sync(kFull, v, 0);
+  v = warp_max(sh.f[threadIdx.x & 31]);
+  __syncthreads();  // (the partials are read before the next reduction writes them)
+  return v;
 }
 
 __device__ __forceinline__ int warp_sum_int(int v) {
@@ -112,9 +117,9 @@ __device__ __forceinline__ int block_sum(int v, Shared& sh) {
   v = warp_sum_int(v);
   if ((threadIdx.x & 31) == 0) sh.i[threadIdx.x >> 5] = v;
   __syncthreads();
-  v = warp_sum_int(threadIdx.x < 32 ? sh.i[threadIdx.x] : 0);
+  v = warp_sum_int(sh.i[threadIdx.x & 31]);
   __syncthreads();
-  return __shfl_sync(kFull, v, 0);
+  return v;
 }
 
 // Per-bin counts (and, kMass, masses exp(z - m)) of the keys, in bin digit(key) (kBins: not counted); the copies

@@ -39,8 +39,16 @@ def _reproducible(model, enc, **kw):
     return a
 
 
+@pytest.fixture
+def fused(monkeypatch):
+    """The fused sampling op on, whatever decode.FUSED_SAMPLING's default: these tests are about that path."""
+    from fuseinfer.runtime import decode
+
+    monkeypatch.setattr(decode, "FUSED_SAMPLING", True)
+
+
 @pytest.mark.parametrize("kw", [dict(top_p=0.9, temperature=0.7), dict(top_k=50), dict(min_p=0.05, top_p=0.95)])
-def test_sampling_is_reproducible_under_manual_seed(tiny_model_path, kw):
+def test_sampling_is_reproducible_under_manual_seed(tiny_model_path, kw, fused):
     model, tok = _load(tiny_model_path)
     fuseinfer.patch(model)
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
@@ -48,7 +56,7 @@ def test_sampling_is_reproducible_under_manual_seed(tiny_model_path, kw):
     assert out.shape == (3, enc.input_ids.shape[1] + 12) and _session(model).fused_sampling
 
 
-def test_first_token_is_the_reference_draw_of_the_prompt_logits(tiny_model_path):
+def test_first_token_is_the_reference_draw_of_the_prompt_logits(tiny_model_path, fused):
     """The first sampled token is sample_tokens_ref of the prompt's last logits, with the seed the call drew from
     torch's generator and offset 0 (the step counter)."""
     model, tok = _load(tiny_model_path)
@@ -62,7 +70,7 @@ def test_first_token_is_the_reference_draw_of_the_prompt_logits(tiny_model_path)
     torch.manual_seed(3)
     out = fuseinfer.generate(model, enc.input_ids, enc.attention_mask, max_new_tokens=1, do_sample=True, top_p=0.9,
                              temperature=0.8)
-    assert out[:, -1].tolist() == want.tolist()
+    assert _session(model).fused_sampling and out[:, -1].tolist() == want.tolist()
 
 
 def test_output_scores_keeps_the_warped_scores(tiny_model_path):
@@ -92,7 +100,7 @@ def test_pytorch_warpers_path_still_samples(tiny_model_path, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_sampling_inside_the_decode_graphs(tiny_model_path):
+def test_sampling_inside_the_decode_graphs(tiny_model_path, fused):
     from helpers import require_kernel
 
     require_kernel()
