@@ -46,11 +46,19 @@ class Sampling:
         materialising the warped scores."""
         return sample_tokens(logits.float(), seed, offset, self.temperature, self.top_k, self.top_p, self.min_p)
 
-    def choose(self, warped: torch.Tensor) -> torch.Tensor:
-        """Warped scores (B, V) -> scores whose first maximum per row is the next token."""
+    def choose(self, warped: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """Warped scores (B, V) -> scores whose first maximum per row is the next token. ``rows``: the call's real
+        rows (the first ones; the rest are a batch bucket's padding, whose tokens are discarded)."""
         if not self.do_sample:
             return warped
         probs = warped.softmax(-1)
+        if warped.device.type == "cpu":
+            # transformers' draw, torch.multinomial over the call's rows (no CUDA graph to keep safe here): the same
+            # generator calls in the same order, so torch.manual_seed gives transformers' tokens
+            rows = probs.shape[0] if rows is None else rows
+            chosen = torch.zeros_like(probs)  # (B, V): a one at each real row's token
+            chosen[:rows].scatter_(1, torch.multinomial(probs[:rows], 1), 1.0)
+            return chosen
         # Exponential race: argmax(p / E), E ~ Exp(1), samples from p and is CUDA-graph safe
         return probs / torch.empty_like(probs).exponential_()
 

@@ -163,8 +163,8 @@ class _Session:
             self.scores_out.index_copy_(1, self.step, scores[:, None])
         if self.logits_out is not None:
             self.logits_out.index_copy_(1, self.step, logits[:, None])
-        emit_tokens(self.sampling.choose(scores), self.eos, self.pad, self.tokens, self.positions, self.q_start,
-                    self.decode_idx, self.step, self.unfinished, self.out, self.alive, self.scratch)
+        emit_tokens(self.sampling.choose(scores, self.batch), self.eos, self.pad, self.tokens, self.positions,
+                    self.q_start, self.decode_idx, self.step, self.unfinished, self.out, self.alive, self.scratch)
 
     def _decode_step(self) -> None:
         """One token for every row; advances all counters (everything here is captured in the graph)."""
@@ -211,6 +211,7 @@ class _Session:
         self.q_start.zero_()
         if self.proc is not None:
             self.proc.begin(ids[:b], mask.to(dev), self.bucket)
+        self.batch = b  # (the first token's draw covers the call's rows only)
         # graph / lean loop / patched modules (advances counters: reset below)
         from fuseinfer.runtime.prefill import session_prefill
         self._emit(session_prefill(self, ids, pos))

@@ -168,17 +168,25 @@ def test_sampling_settings_are_validated(tiny_model_path):
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, None, None), (1.3, 5, None), (1.0, None, 0.8),
                                                      (0.5, 40, 0.9), (2.0, 3, 0.5)])
-def test_sampling_distribution_matches_transformers_warpers(temperature, top_k, top_p, monkeypatch):
-    """With the race's exponentials fixed at 1, Sampling.scores is the probability each token is drawn with: it
-    must be softmax of the logits after transformers' temperature, top-k and top-p warpers, in that order."""
+def test_sampling_distribution_matches_transformers_warpers(temperature, top_k, top_p):
+    """The probability each token is drawn with, softmax of Sampling.warp, is softmax of the logits after
+    transformers' temperature, top-k and top-p warpers, in that order; the CPU path draws from it with
+    torch.multinomial (a one at the drawn token of each of the call's rows, zeros in the others), the CUDA path by
+    an exponential race over it."""
     from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                         TopPLogitsWarper)
 
     from fuseinfer.runtime.decode import Sampling
 
-    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, *a, **k: self.fill_(1.0))
     logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(3)) * 3  # (B, V)
-    ours = Sampling(True, temperature, top_k, top_p).scores(logits)
+    sampling = Sampling(True, temperature, top_k, top_p)
+    probs = sampling.warp(logits).softmax(-1)
+    torch.manual_seed(0)
+    chosen = sampling.choose(sampling.warp(logits), rows=3)
+    torch.manual_seed(0)
+    assert torch.equal(chosen[:3].argmax(-1), torch.multinomial(probs[:3], 1)[:, 0])
+    assert chosen.sum().item() == 3 and not chosen[3].any()
+    ours = probs
     warped = TemperatureLogitsWarper(temperature)(None, logits.clone())
     if top_k:
         warped = TopKLogitsWarper(top_k)(None, warped)

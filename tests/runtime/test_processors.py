@@ -96,14 +96,13 @@ def test_penalty_padding_rule_follows_the_installed_transformers():
 
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(0.7, None, None, 0.1), (1.3, 5, None, 0.05),
                                                            (1.0, None, 0.8, 0.2), (0.5, 40, 0.9, 0.01)])
-def test_min_p_sampling_distribution_matches_transformers_warpers(temperature, top_k, top_p, min_p, monkeypatch):
-    """With the race's exponentials fixed at 1, Sampling.scores is the probability each token is drawn with."""
+def test_min_p_sampling_distribution_matches_transformers_warpers(temperature, top_k, top_p, min_p):
+    """softmax of Sampling.warp, the probability each token is drawn with, is transformers' warped softmax."""
     from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
                                                         TopKLogitsWarper, TopPLogitsWarper)
 
-    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, *a, **k: self.fill_(1.0))
     logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(3)) * 3
-    ours = Sampling(True, temperature, top_k, top_p, min_p).scores(logits)
+    ours = Sampling(True, temperature, top_k, top_p, min_p).warp(logits).softmax(-1)
     warped = TemperatureLogitsWarper(temperature)(None, logits.clone())
     if top_k:
         warped = TopKLogitsWarper(top_k)(None, warped)

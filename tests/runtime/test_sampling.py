@@ -118,3 +118,26 @@ def test_sampling_inside_the_decode_graphs(tiny_model_path, fused):
     for t, logits in enumerate(top1.logits):  # (B, V) per step
         chosen = logits.gather(1, top1.sequences[:, p + t, None].to(logits.device))
         assert torch.equal(chosen[:, 0], logits.amax(-1))
+
+
+@pytest.mark.parametrize("kw", [dict(top_p=0.9, temperature=0.7, top_k=0), dict(top_k=20), dict(min_p=0.05, top_k=0)])
+def test_sampled_tokens_equal_transformers_under_the_same_seed_on_cpu(tiny_model_path, kw):
+    """On the CPU the default sampling path draws as transformers does (torch.multinomial over the call's rows, one
+    call per step), so under one torch.manual_seed the patched model.generate and fuseinfer.generate give the
+    unpatched model's sampled tokens (a left-padded batch of 3, 12 new tokens). top_k is always given: fuseinfer.generate
+    takes only the settings it is passed, model.generate also the generation config's defaults (its top_k of 50)."""
+    model, tok = _load(tiny_model_path)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    args = dict(max_new_tokens=12, min_new_tokens=12, do_sample=True, **kw)
+    with torch.no_grad():
+        torch.manual_seed(5)
+        want = model.generate(**enc, **args)
+    fuseinfer.patch(model)
+    torch.manual_seed(5)
+    got = model.generate(**enc, **args)
+    assert not _session(model).fused_sampling
+    assert torch.equal(got, want), (got[:, -12:].tolist(), want[:, -12:].tolist())
+    torch.manual_seed(5)
+    assert torch.equal(fuseinfer.generate(model, enc.input_ids, enc.attention_mask, **args), want)
+    torch.manual_seed(6)
+    assert not torch.equal(fuseinfer.generate(model, enc.input_ids, enc.attention_mask, **args), want)  # (it samples)
