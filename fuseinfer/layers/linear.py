@@ -46,6 +46,23 @@ class QuantizedLinear(nn.Module):
         return self.fused(x)
 
 
+class ChannelScaledLinear(QuantizedLinear):
+    """Base of the quantized linears that hold an 8-bit weight with one fp32 scale per output channel (SmoothQuant
+    W8A8's int8, FP8's e4m3) and quantize their input at run time. Buffers: weight_q (N, K), weight_scale (N, 1)
+    fp32, bias (N,) or None. At decode-sized inputs they run the 8-bit weight GEMV on the unquantized activations,
+    so the one-kernel decode step may stream the same weights."""
+
+    def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight_q", weight_q)          # (N, K) int8 or float8_e4m3fn
+        self.register_buffer("weight_scale", weight_scale)  # (N, 1) fp32
+        self.register_buffer("bias", bias)                  # (N,) or None
+        self.in_features, self.out_features = weight_q.shape[1], weight_q.shape[0]
+
+    def step_weights(self):
+        return self.weight_q, self.weight_scale.view(-1)
+
+
 class Int8WeightOnlyLinear(QuantizedLinear):
     """y = x @ (qweight * scale[:, None]).T + bias. Buffers: qweight int8 (N, K), scale fp32 (N,); bias: the
     original layer's Parameter (the same object, so it keeps its identity) or, for the fused q/k/v, a buffer."""

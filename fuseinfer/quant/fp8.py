@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fuseinfer.core.errors import FuseInferError
-from fuseinfer.layers.linear import QuantizedLinear, decode_rows
+from fuseinfer.layers.linear import ChannelScaledLinear, decode_rows
 from fuseinfer.ops.fp8_gemv import fp8_weight_linear
 from fuseinfer.ops.fp8_linear import FP8_DTYPE, fp8_gemm_note, fp8_linear, quantize_fp8_per_token, quantize_fp8_ref
 from fuseinfer.ops.w8a8_linear import OUT_DTYPES
@@ -28,16 +28,9 @@ from fuseinfer.quant.w8a8 import Flavor, W8A8QKVSlice, quantize_w8a8
 FAMILIES = ("opt",)  # the families whose fused q/k/v layout (three equal row blocks) the swap takes
 
 
-class Float8Linear(QuantizedLinear):
+class Float8Linear(ChannelScaledLinear):
     """An nn.Linear with float8_e4m3fn weights (per output channel, fp32 scales) whose input is quantized to e4m3
     per token at run time. ``fused(x, residual, activation)`` is the call the patched forwards make."""
-
-    def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.register_buffer("weight_q", weight_q)          # (N, K) float8_e4m3fn
-        self.register_buffer("weight_scale", weight_scale)  # (N, 1) fp32
-        self.register_buffer("bias", bias)                  # (N,) or None
-        self.in_features, self.out_features = weight_q.shape[1], weight_q.shape[0]
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Float8Linear:
@@ -65,14 +58,6 @@ class Float8Linear(QuantizedLinear):
             return fp8_weight_linear(x, self.weight_q, self.weight_scale.view(-1), bias, residual, activation)
         q, s = quantize_fp8_per_token(x)  # (..., K) e4m3, (..., 1) fp32
         return fp8_linear(q, s, self.weight_q, self.weight_scale, bias, residual, activation, x.dtype)
-
-    def step_weights(self):
-        """The one-kernel decode step streams the e4m3 weights on fp16/bf16 activations (as ``fused`` does at
-        decode-sized inputs)."""
-        return self.weight_q, self.weight_scale.view(-1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fused(x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 weights and activations"

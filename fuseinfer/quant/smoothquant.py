@@ -40,7 +40,7 @@ from fuseinfer.core.quant_config import check_alpha  # noqa: F401 (SmoothQuant's
 from fuseinfer.ops.w8a8_linear import OUT_DTYPES, w8a8_linear
 from fuseinfer.ops.quant import quantize_int8_ref, quantize_per_token
 from fuseinfer.ops.w8a16_linear import w8a16_linear
-from fuseinfer.layers.linear import QuantizedLinear, decode_rows
+from fuseinfer.layers.linear import ChannelScaledLinear, decode_rows
 
 CALIBRATION_FILE = "wiki.valid.raw"
 CALIBRATION_FLAG = "--calibration-data"  # the eval CLI's flag; the Python API's argument is ``calibration=``
@@ -284,7 +284,7 @@ def w8a8_forward(x_int8, x_scale, w_int8, w_scale, bias=None, residual=None, act
     return w8a8_linear(x_int8, x_scale, w_int8, w_scale, bias, residual, activation, out_dtype)
 
 
-class W8A8Linear(QuantizedLinear):
+class W8A8Linear(ChannelScaledLinear):
     """An nn.Linear with int8 weights (per output channel, symmetric, round half to even) whose input is quantised
     per token at run time (dynamic). ``forward(x)`` replaces the linear as is; ``fused(x, residual, activation)`` is
     the call the patched forwards make (the int8 weight-only branch's ``fused_linear`` protocol), with the residual
@@ -292,13 +292,6 @@ class W8A8Linear(QuantizedLinear):
     ``add_layer_norm_quant`` (the fused LayerNorm path)."""
 
     takes_int8 = True
-
-    def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.register_buffer("weight_q", weight_q)         # (N, K) int8
-        self.register_buffer("weight_scale", weight_scale)  # (N, 1) fp32
-        self.register_buffer("bias", bias)                  # (N,) or None
-        self.in_features, self.out_features = weight_q.shape[1], weight_q.shape[0]
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> W8A8Linear:
@@ -333,14 +326,6 @@ class W8A8Linear(QuantizedLinear):
         # per token, dynamic: (..., K) int8, (..., 1) fp32 (the fuseinfer::quantize_int8 op)
         q, s = quantize_per_token(x)
         return self.forward_quantized(q, s, residual, activation, x.dtype)
-
-    def step_weights(self):
-        """The one-kernel decode step streams the int8 weights on fp16/bf16 activations (as ``fused`` does at
-        decode-sized inputs)."""
-        return self.weight_q, self.weight_scale.view(-1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fused(x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights and activations"
