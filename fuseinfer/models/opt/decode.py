@@ -129,9 +129,10 @@ def decode_step_weight_scales(model: nn.Module) -> list[torch.Tensor]:
     scales = []
     for layer in model.model.decoder.layers:
         lins = (layer.self_attn._modules.get("qkv_proj"), layer.self_attn.out_proj, layer.fc1, layer.fc2)
-        if not any(_step_weights(lin) is not None for lin in lins):
+        streamed = [_step_weights(lin) for lin in lins]  # (8-bit weight, scales) or None each
+        if not any(w is not None for w in streamed):
             continue
-        scales += [_step_weights(lin)[1] for lin in lins]
+        scales += [w[1] for w in streamed]
     return scales
 
 
