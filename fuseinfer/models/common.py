@@ -14,6 +14,7 @@ from torch import nn
 
 from fuseinfer.core import placement
 from fuseinfer.core.config import ATTN_NAME
+from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.extension import backend_for
 from fuseinfer.core.state import LOCK_ATTR, disown_config, own_config, patch_state
 from fuseinfer.layers import attention_backend, hf_attention
@@ -212,6 +213,14 @@ def lean_plan(model: nn.Module, layers, structure_reason, build):
     plan = build(model) if why is None else None
     state.state[LEAN_PLAN_KEY] = (layers, plan, why)
     return plan, why
+
+
+def checked_plan(plan_and_why):
+    """The plan of ``lean_plan``'s (plan, why): ``FuseInferError(why)`` where the lean loop cannot serve the model."""
+    plan, why = plan_and_why
+    if why is not None:
+        raise FuseInferError(why)
+    return plan
 
 
 def lean_call_reason(model: nn.Module, called, like: torch.Tensor) -> str | None:

@@ -21,11 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.extension import extension
 from fuseinfer.core.state import patch_state
 from fuseinfer.layers.linear import Int8WeightOnlyLinear
-from fuseinfer.models.common import lean_call_reason, lean_plan
+from fuseinfer.models.common import checked_plan, lean_call_reason, lean_plan
 from fuseinfer.models.llama.decode import _DYNAMIC_ROPE
 from fuseinfer.models.llama.layer import decoder_layer
 from fuseinfer.models.llama.modules import ARCHS, FUSED, GATE_UP, QKV, head_dim_of
@@ -278,19 +277,12 @@ def _final_norm(plan: _Plan, ops: LeanOps, h: torch.Tensor) -> torch.Tensor:
     return ops.rms(h, None, plan.norm._parameters["weight"], plan.norm.variance_epsilon, False)[0]
 
 
-def _checked_plan(model: nn.Module) -> _Plan:
-    plan, why = _plan(model)
-    if why is not None:
-        raise FuseInferError(why)
-    return plan
-
-
 @torch.no_grad()
 def lean_logits(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, key_mask=None, q_start=None,
                 cache=None, slots=None, last=None) -> torch.Tensor:
     """``LlamaFamily.lean_logits`` (see ``ModelFamily.lean_logits``): fp32 logits (B, V) at position ``last`` ((1,)
     int64 on the device; None: the last one). Check :func:`lean_reason` first."""
-    plan = _checked_plan(model)
+    plan = checked_plan(_plan(model))
     h, ops = _run(plan, tokens, positions, key_mask, q_start, cache, slots, None)
     b = h.shape[0]
     h = h[:, -1] if last is None else h.index_select(1, last).view(b, -1)  # (B, E)
@@ -308,6 +300,6 @@ def lean_hidden(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
     for every position, without a cache (key_mask: (B, S) bool or None). ``kv_out``: None, or a list to which each
     layer appends its (k, v), each (B, Hkv, S, D) in the model's dtype as transformers' DynamicCache holds them (k
     rotated). Check :func:`lean_reason` first."""
-    plan = _checked_plan(model)
+    plan = checked_plan(_plan(model))
     h, ops = _run(plan, tokens, positions, key_mask, None, None, None, kv_out)
     return _final_norm(plan, ops, h)

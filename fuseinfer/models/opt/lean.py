@@ -17,11 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.extension import extension
 from fuseinfer.core.state import patch_state
 from fuseinfer.layers.linear import decode_rows
-from fuseinfer.models.common import lean_call_reason, lean_plan
+from fuseinfer.models.common import checked_plan, lean_call_reason, lean_plan
 from fuseinfer.models.opt.layer import decoder_layer
 from fuseinfer.ops import add_layer_norm, attention, w8a16_linear, linear_epilogue
 from fuseinfer.ops.kv_cache import kv_cache_append
@@ -399,18 +398,11 @@ def _run(plan: _Plan, tokens, positions, key_mask, q_start, cache, slots, last=N
     return _head(plan, ops, h)
 
 
-def _checked_plan(model: nn.Module) -> _Plan:
-    plan, why = _plan(model)
-    if why is not None:
-        raise FuseInferError(why)
-    return plan
-
-
 @torch.no_grad()
 def lean_logits(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, key_mask=None, q_start=None,
                 cache=None, slots=None, last=None) -> torch.Tensor:
     """``OPTFamily.lean_logits``: the lean loop over a patched OPTForCausalLM (check :func:`lean_reason` first)."""
-    return _run(_checked_plan(model), tokens, positions, key_mask, q_start, cache, slots, last)
+    return _run(checked_plan(_plan(model)), tokens, positions, key_mask, q_start, cache, slots, last)
 
 
 @torch.no_grad()
@@ -421,7 +413,7 @@ def lean_hidden(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
     positions: (B, S) int64 (OPT's positions, -1 on padding); key_mask (B, S) bool or None. kv_out: None, or a
     list to which each layer appends its (k, v), each (B, H, S, D) views, unscaled, as transformers' cache holds
     them."""
-    plan = _checked_plan(model)
+    plan = checked_plan(_plan(model))
     b, s = tokens.shape
     ops, h = _layers(plan, tokens, positions, key_mask, None, None, None, kv_out)
     return _final(plan, ops, h).view(b, s, -1)
