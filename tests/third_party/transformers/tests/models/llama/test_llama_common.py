@@ -98,10 +98,16 @@ class LlamaCommonTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase
         # (an explicit mask: random ids may hold the pad token, from which generate would infer right padding)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
                              min_new_tokens=5, pad_token_id=0)
+        # min_new_tokens=5 bans the EOS ids from every step of generate: the stepwise argmax bans them too (a random
+        # model's argmax is sometimes an EOS id)
+        eos = model.generation_config.eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         seq = ids
         with torch.no_grad():
             for _ in range(5):
-                seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], dim=-1)
+                logits = model(seq).logits[:, -1]  # (B, V)
+                logits[:, eos] = float("-inf")
+                seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=-1)
         self.assertEqual(out.tolist(), seq.tolist())
 
     def test_left_padded_generate_matches_unpadded(self):
