@@ -101,6 +101,13 @@ def test_dequantize_kernel_is_bit_exact(dtype, shape):
     assert torch.equal(ops.dequantize(q, s[:, None], dtype), ops.dequantize_int8_ref(q, s[:, None], dtype))
 
 
+def _decode_session(model):
+    """The fast-decode session of the model's one batch bucket (the sessions dict also holds the model's own
+    forward graphs, under tuple keys)."""
+    (session,) = [s for k, s in model.__dict__["_fuseinfer_sessions"].items() if isinstance(k, int)]
+    return session
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_patched_model_on_gpu_matches_the_cpu_reference_path_and_fast_decode(dtype):
     ext()
@@ -117,7 +124,7 @@ def test_patched_model_on_gpu_matches_the_cpu_reference_path_and_fast_decode(dty
     assert sqnr_db(ref, got) > (30 if dtype == torch.float16 else 22)
     assert sqnr_db(cpu(ids[:, :5]).logits, step) > (30 if dtype == torch.float16 else 22)
     out = fuseinfer.generate(gpu, ids[:, :8].cuda(), max_new_tokens=12)  # static cache + CUDA graphs
-    session = next(iter(gpu.__dict__["_fuseinfer_sessions"].values()))
+    session = _decode_session(gpu)
     assert session.path.startswith("one kernel") and session.graphs  # the int8 one-kernel step (2 rows: auto)
     # the same steps without graphs (the same kernels, eagerly): identical tokens
     fuseinfer.runtime.set_runtime(gpu, cuda_graphs=False)  # (and fresh sessions)
@@ -182,7 +189,7 @@ def test_per_op_int8_decode_in_cuda_graphs_equals_eager(scheme, tiny_model_path)
         fuseinfer.patch(model, PatchConfig(quant=quant, runtime=fuseinfer.RuntimeConfig(
             decode_kernel="off", cuda_graphs=graphs)))
         out[graphs] = fuseinfer.generate(model, ids, max_new_tokens=16)
-        session = next(iter(model.__dict__["_fuseinfer_sessions"].values()))
+        session = _decode_session(model)
         assert session.path.startswith("per op") and bool(session.graphs) == graphs, session.path
     assert torch.equal(out[True], out[False])
     assert (out[True][:, 40:] != 0).all()  # (the failure emitted token 0, never generated here by chance)
