@@ -50,7 +50,7 @@ from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.state import model_lock, patch_state
 from fuseinfer.runtime.cache import COUNTS
 from fuseinfer.runtime.decode import SESSIONS_ATTR
-from fuseinfer.runtime.graphs import capture_stream
+from fuseinfer.runtime.graphs import warm_and_capture
 
 KEY = "forward"  # sessions[(KEY, rows, length bucket, kv)] -> HiddenGraph
 # the arguments the fast forward takes (any other one set to something but None / False sends the call to the
@@ -388,14 +388,7 @@ class HiddenGraph:
         return hidden, (sink.buffer if sink is not None else None)
 
     def _capture(self, pool) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the graph (cuBLASLt's choice, attention's buffers)
-            for _ in range(2):
-                self._forward()
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(self.graph, pool=pool, stream=capture_stream(self.graph, self.ids.device)):
-            self.hidden, self.kv_buffer = self._forward()
+        self.hidden, self.kv_buffer = warm_and_capture(self.graph, self._forward, self.ids.device, pool)
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor | None):
         """ids, positions (B, S <= length), key_mask (B, S) bool or None -> (hidden (B, length, E), k/v buffer

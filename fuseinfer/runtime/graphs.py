@@ -48,3 +48,17 @@ def capture_stream(graph: torch.cuda.CUDAGraph, device: torch.device) -> torch.c
 def _give_back(index: int, stream: torch.cuda.Stream) -> None:
     with _lock:
         _free.setdefault(index, []).append(stream)
+
+
+def warm_and_capture(graph: torch.cuda.CUDAGraph, fn, device: torch.device, pool=None, warmups: int = 2):
+    """``fn()`` run ``warmups`` times on a side stream (cuBLASLt's algorithm choice and the kernels' lazily made
+    buffers happen outside the graph), then captured into ``graph`` on its own capture stream; returns what the
+    captured call returned (tensors in the graph's pool, rewritten by each replay)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph, pool=pool, stream=capture_stream(graph, device)):
+        return fn()

@@ -40,7 +40,7 @@ from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.state import model_lock, patch_state, runtime_config, unwrapped
 from fuseinfer.layers.linear import DECODE_ROWS
 from fuseinfer.runtime.cache import COUNTS
-from fuseinfer.runtime.graphs import capture_stream
+from fuseinfer.runtime.graphs import warm_and_capture
 
 LENGTH_BUCKET = 128  # prompt lengths round up to a multiple of this in the graph path (<= 127 padded tokens)
 # graphs where bucket rows x bucket length <= this (auto); above it the GPU time dwarfs the lean loop's host time
@@ -199,14 +199,7 @@ class PrefillGraph:
                                                self.slots, self.last)
 
     def _capture(self, pool) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the graph (cuBLASLt's choice, attention's buffers)
-            for _ in range(2):
-                self._forward()
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(self.graph, pool=pool, stream=capture_stream(self.graph, self.ids.device)):
-            self.logits = self._forward()  # (Bb, V) fp32, in the graph's pool
+        self.logits = warm_and_capture(self.graph, self._forward, self.ids.device, pool)  # (Bb, V) fp32
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor, pad: int) -> torch.Tensor:
         """ids, pos (Bb, P <= length) -> fp32 logits (Bb, V) of position P - 1; valid until the next replay of a
