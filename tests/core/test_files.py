@@ -116,8 +116,10 @@ def test_check_writable_creates_nothing(tmp_path):
 
 
 _WRITER = """
-import sys, time
+import signal, sys, time
 from fuseinfer.core import files
+# (a process started in the background of a non-interactive shell inherits SIGINT ignored: restore Python's own)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 with files.atomic_dir(sys.argv[1], marker="done.json") as tmp:
     (tmp / "big").write_text("x" * 1000)
     print("writing", flush=True)
