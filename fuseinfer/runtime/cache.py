@@ -92,7 +92,7 @@ def kv_cache(model: nn.Module, decode_plan: DecodePlan, layers: int, batch: int,
     tp = tp_info(model)
     if fp8 and (tp is not None or decode_plan.devices is not None):
         raise FuseInferError("RuntimeConfig(kv_cache='fp8') serves models on one device; a tensor-parallel or split "
-                             "model needs kv_cache='auto' (fuseinfer.set_runtime(model, kv_cache='auto'))")
+                             "model needs kv_cache='auto' (fuseinfer.runtime.set_runtime(model, kv_cache='auto'))")
     if tp is not None:  # whole heads per rank (tensor parallel checks that they divide)
         heads //= tp.size
     if decode_plan.devices is not None:
@@ -110,6 +110,6 @@ def kv_cache_dtype(model: nn.Module) -> torch.dtype | None:
 def refuse_fp8(model: nn.Module, what: str) -> None:
     """Raise the one-line error for a path that has no FP8 cache (``what``: the path, e.g. 'beam search')."""
     if kv_cache_dtype(model) is not None:
-        raise FuseInferError(f"{what} has no FP8 KV cache: set fuseinfer.set_runtime(model, kv_cache='auto') for "
-                             "it (RuntimeConfig(kv_cache='fp8') serves fuseinfer.generate and model.generate's "
+        raise FuseInferError(f"{what} has no FP8 KV cache: set fuseinfer.runtime.set_runtime(model, "
+                             "kv_cache='auto') for it (RuntimeConfig(kv_cache='fp8') serves fuseinfer.generate and model.generate's "
                              "greedy and sampling calls)")
