@@ -205,7 +205,7 @@ def test_the_ops_mutate_only_what_their_schemas_say(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("d", [64, 128, 96, 40])
+@pytest.mark.parametrize("d", [64, 128, 96, 40, 6])  # (6: one element per thread)
 def test_append_kernel_is_byte_exact(dtype, d):
     require_kernel()
     kc, vc, k, v, slots, scales = _append_args("cuda", dtype, d=d, hkv=3)
@@ -225,18 +225,23 @@ def test_append_kernel_is_byte_exact(dtype, d):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("d, h, hkv", [(64, 4, 2), (128, 8, 1), (64, 3, 3), (128, 2, 2)])
-def test_rope_append_kernel_within_one_e4m3_step(dtype, d, h, hkv):
+@pytest.mark.parametrize("d, h, hkv", [(64, 4, 2), (128, 8, 1), (64, 3, 3), (128, 2, 2), (6, 2, 1), (36, 4, 2)])
+def test_rope_append_kernel_is_the_rotary_kernel_then_the_reference_quantization(dtype, d, h, hkv):
+    """q equals the plain rotary kernel's; the cache bytes are quantize_kv of its rotated k and v (the kernel rounds
+    them to the dtype first, divides correctly rounded, rounds to nearest even and saturates, as the reference),
+    the reference's within one e4m3 step (it rotates in the dtype, the kernel in fp32)."""
     require_kernel()
-    args = _rope_args("cuda", dtype, d=d, h=h, hkv=hkv)
-    qkv, cos, sin, _, _, kc, vc, slots, scales = args
+    qkv, cos, sin, _, _, kc, vc, slots, scales = _rope_args("cuda", dtype, d=d, h=h, hkv=hkv)
+    scales[1] *= 0.05  # the values saturate
+    q_plain, k_plain, v_plain = ops.qkv_rope(qkv, cos, sin, h, hkv)  # the fp16 / bf16 kernel
     ref_caches = [c.clone() for c in (kc, vc)]
-    q_ref = qkv_rope_append_fp8_ref(qkv, cos, sin, h, hkv, *ref_caches, slots, scales)
+    qkv_rope_append_fp8_ref(qkv, cos, sin, h, hkv, *ref_caches, slots, scales)
     q = ops.qkv_rope_append(qkv, cos, sin, h, hkv, kc, vc, slots, scales)
-    torch.testing.assert_close(q, q_ref)  # q: the fp16 path's rotation, same tolerance as its own tests
-    for ours, ref, s in ((kc, ref_caches[0], scales[0]), (vc, ref_caches[1], scales[1])):
+    assert torch.equal(q, q_plain)
+    for ours, plain, ref, s in ((kc, k_plain, ref_caches[0], scales[0]), (vc, v_plain, ref_caches[1], scales[1])):
+        assert torch.equal(ours[:, :, slots].view(torch.uint8), quantize_kv(plain, s).view(torch.uint8))
+        assert ours[:, :, :1].float().eq(0).all() and ours[:, :, 4:].float().eq(0).all()  # other slots untouched
         a, r = dequantize_kv(ours, s), dequantize_kv(ref, s)
-        # the kernel rotates in fp32, the reference in the input dtype: at most one e4m3 step apart
         assert ((a - r).abs() <= 2 * E4M3_REL * r.abs() + 2 * E4M3_SUB * s.view(1, -1, 1, 1) + 1e-6).all()
 
 
