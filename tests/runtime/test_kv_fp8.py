@@ -19,9 +19,9 @@ from fuseinfer.runtime.decode import SESSIONS_ATTR, FP8_PER_OP
 WINDOW, PREFILL, CHUNK, WINDOWS = 512, 128, 64, 4  # tokens per window, its calibrating prefill, then chunks of
 
 
-def _model(path, kv_cache: str, dtype=torch.float32, device="cpu"):
+def _model(path, kv_cache: str, dtype=torch.float32, device="cpu", quant=None):
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    fuseinfer.patch(model, PatchConfig(runtime=RuntimeConfig(kv_cache=kv_cache)))
+    fuseinfer.patch(model, PatchConfig(quant=quant, runtime=RuntimeConfig(kv_cache=kv_cache)))
     return model
 
 
@@ -115,6 +115,14 @@ def test_greedy_tokens_mostly_equal_and_model_generate_agrees(tiny_path):
                                               pad_token_id=0), outs[kind])
     same = (outs["auto"][:, 64:] == outs["fp8"][:, 64:]).float().mean().item()
     assert same >= 0.9, same
+
+
+def test_any_weight_scheme_int8_weights(tiny_path):
+    """The cache is independent of the weights: int8 weight-only weights decode over it too."""
+    ids = _windows(tiny_path, 2)[:, :48]
+    outs = {kind: fuseinfer.generate(_model(tiny_path, kind, quant=fuseinfer.Int8WeightOnly()), ids,
+                                     max_new_tokens=16) for kind in ("auto", "fp8")}
+    assert (outs["auto"][:, 48:] == outs["fp8"][:, 48:]).float().mean().item() >= 0.9
 
 
 @pytest.mark.parametrize("value", ["fp16", "FP8", "e4m3", None, 8, True])
