@@ -195,3 +195,17 @@ def test_gpu_fp16_perplexity_within_0p3_percent(tiny_path):
         nll = {kind: _cache_nll(model, ids, kind) for kind in (None, FP8_DTYPE)}
     ppl = {kind: torch.tensor(t / n).exp().item() for kind, (t, n) in nll.items()}
     assert abs(ppl[FP8_DTYPE] / ppl[None] - 1) < 0.003, ppl
+
+
+def test_attention_over_an_fp8_cache_without_its_scales_is_one_clear_error():
+    from fuseinfer.layers.hf_attention import MaskInfo, fuseinfer_attention_forward
+
+    module = torch.nn.Module().eval()
+    module.layer_idx, module.config = 0, transformers.PretrainedConfig()
+    q, k = torch.randn(1, 2, 1, 8), torch.zeros(1, 2, 4, 8, dtype=FP8_DTYPE)
+    with pytest.raises(FuseInferError, match=r"read with its scales: pass the mask as MaskInfo\(key_mask, q_start, "
+                                             r"kv_scales=cache.kv_scales\)"):
+        fuseinfer_attention_forward(module, q, k, k, MaskInfo(None, None))
+    scales = [torch.ones(2, 2)]
+    out, _ = fuseinfer_attention_forward(module, q, k, k, MaskInfo(None, None, scales))
+    assert out.shape == (1, 1, 2, 8) and out.eq(0).all()  # (zero keys and values)
