@@ -24,6 +24,9 @@
 //    one key row), merges its lanes and warps, and writes either the final output (one split) or a partial (max,
 //    sum, unnormalised acc) to fp32 scratch; the last block of a (batch, key/value head, chunk) to arrive (atomic
 //    counter, self-resetting) merges the partials into the output, so decode is one launch. The number of splits is picked so that the grid fills the SMs.
+//    Its FP8 form (op attention_kv_fp8, fp16/bf16 queries, Sq <= 16) reads an e4m3 cache: 8-byte loads of 8 keys
+//    or values per thread, converted exactly to fp16 (fp8_convert.cuh); the key scale of the block's key/value
+//    head is folded into its query, the value scale into its accumulator once at the end (per head, not per element).
 //
 // Grouped-query attention: k and v have Hkv heads, H a multiple of Hkv; query head h reads key/value head
 // h / (H / Hkv) (AttnParams::group). The prefills index the shared head per block / work item; split-KV packs a
@@ -36,6 +39,7 @@
 // (launch.h).
 
 #include "device_utils.cuh"
+#include "fp8_convert.cuh"
 #include "knobs.h"
 #include "launch.h"
 #include "path_counts.h"
@@ -84,6 +88,7 @@ struct AttnParams {
   int B, H, Sq, Skv;
   int group;              // query heads per key/value head, H / Hkv (1: multi-head attention)
   float scale_log2;       // scale * log2(e): scores live in the exp2 domain
+  const float* kv_scale;  // FP8 caches (split-KV only): (2, Hkv) fp32, row 0 the keys' scale, row 1 the values'
 };
 
 // ------------------------------------------------------------------------------------------------------------
@@ -131,6 +136,18 @@ __device__ __forceinline__ void unpack16(const uint4& r, const float*, float* f)
   f[1] = __uint_as_float(r.y);
   f[2] = __uint_as_float(r.z);
   f[3] = __uint_as_float(r.w);
+}
+// 8 loaded e4m3 bytes -> 8 floats (exact: e4m3 -> fp16 -> fp32).
+__device__ __forceinline__ void unpack_e4m3x8(const uint2& r, float* f) {
+  const uint32_t words[2] = {r.x, r.y};
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    uint32_t lo, hi;
+    fp8::e4m3x4_to_x4<__half>(words[w], lo, hi);
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+    f[4 * w] = a.x, f[4 * w + 1] = a.y, f[4 * w + 2] = b.x, f[4 * w + 3] = b.y;
+  }
 }
 
 // 16-byte global -> shared async copy; writes zeros (and reads nothing) when !valid.
@@ -816,15 +833,20 @@ struct SplitCfg {
 // first `used` = ceil(key_end / kps) splits write part_acc (B*Hkv, R, splits, D) and part_ml (B*Hkv, R, splits)
 // = (max, sum), every block counts itself in at counters[bkv * gridDim.z + z] (zero on entry), and the last
 // one to arrive merges the used partials into out and sets the counter back to zero.
-template <typename T, int D, int QB>
+// FP8: k and v are e4m3 (strides in bytes) with p.kv_scale; a thread reads the same VEC = 8 elements of a row as in
+// the fp16 form, as one 8-byte load.
+template <typename T, int D, int QB, bool FP8 = false>
 __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
     split_kv_kernel(const AttnParams p, float* __restrict__ part_acc, float2* __restrict__ part_ml,
                     int* __restrict__ counters) {
   using Cfg = SplitCfg<T, D, QB>;
   constexpr int VEC = Cfg::VEC, G = Cfg::G, KPS = Cfg::KPS, U = Cfg::U, KPI = Cfg::KPI;
   constexpr int NW = kSplitThreads / 32;
+  static_assert(!FP8 || VEC == 8, "the FP8 form takes fp16 / bf16 queries (8 elements per thread)");
+  using KV = std::conditional_t<FP8, uint8_t, T>;       // a cache element
+  using Load = std::conditional_t<FP8, uint2, uint4>;   // VEC cache elements
   pdl_launch_dependents();
-  pdl_wait();  // q, the cache, q_start and the counters come from earlier kernels
+  pdl_wait();  // q, the cache, its scales, q_start and the counters come from earlier kernels
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = tid / G, c = tid % G;  // key slot within a step, 16-byte chunk of the row
@@ -845,18 +867,26 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
   }
   const int key_end =
       static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(p.Skv, int64_t(qs) + last_query + 1)));
+  // FP8: this key/value head's scales (written by the prefill's calibration: coherent loads after the wait)
+  float k_scale = 1.f, v_scale = 1.f;
+  if constexpr (FP8) {
+    k_scale = ld_dep(p.kv_scale + hk);
+    v_scale = ld_dep(p.kv_scale + kv_heads + hk);
+  }
   const int kps = ((key_end + splits - 1) / splits + KPI - 1) / KPI * KPI;
   const int kb0 = split * kps, kb1 = min(kb0 + kps, key_end);
 
-  // This thread's slice of each row's query, pre-scaled into the log2 domain; missing rows are 0.
+  // This thread's slice of each row's query, pre-scaled into the log2 domain (and, FP8, by the key scale: q.(s k)
+  // = (s q).k); missing rows are 0.
   float qf[QB][VEC];
   {
     const T* qg = static_cast<const T*>(p.q) + b * p.q_sb + c * VEC;
+    const float qscale = p.scale_log2 * k_scale;
 #pragma unroll
     for (int i = 0; i < QB; ++i) {
       const T* qrow = qg + (i < nq ? row_head(i) * p.q_sh + int64_t(row_query(i)) * p.q_ss : 0);
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) qf[i][e] = i < nq ? to_float(qrow[e]) * p.scale_log2 : 0.f;
+      for (int e = 0; e < VEC; ++e) qf[i][e] = i < nq ? to_float(qrow[e]) * qscale : 0.f;
     }
   }
   float m[QB], l[QB], acc[QB][VEC];  // per query: running max, sum, this thread's D-slice of P V
@@ -868,19 +898,19 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
     for (int e = 0; e < VEC; ++e) acc[i][e] = 0.f;
   }
 
-  const T* kg = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + c * VEC;
-  const T* vg = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh + c * VEC;
+  const KV* kg = static_cast<const KV*>(p.k) + b * p.k_sb + hk * p.k_sh + c * VEC;
+  const KV* vg = static_cast<const KV*>(p.v) + b * p.v_sb + hk * p.v_sh + c * VEC;
   const bool* mrow = p.key_mask ? p.key_mask + b * p.m_sb : nullptr;
   for (int kb = kb0; kb < kb1; kb += KPI) {
     // Issue every load of the iteration first: U key rows (K and V) and their mask bytes.
-    uint4 kr[U], vr[U];
+    Load kr[U], vr[U];
     bool ok[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int key = kb + u * KPS + grp;
       const bool in = key < kb1;
-      kr[u] = in ? ld_dep(reinterpret_cast<const uint4*>(kg + key * p.k_ss)) : make_uint4(0, 0, 0, 0);
-      vr[u] = in ? ld_dep(reinterpret_cast<const uint4*>(vg + key * p.v_ss)) : make_uint4(0, 0, 0, 0);
+      kr[u] = in ? ld_dep(reinterpret_cast<const Load*>(kg + key * p.k_ss)) : Load{};
+      vr[u] = in ? ld_dep(reinterpret_cast<const Load*>(vg + key * p.v_ss)) : Load{};
       ok[u] = in && (mrow == nullptr || mrow[key * p.m_ss]);
     }
     // Scores of the U keys for every query (G-lane reduction), -inf where not admissible.
@@ -888,7 +918,10 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       float kf[VEC];
-      unpack16(kr[u], static_cast<const T*>(nullptr), kf);
+      if constexpr (FP8)
+        unpack_e4m3x8(kr[u], kf);
+      else
+        unpack16(kr[u], static_cast<const T*>(nullptr), kf);
       const int key = kb + u * KPS + grp;
 #pragma unroll
       for (int i = 0; i < QB; ++i) {
@@ -917,7 +950,10 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       float vf[VEC];
-      unpack16(vr[u], static_cast<const T*>(nullptr), vf);
+      if constexpr (FP8)
+        unpack_e4m3x8(vr[u], vf);
+      else
+        unpack16(vr[u], static_cast<const T*>(nullptr), vf);
 #pragma unroll
       for (int i = 0; i < QB; ++i) {
         const float pu = ex2(sc[u][i] - base[i]);
@@ -928,6 +964,12 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
     }
   }
 
+  if constexpr (FP8) {  // P (s v) = s (P v): the value scale once per accumulator (partials are merged scaled)
+#pragma unroll
+    for (int i = 0; i < QB; ++i)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[i][e] *= v_scale;
+  }
   // Merge the key slots of a warp (lanes with equal c), then the warps through shared memory.
 #pragma unroll
   for (int off = G; off < 32; off <<= 1)
@@ -1172,7 +1214,7 @@ void prefill(const AttnParams& p, int D, const at::TensorOptions& opts, cudaStre
     run_prefill<T, 128, 8, 64, 1>(p, stream);
 }
 
-template <typename T, int D, int QB>
+template <typename T, int D, int QB, bool FP8>
 void run_split_kv(const AttnParams& p, const at::Tensor& q, cudaStream_t stream) {
   using Cfg = SplitCfg<T, D, QB>;
   const int64_t rows = int64_t(p.group) * p.Sq;  // per key/value head: its query heads' queries (GQA packing)
@@ -1201,30 +1243,31 @@ void run_split_kv(const AttnParams& p, const at::Tensor& q, cudaStream_t stream)
     ml_ptr = reinterpret_cast<float2*>(part_ml.data_ptr<float>());
     counters = kernel_counters(CounterPool::kSplitKv, base, q.options(), per_call_counters);
   }
-  launch_kernel(split_kv_kernel<T, D, QB>, dim3(kv_blocks, splits, qchunks), kSplitThreads, 0, stream, p, acc_ptr,
-                ml_ptr, counters);
+  launch_kernel(split_kv_kernel<T, D, QB, FP8>, dim3(kv_blocks, splits, qchunks), kSplitThreads, 0, stream, p,
+                acc_ptr, ml_ptr, counters);
 }
 
 // QB from the rows of a key/value head (group * Sq): a block serves up to QB of them.
-template <typename T, int D>
+template <typename T, int D, bool FP8>
 void split_kv_d(const AttnParams& p, const at::Tensor& q, cudaStream_t stream) {
   const int64_t rows = int64_t(p.group) * p.Sq;
   if (rows == 1)
-    run_split_kv<T, D, 1>(p, q, stream);
+    run_split_kv<T, D, 1, FP8>(p, q, stream);
   else if (rows == 2)
-    run_split_kv<T, D, 2>(p, q, stream);
+    run_split_kv<T, D, 2, FP8>(p, q, stream);
   else if (rows <= 4)
-    run_split_kv<T, D, 4>(p, q, stream);
+    run_split_kv<T, D, 4, FP8>(p, q, stream);
   else
-    run_split_kv<T, D, 8>(p, q, stream);
+    run_split_kv<T, D, 8, FP8>(p, q, stream);
 }
 
-template <typename T>
+// FP8: k, v e4m3 with p.kv_scale (fp16 / bf16 queries only).
+template <typename T, bool FP8 = false>
 void split_kv(const AttnParams& p, const at::Tensor& q, int D, cudaStream_t stream) {
   if (D == 64)
-    split_kv_d<T, 64>(p, q, stream);
+    split_kv_d<T, 64, FP8>(p, q, stream);
   else
-    split_kv_d<T, 128>(p, q, stream);
+    split_kv_d<T, 128, FP8>(p, q, stream);
 }
 
 // t itself when its base and its strides over the first three dims allow 16-byte accesses, else an aligned
@@ -1234,6 +1277,30 @@ at::Tensor aligned16(const at::Tensor& t) {
   bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
   for (int d = 0; d < 3; ++d) ok = ok && (t.size(d) == 1 || t.stride(d) % vec == 0);
   return ok ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+// p's key_mask and q_start (checked: a (B, Skv) bool mask and a (B,) int32 q_start on `device`, or absent).
+void set_mask_params(AttnParams& p, const c10::optional<at::Tensor>& key_mask, const c10::optional<at::Tensor>& q_start,
+                     int64_t B, int64_t Skv, const at::Device& device) {
+  if (key_mask.has_value() && key_mask->defined()) {
+    const at::Tensor& mask = *key_mask;
+    TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == B && mask.size(1) == Skv,
+                "attention_cuda: key_mask must be a (B, Skv) = (", B, ", ", Skv, ") bool tensor, got ",
+                mask.scalar_type(), " ", mask.sizes());
+    TORCH_CHECK(mask.device() == device, "attention_cuda: key_mask must be on q's device");
+    p.key_mask = mask.data_ptr<bool>();
+    p.m_sb = mask.stride(0);
+    p.m_ss = mask.stride(1);
+  }
+  if (q_start.has_value() && q_start->defined()) {
+    const at::Tensor& qstart = *q_start;
+    TORCH_CHECK(qstart.scalar_type() == at::kInt && qstart.dim() == 1 && qstart.size(0) == B,
+                "attention_cuda: q_start must be a (B,) = (", B, ",) int32 tensor, got ", qstart.scalar_type(),
+                " ", qstart.sizes());
+    TORCH_CHECK(qstart.device() == device, "attention_cuda: q_start must be on q's device");
+    p.q_start = qstart.data_ptr<int>();
+    p.qs_s = qstart.stride(0);
+  }
 }
 
 }  // namespace
@@ -1276,27 +1343,7 @@ at::Tensor attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const 
   if (Skv == 0) return out.zero_();
 
   AttnParams p{};
-  at::Tensor mask;
-  if (key_mask.has_value() && key_mask->defined()) {
-    mask = *key_mask;
-    TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == B && mask.size(1) == Skv,
-                "attention_cuda: key_mask must be a (B, Skv) = (", B, ", ", Skv, ") bool tensor, got ",
-                mask.scalar_type(), " ", mask.sizes());
-    TORCH_CHECK(mask.device() == q_in.device(), "attention_cuda: key_mask must be on q's device");
-    p.key_mask = mask.data_ptr<bool>();
-    p.m_sb = mask.stride(0);
-    p.m_ss = mask.stride(1);
-  }
-  at::Tensor qstart;
-  if (q_start.has_value() && q_start->defined()) {
-    qstart = *q_start;
-    TORCH_CHECK(qstart.scalar_type() == at::kInt && qstart.dim() == 1 && qstart.size(0) == B,
-                "attention_cuda: q_start must be a (B,) = (", B, ",) int32 tensor, got ", qstart.scalar_type(),
-                " ", qstart.sizes());
-    TORCH_CHECK(qstart.device() == q_in.device(), "attention_cuda: q_start must be on q's device");
-    p.q_start = qstart.data_ptr<int>();
-    p.qs_s = qstart.stride(0);
-  }
+  set_mask_params(p, key_mask, q_start, B, Skv, q_in.device());
 
   // 16-byte loads: K/V always, Q too on the cp.async (prefill) path.
   const bool use_prefill = dtype != at::kFloat && Sq > 16;
@@ -1339,11 +1386,75 @@ at::Tensor attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const 
 // attention_prefill_kernel(): the kernel attention runs for prefill (fp16/bf16, Sq > 16) on the current device:
 // "wgmma" (sm_90a build on an sm_90 GPU, FUSEINFER_ATTN_SM90 not 0; a call still falls back when a tensor does not
 // fit a TMA map, there are more than 2^31 work items or scale <= 0) or "mma.sync".
+at::Tensor attention_kv_fp8_cuda(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in,
+                                 const c10::optional<at::Tensor>& key_mask, const c10::optional<at::Tensor>& q_start,
+                                 double scale, const at::Tensor& kv_scale) {
+  TORCH_CHECK(q.is_cuda() && k_in.is_cuda() && v_in.is_cuda() && kv_scale.is_cuda(),
+              "attention_kv_fp8_cuda: q, k, v and kv_scale must be CUDA tensors");
+  TORCH_CHECK(q.dim() == 4 && k_in.dim() == 4 && v_in.dim() == 4,
+              "attention_kv_fp8_cuda: q, k, v must be 4-D (B, H, S, D)");
+  TORCH_CHECK(k_in.device() == q.device() && v_in.device() == q.device() && kv_scale.device() == q.device(),
+              "attention_kv_fp8_cuda: q, k, v and kv_scale must be on one device");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
+              "attention_kv_fp8_cuda: q must be float16 or bfloat16, got ", dtype);
+  TORCH_CHECK(k_in.scalar_type() == at::kFloat8_e4m3fn && v_in.scalar_type() == at::kFloat8_e4m3fn,
+              "attention_kv_fp8_cuda: k and v must be float8_e4m3fn");
+  const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), D = q.size(3), Skv = k_in.size(2);
+  const int64_t Hkv = k_in.size(1);
+  TORCH_CHECK(k_in.size(0) == B && Hkv > 0 && H % Hkv == 0 && k_in.size(3) == D && v_in.sizes() == k_in.sizes(),
+              "attention_kv_fp8_cuda: k and v must be (B, Hkv, Skv, D) matching q ", q.sizes(),
+              " with H a multiple of Hkv, got k ", k_in.sizes(), " and v ", v_in.sizes());
+  TORCH_CHECK(D == 64 || D == 128, "attention_kv_fp8_cuda: head dim must be 64 or 128, got ", D);
+  TORCH_CHECK(Sq <= 16, "attention_kv_fp8_cuda: at most 16 queries (decode); a prefill dequantizes the cache");
+  TORCH_CHECK(kv_scale.scalar_type() == at::kFloat && kv_scale.dim() == 2 && kv_scale.size(0) == 2 &&
+                  kv_scale.size(1) == Hkv && kv_scale.is_contiguous(),
+              "attention_kv_fp8_cuda: kv_scale must be a contiguous (2, Hkv) = (2, ", Hkv, ") float32 tensor, got ",
+              kv_scale.scalar_type(), " ", kv_scale.sizes());
+  TORCH_CHECK(q.stride(3) == 1 && k_in.stride(3) == 1 && v_in.stride(3) == 1,
+              "attention_kv_fp8_cuda: the last dim of q, k, v must be contiguous (stride 1)");
+  TORCH_CHECK(B * H <= INT32_MAX && Skv <= INT32_MAX, "attention_kv_fp8_cuda: sizes too large");
+  TORCH_CHECK(std::isfinite(scale), "attention_kv_fp8_cuda: scale must be finite");
+  const at::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = at::empty({B, Sq, H, D}, q.options());
+  if (out.numel() == 0) return out;
+  if (Skv == 0) return out.zero_();
+  AttnParams p{};
+  set_mask_params(p, key_mask, q_start, B, Skv, q.device());
+  const at::Tensor k = aligned16(k_in), v = aligned16(v_in);  // (8-byte loads: 16-byte alignment is more than enough)
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.out = out.data_ptr();
+  p.q_sb = q.stride(0), p.q_sh = q.stride(1), p.q_ss = q.stride(2);
+  p.k_sb = k.stride(0), p.k_sh = k.stride(1), p.k_ss = k.stride(2);
+  p.v_sb = v.stride(0), p.v_sh = v.stride(1), p.v_ss = v.stride(2);
+  p.B = static_cast<int>(B), p.H = static_cast<int>(H), p.Sq = static_cast<int>(Sq), p.Skv = static_cast<int>(Skv);
+  p.group = static_cast<int>(H / Hkv);
+  p.scale_log2 = static_cast<float>(scale) * kLog2e;
+  p.kv_scale = kv_scale.data_ptr<float>();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (dtype == at::kHalf)
+    split_kv<__half, true>(p, q, static_cast<int>(D), stream);
+  else
+    split_kv<__nv_bfloat16, true>(p, q, static_cast<int>(D), stream);
+  return out;
+}
+
+// attention_kv_fp8(q, k, v, key_mask, q_start, scale, kv_scale): attention's decode over an FP8 cache. q (B, H, Sq,
+// D) fp16 / bf16 with Sq <= 16, D 64 or 128; k, v (B, Hkv, Skv, D) float8_e4m3fn, a stored x meaning
+// x * kv_scale[0, h] (keys) or x * kv_scale[1, h] (values); kv_scale (2, Hkv) fp32 contiguous. Masking and output
+// as attention's.
 TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? key_mask, Tensor? q_start, float scale) -> Tensor");
   m.def("attention_prefill_kernel() -> str", &attention_prefill_kernel);
+  m.def("attention_kv_fp8(Tensor q, Tensor k, Tensor v, Tensor? key_mask, Tensor? q_start, float scale, "
+        "Tensor kv_scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) { m.impl("attention", &attention_cuda); }
+TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) {
+  m.impl("attention", &attention_cuda);
+  m.impl("attention_kv_fp8", &attention_kv_fp8_cuda);
+}
 
 }  // namespace fuseinfer

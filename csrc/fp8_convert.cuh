@@ -4,6 +4,7 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -40,6 +41,12 @@ __device__ __forceinline__ void e4m3x4_to_x4(uint32_t w, uint32_t& lo, uint32_t&
     lo = *reinterpret_cast<const uint32_t*>(&ab);
     hi = *reinterpret_cast<const uint32_t*>(&bb);
   }
+}
+
+// fp32 -> e4m3, rounded to nearest even and saturated at +-448 (the FP8 KV cache's writes: ops/kv_cache.py's
+// quantize_kv rounds and clamps the same way).
+__device__ __forceinline__ uint8_t e4m3_from_float(float x) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
 }
 
 }  // namespace fp8

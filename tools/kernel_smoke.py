@@ -176,8 +176,36 @@ def rope_kernels():
             ops.qkv_rope_append(qkv, cos, sin, h, hkv, *caches, slots)
 
 
+# ---- the FP8 (e4m3) KV cache: the appends (plain and fused with the rotary, every vector width, out-of-range slots)
+# and decode attention over e4m3 keys and values (head dims 64 and 128, grouped-query heads, several splits) ----
+def kv_fp8_kernels():
+    from fuseinfer.ops.attention import attention_kv_fp8
+    from fuseinfer.ops.kv_cache import FP8_DTYPE, kv_cache_append_fp8
+
+    for dtype in (torch.float16, torch.bfloat16):
+        for d in (128, 80, 36, 6):
+            h, hkv, s = 6, 2, 13
+            caches = [torch.zeros(2, hkv, 20, d, device="cuda", dtype=FP8_DTYPE) for _ in range(2)]
+            scales = torch.rand(2, hkv, device="cuda") + 0.01
+            slots = torch.tensor([0, 3, 19, 20, -1, 5, 6, 7, 8, 9, 10, 11, 12], device="cuda")  # two out of range
+            qkv = torch.randn(2, s, (h + 2 * hkv) * d, device="cuda", dtype=dtype)
+            cos, sin = (torch.randn(2, s, d, device="cuda", dtype=dtype) for _ in range(2))
+            ops.qkv_rope_append(qkv, cos, sin, h, hkv, *caches, slots, scales)
+            kv = qkv.view(2, s, h + 2 * hkv, d)[:, :, h:h + hkv].transpose(1, 2)  # (2, Hkv, S, D) strided
+            kv_cache_append_fp8(*caches, kv, kv, slots, scales)
+            kv_cache_append_fp8(*caches, kv, kv.contiguous(), slots, scales, calibrate=True)
+        for d in (64, 128):
+            for b, h, hkv, sq, skv in ((2, 12, 2, 1, 300), (3, 8, 8, 4, 129), (1, 32, 8, 1, 3000), (2, 4, 1, 16, 77)):
+                q = torch.randn(b, h, sq, d, device="cuda", dtype=dtype)
+                k, v = (torch.randn(b, hkv, skv, d, device="cuda").to(FP8_DTYPE) for _ in range(2))
+                key_mask = torch.rand(b, skv, device="cuda") > 0.1
+                qs = torch.full((b,), skv - sq, dtype=torch.int32, device="cuda")
+                attention_kv_fp8(q, k, v, key_mask, qs, d ** -0.5, torch.rand(2, hkv, device="cuda") + 0.01)
+
+
 if part in ("all", "no-ring-wrap"):
     rope_kernels()
+    kv_fp8_kernels()
     for dtype in (torch.float16, torch.bfloat16):
         for d in (64, 128):
             for sq, skv in ((77, 77), (1, 300), (4, 129), (16, 700)):

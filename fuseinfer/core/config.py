@@ -31,6 +31,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ATTENTION_BACKENDS = ("auto", "fuseinfer", "flash_attn", "sdpa")
 DECODE_KERNELS = ("auto", "on", "off")  # RuntimeConfig.decode_kernel
 PREFILL_MODES = ("auto", "graph", "lean", "module")  # RuntimeConfig.prefill (docs/prefill.md)
+KV_CACHE_DTYPES = ("auto", "fp8")  # RuntimeConfig.kv_cache (docs/quantization.md)
 
 
 def _from_knob(name: str, convert=lambda value: value):
@@ -65,6 +66,9 @@ class RuntimeConfig:
       apply), ``lean`` (the loop, no graphs) or ``module`` (the patched modules).
     tp_graphs: a tensor-parallel model's decode step is captured as CUDA graphs (False: eager, e.g. when an NCCL
       all-reduce cannot be captured).
+    kv_cache: fast decode's static KV cache: ``auto`` (the model's dtype) or ``fp8`` (keys and values as float8
+      e4m3 with an fp32 scale per layer and key/value head, set at each prompt's prefill; any weight scheme; the
+      per-op decode step; docs/quantization.md).
     """
 
     decode_kernel: str = _from_knob("FUSEINFER_DECODE_KERNEL", _decode_kernel)
@@ -72,9 +76,11 @@ class RuntimeConfig:
     graph_steps: int = _from_knob("FUSEINFER_DECODE_GRAPH_STEPS")
     prefill: str = _from_knob("FUSEINFER_PREFILL")
     tp_graphs: bool = _from_knob("FUSEINFER_TP_GRAPHS", _switch)
+    kv_cache: str = _from_knob("FUSEINFER_KV_CACHE")
 
     def __post_init__(self):
-        for name, choices in (("decode_kernel", DECODE_KERNELS), ("prefill", PREFILL_MODES)):
+        for name, choices in (("decode_kernel", DECODE_KERNELS), ("prefill", PREFILL_MODES),
+                              ("kv_cache", KV_CACHE_DTYPES)):
             if getattr(self, name) not in choices:
                 raise FuseInferError(f"RuntimeConfig.{name} must be one of {', '.join(choices)}, got "
                                      f"{getattr(self, name)!r}")

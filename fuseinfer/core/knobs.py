@@ -87,6 +87,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "prompt-length bucket up to "
          "`AUTO_GRAPH_MAX_TOKENS`, else the lean layer loop), `graph` (graphs wherever they apply), `lean` (the "
          "loop, no graphs) or `module` (the patched modules)", ("auto", "graph", "lean", "module"), field="prefill"),
+    Knob("FUSEINFER_KV_CACHE", "auto", "config",
+         "fast decode's KV cache: `auto` (the model's dtype) or `fp8` (e4m3 keys and values with per-head scales, "
+         "half the bytes of fp16; docs/quantization.md)", ("auto", "fp8"), field="kv_cache"),
     Knob("FUSEINFER_SHARED", "../shared", "call",
          "the shared assets folder (tests, .ci/run, the eval's default model): models/opt-wt2-tiny and "
          "data/wikitext-2-raw (the WikiText-2 files, found there when `FUSEINFER_DATA_DIR` is unset); a relative "

@@ -21,17 +21,22 @@ from transformers.masking_utils import (
 from transformers.utils.output_capturing import _active_collector
 
 from fuseinfer.core.config import ATTN_NAME
-from fuseinfer.ops.attention import allowed_mask, repeat_kv
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.ops.attention import allowed_mask, attention_kv_fp8, repeat_kv
+from fuseinfer.ops.kv_cache import FP8_DTYPE, dequantize_kv
 from fuseinfer.layers.attention_backend import attention_for
 
 NAME = ATTN_NAME
 
 
 class MaskInfo(NamedTuple):
-    """Per-row mask: ``key_mask`` (B, Skv) bool or None, ``q_start`` (B,) int32 or None (see ops.attention)."""
+    """Per-row mask: ``key_mask`` (B, Skv) bool or None, ``q_start`` (B,) int32 or None (see ops.attention); over an
+    FP8 static cache also its per-layer (2, Hkv) fp32 scales ``kv_scales`` (the attention of layer i reads
+    ``kv_scales[i]``)."""
 
     key_mask: torch.Tensor | None
     q_start: torch.Tensor | None
+    kv_scales: list | None = None
 
 
 def fuseinfer_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
@@ -96,6 +101,15 @@ def fuseinfer_attention_forward(module, query, key, value, attention_mask, scali
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if key.dtype == FP8_DTYPE:  # an FP8 static cache: its scales come with the mask
+        if not isinstance(attention_mask, MaskInfo) or attention_mask.kv_scales is None:
+            raise FuseInferError("an FP8 (e4m3) KV cache is read with its scales: pass the mask as "
+                                 "MaskInfo(key_mask, q_start, kv_scales=cache.kv_scales)")
+        kv_scale = attention_mask.kv_scales[module.layer_idx]  # (2, Hkv)
+        if not weights_requested(module):  # (fuseinfer's kernel whatever the backend: it reads e4m3)
+            return attention_kv_fp8(query, key, value, attention_mask.key_mask, attention_mask.q_start, scale,
+                                    kv_scale), None
+        key, value = dequantize_kv(key, kv_scale[0], query.dtype), dequantize_kv(value, kv_scale[1], query.dtype)
     if weights_requested(module):
         return eager_attention_with_weights(module, query, key, value, attention_mask, scale)
     attention = attention_for(module, query.shape[2])  # the patch's backend for this phase (attention_backend.py)

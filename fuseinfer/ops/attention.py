@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 
 from fuseinfer.core import knobs
-from fuseinfer.core.extension import extension, route
+from fuseinfer.core.extension import eager_cuda, extension, route, transformed
 from fuseinfer.core.errors import FuseInferError
+from fuseinfer.ops.kv_cache import FP8_DTYPE, check_kv_scale, dequantize_kv
 
 KERNEL_HEAD_DIMS = (64, 128)
 KERNEL_GQA = True  # whether the CUDA kernels take Hkv < H (else those calls run SDPA on repeated k / v)
@@ -140,8 +141,11 @@ def _backward(ctx, grad):
 _attention.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention(q, k, v, key_mask=None, q_start=None, scale: float | None = None) -> torch.Tensor:
-    """Masked causal attention; see the module docstring. Returns (B, Sq, H, D)."""
+def attention(q, k, v, key_mask=None, q_start=None, scale: float | None = None, kv_scale=None) -> torch.Tensor:
+    """Masked causal attention; see the module docstring. Returns (B, Sq, H, D). k, v may be an FP8 cache
+    (float8_e4m3fn) with its scales ``kv_scale`` (2, Hkv) fp32 (``attention_kv_fp8``)."""
+    if k.dtype == FP8_DTYPE:
+        return attention_kv_fp8(q, k, v, key_mask, q_start, scale, kv_scale)
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[1] == 0 \
             or q.shape[1] % k.shape[1] or k.shape[-1] != q.shape[-1] or q.shape[-1] == 0:
         raise FuseInferError(f"attention: expected q (B,H,Sq,D) and k, v (B,Hkv,Skv,D) with H a multiple of Hkv, "
@@ -158,3 +162,67 @@ def attention(q, k, v, key_mask=None, q_start=None, scale: float | None = None) 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return route(torch.ops.fuseinfer.attention, attention_ref, _attention_cuda, (q, k, v, key_mask, q_start, scale),
                  (q, k, v))
+
+
+# ---------------------------------------------------------------------------------------------- FP8 (e4m3) caches
+
+FP8_SPLIT_MAX_SQ = 16  # queries up to which the CUDA kernel reads e4m3 directly (split-KV); above, it dequantizes
+
+
+def attention_kv_fp8_ref(q, k, v, key_mask, q_start, scale: float, kv_scale) -> torch.Tensor:
+    """Pure-PyTorch reference over an e4m3 cache: k, v (B, Hkv, Skv, D) times their (2, Hkv) scales in fp32, then
+    ``attention_ref`` (fp32 softmax and products) -> (B, Sq, H, D) in q's dtype."""
+    return attention_ref(q, dequantize_kv(k, kv_scale[0]), dequantize_kv(v, kv_scale[1]), key_mask, q_start, scale)
+
+
+@torch.library.custom_op("fuseinfer::attention_kv_fp8", mutates_args=())
+def _attention_kv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+                      q_start: torch.Tensor | None, scale: float, kv_scale: torch.Tensor) -> torch.Tensor:
+    return attention_kv_fp8_ref(q, k, v, key_mask, q_start, scale, kv_scale)
+
+
+@_attention_kv_fp8.register_kernel("cuda")
+def _attention_kv_fp8_cuda(q, k, v, key_mask, q_start, scale, kv_scale):
+    """Decode-sized calls (Sq <= FP8_SPLIT_MAX_SQ) read e4m3 in the split-KV kernel (scales folded into q.k and the
+    output, one multiply per head); prefills dequantize the cache to q's dtype once and run the fp16/bf16 kernels
+    (a prefill reads the cache once; its time is in the tensor-core GEMMs, not in K/V bytes)."""
+    ext = extension(q.device)
+    if ext is not None and hasattr(ext, "attention_kv_fp8") and kernel_supports(q) \
+            and q.shape[2] <= FP8_SPLIT_MAX_SQ and kv_scale.is_contiguous():
+        return ext.attention_kv_fp8(q, k, v, key_mask, q_start, scale, kv_scale)
+    return _attention_cuda(q, dequantize_kv(k, kv_scale[0], q.dtype), dequantize_kv(v, kv_scale[1], q.dtype),
+                           key_mask, q_start, scale)
+
+
+@_attention_kv_fp8.register_fake
+def _(q, k, v, key_mask, q_start, scale, kv_scale):
+    b, h, sq, d = q.shape
+    return q.new_empty(b, sq, h, d)
+
+
+def attention_kv_fp8(q, k, v, key_mask=None, q_start=None, scale: float | None = None, kv_scale=None):
+    """``attention`` over an FP8 cache: k, v (B, Hkv, Skv, D) float8_e4m3fn, a stored x meaning x * kv_scale[0]
+    (keys) or x * kv_scale[1] (values), per head; q (B, H, Sq, D) fp16 / bf16 / fp32. Inference only (no
+    gradients). Returns (B, Sq, H, D) in q's dtype."""
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[1] == 0 \
+            or q.shape[1] % k.shape[1] or k.shape[-1] != q.shape[-1] or q.shape[-1] == 0:
+        raise FuseInferError(f"attention: expected q (B,H,Sq,D) and k, v (B,Hkv,Skv,D) with H a multiple of Hkv, "
+                             f"D > 0; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not k.dtype == v.dtype == FP8_DTYPE or not q.is_floating_point() or q.dtype == FP8_DTYPE:
+        raise FuseInferError(f"attention over an FP8 cache: k and v must be float8_e4m3fn and q fp16/bf16/fp32, got "
+                             f"{q.dtype}, {k.dtype}, {v.dtype}")
+    check_kv_scale(kv_scale, k)
+    b, skv = q.shape[0], k.shape[2]
+    if key_mask is not None and (key_mask.dtype != torch.bool or key_mask.shape != (b, skv)):
+        raise FuseInferError(f"attention: key_mask must be a ({b}, {skv}) bool tensor (True: a real key), got "
+                             f"{tuple(key_mask.shape)} {key_mask.dtype}; e.g. attention_mask.bool()")
+    if q_start is not None and (q_start.shape != (b,) or q_start.dtype != torch.int32):
+        raise FuseInferError(f"attention: q_start must be a ({b},) int32 tensor, got {tuple(q_start.shape)} "
+                             f"{q_start.dtype}; e.g. q_start.int()")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    args = (q, k, v, key_mask, q_start, scale, kv_scale)
+    if transformed():
+        return attention_kv_fp8_ref(*args)
+    if eager_cuda(q, k, v, kv_scale):
+        return _attention_kv_fp8_cuda(*args)
+    return torch.ops.fuseinfer.attention_kv_fp8(*args)

@@ -19,7 +19,9 @@ import torch
 
 from fuseinfer.core.extension import extension, route
 from fuseinfer.core.errors import FuseInferError
-from fuseinfer.ops.kv_cache import kv_cache_append_ref
+from fuseinfer.ops.kv_cache import (
+    FP8_DTYPE, check_kv_scale, kv_cache_append_fp8, kv_cache_append_fp8_ref, kv_cache_append_ref,
+)
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # csrc/rope.cu; others run the reference
 
@@ -160,11 +162,15 @@ def qkv_rope(qkv, cos, sin, heads: int, kv_heads: int):
                  (qkv, cos, sin))
 
 
-def qkv_rope_append(qkv, cos, sin, heads: int, kv_heads: int, k_cache, v_cache, slots):
+def qkv_rope_append(qkv, cos, sin, heads: int, kv_heads: int, k_cache, v_cache, slots, kv_scale=None,
+                    calibrate: bool = False):
     """q (B, H, S, D) rotated; the rotated k and v written into k_cache / v_cache (B, Hkv, T, D) at slots (S,).
     Inference only: it has no autograd formula (a cache write is not differentiated); slots must lie in [0, T) (the
-    reference raises on others, the CUDA kernel skips them without a host sync)."""
+    reference raises on others, the CUDA kernel skips them without a host sync). An FP8 cache (float8_e4m3fn) takes
+    its (2, Hkv) fp32 scales ``kv_scale`` and ``calibrate`` as ``kv_cache_append_fp8`` does."""
     _check(qkv, cos, sin, heads, kv_heads)
+    if k_cache.dtype == FP8_DTYPE:
+        return _qkv_rope_append_fp8_call(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots, kv_scale, calibrate)
     b, s, width = qkv.shape
     d = width // (heads + 2 * kv_heads)
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[:2] != (b, kv_heads) \
@@ -173,3 +179,57 @@ def qkv_rope_append(qkv, cos, sin, heads: int, kv_heads: int, k_cache, v_cache, 
                              f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}, {tuple(slots.shape)} {slots.dtype}")
     return route(torch.ops.fuseinfer.qkv_rope_append, qkv_rope_append_ref, _qkv_rope_append_cuda,
                  (qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots), (qkv, cos, sin))
+
+
+# ---------------------------------------------------------------------------------------------- FP8 (e4m3) caches
+
+def qkv_rope_append_fp8_ref(qkv, cos, sin, heads: int, kv_heads: int, k_cache, v_cache, slots, kv_scale):
+    """Reference of the FP8 cache-writing form: q (B, H, S, D); the rotated k, v quantized with kv_scale (2, Hkv)
+    and written into the e4m3 caches at ``slots``."""
+    q, k, v = qkv_rope_ref(qkv, cos, sin, heads, kv_heads)
+    kv_cache_append_fp8_ref(k_cache, v_cache, k, v, slots, kv_scale)
+    return q
+
+
+@torch.library.custom_op("fuseinfer::qkv_rope_append_fp8", mutates_args=("k_cache", "v_cache"))
+def _qkv_rope_append_fp8(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                         kv_scale: torch.Tensor) -> torch.Tensor:
+    return qkv_rope_append_fp8_ref(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots, kv_scale)
+
+
+@_qkv_rope_append_fp8.register_kernel("cuda")
+def _qkv_rope_append_fp8_cuda(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots, kv_scale):
+    ext = extension(qkv.device)
+    if ext is None or not hasattr(ext, "qkv_rope_append_fp8") or not kernel_supports(qkv, cos, sin) \
+            or qkv.dtype == torch.float32 or not (k_cache.is_contiguous() and v_cache.is_contiguous()) \
+            or not kv_scale.is_contiguous():
+        return qkv_rope_append_fp8_ref(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots, kv_scale)
+    return ext.qkv_rope_append_fp8(qkv.contiguous(), cos.contiguous(), sin.contiguous(), heads, kv_heads, k_cache,
+                                   v_cache, slots, kv_scale)
+
+
+@_qkv_rope_append_fp8.register_fake
+def _(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots, kv_scale):
+    b, s, width = qkv.shape
+    return qkv.new_empty(b, heads, s, width // (heads + 2 * kv_heads))
+
+
+def _qkv_rope_append_fp8_call(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots, kv_scale, calibrate):
+    """qkv_rope_append into an FP8 cache. Calibrating (a prefill) needs the rotated k, v's largest values before
+    they are quantized: the rotation, then the FP8 append (two passes, once per sequence); else one kernel."""
+    b, s, width = qkv.shape
+    d = width // (heads + 2 * kv_heads)
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[:2] != (b, kv_heads) \
+            or k_cache.shape[3] != d or slots.shape != (s,) or slots.dtype != torch.int64 \
+            or v_cache.dtype != FP8_DTYPE:
+        raise FuseInferError(f"qkv_rope_append: expected e4m3 caches ({b}, {kv_heads}, T, {d}) and int64 slots "
+                             f"({s},), got {tuple(k_cache.shape)} {k_cache.dtype}, {tuple(v_cache.shape)} "
+                             f"{v_cache.dtype}, {tuple(slots.shape)} {slots.dtype}")
+    check_kv_scale(kv_scale, k_cache)
+    if calibrate:
+        q, k, v = qkv_rope(qkv, cos, sin, heads, kv_heads)
+        kv_cache_append_fp8(k_cache, v_cache, k, v, slots, kv_scale, calibrate=True)
+        return q
+    return route(torch.ops.fuseinfer.qkv_rope_append_fp8, qkv_rope_append_fp8_ref, _qkv_rope_append_fp8_cuda,
+                 (qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots, kv_scale), (qkv, cos, sin))

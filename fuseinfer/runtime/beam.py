@@ -30,7 +30,7 @@ import torch
 from fuseinfer.core import decode_plan
 from fuseinfer.core.decode_plan import tp_info
 from fuseinfer.core.state import patch_state, runtime_config
-from fuseinfer.runtime.cache import COUNTS, StaticKVCache
+from fuseinfer.runtime.cache import COUNTS, StaticKVCache, refuse_fp8
 from fuseinfer.runtime.decode import (
     CAPACITY_ROUND, STOP_CHECK_EVERY, _graphs_enabled, capture_graphs, sessions_of, trim_sessions,
 )
@@ -128,6 +128,7 @@ class BeamSession:
         return type(None), ()
 
     def __init__(self, model, forward, rows: int, capacity: int, weights: tuple):
+        refuse_fp8(model, "beam search")
         cfg, p = model.config, next(model.parameters())
         family = patch_state(model).family
         kv_heads, head_dim = family.kv_layout(cfg)

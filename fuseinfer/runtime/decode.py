@@ -60,6 +60,8 @@ CAPACITY_ROUND = 128
 # sampling by fuseinfer::sample_tokens, one op per step (False, the default: the warpers as PyTorch ops and the
 # exponential race). Off until its GPU tests have passed on a released build; the tests and benchmarks set it.
 FUSED_SAMPLING = False
+# the path string's reason for the per-op step with an FP8 cache
+FP8_PER_OP = "kv_cache='fp8': the one-kernel step reads fp16/bf16 caches only, so the step runs per op"
 SESSIONS_PER_BUCKET = 4  # settings kept per batch bucket (each: its step buffers, processors, decode graphs)
 CPU_CACHE_BUDGET = 512 << 20  # KV-cache bytes a model keeps between calls on the CPU (set_cache_budget)
 CUDA_CACHE_FRACTION = 2  # ... on a GPU: its memory / this
@@ -117,8 +119,12 @@ class _Session:
         self.fused_sampling = FUSED_SAMPLING and sampling.do_sample and self.scores_out is None
         self.batch = bucket  # real rows of the current call (set by begin)
         # The decode step: one kernel for the whole model where it has one, else the patched modules per op
-        self.step_kernel, why = (None, plan.no_kernel) if plan.no_kernel else \
-            patch_state(model).family.decode_step_kernel(model, self.cache)
+        if plan.no_kernel:
+            self.step_kernel, why = None, plan.no_kernel
+        elif getattr(self.cache, "kv_scales", None) is not None:
+            self.step_kernel, why = None, FP8_PER_OP
+        else:
+            self.step_kernel, why = patch_state(model).family.decode_step_kernel(model, self.cache)
         self.path = "one kernel per step (fuseinfer::opt_decode_step)" if why is None else f"per op ({why})"
         self.path += f"; eager, {plan.no_graphs}" if plan.no_graphs else ""
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per replay -> graph
@@ -214,7 +220,12 @@ class _Session:
         self.batch = b  # (the first token's draw covers the call's rows only)
         # graph / lean loop / patched modules (advances counters: reset below)
         from fuseinfer.runtime.prefill import session_prefill
-        self._emit(session_prefill(self, ids, pos))
+        self.cache.calibrate = True  # (an FP8 cache: the prompt's k/v set its scales; the decode steps keep them)
+        try:
+            logits = session_prefill(self, ids, pos)
+        finally:
+            self.cache.calibrate = False
+        self._emit(logits)
         # decode: the first input sits at slot P with position = number of real prompt tokens
         self.positions[:b, 0] = mask.long().sum(1)
         self.positions[b:] = 0

@@ -24,7 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.state import patch_state, runtime_config
 from fuseinfer.core import decode_plan
-from fuseinfer.runtime.cache import kv_cache
+from fuseinfer.runtime.cache import kv_cache, refuse_fp8
 from fuseinfer.runtime.decode import CAPACITY_ROUND, sessions_of
 from fuseinfer.runtime.graphs import capture_stream
 
@@ -42,6 +42,7 @@ class ForwardGraph:
         return type(None), ()
 
     def __init__(self, model, forward, rows: int, capacity: int, weights: tuple):
+        refuse_fp8(model, "this generate setting (transformers' loop over fuseinfer's cache)")
         cfg, p = model.config, next(model.parameters())
         family = patch_state(model).family
         kv_heads, head_dim = family.kv_layout(cfg)

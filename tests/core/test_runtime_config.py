@@ -20,7 +20,7 @@ from fuseinfer.runtime import prefill as pf
 from fuseinfer.runtime.cache import COUNTS
 
 GOOD = {"decode_kernel": ("auto", "on", "off"), "cuda_graphs": (True, False), "graph_steps": (1, 16, 64),
-        "prefill": ("auto", "graph", "lean", "module"), "tp_graphs": (True, False)}
+        "prefill": ("auto", "graph", "lean", "module"), "tp_graphs": (True, False), "kv_cache": ("auto", "fp8")}
 # values of the wrong kind or outside the choices, including the knobs' spellings ("0" / "1")
 BAD = st.one_of(st.text(max_size=6), st.integers(-5, 0), st.floats(allow_nan=False), st.none(),
                 st.sampled_from(["0", "1", "yes", "Lean", 1.0, 0]))
@@ -37,7 +37,7 @@ def test_a_bad_field_is_one_clear_error_naming_the_allowed_values(name, value):
         RuntimeConfig(**{name: value})
     message = str(caught.value)
     assert f"RuntimeConfig.{name} must be" in message and "\n" not in message
-    if name in ("decode_kernel", "prefill"):
+    if name in ("decode_kernel", "prefill", "kv_cache"):
         assert ", ".join(GOOD[name]) in message
 
 
@@ -50,7 +50,8 @@ def test_every_field_has_a_knob_and_the_knob_names_its_field():
 @pytest.mark.parametrize("knob, value, name, expected", [
     ("FUSEINFER_PREFILL", "lean", "prefill", "lean"), ("FUSEINFER_DECODE_KERNEL", "0", "decode_kernel", "off"),
     ("FUSEINFER_DECODE_KERNEL", "1", "decode_kernel", "on"), ("FUSEINFER_CUDA_GRAPHS", "0", "cuda_graphs", False),
-    ("FUSEINFER_DECODE_GRAPH_STEPS", "4", "graph_steps", 4), ("FUSEINFER_TP_GRAPHS", "0", "tp_graphs", False)])
+    ("FUSEINFER_DECODE_GRAPH_STEPS", "4", "graph_steps", 4), ("FUSEINFER_TP_GRAPHS", "0", "tp_graphs", False),
+    ("FUSEINFER_KV_CACHE", "fp8", "kv_cache", "fp8")])
 def test_the_knob_is_the_default_and_an_explicit_field_beats_it(monkeypatch, knob, value, name, expected):
     assert getattr(RuntimeConfig(), name) == {f.name: f for f in dataclasses.fields(RuntimeConfig)}[name] \
         .default_factory()  # (unset: the built-in default)

@@ -37,7 +37,7 @@ def forward_last_logits(model: nn.Module, tokens, positions, cache, q_start, kee
     base = model.model
     h = base.embed_tokens(tokens)  # (B, S, E)
     rotary = base.rotary_emb(h, positions)  # cos, sin (B, S, D) in h's dtype: every rope scaling transformers has
-    mask = hf_attention.MaskInfo(cache.key_mask, q_start)
+    mask = hf_attention.MaskInfo(cache.key_mask, q_start, getattr(cache, "kv_scales", None))
     for layer in base.layers:
         h = layer(h, attention_mask=mask, past_key_values=cache, position_embeddings=rotary)
     h = base.norm(h[:, -(keep or 1):])  # (B, keep or 1, E)

@@ -245,6 +245,10 @@ class LeanOps:
         when it is a list)."""
         b, s, cos, sin, key_mask, q_start, cache, slots, kv_out = ctx
         qkv = self.fused(attn, QKV, x).view(b, s, -1)  # (B, S, (H + 2 Hkv) D)
+        if cache is not None and getattr(cache, "kv_scales", None) is not None:  # an FP8 cache (the op wrappers)
+            k, v, kv_scale = cache.keys[i], cache.values[i], cache.kv_scales[i]  # (B, Hkv, T, D) e4m3, (2, Hkv)
+            q = qkv_rope_append(qkv, cos, sin, self.heads, self.kv_heads, k, v, slots, kv_scale, cache.calibrate)
+            return attention(q, k, v, key_mask, q_start, attn.scaling, kv_scale).view(b * s, -1)
         if cache is not None:
             k, v = cache.keys[i], cache.values[i]  # (B, Hkv, T, D)
             q = self.rope_append(qkv, cos, sin, self.heads, self.kv_heads, k, v, slots)  # (B, H, S, D)

@@ -218,7 +218,10 @@ class _FusedAttention(_FusedWeights):
                 keys, values = past_key_values.keys[i], past_key_values.values[i]
                 slots = past_key_values.write_idx
                 slots = slots if slots.device == qkv.device else slots.to(qkv.device)
-                q = qkv_rope_append(qkv, cos, sin, heads, kv_heads, keys, values, slots)  # (B, H, S, D)
+                scales = getattr(past_key_values, "kv_scales", None)  # (an FP8 cache's, else None)
+                q = qkv_rope_append(qkv, cos, sin, heads, kv_heads, keys, values, slots,
+                                    None if scales is None else scales[i],
+                                    getattr(past_key_values, "calibrate", False))  # (B, H, S, D)
                 k, v = keys, values  # (B, Hkv, T, D)
             else:
                 q, k, v = qkv_rope(qkv, cos, sin, heads, kv_heads)  # (B, H, S, D), (B, Hkv, S, D) x 2

@@ -173,7 +173,7 @@ def forward_last_logits(model: nn.Module, tokens, positions, cache, q_start, kee
     if dec.project_in is not None:
         h = dec.project_in(h)
     h = h + dec.embed_positions(None, 0, position_ids=positions)  # (B, S, E)
-    mask = hf_attention.MaskInfo(cache.key_mask, q_start)
+    mask = hf_attention.MaskInfo(cache.key_mask, q_start, getattr(cache, "kv_scales", None))
     for layer in dec.layers:
         h = layer(h, attention_mask=mask, past_key_values=cache)
     h = h[:, -(keep or 1):]  # (B, keep or 1, E)

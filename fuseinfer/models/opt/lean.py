@@ -23,7 +23,7 @@ from fuseinfer.layers.linear import decode_rows
 from fuseinfer.models.common import checked_plan, lean_call_reason, lean_plan
 from fuseinfer.models.opt.layer import decoder_layer
 from fuseinfer.ops import add_layer_norm, attention, w8a16_linear, linear_epilogue
-from fuseinfer.ops.kv_cache import kv_cache_append
+from fuseinfer.ops.kv_cache import kv_cache_append, kv_cache_append_fp8
 from fuseinfer.ops.layer_norm_quant import add_layer_norm_quant
 from fuseinfer.ops.quant import quantize_per_token
 from fuseinfer.ops.w8a8_linear import w8a8_backend, w8a8_linear
@@ -262,6 +262,11 @@ class LeanOps:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
         if self.kv_out is not None:  # (lean_hidden's caller builds transformers' cache from them)
             self.kv_out.append((k, v))
+        if cache is not None and getattr(cache, "kv_scales", None) is not None:  # an FP8 cache (the op wrappers)
+            kv_scale = cache.kv_scales[i]  # (2, H)
+            kv_cache_append_fp8(cache.keys[i], cache.values[i], k, v, slots, kv_scale, cache.calibrate)
+            return attention(q, cache.keys[i], cache.values[i], key_mask, q_start, attn.scaling,
+                             kv_scale).view(b * s, heads * d)
         if cache is not None:
             self.append(cache.keys[i], cache.values[i], k, v, slots)
             k, v = cache.keys[i], cache.values[i]  # (B, H, T, D)

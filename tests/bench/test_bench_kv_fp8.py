@@ -1,0 +1,42 @@
+"""bench/bench_kv_fp8.py on the CPU: the K/V bytes per decode step it records (OPT-1.3b at batch 32, context 2048:
+~12.9 GB in fp16, half in e4m3) and its command line."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_kv_fp8
+        yield bench_kv_fp8
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_kv_bytes_per_step_of_opt_1_3b(bench):
+    from transformers import OPTConfig
+
+    cfg = OPTConfig(hidden_size=2048, num_attention_heads=32, num_hidden_layers=24, ffn_dim=8192)
+    fp16 = bench.kv_bytes_per_step(cfg, 32, 2048, 2)
+    assert fp16 == 2 * 24 * 32 * 32 * 2048 * 64 * 2 and round(fp16 / 1e9, 1) == 12.9
+    assert bench.kv_bytes_per_step(cfg, 32, 2048, 1) * 2 == fp16
+
+
+def test_gqa_heads_count_the_key_value_heads(bench):
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4)
+    assert bench.kv_bytes_per_step(cfg, 1, 10, 1) == 2 * 4 * 1 * 2 * 10 * 64
+
+
+def test_the_output_folder_is_required():
+    out = subprocess.run([sys.executable, str(BENCH / "bench_kv_fp8.py")], capture_output=True, text=True)
+    assert out.returncode == 2 and "--out" in out.stderr
