@@ -8,9 +8,10 @@ quantizes its input per token (``quantize_fp8_per_token``) and calls ``fuseinfer
 ``torch._scaled_mm`` on GPUs of compute capability >= 8.9, the fp32 reference elsewhere; at decode-sized inputs on
 CUDA (``decode_rows``) it runs the e4m3 weight GEMV on the unquantized activations instead
 (``fuseinfer.ops.fp8_weight_linear``), as the int8 W8A8 linears run the int8 weight-only GEMV there. It takes
-per-token e4m3 activations (``quantized_input`` "e4m3", ``forward_quantized``): at prefill the fused OPT decoder layer
-feeds q/k/v and fc1 the output of ``add_layer_norm_quant_fp8`` (LayerNorm and the e4m3 quantize in one kernel), as it
-feeds the W8A8 linears ``add_layer_norm_quant``'s int8; out_proj and fc2 quantize their input in ``fused``. It does not
+per-token e4m3 activations (``quantized_input`` "e4m3", ``forward_quantized``): at prefill the fused decoder layer
+feeds the linears that read a pre-LN LayerNorm's output the output of ``add_layer_norm_quant_fp8`` (LayerNorm and the
+e4m3 quantize in one kernel), as it feeds the W8A8 linears ``add_layer_norm_quant``'s int8; the others quantize their
+input in ``fused``. It does not
 take int8 activations (``takes_int8`` is False): the OPT lean prefill loop runs int8 models only, so FP8 models run
 their patched modules.
 """
