@@ -1,22 +1,37 @@
-// Fused residual add + LayerNorm + per-token symmetric int8 quantisation, one pass over memory:
+// Fused residual add + LayerNorm + per-token symmetric quantisation to int8 or float8 e4m3, one pass over memory:
 //
 //   s = x + residual (rounded to x's dtype), y = LayerNorm(s) * weight + bias (rounded to x's dtype),
-//   scale = max(amax_n |y| / 127, FLT_MIN)  (fp32, one per row; FLT_MIN keeps an all-zero row's q at 0),
-//   q = clamp(round_half_even(y / scale), -127, 127)  (int8),
+//   int8:  scale = max(amax_n |y| / 127, FLT_MIN), q = clamp(round_half_even(y / scale), -127, 127),
+//   e4m3:  scale = max(amax_n |y| / 448, FLT_MIN), q = e4m3(y / scale) (nearest even, saturated to +-448),
+//   (scale fp32, one per row; FLT_MIN keeps an all-zero row's q at 0)
 //
-// which is fuseinfer.ops.quant.quantize_int8_ref applied to fuseinfer.ops.layer_norm.add_layer_norm_ref's y (the
-// reference next to the op, fuseinfer/ops/layer_norm_quant.py): the int8 activations feed the W8A8 GEMM
-// (w8a8_linear.cu), whose epilogue multiplies by `scale` per token. y itself is never written: the bytes moved
-// are x, residual (read), s (written when asked), q (1 byte per element) and one fp32 scale per row.
+// which is fuseinfer.ops.quant.quantize_int8_ref (fuseinfer.ops.fp8_linear.quantize_fp8_ref) applied to
+// fuseinfer.ops.layer_norm.add_layer_norm_ref's y (the references next to the ops, fuseinfer/ops/layer_norm_quant.py):
+// the 8-bit activations feed the W8A8 / FP8 GEMM, whose epilogue multiplies by `scale` per token. y itself is never
+// written: the bytes moved are x, residual (read), s (written when asked), q (1 byte per element) and one fp32 scale
+// per row.
 //
 // The row machinery is layer_norm_rows.cuh's, shared with add_layer_norm (layer_norm.cu): a row lives in registers
 // (VPT 16-byte packs per thread, in the input dtype), one warp per row up to 32 * VPT packs, else one block per row;
 // loads issued before any reduction; two-pass mean / variance in fp32. This file adds the last pass: y rounded to
-// x's dtype, a third reduction (max) for the scale, and the int8 stores. Launched with PDL (launch.h).
+// x's dtype (kept in fp32 registers), a third reduction (max) for the scale, and the 8-bit stores.
+//
+// The kernel is bound by instructions per element, not bytes, so the quantisation is written for few of them, with
+// the same bits as the straightforward code (rintf, fminf / fmaxf, int cast, __fdiv_rn per element):
+//   * y / scale: IEEE division's own fast path (the FFMA sequence nvcc emits for __fdiv_rn) with its reciprocal
+//     refinement hoisted out of the row, 3 FFMA per element instead of the MUFU.RCP, FCHK and branch of each
+//     division; the fast path is exact for normal operands whose quotient is far from the overflow and underflow
+//     ranges, which holds for every element that can round to a nonzero q when 2^-64 <= scale <= 2^64; rows outside
+//     that range (an inf in y, an fp32 / bf16 row of subnormals) take __fdiv_rn per element;
+//   * int8 rounding: adding 1.5 * 2^23 rounds a value in [-127, 127] to the nearest even integer in the fp32 adder,
+//     whose low byte is then the int8 (no FRND, no F2I, both quarter-rate);
+//   * e4m3: one cvt.rn.satfinite.e4m3x2.f32 per pair, which saturates exactly as the reference's clamp to +-448.
+// Launched with PDL (launch.h).
 #include "layer_norm_rows.cuh"
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cuda_fp8.h>
 #include <torch/library.h>
 
 #include <cfloat>
@@ -26,109 +41,184 @@
 namespace fuseinfer {
 namespace {
 
-// VEC int8 values stored as one instruction (8 bytes for fp16/bf16 packs, 4 for fp32 packs, 1 for scalars).
+// VEC 8-bit values stored as one instruction: 8 bytes for fp16/bf16 packs, 4 for fp32 packs (built as words, so no
+// byte shuffling before the store), 1 for scalars.
 template <int VEC>
 struct alignas(VEC) QPack {
-  int8_t v[VEC];
+  static_assert(VEC % 4 == 0, "QPack: 4 or 8 values, or 1");
+  uint32_t w[VEC / 4];  // element 0 in the lowest byte of w[0]
+};
+template <>
+struct QPack<1> {
+  uint8_t v;
 };
 
+// y / scale with __fdiv_rn's bits (see the header): the reciprocal refined once per row, then per element the fast
+// path's quotient and one correction. kExact: the plain division (rows whose scale is out of the fast path's range).
+template <bool kExact>
+struct Divider {
+  float scale, rcp;
+  __device__ __forceinline__ explicit Divider(float s) : scale(s), rcp(0.f) {
+    if constexpr (!kExact) {
+      float r0;
+      asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(s));  // MUFU.RCP, as in __fdiv_rn (s is normal here)
+      rcp = __fmaf_rn(r0, __fmaf_rn(r0, -s, 1.f), r0);
+    }
+  }
+  __device__ __forceinline__ float operator()(float a) const {
+    if constexpr (kExact) {
+      return __fdiv_rn(a, scale);
+    } else {
+      const float q0 = __fmaf_rn(a, rcp, 0.f);
+      return __fmaf_rn(rcp, __fmaf_rn(q0, -scale, a), q0);
+    }
+  }
+};
+
+// The fast path's range for the scale: every y that can quantise to a nonzero value (|y| >= scale * 2^-11 for e4m3,
+// scale / 2 for int8) and its quotient are then normal fp32 values far from the limits.
+__device__ __forceinline__ bool fast_divide(float scale) { return scale >= 0x1p-64f && scale <= 0x1p64f; }
+
+// round_half_even(clamp(v, -127, 127)) as the low byte of a word: v + 1.5 * 2^23 lies in [2^23, 2^24), where the
+// fp32 ulp is 1, so the add itself rounds to the nearest even integer and the mantissa's low byte is that integer in
+// two's complement. A NaN quotient clamps to -127 (fmaxf returns the non-NaN operand), as rintf then fmaxf did. No
+// upper clamp: |y| <= amax and scale = RN(amax / 127) >= amax / 127 * (1 - 2^-24) (or FLT_MIN > amax / 127), so a
+// correctly rounded y / scale is at most 127.00001, which the add rounds to 127.
+__device__ __forceinline__ uint32_t int8_word(float v) { return __float_as_uint(fmaxf(v, -127.f) + 12582912.f); }
+
+// Four int8 words -> their low bytes packed (element 0 in the lowest byte).
+__device__ __forceinline__ uint32_t pack4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
+}
+
+// y / scale for e4m3, whose zero is signed: the fast path's FFMAs turn -0 / scale into +0, where IEEE division (and
+// the reference) give -0; the quotient's sign is always y's (scale > 0), so copying it back is exact (one LOP3).
+template <class Div>
+__device__ __forceinline__ float signed_quotient(float y, const Div& div) { return copysignf(div(y), y); }
+
+// Quantises one pack of y (fp32, rounded to x's dtype) with the row's divider.
+template <bool kFp8, int VEC, class Div>
+__device__ __forceinline__ QPack<VEC> quantize(const float (&y)[VEC], const Div& div) {
+  QPack<VEC> out;
+  if constexpr (VEC == 1) {
+    out.v = kFp8 ? __nv_cvt_float_to_fp8(signed_quotient(y[0], div), __NV_SATFINITE, __NV_E4M3)
+                 : static_cast<uint8_t>(int8_word(div(y[0])) & 0xffu);
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; j += 4) {
+      if constexpr (kFp8) {  // pairs, element j in the low byte
+        const uint32_t lo = __nv_cvt_float2_to_fp8x2(
+            make_float2(signed_quotient(y[j], div), signed_quotient(y[j + 1], div)), __NV_SATFINITE, __NV_E4M3);
+        const uint32_t hi = __nv_cvt_float2_to_fp8x2(
+            make_float2(signed_quotient(y[j + 2], div), signed_quotient(y[j + 3], div)), __NV_SATFINITE, __NV_E4M3);
+        out.w[j / 4] = __byte_perm(lo, hi, 0x5410);
+      } else {
+        out.w[j / 4] = pack4(int8_word(div(y[j])), int8_word(div(y[j + 1])), int8_word(div(y[j + 2])),
+                             int8_word(div(y[j + 3])));
+      }
+    }
+  }
+  return out;
+}
+
+template <bool kFp8>
 struct LayerNormQuantOp {
-  static constexpr const char* kName = "add_layer_norm_quant";
+  static constexpr const char* kName = kFp8 ? "add_layer_norm_quant_fp8" : "add_layer_norm_quant";
   static constexpr bool kPrefetchAffine = false;
+  static constexpr bool kRowInFp32 = true;  // layer_norm_rows.cuh: fewer conversions, the kernel's bottleneck
+  static constexpr float kQmax = kFp8 ? 448.f : 127.f;  // largest int8 / finite e4m3 magnitude
   struct Params : ln_rows::RowParams {
-    int8_t* q;     // (rows, n)
+    uint8_t* q;    // (rows, n) int8 or float8_e4m3fn bytes
     float* scale;  // (rows,)
   };
   // q's packs are VEC bytes: aligned when q's base is 16-byte aligned and n % VEC == 0
   static bool outputs_aligned(const Params& p) { return ln_rows::aligned16(p.q); }
 
-  // y = (s - mean) * rstd * w + b, rounded to T (as the reference's y) and kept in a[]; amax over the row; then the
-  // same fp32 operations as quantize_int8_ref: scale = max(amax / 127, FLT_MIN), q = round(y / scale)
+  // y = (s - mean) * rstd * w + b, rounded to T (as the reference's y) and kept in fp32; amax over the row; then the
+  // same fp32 values as the reference: scale = max(amax / qmax, FLT_MIN), q = quantised y / scale
   template <typename T, int VEC, int VPT, bool PREFETCHED>
   __device__ __forceinline__ static void finish(const Params& p, ln_rows::Row<T, VEC, VPT>& r) {
     __shared__ float scratch_max[32];
+    float y[VPT][VEC];
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       if (r.tid + i * r.tpr < r.nv) {
         float f[VEC];
-        ln_rows::normalize<PREFETCHED>(r, p, i, f);
+        ln_rows::normalize<PREFETCHED, T, VEC, VPT, kRowInFp32>(r, p, i, f);
+        ln_rows::widen(ln_rows::narrow<T, VEC>(f), y[i]);  // round to T (pairwise), back to fp32 (exact)
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          r.a[i].v[j] = from_float<T>(f[j]);
-          amax = fmaxf(amax, fabsf(to_float(r.a[i].v[j])));
-        }
+        for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, fabsf(y[i][j]));
       }
     }
     amax = ln_rows::row_max(amax, scratch_max);
-    const float scale = fmaxf(amax / 127.f, FLT_MIN);
+    const float scale = fmaxf(amax / kQmax, FLT_MIN);
     if (r.tid == 0) p.scale[r.index] = scale;
+    if (fast_divide(scale)) {
+      store<VEC, VPT>(p, r, y, Divider<false>(scale));
+    } else {
+      store<VEC, VPT>(p, r, y, Divider<true>(scale));
+    }
+  }
 
+  template <int VEC, int VPT, typename T, class Div>
+  __device__ __forceinline__ static void store(const Params& p, const ln_rows::Row<T, VEC, VPT>& r,
+                                               const float (&y)[VPT][VEC], const Div& div) {
     QPack<VEC>* __restrict__ q = reinterpret_cast<QPack<VEC>*>(p.q) + r.base;
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const int idx = r.tid + i * r.tpr;
-      if (idx < r.nv) {
-        QPack<VEC> out;
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          const float v = fminf(fmaxf(rintf(__fdiv_rn(to_float(r.a[i].v[j]), scale)), -127.f), 127.f);
-          out.v[j] = static_cast<int8_t>(v);
-        }
-        q[idx] = out;
-      }
+      if (idx < r.nv) q[idx] = quantize<kFp8, VEC>(y[i], div);
     }
   }
 };
 
+template <bool kFp8>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> add_layer_norm_quant_cuda(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual,
     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
     double eps, bool store_sum) {
-  TORCH_CHECK(x.is_cuda() && x.dim() >= 1 && x.is_contiguous(),
-              "add_layer_norm_quant: x must be a contiguous CUDA tensor with at least one dimension");
-  const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat,
-              "add_layer_norm_quant: dtype must be float16, bfloat16 or float32, got ", dtype);
+  using Op = LayerNormQuantOp<kFp8>;
+  ln_rows::check_rows(Op::kName, x, residual);
   const int64_t n = x.size(-1);
-  const bool has_residual = residual.has_value() && residual->defined();
-  if (has_residual) {
-    TORCH_CHECK(residual->device() == x.device() && residual->scalar_type() == dtype &&
-                residual->sizes() == x.sizes() && residual->is_contiguous(),
-                "add_layer_norm_quant: residual must be contiguous, with x's device, dtype and shape");
-  }
-  ln_rows::check_param("add_layer_norm_quant", weight, x, n, "weight");
-  ln_rows::check_param("add_layer_norm_quant", bias, x, n, "bias");
+  ln_rows::check_param(Op::kName, weight, x, n, "weight");
+  ln_rows::check_param(Op::kName, bias, x, n, "bias");
 
   const at::cuda::CUDAGuard guard(x.device());
   auto scale_shape = x.sizes().vec();
   scale_shape.back() = 1;
-  at::Tensor q = at::empty_like(x, x.options().dtype(at::kChar));
+  at::Tensor q = at::empty_like(x, x.options().dtype(kFp8 ? at::kFloat8_e4m3fn : at::kChar));
   at::Tensor scale = at::empty(scale_shape, x.options().dtype(at::kFloat));
   at::Tensor s = store_sum ? at::empty_like(x) : at::empty({0}, x.options());
   if (x.numel() == 0) return {q, scale, s};
-  TORCH_CHECK(n <= ln_rows::kMaxN, "add_layer_norm_quant: hidden size ", n, " exceeds the supported maximum ",
-              ln_rows::kMaxN);
+  TORCH_CHECK(n <= ln_rows::kMaxN, Op::kName, ": hidden size ", n, " exceeds the supported maximum ", ln_rows::kMaxN);
 
-  LayerNormQuantOp::Params p;
+  typename Op::Params p;
   ln_rows::fill_rows(p, x, residual, weight, bias, eps, store_sum ? s.data_ptr() : nullptr);
-  p.q = static_cast<int8_t*>(q.data_ptr());
+  p.q = static_cast<uint8_t*>(q.data_ptr());
   p.scale = scale.data_ptr<float>();
-  ln_rows::dispatch_dtype<LayerNormQuantOp>(p, dtype);
+  ln_rows::dispatch_dtype<Op>(p, x.scalar_type());
   return {q, scale, s};
 }
 
 }  // namespace
 
 // s = x + residual (rounded to x's dtype; s = x when residual is None), y = LayerNorm(s) * weight + bias rounded to
-// x's dtype, then per-token symmetric int8: scale = max(amax|y| / 127, FLT_MIN), q = clamp(rint(y / scale), ±127).
-// x, residual: (..., N) contiguous fp16/bf16/fp32; weight, bias: (N,) or None. Returns (q int8 (..., N),
-// scale fp32 (..., 1), s (..., N) or empty when store_sum is false).
+// x's dtype, then per-token symmetric 8-bit:
+//   add_layer_norm_quant: int8, scale = max(amax|y| / 127, FLT_MIN), q = clamp(rint(y / scale), +-127);
+//   add_layer_norm_quant_fp8: float8_e4m3fn, scale = max(amax|y| / 448, FLT_MIN), q = e4m3(clamp(y / scale, +-448)).
+// x, residual: (..., N) contiguous fp16/bf16/fp32; weight, bias: (N,) or None. Returns (q (..., N), scale fp32
+// (..., 1), s (..., N) or empty when store_sum is false).
 TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
   m.def("add_layer_norm_quant(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps, bool store_sum) "
         "-> (Tensor, Tensor, Tensor)");
+  m.def("add_layer_norm_quant_fp8(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps, "
+        "bool store_sum) -> (Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) { m.impl("add_layer_norm_quant", &add_layer_norm_quant_cuda); }
+TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) {
+  m.impl("add_layer_norm_quant", &add_layer_norm_quant_cuda<false>);
+  m.impl("add_layer_norm_quant_fp8", &add_layer_norm_quant_cuda<true>);
+}
 
 }  // namespace fuseinfer

@@ -61,6 +61,18 @@ struct StatsOf<Op, std::void_t<decltype(Op::kStats)>> {
   static constexpr Stats value = Op::kStats;
 };
 
+// Op::kRowInFp32 where the Op declares it, else false: the row is then widened to fp32 once, after the residual add,
+// and kept so (Row::f) for the statistics and the last pass, instead of being widened again in each pass (twice the
+// registers of a 16-bit row, one conversion per element and pass fewer; the same values, so the same bits).
+template <class Op, class = void>
+struct RowInFp32Of {
+  static constexpr bool value = false;
+};
+template <class Op>
+struct RowInFp32Of<Op, std::void_t<decltype(Op::kRowInFp32)>> {
+  static constexpr bool value = Op::kRowInFp32;
+};
+
 // VEC elements of T moved as one load/store (16 bytes for the vector paths, one element for the scalar path).
 template <typename T, int VEC>
 struct alignas(sizeof(T) * VEC) Pack {
@@ -130,6 +142,15 @@ struct RowParams {
 // Sum (maximum) of v over the threads of one row (blockDim.x of them). With one warp per row there is no shared
 // memory and no barrier, so a warp whose row is out of range may return early. `scratch` holds one float per warp
 // and must not be reused by a later call (each call gets its own array, which saves a second barrier).
+//
+// The second stage (over the warps' partials) is the xor butterfly of warp_sum over only the lowest P lanes, P the
+// smallest power of two >= the warp count: a full 32-lane butterfly over the partials padded with zeros adds
+// exact zeros at its offsets >= P, so this gives the same bits in log2(P) shuffles instead of 5 (each group of P
+// lanes runs the same butterfly, so every lane gets the result).
+__device__ __forceinline__ int partial_lanes() {
+  const int warps = static_cast<int>(blockDim.x >> 5);  // > 1 here
+  return 1 << (32 - __clz(warps - 1));
+}
 __device__ __forceinline__ float row_sum(float v, float* scratch) {
   v = warp_sum(v);
   if (blockDim.x == 32) return v;
@@ -137,8 +158,10 @@ __device__ __forceinline__ float row_sum(float v, float* scratch) {
   const int warp = threadIdx.x >> 5;
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
-  v = lane < static_cast<int>(blockDim.x >> 5) ? scratch[lane] : 0.f;
-  return warp_sum(v);
+  const int lanes = partial_lanes(), k = lane & (lanes - 1);
+  v = k < static_cast<int>(blockDim.x >> 5) ? scratch[k] : 0.f;
+  for (int o = lanes >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
 }
 __device__ __forceinline__ float row_max(float v, float* scratch) {
   v = warp_max(v);
@@ -146,8 +169,10 @@ __device__ __forceinline__ float row_max(float v, float* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
-  v = lane < static_cast<int>(blockDim.x >> 5) ? scratch[lane] : 0.f;
-  return warp_max(v);
+  const int lanes = partial_lanes(), k = lane & (lanes - 1);
+  v = k < static_cast<int>(blockDim.x >> 5) ? scratch[k] : 0.f;
+  for (int o = lanes >> 1; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
 }
 
 // Read-only load through the non-coherent (texture) path, for weight and bias only (no kernel writes them); one
@@ -179,19 +204,32 @@ constexpr int max_threads() { return VEC == 1 ? 1024 : 512; }
 template <typename T, int VEC, int VPT>
 struct Row {
   Pack<T, VEC> a[VPT], wv[VPT], bv[VPT];
+  float f[VPT][VEC];    // a widened to fp32 (Op::kRowInFp32 only; otherwise unused, and compiled away)
   float mean, rstd;     // the row's statistics (Stats::kRms: mean 0, rstd = rsqrt(mean(s^2) + eps))
   int64_t index, base;  // the row, and its first pack's index in x
   int tid, tpr, nv;     // thread in the row, threads per row, packs per row
 };
 
-// y = (s - mean) * rstd * w + b in fp32 for the thread's pack i (weight and bias prefetched, or loaded now).
-template <bool PREFETCHED, typename T, int VEC, int VPT>
+// The thread's pack i of s in fp32: kept (kRowInFp32) or widened now.
+template <bool kRowInFp32, typename T, int VEC, int VPT>
+__device__ __forceinline__ void row_values(const Row<T, VEC, VPT>& r, int i, float (&f)[VEC]) {
+  if constexpr (kRowInFp32) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) f[j] = r.f[i][j];
+  } else {
+    widen(r.a[i], f);
+  }
+}
+
+// y = (s - mean) * rstd * w + b in fp32 for the thread's pack i (weight and bias prefetched, or loaded now;
+// kRowInFp32: s from Row::f).
+template <bool PREFETCHED, typename T, int VEC, int VPT, bool kRowInFp32 = false>
 __device__ __forceinline__ void normalize(const Row<T, VEC, VPT>& r, const RowParams& p, int i, float (&f)[VEC]) {
   using P = Pack<T, VEC>;
   const P* __restrict__ w = reinterpret_cast<const P*>(p.weight);
   const P* __restrict__ bias = reinterpret_cast<const P*>(p.bias);
   const int idx = r.tid + i * r.tpr;
-  widen(r.a[i], f);
+  row_values<kRowInFp32>(r, i, f);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) f[j] = (f[j] - r.mean) * r.rstd;
   if (w) {
@@ -281,12 +319,17 @@ __global__ void __launch_bounds__(max_threads<VEC>(), 1) rows_kernel(const typen
   // First pass over the registers: the sum (LayerNorm) or the sum of squares (RMSNorm; the zeros past the row's
   // end add nothing to either).
   constexpr bool kRms = StatsOf<Op>::value == Stats::kRms;
+  constexpr bool kF32 = RowInFp32Of<Op>::value;
   float local = 0.f;
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     if (s_out && tid + i * tpr < nv) s_out[tid + i * tpr] = r.a[i];
     float f[VEC];
     widen(r.a[i], f);
+    if constexpr (kF32) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) r.f[i][j] = f[j];
+    }
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       if constexpr (kRms) {
@@ -311,7 +354,7 @@ __global__ void __launch_bounds__(max_threads<VEC>(), 1) rows_kernel(const typen
     for (int i = 0; i < VPT; ++i) {
       if (tid + i * tpr < nv) {
         float f[VEC];
-        widen(r.a[i], f);
+        row_values<kF32>(r, i, f);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) local += (f[j] - r.mean) * (f[j] - r.mean);
       }

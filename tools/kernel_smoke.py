@@ -53,6 +53,14 @@ def other_kernels():
         w, b = torch.randn(123, device="cuda", dtype=dtype), torch.randn(123, device="cuda", dtype=dtype)
         ops.add_layer_norm(x, r, w, b, 1e-5, True)
         ops.add_layer_norm(torch.randn(5, 2048, device="cuda", dtype=dtype), None, None, None, 1e-5, False)
+        # LayerNorm + int8 / e4m3 quantize: odd width (scalar path), warp-per-row and block-per-row widths, a row
+        # whose scale leaves the fast division's range (weight 0, y = a tiny bias)
+        for quant in (ops.add_layer_norm_quant, ops.add_layer_norm_quant_fp8):
+            quant(x, r, w, b, 1e-5, True)
+            quant(torch.randn(6, 1024, device="cuda", dtype=dtype), None, None, None, 1e-5, False)
+            quant(torch.randn(5, 4096, device="cuda", dtype=dtype), None, None, None, 1e-5, True)
+            quant(x, None, torch.zeros_like(w), torch.full_like(b, 1e-30 if dtype != torch.float16 else 0.0),
+                  1e-5, False)
         # RMSNorm: odd width (scalar path), a block-per-row width (vector path), a misaligned contiguous view
         ops.add_rms_norm(x, r, w, 1e-6, True)
         ops.add_rms_norm(torch.randn(5, 4096, device="cuda", dtype=dtype), None, None, 1e-6, False)

@@ -32,6 +32,10 @@ class QuantizedLinear(nn.Module):
     # whether ``forward_quantized(x_q, x_scale, residual, activation, out_dtype)`` takes per-token int8 activations
     # (W8A8): the fused decoder layer then feeds it add_layer_norm_quant's output instead of a fp16 LayerNorm output
     takes_int8 = False
+    # the per-token 8-bit activations ``forward_quantized`` takes: "int8" (W8A8), "e4m3" (FP8), or None; the fused
+    # decoder layer feeds such a linear the matching fused LayerNorm + quantize output (add_layer_norm_quant /
+    # add_layer_norm_quant_fp8)
+    quantized_input: str | None = None
 
     def fused(self, x, residual=None, activation: str = "none"):
         raise NotImplementedError
@@ -133,6 +137,16 @@ def int8_input(module: nn.Module | None) -> QuantizedLinear | None:
         return None
     linear = module if isinstance(module, QuantizedLinear) else module._modules.get("qkv_proj")
     return linear if getattr(linear, "takes_int8", False) else None
+
+
+def quantized_input(module: nn.Module | None) -> QuantizedLinear | None:
+    """The linear that reads ``module``'s input if it takes per-token 8-bit activations (``quantized_input`` set:
+    int8 or e4m3): the module itself, or the quantized fused q/k/v (``qkv_proj``) of an attention module; else
+    None."""
+    if module is None:
+        return None
+    linear = module if isinstance(module, QuantizedLinear) else module._modules.get("qkv_proj")
+    return linear if getattr(linear, "quantized_input", None) is not None else None
 
 
 def fused_linear(module: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None,

@@ -13,7 +13,8 @@ from fuseinfer.ops.w8a16_linear import dequantize_weight, w8a16_linear, w8a16_li
 from fuseinfer.ops.kv_cache import kv_cache_append, kv_cache_append_ref
 from fuseinfer.ops.w8a8_linear import w8a8_linear, w8a8_linear_ref
 from fuseinfer.ops.layer_norm import add_layer_norm, add_layer_norm_ref
-from fuseinfer.ops.layer_norm_quant import add_layer_norm_quant, add_layer_norm_quant_ref
+from fuseinfer.ops.layer_norm_quant import (add_layer_norm_quant, add_layer_norm_quant_fp8,
+                                            add_layer_norm_quant_fp8_ref, add_layer_norm_quant_ref)
 from fuseinfer.ops.linear import linear_epilogue, linear_epilogue_ref
 from fuseinfer.ops.rms_norm import add_rms_norm, add_rms_norm_ref
 from fuseinfer.ops.sample_tokens import sample_tokens, sample_tokens_ref, warp_ref
@@ -34,7 +35,8 @@ __all__ = [
     "quantize_fp8_ref",
     "w8a16_linear", "w8a16_linear_ref", "kv_cache_append", "kv_cache_append_ref", "linear_epilogue", "linear_epilogue_ref",
     "opt_decode_step", "opt_decode_step_ref", "quantize_int8_ref", "quantize_per_channel", "quantize_per_token",
-    "add_layer_norm_quant", "add_layer_norm_quant_ref", "w8a8_linear", "w8a8_linear_ref",
+    "add_layer_norm_quant", "add_layer_norm_quant_ref", "add_layer_norm_quant_fp8", "add_layer_norm_quant_fp8_ref",
+    "w8a8_linear", "w8a8_linear_ref",
     "add_rms_norm", "add_rms_norm_ref", "qkv_rope", "qkv_rope_append", "qkv_rope_append_ref", "qkv_rope_ref",
     "sample_tokens", "sample_tokens_ref", "silu_mul", "silu_mul_ref", "warp_ref",
 ]

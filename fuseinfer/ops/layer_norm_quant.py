@@ -1,12 +1,16 @@
-"""Residual add + LayerNorm + per-token int8 quantisation in one pass, the input side of a W8A8 linear.
+"""Residual add + LayerNorm + per-token 8-bit quantisation in one pass, the input side of a W8A8 or FP8 linear.
 
     s = x + residual,  y = LayerNorm(s) * weight + bias  (rounded to x's dtype, as ``add_layer_norm``),
-    q, scale = per-token symmetric int8 of y  (``quantize_int8_ref(y, -1)``: scale = amax|y| / 127, q = round(y/scale))
+    add_layer_norm_quant:      q, scale = per-token symmetric int8 of y  (``quantize_int8_ref(y, -1)``:
+                               scale = amax|y| / 127, q = round(y / scale)),
+    add_layer_norm_quant_fp8:  q, scale = per-token float8_e4m3fn of y  (``quantize_fp8_ref(y, -1)``:
+                               scale = amax|y| / 448, q = e4m3(y / scale), nearest even, saturated to +-448).
 
-Returns ``(q, scale, s)``: q (..., N) int8, scale (..., 1) fp32, s (..., N) (empty unless ``store_sum``). y itself is
-never materialised by the kernel (``csrc/layer_norm_quant.cu``): it goes straight to the int8 GEMM
-(``fuseinfer.ops.w8a8_linear.w8a8_linear``) whose epilogue multiplies by ``scale``. With SmoothQuant the smoothing
-factors are already folded into ``weight`` and ``bias`` (``fuseinfer.quant.smoothquant``).
+Returns ``(q, scale, s)``: q (..., N) int8 / float8_e4m3fn, scale (..., 1) fp32, s (..., N) (empty unless
+``store_sum``). y itself is never materialised by the kernel (``csrc/layer_norm_quant.cu``): it goes straight to the
+8-bit GEMM (``fuseinfer.ops.w8a8_linear.w8a8_linear``, ``fuseinfer.ops.fp8_linear.fp8_linear``) whose epilogue
+multiplies by ``scale``. With SmoothQuant the smoothing factors are already folded into ``weight`` and ``bias``
+(``fuseinfer.quant.smoothquant``).
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import torch
 
 from fuseinfer.core.extension import eager_cuda, extension, transformed
 from fuseinfer.core.errors import FuseInferError
+from fuseinfer.ops.fp8_linear import FP8_DTYPE, quantize_fp8_ref
 from fuseinfer.ops.layer_norm import add_layer_norm_ref
 from fuseinfer.ops.quant import quantize_int8_ref
 
@@ -63,18 +68,71 @@ def _(x, residual, weight, bias, eps, store_sum):
 def add_layer_norm_quant(x, residual=None, weight=None, bias=None, eps: float = 1e-5, store_sum: bool = False):
     """Fused residual add + LayerNorm + per-token int8 quantisation over the last dim -> ``(q, scale, s)``.
     Not differentiable (int8 output)."""
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise FuseInferError(f"add_layer_norm_quant: residual must have x's shape and dtype {tuple(x.shape)} "
-                             f"{x.dtype}, got {tuple(residual.shape)} {residual.dtype}")
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and (t.shape != x.shape[-1:] or t.dtype != x.dtype):
-            raise FuseInferError(f"add_layer_norm_quant: {name} must be ({x.shape[-1]},) in {x.dtype}, got "
-                                 f"{tuple(t.shape)} {t.dtype}")
-    if x.dim() < 1 or x.shape[-1] == 0:
-        raise FuseInferError(f"add_layer_norm_quant: x must be (..., N) with N > 0, got {tuple(x.shape)}")
+    _check("add_layer_norm_quant", x, residual, weight, bias)
     args = (x, residual, weight, bias, eps, store_sum)
     if transformed():
         return add_layer_norm_quant_ref(*args)
     if eager_cuda(x, residual, weight, bias):  # (skips the dispatcher's Python layer, as the other ops do)
         return _add_layer_norm_quant_cuda(*args)
     return torch.ops.fuseinfer.add_layer_norm_quant(*args)
+
+
+def _check(op, x, residual, weight, bias):
+    """The shapes and dtypes both ops take, with ``op``'s name in the error."""
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise FuseInferError(f"{op}: residual must have x's shape and dtype {tuple(x.shape)} "
+                             f"{x.dtype}, got {tuple(residual.shape)} {residual.dtype}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (t.shape != x.shape[-1:] or t.dtype != x.dtype):
+            raise FuseInferError(f"{op}: {name} must be ({x.shape[-1]},) in {x.dtype}, got "
+                                 f"{tuple(t.shape)} {t.dtype}")
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise FuseInferError(f"{op}: x must be (..., N) with N > 0, got {tuple(x.shape)}")
+
+
+# ------------------------------------------------------------------------------------------------------ e4m3
+
+def add_layer_norm_quant_fp8_ref(x, residual, weight, bias, eps: float, store_sum: bool):
+    """Pure-PyTorch reference: (q float8_e4m3fn (..., N), scale fp32 (..., 1), s (..., N) or empty)."""
+    y, s = add_layer_norm_ref(x, residual, weight, bias, eps, store_sum)
+    q, scale = quantize_fp8_ref(y, -1)
+    return q, scale, s
+
+
+@torch.library.custom_op("fuseinfer::add_layer_norm_quant_fp8", mutates_args=())
+def _add_layer_norm_quant_fp8(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, bias: torch.Tensor | None,
+    eps: float, store_sum: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _contiguous(x, *add_layer_norm_quant_fp8_ref(x, residual, weight, bias, eps, store_sum))
+
+
+@_add_layer_norm_quant_fp8.register_kernel("cuda")
+def _add_layer_norm_quant_fp8_cuda(x, residual, weight, bias, eps, store_sum):
+    ext = extension(x.device)
+    if (ext is None or x.dtype not in KERNEL_DTYPES or not hasattr(ext, "add_layer_norm_quant_fp8")
+            or x.shape[-1] > MAX_N):
+        return _contiguous(x, *add_layer_norm_quant_fp8_ref(x, residual, weight, bias, eps, store_sum))
+    return ext.add_layer_norm_quant_fp8(x.contiguous(), None if residual is None else residual.contiguous(),
+                                        None if weight is None else weight.contiguous(),
+                                        None if bias is None else bias.contiguous(), eps, store_sum)
+
+
+@_add_layer_norm_quant_fp8.register_fake
+def _(x, residual, weight, bias, eps, store_sum):
+    return (torch.empty_like(x, dtype=FP8_DTYPE, memory_format=torch.contiguous_format),
+            x.new_empty(*x.shape[:-1], 1, dtype=torch.float32),
+            x.new_empty(x.shape) if store_sum else x.new_empty(0))
+
+
+def add_layer_norm_quant_fp8(x, residual=None, weight=None, bias=None, eps: float = 1e-5,
+                             store_sum: bool = False):
+    """Fused residual add + LayerNorm + per-token float8_e4m3fn quantisation over the last dim -> ``(q, scale, s)``
+    (the input of ``fp8_linear``). Not differentiable (e4m3 output)."""
+    _check("add_layer_norm_quant_fp8", x, residual, weight, bias)
+    args = (x, residual, weight, bias, eps, store_sum)
+    if transformed():
+        return add_layer_norm_quant_fp8_ref(*args)
+    if eager_cuda(x, residual, weight, bias):  # (skips the dispatcher's Python layer, as the other ops do)
+        return _add_layer_norm_quant_fp8_cuda(*args)
+    return torch.ops.fuseinfer.add_layer_norm_quant_fp8(*args)

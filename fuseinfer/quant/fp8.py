@@ -7,9 +7,12 @@ same undo state and checkpoint layout), with :class:`Float8Linear` in place of t
 quantizes its input per token (``quantize_fp8_per_token``) and calls ``fuseinfer.ops.fp8_linear``:
 ``torch._scaled_mm`` on GPUs of compute capability >= 8.9, the fp32 reference elsewhere; at decode-sized inputs on
 CUDA (``decode_rows``) it runs the e4m3 weight GEMV on the unquantized activations instead
-(``fuseinfer.ops.fp8_weight_linear``), as the int8 W8A8 linears run the int8 weight-only GEMV there. It does not
-take int8 activations (``takes_int8`` is False), so the fused decoder layers feed it their fp16/bf16 LayerNorm output
-and call ``fused`` (``layers.linear.fused_linear``); the OPT lean prefill loop runs int8 models only, so FP8 models run
+(``fuseinfer.ops.fp8_weight_linear``), as the int8 W8A8 linears run the int8 weight-only GEMV there. It takes
+per-token e4m3 activations (``quantized_input`` "e4m3", ``forward_quantized``): at prefill the fused decoder layer
+feeds the linears that read a pre-LN LayerNorm's output the output of ``add_layer_norm_quant_fp8`` (LayerNorm and the
+e4m3 quantize in one kernel), as it feeds the W8A8 linears ``add_layer_norm_quant``'s int8; the others quantize their
+input in ``fused``. It does not
+take int8 activations (``takes_int8`` is False): the OPT lean prefill loop runs int8 models only, so FP8 models run
 their patched modules.
 """
 from __future__ import annotations
@@ -49,15 +52,24 @@ class Float8Linear(ChannelScaledLinear):
     def dequantized_weight(self, dtype=torch.float32) -> torch.Tensor:
         return (self.weight_q.float() * self.weight_scale).to(dtype)  # (N, K)
 
+    quantized_input = "e4m3"
+
     def fused(self, x: torch.Tensor, residual: torch.Tensor | None = None, activation: str = "none"):
         """act(x @ W.T + bias + residual) with x quantized per token first; x (..., K) -> (..., N) in x's dtype."""
         if x.dtype not in OUT_DTYPES:
             raise FuseInferError(f"Float8Linear: input dtype must be one of {OUT_DTYPES}, got {x.dtype}")
-        bias = None if self.bias is None else self.bias.to(x.dtype)
         if decode_rows(x):  # decode on CUDA: the e4m3 weight GEMV on fp16/bf16 activations (ops/fp8_gemv.py)
+            bias = None if self.bias is None else self.bias.to(x.dtype)
             return fp8_weight_linear(x, self.weight_q, self.weight_scale.view(-1), bias, residual, activation)
         q, s = quantize_fp8_per_token(x)  # (..., K) e4m3, (..., 1) fp32
-        return fp8_linear(q, s, self.weight_q, self.weight_scale, bias, residual, activation, x.dtype)
+        return self.forward_quantized(q, s, residual, activation, x.dtype)
+
+    def forward_quantized(self, x_q, x_scale, residual=None, activation: str = "none",
+                          out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        """x_q (..., K) float8_e4m3fn, x_scale (..., 1) fp32 (``add_layer_norm_quant_fp8``'s output) -> (..., N)
+        out_dtype."""
+        bias = None if self.bias is None else self.bias.to(out_dtype)
+        return fp8_linear(x_q, x_scale, self.weight_q, self.weight_scale, bias, residual, activation, out_dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 weights and activations"

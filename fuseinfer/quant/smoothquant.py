@@ -292,6 +292,7 @@ class W8A8Linear(ChannelScaledLinear):
     ``add_layer_norm_quant`` (the fused LayerNorm path)."""
 
     takes_int8 = True
+    quantized_input = "int8"
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> W8A8Linear:

@@ -12,6 +12,8 @@ the swapped modules' own hooks and parameters stay as they are):
   fp16 LayerNorm output is never formed. fc2's input (fc1's ReLU output) and out_proj's (attention's) are
   quantized per token by ``quantize_int8`` (the sm90 GEMM has no int8-output epilogue: a per-token scale needs the
   whole row, spread over several CTAs);
+* FP8 W8A8 (``Float8``) likewise: those LayerNorms run as ``add_layer_norm_quant_fp8`` (per-token e4m3 activations
+  and scales for the FP8 GEMMs); out_proj's and fc2's inputs are quantized by the linears themselves;
 * ``OPTAttention`` -> :class:`FusedOPTAttention`: q/k/v as one GEMM (q/k/v weights become views of one
   (3E, E) tensor, so no memory is added), unscaled q with the scale applied inside the attention kernel,
   out_proj + bias (+ residual) fused. The (3E, E) tensor and its (3E,) bias are plain attributes
@@ -50,8 +52,8 @@ from transformers.models.opt.modeling_opt import (
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.config import PatchConfig, PatchReport, Swap
 from fuseinfer.ops import add_layer_norm
-from fuseinfer.ops.layer_norm_quant import add_layer_norm_quant
-from fuseinfer.layers.linear import decode_rows, fused_linear, int8_input
+from fuseinfer.ops.layer_norm_quant import add_layer_norm_quant, add_layer_norm_quant_fp8
+from fuseinfer.layers.linear import decode_rows, fused_linear, quantized_input
 from fuseinfer.core import placement
 from fuseinfer.core.state import LOCK_ATTR, lock_holder
 from fuseinfer.layers import hf_attention
@@ -85,10 +87,12 @@ def _norm(ln: nn.LayerNorm, x, residual, fused: bool):
     return ln(x if residual is None else residual + x)
 
 
-def _norm_quant(ln: nn.LayerNorm, x):
-    """LayerNorm(x) with ``ln``'s parameters, quantized per token in the same kernel: (x_q int8 (..., E), x_scale
-    fp32 (..., 1)), what ``quantize_per_token`` of ``_norm``'s output gives (the same rounding to x's dtype first)."""
-    return add_layer_norm_quant(x, None, ln.weight, ln.bias, ln.eps)[:2]
+def _norm_quant(ln: nn.LayerNorm, x, fmt: str):
+    """LayerNorm(x) with ``ln``'s parameters, quantized per token in the same kernel to ``fmt`` ("int8" or "e4m3"):
+    (x_q (..., E), x_scale fp32 (..., 1)), what ``quantize_per_token`` (``quantize_fp8_per_token``) of ``_norm``'s
+    output gives (the same rounding to x's dtype first)."""
+    op = add_layer_norm_quant if fmt == "int8" else add_layer_norm_quant_fp8
+    return op(x, None, ln.weight, ln.bias, ln.eps)[:2]
 
 
 class FusedOPTAttention(OPTAttention):
@@ -118,16 +122,16 @@ class FusedOPTAttention(OPTAttention):
 
     def forward(self, hidden_states, past_key_values=None, attention_mask=None, output_attentions=False,
                 residual=None, quantized=None, **kwargs):
-        """quantized: (x_q (B, S, E) int8, x_scale (B, S, 1) fp32), the LayerNorm output already quantized per token
-        for the W8A8 q/k/v (``FusedOPTDecoderLayer._int8_qkv`` checked that this forward is fused and takes it);
-        hidden_states then gives only the shape and dtype."""
+        """quantized: (x_q (B, S, E) int8 / e4m3, x_scale (B, S, 1) fp32), the LayerNorm output already quantized per
+        token for the W8A8 / FP8 q/k/v (``FusedOPTDecoderLayer._int8_qkv`` checked that this forward is fused and
+        takes it); hidden_states then gives only the shape and dtype."""
         if _original_forward(self, hidden_states):
             out, weights = super().forward(hidden_states, past_key_values, attention_mask, output_attentions,
                                            **kwargs)
             return (out if residual is None else residual + out), weights
         ops = self._fuseinfer_ops
         bsz, tgt_len, _ = hidden_states.shape
-        if quantized is not None:  # W8A8 q/k/v on add_layer_norm_quant's output: (B, S, 3E)
+        if quantized is not None:  # W8A8 / FP8 q/k/v on add_layer_norm_quant(_fp8)'s output: (B, S, 3E)
             qkv = self._modules["qkv_proj"].forward_quantized(*quantized, None, "none", hidden_states.dtype)
             q, k, v = qkv.view(bsz, tgt_len, 3, self.num_heads, self.head_dim).unbind(2)  # 3 x (B, S, H, D)
         elif "qkv" in ops and _qkv_fused(self):
@@ -160,8 +164,8 @@ class FusedOPTAttention(OPTAttention):
 
 
 class _Quantized:
-    """A LayerNorm output quantized per token for the W8A8 GEMM that reads it: ``q`` = (x_q int8 (B, S, E), x_scale
-    fp32 (B, S, 1)); ``x``, the LayerNorm's input, gives the shape and dtype."""
+    """A LayerNorm output quantized per token for the W8A8 / FP8 GEMM that reads it: ``q`` = (x_q int8 / e4m3
+    (B, S, E), x_scale fp32 (B, S, 1)); ``x``, the LayerNorm's input, gives the shape and dtype."""
 
     __slots__ = ("x", "q")
 
@@ -183,8 +187,9 @@ class ModuleOps:
         self.layer = layer
         self.fused_ln = "layer_norm" in ops
         self.fused_linear = "linear" in ops
-        # W8A8 at prefill: LayerNorm + per-token quantize in one pass feeds the int8 GEMMs; at decode on CUDA the
-        # W8A8 linears run the W8A16 GEMV on fp16 activations (layers/linear.py decode_rows), so the LayerNorm is fp16
+        # W8A8 / FP8 at prefill: LayerNorm + per-token quantize in one pass feeds the 8-bit GEMMs; at decode on CUDA
+        # those linears run the 8-bit weight GEMV on fp16 activations (layers/linear.py decode_rows), so the LayerNorm
+        # is fp16
         self.int8 = self.fused_ln and not decode_rows(h)
 
     def norm(self, x, ln, residual=None):
@@ -194,7 +199,7 @@ class ModuleOps:
             layer = self.layer
             lin = layer._int8_qkv(x) if ln is layer._modules["self_attn_layer_norm"] else layer._int8_fc1()
             if lin is not None:
-                return _Quantized(x, _norm_quant(ln, x)), x
+                return _Quantized(x, _norm_quant(ln, x, lin.quantized_input)), x
         return _norm(ln, x, None, self.fused_ln), x
 
     def attention(self, i, attn, x, ctx):
@@ -217,7 +222,7 @@ class ModuleOps:
             y = activation(self.linear(x, lin))
             return y if residual is None else residual + y
         act = "none" if activation is None else "relu"  # (ReLU in the GEMM's epilogue)
-        if type(x) is _Quantized:  # fc1 on add_layer_norm_quant's output: (..., F) in x's dtype
+        if type(x) is _Quantized:  # fc1 on add_layer_norm_quant(_fp8)'s output: (..., F) in x's dtype
             y = lin.forward_quantized(*x.q, None, act, x.x.dtype)
             return y if residual is None else residual + y
         return fused_linear(lin, x, residual, act)
@@ -230,16 +235,18 @@ class FusedOPTDecoderLayer(OPTDecoderLayer):
     _fuseinfer_ops: frozenset = frozenset()
 
     def _int8_qkv(self, h):
-        """The W8A8 q/k/v reading self_attn_layer_norm's output when this forward can hand it int8 activations
-        (the attention's fused forward runs, q/k/v fused and quantized), else None. h: the layer's input."""
+        """The W8A8 / FP8 q/k/v reading self_attn_layer_norm's output when this forward can hand it 8-bit
+        activations (the attention's fused forward runs, q/k/v fused and quantized), else None. h: the layer's
+        input."""
         attn = self.self_attn
         if not (isinstance(attn, FusedOPTAttention) and "qkv" in attn._fuseinfer_ops) or _original_forward(attn, h):
             return None
-        return int8_input(attn)
+        return quantized_input(attn)
 
     def _int8_fc1(self):
-        """fc1 when it is a W8A8 linear the fused MLP calls (it then takes final_layer_norm's output in int8)."""
-        return int8_input(self.fc1) if "linear" in self._fuseinfer_ops else None
+        """fc1 when it is a W8A8 / FP8 linear the fused MLP calls (it then takes final_layer_norm's output in int8 /
+        e4m3)."""
+        return quantized_input(self.fc1) if "linear" in self._fuseinfer_ops else None
 
     def _strategy(self, h: torch.Tensor):
         """The ops strategy of this call (tensor parallel wraps it: models/opt/tp.py)."""
