@@ -3,7 +3,13 @@
 //
 //   y (M, N) = act(scale[n] * (x (M, K) @ w (N, K)^T) + bias[n] + residual[m, n]),  M <= 16, one store of y,
 //
-// with `scale` only for int8 weights. A persistent grid (one wave: as many blocks as fit on the GPU, at most one per
+// with `scale` only for int8 weights; or, with SILU (the gated MLP's gate/up projection, activation "silu_mul"),
+//
+//   y (M, F) = silu(gate) * up,  gate = scale[f] * (x @ w[f]^T) + bias[f],  up = the same of row F + f,
+//
+// for w (2F, K) holding the gate rows then the up rows (the Llama family's fused gate_up weight, as stored): a tile's
+// 16 mma rows are then 8 gate rows and the 8 up rows of the same outputs (rows g and g + 8 of the lane, below), so
+// both halves of an output meet in one block's epilogue, with no reordering of the weight. A persistent grid (one wave: as many blocks as fit on the GPU, at most one per
 // 16-row tile of w) walks the tiles; a block's warps split K and stream the tile with 16-byte L1-bypassing loads,
 // always two k-blocks (of this or the next tile) in flight while multiplying the one before by all M tokens of x
 // with mma.sync m16n8k16 (fp32 accumulate). At each tile's end the warps' partial sums meet in shared memory and the
@@ -50,9 +56,9 @@ struct Params {
   const void* w;         // (N, K), T or int8
   const float* scale;    // (N,) for int8 weights, else unused
   const void* bias;      // (N,) T or null
-  const void* residual;  // (M, N) T or null
+  const void* residual;  // (M, N) T or null (always null with SILU)
   void* y;               // (M, N) T
-  int m, n, k;
+  int m, n, k;           // with SILU: n = F outputs; w, scale and bias have 2F rows
   bool relu;
 };
 
@@ -206,12 +212,17 @@ using Fp8Weights = ByteWeights<true>;
 // per tile suffices), sync, and run the tile's epilogue while the next tile's first k-blocks are in flight.
 // Rows >= N and tokens >= M read the last valid row instead: an mma output (i, j) depends only on row i of A and
 // column j of B, so those reads only feed accumulators that are never stored.
-template <class W, typename T, int NT, bool TAIL>
+// SILU: tile i covers outputs 8i .. 8i + 7; its mma rows r < 8 are gate rows 8i + r and rows r >= 8 the up rows
+// F + 8i + r - 8. The tile count, ceil(F / 8), equals that of the plain GEMV over the 2F rows, so the launch (warps,
+// grid) and every row's k order and warp split are the plain GEMV's: gate and up come out bit-identical to
+// linear_epilogue's, and rounding them to T before silu * up (as silu_mul.cu does) gives linear + silu_mul's bits.
+template <class W, typename T, int NT, bool TAIL, bool SILU = false>
 __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p) {
   constexpr int U = W::template unroll<NT>();
   constexpr int XC = W::kChunkElems / 8;  // 16-byte chunks of x per weight chunk
   constexpr int kChunksPerBlock = 4 * U;  // 16-byte weight chunks per row in a k-block
   constexpr int kTokens = 8 * NT;
+  constexpr int kOut = SILU ? kRows / 2 : kRows;  // outputs per tile
   using F = Frag<NT, U, XC>;
   __shared__ float partial[2][kMaxWarps][kRows][kTokens + 1];  // +1: fewer bank conflicts
 
@@ -222,7 +233,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p) 
   const int t = lane & 3;
   const int chunks = p.k / W::kChunkElems;  // 16-byte weight chunks per row
   const int k_blocks = (chunks + kChunksPerBlock - 1) / kChunksPerBlock;  // TAIL <=> chunks % kChunksPerBlock
-  const int tiles = (p.n + kRows - 1) / kRows;
+  const int tiles = (p.n + kOut - 1) / kOut;
 
   const uint4* w = reinterpret_cast<const uint4*>(p.w);
   const uint4* xs[NT];
@@ -249,6 +260,10 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p) 
     return i;
   };
   auto w_row = [&](int tile, int r) {  // the lane's rows r of tile `tile`
+    if constexpr (SILU) {  // r < 8: gate row of output 8 tile + r; r >= 8: the up row of output 8 tile + r - 8
+      const int out = min(tile * kOut + (r & (kOut - 1)), p.n - 1);
+      return w + static_cast<int64_t>(r >= kOut ? p.n + out : out) * chunks;
+    }
     return w + static_cast<int64_t>(min(tile * kRows + r, p.n - 1)) * chunks;
   };
   auto load_weights = [&](F& f, Item i) {
@@ -256,16 +271,19 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p) 
   };
   auto load_acts = [&](F& f, Item i) { load_x<NT, U, XC, TAIL>(f, xs, i.kb * kChunksPerBlock + t, chunks); };
 
-  // The epilogue operands of the thread's first output of a tile (row threadIdx.x % 16, token threadIdx.x / 16),
-  // requested a tile ahead so that the epilogue, which ends the kernel, does not wait for a round trip to memory.
-  const int e_row = threadIdx.x % kRows, e_token = threadIdx.x / kRows;
+  // The epilogue operands of the thread's first output of a tile (row threadIdx.x % kOut, token
+  // threadIdx.x / kOut), requested a tile ahead so that the epilogue, which ends the kernel, does not wait for a
+  // round trip to memory. `off`: 0, or (SILU) p.n for the output's up row.
+  const int e_row = threadIdx.x % kOut, e_token = threadIdx.x / kOut;
   auto e_index = [&](int tile) -> int64_t {  // -1: no such output
-    const int n = tile * kRows + e_row;
+    const int n = tile * kOut + e_row;
     return tile < tiles && e_token < p.m && n < p.n ? static_cast<int64_t>(e_token) * p.n + n : -1;
   };
-  auto load_scale = [&](int tile) { return e_index(tile) >= 0 ? p.scale[tile * kRows + e_row] : 0.f; };
-  auto load_bias = [&](int tile) {
-    return bias != nullptr && e_index(tile) >= 0 ? to_float(bias[tile * kRows + e_row]) : 0.f;
+  auto load_scale = [&](int tile, int off = 0) {
+    return e_index(tile) >= 0 ? p.scale[off + tile * kOut + e_row] : 0.f;
+  };
+  auto load_bias = [&](int tile, int off = 0) {
+    return bias != nullptr && e_index(tile) >= 0 ? to_float(bias[off + tile * kOut + e_row]) : 0.f;
   };
   auto load_residual = [&](int tile) {
     const int64_t idx = e_index(tile);
@@ -286,9 +304,13 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p) 
   Item i1 = after(i0);
   load_weights(f0, i0);
   if (i1.tile < tiles) load_weights(f1, i1);
-  float e_scale = 0.f;
+  float e_scale = 0.f, e_scale_up = 0.f, e_bias_up = 0.f;  // (_up: SILU's up rows)
   if constexpr (W::kScaled) e_scale = load_scale(i0.tile);
   float e_bias = load_bias(i0.tile);
+  if constexpr (SILU) {
+    if constexpr (W::kScaled) e_scale_up = load_scale(i0.tile, p.n);
+    e_bias_up = load_bias(i0.tile, p.n);
+  }
   pdl_wait();
   load_acts(f0, i0);
   if (i1.tile < tiles) load_acts(f1, i1);
@@ -322,7 +344,50 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p) 
 
       // Epilogue: thread o sums output (row o % 16, token o / 16) over the warps, then scales it (int8 weights),
       // adds bias and residual, (ReLU) and rounds once; 16 consecutive threads store 16 consecutive outputs of one
-      // token.
+      // token. SILU: output (row o % 8, token o / 8) from gate row o % 8 and up row o % 8 + 8, each scaled, biased
+      // and rounded to T as the GEMV would store it, then silu and the product rounded as silu_mul.cu does.
+      if constexpr (SILU) {
+        const int n0 = ci.tile * kOut;
+        for (int o = threadIdx.x; o < kOut * kTokens; o += blockDim.x) {
+          const int row = o % kOut;
+          const int token = o / kOut;
+          const int n = n0 + row;
+          if (token >= p.m || n >= p.n) continue;
+          float s = 0.f, u = 0.f;
+          for (int v = 0; v < warps; ++v) {
+            s += part[v][row][token];
+            u += part[v][row + kOut][token];
+          }
+          float sg = 1.f, su = 1.f, bg = 0.f, bu = 0.f;  // scale and bias of the gate and the up row
+          if (o == threadIdx.x) {  // the prefetched operands (0 where there are none)
+            if constexpr (W::kScaled) sg = e_scale, su = e_scale_up;
+            bg = e_bias, bu = e_bias_up;
+          } else {
+            if constexpr (W::kScaled) sg = p.scale[n], su = p.scale[p.n + n];
+            if (bias) bg = to_float(bias[n]), bu = to_float(bias[p.n + n]);
+          }
+          float gate, up;
+          if constexpr (W::kScaled) {
+            gate = s * sg + bg;
+            up = u * su + bu;
+          } else {
+            gate = s + bg;
+            up = u + bu;
+          }
+          gate = to_float(from_float<T>(gate));
+          up = to_float(from_float<T>(up));
+          const float act = to_float(from_float<T>(gate / (1.f + expf(-gate))));
+          y[static_cast<int64_t>(token) * p.n + n] = from_float<T>(act * up);
+        }
+        if constexpr (W::kScaled) {
+          e_scale = load_scale(ci.tile + gridDim.x);
+          e_scale_up = load_scale(ci.tile + gridDim.x, p.n);
+        }
+        e_bias = load_bias(ci.tile + gridDim.x);
+        e_bias_up = load_bias(ci.tile + gridDim.x, p.n);
+        ci = ni;
+        return more;
+      }
       const int n0 = ci.tile * kRows;
       for (int o = threadIdx.x; o < kRows * kTokens; o += blockDim.x) {
         const int row = o % kRows;
@@ -369,46 +434,47 @@ bool supported(const at::Tensor& x, const at::Tensor& w, int64_t m) {
          at::cuda::getCurrentDeviceProperties()->major >= 8;
 }
 
-template <class W, typename T, int NT, bool TAIL>
+template <class W, typename T, int NT, bool TAIL, bool SILU>
 void launch(const Params& p, cudaStream_t stream) {
   constexpr int kElemsPerBlock = 4 * W::kChunkElems * W::template unroll<NT>();
-  const int tiles = (p.n + kRows - 1) / kRows;
+  const int tiles = (p.n + (SILU ? kRows / 2 : kRows) - 1) / (SILU ? kRows / 2 : kRows);
   const int k_blocks = (p.k + kElemsPerBlock - 1) / kElemsPerBlock;
   // 16 warps per block (one block per SM: 127 registers for fp16 weights and NT = 1, 101 for NT = 2) while there
   // are fewer tiles than two per SM, else 8 (two blocks per SM, each with its own barrier); never more warps than
   // k-blocks. The grid is one wave, capped at one block per tile.
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int warps = std::max(1, std::min(tiles < 2 * sms ? kMaxWarps : 8, k_blocks));
-  const auto kernel = skinny_kernel<W, T, NT, TAIL>;
+  const auto kernel = skinny_kernel<W, T, NT, TAIL, SILU>;
   const int resident = sms * blocks_per_sm(reinterpret_cast<const void*>(kernel), 32 * warps);
   launch_kernel(kernel, std::min(tiles, resident), 32 * warps, 0, stream, p);
 }
 
-template <class W, typename T, int NT>
+template <class W, typename T, int NT, bool SILU>
 void launch(const Params& p, cudaStream_t stream) {
   if ((p.k / W::kChunkElems) % (4 * W::template unroll<NT>()) != 0) {
-    launch<W, T, NT, true>(p, stream);
+    launch<W, T, NT, true, SILU>(p, stream);
   } else {
-    launch<W, T, NT, false>(p, stream);
+    launch<W, T, NT, false, SILU>(p, stream);
   }
 }
 
 // Launches the kernel for T = __half or __nv_bfloat16 (one n-tile up to 8 tokens, else two).
-template <class W, typename T>
+template <class W, typename T, bool SILU>
 void launch(const Params& p, cudaStream_t stream) {
   if (p.m <= 8) {
-    launch<W, T, 1>(p, stream);
+    launch<W, T, 1, SILU>(p, stream);
   } else {
-    launch<W, T, 2>(p, stream);
+    launch<W, T, 2, SILU>(p, stream);
   }
 }
 
 // y (M, N) = act(scale * (x @ w^T) + bias + residual) on the current stream, for operands that supported<W>()
 // accepts and the entry point has checked (scale: (N,) fp32 for int8 weights, else null; bias, residual: x's dtype,
-// or null; y preallocated, contiguous).
+// or null; y preallocated, contiguous). silu: y (M, F) = silu(gate) * up of w (2F, K) (gate rows, then up rows;
+// scale and bias (2F,)), no residual.
 template <class W>
 void run(const at::Tensor& x, const at::Tensor& w, const float* scale, const at::Tensor* bias,
-         const at::Tensor* residual, bool relu, at::Tensor& y) {
+         const at::Tensor* residual, bool relu, at::Tensor& y, bool silu = false) {
   Params p;
   p.x = x.data_ptr();
   p.w = w.data_ptr();
@@ -417,14 +483,21 @@ void run(const at::Tensor& x, const at::Tensor& w, const float* scale, const at:
   p.residual = residual ? residual->data_ptr() : nullptr;
   p.y = y.data_ptr();
   p.m = static_cast<int>(x.size(0));
-  p.n = static_cast<int>(w.size(0));
+  p.n = static_cast<int>(y.size(1));  // w's rows, or half of them (silu)
   p.k = static_cast<int>(x.size(1));
   p.relu = relu;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (x.scalar_type() == at::kHalf) {
-    launch<W, __half>(p, stream);
+  if (silu) {
+    TORCH_CHECK(residual == nullptr && !relu && w.size(0) == 2 * y.size(1), "skinny GEMV: bad silu_mul operands");
+    if (x.scalar_type() == at::kHalf) {
+      launch<W, __half, true>(p, stream);
+    } else {
+      launch<W, __nv_bfloat16, true>(p, stream);
+    }
+  } else if (x.scalar_type() == at::kHalf) {
+    launch<W, __half, false>(p, stream);
   } else {
-    launch<W, __nv_bfloat16>(p, stream);
+    launch<W, __nv_bfloat16, false>(p, stream);
   }
 }
 #endif
