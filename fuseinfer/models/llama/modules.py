@@ -12,8 +12,9 @@ Swaps, by changing the class of the existing modules to subclasses (as the OPT f
   pass (``qkv_rope`` / ``qkv_rope_append``); transformers' caches (DynamicCache, StaticCache) through their
   ``update``; attention through the registered ``"fuseinfer"`` implementation (grouped-query k / v as they are);
   o_proj (+ residual) fused;
-* the MLP -> ``Fused<Arch>MLP``: gate and up as one (2F, E) GEMM (the two weights views of it), ``silu_mul``, then
-  down_proj (+ residual) fused;
+* the MLP -> ``Fused<Arch>MLP``: gate and up as one (2F, E) GEMM (the two weights views of it) with ``silu_mul`` as
+  its activation (in the decode GEMV's epilogue; a GEMM and then ``silu_mul`` for prefill), then down_proj
+  (+ residual) fused;
 * the final RMSNorm -> ``Fused<Arch>RMSNorm`` (the ``add_rms_norm`` kernel);
 * the base model (``LlamaModel`` ...) -> ``Locked<Arch>Model``: the same forward, holding the model's lock, so that
   ``patch`` / ``unpatch`` in another thread wait for a running forward;
@@ -46,7 +47,7 @@ from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.quant_config import SmoothQuantW8A8
 from fuseinfer.core.state import LOCK_ATTR, lock_holder
 from fuseinfer.layers import hf_attention
-from fuseinfer.layers.linear import fused_linear
+from fuseinfer.layers.linear import Int8WeightOnlyLinear, fused_linear
 from fuseinfer.ops import add_rms_norm, linear_epilogue, qkv_rope, qkv_rope_append, silu_mul
 from fuseinfer.ops.attention import KERNEL_GQA, repeat_kv
 from fuseinfer.models.base import FusedWeight
@@ -151,12 +152,16 @@ def _linked(module: nn.Module, group: FusedWeight) -> bool:
     return True
 
 
-def _fused_group_linear(module: nn.Module, group: FusedWeight, x: torch.Tensor) -> torch.Tensor:
-    """x (..., E) @ the fused weight -> (..., sum N_i): the quantized linear where there is one."""
+def _fused_group_linear(module: nn.Module, group: FusedWeight, x: torch.Tensor,
+                        activation: str = "none") -> torch.Tensor:
+    """act(x (..., E) @ the fused weight) -> (..., sum N_i), or (..., F) for ``"silu_mul"`` (gate/up): the quantized
+    linear where there is one (one that cannot fuse silu_mul, ``Int8WeightOnlyLinear`` can, runs it after)."""
     quant = module._modules.get(group.name)
     if quant is not None:
-        return quant.fused(x)
-    return linear_epilogue(x, module.__dict__[group.weight], module.__dict__[group.bias], None, "none")
+        if activation == "silu_mul" and not isinstance(quant, Int8WeightOnlyLinear):
+            return silu_mul(quant.fused(x))
+        return quant.fused(x, None, activation)
+    return linear_epilogue(x, module.__dict__[group.weight], module.__dict__[group.bias], None, activation)
 
 
 class _FusedWeights:
@@ -263,7 +268,7 @@ class _FusedMLP(_FusedWeights):
             out = super().forward(x)
             return out if residual is None else residual + out
         if _linked(self, GATE_UP):
-            g = silu_mul(_fused_group_linear(self, GATE_UP, x))  # (..., 2F) -> (..., F)
+            g = _fused_group_linear(self, GATE_UP, x, "silu_mul")  # (..., F): silu(gate) * up
         else:
             g = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
         return fused_linear(self.down_proj, g, residual)
