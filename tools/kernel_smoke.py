@@ -67,6 +67,13 @@ def other_kernels():
         ops.linear_epilogue(x, w, b, None, "relu")
         ops.linear_epilogue(x, w, b, r, "none")
         ops.linear_epilogue(x[:1], w, b, r[:1], "none")
+        # the GEMV with silu_mul in its epilogue (gate/up row pairs): one and two n-tiles, a K tail, F = 68 (not a
+        # multiple of a tile's 8 outputs); fp16/bf16 and int8 weights
+        for rows in (1, 11):
+            ops.linear_epilogue(x[:rows], w, b, None, "silu_mul")
+            ops.linear_epilogue(x[:rows], w, None, None, "silu_mul")
+            qi, si = ops.quantize_per_channel(w.float())
+            ops.w8a16_linear(x[:rows], qi, si.view(-1), b, None, "silu_mul")
         # the e4m3 weight GEMV: one and two n-tiles, a K tail (K % 128 != 0), N not a multiple of 16
         wq, ws = ops.quantize_fp8_ref(torch.randn(136, 96, device="cuda"), -1)
         for rows in (1, 11):
