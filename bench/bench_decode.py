@@ -12,7 +12,7 @@ the bytes by ``fuseinfer.harness.metrics.decode_bytes_per_step`` (weights + KV c
 steps), so the figure matches the eval CLI's GB/s for the same settings.
 
 Llama-family decode before / after the GEMV epilogue fusions, in one process: ``--model
-random:meta-llama/Llama-3.2-1B --backends fuseinfer,fuseinfer-unfused`` (``-unfused``: FUSEINFER_GEMV_SILU=0 while
+random:meta-llama/Llama-3.2-1B --backends fuseinfer,fuseinfer-unfused`` (``-unfused``: FUSEINFER_GEMV_EPILOGUES=0 while
 that backend is patched, captured and timed, so gate/up runs the GEMV and then silu_mul as two kernels);
 ``<backend>_over_floor`` is each fuseinfer backend's ms/token over the weight-read floor.
 """
@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--backends", default="eager,hf_static_compile,fuseinfer",
                     help="comma list of eager, hf_static_compile, fuseinfer, fuseinfer-w8a16, fuseinfer-fp8; a "
                          "'-perop' suffix on a fuseinfer backend turns the one-kernel step off, a '-unfused' suffix "
-                         "the GEMV epilogue fusions (FUSEINFER_GEMV_SILU=0: gate/up GEMV, then silu_mul)")
+                         "the GEMV epilogue fusions (FUSEINFER_GEMV_EPILOGUES=0: gate/up GEMV, then silu_mul)")
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     ap.add_argument("--quick", action="store_true", help="batch 1 only, 64 tokens, 3 repeats")
     ap.add_argument("--out", default=None, help="results folder (default: $FUSEINFER_BENCH_DIR or bench/results)")
@@ -97,7 +97,7 @@ def main() -> None:
         for name in args.backends.split(","):
             model = copy.deepcopy(base)
             kind, unfused = name.removesuffix("-unfused"), name.endswith("-unfused")
-            knob = knobs.override(GEMV_SILU="0") if unfused else contextlib.nullcontext()
+            knob = knobs.override(GEMV_EPILOGUES="0") if unfused else contextlib.nullcontext()
             if name == "eager":
                 gen = lambda x, n: model.generate(x, max_new_tokens=n, do_sample=False)  # noqa
             elif name == "hf_static_compile":

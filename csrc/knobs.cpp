@@ -17,7 +17,7 @@ const std::map<std::string, Knob> names = {{"FUSEINFER_PDL", Knob::kPdl},
                                            {"FUSEINFER_GEMM_TUNE", Knob::kGemmTune},
                                            {"FUSEINFER_DECODE_TRACE", Knob::kDecodeTrace},
                                            {"FUSEINFER_W8A8_TILE", Knob::kW8A8Tile},
-                                           {"FUSEINFER_GEMV_SILU", Knob::kGemvSilu}};
+                                           {"FUSEINFER_GEMV_EPILOGUES", Knob::kGemvEpilogues}};
 
 // Sets the knobs named in `v`; an unknown name is an error.
 void set_knobs(const c10::Dict<std::string, int64_t>& v) {

@@ -16,7 +16,7 @@
 //     weight chunks (skinny::HalfWeights). Reading w once is the whole cost.
 // Activation "silu_mul" (the gated MLP's fused gate/up weight w (2F, K), gate rows first): y (M, F) = silu(gate) * up.
 // At decode the GEMV computes it in its epilogue (one kernel, no (M, 2F) intermediate); elsewhere, or with
-// FUSEINFER_GEMV_SILU=0, the linear and then the op fuseinfer_C::silu_mul (silu_mul.cu). Both round alike (gate and
+// FUSEINFER_GEMV_EPILOGUES=0, the linear and then the op fuseinfer_C::silu_mul (silu_mul.cu). Both round alike (gate and
 // up to the dtype, then as silu_mul), so the two agree bit for bit.
 // Both paths allocate nothing but y (and an aligned copy of a misaligned bias; cuBLASLt's workspace is PyTorch's
 // cached per-stream one) and never sync the host, so they can be captured in a CUDA graph.
@@ -274,7 +274,7 @@ at::Tensor linear_epilogue_cuda(
   const at::cuda::CUDAGuard guard(x.device());
   if (silu) {
     if (m > 0 && n > 0 && k > 0 && m <= INT32_MAX && n <= INT32_MAX && k <= INT32_MAX &&
-        knob(Knob::kGemvSilu) != 0 && skinny::supported<skinny::HalfWeights>(x, w, m)) {
+        knob(Knob::kGemvEpilogues) != 0 && skinny::supported<skinny::HalfWeights>(x, w, m)) {
       count_path(Path::kLinearSkinny);
       at::Tensor y = at::empty({m, n / 2}, x.options());
       skinny::run<skinny::HalfWeights>(x, w, nullptr, b, nullptr, false, y, /*silu=*/true);

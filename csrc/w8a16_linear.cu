@@ -10,7 +10,7 @@
 //     the op fuseinfer_C::linear_epilogue (cuBLASLt with its bias / ReLU / residual epilogues) runs on it. Extra
 //     traffic: N K (1 + 2) bytes per call.
 // Activation "silu_mul" (q (2F, K): the gated MLP's gate rows, then its up rows): y (M, F) = silu(gate) * up, in the
-// GEMV's epilogue at decode; elsewhere, or with FUSEINFER_GEMV_SILU=0, this op with no activation and then the op
+// GEMV's epilogue at decode; elsewhere, or with FUSEINFER_GEMV_EPILOGUES=0, this op with no activation and then the op
 // fuseinfer_C::silu_mul, which round alike (the two agree bit for bit).
 // Ops: w8a16_linear, int8_dequantize, int8_path_counts.
 // Nothing syncs the host: both paths can be captured in CUDA graphs.
@@ -135,7 +135,7 @@ at::Tensor w8a16_linear_cuda(const at::Tensor& x, const at::Tensor& qweight, con
 
   const at::cuda::CUDAGuard guard(x.device());
   const bool gemv = m > 0 && n > 0 && k > 0 && skinny::supported<skinny::Int8Weights>(x, qweight, m);
-  if (silu && !(gemv && knob(Knob::kGemvSilu) != 0)) {  // the linear, then silu_mul: (M, 2F) -> (M, F)
+  if (silu && !(gemv && knob(Knob::kGemvEpilogues) != 0)) {  // the linear, then silu_mul: (M, 2F) -> (M, F)
     return silu_mul_op(w8a16_linear_cuda(x, qweight, scale, bias, residual, "none"));
   }
   if (gemv) {

@@ -1,7 +1,7 @@
 """The gated MLP's gate/up linear with ``silu_mul`` as its activation (linear_epilogue and w8a16_linear with
 activation "silu_mul"): the reference against the formula, bad input, gradients, the registration (opcheck), property
 tests against the reference and against the unfused pair (linear, then silu_mul) on every device, and on CUDA the
-decode GEMV's epilogue (one kernel, bit-identical to the pair) and FUSEINFER_GEMV_SILU=0 (the pair)."""
+decode GEMV's epilogue (one kernel, bit-identical to the pair) and FUSEINFER_GEMV_EPILOGUES=0 (the pair)."""
 from __future__ import annotations
 
 import pytest
@@ -219,7 +219,7 @@ def test_gemv_silu_mul_is_one_kernel_equal_to_the_pair(mfk, dtype, fmt, bias):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["half", "int8"])
 def test_knob_off_runs_the_gemv_then_silu_mul(fmt, set_knob):
-    """FUSEINFER_GEMV_SILU=0 (benchmarks: the unfused decode in the same process): two kernels, the same bits."""
+    """FUSEINFER_GEMV_EPILOGUES=0 (benchmarks: the unfused decode in the same process): two kernels, the same bits."""
     x = torch.randn(2, 512, device="cuda", dtype=torch.float16)
     w = torch.randn(2 * 256, 512, device="cuda") * 512 ** -0.5
     if fmt == "int8":
@@ -229,7 +229,7 @@ def test_knob_off_runs_the_gemv_then_silu_mul(fmt, set_knob):
         w = w.half()
         call = lambda: ops.linear_epilogue(x, w, None, None, "silu_mul")  # noqa: E731
     fused = call()
-    set_knob("FUSEINFER_GEMV_SILU", "0")
+    set_knob("FUSEINFER_GEMV_EPILOGUES", "0")
     names = _kernels(call)
     assert len(names) == 2 and "skinny" in names[0] and "silu_mul" in names[1], names
     assert torch.equal(call(), fused)

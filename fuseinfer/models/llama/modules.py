@@ -48,7 +48,7 @@ from fuseinfer.core.quant_config import SmoothQuantW8A8
 from fuseinfer.core.state import LOCK_ATTR, lock_holder
 from fuseinfer.layers import hf_attention
 from fuseinfer.layers.linear import Int8WeightOnlyLinear, fused_linear
-from fuseinfer.ops import add_rms_norm, linear_epilogue, qkv_rope, qkv_rope_append, silu_mul
+from fuseinfer.ops import add_rms_norm, linear_epilogue, linear_rope_append, qkv_rope, qkv_rope_append, silu_mul
 from fuseinfer.ops.attention import KERNEL_GQA, repeat_kv
 from fuseinfer.models.base import FusedWeight
 from fuseinfer.models.llama.layer import decoder_layer
@@ -197,6 +197,17 @@ def _static_cache(cache) -> bool:
                                                                          torch.Tensor)
 
 
+def _qkv_operands(attn: nn.Module):
+    """(weight, scale, bias) of the fused q/k/v projection for ``linear_rope_append``: the fp16/bf16/fp32 fused weight
+    (scale None) or the int8 weight-only one; None for another quantized linear (it runs its own GEMM)."""
+    quant = attn._modules.get(QKV.name)
+    if quant is None:
+        return attn.__dict__[QKV.weight], None, attn.__dict__[QKV.bias]
+    if type(quant) is Int8WeightOnlyLinear:
+        return quant.qweight, quant.scale, quant.bias
+    return None
+
+
 class _FusedAttention(_FusedWeights):
     """The attention with fused q/k/v + rotary (+ static-cache write), fuseinfer's attention and a fused o_proj."""
 
@@ -216,9 +227,19 @@ class _FusedAttention(_FusedWeights):
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         cos, sin = position_embeddings  # (B or 1, S, D)
         if "qkv" in ops and _linked(self, QKV):
-            qkv = fused_linear(self, hidden_states)  # (B, S, (H + 2 Hkv) D); int8 weights when quantized
             cos, sin = cos.expand(b, s, d), sin.expand(b, s, d)
-            if _static_cache(past_key_values):  # rotary, split and cache write in one pass
+            operands = _qkv_operands(self)
+            if _static_cache(past_key_values) and operands is not None:
+                # projection, rotary, split and cache write: one GEMV at decode, the GEMM and one pass else
+                i = self.layer_idx
+                keys, values = past_key_values.keys[i], past_key_values.values[i]
+                slots = past_key_values.write_idx
+                slots = slots if slots.device == hidden_states.device else slots.to(hidden_states.device)
+                q = linear_rope_append(hidden_states, *operands, cos, sin, heads, kv_heads, keys, values,
+                                       slots)  # (B, H, S, D)
+                k, v = keys, values  # (B, Hkv, T, D)
+            elif _static_cache(past_key_values):  # rotary, split and cache write in one pass
+                qkv = fused_linear(self, hidden_states)  # (B, S, (H + 2 Hkv) D); quantized weights
                 i = self.layer_idx
                 keys, values = past_key_values.keys[i], past_key_values.values[i]
                 slots = past_key_values.write_idx
@@ -226,6 +247,7 @@ class _FusedAttention(_FusedWeights):
                 q = qkv_rope_append(qkv, cos, sin, heads, kv_heads, keys, values, slots)  # (B, H, S, D)
                 k, v = keys, values  # (B, Hkv, T, D)
             else:
+                qkv = fused_linear(self, hidden_states)  # (B, S, (H + 2 Hkv) D); int8 weights when quantized
                 q, k, v = qkv_rope(qkv, cos, sin, heads, kv_heads)  # (B, H, S, D), (B, Hkv, S, D) x 2
                 if past_key_values is not None:
                     k, v = past_key_values.update(k, v, self.layer_idx)
