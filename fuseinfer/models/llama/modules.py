@@ -9,7 +9,8 @@ Swaps, by changing the class of the existing modules to subclasses (as the OPT f
 * the attention -> ``Fused<Arch>Attention``: q/k/v as one GEMM over a ((H + 2 Hkv) D, E) tensor whose rows the q/k/v
   weights (and Qwen2's biases) are views of, so no memory is added and ``state_dict`` keeps their names; the split,
   the rotary embedding (the model's own cos / sin tables) and, over fuseinfer's static cache, the cache write in one
-  pass (``qkv_rope`` / ``qkv_rope_append``); transformers' caches (DynamicCache, StaticCache) through their
+  pass (``qkv_rope`` / ``qkv_rope_append``; over the static cache the GEMM and that pass are ``linear_rope_append``,
+  one GEMV at decode); transformers' caches (DynamicCache, StaticCache) through their
   ``update``; attention through the registered ``"fuseinfer"`` implementation (grouped-query k / v as they are);
   o_proj (+ residual) fused;
 * the MLP -> ``Fused<Arch>MLP``: gate and up as one (2F, E) GEMM (the two weights views of it) with ``silu_mul`` as
