@@ -16,8 +16,8 @@
 //     weight chunks (skinny::HalfWeights). Reading w once is the whole cost.
 // Activation "silu_mul" (the gated MLP's fused gate/up weight w (2F, K), gate rows first): y (M, F) = silu(gate) * up.
 // At decode the GEMV computes it in its epilogue (one kernel, no (M, 2F) intermediate); elsewhere, or with
-// FUSEINFER_GEMV_EPILOGUES=0, the linear and then the op fuseinfer_C::silu_mul (silu_mul.cu). Both round alike (gate and
-// up to the dtype, then as silu_mul), so the two agree bit for bit.
+// FUSEINFER_GEMV_EPILOGUES=0, the linear and then the op fuseinfer_C::silu_mul (silu_mul.cu). Both round alike (gate
+// and up to the dtype, then as silu_mul), so the two agree bit for bit.
 // Both paths allocate nothing but y (and an aligned copy of a misaligned bias; cuBLASLt's workspace is PyTorch's
 // cached per-stream one) and never sync the host, so they can be captured in a CUDA graph.
 #include "knobs.h"
