@@ -308,6 +308,35 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p) 
   auto load_bias = [&](int tile, int off = 0) {
     return bias != nullptr && e_index(tile) >= 0 ? to_float(bias[off + tile * kOut + e_row]) : 0.f;
   };
+  // ROPE: the thread's first pair's rotary factors (q / k heads) and cache slot (k / v heads), read after pdl_wait
+  // (earlier kernels write them) but, like the operands above, a tile ahead of its epilogue
+  struct RopeOperands {
+    float c1 = 0.f, c2 = 0.f, s1 = 0.f, s2 = 0.f;
+    int64_t slot = -1;
+  };
+  auto load_rope_at = [&](int token, int head, int d) {  // (token, pair (head, d))'s
+    RopeOperands r;
+    if constexpr (ROPE) {
+      const int half = p.head_dim / 2;
+      if (head < p.heads + p.kv_heads) {
+        const int64_t at = static_cast<int64_t>(token) * p.head_dim + d;
+        const T* cs = static_cast<const T*>(p.cos) + at;
+        const T* sn = static_cast<const T*>(p.sin) + at;
+        r.c1 = to_float(ld_dep_as(cs));
+        r.c2 = to_float(ld_dep_as(cs + half));
+        r.s1 = to_float(ld_dep_as(sn));
+        r.s2 = to_float(ld_dep_as(sn + half));
+      }
+      if (head >= p.heads) r.slot = ld_dep_as(p.slots + (token % p.seq) * p.slots_stride);
+    }
+    return r;
+  };
+  auto load_rope = [&](int tile) {  // the thread's first pair of the tile, if any
+    if (e_index(tile) < 0) return RopeOperands{};
+    const int half = p.head_dim / 2, out = tile * kOut + e_row;
+    const int head = out / half;
+    return load_rope_at(e_token, head, out - head * half);
+  };
   auto load_residual = [&](int tile) {
     const int64_t idx = e_index(tile);
     return residual != nullptr && idx >= 0 ? to_float(residual[idx]) : 0.f;
@@ -338,6 +367,8 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p) 
   load_acts(f0, i0);
   if (i1.tile < tiles) load_acts(f1, i1);
   float e_residual = ROPE ? 0.f : load_residual(i0.tile);
+  RopeOperands e_rope;
+  if constexpr (ROPE) e_rope = load_rope(i0.tile);
 
   // step(cur, ci, oi): multiply `cur` (item ci), reload it with the item after oi (the one in the other fragment),
   // and finish ci's tile if ci was its last item; false once the other fragment holds nothing. The loop alternates
@@ -397,12 +428,11 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p) 
           const T a = from_float<T>(lo), b2 = from_float<T>(hi);
           T y1 = a, y2 = b2;  // v: as stored
           const int64_t s = token % p.seq, b = token / p.seq;
+          const RopeOperands ro = o == threadIdx.x ? e_rope : load_rope_at(token, head, d);
           if (head < p.heads + p.kv_heads) {  // q or k: x cos + rotate_half(x) sin
-            const T* cs = static_cast<const T*>(p.cos) + static_cast<int64_t>(token) * p.head_dim + d;
-            const T* sn = static_cast<const T*>(p.sin) + static_cast<int64_t>(token) * p.head_dim + d;
             const float af = to_float(a), bf = to_float(b2);
-            y1 = from_float<T>(fmaf(af, to_float(ld_dep_as(cs)), -bf * to_float(ld_dep_as(sn))));
-            y2 = from_float<T>(fmaf(bf, to_float(ld_dep_as(cs + half)), af * to_float(ld_dep_as(sn + half))));
+            y1 = from_float<T>(fmaf(af, ro.c1, -bf * ro.s1));
+            y2 = from_float<T>(fmaf(bf, ro.c2, af * ro.s2));
           }
           T* dst;
           if (head < p.heads) {
@@ -410,7 +440,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p) 
           } else {
             const bool is_k = head < p.heads + p.kv_heads;
             const int hk = head - p.heads - (is_k ? 0 : p.kv_heads);
-            const int64_t slot = ld_dep_as(p.slots + s * p.slots_stride);
+            const int64_t slot = ro.slot;
             if (slot < 0 || slot >= p.cache_len) continue;  // skipped, as kv_cache_append does
             T* cache = static_cast<T*>(is_k ? p.k_cache : p.v_cache);
             dst = cache + ((b * p.kv_heads + hk) * p.cache_len + slot) * p.head_dim;
@@ -418,6 +448,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p) 
           dst[d] = y1;
           dst[d + half] = y2;
         }
+        e_rope = load_rope(ci.tile + gridDim.x);
         ci = ni;
         return more;
       }
