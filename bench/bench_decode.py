@@ -10,10 +10,16 @@ Derived: floor = weight bytes / measured copy bandwidth (issue 5's definition), 
 KV cache included, / copy bandwidth (the KV cache outweighs the weights at batch 32); achieved GB/s = bytes read per decode step / ms-per-token,
 the bytes by ``fuseinfer.harness.metrics.decode_bytes_per_step`` (weights + KV cache at the mean context of the N timed
 steps), so the figure matches the eval CLI's GB/s for the same settings.
+
+Llama-family decode before / after the GEMV epilogue fusions, in one process: ``--model
+random:meta-llama/Llama-3.2-1B --backends fuseinfer,fuseinfer-unfused`` (``-unfused``: FUSEINFER_GEMV_EPILOGUES=0 while
+that backend is patched, captured and timed, so gate/up runs the GEMV and then silu_mul as two kernels);
+``<backend>_over_floor`` is each fuseinfer backend's ms/token over the weight-read floor.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import sys
@@ -22,9 +28,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 from common import measure_ceilings, percentile_stats, wall_ms, write_results  # noqa: E402
 
 import fuseinfer  # noqa: E402
+from fuseinfer.core import knobs  # noqa: E402
 from fuseinfer.harness.metrics import decode_bytes_per_step  # noqa: E402
 from fuseinfer.harness.models import load_config, load_model, model_stats, resolve_model  # noqa: E402
 
@@ -62,10 +70,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--backends", default="eager,hf_static_compile,fuseinfer",
                     help="comma list of eager, hf_static_compile, fuseinfer, fuseinfer-w8a16, fuseinfer-fp8; a "
-                         "'-perop' suffix on a fuseinfer backend turns the one-kernel step off")
+                         "'-perop' suffix on a fuseinfer backend turns the one-kernel step off, a '-unfused' suffix "
+                         "the GEMV epilogue fusions (FUSEINFER_GEMV_EPILOGUES=0: gate/up GEMV, then silu_mul)")
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     ap.add_argument("--quick", action="store_true", help="batch 1 only, 64 tokens, 3 repeats")
+    ap.add_argument("--out", default=None, help="results folder (default: $FUSEINFER_BENCH_DIR or bench/results)")
     args = ap.parse_args()
+    if args.out:
+        common.RESULTS_DIR = Path(args.out)
     if args.quick:
         args.batches, args.new_tokens, args.repeats = "1", 64, 3
     ceilings = measure_ceilings()
@@ -84,27 +96,32 @@ def main() -> None:
                "floor_kv_ms": step_bytes / (ceilings["copy_GBps"] * 1e9) * 1e3}
         for name in args.backends.split(","):
             model = copy.deepcopy(base)
+            kind, unfused = name.removesuffix("-unfused"), name.endswith("-unfused")
+            knob = knobs.override(GEMV_EPILOGUES="0") if unfused else contextlib.nullcontext()
             if name == "eager":
                 gen = lambda x, n: model.generate(x, max_new_tokens=n, do_sample=False)  # noqa
             elif name == "hf_static_compile":
                 gen = lambda x, n: model.generate(x, max_new_tokens=n, do_sample=False,  # noqa
                                                   cache_implementation="static")
-            elif name.removesuffix("-perop") in SCHEMES:
-                quant = SCHEMES[name.removesuffix("-perop")]
-                runtime = fuseinfer.RuntimeConfig(decode_kernel="off" if name.endswith("-perop") else "auto")
+            elif kind.removesuffix("-perop") in SCHEMES:
+                quant = SCHEMES[kind.removesuffix("-perop")]
+                runtime = fuseinfer.RuntimeConfig(decode_kernel="off" if kind.endswith("-perop") else "auto")
                 fuseinfer.patch(model, fuseinfer.PatchConfig(quant=quant() if quant else None, runtime=runtime))
                 gen = lambda x, n: fuseinfer.generate(model, x, max_new_tokens=n)  # noqa: E731
                 if quant is not None:  # the weight-read floor with the 8-bit weights (1 byte instead of 2)
                     eight_bit = weight_bytes - eight_bit_elements(model)
                     row["floor_8bit_ms"] = eight_bit / (ceilings["copy_GBps"] * 1e9) * 1e3
             else:
-                ap.error(f"unknown backend {name!r} (eager, hf_static_compile, {', '.join(SCHEMES)}; '-perop')")
-            with torch.no_grad():
+                ap.error(f"unknown backend {name!r} (eager, hf_static_compile, {', '.join(SCHEMES)}; '-perop', "
+                         "'-unfused')")
+            with torch.no_grad(), knob:  # (the knob holds while the backend's CUDA graphs are captured)
                 t = ms_per_token(gen, ids, args.new_tokens, args.repeats)
             ms = t["median_ms"]
             row[name] = t
             row[f"{name}_ms"], row[f"{name}_spread_ms"] = ms, f"{t['p10_ms']:.4g}-{t['p90_ms']:.4g}"
             row[f"{name}_GBps"] = step_bytes / (ms * 1e-3) / 1e9
+            if name.startswith("fuseinfer"):
+                row[f"{name}_over_floor"] = ms / floor_ms
             print(f"batch {batch}: {name} {ms:.3f} ms/token (p10-p90 {row[f'{name}_spread_ms']})", flush=True)
             model = gen = None  # the copy and its caches go before the next backend
             gc.collect()
@@ -120,6 +137,7 @@ def main() -> None:
         rows.append(row)
     cols = ["batch", "context", "floor_ms", "floor_kv_ms", *[c for c in ("floor_8bit_ms",) if c in rows[0]],
             *[c for c in rows[0] if c.endswith("_ms") and not c.startswith("floor")],
+            *[c for c in rows[0] if c.endswith("_over_floor") and c != "fuseinfer_over_floor"],
             *[c for c in ("fuseinfer_over_floor", "fuseinfer_over_floor_kv", "fuseinfer_GBps", "fuseinfer_pct_copy",
                           "fuseinfer_tok_s",
                           "speedup_vs_eager", "speedup_vs_hf_static_compile") if c in rows[0]]]

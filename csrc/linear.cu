@@ -14,6 +14,10 @@
 //     a later eager call tunes), the heuristic's first choice.
 //   * fp16/bf16 with M <= 16 (decode): the weight-streaming tensor-core kernel of skinny_gemv.cuh with fp16/bf16
 //     weight chunks (skinny::HalfWeights). Reading w once is the whole cost.
+// Activation "silu_mul" (the gated MLP's fused gate/up weight w (2F, K), gate rows first): y (M, F) = silu(gate) * up.
+// At decode the GEMV computes it in its epilogue (one kernel, no (M, 2F) intermediate); elsewhere, or with
+// FUSEINFER_GEMV_EPILOGUES=0, the linear and then the op fuseinfer_C::silu_mul (silu_mul.cu). Both round alike (gate
+// and up to the dtype, then as silu_mul), so the two agree bit for bit.
 // Both paths allocate nothing but y (and an aligned copy of a misaligned bias; cuBLASLt's workspace is PyTorch's
 // cached per-stream one) and never sync the host, so they can be captured in a CUDA graph.
 #include "knobs.h"
@@ -21,6 +25,7 @@
 #include "skinny_gemv.cuh"
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAException.h>
@@ -224,17 +229,26 @@ const at::Tensor* defined_or_null(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? &*t : nullptr;
 }
 
+// The op fuseinfer_C::silu_mul (silu_mul.cu), called through the dispatcher: (..., 2F) -> (..., F).
+at::Tensor silu_mul_op(const at::Tensor& gate_up) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fuseinfer_C::silu_mul", "")
+                             .typed<at::Tensor(const at::Tensor&)>();
+  return op.call(gate_up);
+}
+
 }  // namespace
 
 at::Tensor linear_epilogue_cuda(
     const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
     const c10::optional<at::Tensor>& residual, const std::string& activation) {
-  TORCH_CHECK(activation == "none" || activation == "relu",
-              "linear_epilogue: activation must be 'none' or 'relu', got '", activation, "'");
+  TORCH_CHECK(activation == "none" || activation == "relu" || activation == "silu_mul",
+              "linear_epilogue: activation must be 'none', 'relu' or 'silu_mul', got '", activation, "'");
   const bool relu = activation == "relu";
+  const bool silu = activation == "silu_mul";
   const at::Tensor* b = defined_or_null(bias);
   const at::Tensor* r = defined_or_null(residual);
-  TORCH_CHECK(!(relu && r), "linear_epilogue: relu cannot be combined with a residual");
+  TORCH_CHECK(!((relu || silu) && r), "linear_epilogue: an activation cannot be combined with a residual");
   TORCH_CHECK(x.is_cuda() && w.device() == x.device(), "linear_epilogue: x and w must be on one CUDA device");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "linear_epilogue: x must be (M, K) and w (N, K), got ", x.sizes(), " and ", w.sizes());
@@ -254,7 +268,20 @@ at::Tensor linear_epilogue_cuda(
                 "linear_epilogue: residual must be contiguous (M, N)");
   }
 
+  TORCH_CHECK(!silu || n % 2 == 0, "linear_epilogue: silu_mul needs an even number of weight rows (gate, up), got ",
+              n);
+
   const at::cuda::CUDAGuard guard(x.device());
+  if (silu) {
+    if (m > 0 && n > 0 && k > 0 && m <= INT32_MAX && n <= INT32_MAX && k <= INT32_MAX &&
+        knob(Knob::kGemvEpilogues) != 0 && skinny::supported<skinny::HalfWeights>(x, w, m)) {
+      count_path(Path::kLinearSkinny);
+      at::Tensor y = at::empty({m, n / 2}, x.options());
+      skinny::run<skinny::HalfWeights>(x, w, nullptr, b, nullptr, false, y, /*silu=*/true);
+      return y;
+    }
+    return silu_mul_op(linear_epilogue_cuda(x, w, bias, residual, "none"));  // (M, 2F) -> (M, F)
+  }
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
   if (k == 0) {  // empty product: only the epilogue remains

@@ -3,7 +3,17 @@
 //
 //   y (M, N) = act(scale[n] * (x (M, K) @ w (N, K)^T) + bias[n] + residual[m, n]),  M <= 16, one store of y,
 //
-// with `scale` only for int8 weights. A persistent grid (one wave: as many blocks as fit on the GPU, at most one per
+// with `scale` only for int8 weights; or, with SILU (the gated MLP's gate/up projection, activation "silu_mul"),
+//
+//   y (M, F) = silu(gate) * up,  gate = scale[f] * (x @ w[f]^T) + bias[f],  up = the same of row F + f,
+//
+// for w (2F, K) holding the gate rows then the up rows (the Llama family's fused gate_up weight, as stored): a tile's
+// 16 mma rows are then 8 gate rows and the 8 up rows of the same outputs (rows g and g + 8 of the lane, below), so
+// both halves of an output meet in one block's epilogue, with no reordering of the weight. Or, with ROPE (the fused
+// q/k/v projection at decode, w ((H + 2 Hkv) D, K)), the rotary embedding and the k / v cache write of
+// rope.cu's qkv_rope_append in the epilogue: a tile's rows are dims d .. d + 7 of one head and the dims d + D/2 ..
+// that rotate_half pairs with them (D % 16 == 0, so a tile stays within a head); q goes to q (B, H, S, D), k and v to
+// the caches at slots[s]. A persistent grid (one wave: as many blocks as fit on the GPU, at most one per
 // 16-row tile of w) walks the tiles; a block's warps split K and stream the tile with 16-byte L1-bypassing loads,
 // always two k-blocks (of this or the next tile) in flight while multiplying the one before by all M tokens of x
 // with mma.sync m16n8k16 (fp32 accumulate). At each tile's end the warps' partial sums meet in shared memory and the
@@ -50,11 +60,23 @@ struct Params {
   const void* w;         // (N, K), T or int8
   const float* scale;    // (N,) for int8 weights, else unused
   const void* bias;      // (N,) T or null
-  const void* residual;  // (M, N) T or null
+  const void* residual;  // (M, N) T or null (always null with SILU)
   void* y;               // (M, N) T
-  int m, n, k;
+  int m, n, k;           // with SILU: n = F outputs; w, scale and bias have 2F rows; ROPE: n = (H + 2 Hkv) D / 2
   bool relu;
+  // ROPE only (m = B S tokens, token = b S + s): the rotary tables (B, S, D) in T, q (B, H, S, D), the caches
+  // (B, Hkv, T, D) and their slots (S,) (stride slots_stride; a slot outside [0, T) is skipped)
+  const void* cos = nullptr;
+  const void* sin = nullptr;
+  void* q = nullptr;
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  const int64_t* slots = nullptr;
+  int64_t slots_stride = 0;
+  int seq = 0, cache_len = 0, heads = 0, kv_heads = 0, head_dim = 0;
 };
+
+enum Epilogue : int { kPlain = 0, kSiluMul = 1, kRope = 2 };
 
 // Streaming 16-byte load of w, which is read exactly once: bypass L1 (x, reused by every block, keeps it) and
 // have L2 fetch 256 aligned bytes per miss from HBM. A coherent load, not ld.global.nc: ptxas treats .nc data as
@@ -206,12 +228,19 @@ using Fp8Weights = ByteWeights<true>;
 // per tile suffices), sync, and run the tile's epilogue while the next tile's first k-blocks are in flight.
 // Rows >= N and tokens >= M read the last valid row instead: an mma output (i, j) depends only on row i of A and
 // column j of B, so those reads only feed accumulators that are never stored.
-template <class W, typename T, int NT, bool TAIL>
+// SILU: tile i covers outputs 8i .. 8i + 7; its mma rows r < 8 are gate rows 8i + r and rows r >= 8 the up rows
+// F + 8i + r - 8. The tile count, ceil(F / 8), equals that of the plain GEMV over the 2F rows, so the launch (warps,
+// grid) and every row's k order and warp split are the plain GEMV's: gate and up come out bit-identical to
+// linear_epilogue's, and rounding them to T before silu * up (as silu_mul.cu does) gives linear + silu_mul's bits.
+// ROPE: the same pairing, tile i covering pairs 8i .. 8i + 7 of (head, d < D/2): rows head D + d and head D + D/2 + d.
+template <class W, typename T, int NT, bool TAIL, int EPI = kPlain>
 __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p) {
+  constexpr bool SILU = EPI == kSiluMul, ROPE = EPI == kRope;
   constexpr int U = W::template unroll<NT>();
   constexpr int XC = W::kChunkElems / 8;  // 16-byte chunks of x per weight chunk
   constexpr int kChunksPerBlock = 4 * U;  // 16-byte weight chunks per row in a k-block
   constexpr int kTokens = 8 * NT;
+  constexpr int kOut = SILU || ROPE ? kRows / 2 : kRows;  // outputs (row pairs) per tile
   using F = Frag<NT, U, XC>;
   __shared__ float partial[2][kMaxWarps][kRows][kTokens + 1];  // +1: fewer bank conflicts
 
@@ -222,7 +251,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p) 
   const int t = lane & 3;
   const int chunks = p.k / W::kChunkElems;  // 16-byte weight chunks per row
   const int k_blocks = (chunks + kChunksPerBlock - 1) / kChunksPerBlock;  // TAIL <=> chunks % kChunksPerBlock
-  const int tiles = (p.n + kRows - 1) / kRows;
+  const int tiles = (p.n + kOut - 1) / kOut;
 
   const uint4* w = reinterpret_cast<const uint4*>(p.w);
   const uint4* xs[NT];
@@ -249,6 +278,15 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p) 
     return i;
   };
   auto w_row = [&](int tile, int r) {  // the lane's rows r of tile `tile`
+    if constexpr (SILU) {  // r < 8: gate row of output 8 tile + r; r >= 8: the up row of output 8 tile + r - 8
+      const int out = min(tile * kOut + (r & (kOut - 1)), p.n - 1);
+      return w + static_cast<int64_t>(r >= kOut ? p.n + out : out) * chunks;
+    }
+    if constexpr (ROPE) {  // pair `out` = (head, d): r < 8 row head D + d, r >= 8 row head D + D/2 + d
+      const int out = min(tile * kOut + (r & (kOut - 1)), p.n - 1), half = p.head_dim / 2;
+      const int head = out / half, d = out - head * half;
+      return w + static_cast<int64_t>(head * p.head_dim + d + (r >= kOut ? half : 0)) * chunks;
+    }
     return w + static_cast<int64_t>(min(tile * kRows + r, p.n - 1)) * chunks;
   };
   auto load_weights = [&](F& f, Item i) {
@@ -256,16 +294,48 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p) 
   };
   auto load_acts = [&](F& f, Item i) { load_x<NT, U, XC, TAIL>(f, xs, i.kb * kChunksPerBlock + t, chunks); };
 
-  // The epilogue operands of the thread's first output of a tile (row threadIdx.x % 16, token threadIdx.x / 16),
-  // requested a tile ahead so that the epilogue, which ends the kernel, does not wait for a round trip to memory.
-  const int e_row = threadIdx.x % kRows, e_token = threadIdx.x / kRows;
+  // The epilogue operands of the thread's first output of a tile (row threadIdx.x % kOut, token
+  // threadIdx.x / kOut), requested a tile ahead so that the epilogue, which ends the kernel, does not wait for a
+  // round trip to memory. `off`: 0, or (SILU) p.n for the output's up row.
+  const int e_row = threadIdx.x % kOut, e_token = threadIdx.x / kOut;
   auto e_index = [&](int tile) -> int64_t {  // -1: no such output
-    const int n = tile * kRows + e_row;
+    const int n = tile * kOut + e_row;
     return tile < tiles && e_token < p.m && n < p.n ? static_cast<int64_t>(e_token) * p.n + n : -1;
   };
-  auto load_scale = [&](int tile) { return e_index(tile) >= 0 ? p.scale[tile * kRows + e_row] : 0.f; };
-  auto load_bias = [&](int tile) {
-    return bias != nullptr && e_index(tile) >= 0 ? to_float(bias[tile * kRows + e_row]) : 0.f;
+  auto load_scale = [&](int tile, int off = 0) {
+    return e_index(tile) >= 0 ? p.scale[off + tile * kOut + e_row] : 0.f;
+  };
+  auto load_bias = [&](int tile, int off = 0) {
+    return bias != nullptr && e_index(tile) >= 0 ? to_float(bias[off + tile * kOut + e_row]) : 0.f;
+  };
+  // ROPE: the thread's first pair's rotary factors (q / k heads) and cache slot (k / v heads), read after pdl_wait
+  // (earlier kernels write them) but, like the operands above, a tile ahead of its epilogue
+  struct RopeOperands {
+    float c1 = 0.f, c2 = 0.f, s1 = 0.f, s2 = 0.f;
+    int64_t slot = -1;
+  };
+  auto load_rope_at = [&](int token, int head, int d) {  // (token, pair (head, d))'s
+    RopeOperands r;
+    if constexpr (ROPE) {
+      const int half = p.head_dim / 2;
+      if (head < p.heads + p.kv_heads) {
+        const int64_t at = static_cast<int64_t>(token) * p.head_dim + d;
+        const T* cs = static_cast<const T*>(p.cos) + at;
+        const T* sn = static_cast<const T*>(p.sin) + at;
+        r.c1 = to_float(ld_dep_as(cs));
+        r.c2 = to_float(ld_dep_as(cs + half));
+        r.s1 = to_float(ld_dep_as(sn));
+        r.s2 = to_float(ld_dep_as(sn + half));
+      }
+      if (head >= p.heads) r.slot = ld_dep_as(p.slots + (token % p.seq) * p.slots_stride);
+    }
+    return r;
+  };
+  auto load_rope = [&](int tile) {  // the thread's first pair of the tile, if any
+    if (e_index(tile) < 0) return RopeOperands{};
+    const int half = p.head_dim / 2, out = tile * kOut + e_row;
+    const int head = out / half;
+    return load_rope_at(e_token, head, out - head * half);
   };
   auto load_residual = [&](int tile) {
     const int64_t idx = e_index(tile);
@@ -286,13 +356,19 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p) 
   Item i1 = after(i0);
   load_weights(f0, i0);
   if (i1.tile < tiles) load_weights(f1, i1);
-  float e_scale = 0.f;
-  if constexpr (W::kScaled) e_scale = load_scale(i0.tile);
-  float e_bias = load_bias(i0.tile);
+  float e_scale = 0.f, e_scale_up = 0.f, e_bias_up = 0.f;  // (_up: SILU's up rows)
+  if constexpr (W::kScaled && !ROPE) e_scale = load_scale(i0.tile);
+  float e_bias = ROPE ? 0.f : load_bias(i0.tile);
+  if constexpr (SILU) {
+    if constexpr (W::kScaled) e_scale_up = load_scale(i0.tile, p.n);
+    e_bias_up = load_bias(i0.tile, p.n);
+  }
   pdl_wait();
   load_acts(f0, i0);
   if (i1.tile < tiles) load_acts(f1, i1);
-  float e_residual = load_residual(i0.tile);
+  float e_residual = ROPE ? 0.f : load_residual(i0.tile);
+  RopeOperands e_rope;
+  if constexpr (ROPE) e_rope = load_rope(i0.tile);
 
   // step(cur, ci, oi): multiply `cur` (item ci), reload it with the item after oi (the one in the other fragment),
   // and finish ci's tile if ci was its last item; false once the other fragment holds nothing. The loop alternates
@@ -322,7 +398,102 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p) 
 
       // Epilogue: thread o sums output (row o % 16, token o / 16) over the warps, then scales it (int8 weights),
       // adds bias and residual, (ReLU) and rounds once; 16 consecutive threads store 16 consecutive outputs of one
-      // token.
+      // token. SILU: output (row o % 8, token o / 8) from gate row o % 8 and up row o % 8 + 8, each scaled, biased
+      // and rounded to T as the GEMV would store it, then silu and the product rounded as silu_mul.cu does.
+      if constexpr (ROPE) {
+        // Epilogue: thread o finishes pair (o % 8, token o / 8): both rows summed over the warps, scaled, biased
+        // and rounded to T as the GEMV would store them, then rotated as rope.cu does (fp32, one rounding) for q and
+        // k heads, and stored where qkv_rope_append stores them. cos, sin and slots come from earlier kernels
+        // (after pdl_wait above; coherent loads).
+        const int half = p.head_dim / 2;
+        for (int o = threadIdx.x; o < kOut * kTokens; o += blockDim.x) {
+          const int row = o % kOut;
+          const int token = o / kOut;
+          const int out = ci.tile * kOut + row;
+          if (token >= p.m || out >= p.n) continue;
+          const int head = out / half, d = out - head * half;
+          const int r_lo = head * p.head_dim + d, r_hi = r_lo + half;
+          float lo = 0.f, hi = 0.f;
+          for (int v = 0; v < warps; ++v) {
+            lo += part[v][row][token];
+            hi += part[v][row + kOut][token];
+          }
+          if constexpr (W::kScaled) {
+            lo = lo * p.scale[r_lo] + (bias ? to_float(bias[r_lo]) : 0.f);
+            hi = hi * p.scale[r_hi] + (bias ? to_float(bias[r_hi]) : 0.f);
+          } else if (bias) {
+            lo += to_float(bias[r_lo]);
+            hi += to_float(bias[r_hi]);
+          }
+          const T a = from_float<T>(lo), b2 = from_float<T>(hi);
+          T y1 = a, y2 = b2;  // v: as stored
+          const int64_t s = token % p.seq, b = token / p.seq;
+          const RopeOperands ro = o == threadIdx.x ? e_rope : load_rope_at(token, head, d);
+          if (head < p.heads + p.kv_heads) {  // q or k: x cos + rotate_half(x) sin
+            const float af = to_float(a), bf = to_float(b2);
+            y1 = from_float<T>(fmaf(af, ro.c1, -bf * ro.s1));
+            y2 = from_float<T>(fmaf(bf, ro.c2, af * ro.s2));
+          }
+          T* dst;
+          if (head < p.heads) {
+            dst = static_cast<T*>(p.q) + ((b * p.heads + head) * p.seq + s) * p.head_dim;
+          } else {
+            const bool is_k = head < p.heads + p.kv_heads;
+            const int hk = head - p.heads - (is_k ? 0 : p.kv_heads);
+            const int64_t slot = ro.slot;
+            if (slot < 0 || slot >= p.cache_len) continue;  // skipped, as kv_cache_append does
+            T* cache = static_cast<T*>(is_k ? p.k_cache : p.v_cache);
+            dst = cache + ((b * p.kv_heads + hk) * p.cache_len + slot) * p.head_dim;
+          }
+          dst[d] = y1;
+          dst[d + half] = y2;
+        }
+        e_rope = load_rope(ci.tile + gridDim.x);
+        ci = ni;
+        return more;
+      }
+      if constexpr (SILU) {
+        const int n0 = ci.tile * kOut;
+        for (int o = threadIdx.x; o < kOut * kTokens; o += blockDim.x) {
+          const int row = o % kOut;
+          const int token = o / kOut;
+          const int n = n0 + row;
+          if (token >= p.m || n >= p.n) continue;
+          float s = 0.f, u = 0.f;
+          for (int v = 0; v < warps; ++v) {
+            s += part[v][row][token];
+            u += part[v][row + kOut][token];
+          }
+          float sg = 1.f, su = 1.f, bg = 0.f, bu = 0.f;  // scale and bias of the gate and the up row
+          if (o == threadIdx.x) {  // the prefetched operands (0 where there are none)
+            if constexpr (W::kScaled) sg = e_scale, su = e_scale_up;
+            bg = e_bias, bu = e_bias_up;
+          } else {
+            if constexpr (W::kScaled) sg = p.scale[n], su = p.scale[p.n + n];
+            if (bias) bg = to_float(bias[n]), bu = to_float(bias[p.n + n]);
+          }
+          float gate, up;
+          if constexpr (W::kScaled) {
+            gate = s * sg + bg;
+            up = u * su + bu;
+          } else {
+            gate = s + bg;
+            up = u + bu;
+          }
+          gate = to_float(from_float<T>(gate));
+          up = to_float(from_float<T>(up));
+          const float act = to_float(from_float<T>(gate / (1.f + expf(-gate))));
+          y[static_cast<int64_t>(token) * p.n + n] = from_float<T>(act * up);
+        }
+        if constexpr (W::kScaled) {
+          e_scale = load_scale(ci.tile + gridDim.x);
+          e_scale_up = load_scale(ci.tile + gridDim.x, p.n);
+        }
+        e_bias = load_bias(ci.tile + gridDim.x);
+        e_bias_up = load_bias(ci.tile + gridDim.x, p.n);
+        ci = ni;
+        return more;
+      }
       const int n0 = ci.tile * kRows;
       for (int o = threadIdx.x; o < kRows * kTokens; o += blockDim.x) {
         const int row = o % kRows;
@@ -369,46 +540,48 @@ bool supported(const at::Tensor& x, const at::Tensor& w, int64_t m) {
          at::cuda::getCurrentDeviceProperties()->major >= 8;
 }
 
-template <class W, typename T, int NT, bool TAIL>
+template <class W, typename T, int NT, bool TAIL, int EPI>
 void launch(const Params& p, cudaStream_t stream) {
   constexpr int kElemsPerBlock = 4 * W::kChunkElems * W::template unroll<NT>();
-  const int tiles = (p.n + kRows - 1) / kRows;
+  constexpr int kOut = EPI == kPlain ? kRows : kRows / 2;
+  const int tiles = (p.n + kOut - 1) / kOut;
   const int k_blocks = (p.k + kElemsPerBlock - 1) / kElemsPerBlock;
   // 16 warps per block (one block per SM: 127 registers for fp16 weights and NT = 1, 101 for NT = 2) while there
   // are fewer tiles than two per SM, else 8 (two blocks per SM, each with its own barrier); never more warps than
   // k-blocks. The grid is one wave, capped at one block per tile.
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int warps = std::max(1, std::min(tiles < 2 * sms ? kMaxWarps : 8, k_blocks));
-  const auto kernel = skinny_kernel<W, T, NT, TAIL>;
+  const auto kernel = skinny_kernel<W, T, NT, TAIL, EPI>;
   const int resident = sms * blocks_per_sm(reinterpret_cast<const void*>(kernel), 32 * warps);
   launch_kernel(kernel, std::min(tiles, resident), 32 * warps, 0, stream, p);
 }
 
-template <class W, typename T, int NT>
+template <class W, typename T, int NT, int EPI>
 void launch(const Params& p, cudaStream_t stream) {
   if ((p.k / W::kChunkElems) % (4 * W::template unroll<NT>()) != 0) {
-    launch<W, T, NT, true>(p, stream);
+    launch<W, T, NT, true, EPI>(p, stream);
   } else {
-    launch<W, T, NT, false>(p, stream);
+    launch<W, T, NT, false, EPI>(p, stream);
   }
 }
 
 // Launches the kernel for T = __half or __nv_bfloat16 (one n-tile up to 8 tokens, else two).
-template <class W, typename T>
+template <class W, typename T, int EPI>
 void launch(const Params& p, cudaStream_t stream) {
   if (p.m <= 8) {
-    launch<W, T, 1>(p, stream);
+    launch<W, T, 1, EPI>(p, stream);
   } else {
-    launch<W, T, 2>(p, stream);
+    launch<W, T, 2, EPI>(p, stream);
   }
 }
 
 // y (M, N) = act(scale * (x @ w^T) + bias + residual) on the current stream, for operands that supported<W>()
 // accepts and the entry point has checked (scale: (N,) fp32 for int8 weights, else null; bias, residual: x's dtype,
-// or null; y preallocated, contiguous).
+// or null; y preallocated, contiguous). silu: y (M, F) = silu(gate) * up of w (2F, K) (gate rows, then up rows;
+// scale and bias (2F,)), no residual.
 template <class W>
 void run(const at::Tensor& x, const at::Tensor& w, const float* scale, const at::Tensor* bias,
-         const at::Tensor* residual, bool relu, at::Tensor& y) {
+         const at::Tensor* residual, bool relu, at::Tensor& y, bool silu = false) {
   Params p;
   p.x = x.data_ptr();
   p.w = w.data_ptr();
@@ -417,14 +590,60 @@ void run(const at::Tensor& x, const at::Tensor& w, const float* scale, const at:
   p.residual = residual ? residual->data_ptr() : nullptr;
   p.y = y.data_ptr();
   p.m = static_cast<int>(x.size(0));
-  p.n = static_cast<int>(w.size(0));
+  p.n = static_cast<int>(y.size(1));  // w's rows, or half of them (silu)
   p.k = static_cast<int>(x.size(1));
   p.relu = relu;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (x.scalar_type() == at::kHalf) {
-    launch<W, __half>(p, stream);
+  if (silu) {
+    TORCH_CHECK(residual == nullptr && !relu && w.size(0) == 2 * y.size(1), "skinny GEMV: bad silu_mul operands");
+    if (x.scalar_type() == at::kHalf) {
+      launch<W, __half, kSiluMul>(p, stream);
+    } else {
+      launch<W, __nv_bfloat16, kSiluMul>(p, stream);
+    }
+  } else if (x.scalar_type() == at::kHalf) {
+    launch<W, __half, kPlain>(p, stream);
   } else {
-    launch<W, __nv_bfloat16>(p, stream);
+    launch<W, __nv_bfloat16, kPlain>(p, stream);
+  }
+}
+
+// q (B, H, S, D) = the rotated q heads of x (B S, K) @ w^T (w ((H + 2 Hkv) D, K)), with the rotated k and the v heads
+// written into k_cache / v_cache (B, Hkv, T, D) at slots (S,): linear (+ scale, bias) and qkv_rope_append in one
+// kernel, for operands that supported<W>() accepts with head_dim % 16 == 0 and that the entry point has checked
+// (cos, sin (B, S, D) contiguous in x's dtype; q, the caches contiguous; slots int64).
+template <class W>
+void run_rope(const at::Tensor& x, const at::Tensor& w, const float* scale, const at::Tensor* bias,
+              const at::Tensor& cos, const at::Tensor& sin, int64_t seq, int64_t heads, int64_t kv_heads,
+              at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+  Params p;
+  p.x = x.data_ptr();
+  p.w = w.data_ptr();
+  p.scale = scale;
+  p.bias = bias ? bias->data_ptr() : nullptr;
+  p.residual = nullptr;
+  p.y = nullptr;
+  p.m = static_cast<int>(x.size(0));
+  p.n = static_cast<int>(w.size(0) / 2);  // row pairs
+  p.k = static_cast<int>(x.size(1));
+  p.relu = false;
+  p.cos = cos.data_ptr();
+  p.sin = sin.data_ptr();
+  p.q = q.data_ptr();
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.slots = slots.data_ptr<int64_t>();
+  p.slots_stride = slots.stride(0);
+  p.seq = static_cast<int>(seq);
+  p.cache_len = static_cast<int>(k_cache.size(2));
+  p.heads = static_cast<int>(heads);
+  p.kv_heads = static_cast<int>(kv_heads);
+  p.head_dim = static_cast<int>(q.size(3));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (x.scalar_type() == at::kHalf) {
+    launch<W, __half, kRope>(p, stream);
+  } else {
+    launch<W, __nv_bfloat16, kRope>(p, stream);
   }
 }
 #endif

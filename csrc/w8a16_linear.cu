@@ -9,9 +9,13 @@
 //     scratch (N, K) tensor from PyTorch's caching allocator (the same block serves every layer of a size class) and
 //     the op fuseinfer_C::linear_epilogue (cuBLASLt with its bias / ReLU / residual epilogues) runs on it. Extra
 //     traffic: N K (1 + 2) bytes per call.
+// Activation "silu_mul" (q (2F, K): the gated MLP's gate rows, then its up rows): y (M, F) = silu(gate) * up, in the
+// GEMV's epilogue at decode; elsewhere, or with FUSEINFER_GEMV_EPILOGUES=0, this op with no activation and then the op
+// fuseinfer_C::silu_mul, which round alike (the two agree bit for bit).
 // Ops: w8a16_linear, int8_dequantize, int8_path_counts.
 // Nothing syncs the host: both paths can be captured in CUDA graphs.
 #include "int8_convert.cuh"
+#include "knobs.h"
 #include "skinny_gemv.cuh"
 
 #include <ATen/core/Dict.h>
@@ -63,6 +67,14 @@ at::Tensor linear_epilogue(const at::Tensor& x, const at::Tensor& w, const c10::
   return op.call(x, w, bias, residual, activation);
 }
 
+// The op fuseinfer_C::silu_mul (silu_mul.cu), called through the dispatcher: (..., 2F) -> (..., F).
+at::Tensor silu_mul_op(const at::Tensor& gate_up) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fuseinfer_C::silu_mul", "")
+                             .typed<at::Tensor(const at::Tensor&)>();
+  return op.call(gate_up);
+}
+
 }  // namespace
 
 at::Tensor int8_dequantize_cuda(const at::Tensor& qweight, const at::Tensor& scale, at::ScalarType dtype) {
@@ -90,12 +102,13 @@ at::Tensor int8_dequantize_cuda(const at::Tensor& qweight, const at::Tensor& sca
 at::Tensor w8a16_linear_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                              const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
                              const std::string& activation) {
-  TORCH_CHECK(activation == "none" || activation == "relu",
-              "w8a16_linear: activation must be 'none' or 'relu', got '", activation, "'");
+  TORCH_CHECK(activation == "none" || activation == "relu" || activation == "silu_mul",
+              "w8a16_linear: activation must be 'none', 'relu' or 'silu_mul', got '", activation, "'");
   const bool relu = activation == "relu";
+  const bool silu = activation == "silu_mul";
   const at::Tensor* b = defined_or_null(bias);
   const at::Tensor* r = defined_or_null(residual);
-  TORCH_CHECK(!(relu && r), "w8a16_linear: relu cannot be combined with a residual");
+  TORCH_CHECK(!((relu || silu) && r), "w8a16_linear: an activation cannot be combined with a residual");
   TORCH_CHECK(x.is_cuda() && qweight.device() == x.device() && scale.device() == x.device(),
               "w8a16_linear: x, qweight and scale must be on one CUDA device");
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && x.size(1) == qweight.size(1),
@@ -118,12 +131,17 @@ at::Tensor w8a16_linear_cuda(const at::Tensor& x, const at::Tensor& qweight, con
                 "w8a16_linear: residual must be contiguous (M, N)");
   }
   TORCH_CHECK(m <= INT32_MAX && n <= INT32_MAX && k <= INT32_MAX, "w8a16_linear: dimension too large");
+  TORCH_CHECK(!silu || n % 2 == 0, "w8a16_linear: silu_mul needs an even number of weight rows (gate, up), got ", n);
 
   const at::cuda::CUDAGuard guard(x.device());
-  if (m > 0 && n > 0 && k > 0 && skinny::supported<skinny::Int8Weights>(x, qweight, m)) {
+  const bool gemv = m > 0 && n > 0 && k > 0 && skinny::supported<skinny::Int8Weights>(x, qweight, m);
+  if (silu && !(gemv && knob(Knob::kGemvEpilogues) != 0)) {  // the linear, then silu_mul: (M, 2F) -> (M, F)
+    return silu_mul_op(w8a16_linear_cuda(x, qweight, scale, bias, residual, "none"));
+  }
+  if (gemv) {
     ++gemv_calls;
-    at::Tensor y = at::empty({m, n}, x.options());
-    skinny::run<skinny::Int8Weights>(x, qweight, scale.data_ptr<float>(), b, r, relu, y);
+    at::Tensor y = at::empty({m, silu ? n / 2 : n}, x.options());
+    skinny::run<skinny::Int8Weights>(x, qweight, scale.data_ptr<float>(), b, r, relu, y, silu);
     return y;
   }
   ++dequant_calls;
@@ -141,7 +159,8 @@ c10::Dict<std::string, int64_t> int8_path_counts() {
 }
 
 // w8a16_linear: y = act(x @ (qweight * scale[:, None])^T + bias + residual). x: (M, K) fp16/bf16/fp32 contiguous;
-// qweight: (N, K) int8 contiguous; scale: (N,) fp32; bias: (N,) and residual: (M, N) in x's dtype.
+// qweight: (N, K) int8 contiguous; scale: (N,) fp32; bias: (N,) and residual: (M, N) in x's dtype; activation
+// 'none', 'relu' or 'silu_mul' (then y is (M, N / 2): silu(y[:, :N/2]) * y[:, N/2:], without a residual).
 // int8_dequantize: (N, K) int8 * scale (N,) fp32 -> (N, K) in dtype (fp16, bf16 or fp32), rounded once.
 TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
   m.def("w8a16_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? bias, Tensor? residual, str activation) "

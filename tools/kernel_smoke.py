@@ -75,6 +75,25 @@ def other_kernels():
         ops.linear_epilogue(x, w, b, None, "relu")
         ops.linear_epilogue(x, w, b, r, "none")
         ops.linear_epilogue(x[:1], w, b, r[:1], "none")
+        # the GEMV with silu_mul in its epilogue (gate/up row pairs): one and two n-tiles, a K tail, F = 68 (not a
+        # multiple of a tile's 8 outputs); fp16/bf16 and int8 weights
+        for rows in (1, 11):
+            ops.linear_epilogue(x[:rows], w, b, None, "silu_mul")
+            ops.linear_epilogue(x[:rows], w, None, None, "silu_mul")
+            qi, si = ops.quantize_per_channel(w.float())
+            ops.w8a16_linear(x[:rows], qi, si.view(-1), b, None, "silu_mul")
+        # the q/k/v GEMV with the rotary and the cache write in its epilogue: 3 q heads and 1 k/v head of D 32 (160
+        # rows), one and two n-tiles, a K tail, a bias, a slot in and one past the cache (skipped); int8 weights too
+        wr, br = torch.randn(160, 96, device="cuda", dtype=dtype), torch.randn(160, device="cuda", dtype=dtype)
+        qr, sr = ops.quantize_per_channel(wr.float())
+        for rows in (1, 11):
+            ang = torch.rand(rows, 1, 16, device="cuda")
+            cs, sn = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+            kc, vc = (torch.zeros(rows, 1, 7, 32, device="cuda", dtype=dtype) for _ in range(2))
+            for slot in (6, 7):
+                sl = torch.tensor([slot], device="cuda")
+                ops.linear_rope_append(x[:rows, None], wr, None, br, cs, sn, 3, 1, kc, vc, sl)
+                ops.linear_rope_append(x[:rows, None], qr, sr.view(-1), br, cs, sn, 3, 1, kc, vc, sl)
         # the e4m3 weight GEMV: one and two n-tiles, a K tail (K % 128 != 0), N not a multiple of 16
         wq, ws = ops.quantize_fp8_ref(torch.randn(136, 96, device="cuda"), -1)
         for rows in (1, 11):

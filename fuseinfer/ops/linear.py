@@ -5,6 +5,11 @@ A decoder layer uses three forms: bias (the fused q/k/v projection), bias + ReLU
 (``csrc/linear.cu``) the epilogue is applied to the fp32 accumulator before the single store, so the bias,
 activation and residual cost no extra pass over memory: cuBLASLt's epilogues for prefill, a weight-streaming
 tensor-core kernel for fp16/bf16 decode (M <= 16 rows).
+
+A gated MLP's fused gate/up projection uses a fourth form, activation ``"silu_mul"``: the weight (2F, K) holds the
+gate rows then the up rows, and ``y = silu(gate) * up`` is (..., F), exactly ``silu_mul(linear(x))``. The decode
+kernel computes it in its epilogue (no (M, 2F) intermediate, one kernel fewer); other shapes run the GEMM and then
+``silu_mul``. Both round as that pair of ops does.
 """
 from __future__ import annotations
 
@@ -12,28 +17,41 @@ import torch
 
 from fuseinfer.core.extension import extension, route
 from fuseinfer.core.errors import FuseInferError
+from fuseinfer.ops.silu_mul import silu_mul_grad, silu_mul_ref
 
-ACTIVATIONS = ("none", "relu")
+ACTIVATIONS = ("none", "relu")  # what every fused linear takes
+GATED_ACTIVATIONS = (*ACTIVATIONS, "silu_mul")  # linear_epilogue and w8a16_linear: also the gated MLP's
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # csrc/linear.cu; others run the reference
 
 
 def linear_epilogue_ref(x, weight, bias, residual, activation: str):
-    """Pure-PyTorch reference. x: (..., K), weight: (N, K), bias: (N,), residual: (..., N) -> (..., N).
+    """Pure-PyTorch reference. x: (..., K), weight: (N, K), bias: (N,), residual: (..., N) -> (..., N); with
+    activation ``"silu_mul"`` (no residual): ``silu_mul`` of the linear, (..., N / 2).
 
     Eager PyTorch's order: the linear's output is rounded to x's dtype before the residual add; the CUDA kernel
     adds bias and residual to the fp32 accumulator and rounds once, so in fp16 / bf16 the two can differ by one
     unit in the last place (the tests' dtype tolerances cover it)."""
     y = torch.nn.functional.linear(x, weight, bias)
+    if activation == "silu_mul":
+        return silu_mul_ref(y)  # (..., N) -> (..., N / 2)
     if residual is not None:
         y = y + residual
     return torch.relu(y) if activation == "relu" else y
 
 
-def _check(x, weight, bias, residual, activation):
-    if activation not in ACTIVATIONS:
-        raise FuseInferError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+def check_activation(activation: str, residual, n: int, choices=GATED_ACTIVATIONS) -> None:
+    """The fused linears' common checks of ``activation`` for a weight of ``n`` rows (and a residual or None)."""
+    if activation not in choices:
+        raise FuseInferError(f"activation must be one of {choices}, got {activation!r}")
     if activation != "none" and residual is not None:
         raise FuseInferError("an activation and a residual cannot be fused into one linear")
+    if activation == "silu_mul" and n % 2:
+        raise FuseInferError(f"activation 'silu_mul' takes a weight of gate rows then up rows (an even count), got "
+                             f"{n} rows")
+
+
+def _check(x, weight, bias, residual, activation):
+    check_activation(activation, residual, weight.shape[0] if weight.dim() == 2 else 0)
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise FuseInferError(f"linear_epilogue: expected x (..., K) and weight (N, K), got {tuple(x.shape)} and "
                              f"{tuple(weight.shape)}")
@@ -65,25 +83,28 @@ def _linear_epilogue_cuda(x, weight, bias, residual, activation):
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
     r2 = None if residual is None else residual.reshape(-1, weight.shape[0]).contiguous()  # (M, N)
-    y = ext.linear_epilogue(x2, weight, None if bias is None else bias.contiguous(), r2, activation)  # (M, N)
-    return y.view(*lead, weight.shape[0])
+    y = ext.linear_epilogue(x2, weight, None if bias is None else bias.contiguous(), r2, activation)  # (M, N or N/2)
+    return y.view(*lead, y.shape[-1])
 
 
 @_linear_epilogue.register_fake
 def _(x, weight, bias, residual, activation):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // (2 if activation == "silu_mul" else 1))
 
 
 def _setup_context(ctx, inputs, output):
     x, weight, bias, residual, activation = inputs
-    ctx.save_for_backward(x, weight, output if activation == "relu" else None)
+    ctx.silu = activation == "silu_mul"
+    ctx.save_for_backward(x, weight, output if activation == "relu" else None, bias if ctx.silu else None)
     ctx.has_bias, ctx.has_residual = bias is not None, residual is not None
 
 
 def _backward(ctx, grad):
-    """The reference's gradients: with g = grad * act'(y) (ReLU: y > 0), dx = g W, dW = g^T x, db = sum of g over
-    the rows, dresidual = g."""
-    x, weight, y = ctx.saved_tensors
+    """The reference's gradients: with g = grad * act'(y) (ReLU: y > 0; silu_mul: its gradient at the linear's
+    output, recomputed), dx = g W, dW = g^T x, db = sum of g over the rows, dresidual = g."""
+    x, weight, y, bias = ctx.saved_tensors
+    if ctx.silu:
+        grad = silu_mul_grad(torch.nn.functional.linear(x, weight, bias), grad)  # (..., F) -> (..., 2F)
     g = grad if y is None else grad * (y > 0)  # (..., N)
     rows = g.shape[:-1].numel()  # M (1 for a 1-D x; the sizes may be 0)
     g2 = g.reshape(rows, g.shape[-1])  # (M, N)

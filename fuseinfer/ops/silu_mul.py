@@ -45,14 +45,19 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(inputs[0])
 
 
-def _backward(ctx, grad):
-    (gate_up,) = ctx.saved_tensors
+def silu_mul_grad(gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``silu_mul`` at gate_up (..., 2F) for the output's gradient ``grad`` (..., F): (..., 2F)."""
     gate, up = gate_up.float().chunk(2, dim=-1)
     sig = torch.sigmoid(gate)
     g = grad.float()
     d_gate = g * up * sig * (1 + gate * (1 - sig))
     d_up = g * gate * sig
     return torch.cat([d_gate, d_up], -1).to(gate_up.dtype)
+
+
+def _backward(ctx, grad):
+    (gate_up,) = ctx.saved_tensors
+    return silu_mul_grad(gate_up, grad)
 
 
 _silu_mul.register_autograd(_backward, setup_context=_setup_context)

@@ -5,7 +5,8 @@ model's dtype. On CUDA (``csrc/w8a16_linear.cu``): for M <= 16 tokens (decode) a
 weights (half the bytes of fp16), converts them to fp16/bf16 in registers (exact: |q| <= 127), multiplies
 on tensor cores with fp32 accumulation and applies ``scale`` in the fp32 epilogue with bias / ReLU / residual; for
 more tokens (prefill) it dequantizes the weight to x's dtype in a scratch buffer and runs the fp16/bf16 cuBLASLt
-epilogue GEMM of ``linear_epilogue``.
+epilogue GEMM of ``linear_epilogue``. Activation ``"silu_mul"`` (a gated MLP's fused gate/up weight, gate rows then up
+rows) as in ``linear_epilogue``: ``silu(gate) * up``, in the decode GEMV's epilogue.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 
 from fuseinfer.core.extension import extension, route
 from fuseinfer.core.errors import FuseInferError
-from fuseinfer.ops.linear import ACTIVATIONS, linear_epilogue_ref
+from fuseinfer.ops.linear import check_activation, linear_epilogue_ref
+from fuseinfer.ops.silu_mul import silu_mul_grad
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # csrc/w8a16_linear.cu; others run the reference
 
@@ -34,10 +36,7 @@ def w8a16_linear_ref(x, qweight, scale, bias, residual, activation: str):
 
 
 def _check(x, qweight, scale, bias, residual, activation):
-    if activation not in ACTIVATIONS:
-        raise FuseInferError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if activation != "none" and residual is not None:
-        raise FuseInferError("an activation and a residual cannot be fused into one linear")
+    check_activation(activation, residual, qweight.shape[0] if qweight.dim() == 2 else 0)
     if qweight.dtype != torch.int8 or qweight.dim() != 2 or x.dim() < 1 or x.shape[-1] != qweight.shape[1]:
         raise FuseInferError(f"w8a16_linear: expected x (..., K) and an int8 weight (N, K), got {tuple(x.shape)} and "
                              f"{tuple(qweight.shape)} {qweight.dtype}")
@@ -75,25 +74,31 @@ def _int8_linear_cuda(x, qweight, scale, bias, residual, activation):
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
     r2 = None if residual is None else residual.reshape(-1, n).contiguous()  # (M, N)
     y = ext.w8a16_linear(x2, qweight, scale.contiguous(), None if bias is None else bias.contiguous(), r2,
-                        activation)  # (M, N)
-    return y.view(*lead, n)
+                        activation)  # (M, N), or (M, N / 2) for silu_mul
+    return y.view(*lead, y.shape[-1])
 
 
 @_int8_linear.register_fake
 def _(x, qweight, scale, bias, residual, activation):
-    return x.new_empty(*x.shape[:-1], qweight.shape[0])
+    return x.new_empty(*x.shape[:-1], qweight.shape[0] // (2 if activation == "silu_mul" else 1))
 
 
 def _setup_context(ctx, inputs, output):
     x, qweight, scale, bias, residual, activation = inputs
-    ctx.save_for_backward(qweight, scale, output if activation == "relu" else None)
+    ctx.silu = activation == "silu_mul"
+    ctx.save_for_backward(qweight, scale, output if activation == "relu" else None,
+                          *((x, bias) if ctx.silu else (None, None)))
     ctx.has_bias, ctx.has_residual, ctx.dtype = bias is not None, residual is not None, x.dtype
 
 
 def _backward(ctx, grad):
-    """The reference's gradients for x, bias and residual (g = grad * act'(y); dx = g W with W the dequantized
-    weight); the int8 weight and its scales are constants (no gradient)."""
-    qweight, scale, y = ctx.saved_tensors
+    """The reference's gradients for x, bias and residual (g = grad * act'(y), silu_mul's recomputed at the
+    linear's output; dx = g W with W the dequantized weight); the int8 weight and its scales are constants (no
+    gradient)."""
+    qweight, scale, y, x, bias = ctx.saved_tensors
+    if ctx.silu:
+        w = dequantize_weight_ref(qweight, scale, ctx.dtype)
+        grad = silu_mul_grad(torch.nn.functional.linear(x, w, bias), grad)  # (..., F) -> (..., 2F)
     g = grad if y is None else grad * (y > 0)  # (..., N)
     need = ctx.needs_input_grad
     dx = g @ dequantize_weight_ref(qweight, scale, ctx.dtype) if need[0] else None  # (..., K)

@@ -7,9 +7,10 @@ hidden states of every position (and, on request, each layer's k / v as transfor
 
 One strategy, :class:`LeanOps`, runs the ops of the patched modules (``modules.py``) in their order: fused residual +
 RMSNorm (``add_rms_norm``), the fused q/k/v GEMM, ``qkv_rope`` (or ``qkv_rope_append`` into fuseinfer's static
-cache), attention, o_proj with the residual in its epilogue, the fused gate/up GEMM, ``silu_mul``, down_proj with
-the residual. Each linear is the fp16/bf16 GEMM or, for a model quantized with ``Int8WeightOnly``, the int8
-weight-only one (W8A16), as the module holding it says.
+cache), attention, o_proj with the residual in its epilogue, the fused gate/up GEMM with ``silu_mul`` as its
+activation (a GEMM then ``silu_mul``; one GEMV at decode-sized inputs), down_proj with the residual. Each linear is
+the fp16/bf16 GEMM or, for a model quantized with ``Int8WeightOnly``, the int8 weight-only one (W8A16), as the module
+holding it says.
 
 The rotary tables come from the model's own rotary module (every scaling transformers implements is in them);
 ``dynamic`` and ``longrope`` read the longest position on the host at each call, so those models are refused (as
@@ -28,13 +29,14 @@ from fuseinfer.models.common import checked_plan, lean_call_reason, lean_plan
 from fuseinfer.models.llama.decode import _DYNAMIC_ROPE
 from fuseinfer.models.llama.layer import decoder_layer
 from fuseinfer.models.llama.modules import ARCHS, FUSED, GATE_UP, QKV, head_dim_of
-from fuseinfer.ops import add_rms_norm, attention, linear_epilogue, qkv_rope, qkv_rope_append, silu_mul, w8a16_linear
+from fuseinfer.ops import add_rms_norm, attention, linear_epilogue, qkv_rope, qkv_rope_append, w8a16_linear
 
 CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _LINEARS = (nn.Linear, Int8WeightOnlyLinear)  # what a linear the loop reads may be (fp16/bf16, or W8A16)
 # the fused classes the patch swaps in, by role (any architecture's: a model holds its own)
 _LAYERS, _ATTNS, _MLPS, _NORMS = ({FUSED[a[i]] for a in ARCHS.values()} for i in range(4))
 _PLAIN_NORMS = tuple(a[3] for a in ARCHS.values())  # a decoder layer's own RMSNorms stay plain (the layer fuses them)
+# (silu_mul: linear_epilogue's gate/up activation calls it at prefill sizes)
 _RAW_OPS = ("add_rms_norm", "linear_epilogue", "qkv_rope", "qkv_rope_append", "silu_mul", "attention")
 
 
@@ -203,41 +205,41 @@ class LeanOps:
             self.gemm = ext.linear_epilogue  # (x (M, K) contiguous, w, b, residual (M, N) or None, activation)
             self.rope = ext.qkv_rope
             self.rope_append = ext.qkv_rope_append
-            self.silu_mul = ext.silu_mul
             self.attend = ext.attention
             # (an extension built without the int8 ops: the wrapper, which falls back to the reference as well)
             self.int8 = ext.w8a16_linear if hasattr(ext, "w8a16_linear") else w8a16_linear
         else:
             self.rms, self.gemm, self.rope, self.rope_append = add_rms_norm, linear_epilogue, qkv_rope, qkv_rope_append
-            self.silu_mul, self.attend, self.int8 = silu_mul, attention, w8a16_linear
+            self.attend, self.int8 = attention, w8a16_linear
         self.heads, self.kv_heads = heads, kv_heads
 
     def norm(self, x, norm, residual=None):
         y, s = self.rms(x, residual, norm._parameters["weight"], norm.variance_epsilon, residual is not None)
         return y, (x if residual is None else s)
 
-    def lin(self, x, lin: nn.Module, residual=None) -> torch.Tensor:
-        """x @ W.T + bias + residual for ``lin`` (nn.Linear or Int8WeightOnlyLinear); x (M, K) -> (M, N)."""
+    def lin(self, x, lin: nn.Module, residual=None, activation: str = "none") -> torch.Tensor:
+        """act(x @ W.T + bias + residual) for ``lin`` (nn.Linear or Int8WeightOnlyLinear); x (M, K) -> (M, N)."""
         p = lin._parameters
         if "qweight" in lin._buffers:  # Int8WeightOnlyLinear (its bias a Parameter or, for a fused one, a buffer)
             b = lin._buffers
             bias = p["bias"] if "bias" in p else b.get("bias")
-            return self.int8(x, b["qweight"], b["scale"], bias, residual, "none")
-        return self.gemm(x, p["weight"], p["bias"], residual, "none")
+            return self.int8(x, b["qweight"], b["scale"], bias, residual, activation)
+        return self.gemm(x, p["weight"], p["bias"], residual, activation)
 
-    def fused(self, module: nn.Module, group, x) -> torch.Tensor:
-        """The fused GEMM of ``group`` (q/k/v or gate/up) of ``module``: x (M, E) -> (M, sum N_i)."""
+    def fused(self, module: nn.Module, group, x, activation: str = "none") -> torch.Tensor:
+        """act(the fused GEMM of ``group`` (q/k/v or gate/up) of ``module``): x (M, E) -> (M, sum N_i), or (M, F)
+        for gate/up with ``"silu_mul"``."""
         quant = module._modules.get(group.name)
         if quant is not None:
-            return self.lin(x, quant)
+            return self.lin(x, quant, None, activation)
         d = module.__dict__
-        return self.gemm(x, d[group.weight], d[group.bias], None, "none")
+        return self.gemm(x, d[group.weight], d[group.bias], None, activation)
 
     def linear(self, x, lin, residual=None):
         return self.lin(x, lin, residual)
 
     def gated_mlp(self, mlp, x):
-        return self.silu_mul(self.fused(mlp, GATE_UP, x))  # (M, 2F) -> (M, F)
+        return self.fused(mlp, GATE_UP, x, "silu_mul")  # (M, F): silu(gate) * up
 
     def attention(self, i, attn, x, ctx):
         """Layer ``i``'s attention of x (B*S, E) -> (B*S, H*D). With a cache the rotated k and v go to its ``slots``

@@ -9,11 +9,13 @@ Swaps, by changing the class of the existing modules to subclasses (as the OPT f
 * the attention -> ``Fused<Arch>Attention``: q/k/v as one GEMM over a ((H + 2 Hkv) D, E) tensor whose rows the q/k/v
   weights (and Qwen2's biases) are views of, so no memory is added and ``state_dict`` keeps their names; the split,
   the rotary embedding (the model's own cos / sin tables) and, over fuseinfer's static cache, the cache write in one
-  pass (``qkv_rope`` / ``qkv_rope_append``); transformers' caches (DynamicCache, StaticCache) through their
+  pass (``qkv_rope`` / ``qkv_rope_append``; over the static cache the GEMM and that pass are ``linear_rope_append``,
+  one GEMV at decode); transformers' caches (DynamicCache, StaticCache) through their
   ``update``; attention through the registered ``"fuseinfer"`` implementation (grouped-query k / v as they are);
   o_proj (+ residual) fused;
-* the MLP -> ``Fused<Arch>MLP``: gate and up as one (2F, E) GEMM (the two weights views of it), ``silu_mul``, then
-  down_proj (+ residual) fused;
+* the MLP -> ``Fused<Arch>MLP``: gate and up as one (2F, E) GEMM (the two weights views of it) with ``silu_mul`` as
+  its activation (in the decode GEMV's epilogue; a GEMM and then ``silu_mul`` for prefill), then down_proj
+  (+ residual) fused;
 * the final RMSNorm -> ``Fused<Arch>RMSNorm`` (the ``add_rms_norm`` kernel);
 * the base model (``LlamaModel`` ...) -> ``Locked<Arch>Model``: the same forward, holding the model's lock, so that
   ``patch`` / ``unpatch`` in another thread wait for a running forward;
@@ -46,8 +48,8 @@ from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.quant_config import SmoothQuantW8A8
 from fuseinfer.core.state import LOCK_ATTR, lock_holder
 from fuseinfer.layers import hf_attention
-from fuseinfer.layers.linear import fused_linear
-from fuseinfer.ops import add_rms_norm, linear_epilogue, qkv_rope, qkv_rope_append, silu_mul
+from fuseinfer.layers.linear import Int8WeightOnlyLinear, fused_linear
+from fuseinfer.ops import add_rms_norm, linear_epilogue, linear_rope_append, qkv_rope, qkv_rope_append, silu_mul
 from fuseinfer.ops.attention import KERNEL_GQA, repeat_kv
 from fuseinfer.models.base import FusedWeight
 from fuseinfer.models.llama.layer import decoder_layer
@@ -151,12 +153,16 @@ def _linked(module: nn.Module, group: FusedWeight) -> bool:
     return True
 
 
-def _fused_group_linear(module: nn.Module, group: FusedWeight, x: torch.Tensor) -> torch.Tensor:
-    """x (..., E) @ the fused weight -> (..., sum N_i): the quantized linear where there is one."""
+def _fused_group_linear(module: nn.Module, group: FusedWeight, x: torch.Tensor,
+                        activation: str = "none") -> torch.Tensor:
+    """act(x (..., E) @ the fused weight) -> (..., sum N_i), or (..., F) for ``"silu_mul"`` (gate/up): the quantized
+    linear where there is one (one that cannot fuse silu_mul, ``Int8WeightOnlyLinear`` can, runs it after)."""
     quant = module._modules.get(group.name)
     if quant is not None:
-        return quant.fused(x)
-    return linear_epilogue(x, module.__dict__[group.weight], module.__dict__[group.bias], None, "none")
+        if activation == "silu_mul" and not isinstance(quant, Int8WeightOnlyLinear):
+            return silu_mul(quant.fused(x))
+        return quant.fused(x, None, activation)
+    return linear_epilogue(x, module.__dict__[group.weight], module.__dict__[group.bias], None, activation)
 
 
 class _FusedWeights:
@@ -192,6 +198,17 @@ def _static_cache(cache) -> bool:
                                                                          torch.Tensor)
 
 
+def _qkv_operands(attn: nn.Module):
+    """(weight, scale, bias) of the fused q/k/v projection for ``linear_rope_append``: the fp16/bf16/fp32 fused weight
+    (scale None) or the int8 weight-only one; None for another quantized linear (it runs its own GEMM)."""
+    quant = attn._modules.get(QKV.name)
+    if quant is None:
+        return attn.__dict__[QKV.weight], None, attn.__dict__[QKV.bias]
+    if type(quant) is Int8WeightOnlyLinear:
+        return quant.qweight, quant.scale, quant.bias
+    return None
+
+
 class _FusedAttention(_FusedWeights):
     """The attention with fused q/k/v + rotary (+ static-cache write), fuseinfer's attention and a fused o_proj."""
 
@@ -211,9 +228,19 @@ class _FusedAttention(_FusedWeights):
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         cos, sin = position_embeddings  # (B or 1, S, D)
         if "qkv" in ops and _linked(self, QKV):
-            qkv = fused_linear(self, hidden_states)  # (B, S, (H + 2 Hkv) D); int8 weights when quantized
             cos, sin = cos.expand(b, s, d), sin.expand(b, s, d)
-            if _static_cache(past_key_values):  # rotary, split and cache write in one pass
+            operands = _qkv_operands(self)
+            if _static_cache(past_key_values) and operands is not None:
+                # projection, rotary, split and cache write: one GEMV at decode, the GEMM and one pass else
+                i = self.layer_idx
+                keys, values = past_key_values.keys[i], past_key_values.values[i]
+                slots = past_key_values.write_idx
+                slots = slots if slots.device == hidden_states.device else slots.to(hidden_states.device)
+                q = linear_rope_append(hidden_states, *operands, cos, sin, heads, kv_heads, keys, values,
+                                       slots)  # (B, H, S, D)
+                k, v = keys, values  # (B, Hkv, T, D)
+            elif _static_cache(past_key_values):  # rotary, split and cache write in one pass
+                qkv = fused_linear(self, hidden_states)  # (B, S, (H + 2 Hkv) D); quantized weights
                 i = self.layer_idx
                 keys, values = past_key_values.keys[i], past_key_values.values[i]
                 slots = past_key_values.write_idx
@@ -224,6 +251,7 @@ class _FusedAttention(_FusedWeights):
                                     getattr(past_key_values, "calibrate", False))  # (B, H, S, D)
                 k, v = keys, values  # (B, Hkv, T, D)
             else:
+                qkv = fused_linear(self, hidden_states)  # (B, S, (H + 2 Hkv) D); int8 weights when quantized
                 q, k, v = qkv_rope(qkv, cos, sin, heads, kv_heads)  # (B, H, S, D), (B, Hkv, S, D) x 2
                 if past_key_values is not None:
                     k, v = past_key_values.update(k, v, self.layer_idx)
@@ -266,7 +294,7 @@ class _FusedMLP(_FusedWeights):
             out = super().forward(x)
             return out if residual is None else residual + out
         if _linked(self, GATE_UP):
-            g = silu_mul(_fused_group_linear(self, GATE_UP, x))  # (..., 2F) -> (..., F)
+            g = _fused_group_linear(self, GATE_UP, x, "silu_mul")  # (..., F): silu(gate) * up
         else:
             g = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
         return fused_linear(self.down_proj, g, residual)

@@ -115,8 +115,9 @@ def test_patch_runs_the_fused_ops(tiny_cpu, monkeypatch):
     counting(attention_backend.IMPLS, "fuseinfer")
     modules_forward(model, input_ids=_ids(model, rows=1, length=5))
     layers = model.config.num_hidden_layers
-    # 2 RMSNorms per layer + the final one; q/k/v, o_proj and down_proj per layer (gate/up: the module's own call)
-    assert calls == {"add_rms_norm": 2 * layers + 1, "qkv_rope": layers, "silu_mul": layers,
+    # 2 RMSNorms per layer + the final one; q/k/v, o_proj and down_proj per layer; gate/up: the module's own call,
+    # with silu_mul as the linear's activation (no silu_mul call of its own)
+    assert calls == {"add_rms_norm": 2 * layers + 1, "qkv_rope": layers,
                      "linear_epilogue": layers + 3 * layers, "fuseinfer": layers}, calls
 
 
@@ -493,8 +494,9 @@ def test_patched_model_compiles_to_one_graph_of_the_registered_ops():
     torch.testing.assert_close(out.logits.float(), ref, rtol=0, atol=ATOL32)
     layers = model.config.num_hidden_layers
     counts = {op: code.count(f"fuseinfer.{op}") for op in ("add_rms_norm", "qkv_rope", "silu_mul", "linear_epilogue")}
-    # per layer: 2 norms, q/k/v + rotary, gate/up + silu_mul, GEMMs q/k/v, o_proj, gate/up, down_proj; the final norm
-    assert counts == {"add_rms_norm": 2 * layers + 1, "qkv_rope": layers, "silu_mul": layers,
+    # per layer: 2 norms, q/k/v + rotary, GEMMs q/k/v, o_proj, gate/up (silu_mul its activation: no op of its
+    # own), down_proj; the final norm
+    assert counts == {"add_rms_norm": 2 * layers + 1, "qkv_rope": layers, "silu_mul": 0,
                       "linear_epilogue": 4 * layers}, counts
 
 

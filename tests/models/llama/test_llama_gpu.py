@@ -141,3 +141,32 @@ def test_int8_weight_only_fast_decode_on_cuda(tiny_llama_path):
     fuseinfer.patch(model, PatchConfig(quant=Int8WeightOnly()))
     assert torch.equal(fuseinfer.generate(model, ids, mask, max_new_tokens=24, min_new_tokens=24, pad_token_id=1),
                        eager)
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_decode_gemv_epilogues_change_no_token(tiny_llama_path, dtype, quant, set_knob):
+    """The decode GEMVs with silu_mul and the rotary + cache write in their epilogues (one kernel each) against the
+    same model with FUSEINFER_GEMV_EPILOGUES=0 (the GEMV, then silu_mul / qkv_rope_append): the same tokens, and
+    one decode step's logits bit for bit (the fused kernels round as the pairs do; the tiny model has no biases)."""
+    from fuseinfer.core.extension import extension
+
+    model = _load(tiny_llama_path, dtype)
+    ids, mask = _ids(model, rows=3, length=20, seed=6)
+    config = PatchConfig(quant=Int8WeightOnly(keep_original="cpu") if quant else None)
+    runs = {}
+    for fused in ("1", "0"):
+        set_knob("FUSEINFER_GEMV_EPILOGUES", fused)
+        fuseinfer.patch(model, config)
+        before = extension().path_counts()["linear.skinny"]
+        tokens = fuseinfer.generate(model, ids, mask, max_new_tokens=24, min_new_tokens=24, pad_token_id=1)
+        if quant is None:
+            assert extension().path_counts()["linear.skinny"] > before  # (the GEMVs ran)
+        with torch.no_grad():  # one cached decode step through the patched modules (eager: the knob read per call)
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+            step = model(input_ids=tokens[:, -1:], attention_mask=torch.cat([mask, mask[:, -1:]], 1),
+                         past_key_values=out.past_key_values).logits
+        runs[fused] = tokens, step
+        fuseinfer.unpatch(model)
+    assert torch.equal(runs["1"][0], runs["0"][0])
+    assert torch.equal(runs["1"][1], runs["0"][1])

@@ -1,0 +1,112 @@
+// The fused q/k/v projection with the rotary embedding and the k / v cache write in its epilogue (the op
+// fuseinfer_C::linear_rope_append): q = qkv_rope_append(linear(x, w, bias), cos, sin, heads, kv_heads, k_cache,
+// v_cache, slots), for fp16/bf16 weights (w in x's dtype) and int8 weights (w int8 with fp32 per-row scales).
+//
+// At decode (B S <= 16 tokens, fp16/bf16, head dim a multiple of 16, the GEMV's alignment) one kernel: the
+// weight-streaming GEMV of skinny_gemv.cuh with its ROPE epilogue (a tile pairs dims d and d + D/2 of a head, which
+// rotate_half mixes), so neither the (B, S, (H + 2 Hkv) D) projection nor a second pass over it exists. It rounds the
+// projection to the dtype first and rotates as rope.cu does, so it matches the two-kernel path bit for bit.
+// Elsewhere, or with FUSEINFER_GEMV_EPILOGUES=0: the linear op (linear_epilogue or w8a16_linear), then
+// qkv_rope_append, through the dispatcher.
+#include "knobs.h"
+#include "skinny_gemv.cuh"
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <string>
+
+namespace fuseinfer {
+namespace {
+
+at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale,
+                     const c10::optional<at::Tensor>& bias) {
+  if (w.scalar_type() == at::kChar) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("fuseinfer_C::w8a16_linear", "")
+                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                 const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+                                                 const std::string&)>();
+    return op.call(x, w, *scale, bias, c10::nullopt, "none");
+  }
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fuseinfer_C::linear_epilogue", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                                               const c10::optional<at::Tensor>&, const std::string&)>();
+  return op.call(x, w, bias, c10::nullopt, "none");
+}
+
+at::Tensor rope_append_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                          int64_t kv_heads, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fuseinfer_C::qkv_rope_append", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                               int64_t, at::Tensor&, at::Tensor&, const at::Tensor&)>();
+  return op.call(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots);
+}
+
+}  // namespace
+
+at::Tensor linear_rope_append_cuda(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale,
+                                   const c10::optional<at::Tensor>& bias, const at::Tensor& cos, const at::Tensor& sin,
+                                   int64_t heads, int64_t kv_heads, at::Tensor& k_cache, at::Tensor& v_cache,
+                                   const at::Tensor& slots) {
+  TORCH_CHECK(x.is_cuda() && w.device() == x.device(), "linear_rope_append: x and w must be on one CUDA device");
+  TORCH_CHECK(x.dim() == 3 && w.dim() == 2 && x.size(2) == w.size(1),
+              "linear_rope_append: x must be (B, S, K) and w (N, K), got ", x.sizes(), " and ", w.sizes());
+  const bool int8 = w.scalar_type() == at::kChar;
+  TORCH_CHECK(!int8 || (scale.has_value() && scale->defined()), "linear_rope_append: int8 weights need scales");
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && w.size(0) % (heads + 2 * kv_heads) == 0,
+              "linear_rope_append: w's rows must be (H + 2 Hkv) D");
+  const int64_t B = x.size(0), S = x.size(1), K = x.size(2), N = w.size(0), D = N / (heads + 2 * kv_heads);
+  const at::Tensor x2 = x.reshape({B * S, K}).contiguous();  // (M, K)
+  const at::Tensor* b = bias.has_value() && bias->defined() ? &*bias : nullptr;
+  const at::cuda::CUDAGuard guard(x.device());
+  const auto dtype = x.scalar_type();
+  const auto dev = x.device();
+  const bool operands = (dtype == at::kHalf || dtype == at::kBFloat16) && (int8 || w.scalar_type() == dtype) &&
+                        cos.device() == dev && sin.device() == dev && k_cache.device() == dev &&
+                        v_cache.device() == dev && slots.device() == dev && (!b || b->device() == dev) &&
+                        (!int8 || scale->device() == dev) &&
+                        w.is_contiguous() && D % 16 == 0 && B * S > 0 && K > 0 && N <= INT32_MAX &&
+                        cos.scalar_type() == dtype && sin.scalar_type() == dtype && cos.dim() == 3 &&
+                        cos.size(0) == B && cos.size(1) == S && cos.size(2) == D && sin.sizes() == cos.sizes() &&
+                        cos.is_contiguous() && sin.is_contiguous() && k_cache.dim() == 4 &&
+                        k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == B && k_cache.size(1) == kv_heads &&
+                        k_cache.size(3) == D && k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype &&
+                        k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) <= INT32_MAX &&
+                        slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == S &&
+                        (!b || (b->scalar_type() == dtype && b->is_contiguous() && b->numel() == N)) &&
+                        (!int8 || (scale->scalar_type() == at::kFloat && scale->is_contiguous() &&
+                                   scale->numel() == N));
+  const bool gemv = operands && knob(Knob::kGemvEpilogues) != 0 &&
+                    (int8 ? skinny::supported<skinny::Int8Weights>(x2, w, B * S)
+                          : skinny::supported<skinny::HalfWeights>(x2, w, B * S));
+  if (!gemv) {  // the linear, then the rotary pass (which checks the rest)
+    const at::Tensor qkv = linear_op(x2, w, scale, bias).view({B, S, N});
+    return rope_append_op(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots);
+  }
+  at::Tensor q = at::empty({B, heads, S, D}, x.options());
+  if (int8) {
+    skinny::run_rope<skinny::Int8Weights>(x2, w, scale->data_ptr<float>(), b, cos, sin, S, heads, kv_heads, q,
+                                          k_cache, v_cache, slots);
+  } else {
+    skinny::run_rope<skinny::HalfWeights>(x2, w, nullptr, b, cos, sin, S, heads, kv_heads, q, k_cache, v_cache,
+                                          slots);
+  }
+  return q;
+}
+
+// linear_rope_append(x, w, scale, bias, cos, sin, heads, kv_heads, k_cache, v_cache, slots) -> q:
+// qkv_rope_append(x @ w'^T + bias, ...) with w' = w (x's dtype) or w * scale[:, None] (w int8, scale (N,) fp32).
+// x (B, S, K); w ((H + 2 Hkv) D, K); cos, sin (B, S, D); caches (B, Hkv, T, D); slots (S,) int64. q (B, H, S, D).
+TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
+  m.def("linear_rope_append(Tensor x, Tensor w, Tensor? scale, Tensor? bias, Tensor cos, Tensor sin, int heads, "
+        "int kv_heads, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) { m.impl("linear_rope_append", &linear_rope_append_cuda); }
+
+}  // namespace fuseinfer

@@ -1,0 +1,82 @@
+"""The fused q/k/v projection with the rotary embedding and the static-cache write in its epilogue:
+``linear_rope_append(x, w, scale, bias, cos, sin, H, Hkv, k_cache, v_cache, slots) -> q``, exactly
+``qkv_rope_append(linear(x), ...)`` (``ops/rope.py``) over the linear ``x @ w.T + bias`` (fp16/bf16/fp32 weights in x's
+dtype) or ``x @ (w * scale[:, None]).T + bias`` (int8 weights, ``w8a16_linear``).
+
+On CUDA at decode sizes (B S <= 16 tokens, fp16/bf16, head dim a multiple of 16) one kernel (``csrc/linear_rope.cu``):
+the weight-streaming GEMV computes dims d and d + D/2 of a head in one tile, so it rotates q and k and writes k and v
+into the cache itself; the (B, S, (H + 2 Hkv) D) projection is never stored nor read again. It rounds as the two ops
+do and agrees with them bit for bit. Elsewhere (prefill, other layouts) the two ops run. Inference only (a cache
+write has no gradient).
+"""
+from __future__ import annotations
+
+import torch
+
+from fuseinfer.core.errors import FuseInferError
+from fuseinfer.core.extension import extension, route
+from fuseinfer.ops.linear import linear_epilogue_ref
+from fuseinfer.ops.rope import qkv_rope_append, qkv_rope_append_ref
+from fuseinfer.ops.w8a16_linear import w8a16_linear_ref
+
+
+def _linear_ref(x, weight, scale, bias):
+    if weight.dtype == torch.int8:
+        return w8a16_linear_ref(x, weight, scale, bias, None, "none")
+    return linear_epilogue_ref(x, weight, bias, None, "none")
+
+
+def linear_rope_append_ref(x, weight, scale, bias, cos, sin, heads: int, kv_heads: int, k_cache, v_cache, slots):
+    """Pure-PyTorch reference: x (B, S, K) -> q (B, H, S, D); k and v written into the caches (B, Hkv, T, D)."""
+    return qkv_rope_append_ref(_linear_ref(x, weight, scale, bias), cos, sin, heads, kv_heads, k_cache, v_cache,
+                               slots)
+
+
+@torch.library.custom_op("fuseinfer::linear_rope_append", mutates_args=("k_cache", "v_cache"))
+def _linear_rope_append(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+                        cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    return linear_rope_append_ref(x, weight, scale, bias, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
+
+
+@_linear_rope_append.register_kernel("cuda")
+def _linear_rope_append_cuda(x, weight, scale, bias, cos, sin, heads, kv_heads, k_cache, v_cache, slots):
+    ext = extension(x.device)
+    # a strided weight would be copied just before the GEMV, which reads weights before its PDL wait (launch.h)
+    if ext is None or not hasattr(ext, "linear_rope_append") or not weight.is_contiguous():
+        return qkv_rope_append(_linear_ref(x, weight, scale, bias), cos, sin, heads, kv_heads, k_cache, v_cache,
+                               slots)
+    return ext.linear_rope_append(x, weight, None if scale is None else scale.contiguous(),
+                                  None if bias is None else bias.contiguous(), cos.contiguous(), sin.contiguous(),
+                                  heads, kv_heads, k_cache, v_cache, slots)
+
+
+@_linear_rope_append.register_fake
+def _(x, weight, scale, bias, cos, sin, heads, kv_heads, k_cache, v_cache, slots):
+    b, s, _ = x.shape
+    return x.new_empty(b, heads, s, weight.shape[0] // (heads + 2 * kv_heads))
+
+
+def linear_rope_append(x, weight, scale, bias, cos, sin, heads: int, kv_heads: int, k_cache, v_cache, slots):
+    """q (B, H, S, D) of the rotated q projection of x (B, S, K); the rotated k and the v projections written into
+    k_cache / v_cache (B, Hkv, T, D) at slots (S,). weight ((H + 2 Hkv) D, K): in x's dtype (scale None) or int8
+    with fp32 per-row scales (N,). See the module doc."""
+    if x.dim() != 3 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise FuseInferError(f"linear_rope_append: expected x (B, S, K) and weight (N, K), got {tuple(x.shape)} and "
+                             f"{tuple(weight.shape)}")
+    int8 = weight.dtype == torch.int8
+    if int8 != (scale is not None) or (not int8 and weight.dtype != x.dtype):
+        raise FuseInferError(f"linear_rope_append: the weight must be in x's dtype {x.dtype} without scales, or int8 "
+                             f"with fp32 per-row scales; got {weight.dtype} and {'no ' if scale is None else ''}scales")
+    n = weight.shape[0]
+    if int8 and (scale.shape != (n,) or scale.dtype != torch.float32):
+        raise FuseInferError(f"linear_rope_append: scale must be ({n},) float32, got {tuple(scale.shape)} "
+                             f"{scale.dtype}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
+        raise FuseInferError(f"linear_rope_append: bias must be ({n},) in {x.dtype}, got {tuple(bias.shape)} "
+                             f"{bias.dtype}")
+    if heads <= 0 or kv_heads <= 0 or n % (heads + 2 * kv_heads):
+        raise FuseInferError(f"linear_rope_append: the weight's {n} rows are not (H + 2 Hkv) D for H={heads}, "
+                             f"Hkv={kv_heads}")
+    return route(torch.ops.fuseinfer.linear_rope_append, linear_rope_append_ref, _linear_rope_append_cuda,
+                 (x, weight, scale, bias, cos, sin, heads, kv_heads, k_cache, v_cache, slots), (x, cos, sin))
