@@ -230,7 +230,9 @@ class _FusedAttention(_FusedWeights):
         if "qkv" in ops and _linked(self, QKV):
             cos, sin = cos.expand(b, s, d), sin.expand(b, s, d)
             operands = _qkv_operands(self)
-            if _static_cache(past_key_values) and operands is not None:
+            scales = getattr(past_key_values, "kv_scales", None)  # (an FP8 cache's, else None)
+            if _static_cache(past_key_values) and operands is not None and scales is None:
+                # (the GEMV's epilogue writes caches of the model's dtype; an FP8 cache takes the pass below)
                 # projection, rotary, split and cache write: one GEMV at decode, the GEMM and one pass else
                 i = self.layer_idx
                 keys, values = past_key_values.keys[i], past_key_values.values[i]
@@ -245,7 +247,6 @@ class _FusedAttention(_FusedWeights):
                 keys, values = past_key_values.keys[i], past_key_values.values[i]
                 slots = past_key_values.write_idx
                 slots = slots if slots.device == qkv.device else slots.to(qkv.device)
-                scales = getattr(past_key_values, "kv_scales", None)  # (an FP8 cache's, else None)
                 q = qkv_rope_append(qkv, cos, sin, heads, kv_heads, keys, values, slots,
                                     None if scales is None else scales[i],
                                     getattr(past_key_values, "calibrate", False))  # (B, H, S, D)
