@@ -11,13 +11,9 @@
 // V is the widest of 16 / sizeof(T), 8 / sizeof(T), ... elements that divides D / 2 (and keeps every pointer
 // aligned), so any even head dim runs, the common ones (64, 128, 80, 96, ...) with 16-byte vectors in 16-bit types.
 // qkv, cos, sin and slots come from earlier kernels: read after pdl_wait() with coherent loads (ld_dep_as).
-// The FP8 append form (qkv_rope_append_fp8, fp16/bf16) writes k and v as e4m3 into float8 caches: each value rounded
-// to the input dtype (as the plain form stores it), divided by its key/value head's scale (kv_scale (2, Hkv) fp32,
-// read after the wait: a prefill's calibration writes it) and rounded to e4m3, saturating at +-448.
 // Launched with PDL (launch.h).
 
 #include "device_utils.cuh"
-#include "fp8_convert.cuh"
 #include "launch.h"
 
 #include <ATen/ATen.h>
@@ -50,7 +46,6 @@ struct RopeParams {
   int H, Hkv, D;
   int pairs;         // D / 2 / V chunk pairs per head
   int64_t total;     // B * S * (H + 2 Hkv) * pairs
-  const float* kv_scale;  // FP8 append form: (2, Hkv) fp32 (keys' scales, values' scales); the caches are e4m3
 };
 
 // V elements of type T moved as one load / store (V * sizeof(T) = 2, 4, 8 or 16 bytes).
@@ -60,8 +55,7 @@ struct alignas(sizeof(T) * V) Pack {
 };
 
 // grid-stride over flat index ((token * (H + 2 Hkv) + head) * pairs + j), token = b * S + s; block kRopeThreads.
-// FP8: k and v go to e4m3 caches (the append form) with p.kv_scale.
-template <typename T, int V, bool FP8 = false>
+template <typename T, int V>
 __global__ void __launch_bounds__(kRopeThreads) qkv_rope_kernel(const RopeParams p) {
   using P = Pack<T, V>;
   pdl_launch_dependents();
@@ -103,44 +97,28 @@ __global__ void __launch_bounds__(kRopeThreads) qkv_rope_kernel(const RopeParams
     } else {
       const bool is_k = head < p.H + p.Hkv;
       const int hk = head - p.H - (is_k ? 0 : p.Hkv);
-      int64_t row;  // element offset of the row in k / v (or their caches)
+      T* base = static_cast<T*>(is_k ? p.k : p.v);
       if (p.slots != nullptr) {
         const int64_t slot = ld_dep_as(p.slots + s * p.slots_stride);
         if (slot < 0 || slot >= p.T) continue;  // skipped, as kv_cache_append does
-        row = ((b * p.Hkv + hk) * p.T + slot) * p.D;
+        dst = base + ((b * p.Hkv + hk) * p.T + slot) * p.D;
       } else {
-        row = ((b * p.Hkv + hk) * p.S + s) * p.D;
+        dst = base + ((b * p.Hkv + hk) * p.S + s) * p.D;
       }
-      if constexpr (FP8) {
-        using P8 = Pack<uint8_t, V>;
-        const float scale = ld_dep(p.kv_scale + (is_k ? 0 : p.Hkv) + hk);
-        P8 z1, z2;
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          z1.x[e] = fp8::e4m3_from_float(__fdiv_rn(to_float(y1.x[e]), scale));
-          z2.x[e] = fp8::e4m3_from_float(__fdiv_rn(to_float(y2.x[e]), scale));
-        }
-        uint8_t* dst8 = static_cast<uint8_t*>(is_k ? p.k : p.v) + row;
-        *reinterpret_cast<P8*>(dst8 + c0) = z1;
-        *reinterpret_cast<P8*>(dst8 + half + c0) = z2;
-        continue;
-      }
-      dst = static_cast<T*>(is_k ? p.k : p.v) + row;
     }
     *reinterpret_cast<P*>(dst + c0) = y1;
     *reinterpret_cast<P*>(dst + half + c0) = y2;
   }
 }
 
-template <typename T, int V, bool FP8>
+template <typename T, int V>
 void launch_v(const RopeParams& p, cudaStream_t stream) {
   const int64_t blocks = std::min<int64_t>((p.total + kRopeThreads - 1) / kRopeThreads, int64_t(1) << 20);
-  launch_kernel(qkv_rope_kernel<T, V, FP8>, dim3(static_cast<unsigned>(blocks)), kRopeThreads, 0, stream, p);
+  launch_kernel(qkv_rope_kernel<T, V>, dim3(static_cast<unsigned>(blocks)), kRopeThreads, 0, stream, p);
 }
 
 // The widest V (elements per chunk) that divides D / 2 and keeps every base pointer aligned to V * sizeof(T).
-// (FP8: the e4m3 caches' base pointers are held to the same alignment, more than their V-byte stores need.)
-template <typename T, bool FP8>
+template <typename T>
 void launch(RopeParams& p, uintptr_t ptr_bits, cudaStream_t stream) {
   constexpr int kMax = 16 / sizeof(T);
   int v = kMax;
@@ -148,10 +126,10 @@ void launch(RopeParams& p, uintptr_t ptr_bits, cudaStream_t stream) {
   p.pairs = p.D / 2 / v;
   p.total = p.total * p.pairs;
   switch (v) {
-    case 8: if constexpr (kMax >= 8) { launch_v<T, 8, FP8>(p, stream); return; } break;
-    case 4: launch_v<T, 4, FP8>(p, stream); return;
-    case 2: launch_v<T, 2, FP8>(p, stream); return;
-    default: launch_v<T, 1, FP8>(p, stream); return;
+    case 8: if constexpr (kMax >= 8) { launch_v<T, 8>(p, stream); return; } break;
+    case 4: launch_v<T, 4>(p, stream); return;
+    case 2: launch_v<T, 2>(p, stream); return;
+    default: launch_v<T, 1>(p, stream); return;
   }
 }
 
@@ -187,24 +165,18 @@ void check_and_fill(RopeParams& p, const at::Tensor& qkv, const at::Tensor& cos,
   p.total = B * S * (heads + 2 * kv_heads);  // times the chunk pairs per head, in launch()
 }
 
-void run(RopeParams& p, at::ScalarType dtype, bool fp8 = false) {
+void run(RopeParams& p, at::ScalarType dtype) {
   uintptr_t bits = 0;
   for (const void* ptr : {p.qkv, p.cos, p.sin, static_cast<const void*>(p.q), static_cast<const void*>(p.k),
                           static_cast<const void*>(p.v)})
     bits |= reinterpret_cast<uintptr_t>(ptr);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (fp8) {  // (fp16 / bf16 only: checked by the caller)
-    if (dtype == at::kHalf)
-      launch<__half, true>(p, bits, stream);
-    else
-      launch<__nv_bfloat16, true>(p, bits, stream);
-  } else if (dtype == at::kHalf) {
-    launch<__half, false>(p, bits, stream);
-  } else if (dtype == at::kBFloat16) {
-    launch<__nv_bfloat16, false>(p, bits, stream);
-  } else {
-    launch<float, false>(p, bits, stream);
-  }
+  if (dtype == at::kHalf)
+    launch<__half>(p, bits, stream);
+  else if (dtype == at::kBFloat16)
+    launch<__nv_bfloat16>(p, bits, stream);
+  else
+    launch<float>(p, bits, stream);
 }
 
 }  // namespace
@@ -226,27 +198,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope_cuda(const at::Tensor& q
   return {q, k, v};
 }
 
-namespace {
-
-// The append forms: checks the caches (of dtype cache_dtype) and slots, runs the kernel; returns q.
-at::Tensor rope_append(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
-                       int64_t kv_heads, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
-                       const float* kv_scale, at::ScalarType cache_dtype, const char* op) {
+at::Tensor qkv_rope_append_cuda(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                                int64_t kv_heads, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
   RopeParams p{};
-  check_and_fill(p, qkv, cos, sin, heads, kv_heads, op);
+  check_and_fill(p, qkv, cos, sin, heads, kv_heads, "qkv_rope_append_cuda");
   const int64_t B = qkv.size(0), S = qkv.size(1);
   TORCH_CHECK(k_cache.is_cuda() && v_cache.is_cuda() && slots.is_cuda() && k_cache.device() == qkv.device() &&
                   v_cache.device() == qkv.device() && slots.device() == qkv.device(),
-              op, ": caches and slots must be CUDA tensors on qkv's device");
+              "qkv_rope_append_cuda: caches and slots must be CUDA tensors on qkv's device");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == B &&
                   k_cache.size(1) == kv_heads && k_cache.size(3) == p.D,
-              op, ": caches must be (B, Hkv, T, D) = (", B, ", ", kv_heads, ", T, ", p.D, "), got ",
+              "qkv_rope_append_cuda: caches must be (B, Hkv, T, D) = (", B, ", ", kv_heads, ", T, ", p.D, "), got ",
               k_cache.sizes(), " and ", v_cache.sizes());
-  TORCH_CHECK(k_cache.scalar_type() == cache_dtype && v_cache.scalar_type() == cache_dtype,
-              op, ": caches must be ", cache_dtype);
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), op, ": caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
+              "qkv_rope_append_cuda: caches must be in qkv's dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "qkv_rope_append_cuda: caches must be contiguous");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == S,
-              op, ": slots must be an (S,) = (", S, ",) int64 tensor, got ", slots.scalar_type(), " ",
+              "qkv_rope_append_cuda: slots must be an (S,) = (", S, ",) int64 tensor, got ", slots.scalar_type(), " ",
               slots.sizes());
   const at::cuda::CUDAGuard guard(qkv.device());
   at::Tensor q = at::empty({B, heads, S, p.D}, qkv.options());
@@ -257,31 +225,8 @@ at::Tensor rope_append(const at::Tensor& qkv, const at::Tensor& cos, const at::T
   p.slots = slots.data_ptr<int64_t>();
   p.slots_stride = slots.stride(0);
   p.T = k_cache.size(2);
-  p.kv_scale = kv_scale;
-  run(p, qkv.scalar_type(), kv_scale != nullptr);
+  run(p, qkv.scalar_type());
   return q;
-}
-
-}  // namespace
-
-at::Tensor qkv_rope_append_cuda(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
-                                int64_t kv_heads, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
-  return rope_append(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots, nullptr, qkv.scalar_type(),
-                     "qkv_rope_append_cuda");
-}
-
-at::Tensor qkv_rope_append_fp8_cuda(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                                    int64_t heads, int64_t kv_heads, at::Tensor& k_cache, at::Tensor& v_cache,
-                                    const at::Tensor& slots, const at::Tensor& kv_scale) {
-  TORCH_CHECK(qkv.scalar_type() == at::kHalf || qkv.scalar_type() == at::kBFloat16,
-              "qkv_rope_append_fp8_cuda: qkv must be float16 or bfloat16, got ", qkv.scalar_type());
-  TORCH_CHECK(kv_scale.is_cuda() && kv_scale.device() == qkv.device() && kv_scale.scalar_type() == at::kFloat &&
-                  kv_scale.dim() == 2 && kv_scale.size(0) == 2 && kv_scale.size(1) == kv_heads &&
-                  kv_scale.is_contiguous(),
-              "qkv_rope_append_fp8_cuda: kv_scale must be a contiguous (2, ", kv_heads,
-              ") float32 CUDA tensor on qkv's device, got ", kv_scale.scalar_type(), " ", kv_scale.sizes());
-  return rope_append(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots, kv_scale.data_ptr<float>(),
-                     at::kFloat8_e4m3fn, "qkv_rope_append_fp8_cuda");
 }
 
 // qkv_rope(qkv, cos, sin, heads, kv_heads) -> (q, k, v): qkv (B, S, (H + 2 Hkv) D), cos / sin (B, S, D), all
@@ -289,20 +234,15 @@ at::Tensor qkv_rope_append_fp8_cuda(const at::Tensor& qkv, const at::Tensor& cos
 // contiguous; q and k rotated (x cos + rotate_half(x) sin, fp32 inside, rounded once), v copied.
 // qkv_rope_append(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots) -> q: the same, with k and v written into
 // k_cache / v_cache (B, Hkv, T, D) contiguous at slots (S,) int64 instead of returned; slots outside [0, T) skipped.
-// qkv_rope_append_fp8(..., k_cache, v_cache, slots, kv_scale) -> q: the append form into float8_e4m3fn caches,
-// k / v divided by kv_scale (2, Hkv) fp32 contiguous (row 0 keys, row 1 values) and saturated at +-448; fp16/bf16.
 TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
   m.def("qkv_rope(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor, Tensor)");
   m.def("qkv_rope_append(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slots) -> Tensor");
-  m.def("qkv_rope_append_fp8(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor(a!) k_cache, "
-        "Tensor(b!) v_cache, Tensor slots, Tensor kv_scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) {
   m.impl("qkv_rope", &qkv_rope_cuda);
   m.impl("qkv_rope_append", &qkv_rope_append_cuda);
-  m.impl("qkv_rope_append_fp8", &qkv_rope_append_fp8_cuda);
 }
 
 }  // namespace fuseinfer

@@ -200,13 +200,11 @@ def _qkv_rope_append_fp8(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 @_qkv_rope_append_fp8.register_kernel("cuda")
 def _qkv_rope_append_fp8_cuda(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots, kv_scale):
-    ext = extension(qkv.device)
-    if ext is None or not hasattr(ext, "qkv_rope_append_fp8") or not kernel_supports(qkv, cos, sin) \
-            or qkv.dtype == torch.float32 or not (k_cache.is_contiguous() and v_cache.is_contiguous()) \
-            or not kv_scale.is_contiguous():
-        return qkv_rope_append_fp8_ref(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots, kv_scale)
-    return ext.qkv_rope_append_fp8(qkv.contiguous(), cos.contiguous(), sin.contiguous(), heads, kv_heads, k_cache,
-                                   v_cache, slots, kv_scale)
+    # the rotary kernel, then the FP8 cache append kernel: two launches. (A one-kernel form, rotation and e4m3
+    # write together, differed from this composition in a GPU test and is not used until it is fixed.)
+    q, k, v = qkv_rope(qkv, cos, sin, heads, kv_heads)
+    kv_cache_append_fp8(k_cache, v_cache, k, v, slots, kv_scale)
+    return q
 
 
 @_qkv_rope_append_fp8.register_fake

@@ -15,7 +15,7 @@ from fuseinfer.ops.kv_cache import (
     FP8_DTYPE, FP8_HEADROOM, FP8_MAX, dequantize_kv, kv_cache_append_fp8, kv_cache_append_fp8_ref, kv_scales_from,
     quantize_kv,
 )
-from fuseinfer.ops.rope import qkv_rope_append_fp8_ref, qkv_rope_ref
+from fuseinfer.ops.rope import qkv_rope_append_fp8_ref
 
 E4M3_REL = 2.0 ** -4  # half a unit in the last place of a 3-bit mantissa, relative
 E4M3_SUB = 2.0 ** -10  # half the subnormal step (2^-9), in units of the scale
@@ -115,7 +115,7 @@ def test_rope_append_fp8_is_rotation_then_fp8_append(device):
     kc, vc = _caches(b, hkv, t, d, device)
     scales = torch.zeros(2, hkv, device=device)
     q = ops.qkv_rope_append(qkv, cos, sin, h, hkv, kc, vc, slots, scales, calibrate=True)
-    q_ref, k_ref, v_ref = qkv_rope_ref(qkv, cos, sin, h, hkv)
+    q_ref, k_ref, v_ref = ops.qkv_rope(qkv, cos, sin, h, hkv)  # (the device's rotation: the kernel on CUDA)
     assert torch.equal(q, q_ref) and torch.equal(scales, kv_scales_from(k_ref, v_ref))
     assert torch.equal(kc[:, :, 4:].view(torch.uint8), quantize_kv(k_ref, scales[0]).view(torch.uint8))
     kc2, vc2 = _caches(b, hkv, t, d, device)

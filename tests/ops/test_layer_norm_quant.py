@@ -306,7 +306,9 @@ def test_kernel_division_is_exact_over_many_scales(dtype, fmt):
 @pytest.mark.parametrize("residual", [True, False])
 def test_fp8_kernel_matches_reference(shape, dtype, residual):
     """The e4m3 kernel against the reference: s exact, scales to fp32 rounding, q within one e4m3 step (y's
-    rounding may differ by an ulp from aten's LayerNorm), and >= 99.9% of q equal."""
+    rounding may differ by an ulp from aten's LayerNorm), and >= 99% of q equal (a row whose largest |y| differs
+    by an ulp has every value scaled 1e-3 apart, which moves ~1% of its values across an e4m3 rounding boundary;
+    test_kernel_bits_equal_quantize_ref_of_add_layer_norm holds the kernel to the bit against the same y)."""
     torch.manual_seed(shape[1])
     x = torch.randn(*shape, device="cuda").to(dtype)
     r = torch.randn(*shape, device="cuda").to(dtype) if residual else None
@@ -318,7 +320,7 @@ def test_fp8_kernel_matches_reference(shape, dtype, residual):
     torch.testing.assert_close(s, es, rtol=0, atol=0)
     torch.testing.assert_close(scale, escale, rtol=2e-3 if dtype != torch.float32 else 1e-5, atol=0)
     diff = (q.double() - eq.double()).abs()
-    assert (diff <= e4m3_step(eq.double()) + 1e-12).all() and (diff == 0).double().mean() >= 0.999
+    assert (diff <= e4m3_step(eq.double()) + 1e-12).all() and (diff == 0).double().mean() >= 0.99
 
 
 @pytest.mark.gpu
