@@ -2,7 +2,7 @@
 
 transformers' beam search (``GenerationMixin._beam_search``) costs a Python loop of ~100 small launches, a cache
 reorder over every layer and a forward per new token. Here the whole step runs in one graph: the cache reorder
-(every row takes its parent beam's keys and values, all layers in one gather), the decode step over the
+(every row takes its parent beam's keys and values, all layers at once), the decode step over the
 ``batch * num_beams`` rows, log-softmax, the min-length EOS ban and transformers' beam bookkeeping (top-k of the
 continuations, the running beams, the finished hypotheses with their length penalty, the early-stop heuristic),
 with transformers' arithmetic op for op (its helpers take the step number as a Python int, so they cannot be
@@ -16,8 +16,9 @@ The settings it serves (``refusal``): greedy beam search (no sampling, groups or
 
 The prompt is prefilled for every beam row (as transformers does, so the logits are those of the middle path bit
 for bit). The KV cache is one tensor (layers, k/v, rows, heads, capacity, head dim), each layer's keys and values
-views of it, so that the reorder of the generated slots of every layer is one gather and one scatter. On the CPU
-(and with ``RuntimeConfig(cuda_graphs=False)``) the same step runs eagerly.
+views of it, so that the reorder of the generated slots of every layer is one launch on CUDA (``ops.kv_reorder``:
+only the slots written so far, only the rows whose parent is another row) and one gather and one scatter of every
+generated slot elsewhere. On the CPU (and with ``RuntimeConfig(cuda_graphs=False)``) the same step runs eagerly.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import torch
 from fuseinfer.core import decode_plan
 from fuseinfer.core.decode_plan import tp_info
 from fuseinfer.core.state import patch_state, runtime_config
+from fuseinfer.ops.kv_reorder import available as kv_reorder_available, kv_reorder
 from fuseinfer.runtime.cache import COUNTS, StaticKVCache
 from fuseinfer.runtime.decode import (
     CAPACITY_ROUND, STOP_CHECK_EVERY, _graphs_enabled, capture_graphs, sessions_of, trim_sessions,
@@ -241,6 +243,8 @@ class _Program:
         self.by_reciprocal = dev.type == "cuda"
         self.pen = self._table(finals).to(dev)  # (N,)
         self.best_pen = self._table(best).to(dev)  # (N,)
+        # on CUDA one kernel copies only the slots written so far and only for the rows that change parent
+        self.reorder_kernel = dev.type == "cuda" and kv_reorder_available(dev)
         self.graphs = None
 
     def _table(self, values: list) -> torch.Tensor:
@@ -336,9 +340,11 @@ class _Program:
         # are idle) every row its own parent and token 0, as the unset slots hold -1
         stopped = self.done
         parent = torch.where(stopped, self.rows, self.run_bidx.index_select(2, self.step).reshape(-1).long())
-        # the new tokens' slots of every layer, rows taken from their parents: one gather, one scatter
-        region = ses.kv[:, :, parent[:, None], :, self.slots[None, :]]  # (R, N, L, 2, H, D)
-        ses.kv[:, :, self.rows[:, None], :, self.slots[None, :]] = region
+        if self.reorder_kernel:  # the slots written so far, [P, P + step), of the rows whose parent is another row
+            kv_reorder(ses.kv, parent, ses.prompt, self.step, s.max_new)
+        else:  # the new tokens' slots of every layer, rows taken from their parents: one gather, one scatter
+            region = ses.kv[:, :, parent[:, None], :, self.slots[None, :]]  # (R, N, L, 2, H, D)
+            ses.kv[:, :, self.rows[:, None], :, self.slots[None, :]] = region
         ses.tokens.copy_(torch.where(stopped, 0, self.run_seq.index_select(2, self.step).reshape(-1, 1)))  # (R, 1)
         slot = ses.prompt + self.step  # (1,)
         ses.positions.copy_(ses.real + self.step)

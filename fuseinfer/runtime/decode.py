@@ -52,6 +52,7 @@ from fuseinfer.runtime.args import (  # noqa: F401 (re-exported)
 # (COUNTS: re-exported for tests and benchmarks)
 from fuseinfer.runtime.cache import COUNTS, StaticKVCache, kv_bytes, kv_cache
 from fuseinfer.runtime.graphs import capture_stream
+from fuseinfer.runtime.probe import forget as forget_probe, probe
 from fuseinfer.runtime.processors import Processors, Rule
 
 SESSIONS_ATTR = "_fuseinfer_sessions"
@@ -492,18 +493,10 @@ def trim_sessions(model) -> None:
 
 
 def _weights_key(model) -> tuple:
-    """Where and how the model's tensors are stored: a session's graphs and step kernel read them there. (Checked
-    at every call: a walk over the modules' own dicts, about 4x cheaper than ``parameters()`` and ``buffers()``,
-    whose generators and de-duplication cost ~1 ms a call on a 24-layer model; a tied tensor appears twice.)"""
-    key, stack = [], [model]
-    while stack:
-        m = stack.pop()
-        for tensors in (m._parameters, m._buffers):
-            for t in tensors.values():
-                if t is not None:
-                    key.append((t.data_ptr(), t.dtype, t.device))
-        stack.extend(c for c in m._modules.values() if c is not None)
-    return tuple(key)
+    """Where and how the model's tensors are stored: a session's graphs and step kernel read them there. Checked at
+    every call through the model's probe (``probe.py``), which redoes the walk over the modules only when cheaper
+    evidence (identity of every module dict's entries, every tensor's address and dtype) says something changed."""
+    return probe(model).key
 
 
 def set_runtime(model, runtime: RuntimeConfig | None = None, **changes) -> RuntimeConfig:
@@ -547,3 +540,4 @@ def release(model) -> None:
     model = unwrapped(model)
     with model_lock(model):
         model.__dict__.pop(SESSIONS_ATTR, None)
+        forget_probe(model)
