@@ -2,10 +2,10 @@
 //
 // A beam-search step makes every row r whose parent beam is another row continue from that row's cache:
 // kv[l, c, r, h, j] = kv[l, c, parent[r], h, j] for every layer l, k/v c, head h and slot j in
-// [start, start + min(count, max_count)) ∩ [0, T), with "all reads before any write" semantics (beams may swap:
-// a row can be a source and a destination in one step). start and count are DEVICE tensors (the prompt length
-// and the step counter of a beam search), so the op runs inside a CUDA graph and never syncs the host; max_count
-// (a host int) only sizes the grid. Rows whose parent is themselves (or outside [0, R)) are left alone.
+// [start, start + min(count, max_count)) clipped to [0, T), with "all reads before any write" semantics (beams may
+// swap: a row can be a source and a destination in one step). start and count are DEVICE tensors (the prompt
+// length and the step counter of a beam search), so the op runs inside a CUDA graph and never syncs the host;
+// max_count (a host int) only sizes the grid. Rows whose parent is themselves (or outside [0, R)) are left alone.
 //
 // One launch, no scratch buffer, and still "all reads first": a block owns one tile, the same (layer, k/v, head,
 // run of units of the slot span) of EVERY row. It loads the tile of every moving row's parent into shared memory,
@@ -153,8 +153,9 @@ void kv_reorder_cuda(at::Tensor& kv, const at::Tensor& parent, const at::Tensor&
 
 
 // For every row r with parent[r] != r: kv[:, :, r, :, j] = kv[:, :, parent[r], :, j] for the slots j in
-// [start, start + min(count, max_count)) ∩ [0, T), all reads before any write (beams may swap). kv: (L, 2, R, H, T, D)
-// contiguous, elements of 2-8 bytes; parent: (R,) int64; start, count: (1,) int64 device tensors (no host sync).
+// [start, start + min(count, max_count)) clipped to [0, T), all reads before any write (beams may swap).
+// kv: (L, 2, R, H, T, D) contiguous, elements of 2-8 bytes; parent: (R,) int64; start, count: (1,) int64 device
+// tensors (no host sync).
 TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
   m.def("kv_reorder(Tensor(a!) kv, Tensor parent, Tensor start, Tensor count, int max_count) -> ()");
 }

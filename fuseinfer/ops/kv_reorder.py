@@ -1,7 +1,7 @@
 """KV-cache beam reorder: every beam row continues from its parent beam's cache, in one kernel.
 
 ``kv`` (L, 2, R, H, T, D) holds the keys (``kv[l, 0]``) and values (``kv[l, 1]``) of every layer for R beam rows.
-For every row r with ``parent[r] != r`` the op copies slots [start, start + min(count, max_count)) ∩ [0, T) of
+For every row r with ``parent[r] != r`` the op copies slots [start, start + min(count, max_count)) clipped to [0, T) of
 every layer's keys and values from row ``parent[r]`` to row r, with all reads before any write (beams may swap).
 ``start`` and ``count`` are one-element int64 tensors on the cache's device (a beam search's prompt length and
 step counter), so the op runs inside a CUDA graph without a host sync; ``max_count`` only bounds the copy (the
