@@ -52,7 +52,7 @@ from fuseinfer.runtime.args import (  # noqa: F401 (re-exported)
 # (COUNTS: re-exported for tests and benchmarks)
 from fuseinfer.runtime.cache import COUNTS, StaticKVCache, kv_bytes, kv_cache
 from fuseinfer.runtime.graphs import capture_stream
-from fuseinfer.runtime.probe import forget as forget_probe, probe
+from fuseinfer.runtime.probe import forget as forget_probe, one_check, probe
 from fuseinfer.runtime.processors import Processors, Rule
 
 SESSIONS_ATTR = "_fuseinfer_sessions"
@@ -328,7 +328,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     model from several threads run one at a time (``model_lock``).
     """
     model = unwrapped(model)  # a torch.compile wrapper: the model it wraps
-    with model_lock(model):
+    with model_lock(model), one_check(model):  # (the probe checks the model once for the call: probe.py)
         call = prepare_call(model, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,
                             eos_token_id, pad_token_id, **settings)
         if not isinstance(call, Call):
