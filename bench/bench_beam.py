@@ -7,10 +7,13 @@ min_new_tokens = max_new_tokens (so that each decodes the same number of steps).
   hf_beam          unpatched model.generate(num_beams=4): static cache if transformers accepts it, else its default
   patched_beam     patched model.generate(num_beams=4): the one-graph beam search (checked: it ran)
   patched_middle   the same call on the middle path (transformers' loop over the fused forward; beam.ENABLED=False)
+  patched_beam_gather  the one-graph beam search with the cache reorder of before fuseinfer::kv_reorder (a gather and
+                   a scatter of every generated slot of every row, beam.REORDER_KERNEL=False; its own patched copy)
   greedy_rows      fuseinfer.generate of batch * 4 rows, greedy: a decode step of the beams' rows (the floor)
 ms/token = (T(new tokens) - T(1 token)) / (new - 1), CUDA events, so that prefill cancels; median over rounds with min
-and max. Also: whether patched_beam's tokens equal patched_middle's (the same forward; they must) and hf_beam's (fp16
-rounding of another forward may reorder near-equal beams). Target: patched_beam <= 2.0 ms/token at batch 1 on H100.
+and max. Also: whether patched_beam's tokens equal patched_middle's and patched_beam_gather's (the same forward; they
+must) and hf_beam's (fp16 rounding of another forward may reorder near-equal beams). Target: patched_beam <= 2.0
+ms/token at batch 1 on H100.
 Results: --out DIR (default $FUSEINFER_BENCH_DIR or bench/results)/beam.{json,md}.
 
     python bench/bench_beam.py --out DIR
@@ -53,6 +56,8 @@ def main() -> None:
     base = load_model(source, load_config(source), torch.float16, torch.device("cuda"), seed=0)
     patched = copy.deepcopy(base)
     fuseinfer.patch(patched)
+    gather = copy.deepcopy(base)  # (its programs are made with beam.REORDER_KERNEL off)
+    fuseinfer.patch(gather)
     vocab = base.config.vocab_size
     nb = args.beams
     try:  # HF's fastest beam search: static cache where it accepts beams
@@ -79,9 +84,17 @@ def main() -> None:
             finally:
                 beam.ENABLED = True
 
+        def gathered(n):
+            beam.REORDER_KERNEL = False
+            try:
+                return call(gather)(n)
+            finally:
+                beam.REORDER_KERNEL = True
+
         impls = {
             "hf_beam": call(base, **({"cache_implementation": "static"} if beam_cache == "static" else {})),
             "patched_beam": call(patched),
+            "patched_beam_gather": gathered,
             "patched_middle": middle,
             "greedy_rows": lambda n: fuseinfer.generate(patched, wide, torch.ones_like(wide), max_new_tokens=n),
         }
@@ -94,12 +107,14 @@ def main() -> None:
             ran = COUNTS["beam"]
             impls["patched_beam"](2)
             assert COUNTS["beam"] == ran + 1, "patched beam search did not take the one-graph path"
+            assert COUNTS["beam_reorder_kernel"] > 0, "the beam cache reorder did not take fuseinfer::kv_reorder"
             for _ in range(args.rounds):
                 for name, fn in impls.items():
                     t_full, t_one = event_ms(lambda: fn(args.new)), event_ms(lambda: fn(1))
                     times[name].append((t_full - t_one) / (args.new - 1))
         med = {k: statistics.median(v) for k, v in times.items()}
         same_middle = torch.equal(outs["patched_beam"], outs["patched_middle"])
+        same_gather = torch.equal(outs["patched_beam"], outs["patched_beam_gather"])
         same_hf = outs["patched_beam"].shape == outs["hf_beam"].shape and \
             float((outs["patched_beam"] == outs["hf_beam"]).float().mean())
         for name, v in times.items():
@@ -107,7 +122,8 @@ def main() -> None:
                    "rounds": len(v), "x_greedy_rows": med[name] / med["greedy_rows"],
                    "x_hf_beam": med[name] / med["hf_beam"]}
             if name == "patched_beam":
-                row.update(tokens_equal_middle=same_middle, tokens_agree_hf=same_hf,
+                row.update(tokens_equal_middle=same_middle, tokens_equal_gather=same_gather,
+                           tokens_agree_hf=same_hf,
                            meets_target=med[name] <= TARGET_MS)
             rows.append(row)
             print(row, flush=True)
@@ -118,7 +134,7 @@ def main() -> None:
                 "method": "(T(new) - T(1)) / (new - 1), CUDA events, median over rounds (min, max)",
                 "target": f"patched_beam <= {TARGET_MS} ms/token at batch 1 (H100)"}
     cols = ["batch", "impl", "ms_per_token", "min", "max", "rounds", "x_greedy_rows", "x_hf_beam",
-            "tokens_equal_middle", "tokens_agree_hf", "meets_target"]
+            "tokens_equal_middle", "tokens_equal_gather", "tokens_agree_hf", "meets_target"]
     print(write_results("beam", settings, measure_ceilings(), rows, cols).with_suffix(".md").read_text())
 
 

@@ -105,6 +105,10 @@ def other_kernels():
         cache = torch.zeros(2, 3, 40, 64, device="cuda", dtype=dtype)
         kv = torch.randn(2, 3, 5, 64, device="cuda", dtype=dtype)
         ops.kv_cache_append(cache, cache.clone(), kv, kv, torch.tensor([3, 9, 10, 11, 39], device="cuda"))
+        # beam reorder: rows 0 and 1 swap (read and written in one launch), row 3 stays; 16-byte and 2-byte units
+        parent, one = torch.tensor([1, 0, 0, 3], device="cuda"), torch.ones(1, dtype=torch.long, device="cuda")
+        for d in (64, 5):
+            ops.kv_reorder(torch.randn(3, 2, 4, 2, 40, d, device="cuda", dtype=dtype), parent, one, one * 30, 36)
 
 
 def decode_step(dtype, layers, hidden, heads, ffn, capacity, slots, pad, int8=False, fp8=False):

@@ -11,6 +11,7 @@ from fuseinfer.ops.fp8_gemv import fp8_weight_linear, fp8_weight_linear_ref
 from fuseinfer.ops.fp8_linear import fp8_linear, fp8_linear_ref, quantize_fp8_per_token, quantize_fp8_ref
 from fuseinfer.ops.w8a16_linear import dequantize_weight, w8a16_linear, w8a16_linear_ref
 from fuseinfer.ops.kv_cache import kv_cache_append, kv_cache_append_ref
+from fuseinfer.ops.kv_reorder import kv_reorder, kv_reorder_ref
 from fuseinfer.ops.w8a8_linear import w8a8_linear, w8a8_linear_ref
 from fuseinfer.ops.layer_norm import add_layer_norm, add_layer_norm_ref
 from fuseinfer.ops.layer_norm_quant import (add_layer_norm_quant, add_layer_norm_quant_fp8,
@@ -34,8 +35,8 @@ __all__ = [
     "dequantize_int8_ref", "dequantize_weight", "emit_tokens", "emit_tokens_ref", "emit_tokens_scratch",
     "fp8_linear", "fp8_linear_ref", "fp8_weight_linear", "fp8_weight_linear_ref", "quantize_fp8_per_token",
     "quantize_fp8_ref",
-    "w8a16_linear", "w8a16_linear_ref", "kv_cache_append", "kv_cache_append_ref", "linear_epilogue", "linear_epilogue_ref",
-    "linear_rope_append", "linear_rope_append_ref",
+    "w8a16_linear", "w8a16_linear_ref", "kv_cache_append", "kv_cache_append_ref", "kv_reorder", "kv_reorder_ref",
+    "linear_epilogue", "linear_epilogue_ref", "linear_rope_append", "linear_rope_append_ref",
     "opt_decode_step", "opt_decode_step_ref", "quantize_int8_ref", "quantize_per_channel", "quantize_per_token",
     "add_layer_norm_quant", "add_layer_norm_quant_ref", "add_layer_norm_quant_fp8", "add_layer_norm_quant_fp8_ref",
     "w8a8_linear", "w8a8_linear_ref",

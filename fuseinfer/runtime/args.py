@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fuseinfer.core import decode_plan, placement
+from fuseinfer.core import decode_plan
 from fuseinfer.core.state import patch_state
 from fuseinfer.ops.sample_tokens import sample_tokens, warp_ref
+from fuseinfer.runtime.probe import probe
 from fuseinfer.runtime.processors import Rule, bad_words, repetition_penalty_skips_padding
 
 
@@ -110,7 +111,7 @@ def decode_forward(model):
     if state is None or set(state.config.ops) != set(OPS) or state.config.filter_fn is not None:
         return None, ("fuseinfer.generate needs a model patched with every op and no filter_fn: "
                       "call fuseinfer.patch(model) first")
-    if not placement.is_hooked(model):  # (one walk over the modules; decode_plan's two checks would make two)
+    if not probe(model).hooked:  # (the probe walks the modules only when they changed: probe.py)
         return state.family.decode_forward(model)
     why = decode_plan.refusal(model)  # accelerate offload: transformers' generate runs it
     if why is not None:

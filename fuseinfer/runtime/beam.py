@@ -2,7 +2,7 @@
 
 transformers' beam search (``GenerationMixin._beam_search``) costs a Python loop of ~100 small launches, a cache
 reorder over every layer and a forward per new token. Here the whole step runs in one graph: the cache reorder
-(every row takes its parent beam's keys and values, all layers in one gather), the decode step over the
+(every row takes its parent beam's keys and values, all layers at once), the decode step over the
 ``batch * num_beams`` rows, log-softmax, the min-length EOS ban and transformers' beam bookkeeping (top-k of the
 continuations, the running beams, the finished hypotheses with their length penalty, the early-stop heuristic),
 with transformers' arithmetic op for op (its helpers take the step number as a Python int, so they cannot be
@@ -16,8 +16,9 @@ The settings it serves (``refusal``): greedy beam search (no sampling, groups or
 
 The prompt is prefilled for every beam row (as transformers does, so the logits are those of the middle path bit
 for bit). The KV cache is one tensor (layers, k/v, rows, heads, capacity, head dim), each layer's keys and values
-views of it, so that the reorder of the generated slots of every layer is one gather and one scatter. On the CPU
-(and with ``RuntimeConfig(cuda_graphs=False)``) the same step runs eagerly.
+views of it, so that the reorder of the generated slots of every layer is one launch on CUDA (``ops.kv_reorder``:
+only the slots written so far, only the rows whose parent is another row) and one gather and one scatter of every
+generated slot elsewhere. On the CPU (and with ``RuntimeConfig(cuda_graphs=False)``) the same step runs eagerly.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import torch
 from fuseinfer.core import decode_plan
 from fuseinfer.core.decode_plan import tp_info
 from fuseinfer.core.state import patch_state, runtime_config
+from fuseinfer.ops.kv_reorder import available as kv_reorder_available, kv_reorder
 from fuseinfer.runtime.cache import COUNTS, StaticKVCache, refuse_fp8
 from fuseinfer.runtime.decode import (
     CAPACITY_ROUND, STOP_CHECK_EVERY, _graphs_enabled, capture_graphs, sessions_of, trim_sessions,
@@ -38,6 +40,7 @@ from fuseinfer.runtime.decode import (
 KEY = "beam"  # sessions[(KEY, rows)] -> BeamSession
 PROGRAMS_PER_SESSION = 4  # settings kept per session (each: its state buffers and graphs)
 ENABLED = True  # False: beam search takes the middle path (benchmarks compare the two)
+REORDER_KERNEL = True  # False: the cache reorder gathers and scatters every generated slot on CUDA too (benchmarks)
 # generation settings this path serves, besides those that do not change a greedy beam search (see refusal)
 SETTINGS = {"num_beams", "early_stopping", "length_penalty", "num_return_sequences", "max_new_tokens", "max_length",
             "eos_token_id", "pad_token_id", "min_new_tokens", "min_length", "do_sample", "use_cache",
@@ -228,6 +231,7 @@ class _Program:
         self.top_mask = torch.cat([torch.ones(nb, dtype=torch.bool), torch.zeros(self.k - nb, dtype=torch.bool)]
                                   ).to(dev)  # top_num_beam_mask
         self.eos = torch.tensor(s.eos, dtype=torch.long, device=dev)
+        self.neg = torch.tensor(NEG, dtype=torch.float32, device=dev)  # () NEG as a float32 operand
         vocab = session.model.get_output_embeddings().weight.shape[0]
         self.eos_mask = torch.isin(torch.arange(vocab, device=dev), self.eos)  # (V,) as the min-length processors
         self.batch_offset = torch.arange(b, device=dev).view(-1, 1) * nb  # (B, 1)
@@ -242,6 +246,9 @@ class _Program:
         self.by_reciprocal = dev.type == "cuda"
         self.pen = self._table(finals).to(dev)  # (N,)
         self.best_pen = self._table(best).to(dev)  # (N,)
+        # on CUDA one kernel copies only the slots written so far and only for the rows that change parent
+        self.reorder_kernel = REORDER_KERNEL and dev.type == "cuda" and kv_reorder_available(dev)
+        COUNTS["beam_reorder_kernel" if self.reorder_kernel else "beam_reorder_gather"] += 1
         self.graphs = None
 
     def _table(self, values: list) -> torch.Tensor:
@@ -267,7 +274,8 @@ class _Program:
         self.improvable.fill_(True)
         self.done.zero_()
         self.step.zero_()
-        torch.add(ses.prompt, torch.arange(self.settings.max_new, device=ses.device), out=self.slots)
+        if not self.reorder_kernel:  # (the slots the gather / scatter reorder moves)
+            torch.add(ses.prompt, torch.arange(self.settings.max_new, device=ses.device), out=self.slots)
         self.score(logits)
 
     def score(self, logits: torch.Tensor) -> None:
@@ -292,9 +300,12 @@ class _Program:
         topk_running_beam_indices.index_copy_(2, step, batch_modified_indices[:, :, None].to(torch.int32))
         # stopping criteria: EOS (EosTokenCriteria) or max length (MaxLengthCriteria: cur_len + 1 >= max_length)
         # (isin's own kernel may sort and sync, which a graph cannot hold: the same test as a comparison)
-        hits = (topk_ids[:, :, None] == self.eos).any(-1) | (step + 1 >= n)  # (B, K)
+        # (one EOS id: one comparison; step + 1 >= n as step >= n - 1: the same booleans, one launch fewer each)
+        eos_hit = topk_ids == self.eos if len(s.eos) == 1 else (topk_ids[:, :, None] == self.eos).any(-1)
+        hits = eos_hit | (step >= n - 1)  # (B, K)
         # _get_running_beams_for_next_iteration
-        topk_running_log_probs = topk_log_probs + hits.to(torch.float32) * NEG
+        # (bool * a float32 0-dim tensor: the float32 product of .to(float32) * NEG, without the conversion's launch)
+        topk_running_log_probs = topk_log_probs + hits * self.neg
         next_topk_indices = torch.topk(topk_running_log_probs, k=nb)[1]
         run_seq = _gather(topk_running_sequences, next_topk_indices)
         run_scores = _gather(topk_running_log_probs, next_topk_indices)
@@ -303,8 +314,8 @@ class _Program:
         did_top_num_beams_just_finished = hits & self.top_mask[None, :]
         topk_log_probs = self._div(topk_log_probs, self.pen)
         beams_in_batch_are_full = torch.all(self.finished, axis=-1, keepdims=True) & (s.early_stopping is True)
-        topk_log_probs += beams_in_batch_are_full.to(torch.float32) * NEG
-        topk_log_probs += (~self.improvable).to(torch.float32) * NEG
+        topk_log_probs += beams_in_batch_are_full * self.neg
+        topk_log_probs += (~self.improvable) * self.neg
         topk_log_probs += (~did_top_num_beams_just_finished) * NEG
         merged_sequences = torch.cat((self.seqs, topk_running_sequences), dim=1)
         merged_scores = torch.cat((self.scores, topk_log_probs), dim=1)
@@ -337,9 +348,11 @@ class _Program:
         # are idle) every row its own parent and token 0, as the unset slots hold -1
         stopped = self.done
         parent = torch.where(stopped, self.rows, self.run_bidx.index_select(2, self.step).reshape(-1).long())
-        # the new tokens' slots of every layer, rows taken from their parents: one gather, one scatter
-        region = ses.kv[:, :, parent[:, None], :, self.slots[None, :]]  # (R, N, L, 2, H, D)
-        ses.kv[:, :, self.rows[:, None], :, self.slots[None, :]] = region
+        if self.reorder_kernel:  # the slots written so far, [P, P + step), of the rows whose parent is another row
+            kv_reorder(ses.kv, parent, ses.prompt, self.step, s.max_new)
+        else:  # the new tokens' slots of every layer, rows taken from their parents: one gather, one scatter
+            region = ses.kv[:, :, parent[:, None], :, self.slots[None, :]]  # (R, N, L, 2, H, D)
+            ses.kv[:, :, self.rows[:, None], :, self.slots[None, :]] = region
         ses.tokens.copy_(torch.where(stopped, 0, self.run_seq.index_select(2, self.step).reshape(-1, 1)))  # (R, 1)
         slot = ses.prompt + self.step  # (1,)
         ses.positions.copy_(ses.real + self.step)

@@ -52,6 +52,7 @@ from fuseinfer.runtime.args import (  # noqa: F401 (re-exported)
 # (COUNTS: re-exported for tests and benchmarks)
 from fuseinfer.runtime.cache import COUNTS, StaticKVCache, kv_bytes, kv_cache
 from fuseinfer.runtime.graphs import capture_stream
+from fuseinfer.runtime.probe import forget as forget_probe, one_check, probe
 from fuseinfer.runtime.processors import Processors, Rule
 
 SESSIONS_ATTR = "_fuseinfer_sessions"
@@ -105,6 +106,7 @@ class _Session:
         self.q_start = torch.zeros(bucket, dtype=torch.int32, device=dev)  # (B,) its cache slot
         self.decode_idx = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) same slot, where the cache writes k/v
         self.step = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) index into out
+        self.slots = torch.arange(capacity, device=dev)  # (T,) cache slots: a prefill of P writes slots[:P]
         self.unfinished = torch.ones(bucket, dtype=torch.bool, device=dev)  # (B,)
         self.out = torch.full((bucket, self.max_new), pad, dtype=torch.long, device=dev)  # (B, max_new)
         self.alive = torch.ones(self.max_new, dtype=torch.bool, device=dev)  # any row unfinished after step i
@@ -198,22 +200,33 @@ class _Session:
         """Prefill left-padded input_ids, mask (B, P) into the cache; returns the first new tokens (B, 1)."""
         b, p = input_ids.shape
         dev = self.tokens.device
-        ids = torch.full((self.bucket, p), self.pad, dtype=torch.long, device=dev)
-        ids[:b] = input_ids
+        full = b == self.bucket  # (no padding rows: fewer launches before the prefill, whose host time users wait)
+        mask = mask.long()  # (B, P)
+        if full and input_ids.dtype == torch.long:
+            ids = input_ids  # (read only)
+        else:
+            ids = torch.full((self.bucket, p), self.pad, dtype=torch.long, device=dev)
+            ids[:b] = input_ids
         key_mask = self.cache.key_mask
-        key_mask.zero_()
-        key_mask[:b, :p] = mask.bool()
+        if not full:
+            key_mask[b:].zero_()
+        key_mask[:b, :p].copy_(mask)  # (to bool)
         key_mask[:b, p:] = True  # generated slots; the causal bound hides those not written yet
-        pos = torch.full((self.bucket, p), -1, dtype=torch.long, device=dev)
-        pos[:b] = mask.long().cumsum(1) * mask - 1  # (B, P), -1 on padding, as OPT does
+        real = mask.cumsum(1)  # (B, P) real tokens up to each position
+        if full:
+            pos = real * mask - 1  # (B, P), -1 on padding, as OPT does
+        else:
+            pos = torch.full((self.bucket, p), -1, dtype=torch.long, device=dev)
+            pos[:b] = real * mask - 1
         self.unfinished.fill_(True)
-        self.unfinished[b:] = False
+        if not full:
+            self.unfinished[b:] = False
         if self.fused_sampling:  # from torch's generator, so that torch.manual_seed makes the call reproducible
             self.seed.copy_(torch.randint(2**62, (1,)))
         self.out.fill_(self.pad)
         self.alive.fill_(True)
         self.step.zero_()
-        self.cache.write_idx = torch.arange(p, device=dev)  # prefill writes slots [0, P) in one eager pass
+        self.cache.write_idx = self.slots[:p]  # prefill writes slots [0, P) in one eager pass
         self.q_start.zero_()
         if self.proc is not None:
             self.proc.begin(ids[:b], mask.to(dev), self.bucket)
@@ -227,8 +240,9 @@ class _Session:
             self.cache.calibrate = False
         self._emit(logits)
         # decode: the first input sits at slot P with position = number of real prompt tokens
-        self.positions[:b, 0] = mask.long().sum(1)
-        self.positions[b:] = 0
+        self.positions[:b, 0] = real[:, -1]  # (= mask.sum(1))
+        if not full:
+            self.positions[b:] = 0
         self.q_start.fill_(p)
         self.decode_idx.fill_(p)
         self.step.fill_(1)
@@ -325,7 +339,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     model from several threads run one at a time (``model_lock``).
     """
     model = unwrapped(model)  # a torch.compile wrapper: the model it wraps
-    with model_lock(model):
+    with model_lock(model), one_check(model):  # (the probe checks the model once for the call: probe.py)
         call = prepare_call(model, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,
                             eos_token_id, pad_token_id, **settings)
         if not isinstance(call, Call):
@@ -503,18 +517,10 @@ def trim_sessions(model) -> None:
 
 
 def _weights_key(model) -> tuple:
-    """Where and how the model's tensors are stored: a session's graphs and step kernel read them there. (Checked
-    at every call: a walk over the modules' own dicts, about 4x cheaper than ``parameters()`` and ``buffers()``,
-    whose generators and de-duplication cost ~1 ms a call on a 24-layer model; a tied tensor appears twice.)"""
-    key, stack = [], [model]
-    while stack:
-        m = stack.pop()
-        for tensors in (m._parameters, m._buffers):
-            for t in tensors.values():
-                if t is not None:
-                    key.append((t.data_ptr(), t.dtype, t.device))
-        stack.extend(c for c in m._modules.values() if c is not None)
-    return tuple(key)
+    """Where and how the model's tensors are stored: a session's graphs and step kernel read them there. Checked at
+    every call through the model's probe (``probe.py``), which redoes the walk over the modules only when cheaper
+    evidence (identity of every module dict's entries, every tensor's address and dtype) says something changed."""
+    return probe(model).key
 
 
 def set_runtime(model, runtime: RuntimeConfig | None = None, **changes) -> RuntimeConfig:
@@ -558,3 +564,4 @@ def release(model) -> None:
     model = unwrapped(model)
     with model_lock(model):
         model.__dict__.pop(SESSIONS_ATTR, None)
+        forget_probe(model)

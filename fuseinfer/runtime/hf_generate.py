@@ -14,6 +14,7 @@ several threads run one at a time (``decode.model_lock``).
 """
 from __future__ import annotations
 
+import copy
 import logging
 import re
 import weakref
@@ -25,6 +26,7 @@ from fuseinfer.core.config import ATTN_NAME
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.runtime.args import Call, check_shapes, decode_forward, eos_tensor, in_vocabulary, pad_id, prepare_call
 from fuseinfer.runtime.decode import model_lock, run_call, trim_sessions
+from fuseinfer.runtime.probe import one_check
 
 if TYPE_CHECKING:  # transformers is imported when the hook runs, so that ``import fuseinfer`` does not load it
     from transformers import GenerationConfig
@@ -49,7 +51,8 @@ def _reasons(model, input_ids, kwargs, configs: list, get, defaults: dict, check
     checked: ``decode_forward(model)``."""
     if get("use_cache") is False:
         return "use_cache=False", False
-    if model.generation_config is configs[0] and model.config._get_generation_parameters():
+    if model.generation_config is configs[0] and _memo(model.config, "generation",
+                                                        lambda: bool(model.config._get_generation_parameters())):
         return "generation settings on model.config (transformers refuses them: use model.generation_config)", False
     if model.training:
         return "model is in training mode", False
@@ -74,8 +77,38 @@ def _reasons(model, input_ids, kwargs, configs: list, get, defaults: dict, check
 
 def _wants(configs: list, kwargs, get, defaults: dict) -> set:
     """The settings the call sets to something other than transformers' defaults (keyword or either config)."""
-    set_keys = set().union(*(c.to_diff_dict() for c in configs)) | set(kwargs)
+    set_keys = set().union(*(_memo(c, "diff", lambda c=c: frozenset(c.to_diff_dict())) for c in configs))
+    set_keys |= set(kwargs)
     return {k for k in set_keys if (value := get(k)) is not None and value != defaults.get(k)}
+
+
+# id(obj), what -> (weak reference to obj, deep copy of its attributes then, the value computed)
+_memos: dict[tuple, tuple] = {}
+
+
+def _memo(obj, what: str, compute):
+    """``compute()`` for ``obj`` (a generation or model config), computed again only when obj's attributes differ
+    from a deep copy taken when it was last computed (configs are mutable: a caller may set a field between calls;
+    comparing their attributes costs a few microseconds, ``to_diff_dict`` and the config's generation-parameter scan
+    ~0.1-0.2 ms each). A value whose comparison is not a plain bool (a tensor) means no memo."""
+    key = (id(obj), what)
+    hit = _memos.get(key)
+    if hit is not None and hit[0]() is obj:
+        try:
+            if obj.__dict__ == hit[1]:
+                return hit[2]
+        except Exception:  # noqa: BLE001 (e.g. a tensor-valued field: compute it)
+            pass
+    value = compute()
+    try:
+        snapshot = copy.deepcopy(obj.__dict__)
+        if not snapshot == obj.__dict__:  # (a field without value equality: every call would miss)
+            return value
+        ref = weakref.ref(obj, lambda _, key=key: _memos.pop(key, None))
+    except Exception:  # noqa: BLE001 (no copy, no comparison or no weak reference: no memo)
+        return value
+    _memos[key] = (ref, snapshot, value)
+    return value
 
 
 def _resolver(model, generation_config, kwargs):
@@ -143,8 +176,8 @@ class GenerateHook:
 
 def patched_generate(model, inputs=None, generation_config: GenerationConfig | None = None, **kwargs):
     """Drop-in ``generate`` installed by ``fuseinfer.patch`` on models that have one."""
-    with model_lock(model):  # the sessions, and the attention setting the fallback switches, are per model
-        return _generate(model, inputs, generation_config, kwargs)
+    with model_lock(model), one_check(model):  # the sessions, and the attention setting the fallback switches,
+        return _generate(model, inputs, generation_config, kwargs)  # are per model; it is checked once (probe.py)
 
 
 def _generate(model, inputs, generation_config, kwargs):
