@@ -113,9 +113,10 @@ def _add_layer_norm_quant_fp8_cuda(x, residual, weight, bias, eps, store_sum):
     if (ext is None or x.dtype not in KERNEL_DTYPES or not hasattr(ext, "add_layer_norm_quant_fp8")
             or x.shape[-1] > MAX_N):
         return _contiguous(x, *add_layer_norm_quant_fp8_ref(x, residual, weight, bias, eps, store_sum))
-    if x.shape[-1] % 8 != 0:
-        # rows that are not whole 16-byte packs: the LayerNorm kernel, then the quantize (the fused kernel's
-        # narrow-pack form differed from this in a GPU test; the 16-byte form is bit-equal to it)
+    if True:
+        # The LayerNorm kernel, then the quantize. The fused e4m3 kernel (csrc/layer_norm_quant.cu) is not taken:
+        # bit-equal to this at 4096 and more rows with a residual, it was more than one e4m3 step from the reference
+        # at 2048 rows without a residual in a GPU test, and runs again once that is understood.
         y, s = add_layer_norm(x, residual, weight, bias, eps, store_sum)
         return _contiguous(x, *quantize_fp8_ref(y, -1), s)
     return ext.add_layer_norm_quant_fp8(x.contiguous(), None if residual is None else residual.contiguous(),
