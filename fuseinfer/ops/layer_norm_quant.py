@@ -47,12 +47,24 @@ def _contiguous(x, q, scale, s):
                                                 else s.contiguous())
 
 
+def _unfused(x, residual) -> bool:
+    """Whether the CUDA ops run the LayerNorm kernel, then the quantize (the same bits as the fused kernel where
+    both were compared), instead of the fused kernel: for rows without a residual, where the fused e4m3 kernel was
+    more than one e4m3 step from the reference at 2048 rows of 2048 in a GPU test (the int8 kernel shares that
+    path and was not tested there; in a model only the first layer's first LayerNorm has no residual), and for rows
+    that are not whole 16-byte packs (e4m3: there too the two differed)."""
+    return residual is None or x.shape[-1] % 8 != 0
+
+
 @_add_layer_norm_quant.register_kernel("cuda")
 def _add_layer_norm_quant_cuda(x, residual, weight, bias, eps, store_sum):
     ext = extension(x.device)
     if (ext is None or x.dtype not in KERNEL_DTYPES or not hasattr(ext, "add_layer_norm_quant")
             or x.shape[-1] > MAX_N):
         return _contiguous(x, *add_layer_norm_quant_ref(x, residual, weight, bias, eps, store_sum))
+    if _unfused(x, residual):
+        y, s = add_layer_norm(x, residual, weight, bias, eps, store_sum)
+        return _contiguous(x, *quantize_int8_ref(y, -1), s)
     return ext.add_layer_norm_quant(x.contiguous(), None if residual is None else residual.contiguous(),
                                     None if weight is None else weight.contiguous(),
                                     None if bias is None else bias.contiguous(), eps, store_sum)
@@ -113,10 +125,7 @@ def _add_layer_norm_quant_fp8_cuda(x, residual, weight, bias, eps, store_sum):
     if (ext is None or x.dtype not in KERNEL_DTYPES or not hasattr(ext, "add_layer_norm_quant_fp8")
             or x.shape[-1] > MAX_N):
         return _contiguous(x, *add_layer_norm_quant_fp8_ref(x, residual, weight, bias, eps, store_sum))
-    if True:
-        # The LayerNorm kernel, then the quantize. The fused e4m3 kernel (csrc/layer_norm_quant.cu) is not taken:
-        # bit-equal to this at 4096 and more rows with a residual, it was more than one e4m3 step from the reference
-        # at 2048 rows without a residual in a GPU test, and runs again once that is understood.
+    if _unfused(x, residual):
         y, s = add_layer_norm(x, residual, weight, bias, eps, store_sum)
         return _contiguous(x, *quantize_fp8_ref(y, -1), s)
     return ext.add_layer_norm_quant_fp8(x.contiguous(), None if residual is None else residual.contiguous(),
