@@ -58,8 +58,9 @@ def _notes(row: dict) -> str:
     kernels = _kernels(row)
     if kernels:
         notes.append(f"kernels: {kernels}")
-    if row.get("w8a8_gemm"):  # which GEMM the quantized linears ran, and the fix when it is the slow one
-        notes.append(row["w8a8_gemm"])
+    for key in ("w8a8_gemm", "fp8_gemm"):  # which GEMM the quantized linears ran, and the fix when it is slow
+        if row.get(key):
+            notes.append(row[key])
     match = row.get("greedy_match_eager")
     if match is not None and match < 1:
         notes.append(f"greedy tokens = eager's: {match:.0%}")

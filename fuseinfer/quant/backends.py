@@ -8,8 +8,8 @@ from __future__ import annotations
 from fuseinfer.core.config import PatchConfig
 from fuseinfer.core.quant_config import Float8, Int8WeightOnly, SmoothQuantW8A8
 from fuseinfer.harness.backends import Backend, FuseInferBackend
-from fuseinfer.ops.fp8_linear import fp8_gemm_note
 from fuseinfer.ops.w8a8_linear import w8a8_gemm_note
+from fuseinfer.quant.fp8 import fp8_note
 from fuseinfer.patching import patch
 from fuseinfer.runtime import release
 
@@ -140,7 +140,7 @@ class FuseInferFP8Backend(FuseInferW8A16Backend):
 
     def details(self):
         param = None if self.model is None else next(self.model.parameters(), None)
-        gemm = self.report.quant.gemm if param is None else fp8_gemm_note(param.device, self.model.dtype)
+        gemm = self.report.quant.gemm if param is None else fp8_note(param.device, self.model.dtype)
         return {**super().details(), "fp8_gemm": gemm}
 
 

@@ -103,7 +103,17 @@ def build(w: torch.Tensor, bias: torch.Tensor | None, empty: bool = False) -> Fl
     return Float8Linear(q, scale, None if bias is None else bias.detach().clone())
 
 
-FP8 = Flavor(build, Float8QKVSlice, fp8_gemm_note)
+PREFILL_NOTE = ("FP8 prefill: the patched modules (no lean loop yet), slower than fp16 on long prompts; for "
+                "prefill-bound work use fp16 or SmoothQuantW8A8")
+
+
+def fp8_note(device: torch.device, dtype: torch.dtype = torch.float16) -> str:
+    """The patch report's and the eval's line for an FP8 model: its GEMM and, where that is known to be slower than
+    fp16, the prefill."""
+    return f"{fp8_gemm_note(device, dtype)}; {PREFILL_NOTE}"
+
+
+FP8 = Flavor(build, Float8QKVSlice, fp8_note)
 
 
 def quantize_fp8(model: nn.Module, config, report):

@@ -131,10 +131,10 @@ def refresh_report(model) -> None:
     for swap in report.swaps:
         swap.ops = {op: (backend_for(p) if "(" not in b else b) for op, b in swap.ops.items()}
     if hasattr(report.quant, "gemm"):  # a W8A8 report: the GEMM its linears run, known only on the real device
-        from fuseinfer.ops.fp8_linear import fp8_gemm_note
         from fuseinfer.ops.w8a8_linear import w8a8_gemm_note
+        from fuseinfer.quant.fp8 import fp8_note
 
-        note = fp8_gemm_note if report.quant.scheme == "float8" else w8a8_gemm_note
+        note = fp8_note if report.quant.scheme == "float8" else w8a8_gemm_note
         report.quant.gemm = note(p.device, p.dtype)
     from fuseinfer.patching import warn_if_references_only
 
