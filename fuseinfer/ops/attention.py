@@ -141,6 +141,17 @@ def _backward(ctx, grad):
 _attention.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _check_mask(q, k, key_mask, q_start) -> None:
+    """key_mask (B, Skv) bool and q_start (B,) int32, or None: one clear error naming the fix otherwise."""
+    b, skv = q.shape[0], k.shape[2]
+    if key_mask is not None and (key_mask.dtype != torch.bool or key_mask.shape != (b, skv)):
+        raise FuseInferError(f"attention: key_mask must be a ({b}, {skv}) bool tensor (True: a real key), got "
+                             f"{tuple(key_mask.shape)} {key_mask.dtype}; e.g. attention_mask.bool()")
+    if q_start is not None and (q_start.shape != (b,) or q_start.dtype != torch.int32):
+        raise FuseInferError(f"attention: q_start must be a ({b},) int32 tensor, got {tuple(q_start.shape)} "
+                             f"{q_start.dtype}; e.g. q_start.int()")
+
+
 def attention(q, k, v, key_mask=None, q_start=None, scale: float | None = None, kv_scale=None) -> torch.Tensor:
     """Masked causal attention; see the module docstring. Returns (B, Sq, H, D). k, v may be an FP8 cache
     (float8_e4m3fn) with its scales ``kv_scale`` (2, Hkv) fp32 (``attention_kv_fp8``)."""
@@ -152,13 +163,7 @@ def attention(q, k, v, key_mask=None, q_start=None, scale: float | None = None, 
                              f"D > 0; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if not q.dtype == k.dtype == v.dtype:
         raise FuseInferError(f"attention: q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    b, skv = q.shape[0], k.shape[2]
-    if key_mask is not None and (key_mask.dtype != torch.bool or key_mask.shape != (b, skv)):
-        raise FuseInferError(f"attention: key_mask must be a ({b}, {skv}) bool tensor (True: a real key), got "
-                             f"{tuple(key_mask.shape)} {key_mask.dtype}; e.g. attention_mask.bool()")
-    if q_start is not None and (q_start.shape != (b,) or q_start.dtype != torch.int32):
-        raise FuseInferError(f"attention: q_start must be a ({b},) int32 tensor, got {tuple(q_start.shape)} "
-                             f"{q_start.dtype}; e.g. q_start.int()")
+    _check_mask(q, k, key_mask, q_start)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return route(torch.ops.fuseinfer.attention, attention_ref, _attention_cuda, (q, k, v, key_mask, q_start, scale),
                  (q, k, v))
@@ -212,13 +217,7 @@ def attention_kv_fp8(q, k, v, key_mask=None, q_start=None, scale: float | None =
         raise FuseInferError(f"attention over an FP8 cache: k and v must be float8_e4m3fn and q fp16/bf16/fp32, got "
                              f"{q.dtype}, {k.dtype}, {v.dtype}")
     check_kv_scale(kv_scale, k)
-    b, skv = q.shape[0], k.shape[2]
-    if key_mask is not None and (key_mask.dtype != torch.bool or key_mask.shape != (b, skv)):
-        raise FuseInferError(f"attention: key_mask must be a ({b}, {skv}) bool tensor (True: a real key), got "
-                             f"{tuple(key_mask.shape)} {key_mask.dtype}; e.g. attention_mask.bool()")
-    if q_start is not None and (q_start.shape != (b,) or q_start.dtype != torch.int32):
-        raise FuseInferError(f"attention: q_start must be a ({b},) int32 tensor, got {tuple(q_start.shape)} "
-                             f"{q_start.dtype}; e.g. q_start.int()")
+    _check_mask(q, k, key_mask, q_start)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     args = (q, k, v, key_mask, q_start, scale, kv_scale)
     if transformed():

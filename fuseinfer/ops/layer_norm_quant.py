@@ -56,18 +56,24 @@ def _unfused(x, residual) -> bool:
     return residual is None or x.shape[-1] % 8 != 0
 
 
-@_add_layer_norm_quant.register_kernel("cuda")
-def _add_layer_norm_quant_cuda(x, residual, weight, bias, eps, store_sum):
+def _cuda(name: str, ref, quantize_ref, x, residual, weight, bias, eps, store_sum):
+    """The CUDA form of the op ``name`` (its reference ``ref``, its per-token quantize ``quantize_ref``): the fused
+    kernel, the LayerNorm kernel then the quantize (``_unfused``), or the reference where the kernel cannot run."""
     ext = extension(x.device)
-    if (ext is None or x.dtype not in KERNEL_DTYPES or not hasattr(ext, "add_layer_norm_quant")
-            or x.shape[-1] > MAX_N):
-        return _contiguous(x, *add_layer_norm_quant_ref(x, residual, weight, bias, eps, store_sum))
+    if ext is None or x.dtype not in KERNEL_DTYPES or not hasattr(ext, name) or x.shape[-1] > MAX_N:
+        return _contiguous(x, *ref(x, residual, weight, bias, eps, store_sum))
     if _unfused(x, residual):
         y, s = add_layer_norm(x, residual, weight, bias, eps, store_sum)
-        return _contiguous(x, *quantize_int8_ref(y, -1), s)
-    return ext.add_layer_norm_quant(x.contiguous(), None if residual is None else residual.contiguous(),
-                                    None if weight is None else weight.contiguous(),
-                                    None if bias is None else bias.contiguous(), eps, store_sum)
+        return _contiguous(x, *quantize_ref(y, -1), s)
+    return getattr(ext, name)(x.contiguous(), None if residual is None else residual.contiguous(),
+                              None if weight is None else weight.contiguous(),
+                              None if bias is None else bias.contiguous(), eps, store_sum)
+
+
+@_add_layer_norm_quant.register_kernel("cuda")
+def _add_layer_norm_quant_cuda(x, residual, weight, bias, eps, store_sum):
+    return _cuda("add_layer_norm_quant", add_layer_norm_quant_ref, quantize_int8_ref, x, residual, weight, bias, eps,
+                 store_sum)
 
 
 @_add_layer_norm_quant.register_fake
@@ -121,16 +127,8 @@ def _add_layer_norm_quant_fp8(
 
 @_add_layer_norm_quant_fp8.register_kernel("cuda")
 def _add_layer_norm_quant_fp8_cuda(x, residual, weight, bias, eps, store_sum):
-    ext = extension(x.device)
-    if (ext is None or x.dtype not in KERNEL_DTYPES or not hasattr(ext, "add_layer_norm_quant_fp8")
-            or x.shape[-1] > MAX_N):
-        return _contiguous(x, *add_layer_norm_quant_fp8_ref(x, residual, weight, bias, eps, store_sum))
-    if _unfused(x, residual):
-        y, s = add_layer_norm(x, residual, weight, bias, eps, store_sum)
-        return _contiguous(x, *quantize_fp8_ref(y, -1), s)
-    return ext.add_layer_norm_quant_fp8(x.contiguous(), None if residual is None else residual.contiguous(),
-                                        None if weight is None else weight.contiguous(),
-                                        None if bias is None else bias.contiguous(), eps, store_sum)
+    return _cuda("add_layer_norm_quant_fp8", add_layer_norm_quant_fp8_ref, quantize_fp8_ref, x, residual, weight,
+                 bias, eps, store_sum)
 
 
 @_add_layer_norm_quant_fp8.register_fake
