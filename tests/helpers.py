@@ -158,6 +158,14 @@ def assert_same_state(model, before: dict) -> None:
 
 # ---- the lean prefill loop against the patched modules (tests/quant, tests/runtime) ----
 
+def cuda_kernel_names(fn) -> list[str]:
+    """Names of the CUDA kernels fn() launches, in order (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def fuseinfer_op_counts(fn):
     """Counter of fuseinfer::* op calls during fn() under no_grad (on CPU every wrapper goes through the dispatcher,
     which the profiler records; on CUDA the wrappers call the extension directly, so count on CPU)."""

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import DEVICES, LOWP, assert_lowp_close, examples, given, lowp_atol, paths_taken, ref_dtype, st, up
+from helpers import (DEVICES, LOWP, assert_lowp_close, cuda_kernel_names, examples, given, lowp_atol, paths_taken,
+                     ref_dtype, st, up)
 
 from fuseinfer import FuseInferError, ops
 
@@ -174,14 +175,6 @@ def test_matches_reference_and_the_unfused_pair_property(device):
 
 # ---- CUDA: the GEMV's epilogue ----
 
-def _kernels(fn):
-    """Names of the CUDA kernels fn() launches."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 # Llama-3.2-1B's MLP (F 8192, K 2048) at 1 and 16 rows, Qwen2-0.5B's (F 4864, K 896), odd F (a partial last tile),
 # K with a partial last k-block (1040), more tiles than SMs.
 @pytest.mark.gpu
@@ -206,7 +199,7 @@ def test_gemv_silu_mul_is_one_kernel_equal_to_the_pair(mfk, dtype, fmt, bias):
         call, pair = (lambda: ops.linear_epilogue(x, w, b, None, "silu_mul")), (lambda: _pair(x, w, b))
         ref = ops.linear_epilogue_ref(x.float(), w.float(), up(b), None, "silu_mul")
         torch_same = ops.linear_epilogue_ref(x, w, b, None, "silu_mul")
-    names = _kernels(call)
+    names = cuda_kernel_names(call)
     assert len(names) == 1 and "skinny" in names[0], names  # no silu_mul kernel, no (M, 2F) intermediate
     if fmt == "half":
         assert paths_taken(call)[1] == {"linear.skinny": 1}
@@ -230,7 +223,7 @@ def test_knob_off_runs_the_gemv_then_silu_mul(fmt, set_knob):
         call = lambda: ops.linear_epilogue(x, w, None, None, "silu_mul")  # noqa: E731
     fused = call()
     set_knob("FUSEINFER_GEMV_EPILOGUES", "0")
-    names = _kernels(call)
+    names = cuda_kernel_names(call)
     assert len(names) == 2 and "skinny" in names[0] and "silu_mul" in names[1], names
     assert torch.equal(call(), fused)
 
@@ -239,7 +232,7 @@ def test_knob_off_runs_the_gemv_then_silu_mul(fmt, set_knob):
 def test_prefill_rows_run_the_gemm_then_silu_mul():
     x = torch.randn(40, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2 * 128, 256, device="cuda", dtype=torch.bfloat16) * 256 ** -0.5
-    names = _kernels(lambda: ops.linear_epilogue(x, w, None, None, "silu_mul"))
+    names = cuda_kernel_names(lambda: ops.linear_epilogue(x, w, None, None, "silu_mul"))
     assert len(names) >= 2 and "silu_mul" in names[-1] and not any("skinny" in n for n in names), names
     assert torch.equal(ops.linear_epilogue(x, w, None, None, "silu_mul"), _pair(x, w, None))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICES, LOWP, examples, given, st
+from helpers import DEVICES, LOWP, cuda_kernel_names, examples, given, st
 
 from fuseinfer import FuseInferError, ops
 
@@ -118,13 +118,6 @@ def test_equals_the_pair_property(device):
 
 # ---- CUDA ----
 
-def _kernels(fn):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 # Llama-3.2-1B's q/k/v (32 heads, 8 KV heads, D 64, K 2048) at 1 and 16 rows; Qwen2-0.5B's (14 / 2, D 64, K 896)
 # with biases; head dim 128 (Llama-3.1-8B); K with a partial k-block.
 @pytest.mark.gpu
@@ -136,7 +129,7 @@ def test_decode_is_one_kernel_equal_to_the_pair(shape, dtype, int8):
     rows, heads, kv_heads, d, k = shape
     args = _case("cuda", dtype, b=rows, s=1, k=k, heads=heads, kv_heads=kv_heads, d=d, t=20, int8=int8,
                  bias=heads == 14)
-    names = _kernels(lambda: _ours(args))
+    names = cuda_kernel_names(lambda: _ours(args))
     gemv = [n for n in names if "skinny" in n]
     assert len(gemv) == 1 and not any("rope" in n for n in names), names  # (the rest: the caches' clones)
     _same(_ours(args), _pair(args), args)
@@ -151,7 +144,7 @@ def test_knob_off_runs_the_gemv_then_qkv_rope_append(set_knob):
     args = _case("cuda", torch.float16, b=2, k=256, heads=8, kv_heads=2, d=64)
     fused = _ours(args)
     set_knob("FUSEINFER_GEMV_EPILOGUES", "0")
-    names = _kernels(lambda: ops.linear_rope_append(*args))
+    names = cuda_kernel_names(lambda: ops.linear_rope_append(*args))
     assert len(names) == 2 and "skinny" in names[0] and "rope" in names[1], names
     for a, r in zip(_ours(args), fused):
         assert torch.equal(a, r)
@@ -161,7 +154,7 @@ def test_knob_off_runs_the_gemv_then_qkv_rope_append(set_knob):
 def test_prefill_and_odd_head_dims_run_the_pair():
     for s, d in ((24, 64), (1, 40)):
         args = _case("cuda", torch.bfloat16, s=s, k=128, d=d, t=30)
-        names = _kernels(lambda: ops.linear_rope_append(*args))  # noqa: B023
+        names = cuda_kernel_names(lambda: ops.linear_rope_append(*args))  # noqa: B023
         assert any("rope" in n for n in names), names
         _same(_ours(args), _pair(args), args)
 
