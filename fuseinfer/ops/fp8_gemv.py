@@ -17,7 +17,7 @@ import torch
 
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.extension import extension, route
-from fuseinfer.ops.linear import ACTIVATIONS, linear_epilogue_ref
+from fuseinfer.ops.linear import ACTIVATIONS, check_activation, linear_epilogue_ref
 
 FP8_DTYPE = torch.float8_e4m3fn
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -33,10 +33,7 @@ def fp8_weight_linear_ref(x, weight, scale, bias, residual, activation: str):
 
 
 def _check(x, weight, scale, bias, residual, activation):
-    if activation not in ACTIVATIONS:
-        raise FuseInferError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if activation != "none" and residual is not None:
-        raise FuseInferError("an activation and a residual cannot be fused into one linear")
+    check_activation(activation, residual, 0, ACTIVATIONS)  # (no silu_mul here: the row count does not matter)
     if weight.dtype != FP8_DTYPE or weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise FuseInferError(f"fp8_weight_linear: expected x (..., K) and a float8_e4m3fn weight (N, K), got "
                              f"{tuple(x.shape)} and {tuple(weight.shape)} {weight.dtype}")
