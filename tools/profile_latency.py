@@ -72,6 +72,17 @@ def split(name: str, fn, sort: str) -> None:
     print(_host_profile(fn, 10, sort))
 
 
+def per_step(name: str, call, new: int = 33) -> None:
+    """GPU busy time and kernels of one decode step: ``call(n)`` (a closure generating n tokens) at ``new`` tokens
+    against 1, the prefill cancelled."""
+    call(new)(), call(1)()  # warm-up (graph captures)
+    busy_n, table, k_n = _kernels(call(new), 3)
+    busy_1, _, k_1 = _kernels(call(1), 3)
+    print(f"\n== {name}, per step: GPU busy {(busy_n - busy_1) / (new - 1):.1f} us, "
+          f"{(k_n - k_1) / (new - 1):.0f} kernels (of {new} tokens; prefill cancelled)")
+    print(table)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="random:opt-1.3b")
@@ -95,29 +106,14 @@ def main() -> None:
                     ids, attention_mask=mask, max_new_tokens=1, do_sample=False), "cumulative")
         ids = torch.randint(3, vocab, (1, 512), device="cuda")
         mask = torch.ones_like(ids)
-        new = 33
         if "beam" in parts:
-            def beam(n):
-                return lambda: model.generate(ids, attention_mask=mask, num_beams=4, do_sample=False,
-                                              max_new_tokens=n, min_new_tokens=n)
-            beam(new)(), beam(1)()
-            busy_n, table, k_n = _kernels(beam(new), 3)
-            busy_1, _, k_1 = _kernels(beam(1), 3)
-            print(f"\n== beam 4, per step: GPU busy {(busy_n - busy_1) / (new - 1):.1f} us, "
-                  f"{(k_n - k_1) / (new - 1):.0f} kernels (of {new} tokens; prefill cancelled)")
-            print(table)
+            per_step("beam 4", lambda n: lambda: model.generate(ids, attention_mask=mask, num_beams=4,
+                                                                do_sample=False, max_new_tokens=n, min_new_tokens=n))
         if "sampling" in parts:
             for name, kw in (("greedy", {}), ("top-p 0.9 temperature 0.8",
                                               dict(do_sample=True, top_p=0.9, temperature=0.8))):
-                def gen(n, kw=kw):
-                    return lambda: fuseinfer.generate(model, ids, max_new_tokens=n, min_new_tokens=n, **kw)
-                gen(new)(), gen(1)()
-                busy_n, table, k_n = _kernels(gen(new), 3)
-                busy_1, _, k_1 = _kernels(gen(1), 3)
-                print(f"\n== {name}, per step: GPU busy {(busy_n - busy_1) / (new - 1):.1f} us, "
-                      f"{(k_n - k_1) / (new - 1):.0f} kernels")
-                print(table)
-
+                per_step(name, lambda n, kw=kw: lambda: fuseinfer.generate(model, ids, max_new_tokens=n,
+                                                                            min_new_tokens=n, **kw))
 
 if __name__ == "__main__":
     main()
