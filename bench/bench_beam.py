@@ -77,19 +77,17 @@ def main() -> None:
             return lambda n: model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                                             do_sample=False, num_beams=nb, **kw)
 
-        def middle(n):
-            beam.ENABLED = False
-            try:
-                return call(patched)(n)
-            finally:
-                beam.ENABLED = True
+        def switched_off(flag, model):
+            """call(model) with runtime.beam's module switch ``flag`` False during the call."""
+            def run(n):
+                setattr(beam, flag, False)
+                try:
+                    return call(model)(n)
+                finally:
+                    setattr(beam, flag, True)
+            return run
 
-        def gathered(n):
-            beam.REORDER_KERNEL = False
-            try:
-                return call(gather)(n)
-            finally:
-                beam.REORDER_KERNEL = True
+        middle, gathered = switched_off("ENABLED", patched), switched_off("REORDER_KERNEL", gather)
 
         impls = {
             "hf_beam": call(base, **({"cache_implementation": "static"} if beam_cache == "static" else {})),

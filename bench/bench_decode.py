@@ -34,7 +34,6 @@ from common import measure_ceilings, percentile_stats, wall_ms, write_results  #
 import fuseinfer  # noqa: E402
 from fuseinfer.core import knobs  # noqa: E402
 from fuseinfer.harness.metrics import decode_bytes_per_step  # noqa: E402
-from fuseinfer.harness.models import load_config, load_model, model_stats, resolve_model  # noqa: E402
 
 
 # fuseinfer backends -> their quantization scheme (None: fp16/bf16)
@@ -81,11 +80,7 @@ def main() -> None:
     if args.quick:
         args.batches, args.new_tokens, args.repeats = "1", 64, 3
     ceilings = measure_ceilings()
-    source = resolve_model(args.model)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    base = load_model(source, load_config(source), dtype, torch.device("cuda"), seed=0)
-    base.generation_config.eos_token_id = None  # random weights: never stop early
-    stats = model_stats(base)
+    base, stats = common.decode_model(args.model, args.dtype)
     weight_bytes = stats.weight_bytes_per_token
     floor_ms = weight_bytes / (ceilings["copy_GBps"] * 1e9) * 1e3
     rows = []

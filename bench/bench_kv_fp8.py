@@ -28,7 +28,6 @@ import common  # noqa: E402
 from common import measure_ceilings, percentile_stats, wall_ms, write_results  # noqa: E402
 
 import fuseinfer  # noqa: E402
-from fuseinfer.harness.models import load_config, load_model, model_stats, resolve_model  # noqa: E402
 from fuseinfer.runtime.decode import SESSIONS_ATTR  # noqa: E402
 
 KINDS = ("auto", "fp8")  # RuntimeConfig.kv_cache of the two copies
@@ -56,11 +55,7 @@ def main() -> None:
     args = ap.parse_args()
     common.RESULTS_DIR = Path(args.out)
     ceilings = measure_ceilings()
-    source = resolve_model(args.model)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    base = load_model(source, load_config(source), dtype, torch.device("cuda"), seed=0)
-    base.generation_config.eos_token_id = None  # random weights: never stop early
-    stats = model_stats(base)
+    base, stats = common.decode_model(args.model, args.dtype)
     cfg, n = base.config, args.new_tokens
     rows = []
     for case in args.cases.split(","):

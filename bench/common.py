@@ -116,6 +116,18 @@ def percentile_stats(times: list) -> dict:
     return {"median_ms": s["median"], "p10_ms": s["p10"], "p90_ms": s["p90"], "n": s["n"]}
 
 
+def decode_model(name: str, dtype: str):
+    """(model, its ModelStats) for a decode benchmark: ``name`` (``random:...`` or a folder) loaded on CUDA in
+    ``dtype`` ("fp16" / "bf16"), seed 0, with no EOS id (random weights must never stop early)."""
+    from fuseinfer.harness.models import load_config, load_model, model_stats, resolve_model
+
+    source = resolve_model(name)
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    model = load_model(source, load_config(source), torch_dtype, torch.device("cuda"), seed=0)
+    model.generation_config.eos_token_id = None
+    return model, model_stats(model)
+
+
 def measure_ceilings() -> dict:
     """Measured copy bandwidth (GB/s of bytes read + written, ``fuseinfer.harness.timing.copy_bandwidth_gbps``, the
     eval CLI's measurement) and cuBLAS fp16 matmul TFLOP/s."""
