@@ -64,8 +64,13 @@ struct Params {
   void* y;               // (M, N) T
   int m, n, k;           // with SILU: n = F outputs; w, scale and bias have 2F rows; ROPE: n = (H + 2 Hkv) D / 2
   bool relu;
-  // ROPE only (m = B S tokens, token = b S + s): the rotary tables (B, S, D) in T, q (B, H, S, D), the caches
-  // (B, Hkv, T, D) and their slots (S,) (stride slots_stride; a slot outside [0, T) is skipped)
+};
+
+// ROPE only (m = B S tokens, token = b S + s): the rotary tables (B, S, D) in T, q (B, H, S, D), the caches
+// (B, Hkv, T, D) and their slots (S,) (stride slots_stride; a slot outside [0, T) is skipped). A kernel parameter of
+// its own rather than more fields of Params: with them in Params, ptxas spilled registers in the plain fp16 kernel
+// (M <= 8, at its 128-register cap), which cost the fp16 decode step ~10%.
+struct RopeParams {
   const void* cos = nullptr;
   const void* sin = nullptr;
   void* q = nullptr;
@@ -234,7 +239,7 @@ using Fp8Weights = ByteWeights<true>;
 // linear_epilogue's, and rounding them to T before silu * up (as silu_mul.cu does) gives linear + silu_mul's bits.
 // ROPE: the same pairing, tile i covering pairs 8i .. 8i + 7 of (head, d < D/2): rows head D + d and head D + D/2 + d.
 template <class W, typename T, int NT, bool TAIL, int EPI = kPlain>
-__global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p) {
+__global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p, const RopeParams rp) {
   constexpr bool SILU = EPI == kSiluMul, ROPE = EPI == kRope;
   constexpr int U = W::template unroll<NT>();
   constexpr int XC = W::kChunkElems / 8;  // 16-byte chunks of x per weight chunk
@@ -283,9 +288,9 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p) 
       return w + static_cast<int64_t>(r >= kOut ? p.n + out : out) * chunks;
     }
     if constexpr (ROPE) {  // pair `out` = (head, d): r < 8 row head D + d, r >= 8 row head D + D/2 + d
-      const int out = min(tile * kOut + (r & (kOut - 1)), p.n - 1), half = p.head_dim / 2;
+      const int out = min(tile * kOut + (r & (kOut - 1)), p.n - 1), half = rp.head_dim / 2;
       const int head = out / half, d = out - head * half;
-      return w + static_cast<int64_t>(head * p.head_dim + d + (r >= kOut ? half : 0)) * chunks;
+      return w + static_cast<int64_t>(head * rp.head_dim + d + (r >= kOut ? half : 0)) * chunks;
     }
     return w + static_cast<int64_t>(min(tile * kRows + r, p.n - 1)) * chunks;
   };
@@ -317,23 +322,23 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p) 
   auto load_rope_at = [&](int token, int head, int d) {  // (token, pair (head, d))'s
     RopeOperands r;
     if constexpr (ROPE) {
-      const int half = p.head_dim / 2;
-      if (head < p.heads + p.kv_heads) {
-        const int64_t at = static_cast<int64_t>(token) * p.head_dim + d;
-        const T* cs = static_cast<const T*>(p.cos) + at;
-        const T* sn = static_cast<const T*>(p.sin) + at;
+      const int half = rp.head_dim / 2;
+      if (head < rp.heads + rp.kv_heads) {
+        const int64_t at = static_cast<int64_t>(token) * rp.head_dim + d;
+        const T* cs = static_cast<const T*>(rp.cos) + at;
+        const T* sn = static_cast<const T*>(rp.sin) + at;
         r.c1 = to_float(ld_dep_as(cs));
         r.c2 = to_float(ld_dep_as(cs + half));
         r.s1 = to_float(ld_dep_as(sn));
         r.s2 = to_float(ld_dep_as(sn + half));
       }
-      if (head >= p.heads) r.slot = ld_dep_as(p.slots + (token % p.seq) * p.slots_stride);
+      if (head >= rp.heads) r.slot = ld_dep_as(rp.slots + (token % rp.seq) * rp.slots_stride);
     }
     return r;
   };
   auto load_rope = [&](int tile) {  // the thread's first pair of the tile, if any
     if (e_index(tile) < 0) return RopeOperands{};
-    const int half = p.head_dim / 2, out = tile * kOut + e_row;
+    const int half = rp.head_dim / 2, out = tile * kOut + e_row;
     const int head = out / half;
     return load_rope_at(e_token, head, out - head * half);
   };
@@ -405,14 +410,14 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p) 
         // and rounded to T as the GEMV would store them, then rotated as rope.cu does (fp32, one rounding) for q and
         // k heads, and stored where qkv_rope_append stores them. cos, sin and slots come from earlier kernels
         // (after pdl_wait above; coherent loads).
-        const int half = p.head_dim / 2;
+        const int half = rp.head_dim / 2;
         for (int o = threadIdx.x; o < kOut * kTokens; o += blockDim.x) {
           const int row = o % kOut;
           const int token = o / kOut;
           const int out = ci.tile * kOut + row;
           if (token >= p.m || out >= p.n) continue;
           const int head = out / half, d = out - head * half;
-          const int r_lo = head * p.head_dim + d, r_hi = r_lo + half;
+          const int r_lo = head * rp.head_dim + d, r_hi = r_lo + half;
           float lo = 0.f, hi = 0.f;
           for (int v = 0; v < warps; ++v) {
             lo += part[v][row][token];
@@ -427,23 +432,23 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p) 
           }
           const T a = from_float<T>(lo), b2 = from_float<T>(hi);
           T y1 = a, y2 = b2;  // v: as stored
-          const int64_t s = token % p.seq, b = token / p.seq;
+          const int64_t s = token % rp.seq, b = token / rp.seq;
           const RopeOperands ro = o == threadIdx.x ? e_rope : load_rope_at(token, head, d);
-          if (head < p.heads + p.kv_heads) {  // q or k: x cos + rotate_half(x) sin
+          if (head < rp.heads + rp.kv_heads) {  // q or k: x cos + rotate_half(x) sin
             const float af = to_float(a), bf = to_float(b2);
             y1 = from_float<T>(fmaf(af, ro.c1, -bf * ro.s1));
             y2 = from_float<T>(fmaf(bf, ro.c2, af * ro.s2));
           }
           T* dst;
-          if (head < p.heads) {
-            dst = static_cast<T*>(p.q) + ((b * p.heads + head) * p.seq + s) * p.head_dim;
+          if (head < rp.heads) {
+            dst = static_cast<T*>(rp.q) + ((b * rp.heads + head) * rp.seq + s) * rp.head_dim;
           } else {
-            const bool is_k = head < p.heads + p.kv_heads;
-            const int hk = head - p.heads - (is_k ? 0 : p.kv_heads);
+            const bool is_k = head < rp.heads + rp.kv_heads;
+            const int hk = head - rp.heads - (is_k ? 0 : rp.kv_heads);
             const int64_t slot = ro.slot;
-            if (slot < 0 || slot >= p.cache_len) continue;  // skipped, as kv_cache_append does
-            T* cache = static_cast<T*>(is_k ? p.k_cache : p.v_cache);
-            dst = cache + ((b * p.kv_heads + hk) * p.cache_len + slot) * p.head_dim;
+            if (slot < 0 || slot >= rp.cache_len) continue;  // skipped, as kv_cache_append does
+            T* cache = static_cast<T*>(is_k ? rp.k_cache : rp.v_cache);
+            dst = cache + ((b * rp.kv_heads + hk) * rp.cache_len + slot) * rp.head_dim;
           }
           dst[d] = y1;
           dst[d + half] = y2;
@@ -541,7 +546,7 @@ bool supported(const at::Tensor& x, const at::Tensor& w, int64_t m) {
 }
 
 template <class W, typename T, int NT, bool TAIL, int EPI>
-void launch(const Params& p, cudaStream_t stream) {
+void launch(const Params& p, const RopeParams& rp, cudaStream_t stream) {
   constexpr int kElemsPerBlock = 4 * W::kChunkElems * W::template unroll<NT>();
   constexpr int kOut = EPI == kPlain ? kRows : kRows / 2;
   const int tiles = (p.n + kOut - 1) / kOut;
@@ -553,25 +558,25 @@ void launch(const Params& p, cudaStream_t stream) {
   const int warps = std::max(1, std::min(tiles < 2 * sms ? kMaxWarps : 8, k_blocks));
   const auto kernel = skinny_kernel<W, T, NT, TAIL, EPI>;
   const int resident = sms * blocks_per_sm(reinterpret_cast<const void*>(kernel), 32 * warps);
-  launch_kernel(kernel, std::min(tiles, resident), 32 * warps, 0, stream, p);
+  launch_kernel(kernel, std::min(tiles, resident), 32 * warps, 0, stream, p, rp);
 }
 
 template <class W, typename T, int NT, int EPI>
-void launch(const Params& p, cudaStream_t stream) {
+void launch(const Params& p, const RopeParams& rp, cudaStream_t stream) {
   if ((p.k / W::kChunkElems) % (4 * W::template unroll<NT>()) != 0) {
-    launch<W, T, NT, true, EPI>(p, stream);
+    launch<W, T, NT, true, EPI>(p, rp, stream);
   } else {
-    launch<W, T, NT, false, EPI>(p, stream);
+    launch<W, T, NT, false, EPI>(p, rp, stream);
   }
 }
 
 // Launches the kernel for T = __half or __nv_bfloat16 (one n-tile up to 8 tokens, else two).
 template <class W, typename T, int EPI>
-void launch(const Params& p, cudaStream_t stream) {
+void launch(const Params& p, cudaStream_t stream, const RopeParams& rp = {}) {
   if (p.m <= 8) {
-    launch<W, T, 1, EPI>(p, stream);
+    launch<W, T, 1, EPI>(p, rp, stream);
   } else {
-    launch<W, T, 2, EPI>(p, stream);
+    launch<W, T, 2, EPI>(p, rp, stream);
   }
 }
 
@@ -627,23 +632,24 @@ void run_rope(const at::Tensor& x, const at::Tensor& w, const float* scale, cons
   p.n = static_cast<int>(w.size(0) / 2);  // row pairs
   p.k = static_cast<int>(x.size(1));
   p.relu = false;
-  p.cos = cos.data_ptr();
-  p.sin = sin.data_ptr();
-  p.q = q.data_ptr();
-  p.k_cache = k_cache.data_ptr();
-  p.v_cache = v_cache.data_ptr();
-  p.slots = slots.data_ptr<int64_t>();
-  p.slots_stride = slots.stride(0);
-  p.seq = static_cast<int>(seq);
-  p.cache_len = static_cast<int>(k_cache.size(2));
-  p.heads = static_cast<int>(heads);
-  p.kv_heads = static_cast<int>(kv_heads);
-  p.head_dim = static_cast<int>(q.size(3));
+  RopeParams rp;
+  rp.cos = cos.data_ptr();
+  rp.sin = sin.data_ptr();
+  rp.q = q.data_ptr();
+  rp.k_cache = k_cache.data_ptr();
+  rp.v_cache = v_cache.data_ptr();
+  rp.slots = slots.data_ptr<int64_t>();
+  rp.slots_stride = slots.stride(0);
+  rp.seq = static_cast<int>(seq);
+  rp.cache_len = static_cast<int>(k_cache.size(2));
+  rp.heads = static_cast<int>(heads);
+  rp.kv_heads = static_cast<int>(kv_heads);
+  rp.head_dim = static_cast<int>(q.size(3));
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (x.scalar_type() == at::kHalf) {
-    launch<W, __half, kRope>(p, stream);
+    launch<W, __half, kRope>(p, stream, rp);
   } else {
-    launch<W, __nv_bfloat16, kRope>(p, stream);
+    launch<W, __nv_bfloat16, kRope>(p, stream, rp);
   }
 }
 #endif

@@ -253,7 +253,7 @@ def test_linear_chain_waits_for_its_input(m):
 
 @pytest.mark.gpu
 def test_gemv_requests_its_weights_before_the_pdl_wait():
-    """The skinny GEMV's first two k-blocks of weights are loaded before griddepcontrol.wait (ACQBULK in sm_90
+    """No skinny GEMV kernel spills to local memory, and the skinny GEMV's first two k-blocks of weights are loaded before griddepcontrol.wait (ACQBULK in sm_90
     SASS), so that they stream while the kernel before finishes. ptxas once sank the first k-block's loads below the
     wait after an unrelated source change in the epilogue (4-13 points of copy lost, docs/history.md); this reads the built
     kernels' SASS so that such a change fails here and not only in a benchmark."""
@@ -275,12 +275,17 @@ def test_gemv_requests_its_weights_before_the_pdl_wait():
         if m := re.search(r"arch = sm_(\d+)", line):
             arch, name = int(m.group(1)), None
         elif m := re.search(r"Function : (\S+)", line):
-            name = m.group(1) if arch >= 90 and "skinny_kernel" in m.group(1) and "HalfWeights" in m.group(1) \
-                else None
+            name = m.group(1) if arch >= 90 and "skinny_kernel" in m.group(1) else None
             if name:
                 kernels[name] = []
         elif name:
             kernels[name].append(line)
+    # no local memory in any skinny kernel (fp16/bf16, int8 and e4m3 weights, every epilogue): the fp16 kernel for
+    # up to 8 tokens sits at its 128-register cap, and a spill there (it once came from more fields in the kernel's
+    # parameter struct) cost the fp16 decode step ~10% with no other trace
+    spilled = [n for n, lines in kernels.items() if any(re.search(r"\b(LDL|STL)\b", line) for line in lines)]
+    assert not spilled, f"skinny kernels with local-memory (spill) loads or stores: {spilled}"
+    kernels = {n: lines for n, lines in kernels.items() if "HalfWeights" in n}
     # {fp16, bf16} x {one, two n-tiles} x {TAIL, not} of the plain epilogue (EPI 0), and the fused epilogues'
     plain = [n for n in kernels if re.search(r"skinny_kernelI\w+?Li[12]ELb[01]ELi0E", n)]
     assert len(plain) == 8, sorted(kernels)
