@@ -7,7 +7,7 @@
 // rotate_half mixes), so neither the (B, S, (H + 2 Hkv) D) projection nor a second pass over it exists. It rounds the
 // projection to the dtype first and rotates as rope.cu does, so it matches the two-kernel path bit for bit.
 // Elsewhere, or with FUSEINFER_GEMV_EPILOGUES=0: the linear op (linear_epilogue or w8a16_linear), then
-// qkv_rope_append, through the dispatcher.
+// qkv_rope_append (or, without cos / sin, kv_cache_append of the k / v views), through the dispatcher.
 #include "knobs.h"
 #include "skinny_gemv.cuh"
 
@@ -38,6 +38,15 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const c10::option
   return op.call(x, w, bias, c10::nullopt, "none");
 }
 
+void kv_append_op(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& slots) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fuseinfer_C::kv_cache_append", "")
+                             .typed<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&)>();
+  op.call(k_cache, v_cache, k, v, slots);
+}
+
 at::Tensor rope_append_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
                           int64_t kv_heads, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
   static const auto op = c10::Dispatcher::singleton()
@@ -50,9 +59,9 @@ at::Tensor rope_append_op(const at::Tensor& qkv, const at::Tensor& cos, const at
 }  // namespace
 
 at::Tensor linear_rope_append_cuda(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale,
-                                   const c10::optional<at::Tensor>& bias, const at::Tensor& cos, const at::Tensor& sin,
-                                   int64_t heads, int64_t kv_heads, at::Tensor& k_cache, at::Tensor& v_cache,
-                                   const at::Tensor& slots) {
+                                   const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& cos_in,
+                                   const c10::optional<at::Tensor>& sin_in, int64_t heads, int64_t kv_heads,
+                                   at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
   TORCH_CHECK(x.is_cuda() && w.device() == x.device(), "linear_rope_append: x and w must be on one CUDA device");
   TORCH_CHECK(x.dim() == 3 && w.dim() == 2 && x.size(2) == w.size(1),
               "linear_rope_append: x must be (B, S, K) and w (N, K), got ", x.sizes(), " and ", w.sizes());
@@ -60,20 +69,26 @@ at::Tensor linear_rope_append_cuda(const at::Tensor& x, const at::Tensor& w, con
   TORCH_CHECK(!int8 || (scale.has_value() && scale->defined()), "linear_rope_append: int8 weights need scales");
   TORCH_CHECK(heads > 0 && kv_heads > 0 && w.size(0) % (heads + 2 * kv_heads) == 0,
               "linear_rope_append: w's rows must be (H + 2 Hkv) D");
+  const bool rotate = cos_in.has_value() && cos_in->defined();
+  TORCH_CHECK(rotate == (sin_in.has_value() && sin_in->defined()), "linear_rope_append: give both cos and sin, or "
+              "neither (no rotation)");
   const int64_t B = x.size(0), S = x.size(1), K = x.size(2), N = w.size(0), D = N / (heads + 2 * kv_heads);
   const at::Tensor x2 = x.reshape({B * S, K}).contiguous();  // (M, K)
   const at::Tensor* b = bias.has_value() && bias->defined() ? &*bias : nullptr;
   const at::cuda::CUDAGuard guard(x.device());
   const auto dtype = x.scalar_type();
   const auto dev = x.device();
+  const bool rope_operands =
+      !rotate || (cos_in->device() == dev && sin_in->device() == dev && cos_in->scalar_type() == dtype &&
+                  sin_in->scalar_type() == dtype && cos_in->dim() == 3 && cos_in->size(0) == B &&
+                  cos_in->size(1) == S && cos_in->size(2) == D && sin_in->sizes() == cos_in->sizes() &&
+                  cos_in->is_contiguous() && sin_in->is_contiguous());
   const bool operands = (dtype == at::kHalf || dtype == at::kBFloat16) && (int8 || w.scalar_type() == dtype) &&
-                        cos.device() == dev && sin.device() == dev && k_cache.device() == dev &&
+                        rope_operands && k_cache.device() == dev &&
                         v_cache.device() == dev && slots.device() == dev && (!b || b->device() == dev) &&
                         (!int8 || scale->device() == dev) &&
                         w.is_contiguous() && D % 16 == 0 && B * S > 0 && K > 0 && N <= INT32_MAX &&
-                        cos.scalar_type() == dtype && sin.scalar_type() == dtype && cos.dim() == 3 &&
-                        cos.size(0) == B && cos.size(1) == S && cos.size(2) == D && sin.sizes() == cos.sizes() &&
-                        cos.is_contiguous() && sin.is_contiguous() && k_cache.dim() == 4 &&
+                        k_cache.dim() == 4 &&
                         k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == B && k_cache.size(1) == kv_heads &&
                         k_cache.size(3) == D && k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype &&
                         k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) <= INT32_MAX &&
@@ -84,10 +99,16 @@ at::Tensor linear_rope_append_cuda(const at::Tensor& x, const at::Tensor& w, con
   const bool gemv = operands && knob(Knob::kGemvEpilogues) != 0 &&
                     (int8 ? skinny::supported<skinny::Int8Weights>(x2, w, B * S)
                           : skinny::supported<skinny::HalfWeights>(x2, w, B * S));
-  if (!gemv) {  // the linear, then the rotary pass (which checks the rest)
+  if (!gemv) {  // the linear, then the rotary pass (which checks the rest), or the split and the cache write
     const at::Tensor qkv = linear_op(x2, w, scale, bias).view({B, S, N});
-    return rope_append_op(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots);
+    if (rotate) return rope_append_op(qkv, *cos_in, *sin_in, heads, kv_heads, k_cache, v_cache, slots);
+    const at::Tensor k = qkv.narrow(2, heads * D, kv_heads * D).view({B, S, kv_heads, D}).transpose(1, 2);
+    const at::Tensor v = qkv.narrow(2, (heads + kv_heads) * D, kv_heads * D).view({B, S, kv_heads, D}).transpose(1, 2);
+    kv_append_op(k_cache, v_cache, k, v, slots);
+    return qkv.narrow(2, 0, heads * D).view({B, S, heads, D}).transpose(1, 2).contiguous();  // (B, H, S, D)
   }
+  const at::Tensor* cos = rotate ? &*cos_in : nullptr;
+  const at::Tensor* sin = rotate ? &*sin_in : nullptr;
   at::Tensor q = at::empty({B, heads, S, D}, x.options());
   if (int8) {
     skinny::run_rope<skinny::Int8Weights>(x2, w, scale->data_ptr<float>(), b, cos, sin, S, heads, kv_heads, q,
@@ -101,9 +122,10 @@ at::Tensor linear_rope_append_cuda(const at::Tensor& x, const at::Tensor& w, con
 
 // linear_rope_append(x, w, scale, bias, cos, sin, heads, kv_heads, k_cache, v_cache, slots) -> q:
 // qkv_rope_append(x @ w'^T + bias, ...) with w' = w (x's dtype) or w * scale[:, None] (w int8, scale (N,) fp32).
-// x (B, S, K); w ((H + 2 Hkv) D, K); cos, sin (B, S, D); caches (B, Hkv, T, D); slots (S,) int64. q (B, H, S, D).
+// x (B, S, K); w ((H + 2 Hkv) D, K); cos, sin (B, S, D), or both None: no rotation (the split and the cache write
+// alone, OPT's decode q/k/v); caches (B, Hkv, T, D); slots (S,) int64. q (B, H, S, D).
 TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
-  m.def("linear_rope_append(Tensor x, Tensor w, Tensor? scale, Tensor? bias, Tensor cos, Tensor sin, int heads, "
+  m.def("linear_rope_append(Tensor x, Tensor w, Tensor? scale, Tensor? bias, Tensor? cos, Tensor? sin, int heads, "
         "int kv_heads, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> Tensor");
 }
 

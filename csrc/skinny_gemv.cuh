@@ -66,7 +66,8 @@ struct Params {
   bool relu;
 };
 
-// ROPE only (m = B S tokens, token = b S + s): the rotary tables (B, S, D) in T, q (B, H, S, D), the caches
+// ROPE only (m = B S tokens, token = b S + s): the rotary tables (B, S, D) in T (null: no rotation, the split and the
+// cache write alone, for OPT's q/k/v), q (B, H, S, D), the caches
 // (B, Hkv, T, D) and their slots (S,) (stride slots_stride; a slot outside [0, T) is skipped). A kernel parameter of
 // its own rather than more fields of Params: with them in Params, ptxas spilled registers in the plain fp16 kernel
 // (M <= 8, at its 128-register cap), which cost the fp16 decode step ~10%.
@@ -315,26 +316,41 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p, 
   };
   // ROPE: the thread's first pair's rotary factors (q / k heads) and cache slot (k / v heads), read after pdl_wait
   // (earlier kernels write them) but, like the operands above, a tile ahead of its epilogue
+  // Kept as the dtype's 16-bit patterns, two per register, and a 32-bit slot: the prefetched operands live through
+  // the main loop, and as four floats and an int64 they pushed the fp16 kernel for up to 8 tokens (at its
+  // 128-register cap) into spilling.
   struct RopeOperands {
-    float c1 = 0.f, c2 = 0.f, s1 = 0.f, s2 = 0.f;
-    int64_t slot = -1;
+    uint32_t c = 0, s = 0;  // cos / sin at d (low half) and d + D/2 (high half), T's bits
+    int slot = -1;          // the cache slot, -1 where there is none or it lies outside [0, T)
+  };
+  auto bits = [](T v) {
+    uint16_t b;
+    memcpy(&b, &v, 2);
+    return static_cast<uint32_t>(b);
   };
   auto load_rope_at = [&](int token, int head, int d) {  // (token, pair (head, d))'s
     RopeOperands r;
     if constexpr (ROPE) {
       const int half = rp.head_dim / 2;
-      if (head < rp.heads + rp.kv_heads) {
+      if (rp.cos != nullptr && head < rp.heads + rp.kv_heads) {
         const int64_t at = static_cast<int64_t>(token) * rp.head_dim + d;
         const T* cs = static_cast<const T*>(rp.cos) + at;
         const T* sn = static_cast<const T*>(rp.sin) + at;
-        r.c1 = to_float(ld_dep_as(cs));
-        r.c2 = to_float(ld_dep_as(cs + half));
-        r.s1 = to_float(ld_dep_as(sn));
-        r.s2 = to_float(ld_dep_as(sn + half));
+        r.c = bits(ld_dep_as(cs)) | bits(ld_dep_as(cs + half)) << 16;
+        r.s = bits(ld_dep_as(sn)) | bits(ld_dep_as(sn + half)) << 16;
       }
-      if (head >= rp.heads) r.slot = ld_dep_as(rp.slots + (token % rp.seq) * rp.slots_stride);
+      if (head >= rp.heads) {
+        const int64_t slot = ld_dep_as(rp.slots + (token % rp.seq) * rp.slots_stride);
+        r.slot = slot >= 0 && slot < rp.cache_len ? static_cast<int>(slot) : -1;
+      }
     }
     return r;
+  };
+  auto unpack = [](uint32_t pair, int high) {  // one of the two T values of `pair`, as float
+    const uint16_t b = static_cast<uint16_t>(pair >> (16 * high));
+    T v;
+    memcpy(&v, &b, 2);
+    return to_float(v);
   };
   auto load_rope = [&](int tile) {  // the thread's first pair of the tile, if any
     if (e_index(tile) < 0) return RopeOperands{};
@@ -372,8 +388,11 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p, 
   load_acts(f0, i0);
   if (i1.tile < tiles) load_acts(f1, i1);
   float e_residual = ROPE ? 0.f : load_residual(i0.tile);
+  // (a K with a partial last k-block (TAIL) needs more registers in the main loop: there the epilogue loads its
+  // rotary operands itself rather than holding them through the loop, which spilled)
+  constexpr bool kPrefetchRope = ROPE && !TAIL;
   RopeOperands e_rope;
-  if constexpr (ROPE) e_rope = load_rope(i0.tile);
+  if constexpr (kPrefetchRope) e_rope = load_rope(i0.tile);
 
   // step(cur, ci, oi): multiply `cur` (item ci), reload it with the item after oi (the one in the other fragment),
   // and finish ci's tile if ci was its last item; false once the other fragment holds nothing. The loop alternates
@@ -433,11 +452,12 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p, 
           const T a = from_float<T>(lo), b2 = from_float<T>(hi);
           T y1 = a, y2 = b2;  // v: as stored
           const int64_t s = token % rp.seq, b = token / rp.seq;
-          const RopeOperands ro = o == threadIdx.x ? e_rope : load_rope_at(token, head, d);
-          if (head < rp.heads + rp.kv_heads) {  // q or k: x cos + rotate_half(x) sin
+          const RopeOperands ro = kPrefetchRope && o == threadIdx.x ? e_rope : load_rope_at(token, head, d);
+          if (rp.cos != nullptr && head < rp.heads + rp.kv_heads) {  // q or k: x cos + rotate_half(x) sin
             const float af = to_float(a), bf = to_float(b2);
-            y1 = from_float<T>(fmaf(af, ro.c1, -bf * ro.s1));
-            y2 = from_float<T>(fmaf(bf, ro.c2, af * ro.s2));
+            const float c1 = unpack(ro.c, 0), c2 = unpack(ro.c, 1), s1 = unpack(ro.s, 0), s2 = unpack(ro.s, 1);
+            y1 = from_float<T>(fmaf(af, c1, -bf * s1));
+            y2 = from_float<T>(fmaf(bf, c2, af * s2));
           }
           T* dst;
           if (head < rp.heads) {
@@ -446,14 +466,14 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p, 
             const bool is_k = head < rp.heads + rp.kv_heads;
             const int hk = head - rp.heads - (is_k ? 0 : rp.kv_heads);
             const int64_t slot = ro.slot;
-            if (slot < 0 || slot >= rp.cache_len) continue;  // skipped, as kv_cache_append does
+            if (slot < 0) continue;  // outside [0, T): skipped, as kv_cache_append does
             T* cache = static_cast<T*>(is_k ? rp.k_cache : rp.v_cache);
             dst = cache + ((b * rp.kv_heads + hk) * rp.cache_len + slot) * rp.head_dim;
           }
           dst[d] = y1;
           dst[d + half] = y2;
         }
-        e_rope = load_rope(ci.tile + gridDim.x);
+        if constexpr (kPrefetchRope) e_rope = load_rope(ci.tile + gridDim.x);
         ci = ni;
         return more;
       }
@@ -619,7 +639,7 @@ void run(const at::Tensor& x, const at::Tensor& w, const float* scale, const at:
 // (cos, sin (B, S, D) contiguous in x's dtype; q, the caches contiguous; slots int64).
 template <class W>
 void run_rope(const at::Tensor& x, const at::Tensor& w, const float* scale, const at::Tensor* bias,
-              const at::Tensor& cos, const at::Tensor& sin, int64_t seq, int64_t heads, int64_t kv_heads,
+              const at::Tensor* cos, const at::Tensor* sin, int64_t seq, int64_t heads, int64_t kv_heads,
               at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
   Params p;
   p.x = x.data_ptr();
@@ -633,8 +653,8 @@ void run_rope(const at::Tensor& x, const at::Tensor& w, const float* scale, cons
   p.k = static_cast<int>(x.size(1));
   p.relu = false;
   RopeParams rp;
-  rp.cos = cos.data_ptr();
-  rp.sin = sin.data_ptr();
+  rp.cos = cos ? cos->data_ptr() : nullptr;  // (null: no rotation)
+  rp.sin = sin ? sin->data_ptr() : nullptr;
   rp.q = q.data_ptr();
   rp.k_cache = k_cache.data_ptr();
   rp.v_cache = v_cache.data_ptr();

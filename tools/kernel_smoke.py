@@ -94,6 +94,16 @@ def other_kernels():
                 sl = torch.tensor([slot], device="cuda")
                 ops.linear_rope_append(x[:rows, None], wr, None, br, cs, sn, 3, 1, kc, vc, sl)
                 ops.linear_rope_append(x[:rows, None], qr, sr.view(-1), br, cs, sn, 3, 1, kc, vc, sl)
+                ops.linear_rope_append(x[:rows, None], wr, None, br, None, None, 3, 1, kc, vc, sl)  # no rotation
+        # K without a tail (the kernel that prefetches its rotary operands a tile ahead), with and without rotation
+        xk, wk = torch.randn(11, 1, 128, device="cuda", dtype=dtype), torch.randn(160, 128, device="cuda", dtype=dtype)
+        ang = torch.rand(11, 1, 16, device="cuda")
+        cs, sn = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+        kc, vc = (torch.zeros(11, 1, 7, 32, device="cuda", dtype=dtype) for _ in range(2))
+        for rows in (1, 11):
+            sl = torch.tensor([6], device="cuda")
+            ops.linear_rope_append(xk[:rows], wk, None, br, cs[:rows], sn[:rows], 3, 1, kc[:rows], vc[:rows], sl)
+            ops.linear_rope_append(xk[:rows], wk, None, None, None, None, 3, 1, kc[:rows], vc[:rows], sl)
         # the e4m3 weight GEMV: one and two n-tiles, a K tail (K % 128 != 0), N not a multiple of 16
         wq, ws = ops.quantize_fp8_ref(torch.randn(136, 96, device="cuda"), -1)
         for rows in (1, 11):

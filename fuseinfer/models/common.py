@@ -179,6 +179,20 @@ class PendingAttention:
         self.attn, self.x, self.kwargs = attn, x, kwargs
 
 
+def static_cache(cache) -> bool:
+    """Whether ``cache`` is fuseinfer's static KV cache (per-layer (B, Hkv, T, D) ``keys`` / ``values`` and the slots
+    of the next write, ``write_idx``), which the q/k/v GEMV's epilogue writes into directly
+    (``ops.linear_rope_append``)."""
+    return isinstance(getattr(cache, "keys", None), list) and isinstance(getattr(cache, "write_idx", None),
+                                                                         torch.Tensor)
+
+
+def cache_slots(cache, device: torch.device) -> torch.Tensor:
+    """A static cache's write slots (S,) on ``device`` (a split model's layer may sit on another device)."""
+    slots = cache.write_idx
+    return slots if slots.device == device else slots.to(device)
+
+
 def megatron_shard_spec(info, column, row):
     """Tensor parallel's shard spec for ``materialize`` (Megatron's layout): parameter name -> (dim, rank, size),
     None (replicated) or "drop" (not on this rank). ``column`` / ``row``: compiled patterns of the column-parallel

@@ -1,7 +1,9 @@
 """The fused q/k/v projection with the rotary embedding and the static-cache write in its epilogue:
 ``linear_rope_append(x, w, scale, bias, cos, sin, H, Hkv, k_cache, v_cache, slots) -> q``, exactly
 ``qkv_rope_append(linear(x), ...)`` (``ops/rope.py``) over the linear ``x @ w.T + bias`` (fp16/bf16/fp32 weights in x's
-dtype) or ``x @ (w * scale[:, None]).T + bias`` (int8 weights, ``w8a16_linear``).
+dtype) or ``x @ (w * scale[:, None]).T + bias`` (int8 weights, ``w8a16_linear``). With ``cos`` and ``sin`` None
+there is no rotation: q is split off and k / v are written into the cache as they come out of the linear
+(``kv_cache_append``), which is OPT's decode q/k/v.
 
 On CUDA at decode sizes (B S <= 16 tokens, fp16/bf16, head dim a multiple of 16) one kernel (``csrc/linear_rope.cu``):
 the weight-streaming GEMV computes dims d and d + D/2 of a head in one tile, so it rotates q and k and writes k and v
@@ -16,6 +18,7 @@ import torch
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.extension import extension, route
 from fuseinfer.ops.linear import linear_epilogue_ref
+from fuseinfer.ops.kv_cache import kv_cache_append, kv_cache_append_ref
 from fuseinfer.ops.rope import qkv_rope_append, qkv_rope_append_ref
 from fuseinfer.ops.w8a16_linear import w8a16_linear_ref
 
@@ -26,15 +29,27 @@ def _linear_ref(x, weight, scale, bias):
     return linear_epilogue_ref(x, weight, bias, None, "none")
 
 
+def _append_ref(qkv, heads: int, kv_heads: int, k_cache, v_cache, slots):
+    """No rotation: qkv (B, S, (H + 2 Hkv) D) -> q (B, H, S, D); k and v written into the caches at ``slots``."""
+    b, s, n = qkv.shape
+    d = n // (heads + 2 * kv_heads)
+    q, k, v = qkv.view(b, s, heads + 2 * kv_heads, d).transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)
+    kv_cache_append_ref(k_cache, v_cache, k, v, slots)
+    return q.contiguous()
+
+
 def linear_rope_append_ref(x, weight, scale, bias, cos, sin, heads: int, kv_heads: int, k_cache, v_cache, slots):
-    """Pure-PyTorch reference: x (B, S, K) -> q (B, H, S, D); k and v written into the caches (B, Hkv, T, D)."""
-    return qkv_rope_append_ref(_linear_ref(x, weight, scale, bias), cos, sin, heads, kv_heads, k_cache, v_cache,
-                               slots)
+    """Pure-PyTorch reference: x (B, S, K) -> q (B, H, S, D); k and v written into the caches (B, Hkv, T, D);
+    cos / sin (B, S, D), or both None (no rotation)."""
+    qkv = _linear_ref(x, weight, scale, bias)
+    if cos is None:
+        return _append_ref(qkv, heads, kv_heads, k_cache, v_cache, slots)
+    return qkv_rope_append_ref(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
 
 
 @torch.library.custom_op("fuseinfer::linear_rope_append", mutates_args=("k_cache", "v_cache"))
 def _linear_rope_append(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-                        cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, k_cache: torch.Tensor,
+                        cos: torch.Tensor | None, sin: torch.Tensor | None, heads: int, kv_heads: int, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return linear_rope_append_ref(x, weight, scale, bias, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
 
@@ -44,10 +59,17 @@ def _linear_rope_append_cuda(x, weight, scale, bias, cos, sin, heads, kv_heads, 
     ext = extension(x.device)
     # a strided weight would be copied just before the GEMV, which reads weights before its PDL wait (launch.h)
     if ext is None or not hasattr(ext, "linear_rope_append") or not weight.is_contiguous():
-        return qkv_rope_append(_linear_ref(x, weight, scale, bias), cos, sin, heads, kv_heads, k_cache, v_cache,
-                               slots)
+        qkv = _linear_ref(x, weight, scale, bias)
+        if cos is None:
+            b, s, n = qkv.shape
+            d = n // (heads + 2 * kv_heads)
+            q, k, v = qkv.view(b, s, heads + 2 * kv_heads, d).transpose(1, 2).split([heads, kv_heads, kv_heads], 1)
+            kv_cache_append(k_cache, v_cache, k, v, slots)
+            return q.contiguous()
+        return qkv_rope_append(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
     return ext.linear_rope_append(x, weight, None if scale is None else scale.contiguous(),
-                                  None if bias is None else bias.contiguous(), cos.contiguous(), sin.contiguous(),
+                                  None if bias is None else bias.contiguous(),
+                                  None if cos is None else cos.contiguous(), None if sin is None else sin.contiguous(),
                                   heads, kv_heads, k_cache, v_cache, slots)
 
 
@@ -60,7 +82,9 @@ def _(x, weight, scale, bias, cos, sin, heads, kv_heads, k_cache, v_cache, slots
 def linear_rope_append(x, weight, scale, bias, cos, sin, heads: int, kv_heads: int, k_cache, v_cache, slots):
     """q (B, H, S, D) of the rotated q projection of x (B, S, K); the rotated k and the v projections written into
     k_cache / v_cache (B, Hkv, T, D) at slots (S,). weight ((H + 2 Hkv) D, K): in x's dtype (scale None) or int8
-    with fp32 per-row scales (N,). See the module doc."""
+    with fp32 per-row scales (N,). cos, sin (B, S, D), or both None: no rotation. See the module doc."""
+    if (cos is None) != (sin is None):
+        raise FuseInferError("linear_rope_append: give both cos and sin, or neither (no rotation)")
     if x.dim() != 3 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise FuseInferError(f"linear_rope_append: expected x (B, S, K) and weight (N, K), got {tuple(x.shape)} and "
                              f"{tuple(weight.shape)}")
@@ -79,4 +103,5 @@ def linear_rope_append(x, weight, scale, bias, cos, sin, heads: int, kv_heads: i
         raise FuseInferError(f"linear_rope_append: the weight's {n} rows are not (H + 2 Hkv) D for H={heads}, "
                              f"Hkv={kv_heads}")
     return route(torch.ops.fuseinfer.linear_rope_append, linear_rope_append_ref, _linear_rope_append_cuda,
-                 (x, weight, scale, bias, cos, sin, heads, kv_heads, k_cache, v_cache, slots), (x, cos, sin))
+                 (x, weight, scale, bias, cos, sin, heads, kv_heads, k_cache, v_cache, slots),
+                 (x,) if cos is None else (x, cos, sin))

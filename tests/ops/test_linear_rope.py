@@ -1,7 +1,8 @@
 """fuseinfer::linear_rope_append (fuseinfer/ops/linear_rope.py): the q/k/v projection with the rotary embedding and
 the static-cache write in its epilogue. On every device: equal to the two ops it fuses (the linear, then
-qkv_rope_append), bad input, the registration (opcheck), a property test over shapes; on CUDA: one kernel at decode
-sizes, bit-identical to the two ops, FUSEINFER_GEMV_EPILOGUES=0 (the two kernels), prefill sizes, a CUDA graph."""
+qkv_rope_append; without cos / sin, the linear then kv_cache_append: OPT's decode q/k/v), bad input, the registration
+(opcheck), a property test over shapes; on CUDA: one kernel at decode sizes, bit-identical to the two ops,
+FUSEINFER_GEMV_EPILOGUES=0 (the two kernels), prefill sizes, a CUDA graph."""
 from __future__ import annotations
 
 import pytest
@@ -16,9 +17,9 @@ def _seed():
     torch.manual_seed(0)
 
 
-def _case(device, dtype, b=2, s=1, k=64, heads=4, kv_heads=2, d=32, t=10, int8=False, bias=False):
-    """(x, weight, scale, bias, cos, sin, H, Hkv, k_cache, v_cache, slots) of random values; slots s..: the last
-    past the cache (skipped)."""
+def _case(device, dtype, b=2, s=1, k=64, heads=4, kv_heads=2, d=32, t=10, int8=False, bias=False, rotate=True):
+    """(x, weight, scale, bias, cos, sin, H, Hkv, k_cache, v_cache, slots) of random values (cos, sin None without
+    ``rotate``); slots s..: the last past the cache (skipped)."""
     n = (heads + 2 * kv_heads) * d
     x = torch.randn(b, s, k, device=device).to(dtype)
     w = torch.randn(n, k, device=device) * k ** -0.5
@@ -31,16 +32,24 @@ def _case(device, dtype, b=2, s=1, k=64, heads=4, kv_heads=2, d=32, t=10, int8=F
     bb = torch.randn(n, device=device).to(dtype) if bias else None
     ang = torch.rand(b, s, d // 2, device=device) * 6
     cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+    if not rotate:
+        cos = sin = None
     caches = [torch.randn(b, kv_heads, t, d, device=device).to(dtype) for _ in range(2)]
     slots = torch.arange(t - s, t, device=device)  # (S,)
     return [x, w, scale, bb, cos, sin, heads, kv_heads, *caches, slots]
 
 
 def _pair(args):
-    """The unfused path: the linear op, then qkv_rope_append, on copies of the caches."""
+    """The unfused path: the linear op, then qkv_rope_append (without cos / sin: q, k, v as the linear's heads, k
+    and v written with kv_cache_append), on copies of the caches."""
     x, w, scale, b, cos, sin, h, hkv, kc, vc, slots = args
     qkv = ops.w8a16_linear(x, w, scale, b) if scale is not None else ops.linear_epilogue(x, w, b)
     kc, vc = kc.clone(), vc.clone()
+    if cos is None:
+        bb, ss, n = qkv.shape
+        heads = qkv.view(bb, ss, h + 2 * hkv, n // (h + 2 * hkv)).transpose(1, 2)  # (B, H + 2 Hkv, S, D)
+        ops.kv_cache_append(kc, vc, heads[:, h:h + hkv], heads[:, h + hkv:], slots)
+        return heads[:, :h], kc, vc
     return ops.qkv_rope_append(qkv, cos, sin, h, hkv, kc, vc, slots), kc, vc
 
 
@@ -63,9 +72,10 @@ def _ours(args):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_equals_the_linear_then_qkv_rope_append(device, int8, bias):
+@pytest.mark.parametrize("rotate", [True, False])
+def test_equals_the_linear_then_qkv_rope_append(device, int8, bias, rotate):
     dtype = torch.float32 if device == "cpu" else torch.float16
-    args = _case(device, dtype, int8=int8, bias=bias)
+    args = _case(device, dtype, int8=int8, bias=bias, rotate=rotate)
     _same(_ours(args), _pair(args), args)
     assert not torch.equal(_ours(args)[1], args[8])  # the cache was written
 
@@ -83,9 +93,19 @@ def test_reference_rotates_as_transformers():
     torch.testing.assert_close(vc[:, :, slots], qkv[:, h + hkv:], rtol=0, atol=0)
 
 
+def test_without_rotation_q_and_the_cache_are_the_linear_heads():
+    """cos, sin None: q is the linear's first H heads and the cache slots hold its k and v heads, unrotated."""
+    x, w, scale, b, cos, sin, h, hkv, kc, vc, slots = _case("cpu", torch.float32, s=3, bias=True, rotate=False)
+    heads = torch.nn.functional.linear(x, w, b).view(2, 3, h + 2 * hkv, 32).transpose(1, 2)
+    q = ops.linear_rope_append(x, w, None, b, None, None, h, hkv, kc, vc, slots)
+    torch.testing.assert_close(q, heads[:, :h], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kc[:, :, slots[:2]], heads[:, h:h + hkv, :2], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(vc[:, :, slots[:2]], heads[:, h + hkv:, :2], rtol=1e-6, atol=1e-6)
+
+
 def test_rejects_bad_input():
     args = _case("cpu", torch.float32)
-    bad = [(1, torch.randn(5, 64)), (1, args[1].half()), (2, torch.ones(256)), (3, torch.ones(7)), (6, 3)]
+    bad = [(1, torch.randn(5, 64)), (1, args[1].half()), (2, torch.ones(256)), (3, torch.ones(7)), (6, 3), (5, None)]
     for i, value in bad:
         wrong = list(args)
         wrong[i] = value
@@ -95,8 +115,9 @@ def test_rejects_bad_input():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("int8", [False, True])
-def test_opcheck(device, int8):
-    args = _case(device, torch.float32 if device == "cpu" else torch.bfloat16, int8=int8, bias=True)
+@pytest.mark.parametrize("rotate", [True, False])
+def test_opcheck(device, int8, rotate):
+    args = _case(device, torch.float32 if device == "cpu" else torch.bfloat16, int8=int8, bias=True, rotate=rotate)
     torch.library.opcheck(torch.ops.fuseinfer.linear_rope_append.default, tuple(args))
 
 
@@ -107,11 +128,11 @@ def test_equals_the_pair_property(device):
     @examples(device, cpu=15, cuda=150)
     @given(b=st.integers(1, 4), s=st.sampled_from([1, 1, 2, 4, 9]), kdim=st.sampled_from([16, 48, 272, 2048]),
            heads=st.sampled_from([(2, 1), (4, 2), (4, 4), (8, 1)]), d=st.sampled_from([16, 32, 64, 128, 40]),
-           int8=st.booleans(), bias=st.booleans(),
+           int8=st.booleans(), bias=st.booleans(), rotate=st.booleans(),
            dtype=st.sampled_from([torch.float32, *LOWP] if device == "cpu" else [*LOWP, torch.float32]))
-    def check(b, s, kdim, heads, d, int8, bias, dtype):
+    def check(b, s, kdim, heads, d, int8, bias, rotate, dtype):
         args = _case(device, dtype, b=b, s=s, k=kdim, heads=heads[0], kv_heads=heads[1], d=d, t=12, int8=int8,
-                     bias=bias)
+                     bias=bias, rotate=rotate)
         _same(_ours(args), _pair(args), args)
     check()
 
@@ -119,19 +140,21 @@ def test_equals_the_pair_property(device):
 # ---- CUDA ----
 
 # Llama-3.2-1B's q/k/v (32 heads, 8 KV heads, D 64, K 2048) at 1 and 16 rows; Qwen2-0.5B's (14 / 2, D 64, K 896)
-# with biases; head dim 128 (Llama-3.1-8B); K with a partial k-block.
+# with biases; head dim 128 (Llama-3.1-8B); K with a partial k-block; without rotation, OPT-1.3b's (32 / 32, D 64,
+# K 2048, biases) at 8 rows.
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(1, 32, 8, 64, 2048), (16, 32, 8, 64, 2048), (3, 14, 2, 64, 896),
-                                   (2, 32, 8, 128, 4096), (9, 4, 2, 32, 1040)])
+@pytest.mark.parametrize("shape", [(1, 32, 8, 64, 2048, True), (16, 32, 8, 64, 2048, True), (3, 14, 2, 64, 896, True),
+                                   (2, 32, 8, 128, 4096, True), (9, 4, 2, 32, 1040, True),
+                                   (8, 32, 32, 64, 2048, False), (1, 4, 4, 32, 1040, False)])
 @pytest.mark.parametrize("dtype", LOWP)
 @pytest.mark.parametrize("int8", [False, True])
 def test_decode_is_one_kernel_equal_to_the_pair(shape, dtype, int8):
-    rows, heads, kv_heads, d, k = shape
+    rows, heads, kv_heads, d, k, rotate = shape
     args = _case("cuda", dtype, b=rows, s=1, k=k, heads=heads, kv_heads=kv_heads, d=d, t=20, int8=int8,
-                 bias=heads == 14)
+                 bias=heads in (14, 32) and not rotate, rotate=rotate)
     names = cuda_kernel_names(lambda: _ours(args))
     gemv = [n for n in names if "skinny" in n]
-    assert len(gemv) == 1 and not any("rope" in n for n in names), names  # (the rest: the caches' clones)
+    assert len(gemv) == 1 and not any("rope" in n or "append" in n for n in names), names  # (the rest: the clones)
     _same(_ours(args), _pair(args), args)
     args[10].fill_(20)  # a slot past the cache: skipped (no host sync to check it), q still computed
     ours = _ours(args)
@@ -140,12 +163,14 @@ def test_decode_is_one_kernel_equal_to_the_pair(shape, dtype, int8):
 
 
 @pytest.mark.gpu
-def test_knob_off_runs_the_gemv_then_qkv_rope_append(set_knob):
-    args = _case("cuda", torch.float16, b=2, k=256, heads=8, kv_heads=2, d=64)
+@pytest.mark.parametrize("rotate", [True, False])
+def test_knob_off_runs_the_gemv_then_qkv_rope_append(set_knob, rotate):
+    args = _case("cuda", torch.float16, b=2, k=256, heads=8, kv_heads=2, d=64, rotate=rotate)
     fused = _ours(args)
     set_knob("FUSEINFER_GEMV_EPILOGUES", "0")
     names = cuda_kernel_names(lambda: ops.linear_rope_append(*args))
-    assert len(names) == 2 and "skinny" in names[0] and "rope" in names[1], names
+    second = "rope" if rotate else "append"
+    assert len(names) >= 2 and "skinny" in names[0] and second in names[1], names
     for a, r in zip(_ours(args), fused):
         assert torch.equal(a, r)
 

@@ -522,3 +522,38 @@ def test_deep_copy_of_patched_model_generates_with_its_own_weights(tiny_model_pa
     ours = clone.generate(**enc, max_new_tokens=5)
     assert torch.equal(ours, fuseinfer.generate(clone, enc.input_ids, enc.attention_mask, max_new_tokens=5))
     assert not torch.equal(ours, model.generate(**enc, max_new_tokens=5))  # the hook drives the copy
+
+
+@pytest.mark.parametrize("quant", [None, "w8a16"])
+def test_opt_decode_writes_the_cache_from_the_qkv_projection(tiny_model_path, monkeypatch, quant):
+    """Over the static cache, OPT's q/k/v projection is linear_rope_append without rotation (on CUDA one GEMV whose
+    epilogue writes k and v into the cache) for fp16 and int8 weight-only models; the greedy tokens equal those of
+    the projection then the cache's update (the path before), and transformers' for the unquantized model."""
+    from fuseinfer.models.opt import modules
+
+    model, tok = _load(tiny_model_path)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    kwargs = dict(max_new_tokens=8, do_sample=False)
+    ref = model.generate(**enc, **kwargs)
+    calls = []
+    real = modules.linear_rope_append
+
+    def counted(*args):
+        calls.append((args[4], args[5], args[2] is not None))  # (cos, sin, int8 scales)
+        return real(*args)
+
+    monkeypatch.setattr(modules, "linear_rope_append", counted)
+    fuseinfer.patch(model, PatchConfig(quant=fuseinfer.Int8WeightOnly()) if quant else PatchConfig())
+
+    def generate():
+        model.__dict__.pop(SESSIONS_ATTR, None)
+        return fuseinfer.generate(model, enc.input_ids, enc.attention_mask, eos_token_id=2, pad_token_id=1, **kwargs)
+
+    ours = generate()
+    layers = model.config.num_hidden_layers
+    assert len(calls) >= layers * (kwargs["max_new_tokens"] - 1)  # every layer of every decode step
+    assert all(cos is None and sin is None and int8 == (quant is not None) for cos, sin, int8 in calls)
+    monkeypatch.setattr(modules, "_append_operands", lambda attn, x, cache: None)  # the projection, then update
+    assert torch.equal(ours, generate())
+    if quant is None:
+        assert torch.equal(ours, ref)

@@ -55,10 +55,12 @@ from fuseinfer.models.base import FusedWeight
 from fuseinfer.models.llama.layer import decoder_layer
 from fuseinfer.models.llama.quant import SMOOTHQUANT_REFUSAL
 from fuseinfer.models.common import (
+    cache_slots,
     install_attention,
     lock_models,
     own_storage_hook,
     restore_attention,
+    static_cache,
     unlock_models,
     PendingAttention as _PendingAttention,
     has_hooks as _has_hooks,
@@ -191,13 +193,6 @@ class _FusedWeights:
 
 # ---------------------------------------------------------------------------------------------- fused modules
 
-def _static_cache(cache) -> bool:
-    """Whether ``cache`` is fuseinfer's static KV cache (per-layer (B, Hkv, T, D) ``keys`` / ``values`` and the
-    slots of the next write, ``write_idx``), which the fused rotary writes into directly."""
-    return isinstance(getattr(cache, "keys", None), list) and isinstance(getattr(cache, "write_idx", None),
-                                                                         torch.Tensor)
-
-
 def _qkv_operands(attn: nn.Module):
     """(weight, scale, bias) of the fused q/k/v projection for ``linear_rope_append``: the fp16/bf16/fp32 fused weight
     (scale None) or the int8 weight-only one; None for another quantized linear (it runs its own GEMM)."""
@@ -231,22 +226,20 @@ class _FusedAttention(_FusedWeights):
             cos, sin = cos.expand(b, s, d), sin.expand(b, s, d)
             operands = _qkv_operands(self)
             scales = getattr(past_key_values, "kv_scales", None)  # (an FP8 cache's, else None)
-            if _static_cache(past_key_values) and operands is not None and scales is None:
+            if static_cache(past_key_values) and operands is not None and scales is None:
                 # (the GEMV's epilogue writes caches of the model's dtype; an FP8 cache takes the pass below)
                 # projection, rotary, split and cache write: one GEMV at decode, the GEMM and one pass else
                 i = self.layer_idx
                 keys, values = past_key_values.keys[i], past_key_values.values[i]
-                slots = past_key_values.write_idx
-                slots = slots if slots.device == hidden_states.device else slots.to(hidden_states.device)
+                slots = cache_slots(past_key_values, hidden_states.device)
                 q = linear_rope_append(hidden_states, *operands, cos, sin, heads, kv_heads, keys, values,
                                        slots)  # (B, H, S, D)
                 k, v = keys, values  # (B, Hkv, T, D)
-            elif _static_cache(past_key_values):  # rotary, split and cache write in one pass
+            elif static_cache(past_key_values):  # rotary, split and cache write in one pass
                 qkv = fused_linear(self, hidden_states)  # (B, S, (H + 2 Hkv) D); quantized weights
                 i = self.layer_idx
                 keys, values = past_key_values.keys[i], past_key_values.values[i]
-                slots = past_key_values.write_idx
-                slots = slots if slots.device == qkv.device else slots.to(qkv.device)
+                slots = cache_slots(past_key_values, qkv.device)
                 q = qkv_rope_append(qkv, cos, sin, heads, kv_heads, keys, values, slots,
                                     None if scales is None else scales[i],
                                     getattr(past_key_values, "calibrate", False))  # (B, H, S, D)

@@ -51,16 +51,18 @@ from transformers.models.opt.modeling_opt import (
 
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.config import PatchConfig, PatchReport, Swap
-from fuseinfer.ops import add_layer_norm
+from fuseinfer.ops import add_layer_norm, linear_rope_append
 from fuseinfer.ops.layer_norm_quant import add_layer_norm_quant, add_layer_norm_quant_fp8
-from fuseinfer.layers.linear import decode_rows, fused_linear, quantized_input
+from fuseinfer.layers.linear import DECODE_ROWS, Int8WeightOnlyLinear, decode_rows, fused_linear, quantized_input
 from fuseinfer.core import placement
 from fuseinfer.core.state import LOCK_ATTR, lock_holder
 from fuseinfer.layers import hf_attention
 from fuseinfer.models.common import (
+    cache_slots,
     install_attention,
     lock_models,
     restore_attention,
+    static_cache,
     unlock_models,
     PendingAttention as _PendingAttention,
     has_hooks as _has_hooks,
@@ -131,18 +133,28 @@ class FusedOPTAttention(OPTAttention):
             return (out if residual is None else residual + out), weights
         ops = self._fuseinfer_ops
         bsz, tgt_len, _ = hidden_states.shape
+        appended = False  # (k and v already in the cache)
         if quantized is not None:  # W8A8 / FP8 q/k/v on add_layer_norm_quant(_fp8)'s output: (B, S, 3E)
             qkv = self._modules["qkv_proj"].forward_quantized(*quantized, None, "none", hidden_states.dtype)
             q, k, v = qkv.view(bsz, tgt_len, 3, self.num_heads, self.head_dim).unbind(2)  # 3 x (B, S, H, D)
+        elif "qkv" in ops and _qkv_fused(self) and (operands := _append_operands(self, hidden_states, past_key_values)) is not None:
+            # decode rows over fuseinfer's static cache: projection, split and cache write in one GEMV (its
+            # epilogue stores k and v into the cache)
+            i = self.layer_idx
+            keys, values = past_key_values.keys[i], past_key_values.values[i]
+            q = linear_rope_append(hidden_states, *operands, None, None, self.num_heads, self.num_heads, keys, values,
+                                   cache_slots(past_key_values, hidden_states.device))  # (B, H, S, D)
+            k, v, appended = keys, values, True  # (B, H, T, D)
         elif "qkv" in ops and _qkv_fused(self):
             qkv = fused_linear(self, hidden_states)  # (B, S, 3E); int8 weights when quantized
             q, k, v = qkv.view(bsz, tgt_len, 3, self.num_heads, self.head_dim).unbind(2)  # 3 x (B, S, H, D)
         else:
             q, k, v = (proj(hidden_states).view(bsz, tgt_len, self.num_heads, self.head_dim)
                        for proj in (self.q_proj, self.k_proj, self.v_proj))
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)  # (B, H, Skv, D)
+        if not appended:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
+            if past_key_values is not None:
+                k, v = past_key_values.update(k, v, self.layer_idx)  # (B, H, Skv, D)
         impl = self.config._attn_implementation
         if impl == hf_attention.NAME and (output_attentions or hf_attention.weights_requested(self)):
             # the attention weights were asked for, which the kernel does not form: eager, with OPT's scaled q
@@ -413,6 +425,26 @@ def _qkv_params(attn: OPTAttention) -> tuple:
     in; read without nn.Module's attribute lookup, which cost most of the check below on every forward)."""
     mods = attn._modules
     return tuple(mods[name]._parameters[p] for name in ("q_proj", "k_proj", "v_proj") for p in ("weight", "bias"))
+
+
+def _append_operands(attn: OPTAttention, x: torch.Tensor, cache):
+    """(weight, scale, bias) of the fused q/k/v projection for ``linear_rope_append`` without rotation, when the
+    forward's decode-sized x (B, S, E) (at most DECODE_ROWS rows: the GEMV's) writes into fuseinfer's static cache in
+    the model's dtype (an FP8 cache takes its own append) under fuseinfer's attention: the fp16/bf16/fp32 fused weight
+    (scale None) or the int8 weight-only one; else None (W8A8 and FP8 linears run their own GEMM; prefill-sized
+    inputs keep the GEMM and q as a view; transformers' caches take ``update``)."""
+    if x.numel() > DECODE_ROWS * x.shape[-1] or not static_cache(cache) \
+            or getattr(cache, "kv_scales", None) is not None or attn.config._attn_implementation != hf_attention.NAME:
+        return None
+    keys = cache.keys[attn.layer_idx]
+    if keys.dim() != 4 or keys.shape[1] != attn.num_heads or keys.shape[3] != attn.head_dim:
+        return None
+    quant = attn._modules.get("qkv_proj")
+    if quant is None:
+        return attn.__dict__["qkv_weight"], None, attn.__dict__["qkv_bias"]
+    if type(quant) is Int8WeightOnlyLinear:
+        return quant.qweight, quant.scale, quant.bias
+    return None
 
 
 def _qkv_fused(attn: OPTAttention) -> bool:
