@@ -187,3 +187,40 @@ def test_gpu_lean_loop_equals_the_fp8_modules(dtype, alpha, rows, length):
 def test_gpu_generate_same_tokens_graph_lean_modules(dtype):
     model = _gpu_fp8(dtype)
     assert_same_tokens_graph_lean_modules(model, _ids(model.config.vocab_size, rows=1, length=150).cuda())
+
+
+@pytest.mark.gpu
+def test_gpu_lean_loop_runs_the_quantize_kernel_and_the_gemv_at_decode_rows(monkeypatch):
+    """On CUDA the lean loop's per-token quantizes are the row kernel (2 per layer for out_proj's and fc2's inputs,
+    and 2 more where a pre-LN LayerNorm runs unfused: the LayerNorm kernel, then the quantize kernel), and at
+    decode-sized prompts (<= 16 rows) the e4m3 weight GEMV runs every linear instead, with no quantize."""
+    import collections
+
+    from helpers import require_kernel
+
+    from fuseinfer.core import extension as _ext
+
+    require_kernel()
+    model = _gpu_fp8(torch.float16)
+    layers = model.config.num_hidden_layers
+    calls = collections.Counter()
+
+    class Recording:
+        def __init__(self, ext):
+            self.ext = ext
+
+        def __getattr__(self, name):
+            attr = getattr(self.ext, name)
+            if name not in ("quantize_fp8_rows", "fp8_weight_linear", "add_layer_norm_quant_fp8"):
+                return attr
+            return lambda *a: calls.update([name]) or attr(*a)
+
+    monkeypatch.setattr(_ext, "_ext", Recording(_ext.extension()))
+    with fuseinfer.runtime.using_runtime(model, prefill="lean"):
+        fuseinfer.prefill(model, _ids(model.config.vocab_size, rows=1, length=150).cuda())
+        assert calls["fp8_weight_linear"] == 0
+        assert calls["quantize_fp8_rows"] + calls["add_layer_norm_quant_fp8"] == 4 * layers, calls
+        assert calls["quantize_fp8_rows"] >= 2 * layers, calls
+        calls.clear()
+        fuseinfer.prefill(model, _ids(model.config.vocab_size, rows=1, length=12).cuda())
+        assert calls == {"fp8_weight_linear": 4 * layers}, calls
