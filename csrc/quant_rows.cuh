@@ -156,6 +156,7 @@ __global__ void quantize_fp8_rows_kernel(const T* __restrict__ x, uint8_t* __res
     const T* xr = x + r * k;
     unsigned amax = 0u;  // bits of max |x| over the row
     if constexpr (VEC) {
+#pragma unroll 4  // (about four loads per thread and row: issued together, not one latency after another)
       for (int64_t c = threadIdx.x; c < k / V; c += blockDim.x) {
         const uint4 v = ld_dep(reinterpret_cast<const uint4*>(xr) + c);
         const T* e = reinterpret_cast<const T*>(&v);
