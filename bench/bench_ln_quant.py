@@ -3,9 +3,12 @@
 Times fuseinfer.ops.add_layer_norm_quant (int8) and add_layer_norm_quant_fp8 (e4m3), two forms each (ln_quant:
 y = LN(x) -> q, scale; add_ln_quant_sum: s = x + r -> q, scale, s), at N = 2048, 4096, 8192 and 4096 / 8192 rows,
 fp16 and bf16; beside them add_layer_norm (the same rows, y written in x's dtype: the non-quantized kernel sharing
-the row machinery) and the unfused e4m3 path (add_layer_norm, then quantize_fp8_per_token). Bytes moved =
-2 B x (x, r read, s written) + 1 B q written + 4 B scale per row + weight and bias; "% copy" is that rate over the
-device-to-device copy bandwidth measured in the same run (common.measure_ceilings). L2 is flushed before every timed
+the row machinery) and the unfused e4m3 path (add_layer_norm, then quantize_fp8_per_token: its row quantize kernel
+on CUDA; "unfused ref": add_layer_norm, then the PyTorch reference quantize_fp8_ref). For e4m3 the row quantize
+kernel alone (quantize_fp8_per_token of y: "quant" columns, bytes = y read + q written + 4 B scale per row; "quant
+exact": bit for bit against quantize_fp8_ref). Bytes moved = 2 B x (x, r read, s written) + 1 B q written + 4 B
+scale per row + weight and bias; "% copy" is that rate over the device-to-device copy bandwidth measured in the same
+run (common.measure_ceilings). L2 is flushed before every timed
 call (do_bench); the implementations take turns over rounds (common.paired_ms). Target: >= 80% of copy for both forms.
 Before timing, each row checks the fused kernel bit for bit against the per-token quantize reference applied to
 add_layer_norm's y ("exact": at these row counts both kernels take the same layout, so the same statistics).
@@ -32,7 +35,8 @@ from fuseinfer.ops.quant import quantize_int8_ref  # noqa: E402
 
 EPS = 1e-5
 COLUMNS = ["fmt", "form", "dtype", "N", "rows", "exact", "ours ms", "ours GB/s", "% copy", "add_ln ms",
-           "add_ln % copy", "x add_ln", "unfused ms", "x unfused"]
+           "add_ln % copy", "x add_ln", "unfused ms", "x unfused", "unfused ref ms", "quant exact", "quant ms",
+           "quant GB/s", "quant % copy", "quant ref ms"]
 FUSED = {"int8": (add_layer_norm_quant, quantize_int8_ref), "e4m3": (add_layer_norm_quant_fp8, quantize_fp8_ref)}
 
 
@@ -63,6 +67,13 @@ def bench(quick: bool, ceilings: dict) -> list[dict]:
                             if fmt == "e4m3":
                                 fns["unfused"] = lambda: quantize_fp8_per_token(
                                     add_layer_norm(x, r_arg, w, b, EPS, store_sum)[0])
+                                fns["unfused_ref"] = lambda: quantize_fp8_ref(
+                                    add_layer_norm(x, r_arg, w, b, EPS, store_sum)[0], -1)
+                                fns["quant"] = lambda: quantize_fp8_per_token(y)  # the row kernel alone
+                                fns["quant_ref"] = lambda: quantize_fp8_ref(y, -1)
+                                kq, ks = quantize_fp8_per_token(y)
+                                quant_exact = bool(torch.equal(kq.view(torch.uint8), eq.view(torch.uint8))
+                                                   and torch.equal(ks, escale))
                             t = paired_ms(fns)
                             item = dtype.itemsize
                             moved = rows * n * (item * (1 + has_res + store_sum) + 1) + 4 * rows + 2 * item * n
@@ -76,8 +87,14 @@ def bench(quick: bool, ceilings: dict) -> list[dict]:
                                    "add_ln % copy": 100 * gbs_ln / ceilings["copy_GBps"],
                                    "x add_ln": paired_ratio(t["add_ln"], t["ours"]), "bytes": moved, "times": t}
                             if "unfused" in t:
+                                quant_gbs = (rows * n * (item + 1) + 4 * rows) / (t["quant"]["median_ms"] * 1e-3) / 1e9
                                 row.update({"unfused ms": t["unfused"]["median_ms"],
-                                            "x unfused": paired_ratio(t["unfused"], t["ours"])})
+                                            "x unfused": paired_ratio(t["unfused"], t["ours"]),
+                                            "unfused ref ms": t["unfused_ref"]["median_ms"],
+                                            "quant exact": quant_exact, "quant ms": t["quant"]["median_ms"],
+                                            "quant GB/s": quant_gbs,
+                                            "quant % copy": 100 * quant_gbs / ceilings["copy_GBps"],
+                                            "quant ref ms": t["quant_ref"]["median_ms"]})
                             out.append(row)
                             print(" | ".join(f"{c}={row[c]:.4g}" if isinstance(row.get(c), float)
                                              else f"{c}={row.get(c, '')}" for c in COLUMNS), flush=True)

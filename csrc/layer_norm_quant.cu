@@ -28,6 +28,7 @@
 //   * e4m3: one cvt.rn.satfinite.e4m3x2.f32 per pair, which saturates exactly as the reference's clamp to +-448.
 // Launched with PDL (launch.h).
 #include "layer_norm_rows.cuh"
+#include "quant_rows.cuh"
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -41,85 +42,11 @@
 namespace fuseinfer {
 namespace {
 
-// VEC 8-bit values stored as one instruction: 8 bytes for fp16/bf16 packs, 4 for fp32 packs (built as words, so no
-// byte shuffling before the store), 1 for scalars.
-template <int VEC>
-struct alignas(VEC) QPack {
-  static_assert(VEC % 4 == 0, "QPack: 4 or 8 values, or 1");
-  uint32_t w[VEC / 4];  // element 0 in the lowest byte of w[0]
-};
-template <>
-struct QPack<1> {
-  uint8_t v;
-};
+using quant8::Divider;
+using quant8::QPack;
+using quant8::fast_divide;
+using quant8::quantize;
 
-// y / scale with __fdiv_rn's bits (see the header): the reciprocal refined once per row, then per element the fast
-// path's quotient and one correction. kExact: the plain division (rows whose scale is out of the fast path's range).
-template <bool kExact>
-struct Divider {
-  float scale, rcp;
-  __device__ __forceinline__ explicit Divider(float s) : scale(s), rcp(0.f) {
-    if constexpr (!kExact) {
-      float r0;
-      asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(s));  // MUFU.RCP, as in __fdiv_rn (s is normal here)
-      rcp = __fmaf_rn(r0, __fmaf_rn(r0, -s, 1.f), r0);
-    }
-  }
-  __device__ __forceinline__ float operator()(float a) const {
-    if constexpr (kExact) {
-      return __fdiv_rn(a, scale);
-    } else {
-      const float q0 = __fmaf_rn(a, rcp, 0.f);
-      return __fmaf_rn(rcp, __fmaf_rn(q0, -scale, a), q0);
-    }
-  }
-};
-
-// The fast path's range for the scale: every y that can quantise to a nonzero value (|y| >= scale * 2^-11 for e4m3,
-// scale / 2 for int8) and its quotient are then normal fp32 values far from the limits.
-__device__ __forceinline__ bool fast_divide(float scale) { return scale >= 0x1p-64f && scale <= 0x1p64f; }
-
-// round_half_even(clamp(v, -127, 127)) as the low byte of a word: v + 1.5 * 2^23 lies in [2^23, 2^24), where the
-// fp32 ulp is 1, so the add itself rounds to the nearest even integer and the mantissa's low byte is that integer in
-// two's complement. A NaN quotient clamps to -127 (fmaxf returns the non-NaN operand), as rintf then fmaxf did. No
-// upper clamp: |y| <= amax and scale = RN(amax / 127) >= amax / 127 * (1 - 2^-24) (or FLT_MIN > amax / 127), so a
-// correctly rounded y / scale is at most 127.00001, which the add rounds to 127.
-__device__ __forceinline__ uint32_t int8_word(float v) { return __float_as_uint(fmaxf(v, -127.f) + 12582912.f); }
-
-// Four int8 words -> their low bytes packed (element 0 in the lowest byte).
-__device__ __forceinline__ uint32_t pack4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
-  return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
-}
-
-// y / scale for e4m3, whose zero is signed: the fast path's FFMAs turn -0 / scale into +0, where IEEE division (and
-// the reference) give -0; the quotient's sign is always y's (scale > 0), so copying it back is exact (one LOP3).
-template <class Div>
-__device__ __forceinline__ float signed_quotient(float y, const Div& div) { return copysignf(div(y), y); }
-
-// Quantises one pack of y (fp32, rounded to x's dtype) with the row's divider.
-template <bool kFp8, int VEC, class Div>
-__device__ __forceinline__ QPack<VEC> quantize(const float (&y)[VEC], const Div& div) {
-  QPack<VEC> out;
-  if constexpr (VEC == 1) {
-    out.v = kFp8 ? __nv_cvt_float_to_fp8(signed_quotient(y[0], div), __NV_SATFINITE, __NV_E4M3)
-                 : static_cast<uint8_t>(int8_word(div(y[0])) & 0xffu);
-  } else {
-#pragma unroll
-    for (int j = 0; j < VEC; j += 4) {
-      if constexpr (kFp8) {  // pairs, element j in the low byte
-        const uint32_t lo = __nv_cvt_float2_to_fp8x2(
-            make_float2(signed_quotient(y[j], div), signed_quotient(y[j + 1], div)), __NV_SATFINITE, __NV_E4M3);
-        const uint32_t hi = __nv_cvt_float2_to_fp8x2(
-            make_float2(signed_quotient(y[j + 2], div), signed_quotient(y[j + 3], div)), __NV_SATFINITE, __NV_E4M3);
-        out.w[j / 4] = __byte_perm(lo, hi, 0x5410);
-      } else {
-        out.w[j / 4] = pack4(int8_word(div(y[j])), int8_word(div(y[j + 1])), int8_word(div(y[j + 2])),
-                             int8_word(div(y[j + 3])));
-      }
-    }
-  }
-  return out;
-}
 
 template <bool kFp8>
 struct LayerNormQuantOp {

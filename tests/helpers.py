@@ -185,14 +185,15 @@ def modules_forward(model, **inputs):
         return model(**inputs)
 
 
-def cache_run(fn, model, ids):
-    """fn(model, ids, positions, cache, q_start) over a fresh 64-slot static KV cache on the model's device (a
-    prefill into slots [0, S)): (its logits, the last layer's keys and values of those slots)."""
+def cache_run(fn, model, ids, slots: int = 64):
+    """fn(model, ids, positions, cache, q_start) over a fresh static KV cache of ``slots`` slots on the model's device
+    (a prefill into slots [0, S)): (its logits, the last layer's keys and values of those slots)."""
     from fuseinfer.runtime.cache import StaticKVCache
 
     cfg, p = model.config, next(model.parameters())
     heads = cfg.num_attention_heads
-    cache = StaticKVCache(cfg.num_hidden_layers, ids.shape[0], heads, cfg.hidden_size // heads, 64, p.dtype, p.device)
+    cache = StaticKVCache(cfg.num_hidden_layers, ids.shape[0], heads, cfg.hidden_size // heads, slots, p.dtype,
+                          p.device)
     cache.key_mask[:] = True
     cache.write_idx = torch.arange(ids.shape[1], device=p.device)
     pos = torch.arange(ids.shape[1], device=p.device).expand(ids.shape)

@@ -61,6 +61,15 @@ def other_kernels():
             quant(torch.randn(5, 4096, device="cuda", dtype=dtype), None, None, None, 1e-5, True)
             quant(x, None, torch.zeros_like(w), torch.full_like(b, 1e-30 if dtype != torch.float16 else 0.0),
                   1e-5, False)
+        # per-token e4m3 quantize: odd width (scalar path), 16-byte packs, a misaligned contiguous view, all-zero and
+        # tiny rows (the exact division), more rows than the grid (grid-stride)
+        ops.quantize_fp8_per_token(x)
+        ops.quantize_fp8_per_token(torch.randn(6, 1024, device="cuda", dtype=dtype))
+        ops.quantize_fp8_per_token(torch.randn(3 * 256 + 1, device="cuda", dtype=dtype)[1:].view(3, 256))
+        ops.quantize_fp8_per_token(torch.cat([torch.zeros(2, 64, device="cuda", dtype=dtype),
+                                              torch.full((2, 64), 1e-30 if dtype != torch.float16 else 1e-7,
+                                                         device="cuda", dtype=dtype)]))
+        ops.quantize_fp8_per_token(torch.randn(9000, 8, device="cuda", dtype=dtype))
         # RMSNorm: odd width (scalar path), a block-per-row width (vector path), a misaligned contiguous view
         ops.add_rms_norm(x, r, w, 1e-6, True)
         ops.add_rms_norm(torch.randn(5, 4096, device="cuda", dtype=dtype), None, None, 1e-6, False)

@@ -3,7 +3,8 @@
     out = act(acc * x_scale[m] * w_scale[n] + bias[n] + residual[m, n]),   acc = x_q @ w_q.T
 
 x_q (..., K) float8_e4m3fn with per-token fp32 scales x_scale (..., 1) (``quantize_fp8_per_token``: scale =
-max|x_row| / 448, dynamic), w_q (N, K) float8_e4m3fn with per-output-channel fp32 scales w_scale (N, 1) or (N,)
+max|x_row| / 448, dynamic; on CUDA one kernel, ``csrc/quant.cu``'s ``quantize_fp8_rows``, bit-exact to
+``quantize_fp8_ref``), w_q (N, K) float8_e4m3fn with per-output-channel fp32 scales w_scale (N, 1) or (N,)
 (``quantize_fp8_ref(w, -1)``); bias (N,) and residual (..., N) in the output dtype; act = ReLU or none. The
 epilogue is ``fused_linear``'s protocol, shared with the int8 W8A8 op (``w8a8_linear._epilogue``).
 
@@ -28,7 +29,8 @@ import warnings
 import torch
 
 from fuseinfer.core.errors import FuseInferError
-from fuseinfer.core.extension import route
+from fuseinfer.core.extension import extension, route
+from fuseinfer.ops.quant import KERNEL_DTYPES
 from fuseinfer.ops.w8a8_linear import _epilogue, check_scaled_linear, sm90_scaled_linear, w8a8_backend
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -62,7 +64,12 @@ def _quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 @_quantize_fp8_per_token.register_kernel("cuda")
 def _quantize_fp8_per_token_cuda(x):
-    return quantize_fp8_ref(x, -1)  # PyTorch ops on the GPU for now (a fused quantize kernel is future work)
+    ext = extension(x.device)
+    if ext is None or not hasattr(ext, "quantize_fp8_rows") or x.numel() == 0 or x.dtype not in KERNEL_DTYPES \
+            or not x.is_contiguous():  # (q keeps x's strides, as the fake says)
+        return quantize_fp8_ref(x, -1)
+    q, scale = ext.quantize_fp8_rows(x.reshape(-1, x.shape[-1]))  # (R, K) e4m3, (R,) fp32: one kernel
+    return q.view(x.shape), scale.view(*x.shape[:-1], 1)
 
 
 @_quantize_fp8_per_token.register_fake

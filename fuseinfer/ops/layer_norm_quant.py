@@ -18,9 +18,9 @@ import torch
 
 from fuseinfer.core.extension import eager_cuda, extension, transformed
 from fuseinfer.core.errors import FuseInferError
-from fuseinfer.ops.fp8_linear import FP8_DTYPE, quantize_fp8_ref
+from fuseinfer.ops.fp8_linear import FP8_DTYPE, quantize_fp8_per_token, quantize_fp8_ref
 from fuseinfer.ops.layer_norm import add_layer_norm, add_layer_norm_ref
-from fuseinfer.ops.quant import quantize_int8_ref
+from fuseinfer.ops.quant import quantize_int8_ref, quantize_per_token
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # csrc/layer_norm_quant.cu; others: the reference
 MAX_N = 16384  # the kernel's largest row
@@ -51,20 +51,22 @@ def _unfused(x, residual) -> bool:
     """Whether the CUDA ops run the LayerNorm kernel, then the quantize (the same bits as the fused kernel where
     both were compared), instead of the fused kernel: for rows without a residual, where the fused e4m3 kernel was
     more than one e4m3 step from the reference at 2048 rows of 2048 in a GPU test (the int8 kernel shares that
-    path and was not tested there; in a model only the first layer's first LayerNorm has no residual), and for rows
-    that are not whole 16-byte packs (e4m3: there too the two differed)."""
+    path and was not tested there; the pre-LN OPT layer's LayerNorms have none: the residual joins in the GEMM
+    epilogues), and for rows that are not whole 16-byte packs (e4m3: there too the two differed). The quantize is
+    the row quantize kernel (``quantize_per_token`` / ``quantize_fp8_per_token``), bit for bit its reference."""
     return residual is None or x.shape[-1] % 8 != 0
 
 
-def _cuda(name: str, ref, quantize_ref, x, residual, weight, bias, eps, store_sum):
-    """The CUDA form of the op ``name`` (its reference ``ref``, its per-token quantize ``quantize_ref``): the fused
-    kernel, the LayerNorm kernel then the quantize (``_unfused``), or the reference where the kernel cannot run."""
+def _cuda(name: str, ref, quantize, x, residual, weight, bias, eps, store_sum):
+    """The CUDA form of the op ``name`` (its reference ``ref``, its per-token quantize ``quantize``: the row
+    quantize kernel, bit for bit the quantize reference): the fused kernel, the LayerNorm kernel then the quantize
+    (``_unfused``), or the reference where the kernel cannot run."""
     ext = extension(x.device)
     if ext is None or x.dtype not in KERNEL_DTYPES or not hasattr(ext, name) or x.shape[-1] > MAX_N:
         return _contiguous(x, *ref(x, residual, weight, bias, eps, store_sum))
     if _unfused(x, residual):
         y, s = add_layer_norm(x, residual, weight, bias, eps, store_sum)
-        return _contiguous(x, *quantize_ref(y, -1), s)
+        return _contiguous(x, *quantize(y), s)
     return getattr(ext, name)(x.contiguous(), None if residual is None else residual.contiguous(),
                               None if weight is None else weight.contiguous(),
                               None if bias is None else bias.contiguous(), eps, store_sum)
@@ -72,7 +74,7 @@ def _cuda(name: str, ref, quantize_ref, x, residual, weight, bias, eps, store_su
 
 @_add_layer_norm_quant.register_kernel("cuda")
 def _add_layer_norm_quant_cuda(x, residual, weight, bias, eps, store_sum):
-    return _cuda("add_layer_norm_quant", add_layer_norm_quant_ref, quantize_int8_ref, x, residual, weight, bias, eps,
+    return _cuda("add_layer_norm_quant", add_layer_norm_quant_ref, quantize_per_token, x, residual, weight, bias, eps,
                  store_sum)
 
 
@@ -127,7 +129,7 @@ def _add_layer_norm_quant_fp8(
 
 @_add_layer_norm_quant_fp8.register_kernel("cuda")
 def _add_layer_norm_quant_fp8_cuda(x, residual, weight, bias, eps, store_sum):
-    return _cuda("add_layer_norm_quant_fp8", add_layer_norm_quant_fp8_ref, quantize_fp8_ref, x, residual, weight,
+    return _cuda("add_layer_norm_quant_fp8", add_layer_norm_quant_fp8_ref, quantize_fp8_per_token, x, residual, weight,
                  bias, eps, store_sum)
 
 

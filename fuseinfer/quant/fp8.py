@@ -11,9 +11,9 @@ CUDA (``decode_rows``) it runs the e4m3 weight GEMV on the unquantized activatio
 per-token e4m3 activations (``quantized_input`` "e4m3", ``forward_quantized``): at prefill the fused decoder layer
 feeds the linears that read a pre-LN LayerNorm's output the output of ``add_layer_norm_quant_fp8`` (LayerNorm and the
 e4m3 quantize in one kernel), as it feeds the W8A8 linears ``add_layer_norm_quant``'s int8; the others quantize their
-input in ``fused``. It does not
-take int8 activations (``takes_int8`` is False): the OPT lean prefill loop runs int8 models only, so FP8 models run
-their patched modules.
+input in ``fused`` (``quantize_fp8_per_token``: one kernel on CUDA). It does not take int8 activations
+(``takes_int8`` is False). The OPT lean prefill loop (``models/opt/lean.py``, ``Fp8LeanOps``) and its CUDA graphs run
+FP8 models with the same ops in the same order.
 """
 from __future__ import annotations
 
@@ -103,13 +103,11 @@ def build(w: torch.Tensor, bias: torch.Tensor | None, empty: bool = False) -> Fl
     return Float8Linear(q, scale, None if bias is None else bias.detach().clone())
 
 
-PREFILL_NOTE = ("FP8 prefill: the patched modules (no lean loop yet), slower than fp16 on long prompts; for "
-                "prefill-bound work use fp16 or SmoothQuantW8A8")
+PREFILL_NOTE = "FP8 prefill: the lean loop (LayerNorm + e4m3 quantize fused, then the FP8 GEMMs)"
 
 
 def fp8_note(device: torch.device, dtype: torch.dtype = torch.float16) -> str:
-    """The patch report's and the eval's line for an FP8 model: its GEMM and, where that is known to be slower than
-    fp16, the prefill."""
+    """The patch report's and the eval's line for an FP8 model: its GEMM and the prefill path."""
     return f"{fp8_gemm_note(device, dtype)}; {PREFILL_NOTE}"
 
 

@@ -10,8 +10,8 @@ patched modules run as before):
   (B*S, E) activations: on CUDA straight into the extension (the ``fuseinfer_C`` ops), elsewhere through the op wrappers
   (their references). No mask is built (the attention op takes the key mask and ``q_start`` as they are), the LM
   head runs for the last position only. Nothing in it reads the GPU from the host, so a caller can capture it in a
-  CUDA graph. Int8 models (SmoothQuant W8A8, int8 weight-only W8A16) take it too, with the ops of their patched
-  modules (at decode-sized prompts on CUDA, at most ``DECODE_ROWS`` rows, their linears run the int8 weight-only
+  CUDA graph. 8-bit models (SmoothQuant W8A8, FP8, int8 weight-only W8A16) take it too, with the ops of their
+  patched modules (at decode-sized prompts on CUDA, at most ``DECODE_ROWS`` rows, their linears run the 8-bit weight
   GEMV, as the patched modules do).
 * **graph** (:class:`PrefillGraph`): fast decode's prefill (``_Session.begin``) replays, per batch bucket and
   prompt-length bucket (a multiple of ``LENGTH_BUCKET`` tokens), a CUDA graph of the lean loop over the session's

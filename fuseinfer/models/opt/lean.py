@@ -5,11 +5,13 @@ position (``lean_hidden``, for the patched model's own forward: ``runtime/forwar
 (modes, length buckets, CUDA graphs) reaches it through the family interface (``OPTFamily.prefill_reason`` /
 ``lean_logits`` / ``lean_hidden``).
 
-Three strategies: :class:`LeanOps` (fp16/bf16), :class:`Int8LeanOps` (int8 weight-only linears, and W8A8 linears at
-decode-sized inputs on CUDA, which run the GEMV as the patched modules do) and :class:`W8A8LeanOps` (SmoothQuant:
-pre-LN, ``add_layer_norm_quant`` feeds q/k/v and fc1 int8 activations; attention's and fc1's outputs are quantized
-per token for out_proj and fc2; post-LN, the LayerNorm output is the residual stream, quantized apart). They run the
-same ops in the same order as the patched modules.
+Four strategies: :class:`LeanOps` (fp16/bf16), :class:`Int8LeanOps` (int8 weight-only linears, and W8A8 / FP8
+linears at decode-sized inputs on CUDA, which run the int8 / e4m3 weight GEMV as the patched modules do),
+:class:`W8A8LeanOps` (SmoothQuant: pre-LN, ``add_layer_norm_quant`` feeds q/k/v and fc1 int8 activations;
+attention's and fc1's outputs are quantized per token for out_proj and fc2; post-LN, the LayerNorm output is the
+residual stream, quantized apart) and :class:`Fp8LeanOps` (``Float8``: the same with e4m3 activations,
+``add_layer_norm_quant_fp8`` and ``quantize_fp8_per_token``, and the FP8 GEMM). They run the same ops in the same
+order as the patched modules.
 """
 from __future__ import annotations
 
@@ -23,8 +25,10 @@ from fuseinfer.layers.linear import decode_rows
 from fuseinfer.models.common import checked_plan, lean_call_reason, lean_plan
 from fuseinfer.models.opt.layer import decoder_layer
 from fuseinfer.ops import add_layer_norm, attention, w8a16_linear, linear_epilogue
+from fuseinfer.ops.fp8_gemv import fp8_weight_linear
+from fuseinfer.ops.fp8_linear import FP8_DTYPE, fp8_linear, quantize_fp8_per_token
 from fuseinfer.ops.kv_cache import kv_cache_append, kv_cache_append_fp8
-from fuseinfer.ops.layer_norm_quant import add_layer_norm_quant
+from fuseinfer.ops.layer_norm_quant import add_layer_norm_quant, add_layer_norm_quant_fp8
 from fuseinfer.ops.quant import quantize_per_token
 from fuseinfer.ops.w8a8_linear import w8a8_backend, w8a8_linear
 
@@ -48,7 +52,7 @@ class _Plan:
         self.called = tuple(m for m in (model.model, dec, model.lm_head, *dec_calls,
                                         *(m for layer in dec.layers for m in (layer, layer.self_attn)))
                             if m is not None)
-        # int8 models (SmoothQuant W8A8, or weight-only W8A16): every decoder linear quantized (q/k/v fused as
+        # 8-bit models (SmoothQuant W8A8, FP8, or weight-only W8A16): every decoder linear quantized (q/k/v fused as
         # ``qkv_proj``), checked by _structure_reason; the lean loop reads their int8 weights, scales and biases at
         # each call
         self.quant = quant_kind(model)
@@ -76,33 +80,39 @@ class _Plan:
 
 
 def quant_kind(model: nn.Module) -> str | None:
-    """'w8a8' (SmoothQuantW8A8), 'w8a16' (Int8WeightOnly) or None (not quantized) for a patched model."""
-    from fuseinfer.core.quant_config import Int8WeightOnly, SmoothQuantW8A8
+    """'w8a8' (SmoothQuantW8A8), 'fp8' (Float8), 'w8a16' (Int8WeightOnly) or None (not quantized) for a patched
+    model."""
+    from fuseinfer.core.quant_config import Float8, Int8WeightOnly, SmoothQuantW8A8
 
     state = patch_state(model)
     quant = None if state is None else state.config.quant
     if isinstance(quant, SmoothQuantW8A8):
         return "w8a8"
+    if isinstance(quant, Float8):
+        return "fp8"
     return "w8a16" if isinstance(quant, Int8WeightOnly) else None
 
 
 def _int8_layer_reason(layer: nn.Module, kind: str) -> str | None:
-    """Why a patched layer's linears are not all int8 linears of ``kind`` the lean loop can call (q/k/v fused as
+    """Why a patched layer's linears are not all 8-bit linears of ``kind`` the lean loop can call (q/k/v fused as
     ``qkv_proj``), or None."""
-    from fuseinfer.layers.linear import Int8WeightOnlyLinear, int8_input
+    from fuseinfer.layers.linear import Int8WeightOnlyLinear, int8_input, quantized_input
 
     attn = layer.self_attn
     parts = {"q/k/v": attn._modules.get("qkv_proj"), "out_proj": attn._modules.get("out_proj"),
              "fc1": layer._modules.get("fc1"), "fc2": layer._modules.get("fc2")}
     if kind == "w8a8":
         lins = {n: int8_input(m) for n, m in parts.items()}
+    elif kind == "fp8":  # (the linears that take per-token e4m3 activations: Float8Linear)
+        lins = {n: lin if getattr(lin := quantized_input(m), "quantized_input", None) == "e4m3" else None
+                for n, m in parts.items()}
     else:
         lins = {n: m if type(m) is Int8WeightOnlyLinear else None for n, m in parts.items()}
     missing = [n for n, lin in lins.items() if lin is None]
     if missing:
         return f"{', '.join(missing)} not {kind.upper()}-quantized"
     if not all(t.is_contiguous() for lin in lins.values() for t in lin.buffers()):
-        return "an int8 weight or scale is not contiguous"
+        return "an 8-bit weight or scale is not contiguous"
     return None
 
 
@@ -118,7 +128,7 @@ def _structure_reason(model: nn.Module) -> str | None:
     kind = quant_kind(model)
     if state.config.quant is not None and kind is None:
         return (f"a {type(state.config.quant).__name__} model runs its patched modules (their int8 linears); "
-                "the lean prefill takes fp16/bf16, Int8WeightOnly and SmoothQuantW8A8 models")
+                "the lean prefill takes fp16/bf16, Int8WeightOnly, SmoothQuantW8A8 and Float8 models")
     backends = {n for m in model.modules() for n in m.__dict__.get(attention_backend.ATTR, {}).values()}
     if backends - {"fuseinfer"}:  # (what patch resolved the config's backend to, per phase)
         return f"attention_backend={state.config.attention_backend!r} runs in the patched modules"
@@ -274,8 +284,9 @@ class LeanOps:
 
 
 class Int8LeanOps(LeanOps):
-    """LeanOps whose linears have int8 weights and fp16/bf16 activations (W8A16, and W8A8 linears at decode-sized
-    inputs): ``w8a16_linear`` straight into the extension where the fused ops are, else the op wrapper."""
+    """LeanOps whose linears have 8-bit weights and fp16/bf16 activations (W8A16, and W8A8 / FP8 linears at
+    decode-sized inputs): ``w8a16_linear`` straight into the extension where the fused ops are, else the op wrapper;
+    e4m3 weights (FP8) ``fp8_weight_linear``, as ``Float8Linear.fused`` runs it there."""
 
     def __init__(self, like: torch.Tensor, heads: int, head_dim: int):
         super().__init__(like, heads, head_dim)
@@ -288,9 +299,11 @@ class Int8LeanOps(LeanOps):
         if "qweight" in b:  # Int8WeightOnlyLinear (its bias a Parameter or, for the fused q/k/v, a buffer)
             bias = lin._parameters["bias"] if "bias" in lin._parameters else b.get("bias")
             return self.int8(x, b["qweight"], b["scale"], bias, residual, activation)
-        bias = b["bias"]  # W8A8Linear: (N, 1) scales
-        return self.int8(x, b["weight_q"], b["weight_scale"].view(-1), None if bias is None else bias.to(self.dtype),
-                         residual, activation)
+        bias = b["bias"]  # W8A8Linear / Float8Linear: (N, 1) scales
+        bias = None if bias is None else bias.to(self.dtype)
+        if b["weight_q"].dtype == FP8_DTYPE:  # Float8Linear: the e4m3 weight GEMV
+            return fp8_weight_linear(x, b["weight_q"], b["weight_scale"].view(-1), bias, residual, activation)
+        return self.int8(x, b["weight_q"], b["weight_scale"].view(-1), bias, residual, activation)
 
     def qkv(self, attn, x):
         return self.lin(x, attn._modules["qkv_proj"], None, "none")
@@ -347,6 +360,27 @@ class W8A8LeanOps(LeanOps):
                            None if bias is None else bias.to(self.dtype), residual, activation, self.dtype)
 
 
+class Fp8LeanOps(W8A8LeanOps):
+    """W8A8LeanOps in e4m3 (``Float8``): a pre-LN LayerNorm that feeds a GEMM runs as ``add_layer_norm_quant_fp8``,
+    any other GEMM input (attention's output, fc1's) is quantized per token by ``quantize_fp8_per_token`` (one
+    kernel on CUDA), and every GEMM is ``fp8_linear`` with the bias, residual and ReLU in its epilogue: the op
+    wrappers, the calls ``Float8Linear`` and the patched modules make (the CUTLASS sm90 GEMM, ``torch._scaled_mm``
+    or the reference, as the wrapper chooses)."""
+
+    def __init__(self, like: torch.Tensor, heads: int, head_dim: int):
+        LeanOps.__init__(self, like, heads, head_dim)
+        self.ln_quant = lambda x, r, w, b, eps: add_layer_norm_quant_fp8(x, r, w, b, eps)[:2]  # (M, E) e4m3, (M, 1)
+        self.quant = quantize_fp8_per_token  # (M, K) -> (q (M, K) e4m3, scale (M, 1))
+        self.w8a8 = self._fp8
+
+    def _fp8(self, xq, xs, lin, residual, activation: str) -> torch.Tensor:
+        """xq (M, K) e4m3, xs (M, 1) fp32 -> (M, N) in the model's dtype."""
+        b = lin._buffers
+        bias = b["bias"]
+        return fp8_linear(xq, xs, b["weight_q"], b["weight_scale"], None if bias is None else bias.to(self.dtype),
+                          residual, activation, self.dtype)
+
+
 # ---- the loop ----
 
 def _embed(plan: _Plan, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -383,7 +417,9 @@ def _layers(plan: _Plan, tokens, positions, key_mask, q_start, cache, slots, kv_
     like = plan.lm_head.weight
     if plan.quant == "w8a8" and not decode_rows(h):
         ops = W8A8LeanOps(like, plan.heads, plan.head_dim, plan.w8a8_aligned)
-    elif plan.quant is not None:  # W8A16, or W8A8 at decode-sized inputs on CUDA (the GEMV, as the modules run it)
+    elif plan.quant == "fp8" and not decode_rows(h):
+        ops = Fp8LeanOps(like, plan.heads, plan.head_dim)
+    elif plan.quant is not None:  # W8A16, or W8A8 / FP8 at decode-sized inputs on CUDA (the GEMV, as the modules)
         ops = Int8LeanOps(like, plan.heads, plan.head_dim)
     else:
         ops = LeanOps(like, plan.heads, plan.head_dim)
