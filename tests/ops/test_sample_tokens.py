@@ -351,6 +351,120 @@ def test_kernel_emit_tokens_records_chosen_tokens():
     test_emit_tokens_records_chosen_tokens("cuda")
 
 
+def _kernel_kept_with(rows, seed, off, params, cluster: int):
+    """The kernel's (tokens, kept) with the kernel chosen: cluster -1 the host's pick, 0 the one-block kernel, 2..16
+    the cluster kernel at that size."""
+    from fuseinfer.core.extension import extension
+
+    temperature, top_k, top_p, min_p = params
+    return extension().sample_tokens_kept_with(rows, seed, off, temperature, top_k or 0,
+                                               1.0 if top_p is None else top_p, 0.0 if min_p is None else min_p,
+                                               cluster)
+
+
+def _require_cluster_kernel():
+    require_kernel()
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the cluster kernel needs an sm_90 GPU")
+
+
+# every warper alone and together, temperature != 1, min-p, top-k >= V (every token stays)
+CLUSTER_PARAMS = [(1.0, 50, None, None), (0.7, None, 0.9, None), (0.7, 50, 0.9, None), (1.3, None, 0.95, 0.05),
+                  (1.0, None, None, 0.1), (0.7, 1, None, None), (1.0, 10**6, 0.999, None), (0.5, 40, None, None)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [50272, 151936])
+@pytest.mark.parametrize("b", [1, 3, 8, 33])
+@pytest.mark.parametrize("params", CLUSTER_PARAMS)
+def test_cluster_kernel_kept_set_and_tokens_match_reference(v, b, params):
+    """The host's pick at the batch sizes and vocabularies the cluster kernel serves (16 CTAs a row at batch 1 to 8,
+    fewer at 33 rows): the reference's kept set (but where float rounding decides a cut-off) and its draw; the same
+    draw as the one-block kernel wherever both keep the same tokens."""
+    _require_cluster_kernel()
+    gen = torch.Generator().manual_seed(v + b + (params[1] or 0))
+    kinds = [("fp16", "integers", "neg_inf", "peak", "normal", "all_neg_inf")[r % 6] for r in range(b)]
+    rows = _rows(kinds, v, gen)
+    seed, off = torch.tensor([123], device="cuda"), torch.tensor([9], device="cuda")
+    cuda_rows = rows.cuda()
+    assert extension_cluster_size(cuda_rows) > 0  # (the cluster kernel runs here)
+    tokens, kept = _kernel_kept_with(cuda_rows, seed, off, params, -1)
+    _check_kept(kept, rows, params, tol_p=2e-4, tol_min=1e-5, kinds=kinds)
+    _check_tokens(tokens, kept, rows, seed, off, params, kinds, allowed=1)
+    assert torch.equal(ops.sample_tokens(cuda_rows, seed, off, *params), tokens)  # the op takes the same kernel
+    one_tokens, one_kept = _kernel_kept_with(cuda_rows, seed, off, params, 0)
+    same = ((one_kept == kept) | ~torch.isfinite(cuda_rows)).all(-1)  # (B,) (-inf tokens: no probability either way)
+    assert int(same.sum()) >= b - 1 and torch.equal(one_tokens[same], tokens[same]), (same.tolist(), kinds)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cluster", [2, 4, 8, 16])
+@pytest.mark.parametrize("v", [37, 1000, 5003])
+@pytest.mark.parametrize("params", CLUSTER_PARAMS[:4])
+def test_cluster_kernel_at_every_cluster_size(cluster, v, params):
+    """Every cluster size on small rows (at 37 tokens and 16 CTAs, six CTAs hold no token) against the reference."""
+    _require_cluster_kernel()
+    kinds = list(KINDS) + ["fp16", "integers", "normal"]
+    rows = _rows(kinds, v, torch.Generator().manual_seed(v + cluster))
+    seed, off = torch.tensor([5], device="cuda"), torch.tensor([1], device="cuda")
+    tokens, kept = _kernel_kept_with(rows.cuda(), seed, off, params, cluster)
+    _check_kept(kept, rows, params, tol_p=2e-4, tol_min=1e-5, kinds=kinds)
+    _check_tokens(tokens, kept, rows, seed, off, params, kinds, allowed=1)
+
+
+def extension_cluster_size(scores: torch.Tensor) -> int:
+    from fuseinfer.core.extension import extension
+
+    return int(extension().sample_tokens_cluster_size(scores))
+
+
+@pytest.mark.gpu
+def test_cluster_kernel_runs_where_the_host_picks_it():
+    """Which kernel runs (profiler kernel names): the cluster kernel at 50272 and 151936 tokens (16 CTAs a row at
+    batch 1 and 8 on a 132-SM GPU, 4 at 33 rows), the one-block kernel for a small vocabulary."""
+    _require_cluster_kernel()
+    from helpers import cuda_kernel_names
+
+    seed, off = torch.tensor([1], device="cuda"), torch.tensor([0], device="cuda")
+    for b, v in ((1, 50272), (8, 50272), (33, 50272), (1, 151936), (8, 151936)):
+        scores = torch.randn(b, v, device="cuda")
+        c = extension_cluster_size(scores)
+        assert c in (2, 4, 8, 16) and b * c <= max(2 * b, torch.cuda.get_device_properties(0).multi_processor_count)
+        names = cuda_kernel_names(lambda: ops.sample_tokens(scores, seed, off, 0.7, top_p=0.9))
+        assert any("sample_tokens_cluster_kernel" in n for n in names), names
+    if torch.cuda.get_device_properties(0).multi_processor_count >= 128:
+        assert extension_cluster_size(torch.empty(1, 50272, device="cuda")) == 16
+        assert extension_cluster_size(torch.empty(8, 50272, device="cuda")) == 16
+    small = torch.randn(2, 1000, device="cuda")
+    assert extension_cluster_size(small) == 0
+    names = cuda_kernel_names(lambda: ops.sample_tokens(small, seed, off, 0.7, top_p=0.9))
+    assert any("sample_tokens_kernel" in n for n in names) and not any("cluster" in n for n in names), names
+
+
+@pytest.mark.gpu
+def test_cluster_kernel_in_cuda_graph_with_pdl():
+    """The cluster kernel captured behind another kernel (a programmatic edge with PDL): the scores it reads are
+    the previous kernel's output, each replay the reference's draw at its offset."""
+    _require_cluster_kernel()
+    rows = _rows(("normal", "fp16", "peak", "integers"), 151936, torch.Generator().manual_seed(2)).cuda()
+    scaled = torch.empty_like(rows)
+    seed, off = torch.tensor([11], device="cuda"), torch.tensor([0], device="cuda")
+    assert extension_cluster_size(rows) > 0
+    ops.sample_tokens(rows, seed, off, 0.9, top_k=100, top_p=0.9)  # warm-up outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.mul(rows, 1.0, out=scaled)  # (written right before the sampling kernel reads it)
+        out = ops.sample_tokens(scaled, seed, off, 0.9, top_k=100, top_p=0.9)
+        off += 1
+    got, want = [], []
+    for step in range(6):
+        scaled.zero_()
+        graph.replay()
+        got.append(out.cpu().clone())
+        want.append(sample_tokens_ref(rows.cpu(), seed.cpu(), torch.tensor([step]), 0.9, 100, 0.9, 0.0))
+    assert sum(torch.equal(g, w) for g, w in zip(got, want)) >= 5 and len({tuple(g.tolist()) for g in got}) > 1
+
+
 # ---- the kernel's algorithm, emulated in NumPy (CPU) ----
 
 def _emulate_kernel_row(x: np.ndarray, row: int, seed, offset, temperature, top_k, top_p, min_p):
@@ -491,3 +605,48 @@ def test_block_reductions_give_every_thread_the_result():
     vals = np.random.default_rng(0).standard_normal(1024)
     assert (_block_max_emulated(vals) == vals.max()).all()
     assert not (_block_max_emulated(vals, fixed=False) == vals.max()).all()  # (the check catches the former code)
+
+
+def _cluster_chunk(v: int, c: int) -> int:
+    """csrc/sample_tokens.cu cluster_chunk: the tokens a CTA of a c-CTA cluster takes (a multiple of 4)."""
+    return (-(-v // c) + 3) // 4 * 4
+
+
+def _cluster_tie_keep(eq: np.ndarray, drop: int, c: int) -> np.ndarray:
+    """(V,) bool: which tokens tied at v* stay, as the cluster kernel decides it: CTA r counts its tied tokens (its
+    last level's bin of v*), reads every CTA's count, and cuts its own: local = drop - (tied tokens in the CTAs
+    before it); local <= 0: all of its tied tokens stay, local >= its count: none, else from its local-th on."""
+    v = eq.size
+    chunk = _cluster_chunk(v, c)
+    tied = [int(eq[r * chunk:(r + 1) * chunk].sum()) for r in range(c)]
+    keep = np.zeros(v, dtype=bool)
+    for r in range(c):
+        begin, n = r * chunk, max(0, min(v - r * chunk, chunk))
+        local = drop - sum(tied[:r])
+        if local <= 0:
+            cut = 0
+        elif local >= tied[r]:
+            cut = 2**31 - 1
+        else:
+            cut = begin + int(np.nonzero(eq[begin:begin + n])[0][local])
+        idx = np.arange(begin, begin + n)
+        keep[begin:begin + n] = eq[begin:begin + n] & (idx >= cut)
+    return keep
+
+
+@given(v=st.integers(1, 3000), c=st.sampled_from([2, 4, 8, 16]), density=st.sampled_from([0.001, 0.05, 0.5, 1.0]),
+       seed=st.integers(0, 2**31), frac=st.floats(0, 1))
+def test_cluster_tie_cut_keeps_the_tied_tokens_from_the_drop_th_on(v, c, density, seed, frac):
+    """The cluster kernel's per-CTA cut of the tokens tied at v* keeps, over the whole row, the tied tokens from the
+    drop-th (in index order) on: the one-block kernel's and the stable sort's rule. The CTAs' slices cover the row
+    in groups of four (the draw's Philox groups never straddle two CTAs)."""
+    chunk = _cluster_chunk(v, c)
+    assert chunk % 4 == 0 and chunk * c >= v and chunk * (c - 1) < v + 4 * c
+    eq = np.random.default_rng(seed).random(v) < density
+    count = int(eq.sum())
+    if count < 2:
+        return
+    drop = 1 + int(frac * (count - 2))  # 1 .. count - 1 (the kernel scans only for drop > 0; one always stays)
+    pos = np.nonzero(eq)[0]
+    want = eq & (np.arange(v) >= pos[drop])
+    assert (_cluster_tie_keep(eq, drop, c) == want).all()
