@@ -138,13 +138,16 @@ __device__ __forceinline__ int block_sum(int v, Shared& sh) {
 // flight (one at a time, a row re-read from L2 would take ~0.5 us per round of latency).
 constexpr int kUnroll = 4;
 
-// kT threads, kNC copies (the one-block kernel: 1024, 8; the cluster kernel: 512, 4).
-template <bool kMass, int kT = kThreads, int kNC = kCopies, typename RawAt, typename KeyOf, typename Digit>
+// kT threads, kNC copies (the one-block kernel: 1024, 8; the cluster kernel: 512, 4). kRange: also each bin's
+// smallest and largest key, in hmin / hmax (the cluster kernel skips the levels whose byte they share).
+template <bool kMass, int kT = kThreads, int kNC = kCopies, bool kRange = false, typename RawAt, typename KeyOf,
+          typename Digit>
 __device__ void histogram(const RawAt& raw_at, const KeyOf& key_of, int v, const Digit& digit, float m,
-                          unsigned* hcnt, float* hmass) {
+                          unsigned* hcnt, float* hmass, unsigned* hmin = nullptr, unsigned* hmax = nullptr) {
   for (int j = threadIdx.x; j < kNC * kBins; j += kT) {
     hcnt[j] = 0;
     if constexpr (kMass) hmass[j] = 0.f;
+    if constexpr (kRange) hmin[j] = 0xffffffffu, hmax[j] = 0u;
   }
   __syncthreads();
   const int lane = threadIdx.x & 31, copy = (threadIdx.x >> 5) % kNC;
@@ -162,8 +165,9 @@ __device__ void histogram(const RawAt& raw_at, const KeyOf& key_of, int v, const
       const int i = base + u * kT + static_cast<int>(threadIdx.x);
       unsigned bin = kBins;  // kBins: not counted
       float w = 0.f;
+      uint32_t k = 0;
       if (i < v) {
-        const uint32_t k = key_of(raw[u]);
+        k = key_of(raw[u]);
         bin = digit(k);
         if (kMass && bin != kBins) w = __expf(key_value(k) - m);
       }
@@ -171,6 +175,12 @@ __device__ void histogram(const RawAt& raw_at, const KeyOf& key_of, int v, const
       const unsigned peers = __match_any_sync(kFull, bin);
       const bool leader = lane == __ffs(peers) - 1 && bin != kBins;
       if (leader) atomicAdd(cnt + bin, static_cast<unsigned>(__popc(peers)));
+      if constexpr (kRange) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+        const unsigned kmin = __reduce_min_sync(peers, k), kmax = __reduce_max_sync(peers, k);  // (each bin's lanes)
+        if (leader) atomicMin(hmin + copy * kBins + bin, kmin), atomicMax(hmax + copy * kBins + bin, kmax);
+#endif
+      }
       if constexpr (kMass) {
         unsigned leaders = __ballot_sync(kFull, leader);
         if (__popc(leaders) <= 4) {  // few bins in this warp: one warp sum each
@@ -189,14 +199,16 @@ __device__ void histogram(const RawAt& raw_at, const KeyOf& key_of, int v, const
   }
   __syncthreads();
   for (int b = threadIdx.x; b < kBins; b += kT) {
-    unsigned c = 0;
+    unsigned c = 0, lo = 0xffffffffu, hi = 0u;
     float s = 0.f;
     for (int j = 0; j < kNC; ++j) {
       c += hcnt[j * kBins + b];
       if constexpr (kMass) s += hmass[j * kBins + b];
+      if constexpr (kRange) lo = min(lo, hmin[j * kBins + b]), hi = max(hi, hmax[j * kBins + b]);
     }
     hcnt[b] = c;
     if constexpr (kMass) hmass[b] = s;
+    if constexpr (kRange) hmin[b] = lo, hmax[b] = hi;
   }
   __syncthreads();
 }
@@ -498,8 +510,14 @@ __global__ void __launch_bounds__(kThreads) sample_tokens_kernel(const SamplePar
 // of [smallest, m], then the key bytes; select_count_desc, select_mass_asc), the tie scan and the draw (Philox
 // groups of four: chunk is a multiple of four, so a group never straddles two CTAs) are the one-block kernel's,
 // and so is the kept set but where fp32 mass sums round otherwise (the bins' sums run in another order).
+// Fewer levels: each bin also keeps its smallest and largest key (a warp's lanes of one bin reduce theirs first,
+// __reduce_min_sync / __reduce_max_sync, then one shared atomic each). Once a level has chosen a bin, the levels of
+// the key bytes its keys all share are skipped (each would find every candidate in one bin: nothing above it for
+// top-k, no mass below it for top-p, so skipping changes no result), and a bin whose keys are all one value ends the
+// selection. Keys of one value slice share their first byte, and often more (fp16-rounded logits have 10 mantissa
+// bits: the last byte is never needed); ties end at once.
 // The tokens tied at v* that top-p drops (the lowest indices first): each CTA reads every CTA's count of them (its
-// last level's bin of v*) and finds its own cut: none, all or the j-th of its tied tokens.
+// last level's chosen bin, whose keys are all v*) and finds its own cut: none, all or the j-th of its tied tokens.
 // The draw's winner: each CTA's, pushed into CTA 0's shared memory, one barrier, CTA 0 picks. A CTA never exits
 // while another may still read its shared memory (a barrier follows every remote read).
 // Below sm_90, for vocabularies under kClusterMinVocab (one block is quick there) and where a slice of the row does
@@ -509,7 +527,8 @@ constexpr int kCWarps = kCThreads / 32;
 constexpr int kCCopies = 4;  // (fewer tokens a CTA than the one-block kernel's: fewer copies to clear and merge)
 constexpr int kMaxCluster = 16;
 constexpr int kClusterMinVocab = 4096;
-constexpr int kCHistBytes = 2 * kCCopies * kBins * 4 + 2 * kBins * 8;  // copies (counts, masses), 2 exchange buffers
+// copies of (counts, masses, smallest keys, largest keys); two exchange buffers
+constexpr int kCHistBytes = 4 * kCCopies * kBins * 4 + 2 * kBins * 16;
 
 struct ClusterShared {
   float m, neg_zmin;  // this CTA's slice: maximum, -(smallest finite value)
@@ -544,8 +563,10 @@ __global__ void __launch_bounds__(kCThreads) sample_tokens_cluster_kernel(const 
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned* hcnt = reinterpret_cast<unsigned*>(smem);                // (kCCopies, kBins)
   float* hmass = reinterpret_cast<float*>(hcnt + kCCopies * kBins);  // (kCCopies, kBins)
-  uint2* xbuf = reinterpret_cast<uint2*>(hmass + kCCopies * kBins);  // (2, kBins): (count, mass bits) per bin
-  uint32_t* keys = reinterpret_cast<uint32_t*>(xbuf + 2 * kBins);    // (chunk,) this CTA's tokens' keys
+  unsigned* hmin = reinterpret_cast<unsigned*>(hmass + kCCopies * kBins);  // (kCCopies, kBins)
+  unsigned* hmax = hmin + kCCopies * kBins;                                // (kCCopies, kBins)
+  uint4* xbuf = reinterpret_cast<uint4*>(hmax + kCCopies * kBins);  // (2, kBins): (count, mass bits, min, max)
+  uint32_t* keys = reinterpret_cast<uint32_t*>(xbuf + 2 * kBins);   // (chunk,) this CTA's tokens' keys
   __shared__ Shared sh;
   __shared__ ClusterShared cs;
   cg::cluster_group cluster = cg::this_cluster();
@@ -609,30 +630,50 @@ __global__ void __launch_bounds__(kCThreads) sample_tokens_cluster_kernel(const 
   auto raw_at = [&](int i) -> uint32_t { return keys[i]; };
   auto key_of = [](uint32_t raw) -> uint32_t { return raw; };
 
-  // One level: this CTA's histogram, exchanged through xbuf[lvl % 2]; on return hcnt[0, kBins) / hmass[0, kBins)
+  // One level: this CTA's histogram, exchanged through xbuf[lvl % 2]; on return hcnt, hmass, hmin, hmax [0, kBins)
   // hold the row's (every CTA the same numbers).
   int lvl = 0;
   auto level = [&](auto mass_tag, const auto& digit) {
     constexpr bool kMass = decltype(mass_tag)::value;
-    histogram<kMass, kCThreads, kCCopies>(raw_at, key_of, n, digit, m, hcnt, hmass);
-    uint2* mine = xbuf + (lvl & 1) * kBins;
-    if (tid < kBins) mine[tid] = make_uint2(hcnt[tid], __float_as_uint(kMass ? hmass[tid] : 0.f));
+    histogram<kMass, kCThreads, kCCopies, true>(raw_at, key_of, n, digit, m, hcnt, hmass, hmin, hmax);
+    uint4* mine = xbuf + (lvl & 1) * kBins;
+    if (tid < kBins) {
+      mine[tid] = make_uint4(hcnt[tid], __float_as_uint(kMass ? hmass[tid] : 0.f), hmin[tid], hmax[tid]);
+    }
     cluster.sync();
     if (tid < kBins) {
-      unsigned c = 0;
+      unsigned c = 0, lo = 0xffffffffu, hi = 0u;
       float s = 0.f;
-      uint2 o[kMaxCluster];
+      uint4 o[kMaxCluster];
 #pragma unroll
       for (int r = 0; r < kMaxCluster; ++r) {  // (all loads first: DSMEM latency once)
-        o[r] = r < csize ? cluster.map_shared_rank(mine, static_cast<unsigned>(r))[tid] : make_uint2(0u, 0u);
+        o[r] = r < csize ? cluster.map_shared_rank(mine, static_cast<unsigned>(r))[tid]
+                         : make_uint4(0u, 0u, 0xffffffffu, 0u);
       }
 #pragma unroll
-      for (int r = 0; r < kMaxCluster; ++r) c += o[r].x, s += __uint_as_float(o[r].y);  // (rank order)
+      for (int r = 0; r < kMaxCluster; ++r) {  // (rank order: every CTA sums the masses alike)
+        c += o[r].x, s += __uint_as_float(o[r].y), lo = min(lo, o[r].z), hi = max(hi, o[r].w);
+      }
       hcnt[tid] = c;
       hmass[tid] = s;
+      hmin[tid] = lo;
+      hmax[tid] = hi;
     }
     __syncthreads();
     ++lvl;
+  };
+  // After a level chose a bin whose keys span [kmin, kmax]: whether they are one key (the selection is done), else
+  // the next level's shift (the highest byte where they differ; the levels of the bytes above would each find every
+  // candidate in one bin: no count above it, no mass below it) and the prefix the candidates share above it.
+  auto advance = [](uint32_t kmin, uint32_t kmax, int& shift, uint32_t& prefix) -> bool {
+    const uint32_t d = kmin ^ kmax;
+    if (d == 0) {
+      prefix = kmin;
+      return true;
+    }
+    shift = (31 - __clz(d)) / 8 * 8;
+    if (shift < 24) prefix = kmin & ~((1u << (shift + 8)) - 1u);
+    return false;
   };
 
   // 2. top-k: keys >= the k-th largest stay (every key when fewer than k are finite)
@@ -640,20 +681,22 @@ __global__ void __launch_bounds__(kCThreads) sample_tokens_cluster_kernel(const 
   if (p.top_k > 0 && p.top_k < finite) {
     unsigned s0 = 0, rem = p.top_k;
     uint32_t prefix = 0;
-    for (int l = 0; l < 5; ++l) {
-      const int shift = 32 - 8 * l;  // (level 0: the slices)
+    for (int shift = 32;;) {  // (32: the slices)
       level(std::false_type{}, [&](uint32_t k) -> unsigned {
         if (!is_finite_key(k)) return kBins;
-        if (l == 0) return slice(k);
+        if (shift == 32) return slice(k);
         if (slice(k) != s0 || (shift < 24 && (k >> (shift + 8)) != (prefix >> (shift + 8)))) return kBins;
         return (k >> shift) & (kBins - 1);
       });
       if (tid < 32) select_count_desc(hcnt, rem, sh);
       __syncthreads();
-      if (l == 0) s0 = sh.bin;
-      else prefix |= sh.bin << shift;
+      const unsigned bin = sh.bin;
+      const uint32_t kmin = hmin[bin], kmax = hmax[bin];
       rem -= sh.count;
       __syncthreads();
+      if (shift == 32) s0 = bin;
+      else prefix |= bin << shift;
+      if (advance(kmin, kmax, shift, prefix)) break;
     }
     lo = prefix;
   }
@@ -664,16 +707,15 @@ __global__ void __launch_bounds__(kCThreads) sample_tokens_cluster_kernel(const 
   if (p.use_top_p) {
     uint32_t prefix = 0;
     float below = 0.f, target = 0.f;
-    unsigned cnt = 0, s0 = 0;
-    for (int l = 0; l < 5; ++l) {
-      const int shift = 32 - 8 * l;  // (level 0: the slices)
+    unsigned cnt = 0, s0 = 0, last_bin = 0;
+    for (int shift = 32;;) {  // (32: the slices)
       level(std::true_type{}, [&](uint32_t k) -> unsigned {
         if (!is_finite_key(k) || k < lo) return kBins;
-        if (l == 0) return slice(k);
+        if (shift == 32) return slice(k);
         if (slice(k) != s0 || (shift < 24 && (k >> (shift + 8)) != (prefix >> (shift + 8)))) return kBins;
         return (k >> shift) & (kBins - 1);
       });
-      if (l == 0) {  // the kept mass, every bin of the first level
+      if (shift == 32) {  // the kept mass, every bin of the first level
         float s = tid < kBins ? hmass[tid] : 0.f;
         s = warp_sum(s);
         if ((tid & 31) == 0) sh.f[tid >> 5] = s;
@@ -685,22 +727,27 @@ __global__ void __launch_bounds__(kCThreads) sample_tokens_cluster_kernel(const 
       }
       if (tid < 32) select_mass_asc(hcnt, hmass, target - below, sh);
       __syncthreads();
-      if (l == 0) s0 = sh.bin;
-      else prefix |= sh.bin << shift;
+      const unsigned bin = sh.bin;
+      const uint32_t kmin = hmin[bin], kmax = hmax[bin];
       below += sh.mass;
       cnt = sh.count;
       __syncthreads();
+      if (shift == 32) s0 = bin;
+      else prefix |= bin << shift;
+      last_bin = bin;
+      if (advance(kmin, kmax, shift, prefix)) break;
     }
-    vstar = prefix;
+    vstar = prefix;  // (every key of the last level's chosen bin)
     // tokens equal to v* at ascending positions below + j * p, j = 1..cnt: those with below + j * p <= target drop
     const float pv = __expf(key_value(vstar) - m);
     int drop = pv > 0.f ? static_cast<int>(fminf(floorf((target - below) / pv), static_cast<float>(cnt))) : 0;
     drop = max(0, min(drop, static_cast<int>(cnt) - 1));  // at least one stays (the top token when t >= the total)
     if (drop > 0) {
-      // the tied tokens of the CTAs before this one, and this one's (the last level's bin of v*, per CTA)
-      const uint2* last = xbuf + ((lvl - 1) & 1) * kBins;
+      // the tied tokens of the CTAs before this one, and this one's (the last level's chosen bin, per CTA: its
+      // tokens are those equal to v*)
+      const uint4* last = xbuf + ((lvl - 1) & 1) * kBins;
       const int tied = lane < csize
-          ? static_cast<int>(cluster.map_shared_rank(last, static_cast<unsigned>(lane))[vstar & (kBins - 1)].x) : 0;
+          ? static_cast<int>(cluster.map_shared_rank(last, static_cast<unsigned>(lane))[last_bin].x) : 0;
       const int before = warp_sum_int(lane < rank ? tied : 0);
       const int mine = __shfl_sync(kFull, tied, rank);
       const int local = drop - before;  // the first tied token that stays: this CTA's local-th (from 0)
