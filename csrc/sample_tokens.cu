@@ -860,6 +860,13 @@ void launch_cluster(const SampleParams& p, int64_t b, int c, int chunk, int smem
   attrs[0].val.clusterDim.y = 1;
   attrs[0].val.clusterDim.z = 1;
   attrs[1] = pdl_attribute();
+  // (per launch: cluster_fits set the shared memory of the last new (C, V) it saw, which may be less than this one's)
+  C10_CUDA_CHECK(cudaFuncSetAttribute(sample_tokens_cluster_kernel<kKept>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  if (c > 8) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(sample_tokens_cluster_kernel<kKept>,
+                                        cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  }
   launch_kernel_with(attrs, pdl_enabled() ? 2 : 1, sample_tokens_cluster_kernel<kKept>,
                      dim3(static_cast<unsigned>(b * c)), kCThreads, smem, stream, p, chunk);
 }

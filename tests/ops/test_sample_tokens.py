@@ -709,7 +709,7 @@ def test_cluster_emulation_selects_what_the_five_levels_select(case, c):
         assert len(runc) == len(run5) and all(1 <= n <= 5 for n in runc)
 
 
-@pytest.mark.parametrize("v", [5003, 50272])
+@pytest.mark.parametrize("v", [5003, 12007])
 @pytest.mark.parametrize("params", [(0.7, 50, None, None), (0.7, None, 0.9, None), (1.0, 50, 0.9, None),
                                     (1.0, None, 0.3, 0.05)])
 def test_cluster_emulation_on_the_gpu_tests_rows_runs_fewer_levels(v, params):
