@@ -11,9 +11,11 @@ call decodes the same count), at each batch size, implementations timed in turn 
   topk_torch      the same by the PyTorch warpers
 ms/token = (T(new) - T(1)) / (new - 1), CUDA events, as bench_generate.py; median over rounds with min and max;
 x_greedy = median / greedy's (target: topp_fused and topk_fused <= 1.05).
-Kernels (the token choice alone, logits (B, V) fp32 of std 3, calls back to back in a CUDA graph, per call):
-the greedy tail (emit_tokens' argmax kernel), sample_tokens, sample_tokens + emit_tokens(chosen) (the sampling
-tail), the PyTorch warpers + race, for V in {50272, 151936}. Results: DIR/sampling.{json,md}.
+Kernels (the token choice alone, logits (B, V) fp32 of std 3, calls back to back in a CUDA graph, per call; us =
+microseconds): the greedy tail (emit_tokens' argmax kernel), sample_tokens (the host's kernel: "cluster" is its
+cluster size, 0 the one-block kernel), where that is the cluster kernel the one-block kernel too, sample_tokens +
+emit_tokens(chosen) (the sampling tail), the PyTorch warpers + race, for V in {50272, 151936}. Results:
+DIR/sampling.{json,md}.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from common import event_ms, graph_calls_ms, measure_ceilings, write_results  # 
 
 import fuseinfer  # noqa: E402
 from fuseinfer import ops  # noqa: E402
+from fuseinfer.core.extension import extension  # noqa: E402
 from fuseinfer.harness.models import load_config, load_model, resolve_model  # noqa: E402
 from fuseinfer.runtime import decode  # noqa: E402
 from fuseinfer.runtime.args import Sampling  # noqa: E402
@@ -101,6 +104,8 @@ def kernel_rows(args) -> list[dict]:
                 ops.emit_tokens(logits, eos, 0, *state)
 
             groups = {"greedy_tail (emit argmax)": [greedy_tail] * 20}
+            ext = extension(logits.device)
+            cluster = int(ext.sample_tokens_cluster_size(logits)) if hasattr(ext, "sample_tokens_with") else 0
             for name, kw in SETTINGS.items():
                 sampling = Sampling(True, kw.get("temperature", 1.0), kw.get("top_k"), kw.get("top_p"))
 
@@ -114,11 +119,19 @@ def kernel_rows(args) -> list[dict]:
                     ops.emit_tokens(sampling.choose(sampling.warp(logits)), eos, 0, *state)
 
                 groups[f"{name}: sample_tokens"] = [fused] * 20
+                if cluster:  # (the host's pick above is the cluster kernel: the one-block kernel beside it)
+                    def one_block(sampling=sampling):
+                        return ext.sample_tokens_with(logits, seed, off, sampling.temperature, sampling.top_k or 0,
+                                                      1.0 if sampling.top_p is None else sampling.top_p,
+                                                      sampling.min_p or 0.0, 0)
+
+                    groups[f"{name}: sample_tokens one-block kernel"] = [one_block] * 20
                 groups[f"{name}: sample_tokens + emit(chosen)"] = [fused_tail] * 20
                 groups[f"{name}: torch warpers + race + emit"] = [torch_tail] * 5
             for name, st in graph_calls_ms(groups, rounds=args.rounds, replays=10).items():
                 row = {"part": "kernel", "batch": b, "impl": name, "vocab": v, "ms": st["median_ms"],
-                       "min": st["p10_ms"], "max": st["p90_ms"], "rounds": st["n"]}
+                       "us": 1000 * st["median_ms"], "min": st["p10_ms"], "max": st["p90_ms"], "rounds": st["n"],
+                       "cluster": cluster if "sample_tokens" in name and "one-block" not in name else 0}
                 rows.append(row)
                 print(row, flush=True)
     return rows
@@ -141,7 +154,7 @@ def main() -> None:
                 "method": "generate: (T(new) - T(1)) / (new - 1), CUDA events, median over rounds (min, max); "
                           "kernel: per call in a CUDA graph, median (p10, p90 as min, max)",
                 "target": "topp_fused and topk_fused x_greedy <= 1.05"}
-    cols = ["part", "batch", "vocab", "impl", "ms", "min", "max", "rounds", "x_greedy"]
+    cols = ["part", "batch", "vocab", "impl", "ms", "us", "cluster", "min", "max", "rounds", "x_greedy"]
     print(write_results("sampling", settings, measure_ceilings(), rows, cols).with_suffix(".md").read_text())
 
 

@@ -172,17 +172,28 @@ def emit_tokens(scores=None, chosen=None):
 def sample_tokens():
     """Sampling's token choice: a vocabulary of 1001 (the row in shared memory; odd, a tail past the Philox groups
     of four) and Qwen2's 151936 (re-read from global memory), each warper and ties at the cut-offs (fp16-rounded
-    logits); then the bookkeeping with the chosen tokens (emit_tokens' one-block kernel)."""
+    logits); then the bookkeeping with the chosen tokens (emit_tokens' one-block kernel). On sm_90 the same rows through
+    the cluster kernel at every cluster size (the host picks it at 151936 tokens; at 37 tokens and 16 CTAs six CTAs
+    hold no token) and both kernels forced at 151936 tokens; a row of integers (ties at v*: the CTAs' tie cut)."""
     from fuseinfer.core.extension import extension
 
     seed, off = torch.tensor([5], device="cuda"), torch.tensor([2], device="cuda")
+    settings = ((1.0, 0, 1.0, 0.0), (0.7, 50, 0.9, 0.0), (1.3, 0, 0.95, 0.05))
     for v in (1001, 151936):
         scores = (torch.randn(3, v, device="cuda") * 3).half().float()
         scores[2, ::3] = float("-inf")
-        for temperature, top_k, top_p, min_p in ((1.0, 0, 1.0, 0.0), (0.7, 50, 0.9, 0.0), (1.3, 0, 0.95, 0.05)):
+        for temperature, top_k, top_p, min_p in settings:
             chosen = ops.sample_tokens(scores, seed, off, temperature, top_k, top_p, min_p)
             extension().sample_tokens_kept(scores, seed, off, temperature, top_k, top_p, min_p)
     emit_tokens(scores, chosen)
+    if torch.cuda.get_device_capability()[0] >= 9:
+        for v, clusters in ((37, (2, 16)), (1001, (2, 4, 8, 16)), (151936, (0, 16))):
+            scores = (torch.randn(3, v, device="cuda") * 3).half().float()
+            scores[1] = torch.randint(-3, 4, (v,), device="cuda").float()
+            scores[2, ::3] = float("-inf")
+            for cluster in clusters:
+                for setting in settings + ((1.0, 5, 0.3, 0.0),):
+                    extension().sample_tokens_kept_with(scores, seed, off, *setting, cluster)
 
 
 if part in ("all", "no-ring-wrap"):

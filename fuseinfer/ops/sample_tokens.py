@@ -13,10 +13,12 @@ Ties at the cut-offs resolve as transformers does: top-k keeps every token >= th
 ascending (stable: among equal values the lower index comes first), drops the tokens whose cumulative probability is
 <= 1 - top_p and keeps the last; min-p drops the tokens whose probability is below ``min_p`` times the largest.
 
-On CUDA it is one kernel (``csrc/sample_tokens.cu``): one block per row, the top-k and top-p cut-offs found by
-selection over 256-bin histograms (per-bin counts for top-k, per-bin probability mass for top-p; first equal slices
-of the row's value range, then the order-preserving 32-bit keys of the scaled logits in the chosen slice), then the
-draw over the kept tokens; no sort, no (B, V) temporaries. Its result feeds
+On CUDA it is one kernel (``csrc/sample_tokens.cu``): the top-k and top-p cut-offs found by selection over 256-bin
+histograms (per-bin counts for top-k, per-bin probability mass for top-p; first equal slices of the row's value
+range, then the order-preserving 32-bit keys of the scaled logits in the chosen slice), then the draw over the kept
+tokens; no sort, no (B, V) temporaries. On sm_90 GPUs a row is split over a thread-block cluster of 2 to 16 blocks
+(their histograms summed over distributed shared memory) for vocabularies of 4096 tokens and more; elsewhere one
+block takes a row. Its result feeds
 ``emit_tokens(..., chosen=tokens)``, whose bookkeeping then skips the argmax over the vocabulary: the greedy path's
 kernel is unchanged. The cut-offs' probability sums run in another order than the reference's cumulative sum, so a
 token whose cumulative probability lies within float rounding of a cut-off may be kept by one and not the other.

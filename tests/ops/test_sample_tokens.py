@@ -3,8 +3,10 @@ and a float64 per-row oracle (ties at every cut-off, -inf entries; hypothesis), 
 published known-answer vectors, the draw's distribution (chi-square, with a check that the test rejects a wrong
 distribution), determinism, opcheck, emit_tokens with chosen tokens; the kernel's algorithm emulated in NumPy (its
 selection levels, tie scan and draw layout; its block reductions lane by lane) against the oracle and the
-reference on the CPU; on a GPU the kernel's kept set and tokens against the reference across vocabularies up to
-Qwen2's, its draws' distribution and a CUDA graph replay."""
+reference on the CPU, and the cluster kernel's (skipped levels, per-CTA tie cut) against the five levels'; on a GPU
+the kernel's kept set and tokens against the reference across vocabularies up to Qwen2's, its draws' distribution
+and a CUDA graph replay; the cluster kernel (sm_90) at the batch sizes and vocabularies where the host picks it, at
+every cluster size, and which kernel ran."""
 from __future__ import annotations
 
 import math
@@ -351,14 +353,133 @@ def test_kernel_emit_tokens_records_chosen_tokens():
     test_emit_tokens_records_chosen_tokens("cuda")
 
 
+def _kernel_kept_with(rows, seed, off, params, cluster: int):
+    """The kernel's (tokens, kept) with the kernel chosen: cluster -1 the host's pick, 0 the one-block kernel, 2..16
+    the cluster kernel at that size."""
+    from fuseinfer.core.extension import extension
+
+    temperature, top_k, top_p, min_p = params
+    return extension().sample_tokens_kept_with(rows, seed, off, temperature, top_k or 0,
+                                               1.0 if top_p is None else top_p, 0.0 if min_p is None else min_p,
+                                               cluster)
+
+
+def _require_cluster_kernel():
+    require_kernel()
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the cluster kernel needs an sm_90 GPU")
+
+
+# every warper alone and together, temperature != 1, min-p, top-k >= V (every token stays)
+CLUSTER_PARAMS = [(1.0, 50, None, None), (0.7, None, 0.9, None), (0.7, 50, 0.9, None), (1.3, None, 0.95, 0.05),
+                  (1.0, None, None, 0.1), (0.7, 1, None, None), (1.0, 10**6, 0.999, None), (0.5, 40, None, None)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [50272, 151936])
+@pytest.mark.parametrize("b", [1, 3, 8, 33])
+@pytest.mark.parametrize("params", CLUSTER_PARAMS)
+def test_cluster_kernel_kept_set_and_tokens_match_reference(v, b, params):
+    """The host's pick at the batch sizes and vocabularies the cluster kernel serves (16 CTAs a row at batch 1 to 8,
+    fewer at 33 rows): the reference's kept set (but where float rounding decides a cut-off) and its draw; the same
+    draw as the one-block kernel wherever both keep the same tokens."""
+    _require_cluster_kernel()
+    gen = torch.Generator().manual_seed(v + b + (params[1] or 0))
+    kinds = [("fp16", "integers", "neg_inf", "peak", "normal", "all_neg_inf")[r % 6] for r in range(b)]
+    rows = _rows(kinds, v, gen)
+    seed, off = torch.tensor([123], device="cuda"), torch.tensor([9], device="cuda")
+    cuda_rows = rows.cuda()
+    assert extension_cluster_size(cuda_rows) > 0  # (the cluster kernel runs here)
+    tokens, kept = _kernel_kept_with(cuda_rows, seed, off, params, -1)
+    _check_kept(kept, rows, params, tol_p=2e-4, tol_min=1e-5, kinds=kinds)
+    _check_tokens(tokens, kept, rows, seed, off, params, kinds, allowed=1)
+    assert torch.equal(ops.sample_tokens(cuda_rows, seed, off, *params), tokens)  # the op takes the same kernel
+    one_tokens, one_kept = _kernel_kept_with(cuda_rows, seed, off, params, 0)
+    same = ((one_kept == kept) | ~torch.isfinite(cuda_rows)).all(-1)  # (B,) (-inf tokens: no probability either way)
+    # (the two sum the bins' masses in other orders: a top-p cut within rounding may fall on another token)
+    assert int(same.sum()) >= b - 1 - b // 8 and torch.equal(one_tokens[same], tokens[same]), (same.tolist(), kinds)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cluster", [2, 4, 8, 16])
+@pytest.mark.parametrize("v", [37, 1000, 5003])
+@pytest.mark.parametrize("params", CLUSTER_PARAMS[:4])
+def test_cluster_kernel_at_every_cluster_size(cluster, v, params):
+    """Every cluster size on small rows (at 37 tokens and 16 CTAs, six CTAs hold no token) against the reference."""
+    _require_cluster_kernel()
+    kinds = list(KINDS) + ["fp16", "integers", "normal"]
+    rows = _rows(kinds, v, torch.Generator().manual_seed(v + cluster))
+    seed, off = torch.tensor([5], device="cuda"), torch.tensor([1], device="cuda")
+    tokens, kept = _kernel_kept_with(rows.cuda(), seed, off, params, cluster)
+    _check_kept(kept, rows, params, tol_p=2e-4, tol_min=1e-5, kinds=kinds)
+    _check_tokens(tokens, kept, rows, seed, off, params, kinds, allowed=1)
+
+
+def extension_cluster_size(scores: torch.Tensor) -> int:
+    from fuseinfer.core.extension import extension
+
+    return int(extension().sample_tokens_cluster_size(scores))
+
+
+@pytest.mark.gpu
+def test_cluster_kernel_runs_where_the_host_picks_it():
+    """Which kernel runs (profiler kernel names): the cluster kernel at 50272 and 151936 tokens (16 CTAs a row at
+    batch 1 and 8 on a 132-SM GPU, 4 at 33 rows), the one-block kernel for a small vocabulary."""
+    _require_cluster_kernel()
+    from helpers import cuda_kernel_names
+
+    seed, off = torch.tensor([1], device="cuda"), torch.tensor([0], device="cuda")
+    for b, v in ((1, 50272), (8, 50272), (33, 50272), (1, 151936), (8, 151936)):
+        scores = torch.randn(b, v, device="cuda")
+        c = extension_cluster_size(scores)
+        assert c in (2, 4, 8, 16) and b * c <= max(2 * b, torch.cuda.get_device_properties(0).multi_processor_count)
+        names = cuda_kernel_names(lambda: ops.sample_tokens(scores, seed, off, 0.7, top_p=0.9))
+        assert any("sample_tokens_cluster_kernel" in n for n in names), names
+    if torch.cuda.get_device_properties(0).multi_processor_count >= 128:
+        assert extension_cluster_size(torch.empty(1, 50272, device="cuda")) == 16
+        assert extension_cluster_size(torch.empty(8, 50272, device="cuda")) == 16
+    small = torch.randn(2, 1000, device="cuda")
+    assert extension_cluster_size(small) == 0
+    names = cuda_kernel_names(lambda: ops.sample_tokens(small, seed, off, 0.7, top_p=0.9))
+    assert any("sample_tokens_kernel" in n for n in names) and not any("cluster" in n for n in names), names
+
+
+@pytest.mark.gpu
+def test_cluster_kernel_in_cuda_graph_with_pdl():
+    """The cluster kernel captured behind another kernel (a programmatic edge with PDL): the scores it reads are
+    the previous kernel's output, each replay the reference's draw at its offset."""
+    _require_cluster_kernel()
+    rows = _rows(("normal", "fp16", "peak", "neg_inf"), 151936, torch.Generator().manual_seed(2)).cuda()
+    scaled = torch.empty_like(rows)
+    seed, off = torch.tensor([11], device="cuda"), torch.tensor([0], device="cuda")
+    assert extension_cluster_size(rows) > 0
+    ops.sample_tokens(rows, seed, off, 0.9, top_k=100, top_p=0.9)  # warm-up outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.mul(rows, 1.0, out=scaled)  # (written right before the sampling kernel reads it)
+        out = ops.sample_tokens(scaled, seed, off, 0.9, top_k=100, top_p=0.9)
+        off += 1
+    got, want = [], []
+    for step in range(6):
+        scaled.zero_()
+        graph.replay()
+        got.append(out.cpu().clone())
+        want.append(sample_tokens_ref(rows.cpu(), seed.cpu(), torch.tensor([step]), 0.9, 100, 0.9, 0.0))
+    assert sum(torch.equal(g, w) for g, w in zip(got, want)) >= 5 and len({tuple(g.tolist()) for g in got}) > 1
+
+
 # ---- the kernel's algorithm, emulated in NumPy (CPU) ----
 
-def _emulate_kernel_row(x: np.ndarray, row: int, seed, offset, temperature, top_k, top_p, min_p):
+def _emulate_kernel_row(x: np.ndarray, row: int, seed, offset, temperature, top_k, top_p, min_p, cluster: int = 0,
+                        levels_run: list | None = None):
     """(token, kept (V,) bool) of one row as csrc/sample_tokens.cu computes them, in fp32 NumPy: the keys, the
     block-wide maximum / smallest finite value / finite count (every thread's, not one warp's), the 256 value
     slices, the five selection levels of top-k (counts) and top-p (masses), the ordered scan of the tokens tied at
     v*, min-p, and the draw over groups of four tokens. Bin sums run in another order than the kernel's atomics:
-    where a cut-off is within rounding the two may differ (the tests allow what they allow the kernel)."""
+    where a cut-off is within rounding the two may differ (the tests allow what they allow the kernel).
+    cluster > 0: the cluster kernel of that many CTAs, which skips the levels of the key bytes the chosen bin's keys
+    share (each bin's smallest and largest key), stops at a bin of one key value, and cuts the tokens tied at v* per
+    CTA (_cluster_tie_keep). levels_run: the levels each selection ran are appended to it."""
     v = x.size
     f32 = np.float32
     z = (x / f32(temperature)).astype(f32) if temperature != 1.0 else x.astype(f32)
@@ -379,7 +500,11 @@ def _emulate_kernel_row(x: np.ndarray, row: int, seed, offset, temperature, top_
         slices = (255 - np.minimum((m - val) * scale, f32(255)).astype(np.uint32)).astype(np.int64)
 
     def levels(counted, pick):  # -> the exact key the five levels select; pick(counts, masses) -> (bin, below)
+        if cluster:
+            return skipping_levels(counted, pick)
         prefix, s0, below = 0, 0, f32(0)
+        if levels_run is not None:
+            levels_run.append(5)
         for level in range(5):
             shift = 32 - 8 * level
             if level == 0:
@@ -396,6 +521,32 @@ def _emulate_kernel_row(x: np.ndarray, row: int, seed, offset, temperature, top_
                 prefix |= b << shift
         return prefix, below
 
+    def skipping_levels(counted, pick):  # the cluster kernel's: fewer levels, the same selection
+        prefix, s0, below, shift, run = 0, 0, f32(0), 32, 0
+        while True:
+            run += 1
+            if shift == 32:
+                sel, digit = counted, slices
+            else:
+                sel = counted & (slices == s0)
+                if shift < 24:
+                    sel &= (keys >> np.uint32(shift + 8)) == np.uint32(prefix >> (shift + 8))
+                digit = ((keys >> np.uint32(shift)) & 0xFF).astype(np.int64)
+            b, below = pick(np.bincount(digit[sel], minlength=256), sel, digit, below)
+            in_bin = keys[sel & (digit == b)]
+            kmin, kmax = int(in_bin.min()), int(in_bin.max())
+            if shift == 32:
+                s0 = b
+            else:
+                prefix |= b << shift
+            if kmin == kmax:  # (csrc/sample_tokens.cu advance)
+                if levels_run is not None:
+                    levels_run.append(run)
+                return kmin, below
+            shift = ((kmin ^ kmax).bit_length() - 1) // 8 * 8
+            if shift < 24:
+                prefix = kmin & ~((1 << (shift + 8)) - 1) & 0xFFFFFFFF
+
     lo = 0
     if top_k and 0 < top_k < n_finite:
         rem = [top_k]
@@ -407,7 +558,7 @@ def _emulate_kernel_row(x: np.ndarray, row: int, seed, offset, temperature, top_
             return b, below
 
         lo, _ = levels(finite, pick_count)
-    vstar, cut = 0, 0
+    vstar, cut, tie_keep = 0, 0, None
     if top_p is not None and top_p < 1.0:
         counted = finite & (keys >= lo)
         mass = np.exp(val - m).astype(f32)
@@ -428,10 +579,14 @@ def _emulate_kernel_row(x: np.ndarray, row: int, seed, offset, temperature, top_
         pv = f32(np.exp(val[keys == np.uint32(vstar)][0] - m))  # (v* is a kept token's key)
         drop = int(min(np.floor(f32(target - below) / pv), n)) if pv > 0 else 0
         drop = max(0, min(drop, n - 1))
-        if drop > 0:
+        if drop > 0 and not cluster:
             cut = int(np.nonzero(keys == np.uint32(vstar))[0][drop])
+        elif drop > 0:
+            tie_keep = _cluster_tie_keep(keys == np.uint32(vstar), drop, cluster)
     idx = np.arange(v)
     kept = (keys >= lo) & ((keys > vstar) | ((keys == vstar) & (idx >= cut)))
+    if tie_keep is not None:
+        kept = (keys >= lo) & ((keys > vstar) | tie_keep)
     if min_p:
         kept &= np.exp(val - m) >= f32(min_p)
     uni = philox_uniform(torch.tensor([seed]), torch.tensor([offset]), row + 1, v)[row].numpy()
@@ -491,3 +646,86 @@ def test_block_reductions_give_every_thread_the_result():
     vals = np.random.default_rng(0).standard_normal(1024)
     assert (_block_max_emulated(vals) == vals.max()).all()
     assert not (_block_max_emulated(vals, fixed=False) == vals.max()).all()  # (the check catches the former code)
+
+
+def _cluster_chunk(v: int, c: int) -> int:
+    """csrc/sample_tokens.cu cluster_chunk: the tokens a CTA of a c-CTA cluster takes (a multiple of 4)."""
+    return (-(-v // c) + 3) // 4 * 4
+
+
+def _cluster_tie_keep(eq: np.ndarray, drop: int, c: int) -> np.ndarray:
+    """(V,) bool: which tokens tied at v* stay, as the cluster kernel decides it: CTA r counts its tied tokens (its
+    last level's bin of v*), reads every CTA's count, and cuts its own: local = drop - (tied tokens in the CTAs
+    before it); local <= 0: all of its tied tokens stay, local >= its count: none, else from its local-th on."""
+    v = eq.size
+    chunk = _cluster_chunk(v, c)
+    tied = [int(eq[r * chunk:(r + 1) * chunk].sum()) for r in range(c)]
+    keep = np.zeros(v, dtype=bool)
+    for r in range(c):
+        begin, n = r * chunk, max(0, min(v - r * chunk, chunk))
+        local = drop - sum(tied[:r])
+        if local <= 0:
+            cut = 0
+        elif local >= tied[r]:
+            cut = 2**31 - 1
+        else:
+            cut = begin + int(np.nonzero(eq[begin:begin + n])[0][local])
+        idx = np.arange(begin, begin + n)
+        keep[begin:begin + n] = eq[begin:begin + n] & (idx >= cut)
+    return keep
+
+
+@given(v=st.integers(1, 3000), c=st.sampled_from([2, 4, 8, 16]), density=st.sampled_from([0.001, 0.05, 0.5, 1.0]),
+       seed=st.integers(0, 2**31), frac=st.floats(0, 1))
+def test_cluster_tie_cut_keeps_the_tied_tokens_from_the_drop_th_on(v, c, density, seed, frac):
+    """The cluster kernel's per-CTA cut of the tokens tied at v* keeps, over the whole row, the tied tokens from the
+    drop-th (in index order) on: the one-block kernel's and the stable sort's rule. The CTAs' slices cover the row
+    in groups of four (the draw's Philox groups never straddle two CTAs)."""
+    chunk = _cluster_chunk(v, c)
+    assert chunk % 4 == 0 and chunk * c >= v and chunk * (c - 1) < v + 4 * c
+    eq = np.random.default_rng(seed).random(v) < density
+    count = int(eq.sum())
+    if count < 2:
+        return
+    drop = 1 + int(frac * (count - 2))  # 1 .. count - 1 (the kernel scans only for drop > 0; one always stays)
+    pos = np.nonzero(eq)[0]
+    want = eq & (np.arange(v) >= pos[drop])
+    assert (_cluster_tie_keep(eq, drop, c) == want).all()
+
+
+@examples("cpu", cpu=40, cuda=0)
+@given(case=warp_cases(), c=st.sampled_from([2, 4, 16]))
+def test_cluster_emulation_selects_what_the_five_levels_select(case, c):
+    """The cluster kernel's algorithm (emulated: skipped levels, the per-CTA tie cut) keeps exactly the tokens the
+    one-block kernel's five levels keep and draws the same token (the same bin sums here: skipping a level, or
+    stopping at a bin of one key value, must change nothing), and the oracle's and the reference's."""
+    rows, params = case
+    for r in range(rows.shape[0]):
+        x = rows[r].numpy()
+        run5, runc = [], []
+        t5, k5 = _emulate_kernel_row(x, r, 77, 5, *params, levels_run=run5)
+        tc, kc = _emulate_kernel_row(x, r, 77, 5, *params, cluster=c, levels_run=runc)
+        assert t5 == tc and (k5 == kc).all(), dict(row=r, params=params, differ=np.nonzero(k5 != kc)[0][:8])
+        assert len(runc) == len(run5) and all(1 <= n <= 5 for n in runc)
+
+
+@pytest.mark.parametrize("v", [5003, 12007])
+@pytest.mark.parametrize("params", [(0.7, 50, None, None), (0.7, None, 0.9, None), (1.0, 50, 0.9, None),
+                                    (1.0, None, 0.3, 0.05)])
+def test_cluster_emulation_on_the_gpu_tests_rows_runs_fewer_levels(v, params):
+    """The GPU kernel test's rows (ties at every cut-off) through the emulated cluster kernel: the oracle's kept set,
+    the reference's draw, the one-block kernel's choices, and fewer levels than five on most selections."""
+    kinds = KINDS + ("fp16", "integers", "normal")
+    rows = _rows(kinds, v, torch.Generator().manual_seed(v + (params[1] or 0)))
+    run = []
+    got = [_emulate_kernel_row(rows[r].numpy(), r, 77, 5, *params, cluster=16, levels_run=run)
+           for r in range(rows.shape[0])]
+    kept = torch.from_numpy(np.stack([k for _, k in got]))
+    _check_kept(kept, rows, params, tol_p=1e-4, kinds=kinds)
+    tokens = torch.tensor([t for t, _ in got])
+    same = _check_tokens(tokens, kept, rows, torch.tensor([77]), torch.tensor([5]), params, kinds)
+    assert same >= rows.shape[0] - 1, dict(v=v, params=params, same=same)
+    for r in range(rows.shape[0]):
+        t5, k5 = _emulate_kernel_row(rows[r].numpy(), r, 77, 5, *params)
+        assert t5 == int(tokens[r]) and (k5 == kept[r].numpy()).all(), dict(row=r, kind=kinds[r])
+    assert sum(run) < 5 * len(run) * 0.8, run  # (the skipping saves levels on these rows)
