@@ -24,9 +24,11 @@
 //    one key row), merges its lanes and warps, and writes either the final output (one split) or a partial (max,
 //    sum, unnormalised acc) to fp32 scratch; the last block of a (batch, key/value head, chunk) to arrive (atomic
 //    counter, self-resetting) merges the partials into the output, so decode is one launch. The number of splits is picked so that the grid fills the SMs.
-//    Its FP8 form (op attention_kv_fp8, fp16/bf16 queries, Sq <= 16) reads an e4m3 cache: 8-byte loads of 8 keys
-//    or values per thread, converted exactly to fp16 (fp8_convert.cuh); the key scale of the block's key/value
-//    head is folded into its query, the value scale into its accumulator once at the end (per head, not per element).
+//    Its FP8 form (op attention_kv_fp8, fp16/bf16 queries, Sq <= 16) reads an e4m3 cache: 16-byte loads of 16
+//    elements of a key or value row per thread (8-byte loads of 8 with four or more rows per block), converted
+//    exactly to fp16 (fp8_convert.cuh); the key scale of the block's key/value head is folded into its query, the
+//    value scale into its accumulator once at the end (per head, not per element); its split count also fills the
+//    last wave of resident blocks (fp8_splits).
 //
 // Grouped-query attention: k and v have Hkv heads, H a multiple of Hkv; query head h reads key/value head
 // h / (H / Hkv) (AttnParams::group). The prefills index the shared head per block / work item; split-KV packs a
@@ -148,6 +150,11 @@ __device__ __forceinline__ void unpack_e4m3x8(const uint2& r, float* f) {
     const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
     f[4 * w] = a.x, f[4 * w + 1] = a.y, f[4 * w + 2] = b.x, f[4 * w + 3] = b.y;
   }
+}
+// 16 loaded e4m3 bytes -> 16 floats.
+__device__ __forceinline__ void unpack_e4m3x16(const uint4& r, float* f) {
+  unpack_e4m3x8(make_uint2(r.x, r.y), f);
+  unpack_e4m3x8(make_uint2(r.z, r.w), f + 8);
 }
 
 // 16-byte global -> shared async copy; writes zeros (and reads nothing) when !valid.
@@ -812,14 +819,22 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
 
 constexpr int kSplitThreads = 128;
 
-template <typename T, int D, int QB>
+// FP8 (e4m3 cache, fp16 / bf16 queries): with one or two query rows a thread reads 16 e4m3 of a row in one 16-byte
+// load (VEC 16), so the per-row work (the G-lane score reduction, masks, exponentials, addresses) is paid once per 16
+// bytes as in the fp16 form rather than once per 8: with 8-byte loads of 8 elements the kernel issued twice the
+// instructions per byte of the fp16 form and ran well short of the memory's speed. More rows per block then need
+// more registers (16 query and 16 accumulator floats per row), hence fewer resident blocks. With four or eight
+// rows the multiply-adds per byte dominate and the 16 floats per row would not fit: those keep 8-byte loads of 8.
+template <typename T, int D, int QB, bool FP8 = false>
 struct SplitCfg {
-  static constexpr int VEC = 16 / sizeof(T);       // elements per 16-byte load
+  static constexpr bool WIDE8 = FP8 && QB <= 2;                  // FP8 with 16-byte loads of 16 e4m3
+  static constexpr int VEC = WIDE8 ? 16 : 16 / int(sizeof(T));   // elements per thread per row (one load)
   static constexpr int G = D / VEC;                // threads sharing one key row
   static constexpr int KPS = kSplitThreads / G;    // keys per block step
   static constexpr int U = QB >= 8 ? 2 : 4;        // key rows in flight per thread
   static constexpr int KPI = KPS * U;              // keys per block iteration
-  static constexpr int MIN_BLOCKS = QB == 1 ? 6 : (QB == 2 ? 4 : (QB == 4 ? 3 : 2));  // resident blocks / SM
+  static constexpr int MIN_BLOCKS = WIDE8 ? (QB == 1 ? 5 : 4)
+                                          : (QB == 1 ? 6 : (QB == 2 ? 4 : (QB == 4 ? 3 : 2)));  // resident blocks / SM
   static_assert(G <= 32 && 32 % G == 0, "a key row must be read by a power-of-two part of a warp");
 };
 
@@ -833,18 +848,19 @@ struct SplitCfg {
 // first `used` = ceil(key_end / kps) splits write part_acc (B*Hkv, R, splits, D) and part_ml (B*Hkv, R, splits)
 // = (max, sum), every block counts itself in at counters[bkv * gridDim.z + z] (zero on entry), and the last
 // one to arrive merges the used partials into out and sets the counter back to zero.
-// FP8: k and v are e4m3 (strides in bytes) with p.kv_scale; a thread reads the same VEC = 8 elements of a row as in
-// the fp16 form, as one 8-byte load.
+// FP8: k and v are e4m3 (strides in bytes) with p.kv_scale; a thread reads VEC = 16 (QB <= 2, one 16-byte load) or
+// 8 (one 8-byte load) elements of a row (SplitCfg).
 template <typename T, int D, int QB, bool FP8 = false>
-__global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
+__global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB, FP8>::MIN_BLOCKS)
     split_kv_kernel(const AttnParams p, float* __restrict__ part_acc, float2* __restrict__ part_ml,
                     int* __restrict__ counters) {
-  using Cfg = SplitCfg<T, D, QB>;
+  using Cfg = SplitCfg<T, D, QB, FP8>;
   constexpr int VEC = Cfg::VEC, G = Cfg::G, KPS = Cfg::KPS, U = Cfg::U, KPI = Cfg::KPI;
   constexpr int NW = kSplitThreads / 32;
-  static_assert(!FP8 || VEC == 8, "the FP8 form takes fp16 / bf16 queries (8 elements per thread)");
-  using KV = std::conditional_t<FP8, uint8_t, T>;       // a cache element
-  using Load = std::conditional_t<FP8, uint2, uint4>;   // VEC cache elements
+  static_assert(!FP8 || ((VEC == 8 || VEC == 16) && sizeof(T) == 2),
+                "the FP8 form takes fp16 / bf16 queries (8 or 16 elements per thread)");
+  using KV = std::conditional_t<FP8, uint8_t, T>;  // a cache element
+  using Load = std::conditional_t<FP8 && VEC == 8, uint2, uint4>;  // VEC cache elements
   pdl_launch_dependents();
   pdl_wait();  // q, the cache, its scales, q_start and the counters come from earlier kernels
 
@@ -901,24 +917,44 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
   const KV* kg = static_cast<const KV*>(p.k) + b * p.k_sb + hk * p.k_sh + c * VEC;
   const KV* vg = static_cast<const KV*>(p.v) + b * p.v_sb + hk * p.v_sh + c * VEC;
   const bool* mrow = p.key_mask ? p.key_mask + b * p.m_sb : nullptr;
+  // FP8 with 16-byte loads: walking pointers (one 64-bit add per row) instead of a 64-bit key * stride product per
+  // row: at one byte an element the address arithmetic is a visible share of the instructions per byte.
+  const KV* kp = kg + int64_t(kb0 + grp) * p.k_ss;
+  const KV* vp = vg + int64_t(kb0 + grp) * p.v_ss;
+  const int64_t kstep = int64_t(KPS) * p.k_ss, vstep = int64_t(KPS) * p.v_ss;
   for (int kb = kb0; kb < kb1; kb += KPI) {
     // Issue every load of the iteration first: U key rows (K and V) and their mask bytes.
     Load kr[U], vr[U];
     bool ok[U];
+    if constexpr (Cfg::WIDE8) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int key = kb + u * KPS + grp;
-      const bool in = key < kb1;
-      kr[u] = in ? ld_dep(reinterpret_cast<const Load*>(kg + key * p.k_ss)) : Load{};
-      vr[u] = in ? ld_dep(reinterpret_cast<const Load*>(vg + key * p.v_ss)) : Load{};
-      ok[u] = in && (mrow == nullptr || mrow[key * p.m_ss]);
+      for (int u = 0; u < U; ++u) {
+        const int key = kb + u * KPS + grp;
+        const bool in = key < kb1;
+        kr[u] = in ? ld_dep(reinterpret_cast<const Load*>(kp + u * kstep)) : Load{};
+        vr[u] = in ? ld_dep(reinterpret_cast<const Load*>(vp + u * vstep)) : Load{};
+        ok[u] = in && (mrow == nullptr || mrow[key * p.m_ss]);
+      }
+      kp += U * kstep;
+      vp += U * vstep;
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int key = kb + u * KPS + grp;
+        const bool in = key < kb1;
+        kr[u] = in ? ld_dep(reinterpret_cast<const Load*>(kg + key * p.k_ss)) : Load{};
+        vr[u] = in ? ld_dep(reinterpret_cast<const Load*>(vg + key * p.v_ss)) : Load{};
+        ok[u] = in && (mrow == nullptr || mrow[key * p.m_ss]);
+      }
     }
     // Scores of the U keys for every query (G-lane reduction), -inf where not admissible.
     float sc[U][QB];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       float kf[VEC];
-      if constexpr (FP8)
+      if constexpr (FP8 && VEC == 16)
+        unpack_e4m3x16(kr[u], kf);
+      else if constexpr (FP8)
         unpack_e4m3x8(kr[u], kf);
       else
         unpack16(kr[u], static_cast<const T*>(nullptr), kf);
@@ -950,7 +986,9 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       float vf[VEC];
-      if constexpr (FP8)
+      if constexpr (FP8 && VEC == 16)
+        unpack_e4m3x16(vr[u], vf);
+      else if constexpr (FP8)
         unpack_e4m3x8(vr[u], vf);
       else
         unpack16(vr[u], static_cast<const T*>(nullptr), vf);
@@ -1214,9 +1252,39 @@ void prefill(const AttnParams& p, int D, const at::TensorOptions& opts, cudaStre
     run_prefill<T, 128, 8, 64, 1>(p, stream);
 }
 
+// Blocks of split_kv_kernel<T, D, QB, FP8> resident on one SM (its registers and shared memory decide; at least its
+// launch bounds' MIN_BLOCKS), asked once per instantiation, on the first device that launches it.
+template <typename T, int D, int QB, bool FP8>
+int split_resident_blocks() {
+  static const int blocks = [] {
+    int n = 0;
+    C10_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, split_kv_kernel<T, D, QB, FP8>, kSplitThreads, 0));
+    return std::max(n, SplitCfg<T, D, QB, FP8>::MIN_BLOCKS);
+  }();
+  return blocks;
+}
+
+// The FP8 form's split count: base blocks (b, key/value head, chunk) times splits over `slots` resident blocks. All
+// blocks of a launch run about equally long, so a grid of 1.3 waves takes as long as 2 full ones: pick the fewest
+// splits whose grid fills its last wave to 90% or more (or the best filling one), e.g. 32 x 32 heads at 5 blocks on
+// 132 SMs: 3 splits (3072 blocks, 4.65 waves) rather than 1 (1024 blocks, 1.55 waves). Merging the partials costs
+// one (D + 2)-float row per split and query, small against the keys a split reads (at least KPI of them).
+int fp8_splits(int64_t base, int64_t slots, int64_t max_splits) {
+  int best = 1;
+  double best_fill = 0.0;
+  for (int64_t s = 1; s <= std::max<int64_t>(1, max_splits); ++s) {
+    const int64_t blocks = base * s, waves = (blocks + slots - 1) / slots;
+    const double fill = double(blocks) / double(waves * slots);
+    if (fill >= 0.9) return static_cast<int>(s);
+    if (fill > best_fill + 1e-9) best = static_cast<int>(s), best_fill = fill;
+  }
+  return best;
+}
+
 template <typename T, int D, int QB, bool FP8>
 void run_split_kv(const AttnParams& p, const at::Tensor& q, cudaStream_t stream) {
-  using Cfg = SplitCfg<T, D, QB>;
+  using Cfg = SplitCfg<T, D, QB, FP8>;
   const int64_t rows = int64_t(p.group) * p.Sq;  // per key/value head: its query heads' queries (GQA packing)
   const int qchunks = static_cast<int>(std::min<int64_t>((rows + QB - 1) / QB, INT32_MAX));
   TORCH_CHECK(qchunks <= 65535, "attention_cuda: Sq = ", p.Sq, " is too long for the split-KV path");
@@ -1226,9 +1294,14 @@ void run_split_kv(const AttnParams& p, const at::Tensor& q, cudaStream_t stream)
   // partial second wave would idle most SMs), at least one full iteration (KPI keys) per split. One split
   // (no scratch, no merge) when Skv <= KPI or the (b, hkv, chunk) blocks alone fill over half the wave.
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t want = int64_t(sms) * Cfg::MIN_BLOCKS / base;
   const int64_t max_splits = std::min<int64_t>(128, (p.Skv + Cfg::KPI - 1) / Cfg::KPI);
-  const int splits = static_cast<int>(std::max<int64_t>(1, std::min(want, max_splits)));
+  int splits;
+  if constexpr (FP8) {
+    splits = fp8_splits(base, int64_t(sms) * split_resident_blocks<T, D, QB, FP8>(), max_splits);
+  } else {
+    const int64_t want = int64_t(sms) * Cfg::MIN_BLOCKS / base;
+    splits = static_cast<int>(std::max<int64_t>(1, std::min(want, max_splits)));
+  }
   count_path(Path::kAttentionSplitKv);
 
   at::Tensor part_acc, part_ml, per_call_counters;
@@ -1421,7 +1494,7 @@ at::Tensor attention_kv_fp8_cuda(const at::Tensor& q, const at::Tensor& k_in, co
   if (Skv == 0) return out.zero_();
   AttnParams p{};
   set_mask_params(p, key_mask, q_start, B, Skv, q.device());
-  const at::Tensor k = aligned16(k_in), v = aligned16(v_in);  // (8-byte loads: 16-byte alignment is more than enough)
+  const at::Tensor k = aligned16(k_in), v = aligned16(v_in);  // 16-byte (and 8-byte) loads of e4m3
   p.q = q.data_ptr();
   p.k = k.data_ptr();
   p.v = v.data_ptr();

@@ -259,6 +259,29 @@ ATTN_CASES = [  # (B, H, Hkv, Sq, Skv, D)
 def test_attention_kernel_against_the_reference(case, dtype):
     """|ours - ref32| <= 2 |torch in dtype - ref32| + atol, ref32 the fp32 reference on the dequantized cache and
     'torch in dtype' PyTorch attention on that cache dequantized to the dtype."""
+    _check_attention_kernel(case, dtype)
+
+
+# Every block shape of the decode kernel: 1 and 2 rows per block (16-byte loads of 16 e4m3 per thread), 4 and 8
+# (8-byte loads of 8), rows from grouped query heads or from queries; odd context lengths, contexts shorter than one
+# block iteration, and grids of several waves of resident blocks (the split count then fills the last wave).
+DECODE_CASES = [  # (B, H, Hkv, Sq, Skv, D); rows per key/value head = H / Hkv * Sq
+    (3, 5, 5, 1, 1001, 64), (2, 3, 3, 1, 257, 128), (1, 2, 2, 1, 31, 128), (2, 2, 2, 1, 7, 64),  # 1 row
+    (2, 8, 4, 1, 333, 64), (1, 4, 4, 2, 517, 128), (2, 6, 3, 1, 95, 128), (3, 2, 1, 1, 130, 64),  # 2 rows
+    (2, 8, 2, 1, 211, 128), (1, 3, 3, 3, 77, 64),  # 3 or 4 rows
+    (1, 14, 2, 1, 403, 64), (2, 4, 2, 5, 129, 128),  # 7 rows, 10 rows (two chunks of 8)
+    (24, 32, 32, 1, 1029, 64), (8, 32, 8, 1, 2050, 128), (40, 16, 16, 1, 515, 128),  # several waves
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=str)
+def test_decode_kernel_every_block_shape_against_the_reference(case, dtype):
+    _check_attention_kernel(case, dtype)
+
+
+def _check_attention_kernel(case, dtype):
     require_kernel()
     b, h, hkv, sq, skv, d = case
     g = torch.Generator(device="cuda").manual_seed(sum(case))
