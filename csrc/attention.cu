@@ -26,9 +26,10 @@
 //    counter, self-resetting) merges the partials into the output, so decode is one launch. The number of splits is picked so that the grid fills the SMs.
 //    Its FP8 form (op attention_kv_fp8, fp16/bf16 queries, Sq <= 16) reads an e4m3 cache: 16-byte loads of 16
 //    elements of a key or value row per thread (8-byte loads of 8 with four or more rows per block), converted
-//    exactly to fp16 (fp8_convert.cuh); the key scale of the block's key/value head is folded into its query, the
-//    value scale into its accumulator once at the end (per head, not per element); its split count also fills the
-//    last wave of resident blocks (fp8_splits).
+//    exactly to fp16 (fp8_convert.cuh); with head dim 64 and up to two rows the scores run on tensor cores (mma
+//    m16n8k16, two key rows per mma row pair). The key scale of the block's key/value head is applied to its
+//    scores (folded into its query on CUDA cores), the value scale to its accumulator once at the end (per head,
+//    not per element); its split count also fills the last wave of resident blocks (fp8_splits).
 //
 // Grouped-query attention: k and v have Hkv heads, H a multiple of Hkv; query head h reads key/value head
 // h / (H / Hkv) (AttnParams::group). The prefills index the shared head per block / work item; split-KV packs a
@@ -59,6 +60,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -823,17 +825,23 @@ constexpr int kSplitThreads = 128;
 // load (VEC 16), so the per-row work (the G-lane score reduction, masks, exponentials, addresses) is paid once per 16
 // bytes as in the fp16 form rather than once per 8: with 8-byte loads of 8 elements the kernel issued twice the
 // instructions per byte of the fp16 form and ran well short of the memory's speed. More rows per block then need
-// more registers (16 query and 16 accumulator floats per row), hence fewer resident blocks. With four or eight
-// rows the multiply-adds per byte dominate and the 16 floats per row would not fit: those keep 8-byte loads of 8.
+// more registers (16 accumulator floats per row, and 16 query floats without MMA), hence fewer resident blocks.
+// With four or eight rows the multiply-adds per byte dominate and the 16 floats per row would not fit: those keep
+// 8-byte loads of 8.
 template <typename T, int D, int QB, bool FP8 = false>
 struct SplitCfg {
   static constexpr bool WIDE8 = FP8 && QB <= 2;                  // FP8 with 16-byte loads of 16 e4m3
   static constexpr int VEC = WIDE8 ? 16 : 16 / int(sizeof(T));   // elements per thread per row (one load)
   static constexpr int G = D / VEC;                // threads sharing one key row
   static constexpr int KPS = kSplitThreads / G;    // keys per block step
-  static constexpr int U = QB >= 8 ? 2 : 4;        // key rows in flight per thread
+  // FP8, 16-byte loads, D = 64: the scores on tensor cores (see split_kv_kernel): the four lanes of a key row are
+  // exactly an mma's thread-in-group, and the per-element fp16 -> fp32 conversions and multiply-adds of the
+  // scores give way to four mmas per two key rows. With one row, six key rows in flight per thread at four blocks
+  // per SM (as many bytes in flight as the fp16 form; five blocks of four would spill).
+  static constexpr bool MMA = WIDE8 && D == 64;
+  static constexpr int U = MMA && QB == 1 ? 6 : (QB >= 8 ? 2 : 4);  // key rows in flight per thread
   static constexpr int KPI = KPS * U;              // keys per block iteration
-  static constexpr int MIN_BLOCKS = WIDE8 ? (QB == 1 ? 5 : 4)
+  static constexpr int MIN_BLOCKS = WIDE8 ? (QB == 1 && !MMA ? 5 : 4)
                                           : (QB == 1 ? 6 : (QB == 2 ? 4 : (QB == 4 ? 3 : 2)));  // resident blocks / SM
   static_assert(G <= 32 && 32 % G == 0, "a key row must be read by a power-of-two part of a warp");
 };
@@ -905,6 +913,45 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB, FP8>::MIN_BL
       for (int e = 0; e < VEC; ++e) qf[i][e] = i < nq ? to_float(qrow[e]) * qscale : 0.f;
     }
   }
+  // MMA: S = K Q^T per pair of key rows as one m16n8k16 mma per 16 dims, fp32 accumulation: lane (g, t) = (lane / 4,
+  // lane % 4) holds key rows u and u + 1 of key slot g as the mma's rows g and g + 8 (16 e4m3 of each, dims 16 t ..
+  // 16 t + 15 of the row), and block row g's query as the mma's column g (rows past QB are 0). The mma's k index of
+  // mma j is mapped to dims so that each lane's fragments come from its own loads: k = 2 t + e (e = 0, 1) is dim
+  // 16 t + 4 j + e and k = 2 t + 8 + e is dim 16 t + 4 j + 2 + e, the same bijection for K (A, row-major) and q (B,
+  // column-major), so the dot products are the exact ones. e4m3 keys are exact fp16; the queries go in fp16 as
+  // given (fp16) or (bf16) scaled by a power of two that puts their largest |value| in [2^14, 2^15) (exact within
+  // fp16's range; the scale is divided out with the log2 scale and the key scale, per query, after the mma).
+  [[maybe_unused]] uint32_t qb[4][2];  // MMA: B fragments of mma j (f16x2)
+  [[maybe_unused]] float s_fac[QB];    // MMA: raw score -> log2 domain (scale_log2 * k_scale / the query's scale)
+  if constexpr (Cfg::MMA) {
+    const int g = lane >> 2;  // == grp % 8: this lane's key slot in the warp and its B-fragment query
+    const bool has = g < QB && g < nq;
+    const T* qrow = static_cast<const T*>(p.q) + b * p.q_sb + c * VEC +
+                    (has ? row_head(g) * p.q_sh + int64_t(row_query(g)) * p.q_ss : 0);
+    float qv[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) qv[e] = has ? to_float(qrow[e]) : 0.f;
+    float pw = 1.f;
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      float mx = 0.f;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) mx = fmaxf(mx, fabsf(qv[e]));
+      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));  // the query's largest |value| (its four lanes)
+      if (mx > 0.f && mx <= FLT_MAX) {
+        int ex;
+        frexpf(mx, &ex);  // mx = f 2^ex, f in [0.5, 1)
+        pw = ldexpf(1.f, 15 - ex);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      qb[j][0] = pack2<__half>(qv[4 * j] * pw, qv[4 * j + 1] * pw);
+      qb[j][1] = pack2<__half>(qv[4 * j + 2] * pw, qv[4 * j + 3] * pw);
+    }
+#pragma unroll
+    for (int i = 0; i < QB; ++i) s_fac[i] = p.scale_log2 * k_scale / __shfl_sync(kFullMask, pw, 4 * i);
+  }
   float m[QB], l[QB], acc[QB][VEC];  // per query: running max, sum, this thread's D-slice of P V
 #pragma unroll
   for (int i = 0; i < QB; ++i) {
@@ -949,24 +996,49 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB, FP8>::MIN_BL
     }
     // Scores of the U keys for every query (G-lane reduction), -inf where not admissible.
     float sc[U][QB];
+    if constexpr (Cfg::MMA) {
+      static_assert(U % 2 == 0 && QB <= 2 && G == 4, "MMA: pairs of key rows, queries in lane t = 0's columns");
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float kf[VEC];
-      if constexpr (FP8 && VEC == 16)
-        unpack_e4m3x16(kr[u], kf);
-      else if constexpr (FP8)
-        unpack_e4m3x8(kr[u], kf);
-      else
-        unpack16(kr[u], static_cast<const T*>(nullptr), kf);
-      const int key = kb + u * KPS + grp;
+      for (int u = 0; u < U; u += 2) {
+        float s4[4] = {0.f, 0.f, 0.f, 0.f};  // (row g: keys of u, row g + 8: of u + 1) x (queries 2t, 2t + 1)
+        const uint32_t* k0 = reinterpret_cast<const uint32_t*>(&kr[u]);
+        const uint32_t* k1 = reinterpret_cast<const uint32_t*>(&kr[u + 1]);
 #pragma unroll
-      for (int i = 0; i < QB; ++i) {
-        float s = 0.f;
+        for (int j = 0; j < 4; ++j) {
+          uint32_t a[4];  // rows g, g + 8 at k 2t, 2t + 1 (a[0], a[1]) and 2t + 8, 2t + 9 (a[2], a[3])
+          fp8::e4m3x4_to_x4<__half>(k0[j], a[0], a[2]);
+          fp8::e4m3x4_to_x4<__half>(k1[j], a[1], a[3]);
+          mma_16816<__half>(s4, a, qb[j][0], qb[j][1]);
+        }
+        const int key0 = kb + u * KPS + grp, key1 = key0 + KPS;
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) s = fmaf(qf[i][e], kf[e], s);
+        for (int i = 0; i < QB; ++i) {  // query i's scores sit in lane t = 0 of the key slot
+          const float s0 = __shfl_sync(kFullMask, s4[i], lane & ~3);
+          const float s1 = __shfl_sync(kFullMask, s4[2 + i], lane & ~3);
+          sc[u][i] = ok[u] && key0 <= lim[i] ? s0 * s_fac[i] : -INFINITY;
+          sc[u + 1][i] = ok[u + 1] && key1 <= lim[i] ? s1 * s_fac[i] : -INFINITY;
+        }
+      }
+    } else {
 #pragma unroll
-        for (int off = G / 2; off > 0; off >>= 1) s += __shfl_xor_sync(kFullMask, s, off);
-        sc[u][i] = ok[u] && key <= lim[i] ? s : -INFINITY;
+      for (int u = 0; u < U; ++u) {
+        float kf[VEC];
+        if constexpr (FP8 && VEC == 16)
+          unpack_e4m3x16(kr[u], kf);
+        else if constexpr (FP8)
+          unpack_e4m3x8(kr[u], kf);
+        else
+          unpack16(kr[u], static_cast<const T*>(nullptr), kf);
+        const int key = kb + u * KPS + grp;
+#pragma unroll
+        for (int i = 0; i < QB; ++i) {
+          float s = 0.f;
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) s = fmaf(qf[i][e], kf[e], s);
+#pragma unroll
+          for (int off = G / 2; off > 0; off >>= 1) s += __shfl_xor_sync(kFullMask, s, off);
+          sc[u][i] = ok[u] && key <= lim[i] ? s : -INFINITY;
+        }
       }
     }
     // Online update: new max over the U keys, rescale, then P V one key row at a time.
