@@ -26,8 +26,8 @@
 //    counter, self-resetting) merges the partials into the output, so decode is one launch. The number of splits is picked so that the grid fills the SMs.
 //    Its FP8 form (op attention_kv_fp8, fp16/bf16 queries, Sq <= 16) reads an e4m3 cache: 16-byte loads of 16
 //    elements of a key or value row per thread (8-byte loads of 8 with four or more rows per block), converted
-//    exactly to fp16 (fp8_convert.cuh); with head dim 64 and up to two rows the scores run on tensor cores (mma
-//    m16n8k16, two key rows per mma row pair). The key scale of the block's key/value head is applied to its
+//    exactly to fp16 (fp8_convert.cuh); with up to two rows the scores run on tensor cores (mma m16n8k16, two
+//    key rows per mma row pair). The key scale of the block's key/value head is applied to its
 //    scores (folded into its query on CUDA cores), the value scale to its accumulator once at the end (per head,
 //    not per element); its split count also fills the last wave of resident blocks (fp8_splits).
 //
@@ -834,11 +834,11 @@ struct SplitCfg {
   static constexpr int VEC = WIDE8 ? 16 : 16 / int(sizeof(T));   // elements per thread per row (one load)
   static constexpr int G = D / VEC;                // threads sharing one key row
   static constexpr int KPS = kSplitThreads / G;    // keys per block step
-  // FP8, 16-byte loads, D = 64: the scores on tensor cores (see split_kv_kernel): the four lanes of a key row are
-  // exactly an mma's thread-in-group, and the per-element fp16 -> fp32 conversions and multiply-adds of the
+  // FP8 with 16-byte loads: the scores on tensor cores (see split_kv_kernel): the lanes of a key row's 64-dim half
+  // are exactly an mma's thread-in-group, and the per-element fp16 -> fp32 conversions and multiply-adds of the
   // scores give way to four mmas per two key rows. With one row, six key rows in flight per thread at four blocks
   // per SM (as many bytes in flight as the fp16 form; five blocks of four would spill).
-  static constexpr bool MMA = WIDE8 && D == 64;
+  static constexpr bool MMA = WIDE8;
   static constexpr int U = MMA && QB == 1 ? 6 : (QB >= 8 ? 2 : 4);  // key rows in flight per thread
   static constexpr int KPI = KPS * U;              // keys per block iteration
   static constexpr int MIN_BLOCKS = WIDE8 ? (QB == 1 && !MMA ? 5 : 4)
@@ -913,21 +913,25 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB, FP8>::MIN_BL
       for (int e = 0; e < VEC; ++e) qf[i][e] = i < nq ? to_float(qrow[e]) * qscale : 0.f;
     }
   }
-  // MMA: S = K Q^T per pair of key rows as one m16n8k16 mma per 16 dims, fp32 accumulation: lane (g, t) = (lane / 4,
-  // lane % 4) holds key rows u and u + 1 of key slot g as the mma's rows g and g + 8 (16 e4m3 of each, dims 16 t ..
-  // 16 t + 15 of the row), and block row g's query as the mma's column g (rows past QB are 0). The mma's k index of
-  // mma j is mapped to dims so that each lane's fragments come from its own loads: k = 2 t + e (e = 0, 1) is dim
-  // 16 t + 4 j + e and k = 2 t + 8 + e is dim 16 t + 4 j + 2 + e, the same bijection for K (A, row-major) and q (B,
-  // column-major), so the dot products are the exact ones. e4m3 keys are exact fp16; the queries go in fp16 as
-  // given (fp16) or (bf16) scaled by a power of two that puts their largest |value| in [2^14, 2^15) (exact within
-  // fp16's range; the scale is divided out with the log2 scale and the key scale, per query, after the mma).
+  // MMA: S = K Q^T per pair of key rows as one m16n8k16 mma per 16 dims, fp32 accumulation. Lane (g, t) = (lane / 4,
+  // lane % 4) loads dims 16 c .. 16 c + 15 (c = tid % G: c = t at D = 64, c = 4 h + t at D = 128, h = g % 2 the
+  // row's 64-dim half) of key rows u and u + 1 of its key slot, the mma's rows g and g + 8. Column n of the mma is
+  // block row n's query (D = 64) or the half n % 2 of block row n / 2's (D = 128); rows past QB are 0: lane (g, t)
+  // supplies B column g, the dims it loads of block row lane / G's query. The mma's k index of mma j is mapped so that
+  // each lane's fragments come from its own loads: k = 2 t + e (e = 0, 1) is dim 16 c + 4 j + e and k = 2 t + 8 + e
+  // is dim 16 c + 4 j + 2 + e, the same bijection for K (A, row-major) and q (B, column-major) within a half, so
+  // C[g][n] is the exact dot product (D = 64), or, at D = 128, that of key half g % 2 with query half n % 2: the
+  // entries with equal halves are summed over the two halves' lanes (lane ^ 4) and the rest are ignored. e4m3 keys
+  // are exact fp16; the queries go in fp16 as given (fp16) or (bf16) scaled by a power of two that puts their
+  // largest |value| in [2^14, 2^15) (exact within fp16's range; the scale is divided out with the log2 scale and
+  // the key scale, per query, after the mma).
   [[maybe_unused]] uint32_t qb[4][2];  // MMA: B fragments of mma j (f16x2)
   [[maybe_unused]] float s_fac[QB];    // MMA: raw score -> log2 domain (scale_log2 * k_scale / the query's scale)
   if constexpr (Cfg::MMA) {
-    const int g = lane >> 2;  // == grp % 8: this lane's key slot in the warp and its B-fragment query
-    const bool has = g < QB && g < nq;
+    const int qi = lane / G;  // the block row whose query this lane's B fragment holds
+    const bool has = qi < QB && qi < nq;
     const T* qrow = static_cast<const T*>(p.q) + b * p.q_sb + c * VEC +
-                    (has ? row_head(g) * p.q_sh + int64_t(row_query(g)) * p.q_ss : 0);
+                    (has ? row_head(qi) * p.q_sh + int64_t(row_query(qi)) * p.q_ss : 0);
     float qv[VEC];
 #pragma unroll
     for (int e = 0; e < VEC; ++e) qv[e] = has ? to_float(qrow[e]) : 0.f;
@@ -936,8 +940,8 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB, FP8>::MIN_BL
       float mx = 0.f;
 #pragma unroll
       for (int e = 0; e < VEC; ++e) mx = fmaxf(mx, fabsf(qv[e]));
-      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));  // the query's largest |value| (its four lanes)
+#pragma unroll
+      for (int off = 1; off < G; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, off));  // query qi's G lanes
       if (mx > 0.f && mx <= FLT_MAX) {
         int ex;
         frexpf(mx, &ex);  // mx = f 2^ex, f in [0.5, 1)
@@ -950,7 +954,7 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB, FP8>::MIN_BL
       qb[j][1] = pack2<__half>(qv[4 * j + 2] * pw, qv[4 * j + 3] * pw);
     }
 #pragma unroll
-    for (int i = 0; i < QB; ++i) s_fac[i] = p.scale_log2 * k_scale / __shfl_sync(kFullMask, pw, 4 * i);
+    for (int i = 0; i < QB; ++i) s_fac[i] = p.scale_log2 * k_scale / __shfl_sync(kFullMask, pw, G * i);
   }
   float m[QB], l[QB], acc[QB][VEC];  // per query: running max, sum, this thread's D-slice of P V
 #pragma unroll
@@ -997,7 +1001,7 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB, FP8>::MIN_BL
     // Scores of the U keys for every query (G-lane reduction), -inf where not admissible.
     float sc[U][QB];
     if constexpr (Cfg::MMA) {
-      static_assert(U % 2 == 0 && QB <= 2 && G == 4, "MMA: pairs of key rows, queries in lane t = 0's columns");
+      static_assert(U % 2 == 0 && QB <= 2 && (G == 4 || G == 8), "MMA: pairs of key rows, one or two halves");
 #pragma unroll
       for (int u = 0; u < U; u += 2) {
         float s4[4] = {0.f, 0.f, 0.f, 0.f};  // (row g: keys of u, row g + 8: of u + 1) x (queries 2t, 2t + 1)
@@ -1011,10 +1015,23 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB, FP8>::MIN_BL
           mma_16816<__half>(s4, a, qb[j][0], qb[j][1]);
         }
         const int key0 = kb + u * KPS + grp, key1 = key0 + KPS;
+        // D = 64: query i's scores (keys u, u + 1) are s4[i], s4[2 + i] of lane t = 0 of the key slot. D = 128: the
+        // half-h partials are s4[h], s4[2 + h] of lane t = i of half h's group; summed over the halves (lane ^ 4)
+        // they sit in lane 8 g' + i of the key slot g' = lane / 8.
+        float x0 = 0.f, x1 = 0.f;
+        if constexpr (G == 8) {
+          const bool h1 = (lane >> 2) & 1;
+          x0 = h1 ? s4[1] : s4[0];
+          x1 = h1 ? s4[3] : s4[2];
+          x0 += __shfl_xor_sync(kFullMask, x0, 4);
+          x1 += __shfl_xor_sync(kFullMask, x1, 4);
+        }
 #pragma unroll
-        for (int i = 0; i < QB; ++i) {  // query i's scores sit in lane t = 0 of the key slot
-          const float s0 = __shfl_sync(kFullMask, s4[i], lane & ~3);
-          const float s1 = __shfl_sync(kFullMask, s4[2 + i], lane & ~3);
+        for (int i = 0; i < QB; ++i) {
+          const float s0 = G == 4 ? __shfl_sync(kFullMask, s4[i], lane & ~3)
+                                  : __shfl_sync(kFullMask, x0, (lane & ~7) + i);
+          const float s1 = G == 4 ? __shfl_sync(kFullMask, s4[2 + i], lane & ~3)
+                                  : __shfl_sync(kFullMask, x1, (lane & ~7) + i);
           sc[u][i] = ok[u] && key0 <= lim[i] ? s0 * s_fac[i] : -INFINITY;
           sc[u + 1][i] = ok[u + 1] && key1 <= lim[i] ? s1 * s_fac[i] : -INFINITY;
         }
