@@ -825,7 +825,7 @@ constexpr int kSplitThreads = 128;
 // load (VEC 16), so the per-row work (the G-lane score reduction, masks, exponentials, addresses) is paid once per 16
 // bytes as in the fp16 form rather than once per 8: with 8-byte loads of 8 elements the kernel issued twice the
 // instructions per byte of the fp16 form and ran well short of the memory's speed. More rows per block then need
-// more registers (16 accumulator floats per row, and 16 query floats without MMA), hence fewer resident blocks.
+// more registers (16 accumulator floats per row), hence fewer resident blocks.
 // With four or eight rows the multiply-adds per byte dominate and the 16 floats per row would not fit: those keep
 // 8-byte loads of 8.
 template <typename T, int D, int QB, bool FP8 = false>
