@@ -1356,9 +1356,9 @@ int split_resident_blocks() {
 
 // The FP8 form's split count: base blocks (b, key/value head, chunk) times splits over `slots` resident blocks. All
 // blocks of a launch run about equally long, so a grid of 1.3 waves takes as long as 2 full ones: pick the fewest
-// splits whose grid fills its last wave to 90% or more (or the best filling one), e.g. 32 x 32 heads at 5 blocks on
-// 132 SMs: 3 splits (3072 blocks, 4.65 waves) rather than 1 (1024 blocks, 1.55 waves). Merging the partials costs
-// one (D + 2)-float row per split and query, small against the keys a split reads (at least KPI of them).
+// splits whose grid fills its last wave to 90% or more (or the best filling one), e.g. batch 24 x 32 heads at 4
+// blocks on 132 SMs (528 slots): 2 splits (1536 blocks, 2.9 waves) rather than 1 (768 blocks, 1.45 waves). Merging
+// the partials costs one (D + 2)-float row per split and query, small against the keys a split reads (>= KPI).
 int fp8_splits(int64_t base, int64_t slots, int64_t max_splits) {
   int best = 1;
   double best_fill = 0.0;
