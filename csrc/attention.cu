@@ -24,9 +24,12 @@
 //    one key row), merges its lanes and warps, and writes either the final output (one split) or a partial (max,
 //    sum, unnormalised acc) to fp32 scratch; the last block of a (batch, key/value head, chunk) to arrive (atomic
 //    counter, self-resetting) merges the partials into the output, so decode is one launch. The number of splits is picked so that the grid fills the SMs.
-//    Its FP8 form (op attention_kv_fp8, fp16/bf16 queries, Sq <= 16) reads an e4m3 cache: 8-byte loads of 8 keys
-//    or values per thread, converted exactly to fp16 (fp8_convert.cuh); the key scale of the block's key/value
-//    head is folded into its query, the value scale into its accumulator once at the end (per head, not per element).
+//    Its FP8 form (op attention_kv_fp8, fp16/bf16 queries, Sq <= 16) reads an e4m3 cache: 16-byte loads of 16
+//    elements of a key or value row per thread (8-byte loads of 8 with four or more rows per block), converted
+//    exactly to fp16 (fp8_convert.cuh); with up to two rows the scores run on tensor cores (mma m16n8k16, two
+//    key rows per mma row pair). The key scale of the block's key/value head is applied to its
+//    scores (folded into its query on CUDA cores), the value scale to its accumulator once at the end (per head,
+//    not per element); its split count also fills the last wave of resident blocks (fp8_splits).
 //
 // Grouped-query attention: k and v have Hkv heads, H a multiple of Hkv; query head h reads key/value head
 // h / (H / Hkv) (AttnParams::group). The prefills index the shared head per block / work item; split-KV packs a
@@ -57,6 +60,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -148,6 +152,11 @@ __device__ __forceinline__ void unpack_e4m3x8(const uint2& r, float* f) {
     const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
     f[4 * w] = a.x, f[4 * w + 1] = a.y, f[4 * w + 2] = b.x, f[4 * w + 3] = b.y;
   }
+}
+// 16 loaded e4m3 bytes -> 16 floats.
+__device__ __forceinline__ void unpack_e4m3x16(const uint4& r, float* f) {
+  unpack_e4m3x8(make_uint2(r.x, r.y), f);
+  unpack_e4m3x8(make_uint2(r.z, r.w), f + 8);
 }
 
 // 16-byte global -> shared async copy; writes zeros (and reads nothing) when !valid.
@@ -812,14 +821,28 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
 
 constexpr int kSplitThreads = 128;
 
-template <typename T, int D, int QB>
+// FP8 (e4m3 cache, fp16 / bf16 queries): with one or two query rows a thread reads 16 e4m3 of a row in one 16-byte
+// load (VEC 16), so the per-row work (the G-lane score reduction, masks, exponentials, addresses) is paid once per 16
+// bytes as in the fp16 form rather than once per 8: with 8-byte loads of 8 elements the kernel issued twice the
+// instructions per byte of the fp16 form and ran well short of the memory's speed. More rows per block then need
+// more registers (16 accumulator floats per row), hence fewer resident blocks.
+// With four or eight rows the multiply-adds per byte dominate and the 16 floats per row would not fit: those keep
+// 8-byte loads of 8.
+template <typename T, int D, int QB, bool FP8 = false>
 struct SplitCfg {
-  static constexpr int VEC = 16 / sizeof(T);       // elements per 16-byte load
+  static constexpr bool WIDE8 = FP8 && QB <= 2;                  // FP8 with 16-byte loads of 16 e4m3
+  static constexpr int VEC = WIDE8 ? 16 : 16 / int(sizeof(T));   // elements per thread per row (one load)
   static constexpr int G = D / VEC;                // threads sharing one key row
   static constexpr int KPS = kSplitThreads / G;    // keys per block step
-  static constexpr int U = QB >= 8 ? 2 : 4;        // key rows in flight per thread
+  // FP8 with 16-byte loads: the scores on tensor cores (see split_kv_kernel): the lanes of a key row's 64-dim half
+  // are exactly an mma's thread-in-group, and the per-element fp16 -> fp32 conversions and multiply-adds of the
+  // scores give way to four mmas per two key rows. With one row, six key rows in flight per thread at four blocks
+  // per SM (as many bytes in flight as the fp16 form; five blocks of four would spill).
+  static constexpr bool MMA = WIDE8;
+  static constexpr int U = MMA && QB == 1 ? 6 : (QB >= 8 ? 2 : 4);  // key rows in flight per thread
   static constexpr int KPI = KPS * U;              // keys per block iteration
-  static constexpr int MIN_BLOCKS = QB == 1 ? 6 : (QB == 2 ? 4 : (QB == 4 ? 3 : 2));  // resident blocks / SM
+  static constexpr int MIN_BLOCKS = WIDE8 ? (QB == 1 && !MMA ? 5 : 4)
+                                          : (QB == 1 ? 6 : (QB == 2 ? 4 : (QB == 4 ? 3 : 2)));  // resident blocks / SM
   static_assert(G <= 32 && 32 % G == 0, "a key row must be read by a power-of-two part of a warp");
 };
 
@@ -833,18 +856,19 @@ struct SplitCfg {
 // first `used` = ceil(key_end / kps) splits write part_acc (B*Hkv, R, splits, D) and part_ml (B*Hkv, R, splits)
 // = (max, sum), every block counts itself in at counters[bkv * gridDim.z + z] (zero on entry), and the last
 // one to arrive merges the used partials into out and sets the counter back to zero.
-// FP8: k and v are e4m3 (strides in bytes) with p.kv_scale; a thread reads the same VEC = 8 elements of a row as in
-// the fp16 form, as one 8-byte load.
+// FP8: k and v are e4m3 (strides in bytes) with p.kv_scale; a thread reads VEC = 16 (QB <= 2, one 16-byte load) or
+// 8 (one 8-byte load) elements of a row (SplitCfg).
 template <typename T, int D, int QB, bool FP8 = false>
-__global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
+__global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB, FP8>::MIN_BLOCKS)
     split_kv_kernel(const AttnParams p, float* __restrict__ part_acc, float2* __restrict__ part_ml,
                     int* __restrict__ counters) {
-  using Cfg = SplitCfg<T, D, QB>;
+  using Cfg = SplitCfg<T, D, QB, FP8>;
   constexpr int VEC = Cfg::VEC, G = Cfg::G, KPS = Cfg::KPS, U = Cfg::U, KPI = Cfg::KPI;
   constexpr int NW = kSplitThreads / 32;
-  static_assert(!FP8 || VEC == 8, "the FP8 form takes fp16 / bf16 queries (8 elements per thread)");
-  using KV = std::conditional_t<FP8, uint8_t, T>;       // a cache element
-  using Load = std::conditional_t<FP8, uint2, uint4>;   // VEC cache elements
+  static_assert(!FP8 || ((VEC == 8 || VEC == 16) && sizeof(T) == 2),
+                "the FP8 form takes fp16 / bf16 queries (8 or 16 elements per thread)");
+  using KV = std::conditional_t<FP8, uint8_t, T>;  // a cache element
+  using Load = std::conditional_t<FP8 && VEC == 8, uint2, uint4>;  // VEC cache elements
   pdl_launch_dependents();
   pdl_wait();  // q, the cache, its scales, q_start and the counters come from earlier kernels
 
@@ -889,6 +913,49 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
       for (int e = 0; e < VEC; ++e) qf[i][e] = i < nq ? to_float(qrow[e]) * qscale : 0.f;
     }
   }
+  // MMA: S = K Q^T per pair of key rows as one m16n8k16 mma per 16 dims, fp32 accumulation. Lane (g, t) = (lane / 4,
+  // lane % 4) loads dims 16 c .. 16 c + 15 (c = tid % G: c = t at D = 64, c = 4 h + t at D = 128, h = g % 2 the
+  // row's 64-dim half) of key rows u and u + 1 of its key slot, the mma's rows g and g + 8. Column n of the mma is
+  // block row n's query (D = 64) or the half n % 2 of block row n / 2's (D = 128); rows past QB are 0: lane (g, t)
+  // supplies B column g, the dims it loads of block row lane / G's query. The mma's k index of mma j is mapped so that
+  // each lane's fragments come from its own loads: k = 2 t + e (e = 0, 1) is dim 16 c + 4 j + e and k = 2 t + 8 + e
+  // is dim 16 c + 4 j + 2 + e, the same bijection for K (A, row-major) and q (B, column-major) within a half, so
+  // C[g][n] is the exact dot product (D = 64), or, at D = 128, that of key half g % 2 with query half n % 2: the
+  // entries with equal halves are summed over the two halves' lanes (lane ^ 4) and the rest are ignored. e4m3 keys
+  // are exact fp16; the queries go in fp16 as given (fp16) or (bf16) scaled by a power of two that puts their
+  // largest |value| in [2^14, 2^15) (exact within fp16's range; the scale is divided out with the log2 scale and
+  // the key scale, per query, after the mma).
+  [[maybe_unused]] uint32_t qb[4][2];  // MMA: B fragments of mma j (f16x2)
+  [[maybe_unused]] float s_fac[QB];    // MMA: raw score -> log2 domain (scale_log2 * k_scale / the query's scale)
+  if constexpr (Cfg::MMA) {
+    const int qi = lane / G;  // the block row whose query this lane's B fragment holds
+    const bool has = qi < QB && qi < nq;
+    const T* qrow = static_cast<const T*>(p.q) + b * p.q_sb + c * VEC +
+                    (has ? row_head(qi) * p.q_sh + int64_t(row_query(qi)) * p.q_ss : 0);
+    float qv[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) qv[e] = has ? to_float(qrow[e]) : 0.f;
+    float pw = 1.f;
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      float mx = 0.f;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) mx = fmaxf(mx, fabsf(qv[e]));
+#pragma unroll
+      for (int off = 1; off < G; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, off));  // query qi's G lanes
+      if (mx > 0.f && mx <= FLT_MAX) {
+        int ex;
+        frexpf(mx, &ex);  // mx = f 2^ex, f in [0.5, 1)
+        pw = ldexpf(1.f, 15 - ex);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      qb[j][0] = pack2<__half>(qv[4 * j] * pw, qv[4 * j + 1] * pw);
+      qb[j][1] = pack2<__half>(qv[4 * j + 2] * pw, qv[4 * j + 3] * pw);
+    }
+#pragma unroll
+    for (int i = 0; i < QB; ++i) s_fac[i] = p.scale_log2 * k_scale / __shfl_sync(kFullMask, pw, G * i);
+  }
   float m[QB], l[QB], acc[QB][VEC];  // per query: running max, sum, this thread's D-slice of P V
 #pragma unroll
   for (int i = 0; i < QB; ++i) {
@@ -901,36 +968,94 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
   const KV* kg = static_cast<const KV*>(p.k) + b * p.k_sb + hk * p.k_sh + c * VEC;
   const KV* vg = static_cast<const KV*>(p.v) + b * p.v_sb + hk * p.v_sh + c * VEC;
   const bool* mrow = p.key_mask ? p.key_mask + b * p.m_sb : nullptr;
+  // FP8 with 16-byte loads: walking pointers (one 64-bit add per row) instead of a 64-bit key * stride product per
+  // row: at one byte an element the address arithmetic is a visible share of the instructions per byte.
+  const KV* kp = kg + int64_t(kb0 + grp) * p.k_ss;
+  const KV* vp = vg + int64_t(kb0 + grp) * p.v_ss;
+  const int64_t kstep = int64_t(KPS) * p.k_ss, vstep = int64_t(KPS) * p.v_ss;
   for (int kb = kb0; kb < kb1; kb += KPI) {
     // Issue every load of the iteration first: U key rows (K and V) and their mask bytes.
     Load kr[U], vr[U];
     bool ok[U];
+    if constexpr (Cfg::WIDE8) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int key = kb + u * KPS + grp;
-      const bool in = key < kb1;
-      kr[u] = in ? ld_dep(reinterpret_cast<const Load*>(kg + key * p.k_ss)) : Load{};
-      vr[u] = in ? ld_dep(reinterpret_cast<const Load*>(vg + key * p.v_ss)) : Load{};
-      ok[u] = in && (mrow == nullptr || mrow[key * p.m_ss]);
+      for (int u = 0; u < U; ++u) {
+        const int key = kb + u * KPS + grp;
+        const bool in = key < kb1;
+        kr[u] = in ? ld_dep(reinterpret_cast<const Load*>(kp + u * kstep)) : Load{};
+        vr[u] = in ? ld_dep(reinterpret_cast<const Load*>(vp + u * vstep)) : Load{};
+        ok[u] = in && (mrow == nullptr || mrow[key * p.m_ss]);
+      }
+      kp += U * kstep;
+      vp += U * vstep;
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int key = kb + u * KPS + grp;
+        const bool in = key < kb1;
+        kr[u] = in ? ld_dep(reinterpret_cast<const Load*>(kg + key * p.k_ss)) : Load{};
+        vr[u] = in ? ld_dep(reinterpret_cast<const Load*>(vg + key * p.v_ss)) : Load{};
+        ok[u] = in && (mrow == nullptr || mrow[key * p.m_ss]);
+      }
     }
     // Scores of the U keys for every query (G-lane reduction), -inf where not admissible.
     float sc[U][QB];
+    if constexpr (Cfg::MMA) {
+      static_assert(U % 2 == 0 && QB <= 2 && (G == 4 || G == 8), "MMA: pairs of key rows, one or two halves");
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float kf[VEC];
-      if constexpr (FP8)
-        unpack_e4m3x8(kr[u], kf);
-      else
-        unpack16(kr[u], static_cast<const T*>(nullptr), kf);
-      const int key = kb + u * KPS + grp;
+      for (int u = 0; u < U; u += 2) {
+        float s4[4] = {0.f, 0.f, 0.f, 0.f};  // (row g: keys of u, row g + 8: of u + 1) x (queries 2t, 2t + 1)
+        const uint32_t* k0 = reinterpret_cast<const uint32_t*>(&kr[u]);
+        const uint32_t* k1 = reinterpret_cast<const uint32_t*>(&kr[u + 1]);
 #pragma unroll
-      for (int i = 0; i < QB; ++i) {
-        float s = 0.f;
+        for (int j = 0; j < 4; ++j) {
+          uint32_t a[4];  // rows g, g + 8 at k 2t, 2t + 1 (a[0], a[1]) and 2t + 8, 2t + 9 (a[2], a[3])
+          fp8::e4m3x4_to_x4<__half>(k0[j], a[0], a[2]);
+          fp8::e4m3x4_to_x4<__half>(k1[j], a[1], a[3]);
+          mma_16816<__half>(s4, a, qb[j][0], qb[j][1]);
+        }
+        const int key0 = kb + u * KPS + grp, key1 = key0 + KPS;
+        // D = 64: query i's scores (keys u, u + 1) are s4[i], s4[2 + i] of lane t = 0 of the key slot. D = 128: the
+        // half-h partials are s4[h], s4[2 + h] of lane t = i of half h's group; summed over the halves (lane ^ 4)
+        // they sit in lane 8 g' + i of the key slot g' = lane / 8.
+        float x0 = 0.f, x1 = 0.f;
+        if constexpr (G == 8) {
+          const bool h1 = (lane >> 2) & 1;
+          x0 = h1 ? s4[1] : s4[0];
+          x1 = h1 ? s4[3] : s4[2];
+          x0 += __shfl_xor_sync(kFullMask, x0, 4);
+          x1 += __shfl_xor_sync(kFullMask, x1, 4);
+        }
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) s = fmaf(qf[i][e], kf[e], s);
+        for (int i = 0; i < QB; ++i) {
+          const float s0 = G == 4 ? __shfl_sync(kFullMask, s4[i], lane & ~3)
+                                  : __shfl_sync(kFullMask, x0, (lane & ~7) + i);
+          const float s1 = G == 4 ? __shfl_sync(kFullMask, s4[2 + i], lane & ~3)
+                                  : __shfl_sync(kFullMask, x1, (lane & ~7) + i);
+          sc[u][i] = ok[u] && key0 <= lim[i] ? s0 * s_fac[i] : -INFINITY;
+          sc[u + 1][i] = ok[u + 1] && key1 <= lim[i] ? s1 * s_fac[i] : -INFINITY;
+        }
+      }
+    } else {
 #pragma unroll
-        for (int off = G / 2; off > 0; off >>= 1) s += __shfl_xor_sync(kFullMask, s, off);
-        sc[u][i] = ok[u] && key <= lim[i] ? s : -INFINITY;
+      for (int u = 0; u < U; ++u) {
+        float kf[VEC];
+        if constexpr (FP8 && VEC == 16)
+          unpack_e4m3x16(kr[u], kf);
+        else if constexpr (FP8)
+          unpack_e4m3x8(kr[u], kf);
+        else
+          unpack16(kr[u], static_cast<const T*>(nullptr), kf);
+        const int key = kb + u * KPS + grp;
+#pragma unroll
+        for (int i = 0; i < QB; ++i) {
+          float s = 0.f;
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) s = fmaf(qf[i][e], kf[e], s);
+#pragma unroll
+          for (int off = G / 2; off > 0; off >>= 1) s += __shfl_xor_sync(kFullMask, s, off);
+          sc[u][i] = ok[u] && key <= lim[i] ? s : -INFINITY;
+        }
       }
     }
     // Online update: new max over the U keys, rescale, then P V one key row at a time.
@@ -950,7 +1075,9 @@ __global__ void __launch_bounds__(kSplitThreads, SplitCfg<T, D, QB>::MIN_BLOCKS)
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       float vf[VEC];
-      if constexpr (FP8)
+      if constexpr (FP8 && VEC == 16)
+        unpack_e4m3x16(vr[u], vf);
+      else if constexpr (FP8)
         unpack_e4m3x8(vr[u], vf);
       else
         unpack16(vr[u], static_cast<const T*>(nullptr), vf);
@@ -1214,9 +1341,39 @@ void prefill(const AttnParams& p, int D, const at::TensorOptions& opts, cudaStre
     run_prefill<T, 128, 8, 64, 1>(p, stream);
 }
 
+// Blocks of split_kv_kernel<T, D, QB, FP8> resident on one SM (its registers and shared memory decide; at least its
+// launch bounds' MIN_BLOCKS), asked once per instantiation, on the first device that launches it.
+template <typename T, int D, int QB, bool FP8>
+int split_resident_blocks() {
+  static const int blocks = [] {
+    int n = 0;
+    C10_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, split_kv_kernel<T, D, QB, FP8>, kSplitThreads, 0));
+    return std::max(n, SplitCfg<T, D, QB, FP8>::MIN_BLOCKS);
+  }();
+  return blocks;
+}
+
+// The FP8 form's split count: base blocks (b, key/value head, chunk) times splits over `slots` resident blocks. All
+// blocks of a launch run about equally long, so a grid of 1.3 waves takes as long as 2 full ones: pick the fewest
+// splits whose grid fills its last wave to 90% or more (or the best filling one), e.g. batch 24 x 32 heads at 4
+// blocks on 132 SMs (528 slots): 2 splits (1536 blocks, 2.9 waves) rather than 1 (768 blocks, 1.45 waves). Merging
+// the partials costs one (D + 2)-float row per split and query, small against the keys a split reads (>= KPI).
+int fp8_splits(int64_t base, int64_t slots, int64_t max_splits) {
+  int best = 1;
+  double best_fill = 0.0;
+  for (int64_t s = 1; s <= std::max<int64_t>(1, max_splits); ++s) {
+    const int64_t blocks = base * s, waves = (blocks + slots - 1) / slots;
+    const double fill = double(blocks) / double(waves * slots);
+    if (fill >= 0.9) return static_cast<int>(s);
+    if (fill > best_fill + 1e-9) best = static_cast<int>(s), best_fill = fill;
+  }
+  return best;
+}
+
 template <typename T, int D, int QB, bool FP8>
 void run_split_kv(const AttnParams& p, const at::Tensor& q, cudaStream_t stream) {
-  using Cfg = SplitCfg<T, D, QB>;
+  using Cfg = SplitCfg<T, D, QB, FP8>;
   const int64_t rows = int64_t(p.group) * p.Sq;  // per key/value head: its query heads' queries (GQA packing)
   const int qchunks = static_cast<int>(std::min<int64_t>((rows + QB - 1) / QB, INT32_MAX));
   TORCH_CHECK(qchunks <= 65535, "attention_cuda: Sq = ", p.Sq, " is too long for the split-KV path");
@@ -1226,9 +1383,14 @@ void run_split_kv(const AttnParams& p, const at::Tensor& q, cudaStream_t stream)
   // partial second wave would idle most SMs), at least one full iteration (KPI keys) per split. One split
   // (no scratch, no merge) when Skv <= KPI or the (b, hkv, chunk) blocks alone fill over half the wave.
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t want = int64_t(sms) * Cfg::MIN_BLOCKS / base;
   const int64_t max_splits = std::min<int64_t>(128, (p.Skv + Cfg::KPI - 1) / Cfg::KPI);
-  const int splits = static_cast<int>(std::max<int64_t>(1, std::min(want, max_splits)));
+  int splits;
+  if constexpr (FP8) {
+    splits = fp8_splits(base, int64_t(sms) * split_resident_blocks<T, D, QB, FP8>(), max_splits);
+  } else {
+    const int64_t want = int64_t(sms) * Cfg::MIN_BLOCKS / base;
+    splits = static_cast<int>(std::max<int64_t>(1, std::min(want, max_splits)));
+  }
   count_path(Path::kAttentionSplitKv);
 
   at::Tensor part_acc, part_ml, per_call_counters;
@@ -1421,7 +1583,7 @@ at::Tensor attention_kv_fp8_cuda(const at::Tensor& q, const at::Tensor& k_in, co
   if (Skv == 0) return out.zero_();
   AttnParams p{};
   set_mask_params(p, key_mask, q_start, B, Skv, q.device());
-  const at::Tensor k = aligned16(k_in), v = aligned16(v_in);  // (8-byte loads: 16-byte alignment is more than enough)
+  const at::Tensor k = aligned16(k_in), v = aligned16(v_in);  // 16-byte (and 8-byte) loads of e4m3
   p.q = q.data_ptr();
   p.k = k.data_ptr();
   p.v = v.data_ptr();

@@ -238,7 +238,8 @@ def rope_kernels():
 
 
 # ---- the FP8 (e4m3) KV cache: the appends (plain and fused with the rotary, every vector width, out-of-range slots)
-# and decode attention over e4m3 keys and values (head dims 64 and 128, grouped-query heads, several splits) ----
+# and decode attention over e4m3 keys and values (head dims 64 and 128, 1 to 8 rows per block, grouped-query heads,
+# several splits) ----
 def kv_fp8_kernels():
     from fuseinfer.ops.attention import attention_kv_fp8
     from fuseinfer.ops.kv_cache import FP8_DTYPE, kv_cache_append_fp8
@@ -256,7 +257,8 @@ def kv_fp8_kernels():
             kv_cache_append_fp8(*caches, kv, kv, slots, scales)
             kv_cache_append_fp8(*caches, kv, kv.contiguous(), slots, scales, calibrate=True)
         for d in (64, 128):
-            for b, h, hkv, sq, skv in ((2, 12, 2, 1, 300), (3, 8, 8, 4, 129), (1, 32, 8, 1, 3000), (2, 4, 1, 16, 77)):
+            for b, h, hkv, sq, skv in ((2, 12, 2, 1, 300), (3, 8, 8, 4, 129), (1, 32, 8, 1, 3000), (2, 4, 1, 16, 77),
+                                       (3, 4, 4, 1, 1001), (2, 8, 4, 1, 333), (1, 2, 2, 2, 29)):  # 1, 2, 2 rows
                 q = torch.randn(b, h, sq, d, device="cuda", dtype=dtype)
                 k, v = (torch.randn(b, hkv, skv, d, device="cuda").to(FP8_DTYPE) for _ in range(2))
                 key_mask = torch.rand(b, skv, device="cuda") > 0.1

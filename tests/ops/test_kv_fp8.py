@@ -259,10 +259,46 @@ ATTN_CASES = [  # (B, H, Hkv, Sq, Skv, D)
 def test_attention_kernel_against_the_reference(case, dtype):
     """|ours - ref32| <= 2 |torch in dtype - ref32| + atol, ref32 the fp32 reference on the dequantized cache and
     'torch in dtype' PyTorch attention on that cache dequantized to the dtype."""
+    _check_attention_kernel(case, dtype)
+
+
+# Every block shape of the decode kernel: 1 and 2 rows per block (16-byte loads of 16 e4m3 per thread; scores on
+# tensor cores at head dim 64), 4 and 8 (8-byte loads of 8), rows from grouped query heads or from queries; odd
+# context lengths, contexts shorter than one block iteration, and grids of several waves of resident blocks (the
+# split count then fills the last wave).
+DECODE_CASES = [  # (B, H, Hkv, Sq, Skv, D); rows per key/value head = H / Hkv * Sq
+    (3, 5, 5, 1, 1001, 64), (2, 3, 3, 1, 257, 128), (1, 2, 2, 1, 31, 128), (2, 2, 2, 1, 7, 64),  # 1 row
+    (2, 8, 4, 1, 333, 64), (1, 4, 4, 2, 517, 128), (2, 6, 3, 1, 95, 128), (3, 2, 1, 1, 130, 64),  # 2 rows
+    (2, 8, 2, 1, 211, 128), (1, 3, 3, 3, 77, 64),  # 3 or 4 rows
+    (1, 14, 2, 1, 403, 64), (2, 4, 2, 5, 129, 128),  # 7 rows, 10 rows (two chunks of 8)
+    (24, 32, 32, 1, 1029, 64), (8, 32, 8, 1, 2050, 128), (40, 16, 16, 1, 515, 128),  # several waves
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=str)
+def test_decode_kernel_every_block_shape_against_the_reference(case, dtype):
+    _check_attention_kernel(case, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("q_factor", [1e-6, 3e3, 1e6])
+@pytest.mark.parametrize("case", [(2, 4, 4, 1, 301, 64), (2, 4, 2, 1, 301, 64), (2, 4, 4, 1, 301, 128)], ids=str)
+def test_decode_kernel_takes_queries_of_any_magnitude(case, dtype, q_factor):
+    """Tiny queries (fp16 subnormals: a near-uniform softmax), large ones (one key takes it all) and, in bf16,
+    queries past fp16's range: the tensor-core scores take fp16 queries, bf16 ones scaled by a power of two."""
+    if dtype == torch.float16 and q_factor > 1e4:
+        pytest.skip("beyond float16's range")
+    _check_attention_kernel(case, dtype, q_factor)
+
+
+def _check_attention_kernel(case, dtype, q_factor=1.0):
     require_kernel()
     b, h, hkv, sq, skv, d = case
     g = torch.Generator(device="cuda").manual_seed(sum(case))
-    q = torch.randn(b, h, sq, d, device="cuda", generator=g).to(dtype)
+    q = (torch.randn(b, h, sq, d, device="cuda", generator=g) * q_factor).to(dtype)
     k32 = torch.randn(b, hkv, skv, d, device="cuda", generator=g) * 3
     v32 = torch.randn(b, hkv, skv, d, device="cuda", generator=g) * 0.3
     scales = kv_scales_from(k32, v32)
