@@ -58,9 +58,10 @@ from fuseinfer.runtime.processors import Processors, Rule
 SESSIONS_ATTR = "_fuseinfer_sessions"
 STOP_CHECK_EVERY = 16
 CAPACITY_ROUND = 128
-# sampling by fuseinfer::sample_tokens, one op per step (False, the default: the warpers as PyTorch ops and the
-# exponential race). Off until its GPU tests have passed on a released build; the tests and benchmarks set it.
-FUSED_SAMPLING = False
+# sampling by fuseinfer::sample_tokens, one op per step: "cuda" (the default) on CUDA, where it is faster than the
+# warpers, while the CPU draws with torch.multinomial as transformers does (its tokens under one seed); True on every
+# device; False nowhere (the warpers as PyTorch ops and the exponential race). Tests and benchmarks set it.
+FUSED_SAMPLING = "cuda"
 # the path string's reason for the per-op step with an FP8 cache
 FP8_PER_OP = "kv_cache='fp8': the one-kernel step reads fp16/bf16 caches only, so the step runs per op"
 SESSIONS_PER_BUCKET = 4  # settings kept per batch bucket (each: its step buffers, processors, decode graphs)
@@ -118,7 +119,8 @@ class _Session:
         self.scores_out = torch.zeros(bucket, self.max_new, vocab, device=dev) if rule.output_scores else None
         self.logits_out = torch.zeros(bucket, self.max_new, vocab, device=dev) if rule.output_logits else None
         # sampling in one pass (fuseinfer::sample_tokens) unless the warped scores are asked for
-        self.fused_sampling = FUSED_SAMPLING and sampling.do_sample and self.scores_out is None
+        fused = FUSED_SAMPLING is True or (FUSED_SAMPLING == "cuda" and dev.type == "cuda")
+        self.fused_sampling = fused and sampling.do_sample and self.scores_out is None
         self.batch = bucket  # real rows of the current call (set by begin)
         # The decode step: one kernel for the whole model where it has one, else the patched modules per op
         if plan.no_kernel:

@@ -48,8 +48,11 @@ def formula_fp8(x, residual, w, b, eps):
 
 
 def e4m3_step(v):
-    """The e4m3 grid spacing at |v| (3 mantissa bits, subnormal step 2^-9)."""
-    return torch.exp2(torch.floor(torch.log2(v.abs().clamp_min(2.0 ** -6))) - 3)
+    """The e4m3 grid spacing at |v| (3 mantissa bits, subnormal step 2^-9). The exponent from frexp, exactly: CUDA's
+    float64 log2 of an exact power of two may come out just below the integer (log2(64) = 5.999...), which halved the
+    step there and failed a q that was one step off at 64 or 8."""
+    _, exponent = torch.frexp(v.abs().clamp_min(2.0 ** -6))  # |v| = m 2^e, m in [0.5, 1)
+    return torch.ldexp(torch.ones_like(v), exponent - 4)
 
 
 @pytest.mark.parametrize("residual", [True, False])
