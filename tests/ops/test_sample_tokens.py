@@ -499,6 +499,14 @@ def _emulate_kernel_row(x: np.ndarray, row: int, seed, offset, temperature, top_
     with np.errstate(invalid="ignore"):
         slices = (255 - np.minimum((m - val) * scale, f32(255)).astype(np.uint32)).astype(np.int64)
 
+    def candidates(counted, shift, prefix, s0):  # the level's tokens and their digits (shift 32: the slices)
+        if shift == 32:
+            return counted, slices
+        sel = counted & (slices == s0)
+        if shift < 24:
+            sel &= (keys >> np.uint32(shift + 8)) == np.uint32(prefix >> (shift + 8))
+        return sel, ((keys >> np.uint32(shift)) & 0xFF).astype(np.int64)
+
     def levels(counted, pick):  # -> the exact key the five levels select; pick(counts, masses) -> (bin, below)
         if cluster:
             return skipping_levels(counted, pick)
@@ -507,13 +515,7 @@ def _emulate_kernel_row(x: np.ndarray, row: int, seed, offset, temperature, top_
             levels_run.append(5)
         for level in range(5):
             shift = 32 - 8 * level
-            if level == 0:
-                sel, digit = counted, slices
-            else:
-                sel = counted & (slices == s0)
-                if shift < 24:
-                    sel &= (keys >> np.uint32(shift + 8)) == np.uint32(prefix >> (shift + 8))
-                digit = ((keys >> np.uint32(shift)) & 0xFF).astype(np.int64)
+            sel, digit = candidates(counted, shift, prefix, s0)
             b, below = pick(np.bincount(digit[sel], minlength=256), sel, digit, below)
             if level == 0:
                 s0 = b
@@ -525,13 +527,7 @@ def _emulate_kernel_row(x: np.ndarray, row: int, seed, offset, temperature, top_
         prefix, s0, below, shift, run = 0, 0, f32(0), 32, 0
         while True:
             run += 1
-            if shift == 32:
-                sel, digit = counted, slices
-            else:
-                sel = counted & (slices == s0)
-                if shift < 24:
-                    sel &= (keys >> np.uint32(shift + 8)) == np.uint32(prefix >> (shift + 8))
-                digit = ((keys >> np.uint32(shift)) & 0xFF).astype(np.int64)
+            sel, digit = candidates(counted, shift, prefix, s0)
             b, below = pick(np.bincount(digit[sel], minlength=256), sel, digit, below)
             in_bin = keys[sel & (digit == b)]
             kmin, kmax = int(in_bin.min()), int(in_bin.max())
