@@ -46,7 +46,8 @@ for stage in "${stages[@]}"; do
       run build python3 -m pip install --no-deps --no-build-isolation --no-index -e . || finish 1
       # a build that does not import is a failed build (fuseinfer would quietly run its references)
       run import python3 -c 'import fuseinfer._C' || finish 1 ;;
-    gputest) run pytest_gpu python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests ;;
+    gputest)  # one line per test as it ends (-v), so that a run cut short by a time limit still names its failures
+      run pytest_gpu python3 -m pytest -v -ra --durations=20 -p no:cacheprovider -m gpu tests ;;
     test)
       run pytest python3 -m pytest -q -ra -p no:cacheprovider tests
       run compare_logits python3 tools/compare_logits.py --shape opt-1.3b --dtype fp16 --seq 512 ;;
