@@ -46,8 +46,30 @@ for stage in "${stages[@]}"; do
       run build python3 -m pip install --no-deps --no-build-isolation --no-index -e . || finish 1
       # a build that does not import is a failed build (fuseinfer would quietly run its references)
       run import python3 -c 'import fuseinfer._C' || finish 1 ;;
-    gputest)  # one line per test as it ends (-v), so that a run cut short by a time limit still names its failures
-      run pytest_gpu python3 -m pytest -v -ra --durations=20 -p no:cacheprovider -m gpu tests ;;
+    gputest)  # one line per test as it ends (-v), so that a run cut short by a time limit still names its failures.
+      # With several GPUs (or GPUTEST_SHARDS=N): one pytest per GPU over its share of the test files
+      # (tools/gpu_shards.py), side by side, logs pytest_gpu_<i>.log; tests that need two GPUs then skip (the
+      # multigpu stage runs them); GPUTEST_SHARDS=1 keeps one process.
+      devs=(${CUDA_VISIBLE_DEVICES//,/ })
+      [ ${#devs[@]} -eq 0 ] && devs=($(seq 0 $(( $(nvidia-smi -L | wc -l) - 1 ))))
+      shards=${GPUTEST_SHARDS:-${#devs[@]}}
+      if [ "$shards" -gt 1 ]; then
+        python3 -m pytest --collect-only -q -p no:cacheprovider -m gpu tests 2>/dev/null |
+          python3 tools/gpu_shards.py "$shards" > "$OUT/gpu_shards.txt"
+        pids=(); i=0
+        while IFS= read -r files; do
+          if [ -n "$files" ]; then
+            (export CUDA_VISIBLE_DEVICES=${devs[$(( i % ${#devs[@]} ))]}
+             run pytest_gpu_$i python3 -m pytest -v -ra --durations=20 -p no:cacheprovider -m gpu $files) > /dev/null &
+            pids+=($!)
+          fi
+          i=$((i + 1))
+        done < "$OUT/gpu_shards.txt"
+        for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+        grep -h -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$OUT"/pytest_gpu_*.log
+      else
+        run pytest_gpu python3 -m pytest -v -ra --durations=20 -p no:cacheprovider -m gpu tests
+      fi ;;
     test)
       run pytest python3 -m pytest -q -ra -p no:cacheprovider tests
       run compare_logits python3 tools/compare_logits.py --shape opt-1.3b --dtype fp16 --seq 512 ;;

@@ -1,4 +1,5 @@
-"""The racecheck gate of tools/gpu_check.sh (tools/racecheck_tma.py) on synthetic racecheck logs."""
+"""Tools of tools/gpu_check.sh: the racecheck gate (tools/racecheck_tma.py) on synthetic racecheck logs, and the
+GPU test shards (tools/gpu_shards.py) on a synthetic collection."""
 import subprocess
 import sys
 from pathlib import Path
@@ -37,3 +38,45 @@ def test_racecheck_gate(tmp_path, log, passes):
     assert (run.returncode == 0) == passes, run.stdout
     assert ("1 others" in run.stdout) == (OTHER in log)
     assert ("hazard cap" in run.stdout) == (CAPPED in log)
+
+
+# ---- tools/gpu_shards.py: the GPU test files split over GPUs ----
+
+SHARDS = Path(__file__).resolve().parents[2] / "tools" / "gpu_shards.py"
+COLLECTED = """tests/ops/test_a.py::test_x[1]
+tests/ops/test_a.py::test_x[2]
+tests/ops/test_a.py::test_y
+tests/ops/test_b.py::test_z
+tests/quant/test_c.py::test_w[cuda-1]
+tests/quant/test_c.py::test_w[cuda-2]
+tests/d.py::test_v
+
+1968/3372 tests collected (1404 deselected) in 8.52s
+"""
+
+
+def _shards(n, text=COLLECTED):
+    run = subprocess.run([sys.executable, str(SHARDS), str(n)], input=text, capture_output=True, text=True)
+    return run.returncode, [line.split() for line in run.stdout.splitlines()]
+
+
+def test_gpu_shards_keep_files_whole_and_balance_counts():
+    rc, groups = _shards(2)
+    assert rc == 0 and len(groups) == 2
+    # largest first, each to the smaller shard: a (3) -> 0, c (2) -> 1, d (1, before b by name) -> 1, b -> 0 (a tie)
+    assert groups == [["tests/ops/test_a.py", "tests/ops/test_b.py"], ["tests/d.py", "tests/quant/test_c.py"]]
+    assert sorted(f for g in groups for f in g) == sorted({line.split("::")[0] for line in COLLECTED.splitlines()
+                                                           if "::" in line})
+
+
+def test_gpu_shards_one_shard_and_more_shards_than_files():
+    assert _shards(1)[1] == [["tests/d.py", "tests/ops/test_a.py", "tests/ops/test_b.py", "tests/quant/test_c.py"]]
+    rc, groups = _shards(6)
+    assert rc == 0 and len(groups) == 6 and sum(len(g) for g in groups) == 4 and groups[4:] == [[], []]
+
+
+@pytest.mark.parametrize("arg", ["0", "x", ""])
+def test_gpu_shards_bad_count_is_one_usage_line(arg):
+    run = subprocess.run([sys.executable, str(SHARDS), *([arg] if arg else [])], input=COLLECTED,
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and run.stderr.startswith("usage:") and not run.stdout
