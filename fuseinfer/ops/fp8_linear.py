@@ -29,8 +29,8 @@ import warnings
 import torch
 
 from fuseinfer.core.errors import FuseInferError
-from fuseinfer.core.extension import extension, route
-from fuseinfer.ops.quant import KERNEL_DTYPES
+from fuseinfer.core.extension import route
+from fuseinfer.ops.quant import rows_kernel
 from fuseinfer.ops.w8a8_linear import _epilogue, check_scaled_linear, sm90_scaled_linear, w8a8_backend
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -64,12 +64,7 @@ def _quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 @_quantize_fp8_per_token.register_kernel("cuda")
 def _quantize_fp8_per_token_cuda(x):
-    ext = extension(x.device)
-    if ext is None or not hasattr(ext, "quantize_fp8_rows") or x.numel() == 0 or x.dtype not in KERNEL_DTYPES \
-            or not x.is_contiguous():  # (q keeps x's strides, as the fake says)
-        return quantize_fp8_ref(x, -1)
-    q, scale = ext.quantize_fp8_rows(x.reshape(-1, x.shape[-1]))  # (R, K) e4m3, (R,) fp32: one kernel
-    return q.view(x.shape), scale.view(*x.shape[:-1], 1)
+    return rows_kernel("quantize_fp8_rows", x, lambda t: quantize_fp8_ref(t, -1))
 
 
 @_quantize_fp8_per_token.register_fake

@@ -29,12 +29,13 @@ def _linear_ref(x, weight, scale, bias):
     return linear_epilogue_ref(x, weight, bias, None, "none")
 
 
-def _append_ref(qkv, heads: int, kv_heads: int, k_cache, v_cache, slots):
-    """No rotation: qkv (B, S, (H + 2 Hkv) D) -> q (B, H, S, D); k and v written into the caches at ``slots``."""
+def _append(qkv, heads: int, kv_heads: int, k_cache, v_cache, slots, append=kv_cache_append_ref):
+    """No rotation: qkv (B, S, (H + 2 Hkv) D) -> q (B, H, S, D); k and v written into the caches at ``slots`` by
+    ``append`` (the reference, or the op where the extension lacks the fused one)."""
     b, s, n = qkv.shape
     d = n // (heads + 2 * kv_heads)
     q, k, v = qkv.view(b, s, heads + 2 * kv_heads, d).transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)
-    kv_cache_append_ref(k_cache, v_cache, k, v, slots)
+    append(k_cache, v_cache, k, v, slots)
     return q.contiguous()
 
 
@@ -43,7 +44,7 @@ def linear_rope_append_ref(x, weight, scale, bias, cos, sin, heads: int, kv_head
     cos / sin (B, S, D), or both None (no rotation)."""
     qkv = _linear_ref(x, weight, scale, bias)
     if cos is None:
-        return _append_ref(qkv, heads, kv_heads, k_cache, v_cache, slots)
+        return _append(qkv, heads, kv_heads, k_cache, v_cache, slots)
     return qkv_rope_append_ref(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
 
 
@@ -61,11 +62,7 @@ def _linear_rope_append_cuda(x, weight, scale, bias, cos, sin, heads, kv_heads, 
     if ext is None or not hasattr(ext, "linear_rope_append") or not weight.is_contiguous():
         qkv = _linear_ref(x, weight, scale, bias)
         if cos is None:
-            b, s, n = qkv.shape
-            d = n // (heads + 2 * kv_heads)
-            q, k, v = qkv.view(b, s, heads + 2 * kv_heads, d).transpose(1, 2).split([heads, kv_heads, kv_heads], 1)
-            kv_cache_append(k_cache, v_cache, k, v, slots)
-            return q.contiguous()
+            return _append(qkv, heads, kv_heads, k_cache, v_cache, slots, kv_cache_append)
         return qkv_rope_append(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
     return ext.linear_rope_append(x, weight, None if scale is None else scale.contiguous(),
                                   None if bias is None else bias.contiguous(),

@@ -49,14 +49,23 @@ def _quantize_int8(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tenso
     return quantize_int8_ref(x, dim)
 
 
+def rows_kernel(name: str, x: torch.Tensor, ref):
+    """x (..., K) quantized per row over its last dim by the extension's row kernel ``name`` ((R, K) -> (q (R, K),
+    scale (R,) fp32)) -> (q like x, scale (..., 1)); ``ref(x)`` where that kernel cannot run (no extension or op, an
+    empty or non-contiguous x, whose strides q keeps as the fakes say, another dtype)."""
+    ext = extension(x.device)
+    if ext is None or not hasattr(ext, name) or x.numel() == 0 or x.dtype not in KERNEL_DTYPES \
+            or not x.is_contiguous():
+        return ref(x)
+    q, scale = getattr(ext, name)(x.reshape(-1, x.shape[-1]))  # (R, K), (R,): one kernel
+    return q.view(x.shape), scale.view(*x.shape[:-1], 1)
+
+
 @_quantize_int8.register_kernel("cuda")
 def _quantize_int8_cuda(x, dim):
-    ext = extension(x.device)
-    if ext is None or not hasattr(ext, "quantize_int8_rows") or dim not in (-1, x.dim() - 1) or x.numel() == 0 \
-            or x.dtype not in KERNEL_DTYPES or not x.is_contiguous():  # (q keeps x's strides, as the fake says)
+    if dim not in (-1, x.dim() - 1):
         return quantize_int8_ref(x, dim)
-    q, scale = ext.quantize_int8_rows(x.reshape(-1, x.shape[-1]).contiguous())  # (R, K) int8, (R,) fp32
-    return q.view(x.shape), scale.view(*x.shape[:-1], 1)
+    return rows_kernel("quantize_int8_rows", x, lambda t: quantize_int8_ref(t, dim))
 
 
 @_quantize_int8.register_fake
