@@ -111,19 +111,6 @@ OPCHECK_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(OPCHECK_CASES))
-def test_opcheck_cpu(case):
-    torch.library.opcheck(torch.ops.fuseinfer.add_layer_norm_quant.default, OPCHECK_CASES[case]())
-
-
-def test_bad_input():
-    x = torch.randn(4, 8)
-    with pytest.raises(FuseInferError, match="residual must have x's shape and dtype"):
-        add_layer_norm_quant(x, torch.randn(4, 7))
-    with pytest.raises(FuseInferError, match=r"weight must be \(8,\) in torch.float32"):
-        add_layer_norm_quant(x, None, torch.randn(7))
-    with pytest.raises(FuseInferError, match=r"bias must be \(8,\) in torch.float32"):
-        add_layer_norm_quant(x, None, torch.randn(8), torch.randn(8).half())
 
 
 # ----------------------------------------------------------------------------------------------------------- e4m3
@@ -193,17 +180,24 @@ FP8_OPCHECK_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(FP8_OPCHECK_CASES))
-def test_fp8_opcheck_cpu(case):
-    torch.library.opcheck(torch.ops.fuseinfer.add_layer_norm_quant_fp8.default, FP8_OPCHECK_CASES[case]())
+# ------------------------------------------------------------------------------------------------- both outputs
+
+@pytest.mark.parametrize("op, case", [("add_layer_norm_quant", c) for c in sorted(OPCHECK_CASES)]
+                         + [("add_layer_norm_quant_fp8", c) for c in sorted(FP8_OPCHECK_CASES)])
+def test_opcheck_cpu(op, case):
+    cases = OPCHECK_CASES if op == "add_layer_norm_quant" else FP8_OPCHECK_CASES
+    torch.library.opcheck(getattr(torch.ops.fuseinfer, op).default, cases[case]())
 
 
-def test_fp8_bad_input():
-    x = torch.randn(4, 8)
-    with pytest.raises(FuseInferError, match="add_layer_norm_quant_fp8: residual must have x's shape and dtype"):
-        add_layer_norm_quant_fp8(x, torch.randn(4, 7))
-    with pytest.raises(FuseInferError, match=r"add_layer_norm_quant_fp8: weight must be \(8,\) in torch.float32"):
-        add_layer_norm_quant_fp8(x, None, torch.randn(7))
+@pytest.mark.parametrize("op", [add_layer_norm_quant, add_layer_norm_quant_fp8])
+def test_bad_input(op):
+    x, name = torch.randn(4, 8), op.__name__
+    with pytest.raises(FuseInferError, match=f"{name}: residual must have x's shape and dtype"):
+        op(x, torch.randn(4, 7))
+    with pytest.raises(FuseInferError, match=rf"{name}: weight must be \(8,\) in torch.float32"):
+        op(x, None, torch.randn(7))
+    with pytest.raises(FuseInferError, match=rf"{name}: bias must be \(8,\) in torch.float32"):
+        op(x, None, torch.randn(8), torch.randn(8).half())
 
 
 # ---------------------------------------------------------------------------------------------------------- GPU
