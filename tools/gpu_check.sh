@@ -60,17 +60,17 @@ for stage in "${stages[@]}"; do
       shards=${GPUTEST_SHARDS:-${#devs[@]}}
       # CPU threads per test process sized to share the cores: torch's default (every core, in each of the
       # shards x workers processes) oversubscribes them, which slows the tests whose CPU references are heavy
-      procs=$(( shards * (${#xd[@]} > 0 ? workers : 1) ))
+      threads=$(( $(nproc) / (shards * (${#xd[@]} > 0 ? workers : 1)) ))
       export FUSEINFER_TEST_FAILURES=$OUT/test_failures.log  # (each failure's report as it happens: tests/conftest.py)
-      export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / procs > 0 ? $(nproc) / procs : 1 ))}
+      export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
       if [ "$shards" -gt 1 ]; then
         python3 -m pytest --collect-only -q -p no:cacheprovider -m gpu tests 2>/dev/null |
           python3 tools/gpu_shards.py "$shards" > "$OUT/gpu_shards.txt"
         pids=(); i=0
         while IFS= read -r files; do
           if [ -n "$files" ]; then
-            (export CUDA_VISIBLE_DEVICES=${devs[$(( i % ${#devs[@]} ))]}
-             run pytest_gpu_$i python3 -m pytest -v -ra --durations=20 -p no:cacheprovider "${xd[@]}" -m gpu $files) > /dev/null &
+            CUDA_VISIBLE_DEVICES=${devs[$(( i % ${#devs[@]} ))]} run_quiet pytest_gpu_$i \
+              python3 -m pytest -v -ra --durations=20 -p no:cacheprovider "${xd[@]}" -m gpu $files &
             pids+=($!)
           fi
           i=$((i + 1))
@@ -85,25 +85,25 @@ for stage in "${stages[@]}"; do
       run compare_logits python3 tools/compare_logits.py --shape opt-1.3b --dtype fp16 --seq 512 ;;
     sanitize)  # every kernel under memcheck, synccheck and racecheck (see tools/kernel_smoke.py for the parts); the
       # runs are independent processes, so they go side by side (logs <name>.log), then the ring-wrap gates
-      san() { local name=$1; shift; (run "$name" "$@") > /dev/null; }
       pids=()
-      san memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/kernel_smoke.py & pids+=($!)
-      san synccheck compute-sanitizer --tool synccheck --error-exitcode 1 python3 tools/kernel_smoke.py & pids+=($!)
+      for tool in memcheck synccheck; do
+        run_quiet $tool compute-sanitizer --tool $tool --error-exitcode 1 python3 tools/kernel_smoke.py & pids+=($!)
+      done
       for part in no-ring-wrap sampling sampling-cluster prefill; do
-        san racecheck_$part compute-sanitizer --tool racecheck --error-exitcode 1 \
+        run_quiet racecheck_$part compute-sanitizer --tool racecheck --error-exitcode 1 \
           python3 tools/kernel_smoke.py --part $part & pids+=($!)
       done
       # decode steps whose rings wrap: racecheck reports every reuse of a TMA-filled stage (as it does for the correct
       # ring of tools/racecheck_ring.cu, the control below), so these runs fail on any other hazard only
       for part in d64 d128; do
-        san racecheck_ring_wrap_$part timeout 300 compute-sanitizer --tool racecheck \
+        run_quiet racecheck_ring_wrap_$part timeout 300 compute-sanitizer --tool racecheck \
           python3 tools/kernel_smoke.py --part ring-wrap-$part & pids+=($!)
       done
       for pid in "${pids[@]}"; do wait "$pid" || status=1; done
       for part in d64 d128; do
         run racecheck_ring_wrap_${part}_gate python3 tools/racecheck_tma.py "$OUT/racecheck_ring_wrap_$part.log"
       done
-      grep -h -E "=== .*: exit|ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/memcheck.log "$OUT"/synccheck.log \
+      grep -h -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/memcheck.log "$OUT"/synccheck.log \
         "$OUT"/racecheck_*.log
       nvcc -arch=sm_90 -o "$OUT/racecheck_ring" tools/racecheck_ring.cu &&
         compute-sanitizer --tool racecheck "$OUT/racecheck_ring" 2>&1 | grep -E "racecheck_ring|SUMMARY" |

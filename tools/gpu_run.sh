@@ -2,6 +2,8 @@
 #
 #   RUN_LOGS=dir; run NAME CMD...    runs CMD, its output to the terminal and to $RUN_LOGS/NAME.log; prints its exit
 #                                    status and time; sets status=1 when it fails; returns its status
+#   run_quiet NAME CMD...            the same with only the exit line on the terminal, for runs side by side in the
+#                                    background (`run_quiet ... &`, then `wait` each pid and set status yourself)
 #   find_cutlass                     exports FUSEINFER_CUTLASS_DIR from a carried .whl/nvidia_cutlass-*.whl when no
 #                                    CUTLASS is set or installed (call it directly: in a pipe the export is lost)
 status=${status:-0}
@@ -14,6 +16,14 @@ run() {
   local rc=${PIPESTATUS[0]}
   echo "=== $name: exit $rc after $((SECONDS - t0)) s"
   [ "$rc" -eq 0 ] || status=1
+  return "$rc"
+}
+
+run_quiet() {
+  local name=$1
+  (run "$@") > /dev/null
+  local rc=$?
+  echo "=== $name: exit $rc"
   return "$rc"
 }
 

@@ -173,48 +173,63 @@ def emit_tokens(scores=None, chosen=None):
                     ops.emit_tokens_scratch(3, "cuda"), chosen)
 
 
-def sample_tokens(cluster: bool):
-    """Sampling's token choice, each warper and ties at the cut-offs (fp16-rounded logits). ``cluster`` False: the
-    one-block kernel at a vocabulary of 1001 (the row in shared memory; odd, a tail past the Philox groups of four)
-    and 60013 (past the ~54k tokens a block keeps in shared memory: re-read from global memory), then the bookkeeping
-    with the chosen tokens (emit_tokens' one-block kernel). True (sm_90): the cluster kernel at every cluster size
-    (at 37 tokens and 16 CTAs six CTAs hold no token) and at 5003 tokens on 2 CTAs (several tokens a thread); a row
-    of integers (ties at v*: the CTAs' tie cut). (Larger vocabularies take the same paths and run for many minutes
-    under racecheck; the GPU tests cover them.)"""
+def _seed_off():
+    return torch.tensor([5], device="cuda"), torch.tensor([2], device="cuda")
+
+
+# temperature, top-k, top-p, min-p: no warper, top-k + top-p, top-p + min-p
+_SAMPLING = ((1.0, 0, 1.0, 0.0), (0.7, 50, 0.9, 0.0), (1.3, 0, 0.95, 0.05))
+
+
+def sample_tokens_one_block():
+    """Sampling's token choice by the one-block kernel, each warper and ties at the cut-offs (fp16-rounded logits):
+    a vocabulary of 1001 (the row in shared memory; odd, a tail past the Philox groups of four; the op's own pick,
+    as at every size without sm_90) and 60013 (past the ~54k tokens a block keeps in shared memory: re-read from global memory; forced on sm_90,
+    where the host would pick the cluster kernel); then the bookkeeping with the chosen tokens (emit_tokens'
+    one-block kernel)."""
     from fuseinfer.core.extension import extension
 
-    seed, off = torch.tensor([5], device="cuda"), torch.tensor([2], device="cuda")
-    settings = ((1.0, 0, 1.0, 0.0), (0.7, 50, 0.9, 0.0), (1.3, 0, 0.95, 0.05))
+    seed, off = _seed_off()
     sm90 = torch.cuda.get_device_capability()[0] >= 9
-    if not cluster:
-        for v in (1001, 60013):
-            scores = (torch.randn(3, v, device="cuda") * 3).half().float()
-            scores[2, ::3] = float("-inf")
-            for setting in settings:
-                if v < 4096 or not sm90:  # the host's own choice is the one-block kernel
-                    small, chosen = scores, ops.sample_tokens(scores, seed, off, *setting)
-                    extension().sample_tokens_kept(scores, seed, off, *setting)
-                else:
-                    extension().sample_tokens_kept_with(scores, seed, off, *setting, 0)
-        emit_tokens(small, chosen)
+    for v in (1001, 60013):
+        scores = (torch.randn(3, v, device="cuda") * 3).half().float()
+        scores[2, ::3] = float("-inf")
+        for setting in _SAMPLING:
+            if sm90:
+                extension().sample_tokens_kept_with(scores, seed, off, *setting, 0)
+            else:
+                extension().sample_tokens_kept(scores, seed, off, *setting)
+            if v == 1001 or not sm90:  # where the op's own pick is the one-block kernel
+                chosen = ops.sample_tokens(scores, seed, off, *setting)
+        if v == 1001:
+            small, small_chosen = scores, chosen
+    emit_tokens(small, small_chosen)
+
+
+def sample_tokens_cluster():
+    """The cluster sampling kernel (sm_90) at every cluster size (at 37 tokens and 16 CTAs six CTAs hold no token)
+    and at 5003 tokens on 2 CTAs (several tokens a thread); a row of integers (ties at v*: the CTAs' tie cut).
+    (Larger vocabularies take the same paths and run for many minutes under racecheck; the GPU tests cover them.)"""
+    from fuseinfer.core.extension import extension
+
+    if torch.cuda.get_device_capability()[0] < 9:
         return
-    if not sm90:
-        return
+    seed, off = _seed_off()
     for v, clusters in ((37, (2, 16)), (1001, (2, 4, 8, 16)), (5003, (2,))):
         scores = (torch.randn(3, v, device="cuda") * 3).half().float()
         scores[1] = torch.randint(-3, 4, (v,), device="cuda").float()
         scores[2, ::3] = float("-inf")
         for c in clusters:
-            for setting in settings + ((1.0, 5, 0.3, 0.0),):
+            for setting in _SAMPLING + ((1.0, 5, 0.3, 0.0),):
                 extension().sample_tokens_kept_with(scores, seed, off, *setting, c)
             torch.cuda.synchronize()
             print(f"sampling-cluster: vocab {v}, cluster {c} done", flush=True)
 
 
 if part in ("all", "sampling"):
-    sample_tokens(cluster=False)
+    sample_tokens_one_block()
 if part in ("all", "sampling-cluster"):
-    sample_tokens(cluster=True)
+    sample_tokens_cluster()
 if part in ("all", "no-ring-wrap"):
     other_kernels()
     for dtype in (torch.float16, torch.bfloat16):
