@@ -106,6 +106,10 @@ struct StepParams {
   // Q8: fp32 per-output-channel scales of layer l's qkv, out_proj, fc1, fc2 (null otherwise). After layer[], so
   // outside the shared-memory copy (params_bytes): only the producer reads them, from the parameter space.
   const float* wscale[kMaxLayers][4];
+  // Llama family only (zero for OPT). Also outside the shared-memory copy: read from the parameter space.
+  int kv_heads;              // key/value heads (grouped-query attention: q head h reads kv head h / (heads / kv_heads))
+  bool qkv_bias;             // whether layer[l].bqkv holds the q/k/v bias (Qwen2)
+  const void *cos, *sin;     // (B, D) rotary tables of this step's positions, in the model dtype
 };
 
 // Trace row of a block (FUSEINFER_DECODE_TRACE=1): the consumers' timestamps (ns) at the 2 + kTracePhases *
@@ -283,9 +287,15 @@ constexpr int kQ8Chunk = 2 * kChunk;  // int8 k elements per ring stage
 constexpr int kScaleOffset = kStageRow + kChunk * 2;  // byte offset in a stage of the tile's scales (row 1's padding)
 static_assert(kTileRows * 4 <= kStageRow - kChunk * 2, "a tile's fp32 scales fit a row's padding");
 
-template <bool Q8 = false>
+// PERM (the Llama family): the tiles of rows below perm_rows pair rows across halves instead of taking 16 consecutive
+// ones. Those rows form groups of 2 half (a head of D = 2 half rows of q or k, whose rotary pairs dim d with d + D/2;
+// or the whole (2F, E) gate/up weight, half = F, gate row f with up row f): the group's tile b holds rows 8b .. 8b + 7
+// of its first half in tile rows 0-7 and the same of its second half in tile rows 8-15, so the rotary and
+// SiLU(gate) * up are tile-local epilogues, with no permuted copy of the weight (the same pairing as skinny_gemv.cuh's
+// ROPE and SILU epilogues). A tile's bias then comes in two 16-byte pieces, in the same order.
+template <bool Q8 = false, bool PERM = false>
 __device__ void produce(Ring& ring, const void* w, const void* bias, int n, int k, uint64_t policy,
-                        const float* scale = nullptr) {
+                        const float* scale = nullptr, int perm_rows = 0, int half = 0) {
   constexpr int kElem = Q8 ? 1 : 2;                  // bytes per weight
   constexpr int kStageK = Q8 ? kQ8Chunk : kChunk;    // k per stage
   const int lane = threadIdx.x & 31;
@@ -293,6 +303,15 @@ __device__ void produce(Ring& ring, const void* w, const void* bias, int n, int 
   const int tiles = (n + kTileRows - 1) / kTileRows;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int rows = min(kTileRows, n - tile * kTileRows);
+    // the W rows of tile rows 0-7 and 8-15 (PERM; else first_row .. first_row + 15)
+    int first_row = tile * kTileRows, second_row = first_row + kTileRows / 2;
+    if constexpr (PERM) {
+      if (first_row < perm_rows) {
+        const int group = first_row / (2 * half) * (2 * half), b = (first_row - group) / kTileRows;
+        first_row = group + 8 * b;
+        second_row = first_row + half;
+      }
+    }
     for (int k0 = 0; k0 < k; k0 += kStageK) {
       const uint32_t bytes = min(kStageK, k - k0) * kElem;
       const bool with_bias = bias != nullptr && k0 == 0;
@@ -304,7 +323,17 @@ __device__ void produce(Ring& ring, const void* w, const void* bias, int n, int 
       }
       __syncwarp();
       char* dst = ring.stages + ring.index * kStageBytes;
-      if (lane < rows) {
+      if constexpr (PERM) {  // (full tiles: n is a multiple of 16; no int8 weights, no scales)
+        const int row = lane < kTileRows / 2 ? first_row + lane : second_row + lane - kTileRows / 2;
+        if (lane < kTileRows) {
+          bulk_copy(dst + lane * kStageRow, base + (static_cast<int64_t>(row) * k + k0) * kElem, bytes,
+                    &ring.full[ring.index], policy);
+        } else if (lane < kTileRows + 2 && with_bias) {  // 8 bias values of rows 0-7, then of rows 8-15
+          const int at = lane == kTileRows ? first_row : second_row;
+          bulk_copy(dst + kChunk * 2 + (lane - kTileRows) * kTileRows, static_cast<const char*>(bias) + at * 2,
+                    kTileRows, &ring.full[ring.index], policy);
+        }
+      } else if (lane < rows) {
         bulk_copy(dst + lane * kStageRow, base + (static_cast<int64_t>(tile * kTileRows + lane) * k + k0) * kElem,
                   bytes, &ring.full[ring.index], policy);
       } else if (lane == kTileRows && with_bias) {
@@ -322,7 +351,8 @@ __device__ void produce(Ring& ring, const void* w, const void* bias, int n, int 
 // the streamed w. Thread o < 16 M owns output (row o % 16, token o / 16) of each tile: epi.pre(token, n, j, bias)
 // (j: the tile's index among this block's; bias from the ring when Epilogue::kBias) is added to the accumulated
 // dot product, epi.keep(j, sum) sees every sum and epi.store(token, n, sum) stores it; a tagged epilogue (kPairs)
-// stores outputs n and n + 1 (even n) together from the even thread, store(token, n, sum_n, sum_n+1).
+// stores outputs n and n + 1 (even n) together from the even thread, store(token, n, sum_n, sum_n+1); an epilogue
+// with kSwap first replaces each sum by swap(token, n, sum, sum of the tile row o ^ 8) (the PERM tiles' pairs).
 // Q8: int8 w; a warp step covers 64 k (lane (g, t): 16 weights of rows g and g + 8, k = 16 t .. 16 t + 15 of the
 // step, one 16-byte load each as in the fp16 path), converted to T in registers, four mmas; the sum of a tile's
 // output is its dot product times the channel's scale (from the tile's first stage), then plus epi.pre's extra.
@@ -419,6 +449,10 @@ __device__ void consume(Ring& ring, const char* x, int x_stride, int m, int n, i
       }
       epi.keep(j, s);
     }
+    if constexpr (Epilogue::kSwap) {  // the tile's rows o and o ^ 8 (rotary pairs, gate and up) meet: same token
+      const float other = __shfl_xor_sync(0xffffffffu, s, kTileRows / 2);
+      if (owner) s = epi.swap(out_token, col, s, other);
+    }
     if constexpr (Epilogue::kPairs) {  // outputs n, n + 1 sit in lanes 2j, 2j + 1 (N is even: same owner)
       const float s_next = __shfl_down_sync(0xffffffffu, s, 1);
       if (owner && out_row % 2 == 0) epi.store(out_token, col, s, s_next);
@@ -437,23 +471,28 @@ __device__ void consume(Ring& ring, const char* x, int x_stride, int m, int n, i
 // passes (mean, then squared deviations) as layer_norm.cu; (3) every thread normalises its chunks in place.
 // Loops run over rows at run time (no unrolling over kMaxTokens): the code stays small, which matters in a
 // kernel whose per-layer loop does not fit the instruction cache.
-template <typename T>
+// LLAMA: RMSNorm as transformers' (and add_rms_norm's): no mean, no bias, x * rstd rounded to the model dtype, then
+// times the weight (rounded); the embeddings have no position table.
+template <typename T, bool LLAMA = false>
 __device__ void layer_norm_rows(const StepParams& p, char* x, char* lnp, const T* w, const T* b,
                                 const uint64_t* h_in, uint64_t* h_out, uint32_t epoch, float (*stat)[2]) {
+  constexpr int kParams = LLAMA ? 1 : 2;  // weight (and bias)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int chunks = p.e / 8;
   uint4* wb = reinterpret_cast<uint4*>(lnp);  // (2, E): weight, then bias
-  // Items 0 .. 2 chunks - 1 are the weight's and the bias's chunks, then (row, chunk) of the rows.
+  // Items 0 .. kParams chunks - 1 are the weight's and the bias's chunks, then (row, chunk) of the rows.
   auto load = [&](int i) -> uint4 {
-    if (i < 2 * chunks) return __ldg(reinterpret_cast<const uint4*>(i < chunks ? w : b) + i % chunks);
-    i -= 2 * chunks;
+    if (i < kParams * chunks) return __ldg(reinterpret_cast<const uint4*>(i < chunks ? w : b) + i % chunks);
+    i -= kParams * chunks;
     if (h_in != nullptr) return poll_chunk(h_in, i, epoch);
     const int r = i / chunks, c = i % chunks;
     float v[8], pe[8];
     unpack8<T>(__ldg(reinterpret_cast<const uint4*>(p.embed) + p.tokens[r] * chunks + c), v);
-    unpack8<T>(__ldg(reinterpret_cast<const uint4*>(p.pos_embed) + (p.positions[r] + 2) * chunks + c), pe);
+    if constexpr (!LLAMA) {
+      unpack8<T>(__ldg(reinterpret_cast<const uint4*>(p.pos_embed) + (p.positions[r] + 2) * chunks + c), pe);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] += pe[j];
+      for (int j = 0; j < 8; ++j) v[j] += pe[j];
+    }
     const uint4 u = pack8<T>(v);  // the sum rounded to the model dtype, as the per-op path stores it
     if (blockIdx.x == 0) {
       uint64_t* o = h_out + 4 * static_cast<int64_t>(i);
@@ -464,7 +503,7 @@ __device__ void layer_norm_rows(const StepParams& p, char* x, char* lnp, const T
     }
     return u;
   };
-  const int items = (2 + p.m) * chunks;
+  const int items = (kParams + p.m) * chunks;
   constexpr int kBatch = 4;  // loads in flight per thread before the first store
   for (int i0 = threadIdx.x; i0 < items; i0 += kBatch * kConsumers) {
     uint4 u[kBatch];
@@ -475,15 +514,29 @@ __device__ void layer_norm_rows(const StepParams& p, char* x, char* lnp, const T
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
       const int i = i0 + j * kConsumers;
-      if (i < 2 * chunks) {
+      if (i < kParams * chunks) {
         wb[i] = u[j];
       } else if (i < items) {
-        reinterpret_cast<uint4*>(x + (i / chunks - 2) * p.x_stride)[i % chunks] = u[j];
+        reinterpret_cast<uint4*>(x + (i / chunks - kParams) * p.x_stride)[i % chunks] = u[j];
       }
     }
   }
   consumers_sync();
-  if (warp < p.m) {  // statistics of row `warp`
+  if (LLAMA && warp < p.m) {  // row `warp`'s mean square
+    const uint4* xr = reinterpret_cast<const uint4*>(x + warp * p.x_stride);
+    float s = 0.f;
+    for (int c = lane; c < chunks; c += 32) {
+      float v[8];
+      unpack8<T>(xr[c], v);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) s += v[j] * v[j];
+    }
+    s = warp_sum(s);
+    if (lane == 0) {
+      stat[warp][0] = 0.f;
+      stat[warp][1] = rsqrtf(s / p.e + p.eps);
+    }
+  } else if (warp < p.m) {  // statistics of row `warp`
     const uint4* xr = reinterpret_cast<const uint4*>(x + warp * p.x_stride);
     float s = 0.f;
     for (int c = lane; c < chunks; c += 32) {
@@ -513,10 +566,16 @@ __device__ void layer_norm_rows(const StepParams& p, char* x, char* lnp, const T
     float v[8], wv[8], bv[8];
     unpack8<T>(xr[c], v);
     unpack8<T>(wb[c], wv);
-    unpack8<T>(wb[chunks + c], bv);
-    const float mean = stat[r][0], rstd = stat[r][1];
+    if constexpr (LLAMA) {
+      const float rstd = stat[r][1];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = (v[j] - mean) * rstd * wv[j] + bv[j];
+      for (int j = 0; j < 8; ++j) v[j] = wv[j] * to_float(from_float<T>(v[j] * rstd));  // weight * x.to(dtype)
+    } else {
+      unpack8<T>(wb[chunks + c], bv);
+      const float mean = stat[r][0], rstd = stat[r][1];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = (v[j] - mean) * rstd * wv[j] + bv[j];
+    }
     xr[c] = pack8<T>(v);
   }
   consumers_sync();
@@ -579,9 +638,13 @@ __device__ __forceinline__ int block_items(int items) {
   return blockIdx.x < items ? (items - 1 - blockIdx.x) / gridDim.x + 1 : 0;
 }
 
+// Grouped-query attention (GQA, the Llama family): the items stay per (row, q head, slice); q head h reads the keys
+// and values of kv head h / group (caches (B, heads / group, T, D)), so each kv slice streams once per q head of its
+// group.
 // Producer: the old keys and values of this block's items of layer L, in the consumers' order.
-template <int D>
-__device__ void produce_attention(Ring& ring, const StepParams& p, const LayerWeights& L, int slices, uint64_t policy) {
+template <int D, bool GQA = false>
+__device__ void produce_attention(Ring& ring, const StepParams& p, const LayerWeights& L, int slices, uint64_t policy,
+                                  int group = 1) {
   using S = AttnStage<D>;
   const int lane = threadIdx.x & 31;
   const int n = block_items(p.m * p.heads * slices);
@@ -594,7 +657,9 @@ __device__ void produce_attention(Ring& ring, const StepParams& p, const LayerWe
     if (lane == 0) mbar_expect_tx(&ring.full[ring.index], bytes);  // (0 bytes: the arrival alone completes it)
     __syncwarp();
     if (copies && it.old > 0) {
-      const int64_t at = ((static_cast<int64_t>(it.m) * p.heads + it.head) * p.capacity + it.first) * D * 2;
+      const int64_t at =
+          GQA ? ((static_cast<int64_t>(it.m) * (p.heads / group) + it.head / group) * p.capacity + it.first) * D * 2
+              : ((static_cast<int64_t>(it.m) * p.heads + it.head) * p.capacity + it.first) * D * 2;
       bulk_copy(ring.stages + ring.index * kStageBytes + s * S::kItemBytes + (lane % 2) * kSlice * D * 2,
                 static_cast<const char*>(lane % 2 ? L.v_cache : L.k_cache) + at, it.old * D * 2,
                 &ring.full[ring.index], policy);
@@ -605,9 +670,9 @@ __device__ void produce_attention(Ring& ring, const StepParams& p, const LayerWe
 
 // One warp: the item's partial softmax (max, sum, o) to p.attn_part. kv: its keys and values in the ring stage.
 // The lane scores one key, then each lane accumulates D / 32 output dims over the 32 values.
-template <typename T, int D>
+template <typename T, int D, bool GQA = false>
 __device__ void attention_partial(const StepParams& p, int slices, int item, uint32_t epoch, const char* kv,
-                                  float* q) {
+                                  float* q, int group = 1) {
   constexpr int kPerLane = D / 32;  // dims per lane (of q, the new key, the output): 2 or 4
   constexpr int kWords = kPerLane / 2;  // tagged words of them
   constexpr int kChunks = D / 8;    // 16-byte chunks of a key
@@ -625,11 +690,15 @@ __device__ void attention_partial(const StepParams& p, int slices, int item, uin
 #pragma unroll
     for (int w = 0; w < kWords; ++w) qw[w] = poll_word(p.q + at + w, epoch);
     if (has_new) {
-      const uint64_t* k_new = p.kv_new + at + static_cast<int64_t>(it.m) * p.e / 2;  // row m: E keys, E values
+      // row m: E keys, E values (GQA: Hkv D keys, then Hkv D values, in a row of 2 E)
+      const int64_t kv_at =
+          GQA ? (static_cast<int64_t>(it.m) * 2 * p.e + it.head / group * D + lane * kPerLane) / 2 : 0;
+      const uint64_t* k_new = GQA ? p.kv_new + kv_at : p.kv_new + at + static_cast<int64_t>(it.m) * p.e / 2;
+      const int v_off = GQA ? p.heads / group * D / 2 : p.e / 2;
 #pragma unroll
       for (int w = 0; w < kWords; ++w) {
         kw[w] = poll_word(k_new + w, epoch);
-        vw[w] = poll_word(k_new + p.e / 2 + w, epoch);
+        vw[w] = poll_word(k_new + v_off + w, epoch);
       }
     }
     const T* qe = reinterpret_cast<const T*>(qw);
@@ -742,8 +811,9 @@ __device__ void attention_merge(const StepParams& p, int slices, int item, uint3
 }
 
 // Consumers: this block's items, as their keys and values arrive through the ring, then the merges.
-template <typename T, int D>
-__device__ void attention(Ring& ring, const StepParams& p, int slices, uint32_t epoch, int layer, float* scratch) {
+template <typename T, int D, bool GQA = false>
+__device__ void attention(Ring& ring, const StepParams& p, int slices, uint32_t epoch, int layer, float* scratch,
+                          int group = 1) {
   using S = AttnStage<D>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n = block_items(p.m * p.heads * slices);
@@ -753,8 +823,8 @@ __device__ void attention(Ring& ring, const StepParams& p, int slices, uint32_t 
     for (int s = 0; s < S::kItemsPerStage; ++s) {
       const int j = j0 + s;
       if (j < n && j % kConsumerWarps == warp) {
-        attention_partial<T, D>(p, slices, blockIdx.x + j * gridDim.x, epoch, stage + s * S::kItemBytes,
-                                scratch + warp * D);
+        attention_partial<T, D, GQA>(p, slices, blockIdx.x + j * gridDim.x, epoch, stage + s * S::kItemBytes,
+                                     scratch + warp * D, group);
       }
     }
     __syncwarp();
@@ -780,7 +850,7 @@ __host__ __device__ constexpr int params_bytes(int layers) {
 // every sum, store(token, n, sum) or, kPairs, store(token, n, sum_n, sum_n+1) writes them.
 template <typename T>
 struct QkvEpilogue {  // q -> q, k and v -> kv_new (tagged, for this step) and the caches at slot q_start[token]
-  static constexpr bool kPairs = true, kBias = true;
+  static constexpr bool kPairs = true, kBias = true, kSwap = false;
   uint64_t *q, *kv_new;
   T *k_cache, *v_cache;
   const int* q_start;
@@ -809,9 +879,9 @@ struct QkvEpilogue {  // q -> q, k and v -> kv_new (tagged, for this step) and t
 constexpr int kKeptTiles = 4;
 using KeptResidual = float[kKeptTiles][kTileRows * kMaxTokens];
 
-template <typename T>
+template <typename T, bool kBiasT = true>
 struct ResidualEpilogue {  // h_out = h_in + acc + bias (out_proj, fc2), tagged; h_in's epoch was polled before
-  static constexpr bool kPairs = true, kBias = true;
+  static constexpr bool kPairs = true, kBias = kBiasT, kSwap = false;  // (the Llama family: no bias)
   const uint64_t* h_in;
   uint64_t* h_out;
   int e;
@@ -832,7 +902,7 @@ struct ResidualEpilogue {  // h_out = h_in + acc + bias (out_proj, fc2), tagged;
 
 template <typename T>
 struct ReluEpilogue {  // out = relu(acc + bias) (fc1), tagged; NaN passes through, like torch.relu
-  static constexpr bool kPairs = true, kBias = true;
+  static constexpr bool kPairs = true, kBias = true, kSwap = false;
   uint64_t* out;
   int n_out;
   uint32_t epoch;
@@ -844,9 +914,81 @@ struct ReluEpilogue {  // out = relu(acc + bias) (fc1), tagged; NaN passes throu
   }
 };
 
+// The Llama family's q/k/v over the PERM tiles of produce (rows (H + Hkv) D of q and k pair dims d and d + D/2 of a
+// head; v's tiles are plain): bias (Qwen2) when has_bias, then q and k rotated as linear_rope.cu does (the projection
+// rounded to the model dtype, x cos + rotate_half(x) sin in fp32, one rounding), stored like QkvEpilogue's: q -> q,
+// k and v -> kv_new (Hkv D keys, then Hkv D values, in a row of 2 E) and the caches (B, Hkv, T, D) at q_start[token].
+template <typename T, int D>
+struct LlamaQkvEpilogue {
+  static constexpr bool kPairs = true, kBias = true, kSwap = true;
+  uint64_t *q, *kv_new;
+  T *k_cache, *v_cache;
+  const int* q_start;
+  const T *cos, *sin;  // (B, D), written by an earlier kernel: coherent loads
+  int e, kv_heads, capacity, rope_rows;  // rope_rows: (H + Hkv) D
+  bool has_bias;
+  uint32_t epoch;
+  __device__ int row_of(int n) const {  // the weight row of tile output n
+    const int r0 = n - n % kTileRows, r = n % kTileRows;
+    if (r0 >= rope_rows) return n;
+    const int head0 = r0 - r0 % D;
+    return head0 + (r0 - head0) / 2 + (r < kTileRows / 2 ? r : D / 2 + r - kTileRows / 2);
+  }
+  __device__ float pre(int, int, int, float bias) const { return has_bias ? bias : 0.f; }
+  __device__ void keep(int, float) const {}
+  __device__ float swap(int m, int n, float s, float other) const {
+    const int row = row_of(n);
+    if (row >= rope_rows) return s;  // v
+    const int d = row % D;
+    const float a = to_float(from_float<T>(s)), b = to_float(from_float<T>(other));  // as the projection is stored
+    const float c = to_float(ld_dep_as(cos + m * D + d)), sn = to_float(ld_dep_as(sin + m * D + d));
+    return d < D / 2 ? fmaf(a, c, -b * sn) : fmaf(a, c, b * sn);  // rotate_half(x) = cat(-x2, x1)
+  }
+  __device__ void store(int m, int n, float s0, float s1) const {  // n, n + 1: dims d, d + 1 of one head
+    const int row = row_of(n);
+    const uint32_t pair = pack2<T>(s0, s1);
+    if (row < e) {
+      st_tagged(q + (static_cast<int64_t>(m) * e + row) / 2, pair, epoch);
+      return;
+    }
+    const int c = row - e;  // keys, then values
+    st_tagged(kv_new + (static_cast<int64_t>(m) * 2 * e + c) / 2, pair, epoch);
+    const int slot = q_start[m];
+    if (slot < 0 || slot >= capacity) return;
+    const int kvd = kv_heads * D, cc = c < kvd ? c : c - kvd;
+    T* cache = c < kvd ? k_cache : v_cache;
+    *reinterpret_cast<uint32_t*>(cache + ((static_cast<int64_t>(m) * kv_heads + cc / D) * capacity + slot) * D +
+                                 cc % D) = pair;
+  }
+};
+
+// The Llama family's gate/up over the PERM tiles of the (2F, E) gate/up weight (tile t: gate rows 8t .. 8t + 7, then
+// the same up rows): f = silu(gate) * up rounded as linear + silu_mul do (gate and up rounded to the model dtype,
+// silu in fp32 rounded, the product rounded), tagged; tile rows 0-7 hold outputs 8t .. 8t + 7.
+template <typename T>
+struct SiluMulEpilogue {
+  static constexpr bool kPairs = true, kBias = false, kSwap = true;
+  uint64_t* out;
+  int n_out;  // F
+  uint32_t epoch;
+  __device__ float pre(int, int, int, float) const { return 0.f; }
+  __device__ void keep(int, float) const {}
+  __device__ float swap(int, int n, float s, float other) const {
+    if (n % kTileRows >= kTileRows / 2) return s;  // an up row: its gate's thread finishes the output
+    const float g = to_float(from_float<T>(s)), u = to_float(from_float<T>(other));
+    return to_float(from_float<T>(g / (1.f + expf(-g)))) * u;
+  }
+  __device__ void store(int m, int n, float s0, float s1) const {
+    const int r = n % kTileRows;
+    if (r >= kTileRows / 2) return;
+    st_tagged(out + (static_cast<int64_t>(m) * n_out + n / kTileRows * (kTileRows / 2) + r) / 2, pack2<T>(s0, s1),
+              epoch);
+  }
+};
+
 template <typename T>
 struct LogitsEpilogue {  // fp32 logits, rounded to the model dtype first like the LM head's output
-  static constexpr bool kPairs = false, kBias = false;
+  static constexpr bool kPairs = false, kBias = false, kSwap = false;
   float* logits;
   int vocab;
   __device__ float pre(int, int, int, float) const { return 0.f; }
@@ -856,8 +998,12 @@ struct LogitsEpilogue {  // fp32 logits, rounded to the model dtype first like t
   }
 };
 
-template <typename T, int D, bool Q8, bool E4M3 = false>
+// LLAMA: the Llama family's step (Llama, Mistral, Qwen2; fp16/bf16 weights): RMSNorms, the fused q/k/v (+ bias) with
+// the rotary in its epilogue, grouped-query attention, gate/up with SiLU * up in its epilogue, no other biases, no
+// position table; the same phases, ring and hand-offs otherwise (see the header).
+template <typename T, int D, bool Q8, bool E4M3 = false, bool LLAMA = false>
 __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_constant__ StepParams params) {
+  static_assert(!(LLAMA && Q8), "the Llama family's step streams fp16/bf16 weights only");
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[32], empty[32];
   // the GEMVs' partial sums, by tile parity; attention's scratch is the buffer that qkv's last tile did not use
@@ -900,20 +1046,32 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
   // runs: until pdl_wait() returns, only weights (which no kernel writes) are read, and nothing is written. The
   // producer streams layer 0's qkv weights, then waits, and takes the slots from the consumers (barrier 2).
   int64_t* trace = p.trace == nullptr ? nullptr : p.trace + blockIdx.x * trace_events(p.layers);
+  // LLAMA: q/k/v rows (q, k, v heads), the rotated ones (q, k), and q heads per kv head
+  const int qkv_rows = LLAMA ? (p.heads + 2 * params.kv_heads) * D : 3 * p.e;
+  const int rope_rows = LLAMA ? (p.heads + params.kv_heads) * D : 0;
+  const int group = LLAMA ? p.heads / params.kv_heads : 1;
   if (threadIdx.x >= kConsumers) {  // producer warp: lane r issues row r's copies
     const uint64_t policy = evict_first_policy();
     int slices = 0;
     for (int l = 0; l < p.layers; ++l) {
       const LayerWeights& L = p.layer[l];
-      produce<Q8>(ring, L.wqkv, L.bqkv, 3 * p.e, p.e, policy, params.wscale[l][0]);
+      if constexpr (LLAMA) {
+        produce<false, true>(ring, L.wqkv, L.bqkv, qkv_rows, p.e, policy, nullptr, rope_rows, D / 2);
+      } else {
+        produce<Q8>(ring, L.wqkv, L.bqkv, 3 * p.e, p.e, policy, params.wscale[l][0]);
+      }
       if (l == 0) {
         pdl_wait();
         asm volatile("bar.sync 2, %0;\n" ::"n"(kThreads) : "memory");  // the consumers have stored the slots
         slices = attention_slices(p);
       }
-      produce_attention<D>(ring, p, L, slices, policy);
+      produce_attention<D, LLAMA>(ring, p, L, slices, policy, group);
       produce<Q8>(ring, L.wo, L.bo, p.e, p.e, policy, params.wscale[l][1]);
-      produce<Q8>(ring, L.w1, L.b1, p.f, p.e, policy, params.wscale[l][2]);
+      if constexpr (LLAMA) {  // gate/up: (2F, E)
+        produce<false, true>(ring, L.w1, nullptr, 2 * p.f, p.e, policy, nullptr, 2 * p.f, p.f);
+      } else {
+        produce<Q8>(ring, L.w1, L.b1, p.f, p.e, policy, params.wscale[l][2]);
+      }
       produce<Q8>(ring, L.w2, L.b2, p.e, p.f, policy, params.wscale[l][3]);
       if (trace != nullptr && threadIdx.x == kConsumers) trace[2 + kTracePhases * p.layers + 2 * l] = ring.wait_ns;
     }
@@ -936,8 +1094,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
   };
   mark(0);
   int pbuf = 0;
-  layer_norm_rows<T>(p, x, lnp, static_cast<const T*>(p.layer[0].ln1_w), static_cast<const T*>(p.layer[0].ln1_b),
-                     nullptr, p.h[1], epoch0, ln_stat);
+  layer_norm_rows<T, LLAMA>(p, x, lnp, static_cast<const T*>(p.layer[0].ln1_w),
+                            static_cast<const T*>(p.layer[0].ln1_b), nullptr, p.h[1], epoch0, ln_stat);
   // One copy of each tagged buffer is enough: a block overwrites one only after it has waited for words that
   // every block writes after its last read of the old contents. Layer l + 1's q and kv_new (read by layer l's
   // attention) are written after LN1 has read all of h[1] (every block's fc2, after its attention); attn, after
@@ -951,28 +1109,41 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
     const LayerWeights& L = p.layer[l];
     const uint32_t epoch = epoch0 + l + 1;
     const int ev = 1 + kTracePhases * l;
-    consume<T, Q8, E4M3>(ring, x, p.x_stride, p.m, 3 * p.e, p.e, partial, pbuf,
-               QkvEpilogue<T>{p.q, p.kv_new, static_cast<T*>(L.k_cache),
-                              static_cast<T*>(L.v_cache), p.q_start, p.e, p.heads, p.capacity, D, epoch});
+    if constexpr (LLAMA) {
+      consume<T>(ring, x, p.x_stride, p.m, qkv_rows, p.e, partial, pbuf,
+                 LlamaQkvEpilogue<T, D>{p.q, p.kv_new, static_cast<T*>(L.k_cache), static_cast<T*>(L.v_cache),
+                                        p.q_start, static_cast<const T*>(params.cos),
+                                        static_cast<const T*>(params.sin), p.e, params.kv_heads, p.capacity,
+                                        rope_rows, params.qkv_bias, epoch});
+    } else {
+      consume<T, Q8, E4M3>(ring, x, p.x_stride, p.m, 3 * p.e, p.e, partial, pbuf,
+                 QkvEpilogue<T>{p.q, p.kv_new, static_cast<T*>(L.k_cache),
+                                static_cast<T*>(L.v_cache), p.q_start, p.e, p.heads, p.capacity, D, epoch});
+    }
     mark(ev);
-    attention<T, D>(ring, p, slices, epoch, l, &partial[pbuf][0][0][0]);
+    attention<T, D, LLAMA>(ring, p, slices, epoch, l, &partial[pbuf][0][0][0], group);
     mark(ev + 1);
     stage_rows(p, x, p.attn, p.e, epoch);
     consume<T, Q8, E4M3>(ring, x, p.x_stride, p.m, p.e, p.e, partial, pbuf,
-               ResidualEpilogue<T>{p.h[1], p.h[0], p.e, epoch, &kept, l > 0});
+               ResidualEpilogue<T, !LLAMA>{p.h[1], p.h[0], p.e, epoch, &kept, l > 0});
     mark(ev + 2);
-    layer_norm_rows<T>(p, x, lnp, static_cast<const T*>(L.ln2_w), static_cast<const T*>(L.ln2_b), p.h[0], nullptr,
-                       epoch, ln_stat);
-    consume<T, Q8, E4M3>(ring, x, p.x_stride, p.m, p.f, p.e, partial, pbuf,
-               ReluEpilogue<T>{p.ffn, p.f, epoch});
+    layer_norm_rows<T, LLAMA>(p, x, lnp, static_cast<const T*>(L.ln2_w), static_cast<const T*>(L.ln2_b), p.h[0],
+                              nullptr, epoch, ln_stat);
+    if constexpr (LLAMA) {
+      consume<T>(ring, x, p.x_stride, p.m, 2 * p.f, p.e, partial, pbuf, SiluMulEpilogue<T>{p.ffn, p.f, epoch});
+    } else {
+      consume<T, Q8, E4M3>(ring, x, p.x_stride, p.m, p.f, p.e, partial, pbuf,
+                 ReluEpilogue<T>{p.ffn, p.f, epoch});
+    }
     mark(ev + 3);
     stage_rows(p, x, p.ffn, p.f, epoch);
     consume<T, Q8, E4M3>(ring, x, p.x_stride, p.m, p.e, p.f, partial, pbuf,
-               ResidualEpilogue<T>{p.h[0], p.h[1], p.e, epoch, &kept, true});
+               ResidualEpilogue<T, !LLAMA>{p.h[0], p.h[1], p.e, epoch, &kept, true});
     mark(ev + 4);
     const bool last = l + 1 == p.layers;
-    layer_norm_rows<T>(p, x, lnp, static_cast<const T*>(last ? p.lnf_w : p.layer[l + 1].ln1_w),
-                       static_cast<const T*>(last ? p.lnf_b : p.layer[l + 1].ln1_b), p.h[1], nullptr, epoch, ln_stat);
+    layer_norm_rows<T, LLAMA>(p, x, lnp, static_cast<const T*>(last ? p.lnf_w : p.layer[l + 1].ln1_w),
+                              static_cast<const T*>(last ? p.lnf_b : p.layer[l + 1].ln1_b), p.h[1], nullptr, epoch,
+                              ln_stat);
     mark(ev + 5);
     if (trace != nullptr && threadIdx.x == 0) trace[3 + kTracePhases * p.layers + 2 * l] = ring.wait_ns;
   }
@@ -1033,6 +1204,42 @@ int64_t* trace_buffer(const at::Device& device, int64_t blocks, int64_t events) 
     t = at::zeros({blocks, events}, at::TensorOptions().dtype(at::kLong).device(device));
   }
   return t.data_ptr<int64_t>();
+}
+
+// The workspace's parts (workspace_layout) into p.
+void set_workspace(StepParams& p, at::Tensor& workspace, const std::vector<int64_t>& layout) {
+  char* ws = static_cast<char*>(workspace.data_ptr());
+  p.launches = reinterpret_cast<unsigned*>(ws + layout[0]);
+  p.attn_count = reinterpret_cast<int*>(ws + layout[1]);
+  p.attn_part = reinterpret_cast<float*>(ws + layout[2]);
+  p.h[0] = reinterpret_cast<uint64_t*>(ws + layout[3]);
+  p.h[1] = reinterpret_cast<uint64_t*>(ws + layout[4]);
+  p.q = reinterpret_cast<uint64_t*>(ws + layout[5]);
+  p.kv_new = reinterpret_cast<uint64_t*>(ws + layout[6]);
+  p.attn = reinterpret_cast<uint64_t*>(ws + layout[7]);
+  p.ffn = reinterpret_cast<uint64_t*>(ws + layout[8]);
+}
+
+// One launch of a step kernel over p (its m rows), one block per SM.
+template <typename Kernel>
+void launch_step(Kernel kernel, const StepParams& p) {
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  TORCH_CHECK(props->major >= 9, "decode_step: needs an sm_90 GPU (TMA bulk copies), got sm_", props->major,
+              props->minor);
+  TORCH_CHECK(props->multiProcessorCount <= kMaxBlocks, "decode_step: more than ", kMaxBlocks, " SMs");
+  const int smem = p.stages * kStageBytes + p.m * p.x_stride + ln_params_bytes(p.e) + params_bytes(p.layers);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  int resident = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, smem));
+  TORCH_CHECK(resident >= 1, "decode_step: the kernel does not fit on an SM");
+  // Cooperative: all blocks resident at once (a block waiting for another's tagged words needs it), or the
+  // launch fails. Programmatic (PDL) where enabled: the weight stream starts while the kernel before still runs.
+  cudaLaunchAttribute attrs[2];
+  attrs[0].id = cudaLaunchAttributeCooperative;
+  attrs[0].val.cooperative = 1;
+  attrs[1] = pdl_attribute();
+  launch_kernel_with(attrs, pdl_enabled() ? 2 : 1, kernel, props->multiProcessorCount, kThreads, smem,
+                     at::cuda::getCurrentCUDAStream(), p);
 }
 
 }  // namespace
@@ -1141,16 +1348,7 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
   p.trace = trace_buffer(embed.device(), at::cuda::getCurrentDeviceProperties()->multiProcessorCount,
                          trace_events(static_cast<int>(layers)));
   p.logits = logits.data_ptr<float>();
-  char* ws = static_cast<char*>(workspace.data_ptr());
-  p.launches = reinterpret_cast<unsigned*>(ws + layout[0]);
-  p.attn_count = reinterpret_cast<int*>(ws + layout[1]);
-  p.attn_part = reinterpret_cast<float*>(ws + layout[2]);
-  p.h[0] = reinterpret_cast<uint64_t*>(ws + layout[3]);
-  p.h[1] = reinterpret_cast<uint64_t*>(ws + layout[4]);
-  p.q = reinterpret_cast<uint64_t*>(ws + layout[5]);
-  p.kv_new = reinterpret_cast<uint64_t*>(ws + layout[6]);
-  p.attn = reinterpret_cast<uint64_t*>(ws + layout[7]);
-  p.ffn = reinterpret_cast<uint64_t*>(ws + layout[8]);
+  set_workspace(p, workspace, layout);
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = &layer_params[12 * l];
     check(w[0], {e}, "self_attn_layer_norm.weight");
@@ -1177,26 +1375,7 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
     }
   }
 
-  const auto* props = at::cuda::getCurrentDeviceProperties();
-  TORCH_CHECK(props->major >= 9, "decode_step: needs an sm_90 GPU (TMA bulk copies), got sm_", props->major,
-              props->minor);
-  TORCH_CHECK(props->multiProcessorCount <= kMaxBlocks, "decode_step: more than ", kMaxBlocks, " SMs");
-  const int smem =
-      p.stages * kStageBytes + static_cast<int>(m) * p.x_stride + ln_params_bytes(p.e) + params_bytes(p.layers);
-  auto launch = [&](auto kernel) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    int resident = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, smem));
-    TORCH_CHECK(resident >= 1, "decode_step: the kernel does not fit on an SM");
-    // Cooperative: all blocks resident at once (a block waiting for another's tagged words needs it), or the
-    // launch fails. Programmatic (PDL) where enabled: the weight stream starts while the kernel before still runs.
-    cudaLaunchAttribute attrs[2];
-    attrs[0].id = cudaLaunchAttributeCooperative;
-    attrs[0].val.cooperative = 1;
-    attrs[1] = pdl_attribute();
-    launch_kernel_with(attrs, pdl_enabled() ? 2 : 1, kernel, props->multiProcessorCount, kThreads, smem,
-                       at::cuda::getCurrentCUDAStream(), p);
-  };
+  auto launch = [&](auto kernel) { launch_step(kernel, p); };
   if (e4m3) {
     if (dtype == at::kHalf) {
       head_dim == 64 ? launch(decode_step_kernel<__half, 64, true, true>)
@@ -1222,6 +1401,110 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
 }
 
 
+// The Llama family's step (see llama_decode_step below the schema).
+at::Tensor llama_decode_step_cuda(const at::Tensor& tokens, const at::Tensor& cos, const at::Tensor& sin,
+                                  const at::Tensor& q_start, const at::Tensor& key_mask, const at::Tensor& embed,
+                                  const std::vector<at::Tensor>& layer_params, const std::vector<at::Tensor>& qkv_biases,
+                                  std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                                  const at::Tensor& norm_w, const at::Tensor& lm_head, at::Tensor& workspace, double eps,
+                                  double scale) {
+  const c10::cuda::CUDAGuard guard(embed.device());
+  const auto dtype = embed.scalar_type();
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(layers >= 1 && layers <= kMaxLayers && v_caches.size() == k_caches.size() &&
+                  static_cast<int64_t>(layer_params.size()) == 6 * layers &&
+                  (qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == layers),
+              "llama_decode_step: expected 1..", kMaxLayers, " layers with 6 parameters, a k and v cache each and "
+              "no q/k/v bias or one per layer");
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "llama_decode_step: fp16 or bf16 only");
+  const int64_t m = tokens.numel(), e = embed.size(1), vocab = lm_head.size(0);
+  const int64_t f = layer_params[4].size(0) / 2;  // gate/up weight (2F, E)
+  const int64_t kv_heads = k_caches[0].size(1), capacity = k_caches[0].size(2), head_dim = k_caches[0].size(3);
+  TORCH_CHECK(head_dim == 64 || head_dim == 128, "llama_decode_step: head dim 64 or 128 only");
+  const int64_t heads = e / head_dim;
+  TORCH_CHECK(e % head_dim == 0 && kv_heads >= 1 && heads % kv_heads == 0 && e % 32 == 0 && f % 32 == 0,
+              "llama_decode_step: unsupported sizes (hidden = heads x head dim, heads a multiple of the kv heads, "
+              "hidden and ffn multiples of 32)");
+  TORCH_CHECK(decode_step_fits(m, e, f), "llama_decode_step: ", m, " rows of hidden ", e, " / ffn ", f,
+              " do not fit in shared memory");
+  TORCH_CHECK(q_start.numel() == m && q_start.scalar_type() == at::kInt && tokens.scalar_type() == at::kLong &&
+                  key_mask.scalar_type() == at::kBool && key_mask.size(0) >= m && key_mask.size(1) == capacity,
+              "llama_decode_step: bad tokens / q_start / key_mask");
+  auto check = [&](const at::Tensor& t, std::initializer_list<int64_t> shape, const char* what) {
+    TORCH_CHECK(t.device() == embed.device() && t.scalar_type() == dtype && t.is_contiguous() &&
+                    t.sizes().equals(shape) && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+                "llama_decode_step: ", what, " must be a contiguous, 16-byte aligned ", c10::IntArrayRef(shape),
+                " tensor of the model dtype on the model's device");
+  };
+  for (const at::Tensor* t : {&tokens, &q_start, &key_mask}) {
+    TORCH_CHECK(t->device() == embed.device() && t->is_contiguous(), "llama_decode_step: inputs must be contiguous, "
+                "on ", embed.device());
+  }
+  check(embed, {embed.size(0), e}, "embed_tokens");
+  check(cos, {m, head_dim}, "cos");
+  check(sin, {m, head_dim}, "sin");
+  check(norm_w, {e}, "final norm weight");
+  check(lm_head, {vocab, e}, "lm_head");
+  const auto layout = workspace_layout(m, e, f, heads, head_dim, capacity);
+  TORCH_CHECK(workspace.device() == embed.device() && workspace.is_contiguous() &&
+                  workspace.nbytes() >= static_cast<size_t>(layout.back()),
+              "llama_decode_step: workspace too small");
+
+  StepParams p{};
+  p.m = static_cast<int>(m);
+  p.e = static_cast<int>(e);
+  p.f = static_cast<int>(f);
+  p.heads = static_cast<int>(heads);
+  p.vocab = static_cast<int>(vocab);
+  p.layers = static_cast<int>(layers);
+  p.capacity = static_cast<int>(capacity);
+  p.slices_cap = static_cast<int>((capacity + kSlice - 1) / kSlice);
+  p.stages = ring_stages(m, e, f, layers);
+  p.x_stride = static_cast<int>(x_stride_bytes(std::max(e, f)));
+  p.eps = static_cast<float>(eps);
+  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  p.tokens = tokens.data_ptr<int64_t>();
+  p.q_start = q_start.data_ptr<int>();
+  p.key_mask = key_mask.data_ptr<bool>();
+  p.embed = embed.data_ptr();
+  p.lnf_w = norm_w.data_ptr();
+  p.lm_head = lm_head.data_ptr();
+  p.kv_heads = static_cast<int>(kv_heads);
+  p.qkv_bias = !qkv_biases.empty();
+  p.cos = cos.data_ptr();
+  p.sin = sin.data_ptr();
+  auto logits = at::empty({m, vocab}, embed.options().dtype(at::kFloat));
+  p.trace = trace_buffer(embed.device(), at::cuda::getCurrentDeviceProperties()->multiProcessorCount,
+                         trace_events(static_cast<int>(layers)));
+  p.logits = logits.data_ptr<float>();
+  set_workspace(p, workspace, layout);
+  const int64_t qkv_rows = (heads + 2 * kv_heads) * head_dim;
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = &layer_params[6 * l];
+    check(w[0], {e}, "input_layernorm.weight");
+    check(w[1], {qkv_rows, e}, "qkv weight");
+    check(w[2], {e, e}, "o_proj.weight");
+    check(w[3], {e}, "post_attention_layernorm.weight");
+    check(w[4], {2 * f, e}, "gate/up weight");
+    check(w[5], {e, f}, "down_proj.weight");
+    if (p.qkv_bias) check(qkv_biases[l], {qkv_rows}, "qkv bias");
+    check(k_caches[l], {k_caches[0].size(0), kv_heads, capacity, head_dim}, "k cache");
+    check(v_caches[l], {k_caches[0].size(0), kv_heads, capacity, head_dim}, "v cache");
+    TORCH_CHECK(k_caches[l].size(0) >= m, "llama_decode_step: cache batch smaller than the step's rows");
+    p.layer[l] = LayerWeights{w[0].data_ptr(), nullptr, w[1].data_ptr(), p.qkv_bias ? qkv_biases[l].data_ptr() : nullptr,
+                              w[2].data_ptr(), nullptr, w[3].data_ptr(), nullptr, w[4].data_ptr(), nullptr,
+                              w[5].data_ptr(), nullptr, k_caches[l].data_ptr(), v_caches[l].data_ptr()};
+  }
+  if (dtype == at::kHalf) {
+    head_dim == 64 ? launch_step(decode_step_kernel<__half, 64, false, false, true>, p)
+                   : launch_step(decode_step_kernel<__half, 128, false, false, true>, p);
+  } else {
+    head_dim == 64 ? launch_step(decode_step_kernel<__nv_bfloat16, 64, false, false, true>, p)
+                   : launch_step(decode_step_kernel<__nv_bfloat16, 128, false, false, true>, p);
+  }
+  return logits;
+}
+
 // decode_step: one decode step of a pre-LN OPT: tokens, positions (B,) int64, q_start (B,) int32 (the cache slot each
 // row writes and attends up to), key_mask (B, T) bool; layer_params: 12 per layer (LN1 w, b, qkv w (3E, E), b,
 // out_proj w, b, LN2 w, b, fc1 w, b, fc2 w, b); k_caches, v_caches: (B, H, T, D) per layer, written at q_start.
@@ -1233,17 +1516,29 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
 // globaltimer stamps (ns) of the start, per layer the ends of qkv, attention, out_proj, LN2 + fc1, fc2, next LN, then
 // the LM head's end; then per layer the cumulative ns the producer waited for a free ring stage and consumer thread 0
 // for a full one. None otherwise.
+// llama_decode_step: one decode step of a Llama / Mistral / Qwen2 model (fp16/bf16 weights): tokens (B,) int64, cos,
+// sin (B, D) the rotary tables of this step's positions (model dtype), q_start, key_mask as decode_step's;
+// layer_params: 6 per layer (input RMSNorm w, q/k/v w ((H + 2 Hkv) D, E), o_proj w, post-attention RMSNorm w, gate/up
+// w (2F, E: gate rows, then up rows), down w); qkv_biases: empty or one ((H + 2 Hkv) D,) per layer; k_caches,
+// v_caches: (B, Hkv, T, D) per layer; norm_w: the final RMSNorm's weight; lm_head (V, E) (the embedding when tied).
+// The workspace, the trace and the logits as decode_step's (the same workspace size for hidden E, ffn F, H heads).
 TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
   m.def("decode_step(Tensor tokens, Tensor positions, Tensor q_start, Tensor key_mask, Tensor embed, "
         "Tensor pos_embed, Tensor[] layer_params, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor lnf_w, "
         "Tensor lnf_b, Tensor lm_head, Tensor(c!) workspace, float eps, float scale, Tensor[] weight_scales) "
         "-> Tensor");
+  m.def("llama_decode_step(Tensor tokens, Tensor cos, Tensor sin, Tensor q_start, Tensor key_mask, Tensor embed, "
+        "Tensor[] layer_params, Tensor[] qkv_biases, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor norm_w, "
+        "Tensor lm_head, Tensor(c!) workspace, float eps, float scale) -> Tensor");
   m.def("decode_step_workspace_bytes(int m, int e, int f, int heads, int head_dim, int capacity) -> int",
         &decode_step_workspace_bytes);
   m.def("decode_step_fits(int m, int e, int f) -> bool", &decode_step_fits);
   m.def("decode_step_trace() -> Tensor?", &decode_step_trace);
 }
 
-TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) { m.impl("decode_step", &decode_step_cuda); }
+TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) {
+  m.impl("decode_step", &decode_step_cuda);
+  m.impl("llama_decode_step", &llama_decode_step_cuda);
+}
 
 }  // namespace fuseinfer
