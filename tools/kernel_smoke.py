@@ -2,7 +2,8 @@
 
     python tools/kernel_smoke.py [--part all|no-ring-wrap|ring-wrap-d64|ring-wrap-d128|prefill|int8-step]
 
-``ring-wrap-d64`` and ``ring-wrap-d128`` are the one-kernel decode step with long contexts (head dim 64 and 128),
+``ring-wrap-d64`` and ``ring-wrap-d128`` are the one-kernel decode step with long contexts (head dim 64 and 128; d64
+also the Llama family's step),
 whose weight and key/value streams go round each block's ring of shared-memory stages many times;
 ``prefill`` is the attention prefills over enough key tiles to wrap the wgmma kernel's ring of TMA-filled stages,
 and into a cache tail it zeroes after the TMA write; ``int8-step`` is the one-kernel step of int8 weight-only models
@@ -157,6 +158,37 @@ def decode_step(dtype, layers, hidden, heads, ffn, capacity, slots, pad, int8=Fa
                             scales)
 
 
+def llama_decode_step(dtype, layers, hidden, heads, kv_heads, ffn, capacity, slots, pad, model_type="llama"):
+    """The one-kernel decode step of a random Llama-architecture model (grouped-query: ``kv_heads``; Qwen2: a q/k/v
+    bias), one row per slot in ``slots``, the first ``pad`` keys of row 1 masked; asserted to take the kernel."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fuseinfer.models.llama.decode import decode_step_params as llama_step_params
+    from fuseinfer.ops import llama_step
+
+    cfg = AutoConfig.for_model(model_type, vocab_size=1000, hidden_size=hidden, num_hidden_layers=layers,
+                               intermediate_size=ffn, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                               max_position_embeddings=capacity + 2, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval().to("cuda", dtype)
+    fuseinfer.patch(model)
+    base, rows, d = model.model, len(slots), hidden // heads
+    embed = base.embed_tokens.weight
+    assert llama_step.kernel_supports(rows, embed, ffn, heads, kv_heads, d)
+    params, biases = llama_step_params(model)
+    caches = [torch.randn(rows, kv_heads, capacity, d, device="cuda", dtype=dtype) for _ in range(2 * layers)]
+    key_mask = torch.ones(rows, capacity, dtype=torch.bool, device="cuda")
+    key_mask[1, :pad] = False
+    tokens = torch.arange(5, 5 + rows, device="cuda")
+    q_start = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    positions = torch.tensor([[s - (pad if r == 1 else 0)] for r, s in enumerate(slots)], device="cuda")
+    with torch.no_grad():
+        cos, sin = base.rotary_emb(embed[:1], positions)  # (B, 1, D)
+        ops.llama_decode_step(tokens, cos, sin, q_start, key_mask, embed, params, biases, caches[0::2],
+                              caches[1::2], base.norm.weight, model.lm_head.weight,
+                              decode_step_workspace(rows, hidden, ffn, heads, d, capacity, "cuda"),
+                              base.layers[0].input_layernorm.variance_epsilon, d ** -0.5)
+
+
 def emit_tokens(scores=None, chosen=None):
     """The decode step's tail: 3 rows over a vocabulary of 1001 (not a multiple of the kernel's chunks), one EOS;
     with ``chosen``, the one-block kernel that records those tokens."""
@@ -201,10 +233,13 @@ if part in ("all", "no-ring-wrap"):
     sample_tokens()
     for dtype in (torch.float16, torch.bfloat16):
         decode_step(dtype, 2, 256, 4, 512, 96, [70, 50, 70], 20)  # short: a few stages per block
+        llama_decode_step(dtype, 2, 256, 4, 2, 512, 96, [70, 50, 70], 20)  # the Llama step: d64, 2:1
+    llama_decode_step(torch.float16, 2, 512, 4, 1, 512, 96, [70, 50], 20, model_type="qwen2")  # d128, 4:1, bias
     emit_tokens()
 # contexts of 1100-1500 keys (several attention merge groups), rings wrapping many times
 if part in ("all", "ring-wrap-d64"):
     decode_step(torch.float16, 4, 512, 8, 2048, 1536, [1100, 1500], 600)
+    llama_decode_step(torch.bfloat16, 3, 512, 8, 2, 2048, 1536, [1100, 1500], 600)  # the Llama step, 4:1
 if part in ("all", "ring-wrap-d128"):
     decode_step(torch.bfloat16, 4, 512, 4, 2048, 1536, [1499, 1100], 300)
 if part in ("all", "int8-step"):

@@ -64,6 +64,8 @@ def decode_step_kernel(model: nn.Module, cache):
         return None, "the one-kernel step is off: RuntimeConfig(decode_kernel='off')"
     if patch_state(model).config.quant is not None:
         return None, "the Llama one-kernel step streams fp16/bf16 weights only: quantized models decode per op"
+    if not model.model.embed_tokens.weight.is_cuda:
+        return None, "the one-kernel step runs on CUDA (sm_90)"
     rows = cache.key_mask.shape[0]
     if mode == "auto" and rows > step_op.AUTO_MAX_ROWS:
         return None, ("the Llama one-kernel step is not measured faster than per op at this batch size; "
