@@ -315,3 +315,26 @@ def test_fast_decode_on_equals_off(tiny_llama_path):
             assert sessions[bucket].path.startswith(expect), (kernel, bucket, sessions[bucket].path)
     assert torch.equal(out["on"][0], out["off"][0])
     assert torch.equal(out["on"][1], out["off"][1])
+
+
+def test_family_hook_reads_the_patched_tensors():
+    """The step streams the model's own fused tensors (no copies): the fused q/k/v and gate/up weights patch made,
+    the q/k/v bias of a Qwen2; a layer patch skipped is not fully fused (the hook then says so)."""
+    from fuseinfer.models.llama import modules as llama
+
+    model = random_llama("qwen2")
+    fuseinfer.patch(model)
+    params, biases = decode_step_params(model)
+    assert len(params) == 6 * model.config.num_hidden_layers and len(biases) == model.config.num_hidden_layers
+    for i, layer in enumerate(model.model.layers):
+        assert params[6 * i + 1] is layer.self_attn.__dict__[llama.QKV.weight]
+        assert params[6 * i + 4] is layer.mlp.__dict__[llama.GATE_UP.weight]
+        assert params[6 * i + 4].shape == (2 * model.config.intermediate_size, model.config.hidden_size)
+        assert biases[i] is layer.self_attn.__dict__[llama.QKV.bias]
+        with torch.no_grad():
+            assert llama_decode._fully_fused(layer)
+    skipped = random_llama()
+    fuseinfer.patch(skipped, fuseinfer.PatchConfig(filter_fn=lambda module, name: "layers.1." not in name + "."))
+    with torch.no_grad():
+        assert llama_decode._fully_fused(skipped.model.layers[0])
+        assert not llama_decode._fully_fused(skipped.model.layers[1])
