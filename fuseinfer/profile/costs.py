@@ -246,6 +246,23 @@ def _fi_decode_step(c: Call) -> Cost | None:
     return Cost(flops, moved, "step", c.precision(4))
 
 
+
+@register_cost("fuseinfer::llama_decode_step")
+def _fi_llama_decode_step(c: Call) -> Cost | None:
+    """The Llama family's whole decode step: every 2-D weight of the layers (argument 6) and the LM head (11) read
+    once (2 flops per weight per row), the RMSNorm weights and q/k/v biases (7), the caches (8, 9: capacity, an upper
+    bound), the logits (fp32) written."""
+    m = c.numel(0)
+    listed = lambda i: [d for d in (c.dims[i] if len(c.dims) > i else []) if isinstance(d, list)]  # noqa: E731
+    layers = listed(6)
+    weights = sum(math.prod(d) for d in layers if len(d) == 2)
+    vectors = sum(math.prod(d) for d in layers if len(d) == 1) + sum(math.prod(d) for d in listed(7))
+    caches = sum(math.prod(d) for d in listed(8) + listed(9))
+    lm = c.shape(11)
+    head = math.prod(lm) if lm else 0
+    moved = (weights + head + vectors + caches) * c.esize(5) + m * (lm[0] if lm else 0) * 4
+    return Cost(2.0 * m * (weights + head), moved, "step", c.precision(5))
+
 # elementwise and data-movement ops: one flop per output element, every input read and the output written
 ELEMENTWISE = ("aten::add", "aten::add_", "aten::mul", "aten::mul_", "aten::sub", "aten::div", "aten::relu",
                "aten::relu_", "aten::gelu", "aten::silu", "aten::tanh", "aten::exp", "aten::neg", "aten::where",
