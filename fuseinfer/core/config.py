@@ -56,7 +56,7 @@ class RuntimeConfig:
     Each field left out takes the value of its ``FUSEINFER_*`` environment variable when the config is built (the
     variable is a default only; docs/env.md), else the built-in default below; a field given here wins.
 
-    decode_kernel: fast decode's step as one persistent kernel: ``auto`` where measured faster (1-2 rows; int8
+    decode_kernel: fast decode's step as one persistent kernel: ``auto`` where measured faster (OPT: 1-2 rows; int8
       weight-only models up to hidden size 2048), ``on`` wherever it applies, ``off`` never (the per-op step).
     cuda_graphs: fast decode replays its step (and ``prefill='auto'`` / ``'graph'`` its prefill) as CUDA graphs;
       False runs them eagerly.
