@@ -80,12 +80,14 @@ def decode_step_kernel(model: nn.Module, cache):
                       "were replaced after patch)")
     if model.lm_head.bias is not None or any(layer.self_attn.o_proj.bias is not None
                                              or layer.mlp.down_proj.bias is not None
-                                             or layer.mlp.__dict__[llama.GATE_UP.bias] is not None
+                                             or layer.mlp.__dict__.get(llama.GATE_UP.bias) is not None
                                              for layer in layers):
         return None, "the kernel covers bias-free o_proj, MLP and LM head linears (a q/k/v bias is fine)"
     if global_hooks() or any(has_hooks(m) for m in model.modules()):
         return None, "a module has hooks, which the one-kernel step would bypass (the per-op step calls them)"
     embed = base.embed_tokens.weight
+    if any(c.dtype != embed.dtype for c in cache.keys + cache.values):
+        return None, "the one-kernel step reads caches of the model's dtype (an FP8 cache runs per op)"
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = llama.head_dim_of(cfg)
     if not step_op.kernel_supports(rows, embed, cfg.intermediate_size, heads, kv_heads, head_dim):
@@ -98,6 +100,8 @@ def decode_step_kernel(model: nn.Module, cache):
     why = step_op.weights_refusal(embed, params)
     if why is not None:
         return None, why
+    if base.norm.weight.dtype != embed.dtype or model.lm_head.weight.dtype != embed.dtype:
+        return None, f"the final norm and the LM head must be {embed.dtype} like the embedding"
     if not all(p.is_contiguous() and p.data_ptr() % 16 == 0 for p in params + biases):
         return None, "a parameter is not contiguous and 16-byte aligned"
     eps = layers[0].input_layernorm.variance_epsilon
