@@ -689,16 +689,23 @@ __device__ void attention_partial(const StepParams& p, int slices, int item, uin
     uint32_t qw[kWords], kw[kWords] = {}, vw[kWords] = {};
 #pragma unroll
     for (int w = 0; w < kWords; ++w) qw[w] = poll_word(p.q + at + w, epoch);
-    if (has_new) {
-      // row m: E keys, E values (GQA: Hkv D keys, then Hkv D values, in a row of 2 E)
-      const int64_t kv_at =
-          GQA ? (static_cast<int64_t>(it.m) * 2 * p.e + it.head / group * D + lane * kPerLane) / 2 : 0;
-      const uint64_t* k_new = GQA ? p.kv_new + kv_at : p.kv_new + at + static_cast<int64_t>(it.m) * p.e / 2;
-      const int v_off = GQA ? p.heads / group * D / 2 : p.e / 2;
+    if constexpr (GQA) {
+      if (has_new) {  // row m: Hkv D keys, then Hkv D values, in a row of 2 E
+        const uint64_t* k_new =
+            p.kv_new + (static_cast<int64_t>(it.m) * 2 * p.e + it.head / group * D + lane * kPerLane) / 2;
+        const int v_off = p.heads / group * D / 2;
+#pragma unroll
+        for (int w = 0; w < kWords; ++w) {
+          kw[w] = poll_word(k_new + w, epoch);
+          vw[w] = poll_word(k_new + v_off + w, epoch);
+        }
+      }
+    } else if (has_new) {
+      const uint64_t* k_new = p.kv_new + at + static_cast<int64_t>(it.m) * p.e / 2;  // row m: E keys, E values
 #pragma unroll
       for (int w = 0; w < kWords; ++w) {
         kw[w] = poll_word(k_new + w, epoch);
-        vw[w] = poll_word(k_new + v_off + w, epoch);
+        vw[w] = poll_word(k_new + p.e / 2 + w, epoch);
       }
     }
     const T* qe = reinterpret_cast<const T*>(qw);
@@ -924,7 +931,7 @@ struct LlamaQkvEpilogue {
   uint64_t *q, *kv_new;
   T *k_cache, *v_cache;
   const int* q_start;
-  const T *cos, *sin;  // (B, D), written by an earlier kernel: coherent loads
+  const T *cos, *sin;  // (B, D) in shared memory (the kernel's rope_table)
   int e, kv_heads, capacity, rope_rows;  // rope_rows: (H + Hkv) D
   bool has_bias;
   uint32_t epoch;
@@ -941,7 +948,7 @@ struct LlamaQkvEpilogue {
     if (row >= rope_rows) return s;  // v
     const int d = row % D;
     const float a = to_float(from_float<T>(s)), b = to_float(from_float<T>(other));  // as the projection is stored
-    const float c = to_float(ld_dep_as(cos + m * D + d)), sn = to_float(ld_dep_as(sin + m * D + d));
+    const float c = to_float(cos[m * D + d]), sn = to_float(sin[m * D + d]);
     return d < D / 2 ? fmaf(a, c, -b * sn) : fmaf(a, c, b * sn);  // rotate_half(x) = cat(-x2, x1)
   }
   __device__ void store(int m, int n, float s0, float s1) const {  // n, n + 1: dims d, d + 1 of one head
@@ -1020,6 +1027,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
   char* x = smem + params.stages * kStageBytes;
   char* lnp = x + params.m * params.x_stride;  // LayerNorm weight and bias, 2 E elements
   StepParams* copy = reinterpret_cast<StepParams*>(lnp + ln_params_bytes(params.e));
+  // LLAMA: cos, then sin, (M, D) each, after the parameters' copy (rope_table_bytes)
+  [[maybe_unused]] T* rope_table = reinterpret_cast<T*>(reinterpret_cast<char*>(copy) + params_bytes(params.layers));
   {
     const int bytes = params_bytes(params.layers);
     const uint4* src = reinterpret_cast<const uint4*>(&params);
@@ -1085,6 +1094,12 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
   pdl_wait();
   if (threadIdx.x < p.m) slots[threadIdx.x] = params.q_start[threadIdx.x];
   if (threadIdx.x == 0) epoch0_s = p.launches[blockIdx.x] * static_cast<uint32_t>(p.layers + 1);
+  if constexpr (LLAMA) {  // this step's rotary tables, once: the q/k/v epilogues of every layer read them
+    for (int i = threadIdx.x; i < p.m * D; i += kConsumers) {
+      rope_table[i] = ld_dep_as(static_cast<const T*>(params.cos) + i);
+      rope_table[p.m * D + i] = ld_dep_as(static_cast<const T*>(params.sin) + i);
+    }
+  }
   consumers_sync();
   asm volatile("bar.arrive 2, %0;\n" ::"n"(kThreads) : "memory");  // slots stored: the producer may read them
   const uint32_t epoch0 = epoch0_s;
@@ -1112,8 +1127,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
     if constexpr (LLAMA) {
       consume<T>(ring, x, p.x_stride, p.m, qkv_rows, p.e, partial, pbuf,
                  LlamaQkvEpilogue<T, D>{p.q, p.kv_new, static_cast<T*>(L.k_cache), static_cast<T*>(L.v_cache),
-                                        p.q_start, static_cast<const T*>(params.cos),
-                                        static_cast<const T*>(params.sin), p.e, params.kv_heads, p.capacity,
+                                        p.q_start, rope_table, rope_table + p.m * D, p.e, params.kv_heads, p.capacity,
                                         rope_rows, params.qkv_bias, epoch});
     } else {
       consume<T, Q8, E4M3>(ring, x, p.x_stride, p.m, 3 * p.e, p.e, partial, pbuf,
@@ -1183,10 +1197,11 @@ int max_smem_optin() { return at::cuda::getCurrentDeviceProperties()->sharedMemP
 constexpr int kStaticSmem = 2 * 32 * 8 + 2 * kConsumerWarps * kTileRows * (kMaxTokens + 1) * 4 +
                             kMaxTokens * 2 * 4 + static_cast<int>(sizeof(KeptResidual)) + 256;
 
-int ring_stages(int64_t m, int64_t e, int64_t f, int64_t layers) {
+// extra: more dynamic shared memory (the Llama step's rotary tables, rope_table_bytes)
+int ring_stages(int64_t m, int64_t e, int64_t f, int64_t layers, int64_t extra = 0) {
   const int64_t free_bytes =
       max_smem_optin() - kStaticSmem - m * x_stride_bytes(std::max(e, f)) - ln_params_bytes(static_cast<int>(e)) -
-      params_bytes(static_cast<int>(layers));
+      params_bytes(static_cast<int>(layers)) - extra;
   return static_cast<int>(std::min<int64_t>(32, free_bytes / kStageBytes));
 }
 
@@ -1205,6 +1220,9 @@ int64_t* trace_buffer(const at::Device& device, int64_t blocks, int64_t events) 
   }
   return t.data_ptr<int64_t>();
 }
+
+// The Llama step's rotary tables in shared memory: cos and sin, (M, D) each, 16-bit.
+int rope_table_bytes(int64_t m, int64_t head_dim) { return static_cast<int>(2 * m * head_dim * 2); }
 
 // The workspace's parts (workspace_layout) into p.
 void set_workspace(StepParams& p, at::Tensor& workspace, const std::vector<int64_t>& layout) {
@@ -1227,7 +1245,8 @@ void launch_step(Kernel kernel, const StepParams& p) {
   TORCH_CHECK(props->major >= 9, "decode_step: needs an sm_90 GPU (TMA bulk copies), got sm_", props->major,
               props->minor);
   TORCH_CHECK(props->multiProcessorCount <= kMaxBlocks, "decode_step: more than ", kMaxBlocks, " SMs");
-  const int smem = p.stages * kStageBytes + p.m * p.x_stride + ln_params_bytes(p.e) + params_bytes(p.layers);
+  const int smem = p.stages * kStageBytes + p.m * p.x_stride + ln_params_bytes(p.e) + params_bytes(p.layers) +
+                   (p.kv_heads > 0 ? rope_table_bytes(p.m, p.e / p.heads) : 0);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   int resident = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, smem));
@@ -1459,7 +1478,9 @@ at::Tensor llama_decode_step_cuda(const at::Tensor& tokens, const at::Tensor& co
   p.layers = static_cast<int>(layers);
   p.capacity = static_cast<int>(capacity);
   p.slices_cap = static_cast<int>((capacity + kSlice - 1) / kSlice);
-  p.stages = ring_stages(m, e, f, layers);
+  p.stages = ring_stages(m, e, f, layers, rope_table_bytes(m, head_dim));
+  TORCH_CHECK(p.stages >= kMinStages, "llama_decode_step: ", m, " rows of hidden ", e, " / ffn ", f, " and ", layers,
+              " layers do not fit in shared memory");
   p.x_stride = static_cast<int>(x_stride_bytes(std::max(e, f)));
   p.eps = static_cast<float>(eps);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
