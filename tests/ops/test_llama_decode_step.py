@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_llama
+from helpers import examples, given, require_kernel, st
 
 import fuseinfer
 from fuseinfer.models.llama import decode as llama_decode
@@ -168,6 +169,46 @@ def test_family_hook_refuses_off_and_cpu():
     assert step is None and "CUDA" in why
 
 
+@st.composite
+def step_cases(draw, device):
+    """(model type, config overrides, pads, q_start, capacity, seed): on the CPU odd sizes (any even head dim, any
+    ffn), one slot for all rows (the per-op path's cache writes one); on CUDA the kernel's domain (head dim 64 or 128,
+    ffn a multiple of 32, 1-8 rows, each row its own slot and padding, contexts past the ring)."""
+    seed = draw(st.integers(0, 999))
+    kv_heads, group = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2, 4]))
+    if device == "cpu":
+        d, ffn, rows = 2 * draw(st.integers(1, 12)), draw(st.integers(1, 100)), draw(st.integers(1, 4))
+        capacity = draw(st.integers(1, 40))
+        q_start = [draw(st.integers(0, capacity - 1))] * rows
+    else:
+        d, ffn, rows = draw(st.sampled_from([64, 128])), 32 * draw(st.integers(1, 64)), draw(st.integers(1, 8))
+        capacity = draw(st.integers(1, 1200))
+        q_start = draw(st.lists(st.integers(0, capacity - 1), min_size=rows, max_size=rows))
+    pads = [draw(st.integers(0, s)) for s in q_start]  # a row's new token is never padding
+    heads = kv_heads * group
+    overrides = dict(hidden_size=heads * d, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=d,
+                     intermediate_size=ffn, num_hidden_layers=draw(st.integers(1, 3)),
+                     vocab_size=draw(st.integers(4, 700)), max_position_embeddings=capacity + 1)
+    return draw(st.sampled_from(["llama", "qwen2"])), overrides, pads, q_start, capacity, seed
+
+
+@examples("cpu", cpu=6, cuda=0)
+@given(case=step_cases("cpu"))
+def test_reference_equals_per_op_decode_path_property(case):
+    """The reference step and the patched modules agree on CPU in fp32 for random sizes (grouped-query 1:1 to 4:1,
+    with and without a q/k/v bias), rows, padding and slots."""
+    model_type, overrides, pads, q_start, capacity, seed = case
+    model = random_llama(model_type, seed=seed, **overrides)
+    fuseinfer.patch(model)
+    args, positions = _step_inputs(model, pads, q_start, capacity, seed=seed)
+    per_op, cache = _per_op(model, args, positions, q_start[0])
+    with torch.no_grad():
+        ref = llama_decode_step_ref(**args)
+    torch.testing.assert_close(ref, per_op, rtol=1e-4, atol=1e-4)
+    for ours, theirs in zip(args["k_caches"] + args["v_caches"], cache.keys + cache.values):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
 # ---- GPU: the one-kernel step ----
 
 GPU_CASES = {  # name -> (config overrides, pads, q_start, capacity)
@@ -189,6 +230,7 @@ GPU_CASES = {  # name -> (config overrides, pads, q_start, capacity)
 
 
 def _gpu_model(model_type, dtype, overrides):
+    require_kernel()
     model = random_llama(model_type, device="cuda", dtype=dtype, num_hidden_layers=3, vocab_size=4000,
                          max_position_embeddings=4096, **overrides)
     fuseinfer.patch(model)
@@ -225,6 +267,25 @@ def test_kernel_matches_fp32_reference(case, dtype):
     ours = _assert_step_within_rule(args, dtype)
     for _ in range(3):  # the launch counters, attention counters and tagged buffers carry over between launches
         assert torch.equal(llama_decode_step(**args), ours)
+
+
+@pytest.mark.gpu
+def test_kernel_matches_fp32_reference_property():
+    """Random models in the kernel's domain (hypothesis), fp16 and bf16: logits and caches within the dtype rule."""
+    @examples("cuda", cpu=0, cuda=40)
+    @given(case=step_cases("cuda"), bf16=st.booleans())
+    def check(case, bf16):
+        model_type, overrides, pads, q_start, capacity, seed = case
+        dtype = torch.bfloat16 if bf16 else torch.float16
+        require_kernel()
+        model = random_llama(model_type, seed=seed, device="cuda", dtype=dtype, **overrides)
+        fuseinfer.patch(model)
+        args, _ = _step_inputs(model, pads, q_start, capacity, seed=seed)
+        assert kernel_supports(len(pads), args["embed"], overrides["intermediate_size"],
+                               overrides["num_attention_heads"], overrides["num_key_value_heads"],
+                               overrides["head_dim"]), overrides
+        _assert_step_within_rule(args, dtype)
+    check()
 
 
 @pytest.mark.gpu
