@@ -41,6 +41,13 @@
 // in the epilogue, before the bias and residual. The LM head stays fp16/bf16. Q8 = false is the fp16/bf16 kernel.
 // FP8 models (E4M3, with Q8): the same stream of 8-bit tiles holds float8 e4m3 weights, converted by
 // fp8_convert.cuh (one instruction per pair on Hopper) instead; everything else is the int8 kernel's.
+// The Llama family (Llama, Mistral, Qwen2; LLAMA = true, fp16/bf16 weights; op llama_decode_step): the same phases
+// and hand-offs with RMSNorm (no mean, no bias), q/k/v = x Wqkv^T (+ Qwen2's bias) with the rotary applied in the
+// epilogue (cos / sin of this step's positions, (B, D) from the caller, staged in shared memory once per launch),
+// grouped-query attention (items per (row, q head, 32 keys), reading kv head h / (H / Hkv)), o_proj and down_proj
+// without bias, and f = SiLU(x Wg^T) * (x Wu^T) in the gate/up epilogue. Rotary pairs dim d with d + D/2 and SiLU
+// pairs gate row f with up row f: the producer loads such pairs into rows o and o + 8 of one tile (produce's PERM
+// addressing, no permuted weight copy), and the epilogue exchanges them with one shuffle (consume's kSwap).
 #include "device_utils.cuh"
 #include "fp8_convert.cuh"
 #include "int8_convert.cuh"
