@@ -31,6 +31,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report):
+    """With FUSEINFER_TEST_FAILURES=path, each failure's report is appended to that file as the test ends, not in
+    the summary at the end of the run: a run cut short by a time limit (a GPU machine's) still says why its
+    failures failed. With pytest-xdist this runs in the controlling process, which receives every worker's report."""
+    path = os.environ.get("FUSEINFER_TEST_FAILURES")
+    if path and report.failed:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
 @pytest.fixture(scope="session", params=DEVICES)
 def device(request) -> str:
     """'cpu', and 'cuda' marked ``gpu`` (listed as skipped without a GPU): the op tests' device parameter. Session

@@ -50,9 +50,19 @@ for stage in "${stages[@]}"; do
       # With several GPUs (or GPUTEST_SHARDS=N): one pytest per GPU over its share of the test files
       # (tools/gpu_shards.py), side by side, logs pytest_gpu_<i>.log; tests that need two GPUs then skip (the
       # multigpu stage runs them); GPUTEST_SHARDS=1 keeps one process.
-      devs=(${CUDA_VISIBLE_DEVICES//,/ })
+      # With pytest-xdist there, each pytest spreads its tests over GPUTEST_WORKERS processes (default 4) sharing
+      # its GPU: most GPU tests are small launches bound by the host, so one GPU serves several at once.
+      xd=()
+      workers=${GPUTEST_WORKERS:-4}
+      if [ "$workers" -gt 1 ] && python3 -c 'import xdist' 2>/dev/null; then xd=(-n "$workers" --dist load); fi
+      cvd=${CUDA_VISIBLE_DEVICES:-}; devs=(${cvd//,/ })
       [ ${#devs[@]} -eq 0 ] && devs=($(seq 0 $(( $(nvidia-smi -L | wc -l) - 1 ))))
       shards=${GPUTEST_SHARDS:-${#devs[@]}}
+      # CPU threads per test process sized to share the cores: torch's default (every core, in each of the
+      # shards x workers processes) oversubscribes them, which slows the tests whose CPU references are heavy
+      procs=$(( shards * (${#xd[@]} > 0 ? workers : 1) ))
+      export FUSEINFER_TEST_FAILURES=$OUT/test_failures.log  # (each failure's report as it happens: tests/conftest.py)
+      export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / procs > 0 ? $(nproc) / procs : 1 ))}
       if [ "$shards" -gt 1 ]; then
         python3 -m pytest --collect-only -q -p no:cacheprovider -m gpu tests 2>/dev/null |
           python3 tools/gpu_shards.py "$shards" > "$OUT/gpu_shards.txt"
@@ -60,7 +70,7 @@ for stage in "${stages[@]}"; do
         while IFS= read -r files; do
           if [ -n "$files" ]; then
             (export CUDA_VISIBLE_DEVICES=${devs[$(( i % ${#devs[@]} ))]}
-             run pytest_gpu_$i python3 -m pytest -v -ra --durations=20 -p no:cacheprovider -m gpu $files) > /dev/null &
+             run pytest_gpu_$i python3 -m pytest -v -ra --durations=20 -p no:cacheprovider "${xd[@]}" -m gpu $files) > /dev/null &
             pids+=($!)
           fi
           i=$((i + 1))
@@ -68,25 +78,33 @@ for stage in "${stages[@]}"; do
         for pid in "${pids[@]}"; do wait "$pid" || status=1; done
         grep -h -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$OUT"/pytest_gpu_*.log
       else
-        run pytest_gpu python3 -m pytest -v -ra --durations=20 -p no:cacheprovider -m gpu tests
+        run pytest_gpu python3 -m pytest -v -ra --durations=20 -p no:cacheprovider "${xd[@]}" -m gpu tests
       fi ;;
     test)
       run pytest python3 -m pytest -q -ra -p no:cacheprovider tests
       run compare_logits python3 tools/compare_logits.py --shape opt-1.3b --dtype fp16 --seq 512 ;;
-    sanitize)  # every kernel under memcheck, synccheck and racecheck (see tools/kernel_smoke.py for the two parts)
-      run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/kernel_smoke.py
-      run synccheck compute-sanitizer --tool synccheck --error-exitcode 1 python3 tools/kernel_smoke.py
-      run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 \
-        python3 tools/kernel_smoke.py --part no-ring-wrap
-      run racecheck_prefill compute-sanitizer --tool racecheck --error-exitcode 1 \
-        python3 tools/kernel_smoke.py --part prefill
+    sanitize)  # every kernel under memcheck, synccheck and racecheck (see tools/kernel_smoke.py for the parts); the
+      # runs are independent processes, so they go side by side (logs <name>.log), then the ring-wrap gates
+      san() { local name=$1; shift; (run "$name" "$@") > /dev/null; }
+      pids=()
+      san memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/kernel_smoke.py & pids+=($!)
+      san synccheck compute-sanitizer --tool synccheck --error-exitcode 1 python3 tools/kernel_smoke.py & pids+=($!)
+      for part in no-ring-wrap sampling sampling-cluster prefill; do
+        san racecheck_$part compute-sanitizer --tool racecheck --error-exitcode 1 \
+          python3 tools/kernel_smoke.py --part $part & pids+=($!)
+      done
       # decode steps whose rings wrap: racecheck reports every reuse of a TMA-filled stage (as it does for the correct
       # ring of tools/racecheck_ring.cu, the control below), so these runs fail on any other hazard only
       for part in d64 d128; do
-        run racecheck_ring_wrap_$part timeout 200 compute-sanitizer --tool racecheck \
-          python3 tools/kernel_smoke.py --part ring-wrap-$part
+        san racecheck_ring_wrap_$part timeout 300 compute-sanitizer --tool racecheck \
+          python3 tools/kernel_smoke.py --part ring-wrap-$part & pids+=($!)
+      done
+      for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+      for part in d64 d128; do
         run racecheck_ring_wrap_${part}_gate python3 tools/racecheck_tma.py "$OUT/racecheck_ring_wrap_$part.log"
       done
+      grep -h -E "=== .*: exit|ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/memcheck.log "$OUT"/synccheck.log \
+        "$OUT"/racecheck_*.log
       nvcc -arch=sm_90 -o "$OUT/racecheck_ring" tools/racecheck_ring.cu &&
         compute-sanitizer --tool racecheck "$OUT/racecheck_ring" 2>&1 | grep -E "racecheck_ring|SUMMARY" |
         tee "$OUT/racecheck_control.log"

@@ -1,6 +1,7 @@
 """Runs every CUDA kernel once on small odd shapes; the target of compute-sanitizer in tools/gpu_check.sh.
 
-    python tools/kernel_smoke.py [--part all|no-ring-wrap|ring-wrap-d64|ring-wrap-d128|prefill|int8-step]
+    python tools/kernel_smoke.py [--part all|no-ring-wrap|sampling|sampling-cluster|ring-wrap-d64|ring-wrap-d128|
+                                         prefill|int8-step]
 
 ``ring-wrap-d64`` and ``ring-wrap-d128`` are the one-kernel decode step with long contexts (head dim 64 and 128; d64
 also the Llama family's step),
@@ -8,10 +9,12 @@ whose weight and key/value streams go round each block's ring of shared-memory s
 ``prefill`` is the attention prefills over enough key tiles to wrap the wgmma kernel's ring of TMA-filled stages,
 and into a cache tail it zeroes after the TMA write; ``int8-step`` is the one-kernel step of int8 weight-only models
 (int8 weight tiles through the ring: a short step per dtype and a long-context one whose ring wraps; racecheck it
-through tools/racecheck_tma.py like the ring-wrap parts); ``no-ring-wrap`` is everything else. gpu_check's racecheck
+through tools/racecheck_tma.py like the ring-wrap parts); ``sampling`` and ``sampling-cluster`` are the token-sampling
+kernels (one block a row, and a cluster of blocks a row: slow under racecheck, so parts of their own that run beside
+the others); ``no-ring-wrap`` is everything else. gpu_check's racecheck
 gates the two decode parts on hazards other than a TMA write's (tools/racecheck_tma.py), since racecheck reports
 the reuse of a TMA-filled stage even in a correct ring (tools/racecheck_ring.cu); each runs in its own process, so
-that one's flood of reports does not use up racecheck's hazard records before the other runs. The other two parts
+that one's flood of reports does not use up racecheck's hazard records before the other runs. The other parts
 must be free of hazards.
 """
 import argparse
@@ -27,7 +30,8 @@ from fuseinfer.models.opt.decode import decode_step_params, decode_step_weight_s
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--part", default="all",
-                    choices=["all", "no-ring-wrap", "ring-wrap-d64", "ring-wrap-d128", "prefill", "int8-step"])
+                    choices=["all", "no-ring-wrap", "sampling", "sampling-cluster", "ring-wrap-d64", "ring-wrap-d128",
+                             "prefill", "int8-step"])
 part = parser.parse_args().part
 assert torch.cuda.is_available()
 torch.manual_seed(0)
@@ -201,36 +205,50 @@ def emit_tokens(scores=None, chosen=None):
                     ops.emit_tokens_scratch(3, "cuda"), chosen)
 
 
-def sample_tokens():
-    """Sampling's token choice: a vocabulary of 1001 (the row in shared memory; odd, a tail past the Philox groups
-    of four) and Qwen2's 151936 (re-read from global memory), each warper and ties at the cut-offs (fp16-rounded
-    logits); then the bookkeeping with the chosen tokens (emit_tokens' one-block kernel). On sm_90 the same rows through
-    the cluster kernel at every cluster size (the host picks it at 151936 tokens; at 37 tokens and 16 CTAs six CTAs
-    hold no token) and both kernels forced at 151936 tokens; a row of integers (ties at v*: the CTAs' tie cut)."""
+def sample_tokens(cluster: bool):
+    """Sampling's token choice, each warper and ties at the cut-offs (fp16-rounded logits). ``cluster`` False: the
+    one-block kernel at a vocabulary of 1001 (the row in shared memory; odd, a tail past the Philox groups of four)
+    and 60013 (past the ~54k tokens a block keeps in shared memory: re-read from global memory), then the bookkeeping
+    with the chosen tokens (emit_tokens' one-block kernel). True (sm_90): the cluster kernel at every cluster size
+    (at 37 tokens and 16 CTAs six CTAs hold no token) and at 5003 tokens on 2 CTAs (several tokens a thread); a row
+    of integers (ties at v*: the CTAs' tie cut). (Larger vocabularies take the same paths and run for many minutes
+    under racecheck; the GPU tests cover them.)"""
     from fuseinfer.core.extension import extension
 
     seed, off = torch.tensor([5], device="cuda"), torch.tensor([2], device="cuda")
     settings = ((1.0, 0, 1.0, 0.0), (0.7, 50, 0.9, 0.0), (1.3, 0, 0.95, 0.05))
-    for v in (1001, 151936):
-        scores = (torch.randn(3, v, device="cuda") * 3).half().float()
-        scores[2, ::3] = float("-inf")
-        for temperature, top_k, top_p, min_p in settings:
-            chosen = ops.sample_tokens(scores, seed, off, temperature, top_k, top_p, min_p)
-            extension().sample_tokens_kept(scores, seed, off, temperature, top_k, top_p, min_p)
-    emit_tokens(scores, chosen)
-    if torch.cuda.get_device_capability()[0] >= 9:
-        for v, clusters in ((37, (2, 16)), (1001, (2, 4, 8, 16)), (151936, (0, 16))):
+    sm90 = torch.cuda.get_device_capability()[0] >= 9
+    if not cluster:
+        for v in (1001, 60013):
             scores = (torch.randn(3, v, device="cuda") * 3).half().float()
-            scores[1] = torch.randint(-3, 4, (v,), device="cuda").float()
             scores[2, ::3] = float("-inf")
-            for cluster in clusters:
-                for setting in settings + ((1.0, 5, 0.3, 0.0),):
-                    extension().sample_tokens_kept_with(scores, seed, off, *setting, cluster)
+            for setting in settings:
+                if v < 4096 or not sm90:  # the host's own choice is the one-block kernel
+                    small, chosen = scores, ops.sample_tokens(scores, seed, off, *setting)
+                    extension().sample_tokens_kept(scores, seed, off, *setting)
+                else:
+                    extension().sample_tokens_kept_with(scores, seed, off, *setting, 0)
+        emit_tokens(small, chosen)
+        return
+    if not sm90:
+        return
+    for v, clusters in ((37, (2, 16)), (1001, (2, 4, 8, 16)), (5003, (2,))):
+        scores = (torch.randn(3, v, device="cuda") * 3).half().float()
+        scores[1] = torch.randint(-3, 4, (v,), device="cuda").float()
+        scores[2, ::3] = float("-inf")
+        for c in clusters:
+            for setting in settings + ((1.0, 5, 0.3, 0.0),):
+                extension().sample_tokens_kept_with(scores, seed, off, *setting, c)
+            torch.cuda.synchronize()
+            print(f"sampling-cluster: vocab {v}, cluster {c} done", flush=True)
 
 
+if part in ("all", "sampling"):
+    sample_tokens(cluster=False)
+if part in ("all", "sampling-cluster"):
+    sample_tokens(cluster=True)
 if part in ("all", "no-ring-wrap"):
     other_kernels()
-    sample_tokens()
     for dtype in (torch.float16, torch.bfloat16):
         decode_step(dtype, 2, 256, 4, 512, 96, [70, 50, 70], 20)  # short: a few stages per block
         llama_decode_step(dtype, 2, 256, 4, 2, 512, 96, [70, 50, 70], 20)  # the Llama step: d64, 2:1

@@ -1,5 +1,7 @@
 """Tools of tools/gpu_check.sh: the racecheck gate (tools/racecheck_tma.py) on synthetic racecheck logs, and the
-GPU test shards (tools/gpu_shards.py) on a synthetic collection."""
+GPU test shards (tools/gpu_shards.py) on a synthetic collection, and the failure log of a cut GPU test run
+(tests/conftest.py)."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -80,3 +82,18 @@ def test_gpu_shards_bad_count_is_one_usage_line(arg):
     run = subprocess.run([sys.executable, str(SHARDS), *([arg] if arg else [])], input=COLLECTED,
                          capture_output=True, text=True)
     assert run.returncode == 2 and run.stderr.startswith("usage:") and not run.stdout
+
+
+def test_failures_are_logged_as_they_happen(tmp_path):
+    """FUSEINFER_TEST_FAILURES (tests/conftest.py's hook): a failing test's report lands in the file when it ends,
+    a passing one writes nothing."""
+    tests = Path(__file__).resolve().parents[1]
+    (tmp_path / "test_planted.py").write_text("def test_fails():\n    assert 1 == 2, 'planted'\n\n"
+                                              "def test_passes():\n    pass\n")
+    log = tmp_path / "failures.log"
+    env = {**os.environ, "FUSEINFER_TEST_FAILURES": str(log), "PYTHONPATH": str(tests)}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+                          str(tmp_path / "test_planted.py")], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert run.returncode == 1, run.stdout + run.stderr
+    text = log.read_text()
+    assert "test_planted.py::test_fails (call)" in text and "planted" in text and "test_passes" not in text
