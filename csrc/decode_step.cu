@@ -1279,8 +1279,10 @@ int64_t decode_step_workspace_bytes(int64_t m, int64_t e, int64_t f, int64_t hea
   return workspace_layout(m, e, f, heads, head_dim, capacity).back();
 }
 
-bool decode_step_fits(int64_t m, int64_t e, int64_t f) {
-  return m >= 1 && m <= kMaxTokens && ring_stages(m, e, f, kMaxLayers) >= kMinStages;
+// rope_dim: 0 (OPT), or the Llama step's head dim (its rotary tables take shared memory too)
+bool decode_step_fits(int64_t m, int64_t e, int64_t f, int64_t rope_dim) {
+  return m >= 1 && m <= kMaxTokens &&
+         ring_stages(m, e, f, kMaxLayers, rope_dim > 0 ? rope_table_bytes(m, rope_dim) : 0) >= kMinStages;
 }
 
 at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& q_start,
@@ -1308,7 +1310,7 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
   TORCH_CHECK(heads * head_dim == e && e % 32 == 0 && f % 32 == 0, "decode_step: unsupported hidden sizes");
   TORCH_CHECK(!q8 || (static_cast<int64_t>(weight_scales.size()) == 4 * layers && e % 64 == 0 && f % 64 == 0),
               "decode_step: int8 weights need 4 scale vectors per layer and hidden / ffn sizes multiple of 64");
-  TORCH_CHECK(decode_step_fits(m, e, f), "decode_step: ", m, " rows of hidden ", e, " / ffn ", f,
+  TORCH_CHECK(decode_step_fits(m, e, f, 0), "decode_step: ", m, " rows of hidden ", e, " / ffn ", f,
               " do not fit in shared memory");
   TORCH_CHECK(positions.numel() == m && q_start.numel() == m && q_start.scalar_type() == at::kInt &&
                   tokens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
@@ -1451,7 +1453,7 @@ at::Tensor llama_decode_step_cuda(const at::Tensor& tokens, const at::Tensor& co
   TORCH_CHECK(e % head_dim == 0 && kv_heads >= 1 && heads % kv_heads == 0 && e % 32 == 0 && f % 32 == 0,
               "llama_decode_step: unsupported sizes (hidden = heads x head dim, heads a multiple of the kv heads, "
               "hidden and ffn multiples of 32)");
-  TORCH_CHECK(decode_step_fits(m, e, f), "llama_decode_step: ", m, " rows of hidden ", e, " / ffn ", f,
+  TORCH_CHECK(decode_step_fits(m, e, f, head_dim), "llama_decode_step: ", m, " rows of hidden ", e, " / ffn ", f,
               " do not fit in shared memory");
   TORCH_CHECK(q_start.numel() == m && q_start.scalar_type() == at::kInt && tokens.scalar_type() == at::kLong &&
                   key_mask.scalar_type() == at::kBool && key_mask.size(0) >= m && key_mask.size(1) == capacity,
@@ -1539,7 +1541,8 @@ at::Tensor llama_decode_step_cuda(const at::Tensor& tokens, const at::Tensor& co
 // workspace: decode_step_workspace_bytes() bytes, zeroed once, kept between calls. Returns fp32 logits (B, V),
 // rounded to the model dtype first like the LM head's output. weight_scales: empty, or (8-bit weights) 4 fp32 (N,)
 // per layer for the int8 or float8_e4m3fn qkv, out_proj, fc1 and fc2 weights of layer_params.
-// decode_step_fits(m, e, f): whether m rows of hidden e / ffn f fit the kernel's shared memory on the current device.
+// decode_step_fits(m, e, f, rope_dim): whether m rows of hidden e / ffn f fit the kernel's shared memory on the current
+// device (rope_dim: the Llama step's head dim, whose rotary tables it stages too; 0 for OPT).
 // decode_step_trace(): with FUSEINFER_DECODE_TRACE=1, the (blocks, 2 + 8 * layers) trace of the last launch:
 // globaltimer stamps (ns) of the start, per layer the ends of qkv, attention, out_proj, LN2 + fc1, fc2, next LN, then
 // the LM head's end; then per layer the cumulative ns the producer waited for a free ring stage and consumer thread 0
@@ -1560,7 +1563,7 @@ TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
         "Tensor lm_head, Tensor(c!) workspace, float eps, float scale) -> Tensor");
   m.def("decode_step_workspace_bytes(int m, int e, int f, int heads, int head_dim, int capacity) -> int",
         &decode_step_workspace_bytes);
-  m.def("decode_step_fits(int m, int e, int f) -> bool", &decode_step_fits);
+  m.def("decode_step_fits(int m, int e, int f, int rope_dim=0) -> bool", &decode_step_fits);
   m.def("decode_step_trace() -> Tensor?", &decode_step_trace);
 }
 

@@ -87,7 +87,7 @@ def kernel_supports(rows: int, embed: torch.Tensor, ffn: int, heads: int, kv_hea
             and torch.cuda.get_device_capability(embed.device)[0] >= 9 and embed.dtype in KERNEL_DTYPES
             and head_dim in (64, 128) and hidden == heads * head_dim and kv_heads >= 1 and heads % kv_heads == 0
             and 1 <= rows <= MAX_ROWS and hidden % 32 == 0 and ffn % 32 == 0
-            and bool(ext.decode_step_fits(rows, hidden, ffn)))
+            and bool(ext.decode_step_fits(rows, hidden, ffn, head_dim)))
 
 
 def _sizes(layer_params, k_caches):
