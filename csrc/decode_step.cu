@@ -117,6 +117,10 @@ struct StepParams {
   int kv_heads;              // key/value heads (grouped-query attention: q head h reads kv head h / (heads / kv_heads))
   bool qkv_bias;             // whether layer[l].bqkv holds the q/k/v bias (Qwen2)
   const void *cos, *sin;     // (B, D) rotary tables of this step's positions, in the model dtype
+  // KV8 (float8 e4m3 caches) only: layer l's (2, Hkv) fp32 scales (the keys' row, then the values'), a stored x
+  // meaning x * scale. The prefill's calibration writes them: the consumers stage them in shared memory after
+  // pdl_wait (kv_scale_table), and nothing else reads these pointers.
+  const float* kv_scale[kMaxLayers];
 };
 
 // Trace row of a block (FUSEINFER_DECODE_TRACE=1): the consumers' timestamps (ns) at the 2 + kTracePhases *
@@ -258,6 +262,22 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
 #pragma unroll
   for (int j = 0; j < 8; ++j) e[j] = from_float<T>(f[j]);
   return u;
+}
+
+// KV8: the pair (s0, s1) of new keys or values as kv_cache_append_fp8 stores it: rounded to T (the projection's
+// output), divided by its head's scale (fp32, rounded to nearest), then rounded to e4m3 with saturation at +-448;
+// the two bytes in the low 16 bits, the first element in the low byte (as in memory).
+template <typename T>
+__device__ __forceinline__ uint32_t e4m3_pair(float s0, float s1, float scale) {
+  const uint32_t lo = fp8::e4m3_from_float(__fdiv_rn(to_float(from_float<T>(s0)), scale));
+  const uint32_t hi = fp8::e4m3_from_float(__fdiv_rn(to_float(from_float<T>(s1)), scale));
+  return lo | hi << 8;
+}
+
+// Two e4m3 (the low 16 bits, low byte first) -> two floats (exact).
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t pair) {
+  const uint32_t h = fp8::e4m3x2_to_f16x2(static_cast<uint16_t>(pair));
+  return __half22float2(*reinterpret_cast<const __half2*>(&h));
 }
 
 // ---- the weight stream: one sequence of (matrix, tile, k-chunk) stages, walked by producer and consumers ----
@@ -633,9 +653,12 @@ __device__ __forceinline__ AttnItem attention_item(const StepParams& p, int slic
   return it;
 }
 
-template <int D>
+// KV8: e4m3 caches, one byte per element: an item takes half the bytes (4 items of D = 64 per stage, 2 of D = 128).
+template <int D, bool KV8 = false>
 struct AttnStage {
-  static constexpr int kItemBytes = 2 * kSlice * D * 2;  // 32 keys, then 32 values
+  static constexpr int kElem = KV8 ? 1 : 2;                 // bytes per cached element
+  static constexpr int kRowBytes = D * kElem;               // one key or value
+  static constexpr int kItemBytes = 2 * kSlice * kRowBytes;  // 32 keys, then 32 values
   static constexpr int kItemsPerStage = kStageBytes / kItemBytes;
   static_assert(kItemsPerStage >= 1, "an attention item fits a ring stage");
 };
@@ -649,26 +672,27 @@ __device__ __forceinline__ int block_items(int items) {
 // and values of kv head h / group (caches (B, heads / group, T, D)), so each kv slice streams once per q head of its
 // group.
 // Producer: the old keys and values of this block's items of layer L, in the consumers' order.
-template <int D, bool GQA = false>
+template <int D, bool GQA = false, bool KV8 = false>
 __device__ void produce_attention(Ring& ring, const StepParams& p, const LayerWeights& L, int slices, uint64_t policy,
                                   int group = 1) {
-  using S = AttnStage<D>;
+  using S = AttnStage<D, KV8>;
   const int lane = threadIdx.x & 31;
   const int n = block_items(p.m * p.heads * slices);
   for (int j0 = 0; j0 < n; j0 += S::kItemsPerStage) {
     const int s = lane / 2;  // lane 2 s: item s's keys, lane 2 s + 1: its values
     const bool copies = s < min(S::kItemsPerStage, n - j0);
     const AttnItem it = attention_item(p, slices, blockIdx.x + (j0 + (copies ? s : 0)) * gridDim.x);
-    const uint32_t bytes = __reduce_add_sync(0xffffffffu, copies ? it.old * D * 2 : 0);
+    const uint32_t bytes = __reduce_add_sync(0xffffffffu, copies ? it.old * S::kRowBytes : 0);
     ring.wait(&ring.empty[ring.index], ring.phase ^ 1);
     if (lane == 0) mbar_expect_tx(&ring.full[ring.index], bytes);  // (0 bytes: the arrival alone completes it)
     __syncwarp();
     if (copies && it.old > 0) {
-      const int64_t at =
-          GQA ? ((static_cast<int64_t>(it.m) * (p.heads / group) + it.head / group) * p.capacity + it.first) * D * 2
-              : ((static_cast<int64_t>(it.m) * p.heads + it.head) * p.capacity + it.first) * D * 2;
-      bulk_copy(ring.stages + ring.index * kStageBytes + s * S::kItemBytes + (lane % 2) * kSlice * D * 2,
-                static_cast<const char*>(lane % 2 ? L.v_cache : L.k_cache) + at, it.old * D * 2,
+      const int64_t at =  // (bytes)
+          GQA ? ((static_cast<int64_t>(it.m) * (p.heads / group) + it.head / group) * p.capacity + it.first) *
+                    S::kRowBytes
+              : ((static_cast<int64_t>(it.m) * p.heads + it.head) * p.capacity + it.first) * S::kRowBytes;
+      bulk_copy(ring.stages + ring.index * kStageBytes + s * S::kItemBytes + (lane % 2) * kSlice * S::kRowBytes,
+                static_cast<const char*>(lane % 2 ? L.v_cache : L.k_cache) + at, it.old * S::kRowBytes,
                 &ring.full[ring.index], policy);
     }
     ring.advance();
@@ -677,13 +701,21 @@ __device__ void produce_attention(Ring& ring, const StepParams& p, const LayerWe
 
 // One warp: the item's partial softmax (max, sum, o) to p.attn_part. kv: its keys and values in the ring stage.
 // The lane scores one key, then each lane accumulates D / 32 output dims over the 32 values.
-template <typename T, int D, bool GQA = false>
+// KV8: the keys and values are e4m3 (the ring's and the new token's, which kv_new carries as the bytes the cache
+// got, so this step attends to the stored value as the per-op path does); kv_scale: the layer's (2, Hkv) scales in
+// shared memory. As attention.cu's FP8 form: the scores are q . k times the key scale, the output sum p v times the
+// value scale once (the partials are merged scaled).
+template <typename T, int D, bool GQA = false, bool KV8 = false>
 __device__ void attention_partial(const StepParams& p, int slices, int item, uint32_t epoch, const char* kv,
-                                  float* q, int group = 1) {
+                                  float* q, int group = 1, const float* kv_scale = nullptr) {
+  using S = AttnStage<D, KV8>;
   constexpr int kPerLane = D / 32;  // dims per lane (of q, the new key, the output): 2 or 4
   constexpr int kWords = kPerLane / 2;  // tagged words of them
-  constexpr int kChunks = D / 8;    // 16-byte chunks of a key
-  using VLoad = std::conditional_t<kPerLane == 2, uint32_t, uint2>;
+  constexpr int kChunks = S::kRowBytes / 16;  // 16-byte chunks of a key
+  constexpr int kChunkDims = 16 / S::kElem;  // dims per chunk: 8, or (KV8) 16
+  // a lane's kPerLane elements of a cached value: 4 or 8 bytes, (KV8) 2 or 4
+  using VLoad = std::conditional_t<KV8, std::conditional_t<kPerLane == 2, uint16_t, uint32_t>,
+                                   std::conditional_t<kPerLane == 2, uint32_t, uint2>>;
   const int lane = threadIdx.x & 31;
   const AttnItem it = attention_item(p, slices, item);
   const int mh = it.m * p.heads + it.head;
@@ -716,23 +748,40 @@ __device__ void attention_partial(const StepParams& p, int slices, int item, uin
       }
     }
     const T* qe = reinterpret_cast<const T*>(qw);
-    const T* ke = reinterpret_cast<const T*>(kw);
     float new_dot = 0.f;  // the new key's score: every lane's share of the dot product
+    if constexpr (KV8) {
+      float kn[kPerLane];  // the new key's dims of this lane: the stored e4m3, unscaled
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      q[lane * kPerLane + j] = to_float(qe[j]);
-      new_dot += to_float(qe[j]) * to_float(ke[j]);
+      for (int w = 0; w < kWords; ++w) {
+        const float2 f = e4m3x2_to_float2(kw[w]);
+        kn[2 * w] = f.x;
+        kn[2 * w + 1] = f.y;
+      }
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        q[lane * kPerLane + j] = to_float(qe[j]);
+        new_dot += to_float(qe[j]) * kn[j];
+      }
+    } else {
+      const T* ke = reinterpret_cast<const T*>(kw);
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        q[lane * kPerLane + j] = to_float(qe[j]);
+        new_dot += to_float(qe[j]) * to_float(ke[j]);
+      }
     }
     new_dot = warp_sum(new_dot);
     VLoad v_new;
-    if constexpr (kPerLane == 2) {
+    if constexpr (KV8) {  // the lane's kPerLane bytes, from the low 16 bits of each word
+      v_new = static_cast<VLoad>(kPerLane == 2 ? vw[0] & 0xffffu : (vw[0] & 0xffffu) | vw[kWords - 1] << 16);
+    } else if constexpr (kPerLane == 2) {
       v_new = vw[0];
     } else {
       v_new = make_uint2(vw[0], vw[1]);
     }
     // key chunks in rotated order (chunk (c + lane) % kChunks at step c): the 32 lanes' rows share banks
     uint4 kc[kChunks];
-    const uint4* krow = reinterpret_cast<const uint4*>(kv + lane * D * 2);
+    const uint4* krow = reinterpret_cast<const uint4*>(kv + lane * S::kRowBytes);
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) kc[c] = lane < it.old ? krow[(c + lane) % kChunks] : make_uint4(0, 0, 0, 0);
     const bool valid = lane < it.keys && p.key_mask[static_cast<int64_t>(it.m) * p.capacity + it.first + lane];
@@ -740,26 +789,54 @@ __device__ void attention_partial(const StepParams& p, int slices, int item, uin
     float dot = 0.f;
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
-      float kf[8];
-      unpack8<T>(kc[c], kf);
-      const float* qc = q + ((c + lane) % kChunks) * 8;
+      float kf[kChunkDims];
+      if constexpr (KV8) {
+        const uint32_t words[4] = {kc[c].x, kc[c].y, kc[c].z, kc[c].w};
 #pragma unroll
-      for (int j = 0; j < 8; ++j) dot += qc[j] * kf[j];
+        for (int w = 0; w < 4; ++w) {
+          const float2 a = e4m3x2_to_float2(words[w]), b = e4m3x2_to_float2(words[w] >> 16);
+          kf[4 * w] = a.x, kf[4 * w + 1] = a.y, kf[4 * w + 2] = b.x, kf[4 * w + 3] = b.y;
+        }
+      } else {
+        unpack8<T>(kc[c], kf);
+      }
+      const float* qc = q + ((c + lane) % kChunks) * kChunkDims;
+#pragma unroll
+      for (int j = 0; j < kChunkDims; ++j) dot += qc[j] * kf[j];
     }
     if (has_new && lane == it.old) dot = new_dot;
+    [[maybe_unused]] float v_scale = 1.f;
+    if constexpr (KV8) {  // this item's kv head's scales: the key's on the dot product (log2 domain), the value's below
+      const int hk = GQA ? it.head / group : it.head;
+      dot *= kv_scale[hk];
+      v_scale = kv_scale[(GQA ? p.heads / group : p.heads) + hk];
+    }
     const float score = valid ? dot * p.scale_log2 : -INFINITY;
     mx = warp_max(score);
     const float prob = mx == -INFINITY ? 0.f : exp2f(score - mx);
     sum = warp_sum(prob);
-    const VLoad* vs = reinterpret_cast<const VLoad*>(kv + kSlice * D * 2) + lane;
+    const VLoad* vs = reinterpret_cast<const VLoad*>(kv + kSlice * S::kRowBytes) + lane;
 #pragma unroll
     for (int j = 0; j < kSlice; ++j) {
       const float pj = __shfl_sync(0xffffffffu, prob, j);  // 0 for keys past the slice's end
       const VLoad vz = {};
       const VLoad v = j < it.old ? vs[j * (D / kPerLane)] : (j < it.keys ? v_new : vz);  // (stale rows: never read)
-      const T* ve = reinterpret_cast<const T*>(&v);
+      if constexpr (KV8) {
 #pragma unroll
-      for (int d = 0; d < kPerLane; ++d) o[d] += pj * to_float(ve[d]);
+        for (int d = 0; d < kPerLane; d += 2) {
+          const float2 f = e4m3x2_to_float2(static_cast<uint32_t>(v) >> (8 * d));
+          o[d] += pj * f.x;
+          o[d + 1] += pj * f.y;
+        }
+      } else {
+        const T* ve = reinterpret_cast<const T*>(&v);
+#pragma unroll
+        for (int d = 0; d < kPerLane; ++d) o[d] += pj * to_float(ve[d]);
+      }
+    }
+    if constexpr (KV8) {
+#pragma unroll
+      for (int d = 0; d < kPerLane; ++d) o[d] *= v_scale;
     }
     __syncwarp();  // q is rewritten by this warp's next item
   }
@@ -824,11 +901,12 @@ __device__ void attention_merge(const StepParams& p, int slices, int item, uint3
   if (lane == 0 && layer + 1 == p.layers) p.attn_count[mh] = 0;  // ready for the next launch
 }
 
-// Consumers: this block's items, as their keys and values arrive through the ring, then the merges.
-template <typename T, int D, bool GQA = false>
+// Consumers: this block's items, as their keys and values arrive through the ring, then the merges. KV8: e4m3
+// caches with the layer's scales kv_scale (shared memory).
+template <typename T, int D, bool GQA = false, bool KV8 = false>
 __device__ void attention(Ring& ring, const StepParams& p, int slices, uint32_t epoch, int layer, float* scratch,
-                          int group = 1) {
-  using S = AttnStage<D>;
+                          int group = 1, const float* kv_scale = nullptr) {
+  using S = AttnStage<D, KV8>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n = block_items(p.m * p.heads * slices);
   for (int j0 = 0; j0 < n; j0 += S::kItemsPerStage) {
@@ -837,8 +915,8 @@ __device__ void attention(Ring& ring, const StepParams& p, int slices, uint32_t 
     for (int s = 0; s < S::kItemsPerStage; ++s) {
       const int j = j0 + s;
       if (j < n && j % kConsumerWarps == warp) {
-        attention_partial<T, D, GQA>(p, slices, blockIdx.x + j * gridDim.x, epoch, stage + s * S::kItemBytes,
-                                     scratch + warp * D, group);
+        attention_partial<T, D, GQA, KV8>(p, slices, blockIdx.x + j * gridDim.x, epoch, stage + s * S::kItemBytes,
+                                          scratch + warp * D, group, kv_scale);
       }
     }
     __syncwarp();
@@ -862,7 +940,9 @@ __host__ __device__ constexpr int params_bytes(int layers) {
 
 // GEMV epilogues (see consume): pre(token, n, j, bias) is what the tile's sums start from, keep(j, sum) sees
 // every sum, store(token, n, sum) or, kPairs, store(token, n, sum_n, sum_n+1) writes them.
-template <typename T>
+// KV8: the caches are e4m3 (the T pointers hold bytes); k and v go to kv_new and the caches as e4m3_pair of the
+// head's scale (kv_scale: the layer's (2, H) in shared memory), kv_new's words carrying the two bytes.
+template <typename T, bool KV8 = false>
 struct QkvEpilogue {  // q -> q, k and v -> kv_new (tagged, for this step) and the caches at slot q_start[token]
   static constexpr bool kPairs = true, kBias = true, kSwap = false;
   uint64_t *q, *kv_new;
@@ -870,9 +950,26 @@ struct QkvEpilogue {  // q -> q, k and v -> kv_new (tagged, for this step) and t
   const int* q_start;
   int e, heads, capacity, head_dim;
   uint32_t epoch;
+  const float* kv_scale = nullptr;  // KV8
   __device__ float pre(int, int, int, float bias) const { return bias; }
   __device__ void keep(int, float) const {}
   __device__ void store(int m, int n, float s0, float s1) const {  // n, n + 1: the same head's
+    if constexpr (KV8) {
+      if (n < e) {
+        st_tagged(q + (static_cast<int64_t>(m) * e + n) / 2, pack2<T>(s0, s1), epoch);
+        return;
+      }
+      const bool is_v = n >= 2 * e;
+      const int c = is_v ? n - 2 * e : n - e;
+      const uint32_t pair = e4m3_pair<T>(s0, s1, kv_scale[(is_v ? heads : 0) + c / head_dim]);
+      st_tagged(kv_new + (static_cast<int64_t>(m) * 2 * e + n - e) / 2, pair, epoch);
+      const int slot = q_start[m];
+      if (slot < 0 || slot >= capacity) return;
+      uint8_t* cache = reinterpret_cast<uint8_t*>(is_v ? v_cache : k_cache);
+      *reinterpret_cast<uint16_t*>(cache + ((static_cast<int64_t>(m) * heads + c / head_dim) * capacity + slot) *
+                                               head_dim + c % head_dim) = static_cast<uint16_t>(pair);
+      return;
+    }
     const uint32_t pair = pack2<T>(s0, s1);
     if (n < e) {
       st_tagged(q + (static_cast<int64_t>(m) * e + n) / 2, pair, epoch);
@@ -932,7 +1029,8 @@ struct ReluEpilogue {  // out = relu(acc + bias) (fc1), tagged; NaN passes throu
 // head; v's tiles are plain): bias (Qwen2) when has_bias, then q and k rotated as linear_rope.cu does (the projection
 // rounded to the model dtype, x cos + rotate_half(x) sin in fp32, one rounding), stored like QkvEpilogue's: q -> q,
 // k and v -> kv_new (Hkv D keys, then Hkv D values, in a row of 2 E) and the caches (B, Hkv, T, D) at q_start[token].
-template <typename T, int D>
+// KV8: k and v stored as QkvEpilogue's KV8 stores them (kv_scale: the layer's (2, Hkv)).
+template <typename T, int D, bool KV8 = false>
 struct LlamaQkvEpilogue {
   static constexpr bool kPairs = true, kBias = true, kSwap = true;
   uint64_t *q, *kv_new;
@@ -942,6 +1040,7 @@ struct LlamaQkvEpilogue {
   int e, kv_heads, capacity, rope_rows;  // rope_rows: (H + Hkv) D
   bool has_bias;
   uint32_t epoch;
+  const float* kv_scale = nullptr;  // KV8
   __device__ int row_of(int n) const {  // the weight row of tile output n
     const int r0 = n - n % kTileRows, r = n % kTileRows;
     if (r0 >= rope_rows) return n;
@@ -960,6 +1059,23 @@ struct LlamaQkvEpilogue {
   }
   __device__ void store(int m, int n, float s0, float s1) const {  // n, n + 1: dims d, d + 1 of one head
     const int row = row_of(n);
+    if constexpr (KV8) {
+      if (row < e) {
+        st_tagged(q + (static_cast<int64_t>(m) * e + row) / 2, pack2<T>(s0, s1), epoch);
+        return;
+      }
+      const int c = row - e, kvd = kv_heads * D;  // keys, then values
+      const bool is_v = c >= kvd;
+      const int cc = is_v ? c - kvd : c;
+      const uint32_t pair = e4m3_pair<T>(s0, s1, kv_scale[(is_v ? kv_heads : 0) + cc / D]);
+      st_tagged(kv_new + (static_cast<int64_t>(m) * 2 * e + c) / 2, pair, epoch);
+      const int slot = q_start[m];
+      if (slot < 0 || slot >= capacity) return;
+      uint8_t* cache = reinterpret_cast<uint8_t*>(is_v ? v_cache : k_cache);
+      *reinterpret_cast<uint16_t*>(cache + ((static_cast<int64_t>(m) * kv_heads + cc / D) * capacity + slot) * D +
+                                   cc % D) = static_cast<uint16_t>(pair);
+      return;
+    }
     const uint32_t pair = pack2<T>(s0, s1);
     if (row < e) {
       st_tagged(q + (static_cast<int64_t>(m) * e + row) / 2, pair, epoch);
@@ -1015,9 +1131,12 @@ struct LogitsEpilogue {  // fp32 logits, rounded to the model dtype first like t
 // LLAMA: the Llama family's step (Llama, Mistral, Qwen2; fp16/bf16 weights): RMSNorms, the fused q/k/v (+ bias) with
 // the rotary in its epilogue, grouped-query attention, gate/up with SiLU * up in its epilogue, no other biases, no
 // position table; the same phases, ring and hand-offs otherwise (see the header).
-template <typename T, int D, bool Q8, bool E4M3 = false, bool LLAMA = false>
+// KV8: float8 e4m3 caches with per-(layer, kv head) scales (either family, fp16/bf16 weights): the attention streams
+// and reads e4m3 keys and values, the q/k/v epilogue quantizes the new ones (see the header).
+template <typename T, int D, bool Q8, bool E4M3 = false, bool LLAMA = false, bool KV8 = false>
 __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_constant__ StepParams params) {
   static_assert(!(LLAMA && Q8), "the Llama family's step streams fp16/bf16 weights only");
+  static_assert(!(KV8 && Q8), "e4m3 caches with fp16/bf16 weights only");
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[32], empty[32];
   // the GEMVs' partial sums, by tile parity; attention's scratch is the buffer that qkv's last tile did not use
@@ -1036,6 +1155,9 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
   StepParams* copy = reinterpret_cast<StepParams*>(lnp + ln_params_bytes(params.e));
   // LLAMA: cos, then sin, (M, D) each, after the parameters' copy (rope_table_bytes)
   [[maybe_unused]] T* rope_table = reinterpret_cast<T*>(reinterpret_cast<char*>(copy) + params_bytes(params.layers));
+  // KV8: every layer's (2, Hkv) cache scales, after the rotary tables (kv_scale_table_bytes)
+  [[maybe_unused]] float* kv_scale_table =
+      reinterpret_cast<float*>(reinterpret_cast<char*>(rope_table) + (LLAMA ? 2 * params.m * D * sizeof(T) : 0));
   {
     const int bytes = params_bytes(params.layers);
     const uint4* src = reinterpret_cast<const uint4*>(&params);
@@ -1081,7 +1203,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
         asm volatile("bar.sync 2, %0;\n" ::"n"(kThreads) : "memory");  // the consumers have stored the slots
         slices = attention_slices(p);
       }
-      produce_attention<D, LLAMA>(ring, p, L, slices, policy, group);
+      produce_attention<D, LLAMA, KV8>(ring, p, L, slices, policy, group);
       produce<Q8>(ring, L.wo, L.bo, p.e, p.e, policy, params.wscale[l][1]);
       if constexpr (LLAMA) {  // gate/up: (2F, E)
         produce<false, true>(ring, L.w1, nullptr, 2 * p.f, p.e, policy, nullptr, 2 * p.f, p.f);
@@ -1105,6 +1227,14 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
     for (int i = threadIdx.x; i < p.m * D; i += kConsumers) {
       rope_table[i] = ld_dep_as(static_cast<const T*>(params.cos) + i);
       rope_table[p.m * D + i] = ld_dep_as(static_cast<const T*>(params.sin) + i);
+    }
+  }
+  // KV8: the caches' scales (the prefill's calibration wrote them), once: every layer's epilogue and attention read
+  // them
+  const int kv_heads = LLAMA ? params.kv_heads : p.heads;
+  if constexpr (KV8) {
+    for (int i = threadIdx.x; i < p.layers * 2 * kv_heads; i += kConsumers) {
+      kv_scale_table[i] = ld_dep(params.kv_scale[i / (2 * kv_heads)] + i % (2 * kv_heads));
     }
   }
   consumers_sync();
@@ -1131,18 +1261,32 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
     const LayerWeights& L = p.layer[l];
     const uint32_t epoch = epoch0 + l + 1;
     const int ev = 1 + kTracePhases * l;
-    if constexpr (LLAMA) {
+    [[maybe_unused]] const float* kv_scale = kv_scale_table + l * 2 * kv_heads;  // KV8: this layer's
+    if constexpr (LLAMA && KV8) {
+      consume<T>(ring, x, p.x_stride, p.m, qkv_rows, p.e, partial, pbuf,
+                 LlamaQkvEpilogue<T, D, true>{p.q, p.kv_new, static_cast<T*>(L.k_cache), static_cast<T*>(L.v_cache),
+                                              p.q_start, rope_table, rope_table + p.m * D, p.e, params.kv_heads,
+                                              p.capacity, rope_rows, params.qkv_bias, epoch, kv_scale});
+    } else if constexpr (LLAMA) {
       consume<T>(ring, x, p.x_stride, p.m, qkv_rows, p.e, partial, pbuf,
                  LlamaQkvEpilogue<T, D>{p.q, p.kv_new, static_cast<T*>(L.k_cache), static_cast<T*>(L.v_cache),
                                         p.q_start, rope_table, rope_table + p.m * D, p.e, params.kv_heads, p.capacity,
                                         rope_rows, params.qkv_bias, epoch});
+    } else if constexpr (KV8) {
+      consume<T>(ring, x, p.x_stride, p.m, 3 * p.e, p.e, partial, pbuf,
+                 QkvEpilogue<T, true>{p.q, p.kv_new, static_cast<T*>(L.k_cache), static_cast<T*>(L.v_cache),
+                                      p.q_start, p.e, p.heads, p.capacity, D, epoch, kv_scale});
     } else {
       consume<T, Q8, E4M3>(ring, x, p.x_stride, p.m, 3 * p.e, p.e, partial, pbuf,
                  QkvEpilogue<T>{p.q, p.kv_new, static_cast<T*>(L.k_cache),
                                 static_cast<T*>(L.v_cache), p.q_start, p.e, p.heads, p.capacity, D, epoch});
     }
     mark(ev);
-    attention<T, D, LLAMA>(ring, p, slices, epoch, l, &partial[pbuf][0][0][0], group);
+    if constexpr (KV8) {
+      attention<T, D, LLAMA, true>(ring, p, slices, epoch, l, &partial[pbuf][0][0][0], group, kv_scale);
+    } else {
+      attention<T, D, LLAMA>(ring, p, slices, epoch, l, &partial[pbuf][0][0][0], group);
+    }
     mark(ev + 1);
     stage_rows(p, x, p.attn, p.e, epoch);
     consume<T, Q8, E4M3>(ring, x, p.x_stride, p.m, p.e, p.e, partial, pbuf,
@@ -1231,6 +1375,9 @@ int64_t* trace_buffer(const at::Device& device, int64_t blocks, int64_t events) 
 // The Llama step's rotary tables in shared memory: cos and sin, (M, D) each, 16-bit.
 int rope_table_bytes(int64_t m, int64_t head_dim) { return static_cast<int>(2 * m * head_dim * 2); }
 
+// KV8: the e4m3 caches' scales in shared memory, `count` fp32 (layers x 2 x kv heads), in whole 16-byte units.
+int kv_scale_table_bytes(int64_t count) { return static_cast<int>((count * 4 + 15) / 16 * 16); }
+
 // The workspace's parts (workspace_layout) into p.
 void set_workspace(StepParams& p, at::Tensor& workspace, const std::vector<int64_t>& layout) {
   char* ws = static_cast<char*>(workspace.data_ptr());
@@ -1245,15 +1392,15 @@ void set_workspace(StepParams& p, at::Tensor& workspace, const std::vector<int64
   p.ffn = reinterpret_cast<uint64_t*>(ws + layout[8]);
 }
 
-// One launch of a step kernel over p (its m rows), one block per SM.
+// One launch of a step kernel over p (its m rows), one block per SM. extra: the dynamic shared memory after the
+// parameters' copy (the rotary tables, the KV8 scales: what ring_stages was given).
 template <typename Kernel>
-void launch_step(Kernel kernel, const StepParams& p) {
+void launch_step(Kernel kernel, const StepParams& p, int extra) {
   const auto* props = at::cuda::getCurrentDeviceProperties();
   TORCH_CHECK(props->major >= 9, "decode_step: needs an sm_90 GPU (TMA bulk copies), got sm_", props->major,
               props->minor);
   TORCH_CHECK(props->multiProcessorCount <= kMaxBlocks, "decode_step: more than ", kMaxBlocks, " SMs");
-  const int smem = p.stages * kStageBytes + p.m * p.x_stride + ln_params_bytes(p.e) + params_bytes(p.layers) +
-                   (p.kv_heads > 0 ? rope_table_bytes(p.m, p.e / p.heads) : 0);
+  const int smem = p.stages * kStageBytes + p.m * p.x_stride + ln_params_bytes(p.e) + params_bytes(p.layers) + extra;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   int resident = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, smem));
@@ -1279,10 +1426,35 @@ int64_t decode_step_workspace_bytes(int64_t m, int64_t e, int64_t f, int64_t hea
   return workspace_layout(m, e, f, heads, head_dim, capacity).back();
 }
 
-// rope_dim: 0 (OPT), or the Llama step's head dim (its rotary tables take shared memory too)
-bool decode_step_fits(int64_t m, int64_t e, int64_t f, int64_t rope_dim) {
-  return m >= 1 && m <= kMaxTokens &&
-         ring_stages(m, e, f, kMaxLayers, rope_dim > 0 ? rope_table_bytes(m, rope_dim) : 0) >= kMinStages;
+// rope_dim: 0 (OPT), or the Llama step's head dim (its rotary tables take shared memory too); kv_scales: 0, or
+// (e4m3 caches) the number of their fp32 scales, layers x 2 x kv heads (staged in shared memory as well).
+bool decode_step_fits(int64_t m, int64_t e, int64_t f, int64_t rope_dim, int64_t kv_scales) {
+  const int64_t extra =
+      (rope_dim > 0 ? rope_table_bytes(m, rope_dim) : 0) + (kv_scales > 0 ? kv_scale_table_bytes(kv_scales) : 0);
+  return m >= 1 && m <= kMaxTokens && ring_stages(m, e, f, kMaxLayers, extra) >= kMinStages;
+}
+
+// KV8: the e4m3 caches' scales (one (2, kv heads) fp32 tensor per layer) into p, checked; empty for caches in the
+// model dtype. Returns the bytes they take in shared memory.
+int set_kv_scales(StepParams& p, const std::vector<at::Tensor>& kv_scales, bool kv8, int64_t layers, int64_t kv_heads,
+                  const at::Device& device, const char* op) {
+  if (!kv8) {
+    TORCH_CHECK(kv_scales.empty(), op, ": kv_scales are for float8_e4m3fn caches only (pass none for caches in the "
+                "model dtype)");
+    return 0;
+  }
+  TORCH_CHECK(static_cast<int64_t>(kv_scales.size()) == layers, op, ": float8_e4m3fn caches need one kv_scales "
+              "tensor per layer, got ", kv_scales.size(), " for ", layers, " layers");
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor& t = kv_scales[l];
+    TORCH_CHECK(t.device() == device && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                    t.sizes().equals({2, kv_heads}),
+                op, ": kv_scales[", l, "] must be a contiguous [2, ", kv_heads, "] float32 tensor on ", device,
+                " (the keys' and the values' scale per kv head), got ", t.scalar_type(), " ", t.sizes(), " on ",
+                t.device());
+    p.kv_scale[l] = t.data_ptr<float>();
+  }
+  return kv_scale_table_bytes(layers * 2 * kv_heads);
 }
 
 at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& q_start,
@@ -1290,7 +1462,7 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
                             const std::vector<at::Tensor>& layer_params, std::vector<at::Tensor> k_caches,
                             std::vector<at::Tensor> v_caches, const at::Tensor& lnf_w, const at::Tensor& lnf_b,
                             const at::Tensor& lm_head, at::Tensor& workspace, double eps, double scale,
-                            const std::vector<at::Tensor>& weight_scales) {
+                            const std::vector<at::Tensor>& weight_scales, const std::vector<at::Tensor>& kv_scales) {
   const c10::cuda::CUDAGuard guard(embed.device());
   // 8-bit weights: int8 weight-only or FP8 (e4m3) models, the format of the first qkv weight; 4 fp32 scale vectors
   // per layer
@@ -1303,6 +1475,10 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
                   static_cast<int64_t>(layer_params.size()) == 12 * layers,
               "decode_step: expected 1..", kMaxLayers, " layers with 12 parameters and a k and v cache each");
   TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "decode_step: fp16 or bf16 only");
+  // e4m3 caches (KV8) with their scales, or caches in the model dtype
+  const bool kv8 = k_caches[0].scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(!(kv8 && q8), "decode_step: float8_e4m3fn caches take fp16/bf16 weights (8-bit weights need caches in "
+              "the model dtype)");
   const int64_t m = tokens.numel(), e = embed.size(1), vocab = lm_head.size(0);
   const int64_t f = layer_params[8].size(0);  // fc1 weight (F, E)
   const int64_t heads = k_caches[0].size(1), capacity = k_caches[0].size(2), head_dim = k_caches[0].size(3);
@@ -1310,8 +1486,8 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
   TORCH_CHECK(heads * head_dim == e && e % 32 == 0 && f % 32 == 0, "decode_step: unsupported hidden sizes");
   TORCH_CHECK(!q8 || (static_cast<int64_t>(weight_scales.size()) == 4 * layers && e % 64 == 0 && f % 64 == 0),
               "decode_step: int8 weights need 4 scale vectors per layer and hidden / ffn sizes multiple of 64");
-  TORCH_CHECK(decode_step_fits(m, e, f, 0), "decode_step: ", m, " rows of hidden ", e, " / ffn ", f,
-              " do not fit in shared memory");
+  TORCH_CHECK(decode_step_fits(m, e, f, 0, kv8 ? layers * 2 * heads : 0), "decode_step: ", m, " rows of hidden ", e,
+              " / ffn ", f, " do not fit in shared memory");
   TORCH_CHECK(positions.numel() == m && q_start.numel() == m && q_start.scalar_type() == at::kInt &&
                   tokens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
                   key_mask.scalar_type() == at::kBool && key_mask.size(0) >= m && key_mask.size(1) == capacity,
@@ -1345,6 +1521,16 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
                 "decode_step: the scales of ", what, " must be a contiguous, 16-byte aligned [", rows,
                 "] float32 tensor on the model's device");
   };
+  // a cache: (B, H, T, D) in the model dtype, or float8_e4m3fn (kv8, every cache)
+  auto check_cache = [&](const at::Tensor& t, const char* what) {
+    if (!kv8) return check(t, {k_caches[0].size(0), heads, capacity, head_dim}, what);
+    TORCH_CHECK(t.device() == embed.device() && t.scalar_type() == at::kFloat8_e4m3fn && t.is_contiguous() &&
+                    t.sizes().equals({k_caches[0].size(0), heads, capacity, head_dim}) &&
+                    reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+                "decode_step: ", what, " must be a contiguous, 16-byte aligned ",
+                c10::IntArrayRef({k_caches[0].size(0), heads, capacity, head_dim}),
+                " float8_e4m3fn tensor on the model's device (one cache dtype for all layers)");
+  };
   const auto layout = workspace_layout(m, e, f, heads, head_dim, capacity);
   TORCH_CHECK(workspace.device() == embed.device() && workspace.is_contiguous() &&
                   workspace.nbytes() >= static_cast<size_t>(layout.back()),
@@ -1359,7 +1545,8 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
   p.layers = static_cast<int>(layers);
   p.capacity = static_cast<int>(capacity);
   p.slices_cap = static_cast<int>((capacity + kSlice - 1) / kSlice);
-  p.stages = ring_stages(m, e, f, layers);
+  const int extra = set_kv_scales(p, kv_scales, kv8, layers, heads, embed.device(), "decode_step");
+  p.stages = ring_stages(m, e, f, layers, extra);
   p.x_stride = static_cast<int>(x_stride_bytes(std::max(e, f)));
   p.eps = static_cast<float>(eps);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
@@ -1391,8 +1578,8 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
     check(w[9], {f}, "fc1.bias");
     check_weight(w[10], e, f, l, 3, "fc2.weight");
     check(w[11], {e}, "fc2.bias");
-    check(k_caches[l], {k_caches[0].size(0), heads, capacity, head_dim}, "k cache");
-    check(v_caches[l], {k_caches[0].size(0), heads, capacity, head_dim}, "v cache");
+    check_cache(k_caches[l], "k cache");
+    check_cache(v_caches[l], "v cache");
     TORCH_CHECK(k_caches[l].size(0) >= m, "decode_step: cache batch smaller than the step's rows");
     p.layer[l] = LayerWeights{w[0].data_ptr(), w[1].data_ptr(), w[2].data_ptr(),  w[3].data_ptr(),
                               w[4].data_ptr(), w[5].data_ptr(), w[6].data_ptr(),  w[7].data_ptr(),
@@ -1403,8 +1590,16 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
     }
   }
 
-  auto launch = [&](auto kernel) { launch_step(kernel, p); };
-  if (e4m3) {
+  auto launch = [&](auto kernel) { launch_step(kernel, p, extra); };
+  if (kv8) {
+    if (dtype == at::kHalf) {
+      head_dim == 64 ? launch(decode_step_kernel<__half, 64, false, false, false, true>)
+                     : launch(decode_step_kernel<__half, 128, false, false, false, true>);
+    } else {
+      head_dim == 64 ? launch(decode_step_kernel<__nv_bfloat16, 64, false, false, false, true>)
+                     : launch(decode_step_kernel<__nv_bfloat16, 128, false, false, false, true>);
+    }
+  } else if (e4m3) {
     if (dtype == at::kHalf) {
       head_dim == 64 ? launch(decode_step_kernel<__half, 64, true, true>)
                      : launch(decode_step_kernel<__half, 128, true, true>);
@@ -1435,7 +1630,7 @@ at::Tensor llama_decode_step_cuda(const at::Tensor& tokens, const at::Tensor& co
                                   const std::vector<at::Tensor>& layer_params, const std::vector<at::Tensor>& qkv_biases,
                                   std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
                                   const at::Tensor& norm_w, const at::Tensor& lm_head, at::Tensor& workspace, double eps,
-                                  double scale) {
+                                  double scale, const std::vector<at::Tensor>& kv_scales) {
   const c10::cuda::CUDAGuard guard(embed.device());
   const auto dtype = embed.scalar_type();
   const int64_t layers = static_cast<int64_t>(k_caches.size());
@@ -1450,11 +1645,12 @@ at::Tensor llama_decode_step_cuda(const at::Tensor& tokens, const at::Tensor& co
   const int64_t kv_heads = k_caches[0].size(1), capacity = k_caches[0].size(2), head_dim = k_caches[0].size(3);
   TORCH_CHECK(head_dim == 64 || head_dim == 128, "llama_decode_step: head dim 64 or 128 only");
   const int64_t heads = e / head_dim;
+  const bool kv8 = k_caches[0].scalar_type() == at::kFloat8_e4m3fn;  // e4m3 caches with their scales
   TORCH_CHECK(e % head_dim == 0 && kv_heads >= 1 && heads % kv_heads == 0 && e % 32 == 0 && f % 32 == 0,
               "llama_decode_step: unsupported sizes (hidden = heads x head dim, heads a multiple of the kv heads, "
               "hidden and ffn multiples of 32)");
-  TORCH_CHECK(decode_step_fits(m, e, f, head_dim), "llama_decode_step: ", m, " rows of hidden ", e, " / ffn ", f,
-              " do not fit in shared memory");
+  TORCH_CHECK(decode_step_fits(m, e, f, head_dim, kv8 ? layers * 2 * kv_heads : 0), "llama_decode_step: ", m,
+              " rows of hidden ", e, " / ffn ", f, " do not fit in shared memory");
   TORCH_CHECK(q_start.numel() == m && q_start.scalar_type() == at::kInt && tokens.scalar_type() == at::kLong &&
                   key_mask.scalar_type() == at::kBool && key_mask.size(0) >= m && key_mask.size(1) == capacity,
               "llama_decode_step: bad tokens / q_start / key_mask");
@@ -1473,6 +1669,16 @@ at::Tensor llama_decode_step_cuda(const at::Tensor& tokens, const at::Tensor& co
   check(sin, {m, head_dim}, "sin");
   check(norm_w, {e}, "final norm weight");
   check(lm_head, {vocab, e}, "lm_head");
+  // a cache: (B, Hkv, T, D) in the model dtype, or float8_e4m3fn (kv8, every cache)
+  auto check_cache = [&](const at::Tensor& t, const char* what) {
+    if (!kv8) return check(t, {k_caches[0].size(0), kv_heads, capacity, head_dim}, what);
+    TORCH_CHECK(t.device() == embed.device() && t.scalar_type() == at::kFloat8_e4m3fn && t.is_contiguous() &&
+                    t.sizes().equals({k_caches[0].size(0), kv_heads, capacity, head_dim}) &&
+                    reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+                "llama_decode_step: ", what, " must be a contiguous, 16-byte aligned ",
+                c10::IntArrayRef({k_caches[0].size(0), kv_heads, capacity, head_dim}),
+                " float8_e4m3fn tensor on the model's device (one cache dtype for all layers)");
+  };
   const auto layout = workspace_layout(m, e, f, heads, head_dim, capacity);
   TORCH_CHECK(workspace.device() == embed.device() && workspace.is_contiguous() &&
                   workspace.nbytes() >= static_cast<size_t>(layout.back()),
@@ -1487,7 +1693,9 @@ at::Tensor llama_decode_step_cuda(const at::Tensor& tokens, const at::Tensor& co
   p.layers = static_cast<int>(layers);
   p.capacity = static_cast<int>(capacity);
   p.slices_cap = static_cast<int>((capacity + kSlice - 1) / kSlice);
-  p.stages = ring_stages(m, e, f, layers, rope_table_bytes(m, head_dim));
+  const int extra = rope_table_bytes(m, head_dim) +
+                    set_kv_scales(p, kv_scales, kv8, layers, kv_heads, embed.device(), "llama_decode_step");
+  p.stages = ring_stages(m, e, f, layers, extra);
   TORCH_CHECK(p.stages >= kMinStages, "llama_decode_step: ", m, " rows of hidden ", e, " / ffn ", f, " and ", layers,
               " layers do not fit in shared memory");
   p.x_stride = static_cast<int>(x_stride_bytes(std::max(e, f)));
@@ -1518,19 +1726,28 @@ at::Tensor llama_decode_step_cuda(const at::Tensor& tokens, const at::Tensor& co
     check(w[4], {2 * f, e}, "gate/up weight");
     check(w[5], {e, f}, "down_proj.weight");
     if (p.qkv_bias) check(qkv_biases[l], {qkv_rows}, "qkv bias");
-    check(k_caches[l], {k_caches[0].size(0), kv_heads, capacity, head_dim}, "k cache");
-    check(v_caches[l], {k_caches[0].size(0), kv_heads, capacity, head_dim}, "v cache");
+    check_cache(k_caches[l], "k cache");
+    check_cache(v_caches[l], "v cache");
     TORCH_CHECK(k_caches[l].size(0) >= m, "llama_decode_step: cache batch smaller than the step's rows");
     p.layer[l] = LayerWeights{w[0].data_ptr(), nullptr, w[1].data_ptr(), p.qkv_bias ? qkv_biases[l].data_ptr() : nullptr,
                               w[2].data_ptr(), nullptr, w[3].data_ptr(), nullptr, w[4].data_ptr(), nullptr,
                               w[5].data_ptr(), nullptr, k_caches[l].data_ptr(), v_caches[l].data_ptr()};
   }
-  if (dtype == at::kHalf) {
-    head_dim == 64 ? launch_step(decode_step_kernel<__half, 64, false, false, true>, p)
-                   : launch_step(decode_step_kernel<__half, 128, false, false, true>, p);
+  auto launch = [&](auto kernel) { launch_step(kernel, p, extra); };
+  if (kv8) {
+    if (dtype == at::kHalf) {
+      head_dim == 64 ? launch(decode_step_kernel<__half, 64, false, false, true, true>)
+                     : launch(decode_step_kernel<__half, 128, false, false, true, true>);
+    } else {
+      head_dim == 64 ? launch(decode_step_kernel<__nv_bfloat16, 64, false, false, true, true>)
+                     : launch(decode_step_kernel<__nv_bfloat16, 128, false, false, true, true>);
+    }
+  } else if (dtype == at::kHalf) {
+    head_dim == 64 ? launch(decode_step_kernel<__half, 64, false, false, true>)
+                   : launch(decode_step_kernel<__half, 128, false, false, true>);
   } else {
-    head_dim == 64 ? launch_step(decode_step_kernel<__nv_bfloat16, 64, false, false, true>, p)
-                   : launch_step(decode_step_kernel<__nv_bfloat16, 128, false, false, true>, p);
+    head_dim == 64 ? launch(decode_step_kernel<__nv_bfloat16, 64, false, false, true>)
+                   : launch(decode_step_kernel<__nv_bfloat16, 128, false, false, true>);
   }
   return logits;
 }
@@ -1540,9 +1757,12 @@ at::Tensor llama_decode_step_cuda(const at::Tensor& tokens, const at::Tensor& co
 // out_proj w, b, LN2 w, b, fc1 w, b, fc2 w, b); k_caches, v_caches: (B, H, T, D) per layer, written at q_start.
 // workspace: decode_step_workspace_bytes() bytes, zeroed once, kept between calls. Returns fp32 logits (B, V),
 // rounded to the model dtype first like the LM head's output. weight_scales: empty, or (8-bit weights) 4 fp32 (N,)
-// per layer for the int8 or float8_e4m3fn qkv, out_proj, fc1 and fc2 weights of layer_params.
-// decode_step_fits(m, e, f, rope_dim): whether m rows of hidden e / ffn f fit the kernel's shared memory on the current
-// device (rope_dim: the Llama step's head dim, whose rotary tables it stages too; 0 for OPT).
+// per layer for the int8 or float8_e4m3fn qkv, out_proj, fc1 and fc2 weights of layer_params. kv_scales: empty, or
+// (float8_e4m3fn caches, fp16/bf16 weights only) one (2, H) fp32 per layer, the keys' and the values' scale per head
+// (ops/kv_cache.py): the new keys and values are stored as kv_cache_append_fp8 stores them and attended to as stored.
+// decode_step_fits(m, e, f, rope_dim, kv_scales): whether m rows of hidden e / ffn f fit the kernel's shared memory on
+// the current device (rope_dim: the Llama step's head dim, whose rotary tables it stages too, 0 for OPT; kv_scales:
+// e4m3 caches' scales, layers x 2 x kv heads, staged too, 0 for caches in the model dtype).
 // decode_step_trace(): with FUSEINFER_DECODE_TRACE=1, the (blocks, 2 + 8 * layers) trace of the last launch:
 // globaltimer stamps (ns) of the start, per layer the ends of qkv, attention, out_proj, LN2 + fc1, fc2, next LN, then
 // the LM head's end; then per layer the cumulative ns the producer waited for a free ring stage and consumer thread 0
@@ -1552,18 +1772,19 @@ at::Tensor llama_decode_step_cuda(const at::Tensor& tokens, const at::Tensor& co
 // layer_params: 6 per layer (input RMSNorm w, q/k/v w ((H + 2 Hkv) D, E), o_proj w, post-attention RMSNorm w, gate/up
 // w (2F, E: gate rows, then up rows), down w); qkv_biases: empty or one ((H + 2 Hkv) D,) per layer; k_caches,
 // v_caches: (B, Hkv, T, D) per layer; norm_w: the final RMSNorm's weight; lm_head (V, E) (the embedding when tied).
-// The workspace, the trace and the logits as decode_step's (the same workspace size for hidden E, ffn F, H heads).
+// The workspace, the trace, the logits and kv_scales ((2, Hkv) per layer) as decode_step's (the same workspace size
+// for hidden E, ffn F, H heads).
 TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
   m.def("decode_step(Tensor tokens, Tensor positions, Tensor q_start, Tensor key_mask, Tensor embed, "
         "Tensor pos_embed, Tensor[] layer_params, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor lnf_w, "
-        "Tensor lnf_b, Tensor lm_head, Tensor(c!) workspace, float eps, float scale, Tensor[] weight_scales) "
-        "-> Tensor");
+        "Tensor lnf_b, Tensor lm_head, Tensor(c!) workspace, float eps, float scale, Tensor[] weight_scales, "
+        "Tensor[] kv_scales) -> Tensor");
   m.def("llama_decode_step(Tensor tokens, Tensor cos, Tensor sin, Tensor q_start, Tensor key_mask, Tensor embed, "
         "Tensor[] layer_params, Tensor[] qkv_biases, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor norm_w, "
-        "Tensor lm_head, Tensor(c!) workspace, float eps, float scale) -> Tensor");
+        "Tensor lm_head, Tensor(c!) workspace, float eps, float scale, Tensor[] kv_scales) -> Tensor");
   m.def("decode_step_workspace_bytes(int m, int e, int f, int heads, int head_dim, int capacity) -> int",
         &decode_step_workspace_bytes);
-  m.def("decode_step_fits(int m, int e, int f, int rope_dim=0) -> bool", &decode_step_fits);
+  m.def("decode_step_fits(int m, int e, int f, int rope_dim=0, int kv_scales=0) -> bool", &decode_step_fits);
   m.def("decode_step_trace() -> Tensor?", &decode_step_trace);
 }
 

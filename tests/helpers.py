@@ -242,3 +242,25 @@ def assert_same_tokens_graph_lean_modules(model, ids, max_new_tokens: int = 8):
         out[choice] = fuseinfer.generate(model, ids, max_new_tokens=max_new_tokens)
         assert (COUNTS["prefill_graph"] > before) == (choice == "graph")
     assert torch.equal(out["graph"], out["lean"]) and torch.equal(out["lean"], out["module"])
+
+
+def with_fp8_caches(args: dict) -> dict:
+    """A decode step's arguments (``k_caches``, ``v_caches`` of keys and values) over FP8 caches: each layer's (2, Hkv)
+    scales from its caches as a prefill calibrates them (``kv_scales_from``), the caches quantized with them
+    (float8_e4m3fn, fresh tensors) and ``kv_scales`` set; the other arguments shared."""
+    from fuseinfer.ops.kv_cache import kv_scales_from, quantize_kv
+
+    scales = [kv_scales_from(k, v) for k, v in zip(args["k_caches"], args["v_caches"])]
+    return {**args, "kv_scales": scales,
+            "k_caches": [quantize_kv(k, s[0]) for k, s in zip(args["k_caches"], scales)],
+            "v_caches": [quantize_kv(v, s[1]) for v, s in zip(args["v_caches"], scales)]}
+
+
+def assert_fp8_caches_close(ours: torch.Tensor, ref: torch.Tensor, new_elements: int, what: str = "") -> None:
+    """Two float8_e4m3fn caches equal up to a few codes one step apart: where the values written before e4m3
+    rounding differ in their last fp32 bits (an accumulation order), a value on a rounding boundary may go either
+    way; ``new_elements``: how many values the step wrote (at most 1% of them, and at least 2, may differ)."""
+    a, b = ours.view(torch.uint8).int(), ref.view(torch.uint8).int()
+    diff = (a - b).abs().masked_fill((ours.float() == 0) & (ref.float() == 0), 0)  # (+0 and -0 alike)
+    assert diff.max().item() <= 1, f"{what}: e4m3 codes {diff.max().item()} steps apart"
+    assert (diff > 0).sum().item() <= max(2, new_elements // 100), f"{what}: {(diff > 0).sum().item()} codes differ"

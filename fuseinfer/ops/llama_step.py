@@ -22,6 +22,11 @@ RMSNorm, gate/up with SiLU * up in its epilogue (a tile pairs gate and up rows t
 ``workspace`` is :func:`fuseinfer.ops.decode_step.decode_step_workspace`'s (made once per cache and kept). Elsewhere
 the op runs :func:`llama_decode_step_ref`. fp16/bf16 weights only: int8 / FP8 Llama models decode per op. Token ids
 below the vocabulary size are the caller's to guarantee (the kernel does not check them on the device).
+
+FP8 KV caches (``RuntimeConfig(kv_cache="fp8")``): float8_e4m3fn ``k_caches`` / ``v_caches`` with ``kv_scales``, each
+layer's (2, Hkv) fp32 scales, handled as :func:`fuseinfer.ops.decode_step.opt_decode_step` handles them (the new keys
+and values stored as ``kv_cache_append_fp8`` stores them, after the rotary, and attended to as stored). Empty
+``kv_scales``: caches in the model dtype.
 """
 from __future__ import annotations
 
@@ -30,8 +35,7 @@ import torch.nn.functional as F
 
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.extension import eager_cuda, extension
-from fuseinfer.ops.attention import attention_ref
-from fuseinfer.ops.decode_step import MAX_ROWS
+from fuseinfer.ops.decode_step import MAX_ROWS, attend_ref, check_kv_scales, kv_scale_count, write_kv_ref
 from fuseinfer.ops.linear import linear_epilogue_ref
 from fuseinfer.ops.rms_norm import add_rms_norm_ref
 from fuseinfer.ops.rope import qkv_rope_ref
@@ -44,9 +48,12 @@ AUTO_MAX_ROWS = 0
 
 
 def llama_decode_step_ref(tokens, cos, sin, q_start, key_mask, embed, layer_params, qkv_biases, k_caches, v_caches,
-                          norm_w, lm_head, workspace, eps: float, scale: float) -> torch.Tensor:
+                          norm_w, lm_head, workspace, eps: float, scale: float, kv_scales=(),
+                          kv_round=None) -> torch.Tensor:
     """Pure-PyTorch reference (in the tensors' dtype; pass fp32 copies for an fp32 reference), rounding where the
-    per-op path's ops round. Writes the caches in place; ``workspace`` is not used. Slots must lie in the cache."""
+    per-op path's ops round. Writes the caches in place; ``workspace`` is not used. Slots must lie in the cache. With
+    ``kv_scales`` (e4m3 caches) the new keys and values are quantized on write (``write_kv_ref``, ``kv_round``) and
+    the attention reads the dequantized caches."""
     m = tokens.numel()
     _, kv_heads, _, d = k_caches[0].shape
     rows, slots = torch.arange(m, device=tokens.device), q_start.long()
@@ -58,9 +65,9 @@ def llama_decode_step_ref(tokens, cos, sin, q_start, key_mask, embed, layer_para
         x, _ = add_rms_norm_ref(h, None, ln1_w, eps, False)
         qkv = F.linear(x, wqkv, qkv_biases[layer] if len(qkv_biases) else None)  # (M, (H + 2 Hkv) D)
         q, k, v = qkv_rope_ref(qkv.unsqueeze(1), cos, sin, heads, kv_heads)  # (M, H, 1, D), 2 x (M, Hkv, 1, D)
-        k_cache[rows, :, slots] = k[:, :, 0]
-        v_cache[rows, :, slots] = v[:, :, 0]
-        attn = attention_ref(q, k_cache[:m], v_cache[:m], key_mask[:m], q_start[:m], scale)  # (M, 1, H, D)
+        kv_scale = kv_scales[layer] if len(kv_scales) else None
+        write_kv_ref(k_cache, v_cache, rows, slots, k[:, :, 0], v[:, :, 0], kv_scale, kv_round)
+        attn = attend_ref(q, k_cache, v_cache, key_mask, q_start, scale, kv_scale)  # (M, 1, H, D)
         h = linear_epilogue_ref(attn.reshape(m, -1), wo, None, h, "none")
         x, _ = add_rms_norm_ref(h, None, ln2_w, eps, False)
         h = linear_epilogue_ref(linear_epilogue_ref(x, wgu, None, None, "silu_mul"), wd, None, h, "none")
@@ -73,21 +80,23 @@ def _llama_decode_step(
     tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_start: torch.Tensor, key_mask: torch.Tensor,
     embed: torch.Tensor, layer_params: list[torch.Tensor], qkv_biases: list[torch.Tensor],
     k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], norm_w: torch.Tensor, lm_head: torch.Tensor,
-    workspace: torch.Tensor, eps: float, scale: float,
+    workspace: torch.Tensor, eps: float, scale: float, kv_scales: list[torch.Tensor],
 ) -> torch.Tensor:
     return llama_decode_step_ref(tokens, cos, sin, q_start, key_mask, embed, layer_params, qkv_biases, k_caches,
-                                 v_caches, norm_w, lm_head, workspace, eps, scale)
+                                 v_caches, norm_w, lm_head, workspace, eps, scale, kv_scales)
 
 
-def kernel_supports(rows: int, embed: torch.Tensor, ffn: int, heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether the CUDA kernel serves a step of ``rows`` tokens for this model (else the reference runs)."""
+def kernel_supports(rows: int, embed: torch.Tensor, ffn: int, heads: int, kv_heads: int, head_dim: int,
+                    kv_scales: int = 0) -> bool:
+    """Whether the CUDA kernel serves a step of ``rows`` tokens for this model (else the reference runs);
+    ``kv_scales``: with e4m3 caches, the number of their scales (layers x 2 x KV heads, staged in shared memory)."""
     ext = extension(embed.device)
     hidden = embed.shape[1]
     return (ext is not None and hasattr(ext, "llama_decode_step") and embed.is_cuda
             and torch.cuda.get_device_capability(embed.device)[0] >= 9 and embed.dtype in KERNEL_DTYPES
             and head_dim in (64, 128) and hidden == heads * head_dim and kv_heads >= 1 and heads % kv_heads == 0
             and 1 <= rows <= MAX_ROWS and hidden % 32 == 0 and ffn % 32 == 0
-            and bool(ext.decode_step_fits(rows, hidden, ffn, head_dim)))
+            and bool(ext.decode_step_fits(rows, hidden, ffn, head_dim, kv_scales)))
 
 
 def _sizes(layer_params, k_caches):
@@ -98,20 +107,20 @@ def _sizes(layer_params, k_caches):
 
 @_llama_decode_step.register_kernel("cuda")
 def _llama_decode_step_cuda(tokens, cos, sin, q_start, key_mask, embed, layer_params, qkv_biases, k_caches, v_caches,
-                            norm_w, lm_head, workspace, eps, scale):
+                            norm_w, lm_head, workspace, eps, scale, kv_scales):
     heads, kv_heads, d, ffn = _sizes(layer_params, k_caches)
-    if not kernel_supports(tokens.numel(), embed, ffn, heads, kv_heads, d):
+    if not kernel_supports(tokens.numel(), embed, ffn, heads, kv_heads, d, kv_scale_count(kv_scales)):
         return llama_decode_step_ref(tokens, cos, sin, q_start, key_mask, embed, layer_params, qkv_biases, k_caches,
-                                     v_caches, norm_w, lm_head, workspace, eps, scale)
+                                     v_caches, norm_w, lm_head, workspace, eps, scale, kv_scales)
     m = tokens.numel()
     return extension().llama_decode_step(tokens, cos.reshape(m, d).contiguous(), sin.reshape(m, d).contiguous(),
                                          q_start, key_mask, embed, layer_params, list(qkv_biases), k_caches, v_caches,
-                                         norm_w, lm_head, workspace, eps, scale)
+                                         norm_w, lm_head, workspace, eps, scale, list(kv_scales))
 
 
 @_llama_decode_step.register_fake
 def _(tokens, cos, sin, q_start, key_mask, embed, layer_params, qkv_biases, k_caches, v_caches, norm_w, lm_head,
-      workspace, eps, scale):
+      workspace, eps, scale, kv_scales):
     return embed.new_empty(tokens.numel(), lm_head.shape[0], dtype=torch.float32)
 
 
@@ -127,7 +136,7 @@ def weights_refusal(embed: torch.Tensor, layer_params) -> str | None:
 
 
 def llama_decode_step(tokens, cos, sin, q_start, key_mask, embed, layer_params, qkv_biases, k_caches, v_caches,
-                      norm_w, lm_head, workspace, eps: float, scale: float) -> torch.Tensor:
+                      norm_w, lm_head, workspace, eps: float, scale: float, kv_scales=()) -> torch.Tensor:
     """One decode step; see the module docstring. Returns fp32 logits (B, V)."""
     layers = len(k_caches)
     qkv_biases = list(qkv_biases)
@@ -139,9 +148,10 @@ def llama_decode_step(tokens, cos, sin, q_start, key_mask, embed, layer_params, 
     why = weights_refusal(embed, layer_params)
     if why is not None:
         raise FuseInferError(why)
+    kv_scales = check_kv_scales(k_caches, v_caches, kv_scales, "llama_decode_step")
     if eager_cuda(embed):
         return _llama_decode_step_cuda(tokens, cos, sin, q_start, key_mask, embed, layer_params, qkv_biases,
-                                       k_caches, v_caches, norm_w, lm_head, workspace, eps, scale)
+                                       k_caches, v_caches, norm_w, lm_head, workspace, eps, scale, kv_scales)
     return torch.ops.fuseinfer.llama_decode_step(tokens, cos, sin, q_start, key_mask, embed, layer_params,
                                                  qkv_biases, k_caches, v_caches, norm_w, lm_head, workspace, eps,
-                                                 scale)
+                                                 scale, kv_scales)

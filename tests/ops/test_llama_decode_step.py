@@ -45,7 +45,7 @@ def _step_inputs(model, pads, q_start, capacity, seed=1):
         k_caches=caches[0::2], v_caches=caches[1::2], norm_w=base.norm.weight, lm_head=model.lm_head.weight,
         workspace=decode_step_workspace(rows, cfg.hidden_size, cfg.intermediate_size, heads, d, capacity,
                                         embed.device),
-        eps=base.layers[0].input_layernorm.variance_epsilon, scale=d ** -0.5)
+        eps=base.layers[0].input_layernorm.variance_epsilon, scale=d ** -0.5, kv_scales=[])
     args["layer_params"] = [p.detach() for p in args["layer_params"]]
     args["qkv_biases"] = [b.detach() for b in args["qkv_biases"]]
     out = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}

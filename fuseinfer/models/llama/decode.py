@@ -15,6 +15,8 @@ from fuseinfer.layers import attention_backend, hf_attention
 from fuseinfer.models.common import global_hooks, has_hooks
 from fuseinfer.models.llama import modules as llama
 from fuseinfer.ops import decode_step_workspace, llama_decode_step
+from fuseinfer.ops.decode_step import kv_scale_count
+from fuseinfer.ops.kv_cache import FP8_DTYPE
 from fuseinfer.ops import llama_step as step_op
 
 # rotary types whose tables depend on more than the positions (transformers rescales them from the longest position
@@ -86,11 +88,13 @@ def decode_step_kernel(model: nn.Module, cache):
     if global_hooks() or any(has_hooks(m) for m in model.modules()):
         return None, "a module has hooks, which the one-kernel step would bypass (the per-op step calls them)"
     embed = base.embed_tokens.weight
-    if any(c.dtype != embed.dtype for c in cache.keys + cache.values):
-        return None, "the one-kernel step reads caches of the model's dtype (an FP8 cache runs per op)"
+    kv_scales = list(getattr(cache, "kv_scales", None) or ())  # an FP8 (e4m3) cache's, else []
+    if any(c.dtype != (FP8_DTYPE if kv_scales else embed.dtype) for c in cache.keys + cache.values):
+        return None, "the one-kernel step reads caches of the model's dtype or FP8 (e4m3) caches with their scales"
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = llama.head_dim_of(cfg)
-    if not step_op.kernel_supports(rows, embed, cfg.intermediate_size, heads, kv_heads, head_dim):
+    if not step_op.kernel_supports(rows, embed, cfg.intermediate_size, heads, kv_heads, head_dim,
+                                   kv_scale_count(kv_scales)):
         return None, (f"no kernel for {rows} rows of {embed.dtype} on {embed.device} (needs the extension, sm_90, "
                       f"fp16/bf16, head dim 64/128 with hidden = heads x head dim, <= {step_op.MAX_ROWS} rows that fit "
                       "shared memory)")
@@ -119,7 +123,7 @@ def decode_step_kernel(model: nn.Module, cache):
     def step(tokens, positions, q_start):
         cos, sin = rotary(like, positions.view(-1, 1))  # (B, 1, D) each, every rope scaling transformers has
         return llama_decode_step(tokens.view(-1), cos, sin, q_start, cache.key_mask, embed, params, biases,
-                                 cache.keys, cache.values, norm_w, lm_head, workspace, eps, scale)
+                                 cache.keys, cache.values, norm_w, lm_head, workspace, eps, scale, kv_scales)
 
     step.op = "fuseinfer::llama_decode_step"  # (the runtime's description of its path)
     return step, None
