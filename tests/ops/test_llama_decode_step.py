@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_llama
-from helpers import examples, given, require_kernel, st
+from helpers import assert_fp8_caches_close, examples, given, require_kernel, st, with_fp8_caches
 
 import fuseinfer
 from fuseinfer.models.llama import decode as llama_decode
 from fuseinfer.models.llama.decode import decode_step_params, forward_last_logits
 from fuseinfer.ops import llama_decode_step, llama_decode_step_ref
 from fuseinfer.ops.decode_step import decode_step_workspace
+from fuseinfer.ops.kv_cache import FP8_DTYPE
 from fuseinfer.ops.llama_step import kernel_supports
 from fuseinfer.runtime.cache import StaticKVCache
 
@@ -53,23 +54,29 @@ def _step_inputs(model, pads, q_start, capacity, seed=1):
 
 
 def _converted(args, dtype):
-    """A copy of the step's arguments with floating tensors in ``dtype`` (caches copied, never shared)."""
+    """A copy of the step's arguments with floating tensors in ``dtype`` (caches copied, never shared; FP8 caches
+    stay float8_e4m3fn with their fp32 scales)."""
     conv = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+    cache = lambda c: c.clone() if c.dtype == FP8_DTYPE else c.to(dtype, copy=True)  # noqa: E731
     out = {k: (conv(v) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
     out["layer_params"] = [conv(p) for p in args["layer_params"]]
     out["qkv_biases"] = [conv(p) for p in args["qkv_biases"]]
-    out["k_caches"] = [c.to(dtype, copy=True) for c in args["k_caches"]]
-    out["v_caches"] = [c.to(dtype, copy=True) for c in args["v_caches"]]
+    out["k_caches"] = [cache(c) for c in args["k_caches"]]
+    out["v_caches"] = [cache(c) for c in args["v_caches"]]
     return out
 
 
 def _per_op(model, args, positions, slot):
     """The patched modules' decode step (forward_last_logits over a StaticKVCache holding copies of the step's
-    caches, one write slot for all rows) -> (fp32 logits (B, V), the cache)."""
+    caches, and of their scales when they are FP8, one write slot for all rows) -> (fp32 logits (B, V), the
+    cache)."""
     cfg = model.config
     k0 = args["k_caches"][0]
-    cache = StaticKVCache(cfg.num_hidden_layers, k0.shape[0], k0.shape[1], k0.shape[3], k0.shape[2], k0.dtype,
-                          k0.device)
+    fp8 = bool(args["kv_scales"])
+    cache = StaticKVCache(cfg.num_hidden_layers, k0.shape[0], k0.shape[1], k0.shape[3], k0.shape[2],
+                          args["embed"].dtype, k0.device, kv_dtype=FP8_DTYPE if fp8 else None)
+    if fp8:
+        cache.kv_scales = [sc.clone() for sc in args["kv_scales"]]
     cache.keys = [c.clone() for c in args["k_caches"]]
     cache.values = [c.clone() for c in args["v_caches"]]
     cache.key_mask = args["key_mask"]
@@ -239,16 +246,23 @@ def _gpu_model(model_type, dtype, overrides):
 
 def _assert_step_within_rule(args: dict, dtype) -> torch.Tensor:
     """The kernel's logits and caches within twice the reference's own error in ``dtype`` against the fp32
-    reference (the same inputs and weights); returns the kernel's logits."""
+    reference (the same inputs and weights); returns the kernel's logits. FP8 caches: the fp32 reference rounds the
+    new keys and values to ``dtype`` before quantizing them, as the per-op path and the kernel store them, and the
+    caches must hold the same e4m3 codes (assert_fp8_caches_close)."""
+    fp8 = bool(args.get("kv_scales"))
     ref_args, lowp_args = _converted(args, torch.float32), _converted(args, dtype)
-    ref32 = llama_decode_step_ref(**ref_args)
+    ref32 = llama_decode_step_ref(**ref_args, kv_round=dtype if fp8 else None)
     torch_lowp = llama_decode_step_ref(**lowp_args)
     ours = llama_decode_step(**args)
     assert ours.shape == ref32.shape and ours.dtype == torch.float32
     err, torch_err = (ours - ref32).abs().max().item(), (torch_lowp - ref32).abs().max().item()
     assert err <= 2 * torch_err + 1e-6, f"logits: ours {err:.3g} vs torch {torch_err:.3g}"
+    _, kv_heads, _, d = args["k_caches"][0].shape
     for ours_c, ref_c, lowp_c in zip(args["k_caches"] + args["v_caches"], ref_args["k_caches"] + ref_args["v_caches"],
                                      lowp_args["k_caches"] + lowp_args["v_caches"]):
+        if fp8:
+            assert_fp8_caches_close(ours_c, ref_c, len(args["q_start"]) * kv_heads * d, "cache")
+            continue
         e, te = (ours_c.float() - ref_c).abs().max().item(), (lowp_c.float() - ref_c).abs().max().item()
         assert e <= 2 * te + 1e-6, f"cache: ours {e:.3g} vs torch {te:.3g}"
     return ours
@@ -399,3 +413,138 @@ def test_family_hook_reads_the_patched_tensors():
     with torch.no_grad():
         assert llama_decode._fully_fused(skipped.model.layers[0])
         assert not llama_decode._fully_fused(skipped.model.layers[1])
+
+
+# ---- FP8 (e4m3) KV caches: keys and values stored as the per-op path stores them (after the rotary), attended to as
+# stored ----
+
+# opcheck's test_schema compares the arguments before and after the call with ops that have no float8 kernel (as in
+# tests/ops/test_kv_fp8.py): the other checks run; what the step writes is checked against the per-op path below
+FP8_OPCHECKS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+@torch.no_grad()
+def test_fp8_cache_reference_equals_per_op_fp8_decode_path(tiny_llama_path):
+    """Over FP8 caches the reference step and the patched modules (the per-op FP8 path: qkv_rope_append into the e4m3
+    cache, attention over the dequantized cache) agree on the trained tiny Llama in fp32 on CPU: logits, greedy tokens
+    and every cache byte."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+    fuseinfer.patch(model)
+    fp_args, positions = _step_inputs(model, pads=[0, 5, 11], q_start=[20] * 3, capacity=24)
+    args = with_fp8_caches(fp_args)
+    per_op, cache = _per_op(model, args, positions, 20)
+    ref = llama_decode_step_ref(**args)
+    torch.testing.assert_close(ref, per_op, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ref.argmax(-1), per_op.argmax(-1))
+    for ours, theirs in zip(args["k_caches"] + args["v_caches"], cache.keys + cache.values):
+        assert ours.dtype == FP8_DTYPE and torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+    # the first layer's rotated key went in quantized: within an e4m3 step of the fp32 step's, not equal to it
+    llama_decode_step_ref(**fp_args)
+    scale = args["kv_scales"][0][0]
+    new = args["k_caches"][0][:, :, 20].float() * scale.view(1, -1, 1)
+    assert not torch.equal(new, fp_args["k_caches"][0][:, :, 20])
+    torch.testing.assert_close(new, fp_args["k_caches"][0][:, :, 20], rtol=2 ** -4, atol=scale.max().item() * 2 ** -9)
+
+
+@examples("cpu", cpu=4, cuda=0)
+@given(case=step_cases("cpu"))
+def test_fp8_cache_reference_equals_per_op_decode_path_property(case):
+    """Over FP8 caches, the reference step and the patched modules agree on CPU in fp32 for random sizes (grouped-query
+    1:1 to 4:1, with and without a q/k/v bias), rows, padding and slots: logits and cache bytes."""
+    model_type, overrides, pads, q_start, capacity, seed = case
+    model = random_llama(model_type, seed=seed, **overrides)
+    fuseinfer.patch(model)
+    fp_args, positions = _step_inputs(model, pads, q_start, capacity, seed=seed)
+    args = with_fp8_caches(fp_args)
+    per_op, cache = _per_op(model, args, positions, q_start[0])
+    with torch.no_grad():
+        ref = llama_decode_step_ref(**args)
+    torch.testing.assert_close(ref, per_op, rtol=1e-4, atol=1e-4)
+    for ours, theirs in zip(args["k_caches"] + args["v_caches"], cache.keys + cache.values):
+        assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+
+
+def test_fp8_cache_opcheck_cpu():
+    model = random_llama("qwen2", num_hidden_layers=2)
+    fuseinfer.patch(model)
+    args, _ = _step_inputs(model, pads=[0, 2, 5], q_start=[7, 7, 7], capacity=12)
+    args = with_fp8_caches(args)
+    torch.library.opcheck(torch.ops.fuseinfer.llama_decode_step.default, tuple(args.values()),
+                          test_utils=FP8_OPCHECKS)
+
+
+def test_fp8_cache_without_scales_is_one_clear_error():
+    model = random_llama()
+    fuseinfer.patch(model)
+    args, _ = _step_inputs(model, pads=[0], q_start=[3], capacity=8)
+    with pytest.raises(fuseinfer.FuseInferError, match="need one kv_scales tensor"):
+        llama_decode_step(**{**with_fp8_caches(args), "kv_scales": []})
+    with pytest.raises(fuseinfer.FuseInferError, match="kv_scales are for float8_e4m3fn caches only"):
+        llama_decode_step(**{**args, "kv_scales": with_fp8_caches(args)["kv_scales"]})
+
+
+def _fp8_gpu_check(model_type, dtype, overrides, pads, q_start, capacity):
+    model = _gpu_model(model_type, dtype, overrides)
+    args, _ = _step_inputs(model, pads, q_start, capacity)
+    args = with_fp8_caches(args)
+    cfg = model.config
+    assert kernel_supports(len(pads), args["embed"], cfg.intermediate_size, cfg.num_attention_heads,
+                           cfg.num_key_value_heads, args["k_caches"][0].shape[-1],
+                           kv_scales=2 * cfg.num_key_value_heads * cfg.num_hidden_layers)
+    fresh = {**args, "k_caches": [c.clone() for c in args["k_caches"]],
+             "v_caches": [c.clone() for c in args["v_caches"]]}
+    ours = _assert_step_within_rule(args, dtype)
+    for _ in range(3):  # the launch counters, attention counters and tagged buffers carry over between launches
+        assert torch.equal(llama_decode_step(**args), ours)
+    # the scales matter: doubled value scales double the attention's output, which moves the logits
+    doubled = llama_decode_step(**{**fresh, "kv_scales": [s * torch.tensor([[1.0], [2.0]], device="cuda")
+                                                          for s in fresh["kv_scales"]]})
+    assert not torch.allclose(doubled, ours, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_fp8_cache_matches_fp32_reference(case, dtype):
+    """The one-kernel step over FP8 caches (e4m3 keys and values streamed through the ring, grouped-query heads,
+    ring-wrapping contexts, D 64 and 128): logits within the dtype rule of the fp32 reference, the caches' e4m3 codes
+    equal, repeated launches equal."""
+    overrides, pads, q_start, capacity = GPU_CASES[case]
+    _fp8_gpu_check("llama", dtype, overrides, pads, q_start, capacity)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_fp8_cache_qwen2_bias_matches_fp32_reference(dtype):
+    _fp8_gpu_check("qwen2", dtype, dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
+                                        intermediate_size=1024), [0, 4], [90, 90], 128)
+
+
+@pytest.mark.gpu
+def test_fast_decode_fp8_cache_takes_the_kernel(tiny_llama_path):
+    """fuseinfer.generate on the tiny Llama with RuntimeConfig(kv_cache="fp8"): decode_kernel="on" runs the
+    one-kernel step over the FP8 cache (batch buckets 1 and 8), "off" the per-op FP8 step; the same greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from fuseinfer.runtime.decode import SESSIONS_ATTR
+
+    ids = torch.randint(3, 4000, (5, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = mask[3, :20] = 0
+    out = {}
+    for kernel in ("off", "on"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float16).cuda().eval()
+        ids = ids.clamp(max=model.config.vocab_size - 1)
+        runtime = fuseinfer.RuntimeConfig(decode_kernel=kernel, kv_cache="fp8")
+        fuseinfer.patch(model, fuseinfer.PatchConfig(runtime=runtime))
+        out[kernel] = (fuseinfer.generate(model, ids, mask, max_new_tokens=32),
+                       fuseinfer.generate(model, ids[:1], max_new_tokens=32))
+        sessions = model.__dict__[SESSIONS_ATTR]
+        for bucket in (1, 8):
+            assert sessions[bucket].cache.kv_scales is not None
+            expect = "one kernel per step (fuseinfer::llama_decode_step)" if kernel == "on" else "per op"
+            assert sessions[bucket].path.startswith(expect), (kernel, bucket, sessions[bucket].path)
+    assert torch.equal(out["on"][0], out["off"][0])
+    assert torch.equal(out["on"][1], out["off"][1])
