@@ -48,6 +48,14 @@
 // without bias, and f = SiLU(x Wg^T) * (x Wu^T) in the gate/up epilogue. Rotary pairs dim d with d + D/2 and SiLU
 // pairs gate row f with up row f: the producer loads such pairs into rows o and o + 8 of one tile (produce's PERM
 // addressing, no permuted weight copy), and the epilogue exchanges them with one shuffle (consume's kSwap).
+// FP8 KV caches (KV8, either family, fp16/bf16 weights; RuntimeConfig(kv_cache="fp8")): float8 e4m3 keys and values
+// with per-(layer, kv head) fp32 scales (ops/kv_cache.py). The producer streams e4m3 rows (an attention item is half
+// the bytes: 4 items of D = 64 per stage, 2 of D = 128); a warp dequantizes exactly (fp8_convert.cuh) and applies the
+// scales as attention.cu's FP8 form does: the key scale on q . k, the value scale once on the sum p v. The q/k/v
+// epilogue stores the new key and value as kv_cache_append_fp8 does (rounded to T, divided by the scale, rounded to
+// e4m3 with saturation) into the cache and, as the two bytes of each pair, into kv_new, so this step attends to the
+// stored value like the per-op path, which reads it back from the cache. The scales (the prefill's calibration writes
+// them) are staged in shared memory once per launch, after pdl_wait, like the rotary tables.
 #include "device_utils.cuh"
 #include "fp8_convert.cuh"
 #include "int8_convert.cuh"
