@@ -207,6 +207,9 @@ def test_decode_step_cost_counts_int8_weights_at_one_byte():
     int8 = costs.cost_of("fuseinfer::opt_decode_step", dims + [[[3 * e], [e], [f], [e]]], types + [""])
     assert fp16.flops == int8.flops == 2 * (matrices + v * e)
     assert fp16.bytes - int8.bytes == matrices - 4 * (3 * e + e + f + e)
+    # FP8 caches (KV scales, argument 16): the two (1, 1, 16, E) caches at 1 byte
+    kv8 = costs.cost_of("fuseinfer::opt_decode_step", dims + [[], [[2, 1]]], types + ["", ""])
+    assert kv8.flops == fp16.flops and fp16.bytes - kv8.bytes == 2 * 16 * e
 
 
 def test_llama_decode_step_cost():
@@ -222,3 +225,6 @@ def test_llama_decode_step_cost():
     cost = costs.cost_of("fuseinfer::llama_decode_step", dims, types)
     assert cost.flops == 2 * rows * (matrices + v * e)
     assert cost.bytes == 2 * (matrices + v * e + 2 * e + e + 2 * kvd + 2 * rows * 2 * cap * 16) + rows * v * 4
+    # FP8 caches (KV scales, argument 15): the caches at 1 byte
+    kv8 = costs.cost_of("fuseinfer::llama_decode_step", dims + [[[2, 2]]], types + [""])
+    assert kv8.flops == cost.flops and cost.bytes - kv8.bytes == 2 * rows * 2 * cap * 16
