@@ -200,7 +200,7 @@ def main() -> None:
              and k != "target_ms" and isinstance(rows[0][k], float)]
     cols = ["shape", "floor_ms", "floor_weights_ms", "floor_gemm_ms", *[f"{n}_ms" for n in names],
             "faster_new_path", "auto_over_floor", "patched_over_gemm", "target_ms", "ttft_ms", "ttft_over_prefill"]
-    settings = {**{k: v for k, v in vars(args).items() if k != "out"}, "dtype": "fp16", "weight_bytes": weight_bytes, "compile_s": compile_s,
+    settings = {**vars(args), "dtype": "fp16", "weight_bytes": weight_bytes, "compile_s": compile_s,
                 "prefill_graphs": graph_info, "ttft": {str(k): v for k, v in ttft.items()},
                 "ttft_rebuilds": {str(k): v for k, v in ttft_rebuilds.items()},
                 "ttft_timing": "wall clock of one max_new_tokens=1 call, GPU synchronised before and after (host "

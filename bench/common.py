@@ -150,6 +150,7 @@ def environment() -> dict:
 def write_results(name: str, settings: dict, ceilings: dict, rows: list[dict], columns: list[str]) -> Path:
     """Writes results/<name>.json and results/<name>.md; returns the JSON path."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in settings.items() if k != "out"}  # (where the files went is no setting of the run)
     env = environment()
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps({"name": name, "environment": env, "settings": settings,
