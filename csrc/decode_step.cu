@@ -814,7 +814,7 @@ __device__ void attention_partial(const StepParams& p, int slices, int item, uin
     }
     if (has_new && lane == it.old) dot = new_dot;
     [[maybe_unused]] float v_scale = 1.f;
-    if constexpr (KV8) {  // this item's kv head's scales: the key's on the dot product (log2 domain), the value's below
+    if constexpr (KV8) {  // this item's kv head's scales: the key's on the dot product, the value's on the output below
       const int hk = GQA ? it.head / group : it.head;
       dot *= kv_scale[hk];
       v_scale = kv_scale[(GQA ? p.heads / group : p.heads) + hk];

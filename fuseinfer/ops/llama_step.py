@@ -52,8 +52,10 @@ def llama_decode_step_ref(tokens, cos, sin, q_start, key_mask, embed, layer_para
                           kv_round=None) -> torch.Tensor:
     """Pure-PyTorch reference (in the tensors' dtype; pass fp32 copies for an fp32 reference), rounding where the
     per-op path's ops round. Writes the caches in place; ``workspace`` is not used. Slots must lie in the cache. With
-    ``kv_scales`` (e4m3 caches) the new keys and values are quantized on write (``write_kv_ref``, ``kv_round``) and
-    the attention reads the dequantized caches."""
+    ``kv_scales`` (e4m3 caches) the new keys and values are quantized on write (``write_kv_ref``) and the attention
+    reads the dequantized caches; ``kv_round`` (an fp32 reference of a ``kv_round`` model) rounds the keys' and
+    values' projection to it before the rotary and the rotated values before quantizing, where the per-op path
+    stores them, so that both quantize the same values."""
     m = tokens.numel()
     _, kv_heads, _, d = k_caches[0].shape
     rows, slots = torch.arange(m, device=tokens.device), q_start.long()
@@ -66,6 +68,8 @@ def llama_decode_step_ref(tokens, cos, sin, q_start, key_mask, embed, layer_para
         qkv = F.linear(x, wqkv, qkv_biases[layer] if len(qkv_biases) else None)  # (M, (H + 2 Hkv) D)
         q, k, v = qkv_rope_ref(qkv.unsqueeze(1), cos, sin, heads, kv_heads)  # (M, H, 1, D), 2 x (M, Hkv, 1, D)
         kv_scale = kv_scales[layer] if len(kv_scales) else None
+        if kv_scale is not None and kv_round is not None:  # k, v from the projection as the per-op path stores it
+            _, k, v = qkv_rope_ref(qkv.to(kv_round).to(qkv.dtype).unsqueeze(1), cos, sin, heads, kv_heads)
         write_kv_ref(k_cache, v_cache, rows, slots, k[:, :, 0], v[:, :, 0], kv_scale, kv_round)
         attn = attend_ref(q, k_cache, v_cache, key_mask, q_start, scale, kv_scale)  # (M, 1, H, D)
         h = linear_epilogue_ref(attn.reshape(m, -1), wo, None, h, "none")
