@@ -1648,6 +1648,10 @@ at::Tensor llama_decode_step_cuda(const at::Tensor& tokens, const at::Tensor& co
               "llama_decode_step: expected 1..", kMaxLayers, " layers with 6 parameters, a k and v cache each and "
               "no q/k/v bias or one per layer");
   TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "llama_decode_step: fp16 or bf16 only");
+  TORCH_CHECK(embed.dim() == 2 && lm_head.dim() == 2 && layer_params[4].dim() == 2 && k_caches[0].dim() == 4 &&
+                  key_mask.dim() == 2,
+              "llama_decode_step: expected embed, lm_head and the gate/up weight 2-D, caches (B, Hkv, T, D) and "
+              "key_mask (B, T)");
   const int64_t m = tokens.numel(), e = embed.size(1), vocab = lm_head.size(0);
   const int64_t f = layer_params[4].size(0) / 2;  // gate/up weight (2F, E)
   const int64_t kv_heads = k_caches[0].size(1), capacity = k_caches[0].size(2), head_dim = k_caches[0].size(3);
