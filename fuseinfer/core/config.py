@@ -68,7 +68,8 @@ class RuntimeConfig:
       all-reduce cannot be captured).
     kv_cache: fast decode's static KV cache: ``auto`` (the model's dtype) or ``fp8`` (keys and values as float8
       e4m3 with an fp32 scale per layer and key/value head, set at each prompt's prefill; any weight scheme; the
-      per-op decode step; docs/quantization.md).
+      one-kernel decode step reads it with fp16/bf16 weights, 8-bit-weight models decode per op;
+      docs/quantization.md).
     """
 
     decode_kernel: str = _from_knob("FUSEINFER_DECODE_KERNEL", _decode_kernel)
