@@ -1635,10 +1635,11 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
 // The Llama family's step (see llama_decode_step below the schema).
 at::Tensor llama_decode_step_cuda(const at::Tensor& tokens, const at::Tensor& cos, const at::Tensor& sin,
                                   const at::Tensor& q_start, const at::Tensor& key_mask, const at::Tensor& embed,
-                                  const std::vector<at::Tensor>& layer_params, const std::vector<at::Tensor>& qkv_biases,
-                                  std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
-                                  const at::Tensor& norm_w, const at::Tensor& lm_head, at::Tensor& workspace, double eps,
-                                  double scale, const std::vector<at::Tensor>& kv_scales) {
+                                  const std::vector<at::Tensor>& layer_params,
+                                  const std::vector<at::Tensor>& qkv_biases, std::vector<at::Tensor> k_caches,
+                                  std::vector<at::Tensor> v_caches, const at::Tensor& norm_w, const at::Tensor& lm_head,
+                                  at::Tensor& workspace, double eps, double scale,
+                                  const std::vector<at::Tensor>& kv_scales) {
   const c10::cuda::CUDAGuard guard(embed.device());
   const auto dtype = embed.scalar_type();
   const int64_t layers = static_cast<int64_t>(k_caches.size());
@@ -1741,7 +1742,9 @@ at::Tensor llama_decode_step_cuda(const at::Tensor& tokens, const at::Tensor& co
     check_cache(k_caches[l], "k cache");
     check_cache(v_caches[l], "v cache");
     TORCH_CHECK(k_caches[l].size(0) >= m, "llama_decode_step: cache batch smaller than the step's rows");
-    p.layer[l] = LayerWeights{w[0].data_ptr(), nullptr, w[1].data_ptr(), p.qkv_bias ? qkv_biases[l].data_ptr() : nullptr,
+    // (the OPT slots the family has no tensor for: null)
+    p.layer[l] = LayerWeights{w[0].data_ptr(), nullptr, w[1].data_ptr(),
+                              p.qkv_bias ? qkv_biases[l].data_ptr() : nullptr,
                               w[2].data_ptr(), nullptr, w[3].data_ptr(), nullptr, w[4].data_ptr(), nullptr,
                               w[5].data_ptr(), nullptr, k_caches[l].data_ptr(), v_caches[l].data_ptr()};
   }

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_opt
-from helpers import (DEVICES, LOWP, assert_fp8_caches_within_rule, assert_lowp_close, assume, examples, given, lowp_atol,
-                     st, with_fp8_caches)
+from helpers import (DEVICES, LOWP, assert_fp8_caches_within_rule, assert_lowp_close, assume, examples, given,
+                     lowp_atol, st, with_fp8_caches)
 
 import fuseinfer
 from fuseinfer.ops import opt_decode_step, opt_decode_step_ref
