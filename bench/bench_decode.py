@@ -15,6 +15,9 @@ Llama-family decode before / after the GEMV epilogue fusions, in one process: ``
 random:meta-llama/Llama-3.2-1B --backends fuseinfer,fuseinfer-unfused`` (``-unfused``: FUSEINFER_GEMV_EPILOGUES=0 while
 that backend is patched, captured and timed, so gate/up runs the GEMV and then silu_mul as two kernels);
 ``<backend>_over_floor`` is each fuseinfer backend's ms/token over the weight-read floor.
+
+The one-kernel step against the per-op step, in one process: ``--backends fuseinfer-step,fuseinfer-perop``
+(RuntimeConfig(decode_kernel="on") and "off"; plain ``fuseinfer`` is "auto", the measured default).
 """
 from __future__ import annotations
 
@@ -69,7 +72,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--backends", default="eager,hf_static_compile,fuseinfer",
                     help="comma list of eager, hf_static_compile, fuseinfer, fuseinfer-w8a16, fuseinfer-fp8; a "
-                         "'-perop' suffix on a fuseinfer backend turns the one-kernel step off, a '-unfused' suffix "
+                         "'-perop' suffix on a fuseinfer backend turns the one-kernel step off, '-step' on wherever it "
+                         "applies (decode_kernel='on'), a '-unfused' suffix "
                          "the GEMV epilogue fusions (FUSEINFER_GEMV_EPILOGUES=0: gate/up GEMV, then silu_mul)")
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     ap.add_argument("--quick", action="store_true", help="batch 1 only, 64 tokens, 3 repeats")
@@ -98,9 +102,10 @@ def main() -> None:
             elif name == "hf_static_compile":
                 gen = lambda x, n: model.generate(x, max_new_tokens=n, do_sample=False,  # noqa
                                                   cache_implementation="static")
-            elif kind.removesuffix("-perop") in SCHEMES:
-                quant = SCHEMES[kind.removesuffix("-perop")]
-                runtime = fuseinfer.RuntimeConfig(decode_kernel="off" if kind.endswith("-perop") else "auto")
+            elif kind.removesuffix("-perop").removesuffix("-step") in SCHEMES:
+                quant = SCHEMES[kind.removesuffix("-perop").removesuffix("-step")]
+                mode = "off" if kind.endswith("-perop") else "on" if kind.endswith("-step") else "auto"
+                runtime = fuseinfer.RuntimeConfig(decode_kernel=mode)
                 fuseinfer.patch(model, fuseinfer.PatchConfig(quant=quant() if quant else None, runtime=runtime))
                 gen = lambda x, n: fuseinfer.generate(model, x, max_new_tokens=n)  # noqa: E731
                 if quant is not None:  # the weight-read floor with the 8-bit weights (1 byte instead of 2)
@@ -108,7 +113,7 @@ def main() -> None:
                     row["floor_8bit_ms"] = eight_bit / (ceilings["copy_GBps"] * 1e9) * 1e3
             else:
                 ap.error(f"unknown backend {name!r} (eager, hf_static_compile, {', '.join(SCHEMES)}; '-perop', "
-                         "'-unfused')")
+                         "'-step', '-unfused')")
             with torch.no_grad(), knob:  # (the knob holds while the backend's CUDA graphs are captured)
                 t = ms_per_token(gen, ids, args.new_tokens, args.repeats)
             ms = t["median_ms"]

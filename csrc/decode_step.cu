@@ -41,6 +41,21 @@
 // in the epilogue, before the bias and residual. The LM head stays fp16/bf16. Q8 = false is the fp16/bf16 kernel.
 // FP8 models (E4M3, with Q8): the same stream of 8-bit tiles holds float8 e4m3 weights, converted by
 // fp8_convert.cuh (one instruction per pair on Hopper) instead; everything else is the int8 kernel's.
+// The Llama family (Llama, Mistral, Qwen2; LLAMA = true, fp16/bf16 weights; op llama_decode_step): the same phases
+// and hand-offs with RMSNorm (no mean, no bias), q/k/v = x Wqkv^T (+ Qwen2's bias) with the rotary applied in the
+// epilogue (cos / sin of this step's positions, (B, D) from the caller, staged in shared memory once per launch),
+// grouped-query attention (items per (row, q head, 32 keys), reading kv head h / (H / Hkv)), o_proj and down_proj
+// without bias, and f = SiLU(x Wg^T) * (x Wu^T) in the gate/up epilogue. Rotary pairs dim d with d + D/2 and SiLU
+// pairs gate row f with up row f: the producer loads such pairs into rows o and o + 8 of one tile (produce's PERM
+// addressing, no permuted weight copy), and the epilogue exchanges them with one shuffle (consume's kSwap).
+// FP8 KV caches (KV8, either family, fp16/bf16 weights; RuntimeConfig(kv_cache="fp8")): float8 e4m3 keys and values
+// with per-(layer, kv head) fp32 scales (ops/kv_cache.py). The producer streams e4m3 rows (an attention item is half
+// the bytes: 4 items of D = 64 per stage, 2 of D = 128); a warp dequantizes exactly (fp8_convert.cuh) and applies the
+// scales as attention.cu's FP8 form does: the key scale on q . k, the value scale once on the sum p v. The q/k/v
+// epilogue stores the new key and value as kv_cache_append_fp8 does (rounded to T, divided by the scale, rounded to
+// e4m3 with saturation) into the cache and, as the two bytes of each pair, into kv_new, so this step attends to the
+// stored value like the per-op path, which reads it back from the cache. The scales (the prefill's calibration writes
+// them) are staged in shared memory once per launch, after pdl_wait, like the rotary tables.
 #include "device_utils.cuh"
 #include "fp8_convert.cuh"
 #include "int8_convert.cuh"
@@ -106,6 +121,14 @@ struct StepParams {
   // Q8: fp32 per-output-channel scales of layer l's qkv, out_proj, fc1, fc2 (null otherwise). After layer[], so
   // outside the shared-memory copy (params_bytes): only the producer reads them, from the parameter space.
   const float* wscale[kMaxLayers][4];
+  // Llama family only (zero for OPT). Also outside the shared-memory copy: read from the parameter space.
+  int kv_heads;              // key/value heads (grouped-query attention: q head h reads kv head h / (heads / kv_heads))
+  bool qkv_bias;             // whether layer[l].bqkv holds the q/k/v bias (Qwen2)
+  const void *cos, *sin;     // (B, D) rotary tables of this step's positions, in the model dtype
+  // KV8 (float8 e4m3 caches) only: layer l's (2, Hkv) fp32 scales (the keys' row, then the values'), a stored x
+  // meaning x * scale. The prefill's calibration writes them: the consumers stage them in shared memory after
+  // pdl_wait (kv_scale_table), and nothing else reads these pointers.
+  const float* kv_scale[kMaxLayers];
 };
 
 // Trace row of a block (FUSEINFER_DECODE_TRACE=1): the consumers' timestamps (ns) at the 2 + kTracePhases *
@@ -249,6 +272,22 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
   return u;
 }
 
+// KV8: the pair (s0, s1) of new keys or values as kv_cache_append_fp8 stores it: rounded to T (the projection's
+// output), divided by its head's scale (fp32, rounded to nearest), then rounded to e4m3 with saturation at +-448;
+// the two bytes in the low 16 bits, the first element in the low byte (as in memory).
+template <typename T>
+__device__ __forceinline__ uint32_t e4m3_pair(float s0, float s1, float scale) {
+  const uint32_t lo = fp8::e4m3_from_float(__fdiv_rn(to_float(from_float<T>(s0)), scale));
+  const uint32_t hi = fp8::e4m3_from_float(__fdiv_rn(to_float(from_float<T>(s1)), scale));
+  return lo | hi << 8;
+}
+
+// Two e4m3 (the low 16 bits, low byte first) -> two floats (exact).
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t pair) {
+  const uint32_t h = fp8::e4m3x2_to_f16x2(static_cast<uint16_t>(pair));
+  return __half22float2(*reinterpret_cast<const __half2*>(&h));
+}
+
 // ---- the weight stream: one sequence of (matrix, tile, k-chunk) stages, walked by producer and consumers ----
 
 struct Ring {
@@ -283,9 +322,15 @@ constexpr int kQ8Chunk = 2 * kChunk;  // int8 k elements per ring stage
 constexpr int kScaleOffset = kStageRow + kChunk * 2;  // byte offset in a stage of the tile's scales (row 1's padding)
 static_assert(kTileRows * 4 <= kStageRow - kChunk * 2, "a tile's fp32 scales fit a row's padding");
 
-template <bool Q8 = false>
+// PERM (the Llama family): the tiles of rows below perm_rows pair rows across halves instead of taking 16 consecutive
+// ones. Those rows form groups of 2 half (a head of D = 2 half rows of q or k, whose rotary pairs dim d with d + D/2;
+// or the whole (2F, E) gate/up weight, half = F, gate row f with up row f): the group's tile b holds rows 8b .. 8b + 7
+// of its first half in tile rows 0-7 and the same of its second half in tile rows 8-15, so the rotary and
+// SiLU(gate) * up are tile-local epilogues, with no permuted copy of the weight (the same pairing as skinny_gemv.cuh's
+// ROPE and SILU epilogues). A tile's bias then comes in two 16-byte pieces, in the same order.
+template <bool Q8 = false, bool PERM = false>
 __device__ void produce(Ring& ring, const void* w, const void* bias, int n, int k, uint64_t policy,
-                        const float* scale = nullptr) {
+                        const float* scale = nullptr, int perm_rows = 0, int half = 0) {
   constexpr int kElem = Q8 ? 1 : 2;                  // bytes per weight
   constexpr int kStageK = Q8 ? kQ8Chunk : kChunk;    // k per stage
   const int lane = threadIdx.x & 31;
@@ -293,6 +338,15 @@ __device__ void produce(Ring& ring, const void* w, const void* bias, int n, int 
   const int tiles = (n + kTileRows - 1) / kTileRows;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int rows = min(kTileRows, n - tile * kTileRows);
+    // the W rows of tile rows 0-7 and 8-15 (PERM; else first_row .. first_row + 15)
+    int first_row = tile * kTileRows, second_row = first_row + kTileRows / 2;
+    if constexpr (PERM) {
+      if (first_row < perm_rows) {
+        const int group = first_row / (2 * half) * (2 * half), b = (first_row - group) / kTileRows;
+        first_row = group + 8 * b;
+        second_row = first_row + half;
+      }
+    }
     for (int k0 = 0; k0 < k; k0 += kStageK) {
       const uint32_t bytes = min(kStageK, k - k0) * kElem;
       const bool with_bias = bias != nullptr && k0 == 0;
@@ -304,7 +358,17 @@ __device__ void produce(Ring& ring, const void* w, const void* bias, int n, int 
       }
       __syncwarp();
       char* dst = ring.stages + ring.index * kStageBytes;
-      if (lane < rows) {
+      if constexpr (PERM) {  // (full tiles: n is a multiple of 16; no int8 weights, no scales)
+        const int row = lane < kTileRows / 2 ? first_row + lane : second_row + lane - kTileRows / 2;
+        if (lane < kTileRows) {
+          bulk_copy(dst + lane * kStageRow, base + (static_cast<int64_t>(row) * k + k0) * kElem, bytes,
+                    &ring.full[ring.index], policy);
+        } else if (lane < kTileRows + 2 && with_bias) {  // 8 bias values of rows 0-7, then of rows 8-15
+          const int at = lane == kTileRows ? first_row : second_row;
+          bulk_copy(dst + kChunk * 2 + (lane - kTileRows) * kTileRows, static_cast<const char*>(bias) + at * 2,
+                    kTileRows, &ring.full[ring.index], policy);
+        }
+      } else if (lane < rows) {
         bulk_copy(dst + lane * kStageRow, base + (static_cast<int64_t>(tile * kTileRows + lane) * k + k0) * kElem,
                   bytes, &ring.full[ring.index], policy);
       } else if (lane == kTileRows && with_bias) {
@@ -322,7 +386,8 @@ __device__ void produce(Ring& ring, const void* w, const void* bias, int n, int 
 // the streamed w. Thread o < 16 M owns output (row o % 16, token o / 16) of each tile: epi.pre(token, n, j, bias)
 // (j: the tile's index among this block's; bias from the ring when Epilogue::kBias) is added to the accumulated
 // dot product, epi.keep(j, sum) sees every sum and epi.store(token, n, sum) stores it; a tagged epilogue (kPairs)
-// stores outputs n and n + 1 (even n) together from the even thread, store(token, n, sum_n, sum_n+1).
+// stores outputs n and n + 1 (even n) together from the even thread, store(token, n, sum_n, sum_n+1); an epilogue
+// with kSwap first replaces each sum by swap(token, n, sum, sum of the tile row o ^ 8) (the PERM tiles' pairs).
 // Q8: int8 w; a warp step covers 64 k (lane (g, t): 16 weights of rows g and g + 8, k = 16 t .. 16 t + 15 of the
 // step, one 16-byte load each as in the fp16 path), converted to T in registers, four mmas; the sum of a tile's
 // output is its dot product times the channel's scale (from the tile's first stage), then plus epi.pre's extra.
@@ -419,6 +484,10 @@ __device__ void consume(Ring& ring, const char* x, int x_stride, int m, int n, i
       }
       epi.keep(j, s);
     }
+    if constexpr (Epilogue::kSwap) {  // the tile's rows o and o ^ 8 (rotary pairs, gate and up) meet: same token
+      const float other = __shfl_xor_sync(0xffffffffu, s, kTileRows / 2);
+      if (owner) s = epi.swap(out_token, col, s, other);
+    }
     if constexpr (Epilogue::kPairs) {  // outputs n, n + 1 sit in lanes 2j, 2j + 1 (N is even: same owner)
       const float s_next = __shfl_down_sync(0xffffffffu, s, 1);
       if (owner && out_row % 2 == 0) epi.store(out_token, col, s, s_next);
@@ -437,23 +506,28 @@ __device__ void consume(Ring& ring, const char* x, int x_stride, int m, int n, i
 // passes (mean, then squared deviations) as layer_norm.cu; (3) every thread normalises its chunks in place.
 // Loops run over rows at run time (no unrolling over kMaxTokens): the code stays small, which matters in a
 // kernel whose per-layer loop does not fit the instruction cache.
-template <typename T>
+// LLAMA: RMSNorm as transformers' (and add_rms_norm's): no mean, no bias, x * rstd rounded to the model dtype, then
+// times the weight (rounded); the embeddings have no position table.
+template <typename T, bool LLAMA = false>
 __device__ void layer_norm_rows(const StepParams& p, char* x, char* lnp, const T* w, const T* b,
                                 const uint64_t* h_in, uint64_t* h_out, uint32_t epoch, float (*stat)[2]) {
+  constexpr int kParams = LLAMA ? 1 : 2;  // weight (and bias)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int chunks = p.e / 8;
   uint4* wb = reinterpret_cast<uint4*>(lnp);  // (2, E): weight, then bias
-  // Items 0 .. 2 chunks - 1 are the weight's and the bias's chunks, then (row, chunk) of the rows.
+  // Items 0 .. kParams chunks - 1 are the weight's and the bias's chunks, then (row, chunk) of the rows.
   auto load = [&](int i) -> uint4 {
-    if (i < 2 * chunks) return __ldg(reinterpret_cast<const uint4*>(i < chunks ? w : b) + i % chunks);
-    i -= 2 * chunks;
+    if (i < kParams * chunks) return __ldg(reinterpret_cast<const uint4*>(i < chunks ? w : b) + i % chunks);
+    i -= kParams * chunks;
     if (h_in != nullptr) return poll_chunk(h_in, i, epoch);
     const int r = i / chunks, c = i % chunks;
     float v[8], pe[8];
     unpack8<T>(__ldg(reinterpret_cast<const uint4*>(p.embed) + p.tokens[r] * chunks + c), v);
-    unpack8<T>(__ldg(reinterpret_cast<const uint4*>(p.pos_embed) + (p.positions[r] + 2) * chunks + c), pe);
+    if constexpr (!LLAMA) {
+      unpack8<T>(__ldg(reinterpret_cast<const uint4*>(p.pos_embed) + (p.positions[r] + 2) * chunks + c), pe);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] += pe[j];
+      for (int j = 0; j < 8; ++j) v[j] += pe[j];
+    }
     const uint4 u = pack8<T>(v);  // the sum rounded to the model dtype, as the per-op path stores it
     if (blockIdx.x == 0) {
       uint64_t* o = h_out + 4 * static_cast<int64_t>(i);
@@ -464,7 +538,7 @@ __device__ void layer_norm_rows(const StepParams& p, char* x, char* lnp, const T
     }
     return u;
   };
-  const int items = (2 + p.m) * chunks;
+  const int items = (kParams + p.m) * chunks;
   constexpr int kBatch = 4;  // loads in flight per thread before the first store
   for (int i0 = threadIdx.x; i0 < items; i0 += kBatch * kConsumers) {
     uint4 u[kBatch];
@@ -475,15 +549,29 @@ __device__ void layer_norm_rows(const StepParams& p, char* x, char* lnp, const T
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
       const int i = i0 + j * kConsumers;
-      if (i < 2 * chunks) {
+      if (i < kParams * chunks) {
         wb[i] = u[j];
       } else if (i < items) {
-        reinterpret_cast<uint4*>(x + (i / chunks - 2) * p.x_stride)[i % chunks] = u[j];
+        reinterpret_cast<uint4*>(x + (i / chunks - kParams) * p.x_stride)[i % chunks] = u[j];
       }
     }
   }
   consumers_sync();
-  if (warp < p.m) {  // statistics of row `warp`
+  if (LLAMA && warp < p.m) {  // row `warp`'s mean square
+    const uint4* xr = reinterpret_cast<const uint4*>(x + warp * p.x_stride);
+    float s = 0.f;
+    for (int c = lane; c < chunks; c += 32) {
+      float v[8];
+      unpack8<T>(xr[c], v);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) s += v[j] * v[j];
+    }
+    s = warp_sum(s);
+    if (lane == 0) {
+      stat[warp][0] = 0.f;
+      stat[warp][1] = rsqrtf(s / p.e + p.eps);
+    }
+  } else if (warp < p.m) {  // statistics of row `warp`
     const uint4* xr = reinterpret_cast<const uint4*>(x + warp * p.x_stride);
     float s = 0.f;
     for (int c = lane; c < chunks; c += 32) {
@@ -513,10 +601,16 @@ __device__ void layer_norm_rows(const StepParams& p, char* x, char* lnp, const T
     float v[8], wv[8], bv[8];
     unpack8<T>(xr[c], v);
     unpack8<T>(wb[c], wv);
-    unpack8<T>(wb[chunks + c], bv);
-    const float mean = stat[r][0], rstd = stat[r][1];
+    if constexpr (LLAMA) {
+      const float rstd = stat[r][1];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = (v[j] - mean) * rstd * wv[j] + bv[j];
+      for (int j = 0; j < 8; ++j) v[j] = wv[j] * to_float(from_float<T>(v[j] * rstd));  // weight * x.to(dtype)
+    } else {
+      unpack8<T>(wb[chunks + c], bv);
+      const float mean = stat[r][0], rstd = stat[r][1];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = (v[j] - mean) * rstd * wv[j] + bv[j];
+    }
     xr[c] = pack8<T>(v);
   }
   consumers_sync();
@@ -567,9 +661,12 @@ __device__ __forceinline__ AttnItem attention_item(const StepParams& p, int slic
   return it;
 }
 
-template <int D>
+// KV8: e4m3 caches, one byte per element: an item takes half the bytes (4 items of D = 64 per stage, 2 of D = 128).
+template <int D, bool KV8 = false>
 struct AttnStage {
-  static constexpr int kItemBytes = 2 * kSlice * D * 2;  // 32 keys, then 32 values
+  static constexpr int kElem = KV8 ? 1 : 2;                 // bytes per cached element
+  static constexpr int kRowBytes = D * kElem;               // one key or value
+  static constexpr int kItemBytes = 2 * kSlice * kRowBytes;  // 32 keys, then 32 values
   static constexpr int kItemsPerStage = kStageBytes / kItemBytes;
   static_assert(kItemsPerStage >= 1, "an attention item fits a ring stage");
 };
@@ -579,24 +676,31 @@ __device__ __forceinline__ int block_items(int items) {
   return blockIdx.x < items ? (items - 1 - blockIdx.x) / gridDim.x + 1 : 0;
 }
 
+// Grouped-query attention (GQA, the Llama family): the items stay per (row, q head, slice); q head h reads the keys
+// and values of kv head h / group (caches (B, heads / group, T, D)), so each kv slice streams once per q head of its
+// group.
 // Producer: the old keys and values of this block's items of layer L, in the consumers' order.
-template <int D>
-__device__ void produce_attention(Ring& ring, const StepParams& p, const LayerWeights& L, int slices, uint64_t policy) {
-  using S = AttnStage<D>;
+template <int D, bool GQA = false, bool KV8 = false>
+__device__ void produce_attention(Ring& ring, const StepParams& p, const LayerWeights& L, int slices, uint64_t policy,
+                                  int group = 1) {
+  using S = AttnStage<D, KV8>;
   const int lane = threadIdx.x & 31;
   const int n = block_items(p.m * p.heads * slices);
   for (int j0 = 0; j0 < n; j0 += S::kItemsPerStage) {
     const int s = lane / 2;  // lane 2 s: item s's keys, lane 2 s + 1: its values
     const bool copies = s < min(S::kItemsPerStage, n - j0);
     const AttnItem it = attention_item(p, slices, blockIdx.x + (j0 + (copies ? s : 0)) * gridDim.x);
-    const uint32_t bytes = __reduce_add_sync(0xffffffffu, copies ? it.old * D * 2 : 0);
+    const uint32_t bytes = __reduce_add_sync(0xffffffffu, copies ? it.old * S::kRowBytes : 0);
     ring.wait(&ring.empty[ring.index], ring.phase ^ 1);
     if (lane == 0) mbar_expect_tx(&ring.full[ring.index], bytes);  // (0 bytes: the arrival alone completes it)
     __syncwarp();
     if (copies && it.old > 0) {
-      const int64_t at = ((static_cast<int64_t>(it.m) * p.heads + it.head) * p.capacity + it.first) * D * 2;
-      bulk_copy(ring.stages + ring.index * kStageBytes + s * S::kItemBytes + (lane % 2) * kSlice * D * 2,
-                static_cast<const char*>(lane % 2 ? L.v_cache : L.k_cache) + at, it.old * D * 2,
+      const int64_t at =  // (bytes)
+          GQA ? ((static_cast<int64_t>(it.m) * (p.heads / group) + it.head / group) * p.capacity + it.first) *
+                    S::kRowBytes
+              : ((static_cast<int64_t>(it.m) * p.heads + it.head) * p.capacity + it.first) * S::kRowBytes;
+      bulk_copy(ring.stages + ring.index * kStageBytes + s * S::kItemBytes + (lane % 2) * kSlice * S::kRowBytes,
+                static_cast<const char*>(lane % 2 ? L.v_cache : L.k_cache) + at, it.old * S::kRowBytes,
                 &ring.full[ring.index], policy);
     }
     ring.advance();
@@ -605,13 +709,21 @@ __device__ void produce_attention(Ring& ring, const StepParams& p, const LayerWe
 
 // One warp: the item's partial softmax (max, sum, o) to p.attn_part. kv: its keys and values in the ring stage.
 // The lane scores one key, then each lane accumulates D / 32 output dims over the 32 values.
-template <typename T, int D>
+// KV8: the keys and values are e4m3 (the ring's and the new token's, which kv_new carries as the bytes the cache
+// got, so this step attends to the stored value as the per-op path does); kv_scale: the layer's (2, Hkv) scales in
+// shared memory. As attention.cu's FP8 form: the scores are q . k times the key scale, the output sum p v times the
+// value scale once (the partials are merged scaled).
+template <typename T, int D, bool GQA = false, bool KV8 = false>
 __device__ void attention_partial(const StepParams& p, int slices, int item, uint32_t epoch, const char* kv,
-                                  float* q) {
+                                  float* q, int group = 1, const float* kv_scale = nullptr) {
+  using S = AttnStage<D, KV8>;
   constexpr int kPerLane = D / 32;  // dims per lane (of q, the new key, the output): 2 or 4
   constexpr int kWords = kPerLane / 2;  // tagged words of them
-  constexpr int kChunks = D / 8;    // 16-byte chunks of a key
-  using VLoad = std::conditional_t<kPerLane == 2, uint32_t, uint2>;
+  constexpr int kChunks = S::kRowBytes / 16;  // 16-byte chunks of a key
+  constexpr int kChunkDims = 16 / S::kElem;  // dims per chunk: 8, or (KV8) 16
+  // a lane's kPerLane elements of a cached value: 4 or 8 bytes, (KV8) 2 or 4
+  using VLoad = std::conditional_t<KV8, std::conditional_t<kPerLane == 2, uint16_t, uint32_t>,
+                                   std::conditional_t<kPerLane == 2, uint32_t, uint2>>;
   const int lane = threadIdx.x & 31;
   const AttnItem it = attention_item(p, slices, item);
   const int mh = it.m * p.heads + it.head;
@@ -624,7 +736,18 @@ __device__ void attention_partial(const StepParams& p, int slices, int item, uin
     uint32_t qw[kWords], kw[kWords] = {}, vw[kWords] = {};
 #pragma unroll
     for (int w = 0; w < kWords; ++w) qw[w] = poll_word(p.q + at + w, epoch);
-    if (has_new) {
+    if constexpr (GQA) {
+      if (has_new) {  // row m: Hkv D keys, then Hkv D values, in a row of 2 E
+        const uint64_t* k_new =
+            p.kv_new + (static_cast<int64_t>(it.m) * 2 * p.e + it.head / group * D + lane * kPerLane) / 2;
+        const int v_off = p.heads / group * D / 2;
+#pragma unroll
+        for (int w = 0; w < kWords; ++w) {
+          kw[w] = poll_word(k_new + w, epoch);
+          vw[w] = poll_word(k_new + v_off + w, epoch);
+        }
+      }
+    } else if (has_new) {
       const uint64_t* k_new = p.kv_new + at + static_cast<int64_t>(it.m) * p.e / 2;  // row m: E keys, E values
 #pragma unroll
       for (int w = 0; w < kWords; ++w) {
@@ -633,23 +756,40 @@ __device__ void attention_partial(const StepParams& p, int slices, int item, uin
       }
     }
     const T* qe = reinterpret_cast<const T*>(qw);
-    const T* ke = reinterpret_cast<const T*>(kw);
     float new_dot = 0.f;  // the new key's score: every lane's share of the dot product
+    if constexpr (KV8) {
+      float kn[kPerLane];  // the new key's dims of this lane: the stored e4m3, unscaled
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      q[lane * kPerLane + j] = to_float(qe[j]);
-      new_dot += to_float(qe[j]) * to_float(ke[j]);
+      for (int w = 0; w < kWords; ++w) {
+        const float2 f = e4m3x2_to_float2(kw[w]);
+        kn[2 * w] = f.x;
+        kn[2 * w + 1] = f.y;
+      }
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        q[lane * kPerLane + j] = to_float(qe[j]);
+        new_dot += to_float(qe[j]) * kn[j];
+      }
+    } else {
+      const T* ke = reinterpret_cast<const T*>(kw);
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        q[lane * kPerLane + j] = to_float(qe[j]);
+        new_dot += to_float(qe[j]) * to_float(ke[j]);
+      }
     }
     new_dot = warp_sum(new_dot);
     VLoad v_new;
-    if constexpr (kPerLane == 2) {
+    if constexpr (KV8) {  // the lane's kPerLane bytes, from the low 16 bits of each word
+      v_new = static_cast<VLoad>(kPerLane == 2 ? vw[0] & 0xffffu : (vw[0] & 0xffffu) | vw[kWords - 1] << 16);
+    } else if constexpr (kPerLane == 2) {
       v_new = vw[0];
     } else {
       v_new = make_uint2(vw[0], vw[1]);
     }
     // key chunks in rotated order (chunk (c + lane) % kChunks at step c): the 32 lanes' rows share banks
     uint4 kc[kChunks];
-    const uint4* krow = reinterpret_cast<const uint4*>(kv + lane * D * 2);
+    const uint4* krow = reinterpret_cast<const uint4*>(kv + lane * S::kRowBytes);
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) kc[c] = lane < it.old ? krow[(c + lane) % kChunks] : make_uint4(0, 0, 0, 0);
     const bool valid = lane < it.keys && p.key_mask[static_cast<int64_t>(it.m) * p.capacity + it.first + lane];
@@ -657,26 +797,54 @@ __device__ void attention_partial(const StepParams& p, int slices, int item, uin
     float dot = 0.f;
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
-      float kf[8];
-      unpack8<T>(kc[c], kf);
-      const float* qc = q + ((c + lane) % kChunks) * 8;
+      float kf[kChunkDims];
+      if constexpr (KV8) {
+        const uint32_t words[4] = {kc[c].x, kc[c].y, kc[c].z, kc[c].w};
 #pragma unroll
-      for (int j = 0; j < 8; ++j) dot += qc[j] * kf[j];
+        for (int w = 0; w < 4; ++w) {
+          const float2 a = e4m3x2_to_float2(words[w]), b = e4m3x2_to_float2(words[w] >> 16);
+          kf[4 * w] = a.x, kf[4 * w + 1] = a.y, kf[4 * w + 2] = b.x, kf[4 * w + 3] = b.y;
+        }
+      } else {
+        unpack8<T>(kc[c], kf);
+      }
+      const float* qc = q + ((c + lane) % kChunks) * kChunkDims;
+#pragma unroll
+      for (int j = 0; j < kChunkDims; ++j) dot += qc[j] * kf[j];
     }
     if (has_new && lane == it.old) dot = new_dot;
+    [[maybe_unused]] float v_scale = 1.f;
+    if constexpr (KV8) {  // this item's kv head's scales: the key's on the dot product, the value's on the output below
+      const int hk = GQA ? it.head / group : it.head;
+      dot *= kv_scale[hk];
+      v_scale = kv_scale[(GQA ? p.heads / group : p.heads) + hk];
+    }
     const float score = valid ? dot * p.scale_log2 : -INFINITY;
     mx = warp_max(score);
     const float prob = mx == -INFINITY ? 0.f : exp2f(score - mx);
     sum = warp_sum(prob);
-    const VLoad* vs = reinterpret_cast<const VLoad*>(kv + kSlice * D * 2) + lane;
+    const VLoad* vs = reinterpret_cast<const VLoad*>(kv + kSlice * S::kRowBytes) + lane;
 #pragma unroll
     for (int j = 0; j < kSlice; ++j) {
       const float pj = __shfl_sync(0xffffffffu, prob, j);  // 0 for keys past the slice's end
       const VLoad vz = {};
       const VLoad v = j < it.old ? vs[j * (D / kPerLane)] : (j < it.keys ? v_new : vz);  // (stale rows: never read)
-      const T* ve = reinterpret_cast<const T*>(&v);
+      if constexpr (KV8) {
 #pragma unroll
-      for (int d = 0; d < kPerLane; ++d) o[d] += pj * to_float(ve[d]);
+        for (int d = 0; d < kPerLane; d += 2) {
+          const float2 f = e4m3x2_to_float2(static_cast<uint32_t>(v) >> (8 * d));
+          o[d] += pj * f.x;
+          o[d + 1] += pj * f.y;
+        }
+      } else {
+        const T* ve = reinterpret_cast<const T*>(&v);
+#pragma unroll
+        for (int d = 0; d < kPerLane; ++d) o[d] += pj * to_float(ve[d]);
+      }
+    }
+    if constexpr (KV8) {
+#pragma unroll
+      for (int d = 0; d < kPerLane; ++d) o[d] *= v_scale;
     }
     __syncwarp();  // q is rewritten by this warp's next item
   }
@@ -741,10 +909,12 @@ __device__ void attention_merge(const StepParams& p, int slices, int item, uint3
   if (lane == 0 && layer + 1 == p.layers) p.attn_count[mh] = 0;  // ready for the next launch
 }
 
-// Consumers: this block's items, as their keys and values arrive through the ring, then the merges.
-template <typename T, int D>
-__device__ void attention(Ring& ring, const StepParams& p, int slices, uint32_t epoch, int layer, float* scratch) {
-  using S = AttnStage<D>;
+// Consumers: this block's items, as their keys and values arrive through the ring, then the merges. KV8: e4m3
+// caches with the layer's scales kv_scale (shared memory).
+template <typename T, int D, bool GQA = false, bool KV8 = false>
+__device__ void attention(Ring& ring, const StepParams& p, int slices, uint32_t epoch, int layer, float* scratch,
+                          int group = 1, const float* kv_scale = nullptr) {
+  using S = AttnStage<D, KV8>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n = block_items(p.m * p.heads * slices);
   for (int j0 = 0; j0 < n; j0 += S::kItemsPerStage) {
@@ -753,8 +923,8 @@ __device__ void attention(Ring& ring, const StepParams& p, int slices, uint32_t 
     for (int s = 0; s < S::kItemsPerStage; ++s) {
       const int j = j0 + s;
       if (j < n && j % kConsumerWarps == warp) {
-        attention_partial<T, D>(p, slices, blockIdx.x + j * gridDim.x, epoch, stage + s * S::kItemBytes,
-                                scratch + warp * D);
+        attention_partial<T, D, GQA, KV8>(p, slices, blockIdx.x + j * gridDim.x, epoch, stage + s * S::kItemBytes,
+                                          scratch + warp * D, group, kv_scale);
       }
     }
     __syncwarp();
@@ -778,17 +948,36 @@ __host__ __device__ constexpr int params_bytes(int layers) {
 
 // GEMV epilogues (see consume): pre(token, n, j, bias) is what the tile's sums start from, keep(j, sum) sees
 // every sum, store(token, n, sum) or, kPairs, store(token, n, sum_n, sum_n+1) writes them.
-template <typename T>
+// KV8: the caches are e4m3 (the T pointers hold bytes); k and v go to kv_new and the caches as e4m3_pair of the
+// head's scale (kv_scale: the layer's (2, H) in shared memory), kv_new's words carrying the two bytes.
+template <typename T, bool KV8 = false>
 struct QkvEpilogue {  // q -> q, k and v -> kv_new (tagged, for this step) and the caches at slot q_start[token]
-  static constexpr bool kPairs = true, kBias = true;
+  static constexpr bool kPairs = true, kBias = true, kSwap = false;
   uint64_t *q, *kv_new;
   T *k_cache, *v_cache;
   const int* q_start;
   int e, heads, capacity, head_dim;
   uint32_t epoch;
+  const float* kv_scale = nullptr;  // KV8
   __device__ float pre(int, int, int, float bias) const { return bias; }
   __device__ void keep(int, float) const {}
   __device__ void store(int m, int n, float s0, float s1) const {  // n, n + 1: the same head's
+    if constexpr (KV8) {
+      if (n < e) {
+        st_tagged(q + (static_cast<int64_t>(m) * e + n) / 2, pack2<T>(s0, s1), epoch);
+        return;
+      }
+      const bool is_v = n >= 2 * e;
+      const int c = is_v ? n - 2 * e : n - e;
+      const uint32_t pair = e4m3_pair<T>(s0, s1, kv_scale[(is_v ? heads : 0) + c / head_dim]);
+      st_tagged(kv_new + (static_cast<int64_t>(m) * 2 * e + n - e) / 2, pair, epoch);
+      const int slot = q_start[m];
+      if (slot < 0 || slot >= capacity) return;
+      uint8_t* cache = reinterpret_cast<uint8_t*>(is_v ? v_cache : k_cache);
+      *reinterpret_cast<uint16_t*>(cache + ((static_cast<int64_t>(m) * heads + c / head_dim) * capacity + slot) *
+                                               head_dim + c % head_dim) = static_cast<uint16_t>(pair);
+      return;
+    }
     const uint32_t pair = pack2<T>(s0, s1);
     if (n < e) {
       st_tagged(q + (static_cast<int64_t>(m) * e + n) / 2, pair, epoch);
@@ -809,9 +998,9 @@ struct QkvEpilogue {  // q -> q, k and v -> kv_new (tagged, for this step) and t
 constexpr int kKeptTiles = 4;
 using KeptResidual = float[kKeptTiles][kTileRows * kMaxTokens];
 
-template <typename T>
+template <typename T, bool kBiasT = true>
 struct ResidualEpilogue {  // h_out = h_in + acc + bias (out_proj, fc2), tagged; h_in's epoch was polled before
-  static constexpr bool kPairs = true, kBias = true;
+  static constexpr bool kPairs = true, kBias = kBiasT, kSwap = false;  // (the Llama family: no bias)
   const uint64_t* h_in;
   uint64_t* h_out;
   int e;
@@ -832,7 +1021,7 @@ struct ResidualEpilogue {  // h_out = h_in + acc + bias (out_proj, fc2), tagged;
 
 template <typename T>
 struct ReluEpilogue {  // out = relu(acc + bias) (fc1), tagged; NaN passes through, like torch.relu
-  static constexpr bool kPairs = true, kBias = true;
+  static constexpr bool kPairs = true, kBias = true, kSwap = false;
   uint64_t* out;
   int n_out;
   uint32_t epoch;
@@ -844,9 +1033,100 @@ struct ReluEpilogue {  // out = relu(acc + bias) (fc1), tagged; NaN passes throu
   }
 };
 
+// The Llama family's q/k/v over the PERM tiles of produce (rows (H + Hkv) D of q and k pair dims d and d + D/2 of a
+// head; v's tiles are plain): bias (Qwen2) when has_bias, then q and k rotated as linear_rope.cu does (the projection
+// rounded to the model dtype, x cos + rotate_half(x) sin in fp32, one rounding), stored like QkvEpilogue's: q -> q,
+// k and v -> kv_new (Hkv D keys, then Hkv D values, in a row of 2 E) and the caches (B, Hkv, T, D) at q_start[token].
+// KV8: k and v stored as QkvEpilogue's KV8 stores them (kv_scale: the layer's (2, Hkv)).
+template <typename T, int D, bool KV8 = false>
+struct LlamaQkvEpilogue {
+  static constexpr bool kPairs = true, kBias = true, kSwap = true;
+  uint64_t *q, *kv_new;
+  T *k_cache, *v_cache;
+  const int* q_start;
+  const T *cos, *sin;  // (B, D) in shared memory (the kernel's rope_table)
+  int e, kv_heads, capacity, rope_rows;  // rope_rows: (H + Hkv) D
+  bool has_bias;
+  uint32_t epoch;
+  const float* kv_scale = nullptr;  // KV8
+  __device__ int row_of(int n) const {  // the weight row of tile output n
+    const int r0 = n - n % kTileRows, r = n % kTileRows;
+    if (r0 >= rope_rows) return n;
+    const int head0 = r0 - r0 % D;
+    return head0 + (r0 - head0) / 2 + (r < kTileRows / 2 ? r : D / 2 + r - kTileRows / 2);
+  }
+  __device__ float pre(int, int, int, float bias) const { return has_bias ? bias : 0.f; }
+  __device__ void keep(int, float) const {}
+  __device__ float swap(int m, int n, float s, float other) const {
+    const int row = row_of(n);
+    if (row >= rope_rows) return s;  // v
+    const int d = row % D;
+    const float a = to_float(from_float<T>(s)), b = to_float(from_float<T>(other));  // as the projection is stored
+    const float c = to_float(cos[m * D + d]), sn = to_float(sin[m * D + d]);
+    return d < D / 2 ? fmaf(a, c, -b * sn) : fmaf(a, c, b * sn);  // rotate_half(x) = cat(-x2, x1)
+  }
+  __device__ void store(int m, int n, float s0, float s1) const {  // n, n + 1: dims d, d + 1 of one head
+    const int row = row_of(n);
+    if constexpr (KV8) {
+      if (row < e) {
+        st_tagged(q + (static_cast<int64_t>(m) * e + row) / 2, pack2<T>(s0, s1), epoch);
+        return;
+      }
+      const int c = row - e, kvd = kv_heads * D;  // keys, then values
+      const bool is_v = c >= kvd;
+      const int cc = is_v ? c - kvd : c;
+      const uint32_t pair = e4m3_pair<T>(s0, s1, kv_scale[(is_v ? kv_heads : 0) + cc / D]);
+      st_tagged(kv_new + (static_cast<int64_t>(m) * 2 * e + c) / 2, pair, epoch);
+      const int slot = q_start[m];
+      if (slot < 0 || slot >= capacity) return;
+      uint8_t* cache = reinterpret_cast<uint8_t*>(is_v ? v_cache : k_cache);
+      *reinterpret_cast<uint16_t*>(cache + ((static_cast<int64_t>(m) * kv_heads + cc / D) * capacity + slot) * D +
+                                   cc % D) = static_cast<uint16_t>(pair);
+      return;
+    }
+    const uint32_t pair = pack2<T>(s0, s1);
+    if (row < e) {
+      st_tagged(q + (static_cast<int64_t>(m) * e + row) / 2, pair, epoch);
+      return;
+    }
+    const int c = row - e;  // keys, then values
+    st_tagged(kv_new + (static_cast<int64_t>(m) * 2 * e + c) / 2, pair, epoch);
+    const int slot = q_start[m];
+    if (slot < 0 || slot >= capacity) return;
+    const int kvd = kv_heads * D, cc = c < kvd ? c : c - kvd;
+    T* cache = c < kvd ? k_cache : v_cache;
+    *reinterpret_cast<uint32_t*>(cache + ((static_cast<int64_t>(m) * kv_heads + cc / D) * capacity + slot) * D +
+                                 cc % D) = pair;
+  }
+};
+
+// The Llama family's gate/up over the PERM tiles of the (2F, E) gate/up weight (tile t: gate rows 8t .. 8t + 7, then
+// the same up rows): f = silu(gate) * up rounded as linear + silu_mul do (gate and up rounded to the model dtype,
+// silu in fp32 rounded, the product rounded), tagged; tile rows 0-7 hold outputs 8t .. 8t + 7.
+template <typename T>
+struct SiluMulEpilogue {
+  static constexpr bool kPairs = true, kBias = false, kSwap = true;
+  uint64_t* out;
+  int n_out;  // F
+  uint32_t epoch;
+  __device__ float pre(int, int, int, float) const { return 0.f; }
+  __device__ void keep(int, float) const {}
+  __device__ float swap(int, int n, float s, float other) const {
+    if (n % kTileRows >= kTileRows / 2) return s;  // an up row: its gate's thread finishes the output
+    const float g = to_float(from_float<T>(s)), u = to_float(from_float<T>(other));
+    return to_float(from_float<T>(g / (1.f + expf(-g)))) * u;
+  }
+  __device__ void store(int m, int n, float s0, float s1) const {
+    const int r = n % kTileRows;
+    if (r >= kTileRows / 2) return;
+    st_tagged(out + (static_cast<int64_t>(m) * n_out + n / kTileRows * (kTileRows / 2) + r) / 2, pack2<T>(s0, s1),
+              epoch);
+  }
+};
+
 template <typename T>
 struct LogitsEpilogue {  // fp32 logits, rounded to the model dtype first like the LM head's output
-  static constexpr bool kPairs = false, kBias = false;
+  static constexpr bool kPairs = false, kBias = false, kSwap = false;
   float* logits;
   int vocab;
   __device__ float pre(int, int, int, float) const { return 0.f; }
@@ -856,8 +1136,15 @@ struct LogitsEpilogue {  // fp32 logits, rounded to the model dtype first like t
   }
 };
 
-template <typename T, int D, bool Q8, bool E4M3 = false>
+// LLAMA: the Llama family's step (Llama, Mistral, Qwen2; fp16/bf16 weights): RMSNorms, the fused q/k/v (+ bias) with
+// the rotary in its epilogue, grouped-query attention, gate/up with SiLU * up in its epilogue, no other biases, no
+// position table; the same phases, ring and hand-offs otherwise (see the header).
+// KV8: float8 e4m3 caches with per-(layer, kv head) scales (either family, fp16/bf16 weights): the attention streams
+// and reads e4m3 keys and values, the q/k/v epilogue quantizes the new ones (see the header).
+template <typename T, int D, bool Q8, bool E4M3 = false, bool LLAMA = false, bool KV8 = false>
 __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_constant__ StepParams params) {
+  static_assert(!(LLAMA && Q8), "the Llama family's step streams fp16/bf16 weights only");
+  static_assert(!(KV8 && Q8), "e4m3 caches with fp16/bf16 weights only");
   extern __shared__ __align__(128) char smem[];
   __shared__ uint64_t full[32], empty[32];
   // the GEMVs' partial sums, by tile parity; attention's scratch is the buffer that qkv's last tile did not use
@@ -874,6 +1161,11 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
   char* x = smem + params.stages * kStageBytes;
   char* lnp = x + params.m * params.x_stride;  // LayerNorm weight and bias, 2 E elements
   StepParams* copy = reinterpret_cast<StepParams*>(lnp + ln_params_bytes(params.e));
+  // LLAMA: cos, then sin, (M, D) each, after the parameters' copy (rope_table_bytes)
+  [[maybe_unused]] T* rope_table = reinterpret_cast<T*>(reinterpret_cast<char*>(copy) + params_bytes(params.layers));
+  // KV8: every layer's (2, Hkv) cache scales, after the rotary tables (kv_scale_table_bytes)
+  [[maybe_unused]] float* kv_scale_table =
+      reinterpret_cast<float*>(reinterpret_cast<char*>(rope_table) + (LLAMA ? 2 * params.m * D * sizeof(T) : 0));
   {
     const int bytes = params_bytes(params.layers);
     const uint4* src = reinterpret_cast<const uint4*>(&params);
@@ -900,20 +1192,32 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
   // runs: until pdl_wait() returns, only weights (which no kernel writes) are read, and nothing is written. The
   // producer streams layer 0's qkv weights, then waits, and takes the slots from the consumers (barrier 2).
   int64_t* trace = p.trace == nullptr ? nullptr : p.trace + blockIdx.x * trace_events(p.layers);
+  // LLAMA: q/k/v rows (q, k, v heads), the rotated ones (q, k), and q heads per kv head
+  const int qkv_rows = LLAMA ? (p.heads + 2 * params.kv_heads) * D : 3 * p.e;
+  const int rope_rows = LLAMA ? (p.heads + params.kv_heads) * D : 0;
+  const int group = LLAMA ? p.heads / params.kv_heads : 1;
   if (threadIdx.x >= kConsumers) {  // producer warp: lane r issues row r's copies
     const uint64_t policy = evict_first_policy();
     int slices = 0;
     for (int l = 0; l < p.layers; ++l) {
       const LayerWeights& L = p.layer[l];
-      produce<Q8>(ring, L.wqkv, L.bqkv, 3 * p.e, p.e, policy, params.wscale[l][0]);
+      if constexpr (LLAMA) {
+        produce<false, true>(ring, L.wqkv, L.bqkv, qkv_rows, p.e, policy, nullptr, rope_rows, D / 2);
+      } else {
+        produce<Q8>(ring, L.wqkv, L.bqkv, 3 * p.e, p.e, policy, params.wscale[l][0]);
+      }
       if (l == 0) {
         pdl_wait();
         asm volatile("bar.sync 2, %0;\n" ::"n"(kThreads) : "memory");  // the consumers have stored the slots
         slices = attention_slices(p);
       }
-      produce_attention<D>(ring, p, L, slices, policy);
+      produce_attention<D, LLAMA, KV8>(ring, p, L, slices, policy, group);
       produce<Q8>(ring, L.wo, L.bo, p.e, p.e, policy, params.wscale[l][1]);
-      produce<Q8>(ring, L.w1, L.b1, p.f, p.e, policy, params.wscale[l][2]);
+      if constexpr (LLAMA) {  // gate/up: (2F, E)
+        produce<false, true>(ring, L.w1, nullptr, 2 * p.f, p.e, policy, nullptr, 2 * p.f, p.f);
+      } else {
+        produce<Q8>(ring, L.w1, L.b1, p.f, p.e, policy, params.wscale[l][2]);
+      }
       produce<Q8>(ring, L.w2, L.b2, p.e, p.f, policy, params.wscale[l][3]);
       if (trace != nullptr && threadIdx.x == kConsumers) trace[2 + kTracePhases * p.layers + 2 * l] = ring.wait_ns;
     }
@@ -927,6 +1231,20 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
   pdl_wait();
   if (threadIdx.x < p.m) slots[threadIdx.x] = params.q_start[threadIdx.x];
   if (threadIdx.x == 0) epoch0_s = p.launches[blockIdx.x] * static_cast<uint32_t>(p.layers + 1);
+  if constexpr (LLAMA) {  // this step's rotary tables, once: the q/k/v epilogues of every layer read them
+    for (int i = threadIdx.x; i < p.m * D; i += kConsumers) {
+      rope_table[i] = ld_dep_as(static_cast<const T*>(params.cos) + i);
+      rope_table[p.m * D + i] = ld_dep_as(static_cast<const T*>(params.sin) + i);
+    }
+  }
+  // KV8: the caches' scales (the prefill's calibration wrote them), once: every layer's epilogue and attention read
+  // them
+  const int kv_heads = LLAMA ? params.kv_heads : p.heads;
+  if constexpr (KV8) {
+    for (int i = threadIdx.x; i < p.layers * 2 * kv_heads; i += kConsumers) {
+      kv_scale_table[i] = ld_dep(params.kv_scale[i / (2 * kv_heads)] + i % (2 * kv_heads));
+    }
+  }
   consumers_sync();
   asm volatile("bar.arrive 2, %0;\n" ::"n"(kThreads) : "memory");  // slots stored: the producer may read them
   const uint32_t epoch0 = epoch0_s;
@@ -936,8 +1254,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
   };
   mark(0);
   int pbuf = 0;
-  layer_norm_rows<T>(p, x, lnp, static_cast<const T*>(p.layer[0].ln1_w), static_cast<const T*>(p.layer[0].ln1_b),
-                     nullptr, p.h[1], epoch0, ln_stat);
+  layer_norm_rows<T, LLAMA>(p, x, lnp, static_cast<const T*>(p.layer[0].ln1_w),
+                            static_cast<const T*>(p.layer[0].ln1_b), nullptr, p.h[1], epoch0, ln_stat);
   // One copy of each tagged buffer is enough: a block overwrites one only after it has waited for words that
   // every block writes after its last read of the old contents. Layer l + 1's q and kv_new (read by layer l's
   // attention) are written after LN1 has read all of h[1] (every block's fc2, after its attention); attn, after
@@ -951,28 +1269,54 @@ __global__ void __launch_bounds__(kThreads, 1) decode_step_kernel(const __grid_c
     const LayerWeights& L = p.layer[l];
     const uint32_t epoch = epoch0 + l + 1;
     const int ev = 1 + kTracePhases * l;
-    consume<T, Q8, E4M3>(ring, x, p.x_stride, p.m, 3 * p.e, p.e, partial, pbuf,
-               QkvEpilogue<T>{p.q, p.kv_new, static_cast<T*>(L.k_cache),
-                              static_cast<T*>(L.v_cache), p.q_start, p.e, p.heads, p.capacity, D, epoch});
+    [[maybe_unused]] const float* kv_scale = kv_scale_table + l * 2 * kv_heads;  // KV8: this layer's
+    if constexpr (LLAMA && KV8) {
+      consume<T>(ring, x, p.x_stride, p.m, qkv_rows, p.e, partial, pbuf,
+                 LlamaQkvEpilogue<T, D, true>{p.q, p.kv_new, static_cast<T*>(L.k_cache), static_cast<T*>(L.v_cache),
+                                              p.q_start, rope_table, rope_table + p.m * D, p.e, params.kv_heads,
+                                              p.capacity, rope_rows, params.qkv_bias, epoch, kv_scale});
+    } else if constexpr (LLAMA) {
+      consume<T>(ring, x, p.x_stride, p.m, qkv_rows, p.e, partial, pbuf,
+                 LlamaQkvEpilogue<T, D>{p.q, p.kv_new, static_cast<T*>(L.k_cache), static_cast<T*>(L.v_cache),
+                                        p.q_start, rope_table, rope_table + p.m * D, p.e, params.kv_heads, p.capacity,
+                                        rope_rows, params.qkv_bias, epoch});
+    } else if constexpr (KV8) {
+      consume<T>(ring, x, p.x_stride, p.m, 3 * p.e, p.e, partial, pbuf,
+                 QkvEpilogue<T, true>{p.q, p.kv_new, static_cast<T*>(L.k_cache), static_cast<T*>(L.v_cache),
+                                      p.q_start, p.e, p.heads, p.capacity, D, epoch, kv_scale});
+    } else {
+      consume<T, Q8, E4M3>(ring, x, p.x_stride, p.m, 3 * p.e, p.e, partial, pbuf,
+                 QkvEpilogue<T>{p.q, p.kv_new, static_cast<T*>(L.k_cache),
+                                static_cast<T*>(L.v_cache), p.q_start, p.e, p.heads, p.capacity, D, epoch});
+    }
     mark(ev);
-    attention<T, D>(ring, p, slices, epoch, l, &partial[pbuf][0][0][0]);
+    if constexpr (KV8) {
+      attention<T, D, LLAMA, true>(ring, p, slices, epoch, l, &partial[pbuf][0][0][0], group, kv_scale);
+    } else {
+      attention<T, D, LLAMA>(ring, p, slices, epoch, l, &partial[pbuf][0][0][0], group);
+    }
     mark(ev + 1);
     stage_rows(p, x, p.attn, p.e, epoch);
     consume<T, Q8, E4M3>(ring, x, p.x_stride, p.m, p.e, p.e, partial, pbuf,
-               ResidualEpilogue<T>{p.h[1], p.h[0], p.e, epoch, &kept, l > 0});
+               ResidualEpilogue<T, !LLAMA>{p.h[1], p.h[0], p.e, epoch, &kept, l > 0});
     mark(ev + 2);
-    layer_norm_rows<T>(p, x, lnp, static_cast<const T*>(L.ln2_w), static_cast<const T*>(L.ln2_b), p.h[0], nullptr,
-                       epoch, ln_stat);
-    consume<T, Q8, E4M3>(ring, x, p.x_stride, p.m, p.f, p.e, partial, pbuf,
-               ReluEpilogue<T>{p.ffn, p.f, epoch});
+    layer_norm_rows<T, LLAMA>(p, x, lnp, static_cast<const T*>(L.ln2_w), static_cast<const T*>(L.ln2_b), p.h[0],
+                              nullptr, epoch, ln_stat);
+    if constexpr (LLAMA) {
+      consume<T>(ring, x, p.x_stride, p.m, 2 * p.f, p.e, partial, pbuf, SiluMulEpilogue<T>{p.ffn, p.f, epoch});
+    } else {
+      consume<T, Q8, E4M3>(ring, x, p.x_stride, p.m, p.f, p.e, partial, pbuf,
+                 ReluEpilogue<T>{p.ffn, p.f, epoch});
+    }
     mark(ev + 3);
     stage_rows(p, x, p.ffn, p.f, epoch);
     consume<T, Q8, E4M3>(ring, x, p.x_stride, p.m, p.e, p.f, partial, pbuf,
-               ResidualEpilogue<T>{p.h[0], p.h[1], p.e, epoch, &kept, true});
+               ResidualEpilogue<T, !LLAMA>{p.h[0], p.h[1], p.e, epoch, &kept, true});
     mark(ev + 4);
     const bool last = l + 1 == p.layers;
-    layer_norm_rows<T>(p, x, lnp, static_cast<const T*>(last ? p.lnf_w : p.layer[l + 1].ln1_w),
-                       static_cast<const T*>(last ? p.lnf_b : p.layer[l + 1].ln1_b), p.h[1], nullptr, epoch, ln_stat);
+    layer_norm_rows<T, LLAMA>(p, x, lnp, static_cast<const T*>(last ? p.lnf_w : p.layer[l + 1].ln1_w),
+                              static_cast<const T*>(last ? p.lnf_b : p.layer[l + 1].ln1_b), p.h[1], nullptr, epoch,
+                              ln_stat);
     mark(ev + 5);
     if (trace != nullptr && threadIdx.x == 0) trace[3 + kTracePhases * p.layers + 2 * l] = ring.wait_ns;
   }
@@ -1012,10 +1356,11 @@ int max_smem_optin() { return at::cuda::getCurrentDeviceProperties()->sharedMemP
 constexpr int kStaticSmem = 2 * 32 * 8 + 2 * kConsumerWarps * kTileRows * (kMaxTokens + 1) * 4 +
                             kMaxTokens * 2 * 4 + static_cast<int>(sizeof(KeptResidual)) + 256;
 
-int ring_stages(int64_t m, int64_t e, int64_t f, int64_t layers) {
+// extra: more dynamic shared memory (the Llama step's rotary tables, rope_table_bytes)
+int ring_stages(int64_t m, int64_t e, int64_t f, int64_t layers, int64_t extra = 0) {
   const int64_t free_bytes =
       max_smem_optin() - kStaticSmem - m * x_stride_bytes(std::max(e, f)) - ln_params_bytes(static_cast<int>(e)) -
-      params_bytes(static_cast<int>(layers));
+      params_bytes(static_cast<int>(layers)) - extra;
   return static_cast<int>(std::min<int64_t>(32, free_bytes / kStageBytes));
 }
 
@@ -1035,6 +1380,49 @@ int64_t* trace_buffer(const at::Device& device, int64_t blocks, int64_t events) 
   return t.data_ptr<int64_t>();
 }
 
+// The Llama step's rotary tables in shared memory: cos and sin, (M, D) each, 16-bit.
+int rope_table_bytes(int64_t m, int64_t head_dim) { return static_cast<int>(2 * m * head_dim * 2); }
+
+// KV8: the e4m3 caches' scales in shared memory, `count` fp32 (layers x 2 x kv heads), in whole 16-byte units.
+int kv_scale_table_bytes(int64_t count) { return static_cast<int>((count * 4 + 15) / 16 * 16); }
+
+// The workspace's parts (workspace_layout) into p.
+void set_workspace(StepParams& p, at::Tensor& workspace, const std::vector<int64_t>& layout) {
+  char* ws = static_cast<char*>(workspace.data_ptr());
+  p.launches = reinterpret_cast<unsigned*>(ws + layout[0]);
+  p.attn_count = reinterpret_cast<int*>(ws + layout[1]);
+  p.attn_part = reinterpret_cast<float*>(ws + layout[2]);
+  p.h[0] = reinterpret_cast<uint64_t*>(ws + layout[3]);
+  p.h[1] = reinterpret_cast<uint64_t*>(ws + layout[4]);
+  p.q = reinterpret_cast<uint64_t*>(ws + layout[5]);
+  p.kv_new = reinterpret_cast<uint64_t*>(ws + layout[6]);
+  p.attn = reinterpret_cast<uint64_t*>(ws + layout[7]);
+  p.ffn = reinterpret_cast<uint64_t*>(ws + layout[8]);
+}
+
+// One launch of a step kernel over p (its m rows), one block per SM. extra: the dynamic shared memory after the
+// parameters' copy (the rotary tables, the KV8 scales: what ring_stages was given).
+template <typename Kernel>
+void launch_step(Kernel kernel, const StepParams& p, int extra) {
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  TORCH_CHECK(props->major >= 9, "decode_step: needs an sm_90 GPU (TMA bulk copies), got sm_", props->major,
+              props->minor);
+  TORCH_CHECK(props->multiProcessorCount <= kMaxBlocks, "decode_step: more than ", kMaxBlocks, " SMs");
+  const int smem = p.stages * kStageBytes + p.m * p.x_stride + ln_params_bytes(p.e) + params_bytes(p.layers) + extra;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  int resident = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, smem));
+  TORCH_CHECK(resident >= 1, "decode_step: the kernel does not fit on an SM");
+  // Cooperative: all blocks resident at once (a block waiting for another's tagged words needs it), or the
+  // launch fails. Programmatic (PDL) where enabled: the weight stream starts while the kernel before still runs.
+  cudaLaunchAttribute attrs[2];
+  attrs[0].id = cudaLaunchAttributeCooperative;
+  attrs[0].val.cooperative = 1;
+  attrs[1] = pdl_attribute();
+  launch_kernel_with(attrs, pdl_enabled() ? 2 : 1, kernel, props->multiProcessorCount, kThreads, smem,
+                     at::cuda::getCurrentCUDAStream(), p);
+}
+
 }  // namespace
 
 c10::optional<at::Tensor> decode_step_trace() {
@@ -1046,8 +1434,35 @@ int64_t decode_step_workspace_bytes(int64_t m, int64_t e, int64_t f, int64_t hea
   return workspace_layout(m, e, f, heads, head_dim, capacity).back();
 }
 
-bool decode_step_fits(int64_t m, int64_t e, int64_t f) {
-  return m >= 1 && m <= kMaxTokens && ring_stages(m, e, f, kMaxLayers) >= kMinStages;
+// rope_dim: 0 (OPT), or the Llama step's head dim (its rotary tables take shared memory too); kv_scales: 0, or
+// (e4m3 caches) the number of their fp32 scales, layers x 2 x kv heads (staged in shared memory as well).
+bool decode_step_fits(int64_t m, int64_t e, int64_t f, int64_t rope_dim, int64_t kv_scales) {
+  const int64_t extra =
+      (rope_dim > 0 ? rope_table_bytes(m, rope_dim) : 0) + (kv_scales > 0 ? kv_scale_table_bytes(kv_scales) : 0);
+  return m >= 1 && m <= kMaxTokens && ring_stages(m, e, f, kMaxLayers, extra) >= kMinStages;
+}
+
+// KV8: the e4m3 caches' scales (one (2, kv heads) fp32 tensor per layer) into p, checked; empty for caches in the
+// model dtype. Returns the bytes they take in shared memory.
+int set_kv_scales(StepParams& p, const std::vector<at::Tensor>& kv_scales, bool kv8, int64_t layers, int64_t kv_heads,
+                  const at::Device& device, const char* op) {
+  if (!kv8) {
+    TORCH_CHECK(kv_scales.empty(), op, ": kv_scales are for float8_e4m3fn caches only (pass none for caches in the "
+                "model dtype)");
+    return 0;
+  }
+  TORCH_CHECK(static_cast<int64_t>(kv_scales.size()) == layers, op, ": float8_e4m3fn caches need one kv_scales "
+              "tensor per layer, got ", kv_scales.size(), " for ", layers, " layers");
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor& t = kv_scales[l];
+    TORCH_CHECK(t.device() == device && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                    t.sizes().equals({2, kv_heads}),
+                op, ": kv_scales[", l, "] must be a contiguous [2, ", kv_heads, "] float32 tensor on ", device,
+                " (the keys' and the values' scale per kv head), got ", t.scalar_type(), " ", t.sizes(), " on ",
+                t.device());
+    p.kv_scale[l] = t.data_ptr<float>();
+  }
+  return kv_scale_table_bytes(layers * 2 * kv_heads);
 }
 
 at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& q_start,
@@ -1055,7 +1470,7 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
                             const std::vector<at::Tensor>& layer_params, std::vector<at::Tensor> k_caches,
                             std::vector<at::Tensor> v_caches, const at::Tensor& lnf_w, const at::Tensor& lnf_b,
                             const at::Tensor& lm_head, at::Tensor& workspace, double eps, double scale,
-                            const std::vector<at::Tensor>& weight_scales) {
+                            const std::vector<at::Tensor>& weight_scales, const std::vector<at::Tensor>& kv_scales) {
   const c10::cuda::CUDAGuard guard(embed.device());
   // 8-bit weights: int8 weight-only or FP8 (e4m3) models, the format of the first qkv weight; 4 fp32 scale vectors
   // per layer
@@ -1068,6 +1483,10 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
                   static_cast<int64_t>(layer_params.size()) == 12 * layers,
               "decode_step: expected 1..", kMaxLayers, " layers with 12 parameters and a k and v cache each");
   TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "decode_step: fp16 or bf16 only");
+  // e4m3 caches (KV8) with their scales, or caches in the model dtype
+  const bool kv8 = k_caches[0].scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(!(kv8 && q8), "decode_step: float8_e4m3fn caches take fp16/bf16 weights (8-bit weights need caches in "
+              "the model dtype)");
   const int64_t m = tokens.numel(), e = embed.size(1), vocab = lm_head.size(0);
   const int64_t f = layer_params[8].size(0);  // fc1 weight (F, E)
   const int64_t heads = k_caches[0].size(1), capacity = k_caches[0].size(2), head_dim = k_caches[0].size(3);
@@ -1075,8 +1494,8 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
   TORCH_CHECK(heads * head_dim == e && e % 32 == 0 && f % 32 == 0, "decode_step: unsupported hidden sizes");
   TORCH_CHECK(!q8 || (static_cast<int64_t>(weight_scales.size()) == 4 * layers && e % 64 == 0 && f % 64 == 0),
               "decode_step: int8 weights need 4 scale vectors per layer and hidden / ffn sizes multiple of 64");
-  TORCH_CHECK(decode_step_fits(m, e, f), "decode_step: ", m, " rows of hidden ", e, " / ffn ", f,
-              " do not fit in shared memory");
+  TORCH_CHECK(decode_step_fits(m, e, f, 0, kv8 ? layers * 2 * heads : 0), "decode_step: ", m, " rows of hidden ", e,
+              " / ffn ", f, " do not fit in shared memory");
   TORCH_CHECK(positions.numel() == m && q_start.numel() == m && q_start.scalar_type() == at::kInt &&
                   tokens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
                   key_mask.scalar_type() == at::kBool && key_mask.size(0) >= m && key_mask.size(1) == capacity,
@@ -1110,6 +1529,16 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
                 "decode_step: the scales of ", what, " must be a contiguous, 16-byte aligned [", rows,
                 "] float32 tensor on the model's device");
   };
+  // a cache: (B, H, T, D) in the model dtype, or float8_e4m3fn (kv8, every cache)
+  auto check_cache = [&](const at::Tensor& t, const char* what) {
+    if (!kv8) return check(t, {k_caches[0].size(0), heads, capacity, head_dim}, what);
+    TORCH_CHECK(t.device() == embed.device() && t.scalar_type() == at::kFloat8_e4m3fn && t.is_contiguous() &&
+                    t.sizes().equals({k_caches[0].size(0), heads, capacity, head_dim}) &&
+                    reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+                "decode_step: ", what, " must be a contiguous, 16-byte aligned ",
+                c10::IntArrayRef({k_caches[0].size(0), heads, capacity, head_dim}),
+                " float8_e4m3fn tensor on the model's device (one cache dtype for all layers)");
+  };
   const auto layout = workspace_layout(m, e, f, heads, head_dim, capacity);
   TORCH_CHECK(workspace.device() == embed.device() && workspace.is_contiguous() &&
                   workspace.nbytes() >= static_cast<size_t>(layout.back()),
@@ -1124,7 +1553,8 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
   p.layers = static_cast<int>(layers);
   p.capacity = static_cast<int>(capacity);
   p.slices_cap = static_cast<int>((capacity + kSlice - 1) / kSlice);
-  p.stages = ring_stages(m, e, f, layers);
+  const int extra = set_kv_scales(p, kv_scales, kv8, layers, heads, embed.device(), "decode_step");
+  p.stages = ring_stages(m, e, f, layers, extra);
   p.x_stride = static_cast<int>(x_stride_bytes(std::max(e, f)));
   p.eps = static_cast<float>(eps);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
@@ -1141,16 +1571,7 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
   p.trace = trace_buffer(embed.device(), at::cuda::getCurrentDeviceProperties()->multiProcessorCount,
                          trace_events(static_cast<int>(layers)));
   p.logits = logits.data_ptr<float>();
-  char* ws = static_cast<char*>(workspace.data_ptr());
-  p.launches = reinterpret_cast<unsigned*>(ws + layout[0]);
-  p.attn_count = reinterpret_cast<int*>(ws + layout[1]);
-  p.attn_part = reinterpret_cast<float*>(ws + layout[2]);
-  p.h[0] = reinterpret_cast<uint64_t*>(ws + layout[3]);
-  p.h[1] = reinterpret_cast<uint64_t*>(ws + layout[4]);
-  p.q = reinterpret_cast<uint64_t*>(ws + layout[5]);
-  p.kv_new = reinterpret_cast<uint64_t*>(ws + layout[6]);
-  p.attn = reinterpret_cast<uint64_t*>(ws + layout[7]);
-  p.ffn = reinterpret_cast<uint64_t*>(ws + layout[8]);
+  set_workspace(p, workspace, layout);
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = &layer_params[12 * l];
     check(w[0], {e}, "self_attn_layer_norm.weight");
@@ -1165,8 +1586,8 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
     check(w[9], {f}, "fc1.bias");
     check_weight(w[10], e, f, l, 3, "fc2.weight");
     check(w[11], {e}, "fc2.bias");
-    check(k_caches[l], {k_caches[0].size(0), heads, capacity, head_dim}, "k cache");
-    check(v_caches[l], {k_caches[0].size(0), heads, capacity, head_dim}, "v cache");
+    check_cache(k_caches[l], "k cache");
+    check_cache(v_caches[l], "v cache");
     TORCH_CHECK(k_caches[l].size(0) >= m, "decode_step: cache batch smaller than the step's rows");
     p.layer[l] = LayerWeights{w[0].data_ptr(), w[1].data_ptr(), w[2].data_ptr(),  w[3].data_ptr(),
                               w[4].data_ptr(), w[5].data_ptr(), w[6].data_ptr(),  w[7].data_ptr(),
@@ -1177,27 +1598,16 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
     }
   }
 
-  const auto* props = at::cuda::getCurrentDeviceProperties();
-  TORCH_CHECK(props->major >= 9, "decode_step: needs an sm_90 GPU (TMA bulk copies), got sm_", props->major,
-              props->minor);
-  TORCH_CHECK(props->multiProcessorCount <= kMaxBlocks, "decode_step: more than ", kMaxBlocks, " SMs");
-  const int smem =
-      p.stages * kStageBytes + static_cast<int>(m) * p.x_stride + ln_params_bytes(p.e) + params_bytes(p.layers);
-  auto launch = [&](auto kernel) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    int resident = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, smem));
-    TORCH_CHECK(resident >= 1, "decode_step: the kernel does not fit on an SM");
-    // Cooperative: all blocks resident at once (a block waiting for another's tagged words needs it), or the
-    // launch fails. Programmatic (PDL) where enabled: the weight stream starts while the kernel before still runs.
-    cudaLaunchAttribute attrs[2];
-    attrs[0].id = cudaLaunchAttributeCooperative;
-    attrs[0].val.cooperative = 1;
-    attrs[1] = pdl_attribute();
-    launch_kernel_with(attrs, pdl_enabled() ? 2 : 1, kernel, props->multiProcessorCount, kThreads, smem,
-                       at::cuda::getCurrentCUDAStream(), p);
-  };
-  if (e4m3) {
+  auto launch = [&](auto kernel) { launch_step(kernel, p, extra); };
+  if (kv8) {
+    if (dtype == at::kHalf) {
+      head_dim == 64 ? launch(decode_step_kernel<__half, 64, false, false, false, true>)
+                     : launch(decode_step_kernel<__half, 128, false, false, false, true>);
+    } else {
+      head_dim == 64 ? launch(decode_step_kernel<__nv_bfloat16, 64, false, false, false, true>)
+                     : launch(decode_step_kernel<__nv_bfloat16, 128, false, false, false, true>);
+    }
+  } else if (e4m3) {
     if (dtype == at::kHalf) {
       head_dim == 64 ? launch(decode_step_kernel<__half, 64, true, true>)
                      : launch(decode_step_kernel<__half, 128, true, true>);
@@ -1222,28 +1632,180 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
 }
 
 
+// The Llama family's step (see llama_decode_step below the schema).
+at::Tensor llama_decode_step_cuda(const at::Tensor& tokens, const at::Tensor& cos, const at::Tensor& sin,
+                                  const at::Tensor& q_start, const at::Tensor& key_mask, const at::Tensor& embed,
+                                  const std::vector<at::Tensor>& layer_params,
+                                  const std::vector<at::Tensor>& qkv_biases, std::vector<at::Tensor> k_caches,
+                                  std::vector<at::Tensor> v_caches, const at::Tensor& norm_w, const at::Tensor& lm_head,
+                                  at::Tensor& workspace, double eps, double scale,
+                                  const std::vector<at::Tensor>& kv_scales) {
+  const c10::cuda::CUDAGuard guard(embed.device());
+  const auto dtype = embed.scalar_type();
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(layers >= 1 && layers <= kMaxLayers && v_caches.size() == k_caches.size() &&
+                  static_cast<int64_t>(layer_params.size()) == 6 * layers &&
+                  (qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == layers),
+              "llama_decode_step: expected 1..", kMaxLayers, " layers with 6 parameters, a k and v cache each and "
+              "no q/k/v bias or one per layer");
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "llama_decode_step: fp16 or bf16 only");
+  TORCH_CHECK(embed.dim() == 2 && lm_head.dim() == 2 && layer_params[4].dim() == 2 && k_caches[0].dim() == 4 &&
+                  key_mask.dim() == 2,
+              "llama_decode_step: expected embed, lm_head and the gate/up weight 2-D, caches (B, Hkv, T, D) and "
+              "key_mask (B, T)");
+  const int64_t m = tokens.numel(), e = embed.size(1), vocab = lm_head.size(0);
+  const int64_t f = layer_params[4].size(0) / 2;  // gate/up weight (2F, E)
+  const int64_t kv_heads = k_caches[0].size(1), capacity = k_caches[0].size(2), head_dim = k_caches[0].size(3);
+  TORCH_CHECK(head_dim == 64 || head_dim == 128, "llama_decode_step: head dim 64 or 128 only");
+  const int64_t heads = e / head_dim;
+  const bool kv8 = k_caches[0].scalar_type() == at::kFloat8_e4m3fn;  // e4m3 caches with their scales
+  TORCH_CHECK(e % head_dim == 0 && kv_heads >= 1 && heads % kv_heads == 0 && e % 32 == 0 && f % 32 == 0,
+              "llama_decode_step: unsupported sizes (hidden = heads x head dim, heads a multiple of the kv heads, "
+              "hidden and ffn multiples of 32)");
+  TORCH_CHECK(decode_step_fits(m, e, f, head_dim, kv8 ? layers * 2 * kv_heads : 0), "llama_decode_step: ", m,
+              " rows of hidden ", e, " / ffn ", f, " do not fit in shared memory");
+  TORCH_CHECK(q_start.numel() == m && q_start.scalar_type() == at::kInt && tokens.scalar_type() == at::kLong &&
+                  key_mask.scalar_type() == at::kBool && key_mask.size(0) >= m && key_mask.size(1) == capacity,
+              "llama_decode_step: bad tokens / q_start / key_mask");
+  auto check = [&](const at::Tensor& t, std::initializer_list<int64_t> shape, const char* what) {
+    TORCH_CHECK(t.device() == embed.device() && t.scalar_type() == dtype && t.is_contiguous() &&
+                    t.sizes().equals(shape) && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+                "llama_decode_step: ", what, " must be a contiguous, 16-byte aligned ", c10::IntArrayRef(shape),
+                " tensor of the model dtype on the model's device");
+  };
+  for (const at::Tensor* t : {&tokens, &q_start, &key_mask}) {
+    TORCH_CHECK(t->device() == embed.device() && t->is_contiguous(), "llama_decode_step: inputs must be contiguous, "
+                "on ", embed.device());
+  }
+  check(embed, {embed.size(0), e}, "embed_tokens");
+  check(cos, {m, head_dim}, "cos");
+  check(sin, {m, head_dim}, "sin");
+  check(norm_w, {e}, "final norm weight");
+  check(lm_head, {vocab, e}, "lm_head");
+  // a cache: (B, Hkv, T, D) in the model dtype, or float8_e4m3fn (kv8, every cache)
+  auto check_cache = [&](const at::Tensor& t, const char* what) {
+    if (!kv8) return check(t, {k_caches[0].size(0), kv_heads, capacity, head_dim}, what);
+    TORCH_CHECK(t.device() == embed.device() && t.scalar_type() == at::kFloat8_e4m3fn && t.is_contiguous() &&
+                    t.sizes().equals({k_caches[0].size(0), kv_heads, capacity, head_dim}) &&
+                    reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+                "llama_decode_step: ", what, " must be a contiguous, 16-byte aligned ",
+                c10::IntArrayRef({k_caches[0].size(0), kv_heads, capacity, head_dim}),
+                " float8_e4m3fn tensor on the model's device (one cache dtype for all layers)");
+  };
+  const auto layout = workspace_layout(m, e, f, heads, head_dim, capacity);
+  TORCH_CHECK(workspace.device() == embed.device() && workspace.is_contiguous() &&
+                  workspace.nbytes() >= static_cast<size_t>(layout.back()),
+              "llama_decode_step: workspace too small");
+
+  StepParams p{};
+  p.m = static_cast<int>(m);
+  p.e = static_cast<int>(e);
+  p.f = static_cast<int>(f);
+  p.heads = static_cast<int>(heads);
+  p.vocab = static_cast<int>(vocab);
+  p.layers = static_cast<int>(layers);
+  p.capacity = static_cast<int>(capacity);
+  p.slices_cap = static_cast<int>((capacity + kSlice - 1) / kSlice);
+  const int extra = rope_table_bytes(m, head_dim) +
+                    set_kv_scales(p, kv_scales, kv8, layers, kv_heads, embed.device(), "llama_decode_step");
+  p.stages = ring_stages(m, e, f, layers, extra);
+  TORCH_CHECK(p.stages >= kMinStages, "llama_decode_step: ", m, " rows of hidden ", e, " / ffn ", f, " and ", layers,
+              " layers do not fit in shared memory");
+  p.x_stride = static_cast<int>(x_stride_bytes(std::max(e, f)));
+  p.eps = static_cast<float>(eps);
+  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  p.tokens = tokens.data_ptr<int64_t>();
+  p.q_start = q_start.data_ptr<int>();
+  p.key_mask = key_mask.data_ptr<bool>();
+  p.embed = embed.data_ptr();
+  p.lnf_w = norm_w.data_ptr();
+  p.lm_head = lm_head.data_ptr();
+  p.kv_heads = static_cast<int>(kv_heads);
+  p.qkv_bias = !qkv_biases.empty();
+  p.cos = cos.data_ptr();
+  p.sin = sin.data_ptr();
+  auto logits = at::empty({m, vocab}, embed.options().dtype(at::kFloat));
+  p.trace = trace_buffer(embed.device(), at::cuda::getCurrentDeviceProperties()->multiProcessorCount,
+                         trace_events(static_cast<int>(layers)));
+  p.logits = logits.data_ptr<float>();
+  set_workspace(p, workspace, layout);
+  const int64_t qkv_rows = (heads + 2 * kv_heads) * head_dim;
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = &layer_params[6 * l];
+    check(w[0], {e}, "input_layernorm.weight");
+    check(w[1], {qkv_rows, e}, "qkv weight");
+    check(w[2], {e, e}, "o_proj.weight");
+    check(w[3], {e}, "post_attention_layernorm.weight");
+    check(w[4], {2 * f, e}, "gate/up weight");
+    check(w[5], {e, f}, "down_proj.weight");
+    if (p.qkv_bias) check(qkv_biases[l], {qkv_rows}, "qkv bias");
+    check_cache(k_caches[l], "k cache");
+    check_cache(v_caches[l], "v cache");
+    TORCH_CHECK(k_caches[l].size(0) >= m, "llama_decode_step: cache batch smaller than the step's rows");
+    // (the OPT slots the family has no tensor for: null)
+    p.layer[l] = LayerWeights{w[0].data_ptr(), nullptr, w[1].data_ptr(),
+                              p.qkv_bias ? qkv_biases[l].data_ptr() : nullptr,
+                              w[2].data_ptr(), nullptr, w[3].data_ptr(), nullptr, w[4].data_ptr(), nullptr,
+                              w[5].data_ptr(), nullptr, k_caches[l].data_ptr(), v_caches[l].data_ptr()};
+  }
+  auto launch = [&](auto kernel) { launch_step(kernel, p, extra); };
+  if (kv8) {
+    if (dtype == at::kHalf) {
+      head_dim == 64 ? launch(decode_step_kernel<__half, 64, false, false, true, true>)
+                     : launch(decode_step_kernel<__half, 128, false, false, true, true>);
+    } else {
+      head_dim == 64 ? launch(decode_step_kernel<__nv_bfloat16, 64, false, false, true, true>)
+                     : launch(decode_step_kernel<__nv_bfloat16, 128, false, false, true, true>);
+    }
+  } else if (dtype == at::kHalf) {
+    head_dim == 64 ? launch(decode_step_kernel<__half, 64, false, false, true>)
+                   : launch(decode_step_kernel<__half, 128, false, false, true>);
+  } else {
+    head_dim == 64 ? launch(decode_step_kernel<__nv_bfloat16, 64, false, false, true>)
+                   : launch(decode_step_kernel<__nv_bfloat16, 128, false, false, true>);
+  }
+  return logits;
+}
+
 // decode_step: one decode step of a pre-LN OPT: tokens, positions (B,) int64, q_start (B,) int32 (the cache slot each
 // row writes and attends up to), key_mask (B, T) bool; layer_params: 12 per layer (LN1 w, b, qkv w (3E, E), b,
 // out_proj w, b, LN2 w, b, fc1 w, b, fc2 w, b); k_caches, v_caches: (B, H, T, D) per layer, written at q_start.
 // workspace: decode_step_workspace_bytes() bytes, zeroed once, kept between calls. Returns fp32 logits (B, V),
 // rounded to the model dtype first like the LM head's output. weight_scales: empty, or (8-bit weights) 4 fp32 (N,)
-// per layer for the int8 or float8_e4m3fn qkv, out_proj, fc1 and fc2 weights of layer_params.
-// decode_step_fits(m, e, f): whether m rows of hidden e / ffn f fit the kernel's shared memory on the current device.
+// per layer for the int8 or float8_e4m3fn qkv, out_proj, fc1 and fc2 weights of layer_params. kv_scales: empty, or
+// (float8_e4m3fn caches, fp16/bf16 weights only) one (2, H) fp32 per layer, the keys' and the values' scale per head
+// (ops/kv_cache.py): the new keys and values are stored as kv_cache_append_fp8 stores them and attended to as stored.
+// decode_step_fits(m, e, f, rope_dim, kv_scales): whether m rows of hidden e / ffn f fit the kernel's shared memory on
+// the current device (rope_dim: the Llama step's head dim, whose rotary tables it stages too, 0 for OPT; kv_scales:
+// e4m3 caches' scales, layers x 2 x kv heads, staged too, 0 for caches in the model dtype).
 // decode_step_trace(): with FUSEINFER_DECODE_TRACE=1, the (blocks, 2 + 8 * layers) trace of the last launch:
 // globaltimer stamps (ns) of the start, per layer the ends of qkv, attention, out_proj, LN2 + fc1, fc2, next LN, then
 // the LM head's end; then per layer the cumulative ns the producer waited for a free ring stage and consumer thread 0
 // for a full one. None otherwise.
+// llama_decode_step: one decode step of a Llama / Mistral / Qwen2 model (fp16/bf16 weights): tokens (B,) int64, cos,
+// sin (B, D) the rotary tables of this step's positions (model dtype), q_start, key_mask as decode_step's;
+// layer_params: 6 per layer (input RMSNorm w, q/k/v w ((H + 2 Hkv) D, E), o_proj w, post-attention RMSNorm w, gate/up
+// w (2F, E: gate rows, then up rows), down w); qkv_biases: empty or one ((H + 2 Hkv) D,) per layer; k_caches,
+// v_caches: (B, Hkv, T, D) per layer; norm_w: the final RMSNorm's weight; lm_head (V, E) (the embedding when tied).
+// The workspace, the trace, the logits and kv_scales ((2, Hkv) per layer) as decode_step's (the same workspace size
+// for hidden E, ffn F, H heads).
 TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
   m.def("decode_step(Tensor tokens, Tensor positions, Tensor q_start, Tensor key_mask, Tensor embed, "
         "Tensor pos_embed, Tensor[] layer_params, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor lnf_w, "
-        "Tensor lnf_b, Tensor lm_head, Tensor(c!) workspace, float eps, float scale, Tensor[] weight_scales) "
-        "-> Tensor");
+        "Tensor lnf_b, Tensor lm_head, Tensor(c!) workspace, float eps, float scale, Tensor[] weight_scales, "
+        "Tensor[] kv_scales) -> Tensor");
+  m.def("llama_decode_step(Tensor tokens, Tensor cos, Tensor sin, Tensor q_start, Tensor key_mask, Tensor embed, "
+        "Tensor[] layer_params, Tensor[] qkv_biases, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor norm_w, "
+        "Tensor lm_head, Tensor(c!) workspace, float eps, float scale, Tensor[] kv_scales) -> Tensor");
   m.def("decode_step_workspace_bytes(int m, int e, int f, int heads, int head_dim, int capacity) -> int",
         &decode_step_workspace_bytes);
-  m.def("decode_step_fits(int m, int e, int f) -> bool", &decode_step_fits);
+  m.def("decode_step_fits(int m, int e, int f, int rope_dim=0, int kv_scales=0) -> bool", &decode_step_fits);
   m.def("decode_step_trace() -> Tensor?", &decode_step_trace);
 }
 
-TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) { m.impl("decode_step", &decode_step_cuda); }
+TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) {
+  m.impl("decode_step", &decode_step_cuda);
+  m.impl("llama_decode_step", &llama_decode_step_cuda);
+}
 
 }  // namespace fuseinfer

@@ -242,3 +242,31 @@ def assert_same_tokens_graph_lean_modules(model, ids, max_new_tokens: int = 8):
         out[choice] = fuseinfer.generate(model, ids, max_new_tokens=max_new_tokens)
         assert (COUNTS["prefill_graph"] > before) == (choice == "graph")
     assert torch.equal(out["graph"], out["lean"]) and torch.equal(out["lean"], out["module"])
+
+
+def with_fp8_caches(args: dict) -> dict:
+    """A decode step's arguments (``k_caches``, ``v_caches`` of keys and values) over FP8 caches: each layer's (2, Hkv)
+    scales from its caches as a prefill calibrates them (``kv_scales_from``), the caches quantized with them
+    (float8_e4m3fn, fresh tensors) and ``kv_scales`` set; the other arguments shared."""
+    from fuseinfer.ops.kv_cache import kv_scales_from, quantize_kv
+
+    scales = [kv_scales_from(k, v) for k, v in zip(args["k_caches"], args["v_caches"])]
+    return {**args, "kv_scales": scales,
+            "k_caches": [quantize_kv(k, s[0]) for k, s in zip(args["k_caches"], scales)],
+            "v_caches": [quantize_kv(v, s[1]) for v, s in zip(args["v_caches"], scales)]}
+
+
+def assert_fp8_caches_within_rule(ours: torch.Tensor, torch_lowp: torch.Tensor, ref: torch.Tensor,
+                                  scale: torch.Tensor, what: str = "") -> None:
+    """float8_e4m3fn caches (B, Hkv, T, D) with their (2, Hkv) ``scale`` row (keys' or values'), dequantized: ours
+    within twice the reference run in the low dtype's error against the higher-precision reference, plus one e4m3 step
+    of each value. The step: a value the two compute a hair apart (another rounding of an activation) that sits on an
+    e4m3 rounding boundary is stored one step apart, whatever the rule says of the values before rounding."""
+    s = scale.float().view(1, -1, 1, 1)
+    o, t, r = (x.float() * s for x in (ours, torch_lowp, ref))
+    mag = (r / s).abs()  # in e4m3 units: steps of 2^(e - 3) for normals (e = floor(log2)), 2^-9 below 2^-6
+    step = torch.where(mag >= 2.0 ** -6, torch.exp2(torch.floor(torch.log2(mag.clamp_min(2.0 ** -6))) - 3), 2.0 ** -9)
+    bound = 2 * (t - r).abs().max() + step * s + 1e-6
+    bad = (o - r).abs() > bound
+    assert not bad.any(), (f"{what}: {int(bad.sum())} values beyond the rule, worst {(o - r).abs().max().item():.3g} "
+                           f"(torch {(t - r).abs().max().item():.3g})")

@@ -3,7 +3,8 @@
     python tools/kernel_smoke.py [--part all|no-ring-wrap|sampling|sampling-cluster|ring-wrap-d64|ring-wrap-d128|
                                          prefill|int8-step]
 
-``ring-wrap-d64`` and ``ring-wrap-d128`` are the one-kernel decode step with long contexts (head dim 64 and 128),
+``ring-wrap-d64`` and ``ring-wrap-d128`` are the one-kernel decode step with long contexts (head dim 64 and 128; d64
+also the Llama family's step),
 whose weight and key/value streams go round each block's ring of shared-memory stages many times;
 ``prefill`` is the attention prefills over enough key tiles to wrap the wgmma kernel's ring of TMA-filled stages,
 and into a cache tail it zeroes after the TMA write; ``int8-step`` is the one-kernel step of int8 weight-only models
@@ -134,10 +135,19 @@ def other_kernels():
             ops.kv_reorder(torch.randn(3, 2, 4, 2, 40, d, device="cuda", dtype=dtype), parent, one, one * 30, 36)
 
 
-def decode_step(dtype, layers, hidden, heads, ffn, capacity, slots, pad, int8=False, fp8=False):
+def fp8_caches(caches):
+    """Keys and values (k0, v0, k1, v1, ...) -> (the same as e4m3 caches, each layer's (2, H) scales), as a prefill
+    calibrates and writes them."""
+    from fuseinfer.ops.kv_cache import kv_scales_from, quantize_kv
+
+    scales = [kv_scales_from(k, v) for k, v in zip(caches[0::2], caches[1::2])]
+    return [quantize_kv(c, scales[i // 2][i % 2]) for i, c in enumerate(caches)], scales
+
+
+def decode_step(dtype, layers, hidden, heads, ffn, capacity, slots, pad, int8=False, fp8=False, kv8=False):
     """The one-kernel decode step of a random pre-LN OPT, one row per slot in ``slots`` (this step's cache
     slot), with the first ``pad`` keys of row 1 masked (left padding); ``int8``: quantized with Int8WeightOnly
-    (the kernel's int8 weight stream), asserted to take the kernel."""
+    (the kernel's int8 weight stream), asserted to take the kernel; ``kv8``: over e4m3 caches."""
     cfg = OPTConfig(vocab_size=1000, hidden_size=hidden, num_hidden_layers=layers, ffn_dim=ffn,
                     num_attention_heads=heads, max_position_embeddings=capacity + 2, word_embed_proj_dim=hidden)
     model = OPTForCausalLM(cfg).eval().to("cuda", dtype)
@@ -146,8 +156,10 @@ def decode_step(dtype, layers, hidden, heads, ffn, capacity, slots, pad, int8=Fa
     int8 = int8 or fp8  # (the kernel's 8-bit weight stream, int8 or e4m3)
     dec, rows, d = model.model.decoder, len(slots), hidden // heads
     scales = decode_step_weight_scales(model)
-    assert bool(scales) == int8 and kernel_supports(rows, dec.embed_tokens.weight, ffn, d, int8=int8)
     caches = [torch.randn(rows, heads, capacity, d, device="cuda", dtype=dtype) for _ in range(2 * layers)]
+    caches, kv_scales = fp8_caches(caches) if kv8 else (caches, [])
+    assert bool(scales) == int8 and kernel_supports(rows, dec.embed_tokens.weight, ffn, d, int8=int8,
+                                                    kv_scales=2 * heads * layers if kv8 else 0)
     key_mask = torch.ones(rows, capacity, dtype=torch.bool, device="cuda")
     key_mask[1, :pad] = False
     tokens = torch.arange(5, 5 + rows, device="cuda")[:, None]
@@ -158,7 +170,41 @@ def decode_step(dtype, layers, hidden, heads, ffn, capacity, slots, pad, int8=Fa
                             decode_step_params(model), caches[0::2], caches[1::2], dec.final_layer_norm.weight,
                             dec.final_layer_norm.bias, model.lm_head.weight,
                             decode_step_workspace(rows, hidden, ffn, heads, d, capacity, "cuda"), 1e-5, d ** -0.5,
-                            scales)
+                            scales, kv_scales)
+
+
+def llama_decode_step(dtype, layers, hidden, heads, kv_heads, ffn, capacity, slots, pad, model_type="llama",
+                      kv8=False):
+    """The one-kernel decode step of a random Llama-architecture model (grouped-query: ``kv_heads``; Qwen2: a q/k/v
+    bias), one row per slot in ``slots``, the first ``pad`` keys of row 1 masked; asserted to take the kernel;
+    ``kv8``: over e4m3 caches."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fuseinfer.models.llama.decode import decode_step_params as llama_step_params
+    from fuseinfer.ops import llama_step
+
+    cfg = AutoConfig.for_model(model_type, vocab_size=1000, hidden_size=hidden, num_hidden_layers=layers,
+                               intermediate_size=ffn, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                               max_position_embeddings=capacity + 2, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval().to("cuda", dtype)
+    fuseinfer.patch(model)
+    base, rows, d = model.model, len(slots), hidden // heads
+    embed = base.embed_tokens.weight
+    assert llama_step.kernel_supports(rows, embed, ffn, heads, kv_heads, d, 2 * kv_heads * layers if kv8 else 0)
+    params, biases = llama_step_params(model)
+    caches = [torch.randn(rows, kv_heads, capacity, d, device="cuda", dtype=dtype) for _ in range(2 * layers)]
+    caches, kv_scales = fp8_caches(caches) if kv8 else (caches, [])
+    key_mask = torch.ones(rows, capacity, dtype=torch.bool, device="cuda")
+    key_mask[1, :pad] = False
+    tokens = torch.arange(5, 5 + rows, device="cuda")
+    q_start = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    positions = torch.tensor([[s - (pad if r == 1 else 0)] for r, s in enumerate(slots)], device="cuda")
+    with torch.no_grad():
+        cos, sin = base.rotary_emb(embed[:1], positions)  # (B, 1, D)
+        ops.llama_decode_step(tokens, cos, sin, q_start, key_mask, embed, params, biases, caches[0::2],
+                              caches[1::2], base.norm.weight, model.lm_head.weight,
+                              decode_step_workspace(rows, hidden, ffn, heads, d, capacity, "cuda"),
+                              base.layers[0].input_layernorm.variance_epsilon, d ** -0.5, kv_scales)
 
 
 def emit_tokens(scores=None, chosen=None):
@@ -234,10 +280,18 @@ if part in ("all", "no-ring-wrap"):
     other_kernels()
     for dtype in (torch.float16, torch.bfloat16):
         decode_step(dtype, 2, 256, 4, 512, 96, [70, 50, 70], 20)  # short: a few stages per block
+        llama_decode_step(dtype, 2, 256, 4, 2, 512, 96, [70, 50, 70], 20)  # the Llama step: d64, 2:1
+    llama_decode_step(torch.float16, 2, 512, 4, 1, 512, 96, [70, 50], 20, model_type="qwen2")  # d128, 4:1, bias
+    # e4m3 caches (4 attention items of D 64 per ring stage, 2 of D 128), both families
+    decode_step(torch.float16, 2, 256, 4, 512, 96, [70, 50, 70], 20, kv8=True)
+    decode_step(torch.bfloat16, 2, 512, 4, 512, 96, [70, 50], 20, kv8=True)  # d128
+    llama_decode_step(torch.bfloat16, 2, 256, 4, 2, 512, 96, [70, 50, 70], 20, kv8=True)
+    llama_decode_step(torch.float16, 2, 512, 4, 1, 512, 96, [70, 50], 20, model_type="qwen2", kv8=True)
     emit_tokens()
 # contexts of 1100-1500 keys (several attention merge groups), rings wrapping many times
 if part in ("all", "ring-wrap-d64"):
     decode_step(torch.float16, 4, 512, 8, 2048, 1536, [1100, 1500], 600)
+    llama_decode_step(torch.bfloat16, 3, 512, 8, 2, 2048, 1536, [1100, 1500], 600)  # the Llama step, 4:1
 if part in ("all", "ring-wrap-d128"):
     decode_step(torch.bfloat16, 4, 512, 4, 2048, 1536, [1499, 1100], 300)
 if part in ("all", "int8-step"):

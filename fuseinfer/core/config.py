@@ -56,7 +56,7 @@ class RuntimeConfig:
     Each field left out takes the value of its ``FUSEINFER_*`` environment variable when the config is built (the
     variable is a default only; docs/env.md), else the built-in default below; a field given here wins.
 
-    decode_kernel: fast decode's step as one persistent kernel: ``auto`` where measured faster (1-2 rows; int8
+    decode_kernel: fast decode's step as one persistent kernel: ``auto`` where measured faster (OPT: 1-2 rows; int8
       weight-only models up to hidden size 2048), ``on`` wherever it applies, ``off`` never (the per-op step).
     cuda_graphs: fast decode replays its step (and ``prefill='auto'`` / ``'graph'`` its prefill) as CUDA graphs;
       False runs them eagerly.
@@ -68,7 +68,8 @@ class RuntimeConfig:
       all-reduce cannot be captured).
     kv_cache: fast decode's static KV cache: ``auto`` (the model's dtype) or ``fp8`` (keys and values as float8
       e4m3 with an fp32 scale per layer and key/value head, set at each prompt's prefill; any weight scheme; the
-      per-op decode step; docs/quantization.md).
+      one-kernel decode step reads it with fp16/bf16 weights, 8-bit-weight models decode per op;
+      docs/quantization.md).
     """
 
     decode_kernel: str = _from_knob("FUSEINFER_DECODE_KERNEL", _decode_kernel)

@@ -75,7 +75,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "the GEMV and then `silu_mul`, the q/k/v linear with the rotary and cache write (`linear_rope_append`) the "
          "GEMV and then `qkv_rope_append`: two kernels each instead of one", ("0", "1"), extension=True),
     Knob("FUSEINFER_DECODE_KERNEL", "auto", "config",
-         "fast decode's step as one persistent kernel: `auto` where measured faster (1-2 rows; int8 weight-only "
+         "fast decode's step as one persistent kernel: `auto` where measured faster (OPT: 1-2 rows; int8 weight-only "
          "models up to hidden size 2048), `1` wherever it applies (`on`), `0` never (`off`)", ("auto", "0", "1"),
          field="decode_kernel"),
     Knob("FUSEINFER_DECODE_GRAPH_STEPS", "16", "config",

@@ -1,8 +1,8 @@
 """The interface a model family implements so that the engine, the runtime and the feature packages can use it.
 
-A family is the patch rules of one ``config.model_type`` (OPT today): which modules it swaps and how to undo it,
-and the two pieces fast decode needs: a decode forward over fuseinfer's static KV cache, and optionally a
-one-kernel decode step.
+A family is the patch rules of one ``config.model_type`` (OPT; Llama, Mistral, Qwen2): which modules it swaps and how
+to undo it, and the two pieces fast decode needs: a decode forward over fuseinfer's static KV cache, and optionally a
+one-kernel decode step (both families have one: ``fuseinfer::opt_decode_step``, ``fuseinfer::llama_decode_step``).
 """
 from __future__ import annotations
 

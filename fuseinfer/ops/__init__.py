@@ -18,6 +18,7 @@ from fuseinfer.ops.layer_norm_quant import (add_layer_norm_quant, add_layer_norm
                                             add_layer_norm_quant_fp8_ref, add_layer_norm_quant_ref)
 from fuseinfer.ops.linear import linear_epilogue, linear_epilogue_ref
 from fuseinfer.ops.linear_rope import linear_rope_append, linear_rope_append_ref
+from fuseinfer.ops.llama_step import llama_decode_step, llama_decode_step_ref
 from fuseinfer.ops.rms_norm import add_rms_norm, add_rms_norm_ref
 from fuseinfer.ops.sample_tokens import sample_tokens, sample_tokens_ref, warp_ref
 from fuseinfer.ops.rope import qkv_rope, qkv_rope_append, qkv_rope_append_ref, qkv_rope_ref
@@ -36,7 +37,8 @@ __all__ = [
     "fp8_linear", "fp8_linear_ref", "fp8_weight_linear", "fp8_weight_linear_ref", "quantize_fp8_per_token",
     "quantize_fp8_ref",
     "w8a16_linear", "w8a16_linear_ref", "kv_cache_append", "kv_cache_append_ref", "kv_reorder", "kv_reorder_ref",
-    "linear_epilogue", "linear_epilogue_ref", "linear_rope_append", "linear_rope_append_ref",
+    "linear_epilogue", "linear_epilogue_ref", "linear_rope_append", "linear_rope_append_ref", "llama_decode_step",
+    "llama_decode_step_ref",
     "opt_decode_step", "opt_decode_step_ref", "quantize_int8_ref", "quantize_per_channel", "quantize_per_token",
     "add_layer_norm_quant", "add_layer_norm_quant_ref", "add_layer_norm_quant_fp8", "add_layer_norm_quant_fp8_ref",
     "w8a8_linear", "w8a8_linear_ref",

@@ -22,6 +22,13 @@ docs/quantization.md "int8 in the one-kernel step"). FP8 models (``Float8``) pas
 float8_e4m3fn (N, K) with their scales: the kernel streams the same 8-bit tiles and converts e4m3 instead of int8
 (the activations stay fp16/bf16, as the FP8 linears' decode GEMV keeps them). One 8-bit format for all layers.
 Empty ``weight_scales``: fp16/bf16 weights. The LM head is never quantized here.
+
+FP8 KV caches (``RuntimeConfig(kv_cache="fp8")``, fp16/bf16 weights): ``k_caches`` / ``v_caches`` are float8_e4m3fn
+and ``kv_scales`` holds each layer's (2, H) fp32 scales (the keys' row, the values' row; ops/kv_cache.py). The step
+stores the new keys and values as ``kv_cache_append_fp8`` does (the projection rounded to the model dtype, divided by
+the head's scale, rounded to e4m3 with saturation) and attends to them as stored, like the per-op path, which reads
+them back from the cache; the kernel streams e4m3 keys and values (half the bytes) and applies the scales to the
+scores and the attention output. Empty ``kv_scales``: caches in the model dtype.
 """
 from __future__ import annotations
 
@@ -30,7 +37,8 @@ import torch.nn.functional as F
 
 from fuseinfer.core.extension import eager_cuda, extension
 from fuseinfer.core.errors import FuseInferError
-from fuseinfer.ops.attention import attention_ref
+from fuseinfer.ops.attention import attention_kv_fp8_ref, attention_ref
+from fuseinfer.ops.kv_cache import FP8_DTYPE, check_kv_scale, quantize_kv
 from fuseinfer.ops.w8a16_linear import w8a16_linear_ref
 
 # a layer's tensors, in order (the model family lists its modules' tensors so, ``models/opt/decode.py``): the
@@ -50,15 +58,61 @@ AUTO_MAX_ROWS = 2
 AUTO_INT8_MAX_HIDDEN = 2048
 
 
+def write_kv_ref(k_cache, v_cache, rows, slots, k, v, kv_scale=None, kv_round=None) -> None:
+    """The reference steps' cache write: k, v (M, Hkv, D) into the caches (B, Hkv, T, D) at (rows[i], slots[i]).
+    e4m3 caches (``kv_scale`` (2, Hkv)): quantized as ``kv_cache_append_fp8`` stores them, after rounding k, v to
+    ``kv_round`` when given (the dtype the per-op path stores the projection in; an fp32 reference of an fp16 model
+    passes it, so that both quantize the same values)."""
+    if kv_scale is None:
+        k_cache[rows, :, slots] = k
+        v_cache[rows, :, slots] = v
+        return
+    if kv_round is not None:
+        k, v = k.to(kv_round), v.to(kv_round)
+    for cache, x, s in ((k_cache, k, kv_scale[0]), (v_cache, v, kv_scale[1])):
+        # (as bytes: indexed assignment has no float8 form on every device)
+        cache.view(torch.uint8)[rows, :, slots] = quantize_kv(x.unsqueeze(2), s)[:, :, 0].view(torch.uint8)
+
+
+def attend_ref(q, k_cache, v_cache, key_mask, q_start, scale, kv_scale=None) -> torch.Tensor:
+    """The reference steps' attention of q (M, H, 1, D) over the caches' first M rows -> (M, 1, H, D): over e4m3
+    caches (``kv_scale``) their dequantized values, as ``attention_kv_fp8`` reads them."""
+    m = q.shape[0]
+    if kv_scale is None:
+        return attention_ref(q, k_cache[:m], v_cache[:m], key_mask[:m], q_start[:m], scale)
+    return attention_kv_fp8_ref(q, k_cache[:m], v_cache[:m], key_mask[:m], q_start[:m], scale, kv_scale)
+
+
+def check_kv_scales(k_caches, v_caches, kv_scales, op: str) -> list:
+    """One clear error for caches and ``kv_scales`` that do not go together: float8_e4m3fn caches need one (2, Hkv)
+    fp32 scale tensor per layer, caches in the model dtype none. Returns kv_scales as a list."""
+    kv_scales = list(kv_scales or ())
+    fp8 = [c.dtype == FP8_DTYPE for c in list(k_caches) + list(v_caches)]
+    if any(fp8) and not all(fp8):
+        raise FuseInferError(f"{op}: the caches must all be float8_e4m3fn or all be in the model dtype")
+    if not all(fp8) and kv_scales:
+        raise FuseInferError(f"{op}: kv_scales are for float8_e4m3fn caches only; pass none for caches in the "
+                             "model dtype")
+    if all(fp8):
+        if len(kv_scales) != len(k_caches):
+            raise FuseInferError(f"{op}: float8_e4m3fn caches need one kv_scales tensor (2, KV heads) per layer, got "
+                                 f"{len(kv_scales)} for {len(k_caches)} layer(s) (the cache's kv_scales)")
+        for s, c in zip(kv_scales, k_caches):
+            check_kv_scale(s, c)
+    return kv_scales
+
+
 def opt_decode_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches, v_caches,
                         lnf_w, lnf_b, lm_head, workspace, eps: float, scale: float,
-                        weight_scales=()) -> torch.Tensor:
+                        weight_scales=(), kv_scales=(), kv_round=None) -> torch.Tensor:
     """Pure-PyTorch reference (in the tensors' dtype; pass fp32 copies for an fp32 reference). Writes the caches
     in place; ``workspace`` is not used. Slots must lie in the cache. With ``weight_scales`` (int8 weights) each
-    linear is ``w8a16_linear_ref`` with the per-op path's fused residual / ReLU, so it equals the per-op int8 step."""
+    linear is ``w8a16_linear_ref`` with the per-op path's fused residual / ReLU, so it equals the per-op int8 step.
+    With ``kv_scales`` (e4m3 caches) the new keys and values are quantized on write (``write_kv_ref``, ``kv_round``)
+    and the attention reads the dequantized caches."""
     if weight_scales:
         return _int8_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches,
-                              v_caches, lnf_w, lnf_b, lm_head, eps, scale, weight_scales)
+                              v_caches, lnf_w, lnf_b, lm_head, eps, scale, weight_scales, kv_scales, kv_round)
     m = tokens.numel()
     e = embed.shape[1]
     _, heads, _, d = k_caches[0].shape
@@ -69,9 +123,9 @@ def opt_decode_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, 
             layer_params[PARAMS_PER_LAYER * layer:PARAMS_PER_LAYER * (layer + 1)]
         x = F.layer_norm(h, (e,), ln1_w, ln1_b, eps)
         q, k, v = F.linear(x, wqkv, bqkv).view(m, 3, heads, d).unbind(1)  # 3 x (M, H, D)
-        k_cache[rows, :, slots] = k
-        v_cache[rows, :, slots] = v
-        attn = attention_ref(q.unsqueeze(2), k_cache[:m], v_cache[:m], key_mask[:m], q_start[:m], scale)  # (M,1,H,D)
+        kv_scale = kv_scales[layer] if kv_scales else None
+        write_kv_ref(k_cache, v_cache, rows, slots, k, v, kv_scale, kv_round)
+        attn = attend_ref(q.unsqueeze(2), k_cache, v_cache, key_mask, q_start, scale, kv_scale)  # (M, 1, H, D)
         h = h + F.linear(attn.reshape(m, e), wo, bo)
         x = F.layer_norm(h, (e,), ln2_w, ln2_b, eps)
         h = h + F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)
@@ -80,7 +134,7 @@ def opt_decode_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, 
 
 
 def _int8_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches, v_caches, lnf_w,
-                   lnf_b, lm_head, eps, scale, weight_scales) -> torch.Tensor:
+                   lnf_b, lm_head, eps, scale, weight_scales, kv_scales=(), kv_round=None) -> torch.Tensor:
     """The reference step of an int8 weight-only model: the weights of ``SCALED`` are int8 (N, K), dequantized with
     their scales (fp32, (N,)) by ``w8a16_linear_ref``; the residual adds and the ReLU fused as the per-op forward
     fuses them (the attention output and second MLP projections take the residual, the first MLP projection the
@@ -96,9 +150,9 @@ def _int8_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, layer
         s_qkv, s_o, s_1, s_2 = weight_scales[len(SCALED) * layer:len(SCALED) * (layer + 1)]
         x = F.layer_norm(h, (e,), ln1_w, ln1_b, eps)
         q, k, v = w8a16_linear_ref(x, wqkv, s_qkv, bqkv, None, "none").view(m, 3, heads, d).unbind(1)  # 3 x (M, H, D)
-        k_cache[rows, :, slots] = k
-        v_cache[rows, :, slots] = v
-        attn = attention_ref(q.unsqueeze(2), k_cache[:m], v_cache[:m], key_mask[:m], q_start[:m], scale)  # (M,1,H,D)
+        kv_scale = kv_scales[layer] if kv_scales else None
+        write_kv_ref(k_cache, v_cache, rows, slots, k, v, kv_scale, kv_round)
+        attn = attend_ref(q.unsqueeze(2), k_cache, v_cache, key_mask, q_start, scale, kv_scale)  # (M, 1, H, D)
         h = w8a16_linear_ref(attn.reshape(m, e), wo, s_o, bo, h, "none")
         x = F.layer_norm(h, (e,), ln2_w, ln2_b, eps)
         h = w8a16_linear_ref(w8a16_linear_ref(x, w1, s_1, b1, None, "relu"), w2, s_2, b2, h, "none")
@@ -112,20 +166,29 @@ def _opt_decode_step(
     embed: torch.Tensor, pos_embed: torch.Tensor, layer_params: list[torch.Tensor], k_caches: list[torch.Tensor],
     v_caches: list[torch.Tensor], lnf_w: torch.Tensor, lnf_b: torch.Tensor, lm_head: torch.Tensor,
     workspace: torch.Tensor, eps: float, scale: float, weight_scales: list[torch.Tensor],
+    kv_scales: list[torch.Tensor],
 ) -> torch.Tensor:
     return opt_decode_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches,
-                               v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale, weight_scales)
+                               v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale, weight_scales, kv_scales)
 
 
-def kernel_supports(rows: int, embed: torch.Tensor, ffn: int, head_dim: int, int8: bool = False) -> bool:
+def kernel_supports(rows: int, embed: torch.Tensor, ffn: int, head_dim: int, int8: bool = False,
+                    kv_scales: int = 0) -> bool:
     """Whether the CUDA kernel serves a step of ``rows`` tokens for this model (else the reference runs); ``int8``:
-    with int8 weights, whose k-steps of 64 need hidden and ffn sizes that are multiples of 64."""
+    with int8 weights, whose k-steps of 64 need hidden and ffn sizes that are multiples of 64; ``kv_scales``: with
+    e4m3 caches, the number of their scales (layers x 2 x heads, staged in shared memory; fp16/bf16 weights only)."""
     ext = extension(embed.device)
     multiple = 64 if int8 else 32
     return (ext is not None and embed.is_cuda and torch.cuda.get_device_capability(embed.device)[0] >= 9
             and embed.dtype in (torch.float16, torch.bfloat16) and head_dim in (64, 128)
             and 1 <= rows <= MAX_ROWS and embed.shape[1] % multiple == 0 and ffn % multiple == 0
-            and bool(ext.decode_step_fits(rows, embed.shape[1], ffn)))
+            and not (int8 and kv_scales)
+            and bool(ext.decode_step_fits(rows, embed.shape[1], ffn, 0, kv_scales)))
+
+
+def kv_scale_count(kv_scales) -> int:
+    """The number of e4m3 cache scales the kernel stages (0 for caches in the model dtype)."""
+    return sum(s.numel() for s in kv_scales)
 
 
 def decode_step_workspace(rows: int, hidden: int, ffn: int, heads: int, head_dim: int, capacity: int,
@@ -138,18 +201,20 @@ def decode_step_workspace(rows: int, hidden: int, ffn: int, heads: int, head_dim
 
 @_opt_decode_step.register_kernel("cuda")
 def _opt_decode_step_cuda(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches,
-                          v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale, weight_scales):
+                          v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale, weight_scales, kv_scales):
     if not kernel_supports(tokens.numel(), embed, layer_params[8].shape[0], k_caches[0].shape[-1],
-                           int8=bool(weight_scales)):
+                           int8=bool(weight_scales), kv_scales=kv_scale_count(kv_scales)):
         return opt_decode_step_ref(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params,
-                                   k_caches, v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale, weight_scales)
+                                   k_caches, v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale, weight_scales,
+                                   kv_scales)
     return extension().decode_step(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches,
-                                   v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale, list(weight_scales))
+                                   v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale, list(weight_scales),
+                                   list(kv_scales))
 
 
 @_opt_decode_step.register_fake
 def _(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches, v_caches, lnf_w, lnf_b,
-      lm_head, workspace, eps, scale, weight_scales):
+      lm_head, workspace, eps, scale, weight_scales, kv_scales):
     return embed.new_empty(tokens.numel(), lm_head.shape[0], dtype=torch.float32)
 
 
@@ -177,7 +242,8 @@ def _check_int8(layer_params, weight_scales, layers: int) -> None:
 
 
 def opt_decode_step(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches, v_caches,
-                    lnf_w, lnf_b, lm_head, workspace, eps: float, scale: float, weight_scales=()) -> torch.Tensor:
+                    lnf_w, lnf_b, lm_head, workspace, eps: float, scale: float, weight_scales=(),
+                    kv_scales=()) -> torch.Tensor:
     """One decode step; see the module docstring. Returns fp32 logits (B, V)."""
     if len(layer_params) != PARAMS_PER_LAYER * len(k_caches) or len(k_caches) != len(v_caches) or not k_caches:
         raise FuseInferError(f"expected {PARAMS_PER_LAYER} parameters and a k and v cache per layer, got "
@@ -185,9 +251,11 @@ def opt_decode_step(tokens, positions, q_start, key_mask, embed, pos_embed, laye
     weight_scales = list(weight_scales)
     if weight_scales:
         _check_int8(layer_params, weight_scales, len(k_caches))
+    kv_scales = check_kv_scales(k_caches, v_caches, kv_scales, "opt_decode_step")
     if eager_cuda(embed):
         return _opt_decode_step_cuda(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params, k_caches,
-                                     v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale, weight_scales)
+                                     v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale, weight_scales,
+                                     kv_scales)
     return torch.ops.fuseinfer.opt_decode_step(tokens, positions, q_start, key_mask, embed, pos_embed, layer_params,
                                                k_caches, v_caches, lnf_w, lnf_b, lm_head, workspace, eps, scale,
-                                               weight_scales)
+                                               weight_scales, kv_scales)

@@ -229,7 +229,8 @@ def _fi_kv_append(c: Call) -> Cost | None:  # (k_cache, v_cache, k, v, slots): r
 def _fi_decode_step(c: Call) -> Cost | None:
     """The whole decode step: every 2-D weight of the layers and the LM head read once (2 flops per weight per
     row), embedding rows, the caches (capacity: an upper bound), the logits (fp32) written. With weight scales
-    (argument 15: an int8 weight-only model) the layers' 2-D weights are int8 (1 byte) plus their fp32 scales."""
+    (argument 15: an int8 weight-only model) the layers' 2-D weights are int8 (1 byte) plus their fp32 scales; with
+    KV scales (argument 16: FP8 caches) the caches are e4m3 (1 byte)."""
     m = c.numel(0)
     params = c.dims[6] if len(c.dims) > 6 else []
     layers = [d for d in params if isinstance(d, list)]
@@ -240,11 +241,31 @@ def _fi_decode_step(c: Call) -> Cost | None:
     head = math.prod(lm) if lm else 0
     vectors = sum(math.prod(d) for d in layers if len(d) == 1)
     caches = sum(math.prod(d) for d in (c.dims[7] if len(c.dims) > 7 else []) if isinstance(d, list)) * 2
+    kv8 = any(isinstance(d, list) for d in (c.dims[16] if len(c.dims) > 16 else []))
     flops = 2.0 * m * (sum(weights) + head)
     weight_bytes = sum(weights) + 4 * sum(math.prod(d) for d in scales) if scales else sum(weights) * es
-    moved = weight_bytes + (head + vectors + caches) * es + m * (lm[0] if lm else 0) * 4
+    moved = weight_bytes + (head + vectors) * es + caches * (1 if kv8 else es) + m * (lm[0] if lm else 0) * 4
     return Cost(flops, moved, "step", c.precision(4))
 
+
+
+@register_cost("fuseinfer::llama_decode_step")
+def _fi_llama_decode_step(c: Call) -> Cost | None:
+    """The Llama family's whole decode step: every 2-D weight of the layers (argument 6) and the LM head (11) read
+    once (2 flops per weight per row), the RMSNorm weights and q/k/v biases (7), the caches (8, 9: capacity, an upper
+    bound; e4m3, 1 byte, with KV scales: argument 15), the logits (fp32) written."""
+    m = c.numel(0)
+    listed = lambda i: [d for d in (c.dims[i] if len(c.dims) > i else []) if isinstance(d, list)]  # noqa: E731
+    layers = listed(6)
+    weights = sum(math.prod(d) for d in layers if len(d) == 2)
+    vectors = sum(math.prod(d) for d in layers if len(d) == 1) + sum(math.prod(d) for d in listed(7))
+    caches = sum(math.prod(d) for d in listed(8) + listed(9))
+    lm = c.shape(11)
+    head = math.prod(lm) if lm else 0
+    kv8 = bool(listed(15))
+    moved = (weights + head + vectors + (0 if kv8 else caches)) * c.esize(5) + (caches if kv8 else 0) \
+        + m * (lm[0] if lm else 0) * 4
+    return Cost(2.0 * m * (weights + head), moved, "step", c.precision(5))
 
 # elementwise and data-movement ops: one flop per output element, every input read and the output written
 ELEMENTWISE = ("aten::add", "aten::add_", "aten::mul", "aten::mul_", "aten::sub", "aten::div", "aten::relu",

@@ -62,8 +62,6 @@ CAPACITY_ROUND = 128
 # warpers, while the CPU draws with torch.multinomial as transformers does (its tokens under one seed); True on every
 # device; False nowhere (the warpers as PyTorch ops and the exponential race). Tests and benchmarks set it.
 FUSED_SAMPLING = "cuda"
-# the path string's reason for the per-op step with an FP8 cache
-FP8_PER_OP = "kv_cache='fp8': the one-kernel step reads fp16/bf16 caches only, so the step runs per op"
 SESSIONS_PER_BUCKET = 4  # settings kept per batch bucket (each: its step buffers, processors, decode graphs)
 CPU_CACHE_BUDGET = 512 << 20  # KV-cache bytes a model keeps between calls on the CPU (set_cache_budget)
 CUDA_CACHE_FRACTION = 2  # ... on a GPU: its memory / this
@@ -125,11 +123,10 @@ class _Session:
         # The decode step: one kernel for the whole model where it has one, else the patched modules per op
         if plan.no_kernel:
             self.step_kernel, why = None, plan.no_kernel
-        elif getattr(self.cache, "kv_scales", None) is not None:
-            self.step_kernel, why = None, FP8_PER_OP
         else:
             self.step_kernel, why = patch_state(model).family.decode_step_kernel(model, self.cache)
-        self.path = "one kernel per step (fuseinfer::opt_decode_step)" if why is None else f"per op ({why})"
+        op = getattr(self.step_kernel, "op", "fuseinfer::opt_decode_step")  # (the family's step names its op)
+        self.path = f"one kernel per step ({op})" if why is None else f"per op ({why})"
         self.path += f"; eager, {plan.no_graphs}" if plan.no_graphs else ""
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per replay -> graph
         self.capture_mode = plan.capture_mode

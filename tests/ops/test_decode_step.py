@@ -7,12 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_opt
-from helpers import DEVICES, LOWP, assert_lowp_close, assume, examples, given, lowp_atol, st
+from helpers import (DEVICES, LOWP, assert_fp8_caches_within_rule, assert_lowp_close, assume, examples, given,
+                     lowp_atol, st, with_fp8_caches)
 
 import fuseinfer
 from fuseinfer.ops import opt_decode_step, opt_decode_step_ref
 from fuseinfer.ops.decode_step import AUTO_MAX_ROWS, decode_step_workspace, kernel_supports
 from fuseinfer.models.opt.decode import decode_step_params, decode_step_weight_scales, forward_last_logits
+from fuseinfer.ops.kv_cache import FP8_DTYPE
 from fuseinfer.runtime.cache import StaticKVCache
 from fuseinfer.runtime.decode import SESSIONS_ATTR
 
@@ -39,18 +41,21 @@ def _step_inputs(model, pads, q_start, capacity, seed=1):
         lnf_b=dec.final_layer_norm.bias, lm_head=model.lm_head.weight,
         workspace=decode_step_workspace(rows, cfg.hidden_size, cfg.ffn_dim, heads, d, capacity, embed.device),
         eps=dec.layers[0].self_attn_layer_norm.eps, scale=d ** -0.5,
-        weight_scales=decode_step_weight_scales(model))  # [] unless the model is int8 weight-only
+        weight_scales=decode_step_weight_scales(model),  # [] unless the model is int8 weight-only
+        kv_scales=[])  # (caches in the model dtype)
     args["layer_params"] = [p.detach() for p in args["layer_params"]]  # no autograd (opcheck would test it)
     return {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
 
 
 def _converted(args, dtype):
-    """A copy of the step's arguments with floating tensors in ``dtype`` (caches copied, never shared)."""
+    """A copy of the step's arguments with floating tensors in ``dtype`` (caches copied, never shared; FP8 caches
+    stay float8_e4m3fn with their fp32 scales)."""
     conv = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+    cache = lambda c: c.clone() if c.dtype == FP8_DTYPE else c.to(dtype, copy=True)  # noqa: E731
     out = {k: (conv(v) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
     out["layer_params"] = [conv(p) for p in args["layer_params"]]  # (int8 weights stay int8, scales fp32)
-    out["k_caches"] = [c.to(dtype, copy=True) for c in args["k_caches"]]
-    out["v_caches"] = [c.to(dtype, copy=True) for c in args["v_caches"]]
+    out["k_caches"] = [cache(c) for c in args["k_caches"]]
+    out["v_caches"] = [cache(c) for c in args["v_caches"]]
     return out
 
 
@@ -211,15 +216,24 @@ GPU_CASES = {  # name -> (OPTConfig overrides, pads, q_start, capacity)
 
 def _assert_step_within_rule(args: dict, dtype) -> torch.Tensor:
     """The kernel's logits and caches within twice the reference's own error in ``dtype`` against the fp32
-    reference (the same inputs, weights and scales); returns the kernel's logits."""
+    reference (the same inputs, weights and scales); returns the kernel's logits. FP8 caches: the fp32 reference
+    rounds the new keys and values to ``dtype`` before quantizing them, as the per-op path and the kernel store the
+    projection (else an e4m3 rounding boundary between the two values would count as the kernel's error), and the
+    dequantized caches within the rule plus one e4m3 step (assert_fp8_caches_within_rule)."""
+    fp8 = bool(args.get("kv_scales"))
     ref_args, lowp_args = _converted(args, torch.float32), _converted(args, dtype)
-    ref32 = opt_decode_step_ref(**ref_args)
+    ref32 = opt_decode_step_ref(**ref_args, kv_round=dtype if fp8 else None)
     torch_lowp = opt_decode_step_ref(**lowp_args)
     ours = opt_decode_step(**args)
     err, torch_err = (ours - ref32).abs().max().item(), (torch_lowp - ref32).abs().max().item()
     assert err <= 2 * torch_err + 1e-6, f"logits: ours {err:.3g} vs torch {torch_err:.3g}"
+    # (the keys' scale row of every layer, then the values')
+    scales = iter([sc[0] for sc in args.get("kv_scales") or []] + [sc[1] for sc in args.get("kv_scales") or []])
     for ours_c, ref_c, lowp_c in zip(args["k_caches"] + args["v_caches"], ref_args["k_caches"] + ref_args["v_caches"],
                                      lowp_args["k_caches"] + lowp_args["v_caches"]):
+        if fp8:
+            assert_fp8_caches_within_rule(ours_c, lowp_c, ref_c, next(scales), "cache")
+            continue
         e, te = (ours_c.float() - ref_c).abs().max().item(), (lowp_c.float() - ref_c).abs().max().item()
         assert e <= 2 * te + 1e-6, f"cache: ours {e:.3g} vs torch {te:.3g}"
     return ours
@@ -541,3 +555,145 @@ def test_decode_step_kernel_takes_w8a8_models():
     params = decode_step_params(model)
     assert all(params[12 * i + j].dtype == torch.int8 for i in range(2) for j in (2, 4, 8, 10))
     assert len(decode_step_weight_scales(model)) == 8
+
+
+# ---- FP8 (e4m3) KV caches: keys and values stored as kv_cache_append_fp8 stores them, attended to as stored ----
+
+def _fp8_per_op(model, args, slot):
+    """The patched modules' decode step over a StaticKVCache holding copies of the step's FP8 caches and scales (one
+    write slot for all rows, the scales kept: a decode step) -> (fp32 logits (B, V), the cache)."""
+    cfg = model.config
+    k0 = args["k_caches"][0]
+    cache = StaticKVCache(cfg.num_hidden_layers, k0.shape[0], k0.shape[1], k0.shape[3], k0.shape[2], torch.float32,
+                          k0.device, kv_dtype=FP8_DTYPE)
+    cache.keys = [c.clone() for c in args["k_caches"]]
+    cache.values = [c.clone() for c in args["v_caches"]]
+    cache.kv_scales = [s.clone() for s in args["kv_scales"]]
+    cache.key_mask = args["key_mask"]
+    cache.write_idx = torch.tensor([slot], device=k0.device)
+    with torch.no_grad():
+        return forward_last_logits(model, args["tokens"], args["positions"], cache, args["q_start"]), cache
+
+
+@torch.no_grad()
+def test_fp8_cache_reference_equals_per_op_fp8_decode_path(tiny_model_path):
+    """Over FP8 caches the reference step and the patched modules (the per-op FP8 path: kv_cache_append_fp8, then
+    attention over the dequantized cache) agree on the trained tiny model in fp32 on CPU: logits, greedy tokens and
+    every cache byte."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    fuseinfer.patch(model)
+    args = with_fp8_caches(_step_inputs(model, pads=[0, 5, 11], q_start=[20, 20, 20], capacity=24))
+    assert all(c.dtype == FP8_DTYPE for c in args["k_caches"] + args["v_caches"])
+    per_op, cache = _fp8_per_op(model, args, 20)
+    ref = opt_decode_step_ref(**args)
+    torch.testing.assert_close(ref, per_op, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ref.argmax(-1), per_op.argmax(-1))
+    for ours, theirs in zip(args["k_caches"] + args["v_caches"], cache.keys + cache.values):
+        assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+    # the step wrote e4m3 values (not the fp32 ones): within an e4m3 step of the fp32 step's key
+    fp_args = _step_inputs(model, pads=[0, 5, 11], q_start=[20, 20, 20], capacity=24)
+    opt_decode_step_ref(**fp_args)
+    scale = args["kv_scales"][0][0]
+    new = args["k_caches"][0][:, :, 20].float() * scale.view(1, -1, 1)
+    assert not torch.equal(new, fp_args["k_caches"][0][:, :, 20])
+    torch.testing.assert_close(new, fp_args["k_caches"][0][:, :, 20], rtol=2 ** -4, atol=scale.max().item() * 2 ** -9)
+
+
+# opcheck's test_schema compares the arguments before and after the call with ops that have no float8 kernel (as in
+# tests/ops/test_kv_fp8.py): the other checks run; what the step writes is checked against the per-op path above
+FP8_OPCHECKS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def test_fp8_cache_opcheck_cpu():
+    model = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=96, num_hidden_layers=2)
+    fuseinfer.patch(model)
+    args = with_fp8_caches(_step_inputs(model, pads=[0, 2, 5], q_start=[7, 7, 7], capacity=12))
+    torch.library.opcheck(torch.ops.fuseinfer.opt_decode_step.default, tuple(args.values()), test_utils=FP8_OPCHECKS)
+
+
+def test_fp8_cache_arguments_are_one_clear_error():
+    """Scales without FP8 caches, FP8 caches without (or with malformed) scales, mixed caches: one error each."""
+    model = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=96, num_hidden_layers=2)
+    fuseinfer.patch(model)
+    args = _step_inputs(model, pads=[0], q_start=[3], capacity=8)
+    fp8 = with_fp8_caches(args)
+    with pytest.raises(fuseinfer.FuseInferError, match="kv_scales are for float8_e4m3fn caches only"):
+        opt_decode_step(**{**args, "kv_scales": fp8["kv_scales"]})
+    with pytest.raises(fuseinfer.FuseInferError, match="need one kv_scales tensor"):
+        opt_decode_step(**{**fp8, "kv_scales": []})
+    with pytest.raises(fuseinfer.FuseInferError, match="needs kv_scale, a \\(2, 2\\) float32"):
+        opt_decode_step(**{**fp8, "kv_scales": [s[0] for s in fp8["kv_scales"]]})
+    with pytest.raises(fuseinfer.FuseInferError, match="all be float8_e4m3fn or all"):
+        opt_decode_step(**{**fp8, "v_caches": args["v_caches"]})
+
+
+def test_fp8_cache_with_8bit_weights_decodes_per_op():
+    """The kernel reads FP8 caches with fp16/bf16 weights only: the family hook says so for an int8 model."""
+    from types import SimpleNamespace
+
+    from fuseinfer.models.opt import decode as opt_decode
+
+    model = random_opt(hidden_size=64, num_attention_heads=2, ffn_dim=128, num_hidden_layers=2)
+    fuseinfer.patch(model, fuseinfer.PatchConfig(quant=fuseinfer.Int8WeightOnly(),
+                                                 runtime=fuseinfer.RuntimeConfig(decode_kernel="on")))
+    cache = SimpleNamespace(key_mask=torch.ones(1, 8, dtype=torch.bool), kv_scales=[torch.ones(2, 2)] * 2)
+    step, why = opt_decode.decode_step_kernel(model, cache)
+    assert step is None and "FP8 (e4m3) cache with fp16/bf16 weights only" in why
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_fp8_cache_matches_fp32_reference(case, dtype):
+    """The one-kernel step over FP8 caches (e4m3 keys and values streamed through the ring, 4 (D 64) or 2 (D 128)
+    attention items per stage): logits within the dtype rule of the fp32 reference, the caches' e4m3 codes equal,
+    and repeated launches equal."""
+    overrides, pads, q_start, capacity = GPU_CASES[case]
+    model = random_opt(device="cuda", dtype=dtype, num_hidden_layers=3, vocab_size=4000,
+                       max_position_embeddings=2048, **overrides)
+    fuseinfer.patch(model)
+    args = with_fp8_caches(_step_inputs(model, pads, q_start, capacity))
+    heads = overrides["num_attention_heads"]
+    assert kernel_supports(len(pads), args["embed"], overrides["ffn_dim"], args["k_caches"][0].shape[-1],
+                           kv_scales=2 * heads * 3)
+    fresh = {**args, "k_caches": [c.clone() for c in args["k_caches"]],
+             "v_caches": [c.clone() for c in args["v_caches"]]}
+    ours = _assert_step_within_rule(args, dtype)
+    for _ in range(3):  # the launch counters, attention counters and tagged buffers carry over between launches
+        assert torch.equal(opt_decode_step(**args), ours)
+    # the scales matter: doubled value scales double the attention's output, which moves the logits
+    doubled = opt_decode_step(**{**fresh, "kv_scales": [s * torch.tensor([[1.0], [2.0]], device="cuda")
+                                                        for s in fresh["kv_scales"]]})
+    assert not torch.allclose(doubled, ours, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_dtype", [torch.float16, torch.bfloat16])
+def test_fast_decode_fp8_cache_takes_the_kernel(tiny_model_path, model_dtype):
+    """RuntimeConfig(kv_cache="fp8", decode_kernel="on"): the one-kernel step runs over the FP8 cache (batch buckets 1
+    and 8) and gives the per-op FP8 path's greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(3, 8192, (5, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = mask[3, :20] = 0
+    out = {}
+    for kernel in ("off", "on"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=model_dtype).cuda().eval()
+        ids = ids.masked_fill(mask == 0, model.config.pad_token_id)
+        runtime = fuseinfer.RuntimeConfig(decode_kernel=kernel, kv_cache="fp8")
+        fuseinfer.patch(model, fuseinfer.PatchConfig(runtime=runtime))
+        out[kernel] = (fuseinfer.generate(model, ids, mask, max_new_tokens=32),
+                       fuseinfer.generate(model, ids[:1], max_new_tokens=32))
+        sessions = model.__dict__[SESSIONS_ATTR]
+        for bucket in (1, 8):
+            assert sessions[bucket].cache.kv_scales is not None
+            expect = "one kernel per step" if kernel == "on" else "per op"
+            assert sessions[bucket].path.startswith(expect), (kernel, bucket, sessions[bucket].path)
+    # the same tokens, but for a rare divergence: where the two paths' projections differ in their last bit (another
+    # accumulation order), a value on an e4m3 rounding boundary is stored one step apart, and a near tie can turn
+    for ours, theirs in ((out["on"][0], out["off"][0]), (out["on"][1], out["off"][1])):
+        assert torch.equal(ours[:, :ids.shape[1] + 4], theirs[:, :ids.shape[1] + 4])
+        assert (ours[:, ids.shape[1]:] == theirs[:, ids.shape[1]:]).float().mean().item() >= 0.9

@@ -207,3 +207,24 @@ def test_decode_step_cost_counts_int8_weights_at_one_byte():
     int8 = costs.cost_of("fuseinfer::opt_decode_step", dims + [[[3 * e], [e], [f], [e]]], types + [""])
     assert fp16.flops == int8.flops == 2 * (matrices + v * e)
     assert fp16.bytes - int8.bytes == matrices - 4 * (3 * e + e + f + e)
+    # FP8 caches (KV scales, argument 16): the two (1, 1, 16, E) caches at 1 byte
+    kv8 = costs.cost_of("fuseinfer::opt_decode_step", dims + [[], [[2, 1]]], types + ["", ""])
+    assert kv8.flops == fp16.flops and fp16.bytes - kv8.bytes == 2 * 16 * e
+
+
+def test_llama_decode_step_cost():
+    """fuseinfer::llama_decode_step of one layer (E = 64, 4 heads, 2 KV heads of 16, F = 96, V = 100, a q/k/v bias):
+    2 flops per weight per row, fp16 weights, norms, bias and caches at 2 bytes, fp32 logits."""
+    e, f, v, kvd, rows, cap = 64, 96, 100, 32, 2, 16
+    layer = [[e], [e + 2 * kvd, e], [e, e], [e], [2 * f, e], [e, f]]
+    dims = [[rows], [rows, 16], [rows, 16], [rows], [rows, cap], [v, e], layer, [[e + 2 * kvd]],
+            [[rows, 2, cap, 16]], [[rows, 2, cap, 16]], [e], [v, e], [8], [], []]
+    types = ["torch.int64", "torch.float16", "torch.float16", "torch.int32", "torch.bool", "torch.float16", "", "",
+             "", "", "torch.float16", "torch.float16", "torch.uint8", "float", "float"]
+    matrices = (e + 2 * kvd) * e + e * e + 2 * f * e + e * f
+    cost = costs.cost_of("fuseinfer::llama_decode_step", dims, types)
+    assert cost.flops == 2 * rows * (matrices + v * e)
+    assert cost.bytes == 2 * (matrices + v * e + 2 * e + e + 2 * kvd + 2 * rows * 2 * cap * 16) + rows * v * 4
+    # FP8 caches (KV scales, argument 15): the caches at 1 byte
+    kv8 = costs.cost_of("fuseinfer::llama_decode_step", dims + [[[2, 2]]], types + [""])
+    assert kv8.flops == cost.flops and cost.bytes - kv8.bytes == 2 * rows * 2 * cap * 16

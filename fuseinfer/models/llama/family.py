@@ -26,6 +26,9 @@ class LlamaFamily(ModelFamily):
     def decode_forward(self, model):
         return llama_decode.decode_forward(model)
 
+    def decode_step_kernel(self, model, cache):
+        return llama_decode.decode_step_kernel(model, cache)
+
     # ---- what the feature packages need (quant, profile, the harness's random: configurations)
 
     qkv_names = llama.QKV.parts

@@ -42,6 +42,10 @@ def decode_step_kernel(model: nn.Module, cache):
         why = _int8_unsupported(model, quant)
         if why is not None:
             return None, why
+    kv_scales = getattr(cache, "kv_scales", None)  # an FP8 (e4m3) cache's, else None
+    if kv_scales is not None and quant is not None:
+        return None, ("the one-kernel step reads an FP8 (e4m3) cache with fp16/bf16 weights only: a quantized model "
+                      "with kv_cache='fp8' decodes per op")
     rows = cache.key_mask.shape[0]
     if mode == "auto" and rows > decode_step_op.AUTO_MAX_ROWS:
         return None, (f"the one-kernel step is slower than per op above {decode_step_op.AUTO_MAX_ROWS} row(s) "
@@ -71,7 +75,9 @@ def decode_step_kernel(model: nn.Module, cache):
     embed = dec.embed_tokens.weight
     heads = cfg.num_attention_heads
     int8 = quant is not None
-    if not decode_step_op.kernel_supports(rows, embed, cfg.ffn_dim, cfg.hidden_size // heads, int8=int8):
+    kv_scales = list(kv_scales or ())
+    if not decode_step_op.kernel_supports(rows, embed, cfg.ffn_dim, cfg.hidden_size // heads, int8=int8,
+                                          kv_scales=decode_step_op.kv_scale_count(kv_scales)):
         return None, (f"no kernel for {rows} rows of {embed.dtype} on {embed.device} (needs the extension, "
                       f"sm_90, fp16/bf16, head dim 64/128, <= {decode_step_op.MAX_ROWS} rows that fit shared memory"
                       f"{'; int8: hidden and ffn sizes multiples of 64' if int8 else ''})")
@@ -89,7 +95,7 @@ def decode_step_kernel(model: nn.Module, cache):
 
     def step(tokens, positions, q_start):
         return opt_decode_step(tokens, positions, q_start, cache.key_mask, embed, pos_embed, params, cache.keys,
-                               cache.values, lnf_w, lnf_b, lm_head, workspace, eps, scale, weight_scales)
+                               cache.values, lnf_w, lnf_b, lm_head, workspace, eps, scale, weight_scales, kv_scales)
 
     return step, None
 
