@@ -198,28 +198,48 @@ class _Session:
             t.zero_()
         self.graphs = capture_graphs(self._decode_step, sorted({1, steps}), self.step, self.capture_mode)
 
-    def begin(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Prefill left-padded input_ids, mask (B, P) into the cache; returns the first new tokens (B, 1)."""
+    def begin(self, input_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Prefill left-padded input_ids, mask (B, P) into the cache (mask None: no padding); returns the first new
+        tokens (B, 1). Only what the prefill reads is written before it is launched: on an idle GPU the host time
+        before that launch adds to the call's latency, while what follows it overlaps the prefill."""
         b, p = input_ids.shape
         dev = self.tokens.device
         full = b == self.bucket  # (no padding rows: fewer launches before the prefill, whose host time users wait)
-        mask = mask.long()  # (B, P)
+        if mask is not None:
+            mask = mask.long()  # (B, P)
         if full and input_ids.dtype == torch.long:
             ids = input_ids  # (read only)
         else:
             ids = torch.full((self.bucket, p), self.pad, dtype=torch.long, device=dev)
             ids[:b] = input_ids
         key_mask = self.cache.key_mask
+        if mask is None:  # every prompt slot and the generated ones (the causal bound hides those not written yet)
+            key_mask[:b].fill_(True)
+        else:
+            key_mask[:b, :p].copy_(mask)  # (to bool)
+            key_mask[:b, p:] = True  # generated slots; the causal bound hides those not written yet
         if not full:
             key_mask[b:].zero_()
-        key_mask[:b, :p].copy_(mask)  # (to bool)
-        key_mask[:b, p:] = True  # generated slots; the causal bound hides those not written yet
-        real = mask.cumsum(1)  # (B, P) real tokens up to each position
-        if full:
-            pos = real * mask - 1  # (B, P), -1 on padding, as OPT does
+        if mask is None:  # positions 0 .. P-1 on every real row: the cache's slot numbers, as OPT counts them
+            pos = self.slots[:p].expand(self.bucket if full else b, p)  # (B, P)
+            if self.bucket > 1:
+                pos = pos.contiguous()
+            real = None
         else:
-            pos = torch.full((self.bucket, p), -1, dtype=torch.long, device=dev)
-            pos[:b] = real * mask - 1
+            real = mask.cumsum(1)  # (B, P) real tokens up to each position
+            pos = real * mask - 1  # (B, P), -1 on padding, as OPT does
+        if not full:
+            pos = torch.cat([pos, pos.new_full((self.bucket - b, p), -1)])  # (Bb, P): the bucket's padding rows
+        self.cache.write_idx = self.slots[:p]  # prefill writes slots [0, P) in one eager pass
+        self.q_start.zero_()
+        # graph / lean loop / patched modules (advances counters: reset below)
+        from fuseinfer.runtime.prefill import session_prefill
+        self.cache.calibrate = True  # (an FP8 cache: the prompt's k/v set its scales; the decode steps keep them)
+        try:
+            logits = session_prefill(self, ids, pos)
+        finally:
+            self.cache.calibrate = False
+        # what only the token choice and the decode steps read, queued behind the prefill
         self.unfinished.fill_(True)
         if not full:
             self.unfinished[b:] = False
@@ -228,21 +248,15 @@ class _Session:
         self.out.fill_(self.pad)
         self.alive.fill_(True)
         self.step.zero_()
-        self.cache.write_idx = self.slots[:p]  # prefill writes slots [0, P) in one eager pass
-        self.q_start.zero_()
         if self.proc is not None:
-            self.proc.begin(ids[:b], mask.to(dev), self.bucket)
+            self.proc.begin(ids[:b], torch.ones_like(ids[:b]) if mask is None else mask.to(dev), self.bucket)
         self.batch = b  # (the first token's draw covers the call's rows only)
-        # graph / lean loop / patched modules (advances counters: reset below)
-        from fuseinfer.runtime.prefill import session_prefill
-        self.cache.calibrate = True  # (an FP8 cache: the prompt's k/v set its scales; the decode steps keep them)
-        try:
-            logits = session_prefill(self, ids, pos)
-        finally:
-            self.cache.calibrate = False
         self._emit(logits)
         # decode: the first input sits at slot P with position = number of real prompt tokens
-        self.positions[:b, 0] = real[:, -1]  # (= mask.sum(1))
+        if real is None:
+            self.positions[:b].fill_(p)
+        else:
+            self.positions[:b, 0] = real[:, -1]  # (= mask.sum(1))
         if not full:
             self.positions[b:] = 0
         self.q_start.fill_(p)
@@ -261,10 +275,10 @@ class _Session:
                 self._decode_step()
         return self.tokens[:self.batch]
 
-    def run(self, input_ids: torch.Tensor, mask: torch.Tensor, max_new: int, watch=None) -> torch.Tensor:
-        """input_ids, mask: (B, P) left-padded -> generated tokens (B, n <= max_new). ``watch``: a
-        :class:`~fuseinfer.runtime.host_watch.HostWatch` (streamer, stop strings) that looks at the tokens at every
-        stop check instead of the device's stop flag, and makes the result."""
+    def run(self, input_ids: torch.Tensor, mask: torch.Tensor | None, max_new: int, watch=None) -> torch.Tensor:
+        """input_ids, mask: (B, P) left-padded (mask None: no padding) -> generated tokens (B, n <= max_new).
+        ``watch``: a :class:`~fuseinfer.runtime.host_watch.HostWatch` (streamer, stop strings) that looks at the
+        tokens at every stop check instead of the device's stop flag, and makes the result."""
         if self.graphs_on and not self.graphs and max_new > 1:  # the session's first call that decodes
             self._capture(self._group_steps(max_new))
         self.begin(input_ids, mask)
@@ -280,6 +294,8 @@ class _Session:
             i, unchecked = i + n, unchecked + n
         if watch is not None:
             return watch.finish(self, i)
+        if max_new == 1:  # the first token is made whatever it is: no stop flag to read (nor a sync to wait on)
+            return self.out[:self.batch, :1]
         alive = self.alive[:max_new].cpu()
         n = int(alive.logical_not().nonzero()[0]) + 1 if not alive.all() else max_new
         return self.out[:self.batch, :n]
@@ -367,7 +383,7 @@ def run_call(model, input_ids: torch.Tensor, call: Call):
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():  # graphs on the model's GPU
         session = session_for(model, call.forward, b, p + call.max_new, call.sampling, call.max_new, call.eos,
                               call.pad, call.rule)
-        new = session.run(input_ids.to(dev), call.mask.to(dev), call.max_new, watch)
+        new = session.run(input_ids.to(dev), None if call.mask is None else call.mask.to(dev), call.max_new, watch)
         out = _result(call, input_ids, new, new.shape[1], session)
         if dev.type == "cuda":  # the result is copied out of the session's buffers before the next caller runs
             torch.cuda.current_stream(dev).synchronize()
