@@ -365,8 +365,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         return run_call(model, input_ids, call)
 
 
-def run_call(model, input_ids: torch.Tensor, call: Call):
-    """Run a checked call (``prepare_call``) on the fast path; the caller holds ``model_lock(model)``."""
+def run_call(model, input_ids: torch.Tensor, call: Call, dev: torch.device | None = None):
+    """Run a checked call (``prepare_call``) on the fast path; the caller holds ``model_lock(model)``. ``dev``: the
+    device of the model's first parameter where the caller knows it."""
     if call.streamer is not None:
         call.streamer.put(input_ids.cpu())  # the prompt first, as transformers does
     if call.max_new < 1:
@@ -374,7 +375,8 @@ def run_call(model, input_ids: torch.Tensor, call: Call):
             call.streamer.end()
         return _result(call, input_ids, None, 0, None)
     b, p = input_ids.shape
-    dev = next(model.parameters()).device
+    if dev is None:
+        dev = next(model.parameters()).device
     watch = None
     if call.streamer is not None or call.stop_strings is not None:
         from fuseinfer.runtime.host_watch import HostWatch
@@ -388,7 +390,7 @@ def run_call(model, input_ids: torch.Tensor, call: Call):
         if dev.type == "cuda":  # the result is copied out of the session's buffers before the next caller runs
             torch.cuda.current_stream(dev).synchronize()
         del new, session
-        trim_sessions(model)
+        trim_sessions(model, dev)
     return out
 
 
@@ -414,17 +416,20 @@ class _Sessions(dict):
     """A model's fast-decode state (``model.__dict__[SESSIONS_ATTR]``): batch bucket -> the session its last call
     ran, ("hf", rows) -> the middle path's ForwardGraph (hf_cache.py). ``lru[bucket]``: every session of that
     bucket by settings (``settings_key``), least recently used first, at most SESSIONS_PER_BUCKET, all over one
-    cache. The sessions do not reference each other or this dict (no reference cycle through the model)."""
+    cache. The sessions do not reference each other or this dict (no reference cycle through the model).
+    ``plans``: the patched ``model.generate``'s resolved fast-path calls by their arguments (``hf_generate.py``)."""
 
     def __init__(self):
         super().__init__()
         self.lru: dict[int, collections.OrderedDict] = {}
         self.recent: collections.OrderedDict = collections.OrderedDict()  # every key, least recently used first
+        self.plans: collections.OrderedDict = collections.OrderedDict()  # least recently used first
 
     def clear(self) -> None:
         super().clear()
         self.lru.clear()
         self.recent.clear()
+        self.plans.clear()
 
     def drop_bucket(self, bucket: int) -> None:
         """Free a bucket's sessions (graphs, buffers) and its cache."""
@@ -442,7 +447,7 @@ class _Sessions(dict):
         kept = 0
         for key in reversed(list(self.recent)):
             entry = self.get(key)
-            size = kv_bytes(entry.cache) if entry is not None else 0
+            size = _cache_bytes(entry.cache) if entry is not None else 0
             if entry is not None and kept + size <= budget:
                 kept += size
                 continue
@@ -457,6 +462,20 @@ class _Sessions(dict):
 
     def __reduce__(self):  # so does a pickled (torch.save) model
         return _Sessions, ()
+
+
+_sizes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # cache -> kv_bytes (its buffers keep their sizes)
+
+
+def _cache_bytes(cache) -> int:
+    """``kv_bytes(cache)``, computed once per cache (each call's trim reads it; a cache is replaced, not resized)."""
+    try:
+        size = _sizes.get(cache)
+        if size is None:
+            size = _sizes[cache] = kv_bytes(cache)
+        return size
+    except TypeError:  # (a cache without weak references)
+        return kv_bytes(cache)
 
 
 def sessions_of(model) -> tuple[_Sessions, tuple]:
@@ -527,11 +546,12 @@ def cache_budget(device: torch.device) -> int:
     return CPU_CACHE_BUDGET
 
 
-def trim_sessions(model) -> None:
-    """Apply the cache budget to ``model``'s sessions at the end of a call (the caller holds ``model_lock``)."""
+def trim_sessions(model, dev: torch.device | None = None) -> None:
+    """Apply the cache budget to ``model``'s sessions at the end of a call (the caller holds ``model_lock``).
+    ``dev``: the device of the model's first parameter where the caller knows it."""
     sessions = model.__dict__.get(SESSIONS_ATTR)
     if isinstance(sessions, _Sessions):
-        sessions.trim(cache_budget(next(model.parameters()).device))
+        sessions.trim(cache_budget(next(model.parameters()).device if dev is None else dev))
 
 
 def _weights_key(model) -> tuple:
