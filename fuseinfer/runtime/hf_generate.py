@@ -9,8 +9,10 @@
 3. transformers' generate unchanged (the model's own cache), logging the reason once per kind of reason, for what
    neither serves (e.g. ``output_attentions``, a cache passed in, right padding).
 
-The argument checks are ``args.prepare_call``'s, shared with ``fuseinfer.generate``. Calls on one model from
-several threads run one at a time (``decode.model_lock``).
+The argument checks are ``args.prepare_call``'s, shared with ``fuseinfer.generate``. A call with the arguments of
+an earlier fast-path call on the same model, configs and patch (``_Plan``) skips the resolution and goes to the
+prefill at once (its host time is the first token's latency on an idle GPU); the prompt's contents (padding) are
+checked at every call. Calls on one model from several threads run one at a time (``decode.model_lock``).
 """
 from __future__ import annotations
 

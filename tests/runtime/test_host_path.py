@@ -278,3 +278,44 @@ def test_trim_reads_each_cache_size_once(monkeypatch):
         assert 1 not in model.__dict__[SESSIONS_ATTR]
     finally:
         decode.set_cache_budget(None)
+
+
+# ---- the fast forward's cache copies ----
+
+class _Slotted:
+    __slots__ = ("a",)
+
+
+class _OwnCopy:
+    def __copy__(self):
+        return "own"
+
+
+def test_shallow_copy_is_copy_copy():
+    from transformers import DynamicCache
+
+    from fuseinfer.runtime.forward import _shallow_copy
+
+    model = random_opt()
+    cache = DynamicCache(config=model.config)
+    for obj in (cache, cache.layers[0]):
+        a, b = copy.copy(obj), _shallow_copy(obj)
+        assert type(a) is type(b) and b is not obj
+        assert a.__dict__.keys() == b.__dict__.keys() and all(a.__dict__[k] is b.__dict__[k] for k in a.__dict__)
+    slotted = _Slotted()
+    slotted.a = 3
+    assert _shallow_copy(slotted).a == 3 and _shallow_copy(slotted) is not slotted
+    assert _shallow_copy(_OwnCopy()) == "own"
+
+
+def test_model_call_caches_are_independent():
+    """Two model(ids) calls' caches (copies of one template) share no layer: extending one leaves the other."""
+    model, ref = _pair()
+    ids = _ids()
+    with torch.no_grad():
+        first, second = model(ids).past_key_values, model(ids).past_key_values
+        assert all(a is not b for a, b in zip(first.layers, second.layers))
+        want = ref(ids).past_key_values
+        nxt = torch.tensor([[5]])
+        model(nxt, past_key_values=first)
+        assert second.get_seq_length() == want.get_seq_length() == 9 and first.get_seq_length() == 10
