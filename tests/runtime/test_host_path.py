@@ -319,3 +319,33 @@ def test_model_call_caches_are_independent():
         nxt = torch.tensor([[5]])
         model(nxt, past_key_values=first)
         assert second.get_seq_length() == want.get_seq_length() == 9 and first.get_seq_length() == 10
+
+
+# ---- on a GPU: the prefill graph without a mask, the first token without a sync ----
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 3], ids=["full_bucket", "bucket_with_padding_rows"])
+def test_gpu_no_mask_first_token_and_plans(tiny_model_path, batch, resolutions):
+    """CUDA, fp16, the prefill graph: without a mask, with a mask of ones and with a left-padded row, the first token
+    and 8 tokens equal across repeated calls (kept resolutions) and a fresh resolution each time."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float16).cuda().eval()
+    fuseinfer.patch(model)
+    ids = torch.randint(3, 1000, (batch, 37), generator=torch.Generator().manual_seed(7)).cuda()
+    for n in (1, 8):
+        bare = [model.generate(ids, max_new_tokens=n, do_sample=False) for _ in range(3)]
+        ones = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+        direct = fuseinfer.generate(model, ids, max_new_tokens=n)
+        for out in bare[1:] + [ones, direct]:
+            assert torch.equal(out, bare[0])
+        assert bare[0].shape == (batch, 37 + n)
+    assert len(resolutions) == 4  # (no mask and a mask, each max_new_tokens: kept after the first call)
+    if batch > 1:
+        mask = torch.ones_like(ids)
+        mask[1, :5] = 0
+        padded = ids.masked_fill(mask == 0, 1)
+        first = model.generate(padded, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        again = model.generate(padded, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        inferred = model.generate(padded, max_new_tokens=4, do_sample=False)  # (pad id 1 in the prompt)
+        assert torch.equal(first, again) and torch.equal(first, inferred)
