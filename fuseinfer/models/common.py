@@ -251,8 +251,9 @@ def lean_call_reason(model: nn.Module, called, like: torch.Tensor) -> str | None
     dev, dtype = like.device.type, like.dtype
     if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != dtype:
         return "autocast to another dtype than the model's (the patched modules run the original forward)"
-    if global_hooks() or any(has_hooks(m) for m in (model, *called) if m._forward_hooks or m._forward_pre_hooks
-                              or m._backward_hooks or m._backward_pre_hooks or "forward" in m.__dict__
-                              or "_hf_hook" in m.__dict__):
+    # (the modules' own dicts read directly: this runs before every lean call's launch, over every layer)
+    if global_hooks() or any(has_hooks(m) for m in (model, *called)
+                             if (d := m.__dict__)["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"]
+                             or d["_backward_pre_hooks"] or "forward" in d or "_hf_hook" in d):
         return "a module has hooks, which the lean loop would bypass"
     return None

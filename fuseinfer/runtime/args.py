@@ -73,7 +73,7 @@ class Call:
     """A checked call: what the session runs and what the host does around it."""
 
     forward: object
-    mask: torch.Tensor  # (B, P)
+    mask: torch.Tensor | None  # (B, P); None: no padding (no mask to make on the device before the prefill)
     max_new: int
     sampling: Sampling
     rule: Rule
@@ -226,6 +226,5 @@ def prepare_call(model, input_ids, attention_mask=None, max_new_tokens: int = 20
         from transformers.generation.stopping_criteria import StopStringCriteria
 
         criteria = StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)
-    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-    return Call(forward, mask, max_new_tokens, sampling, rule, eos, pad, criteria, streamer,
+    return Call(forward, attention_mask, max_new_tokens, sampling, rule, eos, pad, criteria, streamer,
                 bool(return_dict_in_generate))

@@ -195,28 +195,48 @@ class _Session:
             t.zero_()
         self.graphs = capture_graphs(self._decode_step, sorted({1, steps}), self.step, self.capture_mode)
 
-    def begin(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Prefill left-padded input_ids, mask (B, P) into the cache; returns the first new tokens (B, 1)."""
+    def begin(self, input_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Prefill left-padded input_ids, mask (B, P) into the cache (mask None: no padding); returns the first new
+        tokens (B, 1). Only what the prefill reads is written before it is launched: on an idle GPU the host time
+        before that launch adds to the call's latency, while what follows it overlaps the prefill."""
         b, p = input_ids.shape
         dev = self.tokens.device
         full = b == self.bucket  # (no padding rows: fewer launches before the prefill, whose host time users wait)
-        mask = mask.long()  # (B, P)
+        if mask is not None:
+            mask = mask.long()  # (B, P)
         if full and input_ids.dtype == torch.long:
             ids = input_ids  # (read only)
         else:
             ids = torch.full((self.bucket, p), self.pad, dtype=torch.long, device=dev)
             ids[:b] = input_ids
         key_mask = self.cache.key_mask
+        if mask is None:  # every prompt slot and the generated ones (the causal bound hides those not written yet)
+            key_mask[:b].fill_(True)
+        else:
+            key_mask[:b, :p].copy_(mask)  # (to bool)
+            key_mask[:b, p:] = True  # generated slots; the causal bound hides those not written yet
         if not full:
             key_mask[b:].zero_()
-        key_mask[:b, :p].copy_(mask)  # (to bool)
-        key_mask[:b, p:] = True  # generated slots; the causal bound hides those not written yet
-        real = mask.cumsum(1)  # (B, P) real tokens up to each position
-        if full:
-            pos = real * mask - 1  # (B, P), -1 on padding, as OPT does
+        if mask is None:  # positions 0 .. P-1 on every real row: the cache's slot numbers, as OPT counts them
+            pos = self.slots[:p].expand(self.bucket if full else b, p)  # (B, P)
+            if self.bucket > 1:
+                pos = pos.contiguous()
+            real = None
         else:
-            pos = torch.full((self.bucket, p), -1, dtype=torch.long, device=dev)
-            pos[:b] = real * mask - 1
+            real = mask.cumsum(1)  # (B, P) real tokens up to each position
+            pos = real * mask - 1  # (B, P), -1 on padding, as OPT does
+        if not full:
+            pos = torch.cat([pos, pos.new_full((self.bucket - b, p), -1)])  # (Bb, P): the bucket's padding rows
+        self.cache.write_idx = self.slots[:p]  # prefill writes slots [0, P) in one eager pass
+        self.q_start.zero_()
+        # graph / lean loop / patched modules (advances counters: reset below)
+        from fuseinfer.runtime.prefill import session_prefill
+        self.cache.calibrate = True  # (an FP8 cache: the prompt's k/v set its scales; the decode steps keep them)
+        try:
+            logits = session_prefill(self, ids, pos)
+        finally:
+            self.cache.calibrate = False
+        # what only the token choice and the decode steps read, queued behind the prefill
         self.unfinished.fill_(True)
         if not full:
             self.unfinished[b:] = False
@@ -225,21 +245,15 @@ class _Session:
         self.out.fill_(self.pad)
         self.alive.fill_(True)
         self.step.zero_()
-        self.cache.write_idx = self.slots[:p]  # prefill writes slots [0, P) in one eager pass
-        self.q_start.zero_()
         if self.proc is not None:
-            self.proc.begin(ids[:b], mask.to(dev), self.bucket)
+            self.proc.begin(ids[:b], torch.ones_like(ids[:b]) if mask is None else mask.to(dev), self.bucket)
         self.batch = b  # (the first token's draw covers the call's rows only)
-        # graph / lean loop / patched modules (advances counters: reset below)
-        from fuseinfer.runtime.prefill import session_prefill
-        self.cache.calibrate = True  # (an FP8 cache: the prompt's k/v set its scales; the decode steps keep them)
-        try:
-            logits = session_prefill(self, ids, pos)
-        finally:
-            self.cache.calibrate = False
         self._emit(logits)
         # decode: the first input sits at slot P with position = number of real prompt tokens
-        self.positions[:b, 0] = real[:, -1]  # (= mask.sum(1))
+        if real is None:
+            self.positions[:b].fill_(p)
+        else:
+            self.positions[:b, 0] = real[:, -1]  # (= mask.sum(1))
         if not full:
             self.positions[b:] = 0
         self.q_start.fill_(p)
@@ -258,10 +272,10 @@ class _Session:
                 self._decode_step()
         return self.tokens[:self.batch]
 
-    def run(self, input_ids: torch.Tensor, mask: torch.Tensor, max_new: int, watch=None) -> torch.Tensor:
-        """input_ids, mask: (B, P) left-padded -> generated tokens (B, n <= max_new). ``watch``: a
-        :class:`~fuseinfer.runtime.host_watch.HostWatch` (streamer, stop strings) that looks at the tokens at every
-        stop check instead of the device's stop flag, and makes the result."""
+    def run(self, input_ids: torch.Tensor, mask: torch.Tensor | None, max_new: int, watch=None) -> torch.Tensor:
+        """input_ids, mask: (B, P) left-padded (mask None: no padding) -> generated tokens (B, n <= max_new).
+        ``watch``: a :class:`~fuseinfer.runtime.host_watch.HostWatch` (streamer, stop strings) that looks at the
+        tokens at every stop check instead of the device's stop flag, and makes the result."""
         if self.graphs_on and not self.graphs and max_new > 1:  # the session's first call that decodes
             self._capture(self._group_steps(max_new))
         self.begin(input_ids, mask)
@@ -277,6 +291,8 @@ class _Session:
             i, unchecked = i + n, unchecked + n
         if watch is not None:
             return watch.finish(self, i)
+        if max_new == 1:  # the first token is made whatever it is: no stop flag to read (nor a sync to wait on)
+            return self.out[:self.batch, :1]
         alive = self.alive[:max_new].cpu()
         n = int(alive.logical_not().nonzero()[0]) + 1 if not alive.all() else max_new
         return self.out[:self.batch, :n]
@@ -346,8 +362,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         return run_call(model, input_ids, call)
 
 
-def run_call(model, input_ids: torch.Tensor, call: Call):
-    """Run a checked call (``prepare_call``) on the fast path; the caller holds ``model_lock(model)``."""
+def run_call(model, input_ids: torch.Tensor, call: Call, dev: torch.device | None = None):
+    """Run a checked call (``prepare_call``) on the fast path; the caller holds ``model_lock(model)``. ``dev``: the
+    device of the model's first parameter where the caller knows it."""
     if call.streamer is not None:
         call.streamer.put(input_ids.cpu())  # the prompt first, as transformers does
     if call.max_new < 1:
@@ -355,7 +372,8 @@ def run_call(model, input_ids: torch.Tensor, call: Call):
             call.streamer.end()
         return _result(call, input_ids, None, 0, None)
     b, p = input_ids.shape
-    dev = next(model.parameters()).device
+    if dev is None:
+        dev = next(model.parameters()).device
     watch = None
     if call.streamer is not None or call.stop_strings is not None:
         from fuseinfer.runtime.host_watch import HostWatch
@@ -364,12 +382,12 @@ def run_call(model, input_ids: torch.Tensor, call: Call):
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():  # graphs on the model's GPU
         session = session_for(model, call.forward, b, p + call.max_new, call.sampling, call.max_new, call.eos,
                               call.pad, call.rule)
-        new = session.run(input_ids.to(dev), call.mask.to(dev), call.max_new, watch)
+        new = session.run(input_ids.to(dev), None if call.mask is None else call.mask.to(dev), call.max_new, watch)
         out = _result(call, input_ids, new, new.shape[1], session)
         if dev.type == "cuda":  # the result is copied out of the session's buffers before the next caller runs
             torch.cuda.current_stream(dev).synchronize()
         del new, session
-        trim_sessions(model)
+        trim_sessions(model, dev)
     return out
 
 
@@ -395,17 +413,20 @@ class _Sessions(dict):
     """A model's fast-decode state (``model.__dict__[SESSIONS_ATTR]``): batch bucket -> the session its last call
     ran, ("hf", rows) -> the middle path's ForwardGraph (hf_cache.py). ``lru[bucket]``: every session of that
     bucket by settings (``settings_key``), least recently used first, at most SESSIONS_PER_BUCKET, all over one
-    cache. The sessions do not reference each other or this dict (no reference cycle through the model)."""
+    cache. The sessions do not reference each other or this dict (no reference cycle through the model).
+    ``plans``: the patched ``model.generate``'s resolved fast-path calls by their arguments (``hf_generate.py``)."""
 
     def __init__(self):
         super().__init__()
         self.lru: dict[int, collections.OrderedDict] = {}
         self.recent: collections.OrderedDict = collections.OrderedDict()  # every key, least recently used first
+        self.plans: collections.OrderedDict = collections.OrderedDict()  # least recently used first
 
     def clear(self) -> None:
         super().clear()
         self.lru.clear()
         self.recent.clear()
+        self.plans.clear()
 
     def drop_bucket(self, bucket: int) -> None:
         """Free a bucket's sessions (graphs, buffers) and its cache."""
@@ -423,7 +444,7 @@ class _Sessions(dict):
         kept = 0
         for key in reversed(list(self.recent)):
             entry = self.get(key)
-            size = kv_bytes(entry.cache) if entry is not None else 0
+            size = _cache_bytes(entry.cache) if entry is not None else 0
             if entry is not None and kept + size <= budget:
                 kept += size
                 continue
@@ -438,6 +459,20 @@ class _Sessions(dict):
 
     def __reduce__(self):  # so does a pickled (torch.save) model
         return _Sessions, ()
+
+
+_sizes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # cache -> kv_bytes (its buffers keep their sizes)
+
+
+def _cache_bytes(cache) -> int:
+    """``kv_bytes(cache)``, computed once per cache (each call's trim reads it; a cache is replaced, not resized)."""
+    try:
+        size = _sizes.get(cache)
+        if size is None:
+            size = _sizes[cache] = kv_bytes(cache)
+        return size
+    except TypeError:  # (a cache without weak references)
+        return kv_bytes(cache)
 
 
 def sessions_of(model) -> tuple[_Sessions, tuple]:
@@ -508,11 +543,12 @@ def cache_budget(device: torch.device) -> int:
     return CPU_CACHE_BUDGET
 
 
-def trim_sessions(model) -> None:
-    """Apply the cache budget to ``model``'s sessions at the end of a call (the caller holds ``model_lock``)."""
+def trim_sessions(model, dev: torch.device | None = None) -> None:
+    """Apply the cache budget to ``model``'s sessions at the end of a call (the caller holds ``model_lock``).
+    ``dev``: the device of the model's first parameter where the caller knows it."""
     sessions = model.__dict__.get(SESSIONS_ATTR)
     if isinstance(sessions, _Sessions):
-        sessions.trim(cache_budget(next(model.parameters()).device))
+        sessions.trim(cache_budget(next(model.parameters()).device if dev is None else dev))
 
 
 def _weights_key(model) -> tuple:

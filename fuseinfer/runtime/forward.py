@@ -248,9 +248,30 @@ def _new_cache(model: nn.Module, config):
 
         cached = sessions[(KEY, "cache")] = (config, DynamicCache(config=config))
     template = cached[1]
-    cache = copy.copy(template)
-    cache.layers = [copy.copy(layer) for layer in template.layers]
+    cache = _shallow_copy(template)
+    cache.layers = list(map(_shallow_copy, template.layers))
     return cache
+
+
+_plain_types: dict[type, bool] = {}  # class -> whether copy.copy of its instances is a new instance + its __dict__
+
+
+def _shallow_copy(obj):
+    """``copy.copy(obj)``: for a class that customises nothing of copying (no ``__copy__``, ``__reduce__``,
+    ``__reduce_ex__``, ``__getstate__``, no non-empty slots), what copy does, a new instance with the same attributes, without
+    the reduce protocol's calls (~25 copies a forward: the cache and each layer's)."""
+    cls = type(obj)
+    plain = _plain_types.get(cls)
+    if plain is None:
+        plain = _plain_types[cls] = (
+            not hasattr(cls, "__copy__") and cls.__reduce_ex__ is object.__reduce_ex__
+            and cls.__reduce__ is object.__reduce__ and cls.__getstate__ is object.__getstate__
+            and not any(vars(c).get("__slots__") for c in cls.__mro__) and hasattr(obj, "__dict__"))  # (ABC's: ())
+    if not plain:
+        return copy.copy(obj)
+    new = cls.__new__(cls)
+    new.__dict__.update(obj.__dict__)
+    return new
 
 
 def _fill(cache, kv: list) -> None:

@@ -9,12 +9,15 @@
 3. transformers' generate unchanged (the model's own cache), logging the reason once per kind of reason, for what
    neither serves (e.g. ``output_attentions``, a cache passed in, right padding).
 
-The argument checks are ``args.prepare_call``'s, shared with ``fuseinfer.generate``. Calls on one model from
-several threads run one at a time (``decode.model_lock``).
+The argument checks are ``args.prepare_call``'s, shared with ``fuseinfer.generate``. A call with the arguments of
+an earlier fast-path call on the same model, configs and patch (``_Plan``) skips the resolution and goes to the
+prefill at once (its host time is the first token's latency on an idle GPU); the prompt's contents (padding) are
+checked at every call. Calls on one model from several threads run one at a time (``decode.model_lock``).
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import re
 import weakref
@@ -24,9 +27,10 @@ import torch
 
 from fuseinfer.core.config import ATTN_NAME
 from fuseinfer.core.errors import FuseInferError
+from fuseinfer.core.state import patch_state
 from fuseinfer.runtime.args import Call, check_shapes, decode_forward, eos_tensor, in_vocabulary, pad_id, prepare_call
-from fuseinfer.runtime.decode import model_lock, run_call, trim_sessions
-from fuseinfer.runtime.probe import one_check
+from fuseinfer.runtime.decode import SESSIONS_ATTR, model_lock, run_call, sessions_of, trim_sessions
+from fuseinfer.runtime.probe import one_check, probe
 
 if TYPE_CHECKING:  # transformers is imported when the hook runs, so that ``import fuseinfer`` does not load it
     from transformers import GenerationConfig
@@ -180,8 +184,106 @@ def patched_generate(model, inputs=None, generation_config: GenerationConfig | N
         return _generate(model, inputs, generation_config, kwargs)  # are per model; it is checked once (probe.py)
 
 
+# ---- the resolved fast-path calls, by their arguments ----
+
+PLANS_PER_MODEL = 8  # argument sets whose resolved call a model keeps (least recently used dropped first)
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _plain(value):
+    """``value`` as part of a hashable key when it is plain data (numbers, strings, None, lists and tuples of them;
+    not a tensor, whose contents may change in place); else TypeError."""
+    kind = type(value)  # (in the key: 1, 1.0 and True are equal keys, and not the same argument)
+    if kind in _PLAIN:
+        return kind, value
+    if kind is list or kind is tuple:
+        return kind, tuple(map(_plain, value))
+    raise TypeError(kind.__name__)
+
+
+def _plan_key(model, inputs, generation_config, kwargs) -> tuple | None:
+    """What a call's fast-path resolution depends on besides the model's state and configs, whose objects
+    ``_Plan.holds`` checks: the keyword arguments (plain values only: none with a streamer, a tokenizer or a
+    tensor argument), how the prompt was passed, its shape, dtype and device and the mask's (its contents are
+    checked at every call), the training flag; None: not kept."""
+    ids = kwargs.get("input_ids", inputs)
+    mask = kwargs.get("attention_mask")
+    if type(ids) is not torch.Tensor or (mask is not None and type(mask) is not torch.Tensor):
+        return None
+    try:
+        args = tuple(sorted((k, _plain(v)) for k, v in kwargs.items() if k != "input_ids" and k != "attention_mask"))
+    except TypeError:
+        return None
+    return (args, inputs is None, "input_ids" in kwargs, id(generation_config), ids.shape, ids.dtype, ids.device,
+            None if mask is None else (mask.shape, mask.dtype, mask.device), model.training)
+
+
+class _Plan:
+    """A call resolved to the fast path (``prepare_call``'s Call without its mask), valid while the model's patch
+    state, its probe (tree, tensors, placement) and the configs the resolution read are the same objects with the
+    same attributes (compared with deep copies taken when it was resolved: configs are mutable)."""
+
+    __slots__ = ("call", "pad", "device", "state", "probe", "configs")
+
+    def __init__(self, model, generation_config, call: Call, pad):
+        self.call = dataclasses.replace(call, mask=None, extra={})
+        self.pad = pad  # the pad_token_id setting (None: unset), as the mask is inferred from it
+        self.device = next(model.parameters()).device  # (the probe sees a move)
+        self.state, self.probe = patch_state(model), probe(model)
+        objs = (model.config, model.generation_config) + ((generation_config,) if generation_config is not None
+                                                          else ())
+        self.configs = tuple((obj, copy.deepcopy(obj.__dict__)) for obj in objs)
+        if not all(snapshot == obj.__dict__ for obj, snapshot in self.configs):  # (no value equality: no plan)
+            raise TypeError("a config without value equality")
+
+    def holds(self, model, generation_config) -> bool:
+        """Whether the call resolves as it did (checks the model's probe: the caller holds model_lock)."""
+        configs = self.configs
+        if (patch_state(model) is not self.state or configs[0][0] is not model.config
+                or configs[1][0] is not model.generation_config
+                or (generation_config is not None and configs[2][0] is not generation_config)
+                or probe(model) is not self.probe):
+            return False
+        try:
+            return all(obj.__dict__ == snapshot for obj, snapshot in configs)
+        except Exception:  # noqa: BLE001 (a field that cannot be compared: resolve anew)
+            return False
+
+
+def _planned(model, key, generation_config) -> _Plan | None:
+    sessions = model.__dict__.get(SESSIONS_ATTR)
+    plans = getattr(sessions, "plans", None)
+    plan = plans.get(key) if plans else None
+    if plan is None or not plan.holds(model, generation_config):
+        return None
+    plans.move_to_end(key)
+    return plan
+
+
+def _remember(model, key, generation_config, call: Call, pad) -> None:
+    try:
+        plan = _Plan(model, generation_config, call, pad)
+    except Exception:  # noqa: BLE001 (a config that cannot be copied or compared: no plan)
+        return
+    plans = sessions_of(model)[0].plans
+    plans[key] = plan
+    plans.move_to_end(key)
+    while len(plans) > PLANS_PER_MODEL:
+        plans.popitem(last=False)
+
+
 def _generate(model, inputs, generation_config, kwargs):
     input_ids = kwargs.get("input_ids", inputs)
+    # a call with the arguments, configs and model state of an earlier fast-path call: its resolution again (the
+    # host time before the prefill is the first token's latency); the prompt's contents are checked as ever
+    key = _plan_key(model, inputs, generation_config, kwargs)
+    plan = _planned(model, key, generation_config) if key is not None else None
+    if plan is not None:
+        mask = kwargs.get("attention_mask")
+        if mask is None:
+            mask = _inferred_mask(input_ids, plan.pad, plan.call.eos)
+        if mask is None or check_shapes(model, input_ids, mask, plan.call.max_new) is None:
+            return run_call(model, input_ids, dataclasses.replace(plan.call, mask=mask, extra={}), plan.device)
     configs, get, defaults = _resolver(model, generation_config, kwargs)
     checked = decode_forward(model)  # (once per call: it walks the model's modules)
     reason, middle = _reasons(model, input_ids, kwargs, configs, get, defaults, checked)
@@ -208,6 +310,8 @@ def _generate(model, inputs, generation_config, kwargs):
         if isinstance(call, Call):
             if call.max_new < 1:  # (transformers' own checks for a call that makes no token)
                 return _transformers_generate(model, inputs, generation_config, kwargs)
+            if key is not None:
+                _remember(model, key, generation_config, call, pad)
             return run_call(model, input_ids, call)
         if call.invalid:
             raise FuseInferError(call.message)

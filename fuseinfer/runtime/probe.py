@@ -69,8 +69,12 @@ class ModelProbe:
                 attrs.append(m.__dict__)
             dicts.extend((m._parameters, m._buffers, m._modules))
             stack.extend(c for c in m._modules.values() if c is not None)
-        self.dicts, self.attrs = dicts, attrs
-        self.values = tuple(itertools.chain.from_iterable(map(dict.values, dicts)))  # tensors, modules, None
+        # most modules' dicts are empty (leaves have no children, most modules no buffers): that they stay empty is
+        # a length check, cheaper than reading their values with the others'
+        self.filled = [d for d in dicts if d]
+        self.empty = [d for d in dicts if not d]
+        self.attrs = attrs
+        self.values = tuple(itertools.chain.from_iterable(map(dict.values, self.filled)))  # tensors, modules, None
         self.tensors = tuple(v for v in self.values if isinstance(v, torch.Tensor))
         self.ptrs = tuple(map(_data_ptr, self.tensors))
         self.dtypes = tuple(map(_dtype, self.tensors))
@@ -83,7 +87,9 @@ class ModelProbe:
         root = model.__dict__
         if ("_hf_hook" in root) != self.root_hook or root.get("hf_device_map") is not self.device_map:
             return False
-        now = tuple(itertools.chain.from_iterable(map(dict.values, self.dicts)))
+        if any(map(len, self.empty)):
+            return False
+        now = tuple(itertools.chain.from_iterable(map(dict.values, self.filled)))
         if len(now) != len(self.values) or not all(map(operator.is_, now, self.values)):  # (a tensor's == is
             return False  # elementwise: identity)
         return (tuple(map(_data_ptr, self.tensors)) == self.ptrs and tuple(map(_dtype, self.tensors)) == self.dtypes
