@@ -52,12 +52,14 @@ for stage in "${stages[@]}"; do
       # multigpu stage runs them); GPUTEST_SHARDS=1 keeps one process.
       # With pytest-xdist there, each pytest spreads its tests over GPUTEST_WORKERS processes (default 4) sharing
       # its GPU: most GPU tests are small launches bound by the host, so one GPU serves several at once.
+      # GPUTEST_ARGS: what pytest runs instead of all of tests/ (test paths, --ignore=..., -k ...; one process).
       xd=()
       workers=${GPUTEST_WORKERS:-4}
       if [ "$workers" -gt 1 ] && python3 -c 'import xdist' 2>/dev/null; then xd=(-n "$workers" --dist load); fi
       cvd=${CUDA_VISIBLE_DEVICES:-}; devs=(${cvd//,/ })
       [ ${#devs[@]} -eq 0 ] && devs=($(seq 0 $(( $(nvidia-smi -L | wc -l) - 1 ))))
       shards=${GPUTEST_SHARDS:-${#devs[@]}}
+      [ -n "${GPUTEST_ARGS:-}" ] && shards=1
       # CPU threads per test process sized to share the cores: torch's default (every core, in each of the
       # shards x workers processes) oversubscribes them, which slows the tests whose CPU references are heavy
       threads=$(( $(nproc) / (shards * (${#xd[@]} > 0 ? workers : 1)) ))
@@ -78,7 +80,7 @@ for stage in "${stages[@]}"; do
         for pid in "${pids[@]}"; do wait "$pid" || status=1; done
         grep -h -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$OUT"/pytest_gpu_*.log
       else
-        run pytest_gpu python3 -m pytest -v -ra --durations=20 -p no:cacheprovider "${xd[@]}" -m gpu tests
+        run pytest_gpu python3 -m pytest -v -ra --durations=20 -p no:cacheprovider "${xd[@]}" -m gpu ${GPUTEST_ARGS:-tests}
       fi ;;
     test)
       run pytest python3 -m pytest -q -ra -p no:cacheprovider tests
