@@ -27,7 +27,8 @@ caller captures a graph of its own runs the lean loop into the caller's graph). 
 to its bucket (a multiple of ``prefill.LENGTH_BUCKET``): attention is causal, so the padding changes no earlier
 position. ``auto`` takes graphs up to ``AUTO_GRAPH_MAX_TOKENS`` rows x bucket tokens, as fast decode's prefill does.
 After the replay the LM head runs on the kept positions of the graph's hidden states (a new tensor) and the k/v are
-copied out of the graph's buffer in one copy, so nothing returned is overwritten by the next replay. The graphs of a
+copied out of the graph's buffer in one copy (the cache holds views of that copy), so nothing returned is
+overwritten by the next replay. The graphs of a
 model share one memory pool and live with its fast-decode sessions: ``fuseinfer.runtime.release(model)``,
 ``unpatch`` and a move of the model's tensors (``model.to``, ``.half()``: a sample of the tensors' addresses is
 checked at each call) drop them. A single weight replaced after the first call (``param.data = t``,
@@ -199,9 +200,8 @@ def fast_forward(model: nn.Module, names: tuple, args: tuple, kwargs: dict):
         if graph is not None:
             hidden, kv = graph.run(ids, positions, key_mask)
             hidden = hidden[:, :s]  # (B, S, E) of the graph's (B, bucket, E)
-            if kv is not None:  # (layers, 2, B, Hkv, S, D): one copy out of the graph's buffer
-                kv = kv[..., :s, :].clone()
-                kv = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
+            if kv is not None:  # (layers, B, S, 2, Hkv, D): one copy out of the graph's buffer
+                kv = _kv_views(kv[:, :, :s].clone())
         else:
             if family.prefill_reason(model) is not None:  # the fused weights, which the loop reads now
                 return None
@@ -349,22 +349,48 @@ class _Probe:
 
 
 class _KVSink(list):
-    """``kv_out`` for a graph: each layer's (k, v) is copied into one (layers, 2, B, Hkv, L, D) buffer as it is
-    appended (so the graph's pool keeps no layer's q/k/v output alive, and the caller copies the k/v out at once)."""
+    """``kv_out`` for a graph: each layer's (k, v) is copied into one (layers, B, L, 2, Hkv, D) buffer as it is
+    appended (so the graph's pool keeps no layer's q/k/v output alive, and the caller copies the k/v out at once).
+    Token-major, each token's keys then values: a layer's copy reads whole rows of the q/k/v output (where k and v
+    sit side by side in one tensor, as OPT's fused q/k/v GEMM writes them, one copy serves both), not a transposing
+    copy per head; the cache gets (B, Hkv, S, D) views of it (:func:`_kv_views`)."""
 
     def __init__(self, layers: int):
         super().__init__()
         self.layers, self.count, self.buffer = layers, 0, None
 
     def append(self, kv) -> None:
-        k, v = kv
+        k, v = kv  # (B, Hkv, L, D) each
         if self.buffer is None:
-            self.buffer = k.new_empty((self.layers, 2, *k.shape))
+            b, h, length, d = k.shape
+            self.buffer = k.new_empty((self.layers, b, length, 2, h, d))
         if self.count >= self.layers:
             raise FuseInferError(f"the lean loop gave more than {self.layers} layers' keys and values")
-        self.buffer[self.count, 0].copy_(k)
-        self.buffer[self.count, 1].copy_(v)
+        dst = self.buffer[self.count]  # (B, L, 2, Hkv, D)
+        pair = _side_by_side(k, v)
+        if pair is not None:
+            dst.copy_(pair)
+        else:
+            dst[:, :, 0].copy_(k.transpose(1, 2))
+            dst[:, :, 1].copy_(v.transpose(1, 2))
         self.count += 1
+
+
+def _side_by_side(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """k, v (B, Hkv, L, D) as one (B, L, 2, Hkv, D) view where v's elements sit at k's offset by Hkv*D with the same
+    strides, each token's heads contiguous (views of one (B, L, ..., k, v) row), else None."""
+    b, h, length, d = k.shape
+    if (v.shape != k.shape or v.dtype != k.dtype or v.stride() != k.stride() or k.stride(3) != 1
+            or k.stride(1) != d or v.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()
+            or v.storage_offset() != k.storage_offset() + h * d):
+        return None
+    sb, _, sl, _ = k.stride()
+    return k.as_strided((b, length, 2, h, d), (sb, sl, h * d, d, 1), k.storage_offset())
+
+
+def _kv_views(kv: torch.Tensor) -> list:
+    """[(k, v)] per layer, each (B, Hkv, S, D), views of kv (layers, B, S, 2, Hkv, D)."""
+    return [(layer[:, :, 0].transpose(1, 2), layer[:, :, 1].transpose(1, 2)) for layer in kv.unbind(0)]
 
 
 class HiddenGraph:
@@ -413,7 +439,7 @@ class HiddenGraph:
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor | None):
         """ids, positions (B, S <= length), key_mask (B, S) bool or None -> (hidden (B, length, E), k/v buffer
-        (layers, 2, B, Hkv, length, D) or None), the graph's own outputs: valid at positions [0, S) until the next
+        (layers, B, length, 2, Hkv, D) or None), the graph's own outputs: valid at positions [0, S) until the next
         replay. The padding [S, length) keeps what earlier calls left there (valid ids and positions): only its
         own positions read it (causal attention)."""
         s = ids.shape[1]

@@ -388,10 +388,33 @@ def test_kv_sink_holds_what_the_lean_loop_appends():
     a = fam.lean_hidden(model, ids, pos, mask.bool(), plain)
     b = fam.lean_hidden(model, ids, pos, mask.bool(), sink)
     assert torch.equal(a, b) and sink.count == len(plain) == 2
-    for i, (k, v) in enumerate(plain):
-        assert torch.equal(sink.buffer[i, 0], k) and torch.equal(sink.buffer[i, 1], v)
+    assert sink.buffer.shape == (2, *ids.shape, 2, *plain[0][0].shape[1:2], plain[0][0].shape[-1])
+    for (k, v), (kb, vb) in zip(plain, fw._kv_views(sink.buffer)):
+        assert fw._side_by_side(k, v) is not None  # (OPT's k and v: views of one q/k/v output, one copy for both)
+        assert torch.equal(kb, k) and torch.equal(vb, v)
     with pytest.raises(fuseinfer.FuseInferError, match="more than 2 layers"):
         sink.append(plain[0])
+
+
+@pytest.mark.parametrize("b,h,length,d", [(1, 1, 1, 1), (2, 3, 5, 7), (3, 2, 16, 64)])
+def test_kv_sink_copies_side_by_side_and_separate_keys_and_values(b, h, length, d):
+    """Keys and values that are views of one (B, L, ..., k, v) row go in one copy; any others (separate tensors,
+    another gap, transposed heads) in two; every layout holds the same values."""
+    qkv = torch.randn(b, length, 3, h, d)
+    views = qkv.unbind(2)  # 3 x (B, L, H, D)
+    k, v = views[1].transpose(1, 2), views[2].transpose(1, 2)  # (B, H, L, D)
+    gap = torch.randn(b, length, 4, h, d).unbind(2)
+    cases = {"side by side": (k, v, True), "separate": (k.clone(), v.clone(), False),
+             "a gap between": (gap[1].transpose(1, 2), gap[3].transpose(1, 2), False),
+             "v before k": (v, k, False)}
+    for name, (kk, vv, one) in cases.items():
+        assert (fw._side_by_side(kk, vv) is not None) == one, name
+        sink = fw._KVSink(2)
+        sink.append((kk, vv))
+        sink.append((vv, kk))
+        (k0, v0), (k1, v1) = fw._kv_views(sink.buffer)
+        assert k0.shape == (b, h, length, d), name
+        assert torch.equal(k0, kk) and torch.equal(v0, vv) and torch.equal(k1, vv) and torch.equal(v1, kk), name
 
 
 def test_probe_sees_a_move_of_the_model_tensors_and_the_cpu_takes_no_graph():
