@@ -270,3 +270,106 @@ def assert_fp8_caches_within_rule(ours: torch.Tensor, torch_lowp: torch.Tensor, 
     bad = (o - r).abs() > bound
     assert not bad.any(), (f"{what}: {int(bad.sum())} values beyond the rule, worst {(o - r).abs().max().item():.3g} "
                            f"(torch {(t - r).abs().max().item():.3g})")
+
+
+def step_args_in(args: dict, dtype: torch.dtype) -> dict:
+    """A copy of a one-kernel decode step's arguments (``opt_decode_step`` / ``llama_decode_step``) with floating
+    tensors in ``dtype`` (caches copied, never shared; int8 weights stay int8, FP8 caches float8_e4m3fn with their
+    fp32 scales)."""
+    conv = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+    cache = lambda c: c.clone() if c.dtype == torch.float8_e4m3fn else c.to(dtype, copy=True)  # noqa: E731
+    out = {k: (conv(v) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    for name in ("layer_params", "qkv_biases"):  # (Llama's q/k/v biases have a list of their own)
+        if name in args:
+            out[name] = [conv(p) for p in args[name]]
+    out["k_caches"] = [cache(c) for c in args["k_caches"]]
+    out["v_caches"] = [cache(c) for c in args["v_caches"]]
+    return out
+
+
+def assert_step_within_rule(step, ref, args: dict, dtype) -> torch.Tensor:
+    """A one-kernel decode step's logits and caches (``step(**args)``, which updates ``args``' caches) within twice
+    its reference's (``ref``) own error in ``dtype`` against the fp32 reference on the same inputs, weights and
+    scales; returns the step's logits. FP8 caches: the fp32 reference rounds the new keys and values to ``dtype``
+    before quantizing them, as the per-op path and the kernel store the projection (else an e4m3 rounding boundary
+    between the two values would count as the kernel's error), and the dequantized caches are within the rule plus
+    one e4m3 step (:func:`assert_fp8_caches_within_rule`)."""
+    fp8 = bool(args.get("kv_scales"))
+    ref_args, lowp_args = step_args_in(args, torch.float32), step_args_in(args, dtype)
+    ref32 = ref(**ref_args, kv_round=dtype if fp8 else None)
+    torch_lowp = ref(**lowp_args)
+    ours = step(**args)
+    assert ours.shape == ref32.shape and ours.dtype == torch.float32
+    err, torch_err = (ours - ref32).abs().max().item(), (torch_lowp - ref32).abs().max().item()
+    assert err <= 2 * torch_err + 1e-6, f"logits: ours {err:.3g} vs torch {torch_err:.3g}"
+    # (the keys' scale row of every layer, then the values')
+    scales = iter([sc[0] for sc in args.get("kv_scales") or []] + [sc[1] for sc in args.get("kv_scales") or []])
+    for ours_c, ref_c, lowp_c in zip(args["k_caches"] + args["v_caches"], ref_args["k_caches"] + ref_args["v_caches"],
+                                     lowp_args["k_caches"] + lowp_args["v_caches"]):
+        if fp8:
+            assert_fp8_caches_within_rule(ours_c, lowp_c, ref_c, next(scales), "cache")
+            continue
+        e, te = (ours_c.float() - ref_c).abs().max().item(), (lowp_c.float() - ref_c).abs().max().item()
+        assert e <= 2 * te + 1e-6, f"cache: ours {e:.3g} vs torch {te:.3g}"
+    return ours
+
+
+def assert_fp8_step(step, ref, args: dict, dtype, q_start) -> None:
+    """A one-kernel decode step over FP8 caches (``args`` from :func:`with_fp8_caches`): within the rule of
+    :func:`assert_step_within_rule`, repeated launches equal (the launch counters, attention counters and tagged
+    buffers carry over between launches), and the value scales read: doubled, they double the cached values' share
+    of the attention's output, which moves the logits. Not on a first token (every ``q_start`` 0): every value it
+    attends to is its own, stored with the doubled scale and read back with it, so the output stays the same (a
+    power-of-two scale changes no e4m3 code's value)."""
+    fresh = {**args, "k_caches": [c.clone() for c in args["k_caches"]],
+             "v_caches": [c.clone() for c in args["v_caches"]]}
+    ours = assert_step_within_rule(step, ref, args, dtype)
+    for _ in range(3):
+        assert torch.equal(step(**args), ours)
+    if max(q_start) > 0:
+        doubled = step(**{**fresh, "kv_scales": [s * torch.tensor([[1.0], [2.0]], device=s.device)
+                                                  for s in fresh["kv_scales"]]})
+        assert not torch.allclose(doubled, ours, rtol=1e-3, atol=1e-3)
+
+
+def generate_decode_kernel_off_on(model_path, dtype: torch.dtype, expect_on: str, pad: bool = False,
+                                  **runtime) -> dict:
+    """``fuseinfer.generate``'s greedy tokens (32 new) on the checkpoint at ``model_path`` (``dtype``, CUDA) patched
+    with ``RuntimeConfig(decode_kernel="off")`` and then ``"on"`` (and ``runtime``'s other settings), each for five
+    40-token prompts (two left-padded; ``pad``: their padding set to the pad token) and for the first alone:
+    {kernel: (the batch's tokens, the first's)}. Each run's batch buckets 1 and 8 must take the kernel's path:
+    ``expect_on`` for "on" (the start of the session's path), per op for "off"."""
+    from transformers import AutoModelForCausalLM
+
+    import fuseinfer
+    from fuseinfer.runtime.decode import SESSIONS_ATTR
+
+    ids = torch.randint(3, 4000, (5, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = mask[3, :20] = 0
+    out = {}
+    for kernel in ("off", "on"):
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).cuda().eval()
+        ids = ids.clamp(max=model.config.vocab_size - 1)
+        if pad:
+            ids = ids.masked_fill(mask == 0, model.config.pad_token_id)
+        config = fuseinfer.RuntimeConfig(decode_kernel=kernel, **runtime)
+        fuseinfer.patch(model, fuseinfer.PatchConfig(runtime=config))
+        out[kernel] = (fuseinfer.generate(model, ids, mask, max_new_tokens=32),
+                       fuseinfer.generate(model, ids[:1], max_new_tokens=32))
+        sessions = model.__dict__[SESSIONS_ATTR]
+        for bucket in (1, 8):
+            if runtime.get("kv_cache") == "fp8":
+                assert sessions[bucket].cache.kv_scales is not None
+            expect = expect_on if kernel == "on" else "per op"
+            assert sessions[bucket].path.startswith(expect), (kernel, bucket, sessions[bucket].path)
+    return out
+
+
+def assert_fp8_cache_tokens_agree(out: dict, prompt: int) -> None:
+    """The FP8-cache tokens of :func:`generate_decode_kernel_off_on` ("on" against "off"): the first four new tokens
+    equal, the rest at least 90%. Where the two paths' projections differ in their last bit (another accumulation
+    order), a value on an e4m3 rounding boundary is stored one step apart, and a near tie can turn."""
+    for ours, theirs in ((out["on"][0], out["off"][0]), (out["on"][1], out["off"][1])):
+        assert torch.equal(ours[:, :prompt + 4], theirs[:, :prompt + 4])
+        assert (ours[:, prompt:] == theirs[:, prompt:]).float().mean().item() >= 0.9

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_opt
-from helpers import (DEVICES, LOWP, assert_fp8_caches_within_rule, assert_lowp_close, assume, examples, given,
-                     lowp_atol, st, with_fp8_caches)
+from helpers import (DEVICES, LOWP, assert_fp8_cache_tokens_agree, assert_fp8_step, assert_lowp_close,
+                     assert_step_within_rule, assume, examples, generate_decode_kernel_off_on, given, lowp_atol, st,
+                     step_args_in, with_fp8_caches)
 
 import fuseinfer
 from fuseinfer.ops import opt_decode_step, opt_decode_step_ref
@@ -45,18 +46,6 @@ def _step_inputs(model, pads, q_start, capacity, seed=1):
         kv_scales=[])  # (caches in the model dtype)
     args["layer_params"] = [p.detach() for p in args["layer_params"]]  # no autograd (opcheck would test it)
     return {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
-
-
-def _converted(args, dtype):
-    """A copy of the step's arguments with floating tensors in ``dtype`` (caches copied, never shared; FP8 caches
-    stay float8_e4m3fn with their fp32 scales)."""
-    conv = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
-    cache = lambda c: c.clone() if c.dtype == FP8_DTYPE else c.to(dtype, copy=True)  # noqa: E731
-    out = {k: (conv(v) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
-    out["layer_params"] = [conv(p) for p in args["layer_params"]]  # (int8 weights stay int8, scales fp32)
-    out["k_caches"] = [cache(c) for c in args["k_caches"]]
-    out["v_caches"] = [cache(c) for c in args["v_caches"]]
-    return out
 
 
 @torch.no_grad()
@@ -158,7 +147,7 @@ def test_decode_step_matches_reference_property(device):
         if device == "cuda":
             assume(kernel_supports(sizes["rows"], args["embed"], sizes["ffn"], sizes["hidden"] // sizes["heads"]))
         hi = torch.float64 if dtype == torch.float32 else torch.float32
-        ref_args, same_args = _converted(args, hi), _converted(args, dtype)
+        ref_args, same_args = step_args_in(args, hi), step_args_in(args, dtype)
         ref = opt_decode_step_ref(**ref_args)
         torch_same = opt_decode_step_ref(**same_args)
         ours = opt_decode_step(**args)
@@ -215,28 +204,7 @@ GPU_CASES = {  # name -> (OPTConfig overrides, pads, q_start, capacity)
 
 
 def _assert_step_within_rule(args: dict, dtype) -> torch.Tensor:
-    """The kernel's logits and caches within twice the reference's own error in ``dtype`` against the fp32
-    reference (the same inputs, weights and scales); returns the kernel's logits. FP8 caches: the fp32 reference
-    rounds the new keys and values to ``dtype`` before quantizing them, as the per-op path and the kernel store the
-    projection (else an e4m3 rounding boundary between the two values would count as the kernel's error), and the
-    dequantized caches within the rule plus one e4m3 step (assert_fp8_caches_within_rule)."""
-    fp8 = bool(args.get("kv_scales"))
-    ref_args, lowp_args = _converted(args, torch.float32), _converted(args, dtype)
-    ref32 = opt_decode_step_ref(**ref_args, kv_round=dtype if fp8 else None)
-    torch_lowp = opt_decode_step_ref(**lowp_args)
-    ours = opt_decode_step(**args)
-    err, torch_err = (ours - ref32).abs().max().item(), (torch_lowp - ref32).abs().max().item()
-    assert err <= 2 * torch_err + 1e-6, f"logits: ours {err:.3g} vs torch {torch_err:.3g}"
-    # (the keys' scale row of every layer, then the values')
-    scales = iter([sc[0] for sc in args.get("kv_scales") or []] + [sc[1] for sc in args.get("kv_scales") or []])
-    for ours_c, ref_c, lowp_c in zip(args["k_caches"] + args["v_caches"], ref_args["k_caches"] + ref_args["v_caches"],
-                                     lowp_args["k_caches"] + lowp_args["v_caches"]):
-        if fp8:
-            assert_fp8_caches_within_rule(ours_c, lowp_c, ref_c, next(scales), "cache")
-            continue
-        e, te = (ours_c.float() - ref_c).abs().max().item(), (lowp_c.float() - ref_c).abs().max().item()
-        assert e <= 2 * te + 1e-6, f"cache: ours {e:.3g} vs torch {te:.3g}"
-    return ours
+    return assert_step_within_rule(opt_decode_step, opt_decode_step_ref, args, dtype)
 
 
 @pytest.mark.gpu
@@ -658,15 +626,7 @@ def test_kernel_fp8_cache_matches_fp32_reference(case, dtype):
     heads = overrides["num_attention_heads"]
     assert kernel_supports(len(pads), args["embed"], overrides["ffn_dim"], args["k_caches"][0].shape[-1],
                            kv_scales=2 * heads * 3)
-    fresh = {**args, "k_caches": [c.clone() for c in args["k_caches"]],
-             "v_caches": [c.clone() for c in args["v_caches"]]}
-    ours = _assert_step_within_rule(args, dtype)
-    for _ in range(3):  # the launch counters, attention counters and tagged buffers carry over between launches
-        assert torch.equal(opt_decode_step(**args), ours)
-    # the scales matter: doubled value scales double the attention's output, which moves the logits
-    doubled = opt_decode_step(**{**fresh, "kv_scales": [s * torch.tensor([[1.0], [2.0]], device="cuda")
-                                                        for s in fresh["kv_scales"]]})
-    assert not torch.allclose(doubled, ours, rtol=1e-3, atol=1e-3)
+    assert_fp8_step(opt_decode_step, opt_decode_step_ref, args, dtype, q_start)
 
 
 @pytest.mark.gpu
@@ -674,26 +634,5 @@ def test_kernel_fp8_cache_matches_fp32_reference(case, dtype):
 def test_fast_decode_fp8_cache_takes_the_kernel(tiny_model_path, model_dtype):
     """RuntimeConfig(kv_cache="fp8", decode_kernel="on"): the one-kernel step runs over the FP8 cache (batch buckets 1
     and 8) and gives the per-op FP8 path's greedy tokens."""
-    from transformers import AutoModelForCausalLM
-
-    ids = torch.randint(3, 8192, (5, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    mask = torch.ones_like(ids)
-    mask[1, :7] = mask[3, :20] = 0
-    out = {}
-    for kernel in ("off", "on"):
-        model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=model_dtype).cuda().eval()
-        ids = ids.masked_fill(mask == 0, model.config.pad_token_id)
-        runtime = fuseinfer.RuntimeConfig(decode_kernel=kernel, kv_cache="fp8")
-        fuseinfer.patch(model, fuseinfer.PatchConfig(runtime=runtime))
-        out[kernel] = (fuseinfer.generate(model, ids, mask, max_new_tokens=32),
-                       fuseinfer.generate(model, ids[:1], max_new_tokens=32))
-        sessions = model.__dict__[SESSIONS_ATTR]
-        for bucket in (1, 8):
-            assert sessions[bucket].cache.kv_scales is not None
-            expect = "one kernel per step" if kernel == "on" else "per op"
-            assert sessions[bucket].path.startswith(expect), (kernel, bucket, sessions[bucket].path)
-    # the same tokens, but for a rare divergence: where the two paths' projections differ in their last bit (another
-    # accumulation order), a value on an e4m3 rounding boundary is stored one step apart, and a near tie can turn
-    for ours, theirs in ((out["on"][0], out["off"][0]), (out["on"][1], out["off"][1])):
-        assert torch.equal(ours[:, :ids.shape[1] + 4], theirs[:, :ids.shape[1] + 4])
-        assert (ours[:, ids.shape[1]:] == theirs[:, ids.shape[1]:]).float().mean().item() >= 0.9
+    out = generate_decode_kernel_off_on(tiny_model_path, model_dtype, "one kernel per step", pad=True, kv_cache="fp8")
+    assert_fp8_cache_tokens_agree(out, prompt=40)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_llama
-from helpers import assert_fp8_caches_within_rule, examples, given, require_kernel, st, with_fp8_caches
+from helpers import (assert_fp8_cache_tokens_agree, assert_fp8_step, assert_step_within_rule, examples,
+                     generate_decode_kernel_off_on, given, require_kernel, st, step_args_in, with_fp8_caches)
 
 import fuseinfer
 from fuseinfer.models.llama import decode as llama_decode
@@ -51,19 +52,6 @@ def _step_inputs(model, pads, q_start, capacity, seed=1):
     args["qkv_biases"] = [b.detach() for b in args["qkv_biases"]]
     out = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
     return out, positions
-
-
-def _converted(args, dtype):
-    """A copy of the step's arguments with floating tensors in ``dtype`` (caches copied, never shared; FP8 caches
-    stay float8_e4m3fn with their fp32 scales)."""
-    conv = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
-    cache = lambda c: c.clone() if c.dtype == FP8_DTYPE else c.to(dtype, copy=True)  # noqa: E731
-    out = {k: (conv(v) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
-    out["layer_params"] = [conv(p) for p in args["layer_params"]]
-    out["qkv_biases"] = [conv(p) for p in args["qkv_biases"]]
-    out["k_caches"] = [cache(c) for c in args["k_caches"]]
-    out["v_caches"] = [cache(c) for c in args["v_caches"]]
-    return out
 
 
 def _per_op(model, args, positions, slot):
@@ -218,6 +206,8 @@ def test_reference_equals_per_op_decode_path_property(case):
 
 # ---- GPU: the one-kernel step ----
 
+STEP_PATH = "one kernel per step (fuseinfer::llama_decode_step)"  # (a fast-decode session's path with the step)
+
 GPU_CASES = {  # name -> (config overrides, pads, q_start, capacity)
     # Llama-3.2-1B-like heads (D 64, 4:1), ring-wrapping context (more keys than ring stages hold)
     "b1_d64_gqa4_ctx300": (dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
@@ -245,28 +235,7 @@ def _gpu_model(model_type, dtype, overrides):
 
 
 def _assert_step_within_rule(args: dict, dtype) -> torch.Tensor:
-    """The kernel's logits and caches within twice the reference's own error in ``dtype`` against the fp32
-    reference (the same inputs and weights); returns the kernel's logits. FP8 caches: the fp32 reference rounds the
-    new keys and values to ``dtype`` before quantizing them, as the per-op path and the kernel store them, and the
-    dequantized caches within the rule plus one e4m3 step (assert_fp8_caches_within_rule)."""
-    fp8 = bool(args.get("kv_scales"))
-    ref_args, lowp_args = _converted(args, torch.float32), _converted(args, dtype)
-    ref32 = llama_decode_step_ref(**ref_args, kv_round=dtype if fp8 else None)
-    torch_lowp = llama_decode_step_ref(**lowp_args)
-    ours = llama_decode_step(**args)
-    assert ours.shape == ref32.shape and ours.dtype == torch.float32
-    err, torch_err = (ours - ref32).abs().max().item(), (torch_lowp - ref32).abs().max().item()
-    assert err <= 2 * torch_err + 1e-6, f"logits: ours {err:.3g} vs torch {torch_err:.3g}"
-    # (the keys' scale row of every layer, then the values')
-    scales = iter([sc[0] for sc in args.get("kv_scales") or []] + [sc[1] for sc in args.get("kv_scales") or []])
-    for ours_c, ref_c, lowp_c in zip(args["k_caches"] + args["v_caches"], ref_args["k_caches"] + ref_args["v_caches"],
-                                     lowp_args["k_caches"] + lowp_args["v_caches"]):
-        if fp8:
-            assert_fp8_caches_within_rule(ours_c, lowp_c, ref_c, next(scales), "cache")
-            continue
-        e, te = (ours_c.float() - ref_c).abs().max().item(), (lowp_c.float() - ref_c).abs().max().item()
-        assert e <= 2 * te + 1e-6, f"cache: ours {e:.3g} vs torch {te:.3g}"
-    return ours
+    return assert_step_within_rule(llama_decode_step, llama_decode_step_ref, args, dtype)
 
 
 @pytest.mark.gpu
@@ -323,7 +292,7 @@ def test_kernel_matches_per_op_path(dtype):
                                             intermediate_size=2048))
     args, positions = _step_inputs(model, [0, 7], [200, 200], 256)
     per_op, _ = _per_op(model, args, positions, 200)
-    ref32 = llama_decode_step_ref(**_converted(args, torch.float32))
+    ref32 = llama_decode_step_ref(**step_args_in(args, torch.float32))
     ours = llama_decode_step(**args)
     err, per_op_err = (ours - ref32).abs().max().item(), (per_op - ref32).abs().max().item()
     assert err <= 2 * per_op_err + 1e-6, f"logits: ours {err:.3g} vs per op {per_op_err:.3g}"
@@ -371,24 +340,7 @@ def test_opcheck_cuda():
 def test_fast_decode_on_equals_off(tiny_llama_path):
     """fuseinfer.generate on the tiny Llama: decode_kernel="on" runs the one-kernel step (batch buckets 1 and 8),
     "off" the per-op step, and both give the same greedy tokens."""
-    from transformers import AutoModelForCausalLM
-
-    from fuseinfer.runtime.decode import SESSIONS_ATTR
-
-    ids = torch.randint(3, 4000, (5, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    mask = torch.ones_like(ids)
-    mask[1, :7] = mask[3, :20] = 0
-    out = {}
-    for kernel in ("off", "on"):
-        model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float16).cuda().eval()
-        ids = ids.clamp(max=model.config.vocab_size - 1)
-        fuseinfer.patch(model, fuseinfer.PatchConfig(runtime=fuseinfer.RuntimeConfig(decode_kernel=kernel)))
-        out[kernel] = (fuseinfer.generate(model, ids, mask, max_new_tokens=32),
-                       fuseinfer.generate(model, ids[:1], max_new_tokens=32))
-        sessions = model.__dict__[SESSIONS_ATTR]
-        for bucket in (1, 8):
-            expect = "one kernel per step (fuseinfer::llama_decode_step)" if kernel == "on" else "per op"
-            assert sessions[bucket].path.startswith(expect), (kernel, bucket, sessions[bucket].path)
+    out = generate_decode_kernel_off_on(tiny_llama_path, torch.float16, STEP_PATH)
     assert torch.equal(out["on"][0], out["off"][0])
     assert torch.equal(out["on"][1], out["off"][1])
 
@@ -494,15 +446,7 @@ def _fp8_gpu_check(model_type, dtype, overrides, pads, q_start, capacity):
     assert kernel_supports(len(pads), args["embed"], cfg.intermediate_size, cfg.num_attention_heads,
                            cfg.num_key_value_heads, args["k_caches"][0].shape[-1],
                            kv_scales=2 * cfg.num_key_value_heads * cfg.num_hidden_layers)
-    fresh = {**args, "k_caches": [c.clone() for c in args["k_caches"]],
-             "v_caches": [c.clone() for c in args["v_caches"]]}
-    ours = _assert_step_within_rule(args, dtype)
-    for _ in range(3):  # the launch counters, attention counters and tagged buffers carry over between launches
-        assert torch.equal(llama_decode_step(**args), ours)
-    # the scales matter: doubled value scales double the attention's output, which moves the logits
-    doubled = llama_decode_step(**{**fresh, "kv_scales": [s * torch.tensor([[1.0], [2.0]], device="cuda")
-                                                          for s in fresh["kv_scales"]]})
-    assert not torch.allclose(doubled, ours, rtol=1e-3, atol=1e-3)
+    assert_fp8_step(llama_decode_step, llama_decode_step_ref, args, dtype, q_start)
 
 
 @pytest.mark.gpu
@@ -527,28 +471,5 @@ def test_kernel_fp8_cache_qwen2_bias_matches_fp32_reference(dtype):
 def test_fast_decode_fp8_cache_takes_the_kernel(tiny_llama_path):
     """fuseinfer.generate on the tiny Llama with RuntimeConfig(kv_cache="fp8"): decode_kernel="on" runs the
     one-kernel step over the FP8 cache (batch buckets 1 and 8), "off" the per-op FP8 step; the same greedy tokens."""
-    from transformers import AutoModelForCausalLM
-
-    from fuseinfer.runtime.decode import SESSIONS_ATTR
-
-    ids = torch.randint(3, 4000, (5, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    mask = torch.ones_like(ids)
-    mask[1, :7] = mask[3, :20] = 0
-    out = {}
-    for kernel in ("off", "on"):
-        model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float16).cuda().eval()
-        ids = ids.clamp(max=model.config.vocab_size - 1)
-        runtime = fuseinfer.RuntimeConfig(decode_kernel=kernel, kv_cache="fp8")
-        fuseinfer.patch(model, fuseinfer.PatchConfig(runtime=runtime))
-        out[kernel] = (fuseinfer.generate(model, ids, mask, max_new_tokens=32),
-                       fuseinfer.generate(model, ids[:1], max_new_tokens=32))
-        sessions = model.__dict__[SESSIONS_ATTR]
-        for bucket in (1, 8):
-            assert sessions[bucket].cache.kv_scales is not None
-            expect = "one kernel per step (fuseinfer::llama_decode_step)" if kernel == "on" else "per op"
-            assert sessions[bucket].path.startswith(expect), (kernel, bucket, sessions[bucket].path)
-    # the same tokens, but for a rare divergence: where the two paths' projections differ in their last bit (another
-    # accumulation order), a value on an e4m3 rounding boundary is stored one step apart, and a near tie can turn
-    for ours, theirs in ((out["on"][0], out["off"][0]), (out["on"][1], out["off"][1])):
-        assert torch.equal(ours[:, :ids.shape[1] + 4], theirs[:, :ids.shape[1] + 4])
-        assert (ours[:, ids.shape[1]:] == theirs[:, ids.shape[1]:]).float().mean().item() >= 0.9
+    out = generate_decode_kernel_off_on(tiny_llama_path, torch.float16, STEP_PATH, kv_cache="fp8")
+    assert_fp8_cache_tokens_agree(out, prompt=40)
