@@ -1465,6 +1465,56 @@ int set_kv_scales(StepParams& p, const std::vector<at::Tensor>& kv_scales, bool 
   return kv_scale_table_bytes(layers * 2 * kv_heads);
 }
 
+// A step's weight or input tensor: contiguous, 16-byte aligned, `shape`, of the model dtype on the model's device.
+static void check_step_tensor(const at::Tensor& t, at::ScalarType dtype, c10::IntArrayRef shape, const at::Device& device,
+                       const char* op, const char* what) {
+  TORCH_CHECK(t.device() == device && t.scalar_type() == dtype && t.is_contiguous() && t.sizes().equals(shape) &&
+                  reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+              op, ": ", what, " must be a contiguous, 16-byte aligned ", shape,
+              " tensor of the model dtype on the model's device");
+}
+
+// A cache: (B, kv heads, T, D) in the model dtype, or float8_e4m3fn (kv8, every cache).
+static void check_step_cache(const at::Tensor& t, bool kv8, at::ScalarType dtype, c10::IntArrayRef shape,
+                      const at::Device& device, const char* op, const char* what) {
+  if (!kv8) return check_step_tensor(t, dtype, shape, device, op, what);
+  TORCH_CHECK(t.device() == device && t.scalar_type() == at::kFloat8_e4m3fn && t.is_contiguous() &&
+                  t.sizes().equals(shape) && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+              op, ": ", what, " must be a contiguous, 16-byte aligned ", shape,
+              " float8_e4m3fn tensor on the model's device (one cache dtype for all layers)");
+}
+
+// The sizes both families' steps set in p (the ring's stages come after the shared memory's extra parts are known).
+static void set_step_sizes(StepParams& p, int64_t m, int64_t e, int64_t f, int64_t heads, int64_t vocab, int64_t layers,
+                    int64_t capacity, double eps, double scale) {
+  p.m = static_cast<int>(m);
+  p.e = static_cast<int>(e);
+  p.f = static_cast<int>(f);
+  p.heads = static_cast<int>(heads);
+  p.vocab = static_cast<int>(vocab);
+  p.layers = static_cast<int>(layers);
+  p.capacity = static_cast<int>(capacity);
+  p.slices_cap = static_cast<int>((capacity + kSlice - 1) / kSlice);
+  p.x_stride = static_cast<int>(x_stride_bytes(std::max(e, f)));
+  p.eps = static_cast<float>(eps);
+  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+}
+
+// The workspace checked against its layout and set in p, the trace buffer, and the logits (m, vocab) fp32 the
+// step writes (returned).
+static at::Tensor set_step_outputs(StepParams& p, at::Tensor& workspace, const std::vector<int64_t>& layout,
+                            const at::Tensor& embed, int64_t m, int64_t vocab, int64_t layers, const char* op) {
+  TORCH_CHECK(workspace.device() == embed.device() && workspace.is_contiguous() &&
+                  workspace.nbytes() >= static_cast<size_t>(layout.back()),
+              op, ": workspace too small");
+  auto logits = at::empty({m, vocab}, embed.options().dtype(at::kFloat));
+  p.trace = trace_buffer(embed.device(), at::cuda::getCurrentDeviceProperties()->multiProcessorCount,
+                         trace_events(static_cast<int>(layers)));
+  p.logits = logits.data_ptr<float>();
+  set_workspace(p, workspace, layout);
+  return logits;
+}
+
 at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& q_start,
                             const at::Tensor& key_mask, const at::Tensor& embed, const at::Tensor& pos_embed,
                             const std::vector<at::Tensor>& layer_params, std::vector<at::Tensor> k_caches,
@@ -1501,10 +1551,7 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
                   key_mask.scalar_type() == at::kBool && key_mask.size(0) >= m && key_mask.size(1) == capacity,
               "decode_step: bad tokens / positions / q_start / key_mask");
   auto check = [&](const at::Tensor& t, std::initializer_list<int64_t> shape, const char* what) {
-    TORCH_CHECK(t.device() == embed.device() && t.scalar_type() == dtype && t.is_contiguous() &&
-                    t.sizes().equals(shape) && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
-                "decode_step: ", what, " must be a contiguous, 16-byte aligned ", c10::IntArrayRef(shape),
-                " tensor of the model dtype on the model's device");
+    check_step_tensor(t, dtype, shape, embed.device(), "decode_step", what);
   };
   for (const at::Tensor* t : {&tokens, &positions, &q_start, &key_mask}) {
     TORCH_CHECK(t->device() == embed.device() && t->is_contiguous(), "decode_step: inputs must be contiguous, on ",
@@ -1529,35 +1576,15 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
                 "decode_step: the scales of ", what, " must be a contiguous, 16-byte aligned [", rows,
                 "] float32 tensor on the model's device");
   };
-  // a cache: (B, H, T, D) in the model dtype, or float8_e4m3fn (kv8, every cache)
+  const std::vector<int64_t> cache_shape{k_caches[0].size(0), heads, capacity, head_dim};
   auto check_cache = [&](const at::Tensor& t, const char* what) {
-    if (!kv8) return check(t, {k_caches[0].size(0), heads, capacity, head_dim}, what);
-    TORCH_CHECK(t.device() == embed.device() && t.scalar_type() == at::kFloat8_e4m3fn && t.is_contiguous() &&
-                    t.sizes().equals({k_caches[0].size(0), heads, capacity, head_dim}) &&
-                    reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
-                "decode_step: ", what, " must be a contiguous, 16-byte aligned ",
-                c10::IntArrayRef({k_caches[0].size(0), heads, capacity, head_dim}),
-                " float8_e4m3fn tensor on the model's device (one cache dtype for all layers)");
+    check_step_cache(t, kv8, dtype, cache_shape, embed.device(), "decode_step", what);
   };
-  const auto layout = workspace_layout(m, e, f, heads, head_dim, capacity);
-  TORCH_CHECK(workspace.device() == embed.device() && workspace.is_contiguous() &&
-                  workspace.nbytes() >= static_cast<size_t>(layout.back()),
-              "decode_step: workspace too small");
 
   StepParams p{};
-  p.m = static_cast<int>(m);
-  p.e = static_cast<int>(e);
-  p.f = static_cast<int>(f);
-  p.heads = static_cast<int>(heads);
-  p.vocab = static_cast<int>(vocab);
-  p.layers = static_cast<int>(layers);
-  p.capacity = static_cast<int>(capacity);
-  p.slices_cap = static_cast<int>((capacity + kSlice - 1) / kSlice);
+  set_step_sizes(p, m, e, f, heads, vocab, layers, capacity, eps, scale);
   const int extra = set_kv_scales(p, kv_scales, kv8, layers, heads, embed.device(), "decode_step");
   p.stages = ring_stages(m, e, f, layers, extra);
-  p.x_stride = static_cast<int>(x_stride_bytes(std::max(e, f)));
-  p.eps = static_cast<float>(eps);
-  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   p.tokens = tokens.data_ptr<int64_t>();
   p.positions = positions.data_ptr<int64_t>();
   p.q_start = q_start.data_ptr<int>();
@@ -1567,11 +1594,8 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
   p.lnf_w = lnf_w.data_ptr();
   p.lnf_b = lnf_b.data_ptr();
   p.lm_head = lm_head.data_ptr();
-  auto logits = at::empty({m, vocab}, embed.options().dtype(at::kFloat));
-  p.trace = trace_buffer(embed.device(), at::cuda::getCurrentDeviceProperties()->multiProcessorCount,
-                         trace_events(static_cast<int>(layers)));
-  p.logits = logits.data_ptr<float>();
-  set_workspace(p, workspace, layout);
+  const auto logits = set_step_outputs(p, workspace, workspace_layout(m, e, f, heads, head_dim, capacity), embed, m,
+                                       vocab, layers, "decode_step");
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = &layer_params[12 * l];
     check(w[0], {e}, "self_attn_layer_norm.weight");
@@ -1668,10 +1692,7 @@ at::Tensor llama_decode_step_cuda(const at::Tensor& tokens, const at::Tensor& co
                   key_mask.scalar_type() == at::kBool && key_mask.size(0) >= m && key_mask.size(1) == capacity,
               "llama_decode_step: bad tokens / q_start / key_mask");
   auto check = [&](const at::Tensor& t, std::initializer_list<int64_t> shape, const char* what) {
-    TORCH_CHECK(t.device() == embed.device() && t.scalar_type() == dtype && t.is_contiguous() &&
-                    t.sizes().equals(shape) && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
-                "llama_decode_step: ", what, " must be a contiguous, 16-byte aligned ", c10::IntArrayRef(shape),
-                " tensor of the model dtype on the model's device");
+    check_step_tensor(t, dtype, shape, embed.device(), "llama_decode_step", what);
   };
   for (const at::Tensor* t : {&tokens, &q_start, &key_mask}) {
     TORCH_CHECK(t->device() == embed.device() && t->is_contiguous(), "llama_decode_step: inputs must be contiguous, "
@@ -1682,38 +1703,18 @@ at::Tensor llama_decode_step_cuda(const at::Tensor& tokens, const at::Tensor& co
   check(sin, {m, head_dim}, "sin");
   check(norm_w, {e}, "final norm weight");
   check(lm_head, {vocab, e}, "lm_head");
-  // a cache: (B, Hkv, T, D) in the model dtype, or float8_e4m3fn (kv8, every cache)
+  const std::vector<int64_t> cache_shape{k_caches[0].size(0), kv_heads, capacity, head_dim};
   auto check_cache = [&](const at::Tensor& t, const char* what) {
-    if (!kv8) return check(t, {k_caches[0].size(0), kv_heads, capacity, head_dim}, what);
-    TORCH_CHECK(t.device() == embed.device() && t.scalar_type() == at::kFloat8_e4m3fn && t.is_contiguous() &&
-                    t.sizes().equals({k_caches[0].size(0), kv_heads, capacity, head_dim}) &&
-                    reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
-                "llama_decode_step: ", what, " must be a contiguous, 16-byte aligned ",
-                c10::IntArrayRef({k_caches[0].size(0), kv_heads, capacity, head_dim}),
-                " float8_e4m3fn tensor on the model's device (one cache dtype for all layers)");
+    check_step_cache(t, kv8, dtype, cache_shape, embed.device(), "llama_decode_step", what);
   };
-  const auto layout = workspace_layout(m, e, f, heads, head_dim, capacity);
-  TORCH_CHECK(workspace.device() == embed.device() && workspace.is_contiguous() &&
-                  workspace.nbytes() >= static_cast<size_t>(layout.back()),
-              "llama_decode_step: workspace too small");
 
   StepParams p{};
-  p.m = static_cast<int>(m);
-  p.e = static_cast<int>(e);
-  p.f = static_cast<int>(f);
-  p.heads = static_cast<int>(heads);
-  p.vocab = static_cast<int>(vocab);
-  p.layers = static_cast<int>(layers);
-  p.capacity = static_cast<int>(capacity);
-  p.slices_cap = static_cast<int>((capacity + kSlice - 1) / kSlice);
+  set_step_sizes(p, m, e, f, heads, vocab, layers, capacity, eps, scale);
   const int extra = rope_table_bytes(m, head_dim) +
                     set_kv_scales(p, kv_scales, kv8, layers, kv_heads, embed.device(), "llama_decode_step");
   p.stages = ring_stages(m, e, f, layers, extra);
   TORCH_CHECK(p.stages >= kMinStages, "llama_decode_step: ", m, " rows of hidden ", e, " / ffn ", f, " and ", layers,
               " layers do not fit in shared memory");
-  p.x_stride = static_cast<int>(x_stride_bytes(std::max(e, f)));
-  p.eps = static_cast<float>(eps);
-  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   p.tokens = tokens.data_ptr<int64_t>();
   p.q_start = q_start.data_ptr<int>();
   p.key_mask = key_mask.data_ptr<bool>();
@@ -1724,11 +1725,8 @@ at::Tensor llama_decode_step_cuda(const at::Tensor& tokens, const at::Tensor& co
   p.qkv_bias = !qkv_biases.empty();
   p.cos = cos.data_ptr();
   p.sin = sin.data_ptr();
-  auto logits = at::empty({m, vocab}, embed.options().dtype(at::kFloat));
-  p.trace = trace_buffer(embed.device(), at::cuda::getCurrentDeviceProperties()->multiProcessorCount,
-                         trace_events(static_cast<int>(layers)));
-  p.logits = logits.data_ptr<float>();
-  set_workspace(p, workspace, layout);
+  const auto logits = set_step_outputs(p, workspace, workspace_layout(m, e, f, heads, head_dim, capacity), embed, m,
+                                       vocab, layers, "llama_decode_step");
   const int64_t qkv_rows = (heads + 2 * kv_heads) * head_dim;
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = &layer_params[6 * l];
