@@ -35,7 +35,6 @@ import argparse
 import copy
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -46,6 +45,7 @@ from common import event_ms, measure_ceilings, wall_ms, write_results  # noqa: E
 
 import fuseinfer  # noqa: E402
 from fuseinfer.harness.models import load_config, load_model, resolve_model  # noqa: E402
+from fuseinfer.harness.timing import host_before_prefill_s  # noqa: E402
 from fuseinfer.runtime import forward as fw  # noqa: E402
 from fuseinfer.runtime.cache import COUNTS  # noqa: E402
 
@@ -80,25 +80,7 @@ def host_before_prefill_ms(fn, calls: int = 20) -> float:
     """Median host time of ``fn()`` (a patched generate call) from its start to the entry of the session's prefill
     (the first launch of its graph or lean loop): the argument checks, the model probe, the session lookup, the
     launches of ``begin``. The GPU is idle at each start."""
-    from fuseinfer.runtime import prefill
-
-    real, marks, times = prefill.session_prefill, [], []
-
-    def marked(*args, **kwargs):
-        marks.append(time.perf_counter())
-        return real(*args, **kwargs)
-
-    prefill.session_prefill = marked
-    try:
-        for _ in range(calls):
-            torch.cuda.synchronize()
-            marks.clear()
-            start = time.perf_counter()
-            fn()
-            times.append((marks[0] - start) * 1e3)
-    finally:
-        prefill.session_prefill = real
-    return statistics.median(times)
+    return statistics.median(host_before_prefill_s(fn, calls, torch.cuda.synchronize)) * 1e3
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ import torch
 
 import fuseinfer
 from fuseinfer.harness.models import load_config, load_model, resolve_model
-from fuseinfer.runtime import prefill
+from fuseinfer.harness.timing import host_before_prefill_s, on_session_prefill
 
 
 def _sync(dev: torch.device) -> None:
@@ -39,23 +39,7 @@ def _sync(dev: torch.device) -> None:
 
 def before_prefill_us(fn, dev: torch.device, calls: int) -> float:
     """Median µs from the start of ``fn()`` (a generate call) to its session prefill's entry."""
-    real, marks, times = prefill.session_prefill, [], []
-
-    def marked(*args, **kwargs):
-        marks.append(time.perf_counter())
-        return real(*args, **kwargs)
-
-    prefill.session_prefill = marked
-    try:
-        for _ in range(calls):
-            _sync(dev)
-            marks.clear()
-            start = time.perf_counter()
-            fn()
-            times.append((marks[0] - start) * 1e6)
-    finally:
-        prefill.session_prefill = real
-    return statistics.median(times)
+    return statistics.median(host_before_prefill_s(fn, calls, lambda: _sync(dev))) * 1e6
 
 
 def forward_split_us(model, fn, dev: torch.device, calls: int) -> tuple[float, float]:
@@ -96,20 +80,12 @@ def forward_split_us(model, fn, dev: torch.device, calls: int) -> tuple[float, f
 
 def profile_before_prefill(fn, calls: int, rows: int = 25) -> str:
     """cProfile of ``calls`` calls of ``fn()`` (generate calls), each up to its session prefill's entry."""
-    real, prof = prefill.session_prefill, cProfile.Profile()
-
-    def stop(*args, **kwargs):
-        prof.disable()
-        return real(*args, **kwargs)
-
-    prefill.session_prefill = stop
-    try:
+    prof = cProfile.Profile()
+    with on_session_prefill(prof.disable):
         for _ in range(calls):
             prof.enable()
             fn()
             prof.disable()  # (a call that did not reach the prefill)
-    finally:
-        prefill.session_prefill = real
     out = io.StringIO()
     stats = pstats.Stats(prof, stream=out)
     stats.sort_stats("tottime").print_stats(rows)

@@ -139,3 +139,38 @@ def peak_memory(device: torch.device) -> dict | None:
 
 def allocated_mib(device: torch.device) -> float | None:
     return torch.cuda.memory_allocated(device) / MIB if device.type == "cuda" else None
+
+
+@contextlib.contextmanager
+def on_session_prefill(callback: Callable[[], object]):
+    """Within: ``callback()`` runs at the entry of every fast-decode session's prefill
+    (``fuseinfer.runtime.prefill.session_prefill``: the first launch of a patched generate call's prefill graph or
+    lean loop), before the prefill itself. For measuring the host work a generate call does before its GPU work."""
+    from fuseinfer.runtime import prefill
+
+    real = prefill.session_prefill
+
+    def marked(*args, **kwargs):
+        callback()
+        return real(*args, **kwargs)
+
+    prefill.session_prefill = marked
+    try:
+        yield
+    finally:
+        prefill.session_prefill = real
+
+
+def host_before_prefill_s(fn: Callable[[], object], calls: int, sync: Callable[[], object]) -> list[float]:
+    """Host seconds of each of ``calls`` calls of ``fn()`` (a patched generate call) from its start to its session
+    prefill's entry (:func:`on_session_prefill`): the argument checks, the model probe, the session lookup, the
+    launches before the prefill's. ``sync()`` runs before each call (the device idle at each start)."""
+    marks, times = [], []
+    with on_session_prefill(lambda: marks.append(time.perf_counter())):
+        for _ in range(calls):
+            sync()
+            marks.clear()
+            start = time.perf_counter()
+            fn()
+            times.append(marks[0] - start)
+    return times
