@@ -57,7 +57,8 @@ class RuntimeConfig:
     variable is a default only; docs/env.md), else the built-in default below; a field given here wins.
 
     decode_kernel: fast decode's step as one persistent kernel: ``auto`` where measured faster (OPT: 1-2 rows; int8
-      weight-only models up to hidden size 2048), ``on`` wherever it applies, ``off`` never (the per-op step).
+      weight-only models up to hidden size 2048; the Llama family: nowhere, per op was faster at every batch),
+      ``on`` wherever it applies, ``off`` never (the per-op step).
     cuda_graphs: fast decode replays its step (and ``prefill='auto'`` / ``'graph'`` its prefill) as CUDA graphs;
       False runs them eagerly.
     graph_steps: decode steps in fast decode's longer CUDA graph (1: one step per replay).

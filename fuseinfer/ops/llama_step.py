@@ -42,8 +42,9 @@ from fuseinfer.ops.rope import qkv_rope_ref
 
 PARAMS_PER_LAYER = 6
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-# RuntimeConfig.decode_kernel="auto" runs the Llama step for batch buckets up to this many rows: 0 until it is
-# measured faster than the per-op step ("on" uses it wherever it applies)
+# RuntimeConfig.decode_kernel="auto" runs the Llama step for batch buckets up to this many rows ("on" uses it
+# wherever it applies). 0: measured slower than the per-op step at every batch (Llama-3.2-1B shapes on an H200,
+# prompt 512: 0.977 against 0.970 ms/token at batch 1, 1.85 against 1.07 at batch 8)
 AUTO_MAX_ROWS = 0
 
 
