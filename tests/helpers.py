@@ -17,7 +17,7 @@ import pytest
 import torch
 
 try:
-    from hypothesis import HealthCheck, assume, given, settings
+    from hypothesis import HealthCheck, assume, example, given, settings
     from hypothesis import strategies as st
     HYPOTHESIS_MISSING = None
 except ImportError:  # (a machine without the test extra: the property tests skip, saying so; the rest runs)
@@ -38,6 +38,8 @@ except ImportError:  # (a machine without the test extra: the property tests ski
 
     def settings(*args, **kwargs):
         return lambda f: f
+
+    example = settings
 
     def given(*args, **kwargs):
         def skip_instead(f):
@@ -300,8 +302,10 @@ def assert_step_within_rule(step, ref, args: dict, dtype) -> torch.Tensor:
     torch_lowp = ref(**lowp_args)
     ours = step(**args)
     assert ours.shape == ref32.shape and ours.dtype == torch.float32
+    # (+ half a unit in the last place of dtype at the largest logit: the step rounds its logits to dtype, as the LM
+    # head does, and with a small vocabulary the reference's few logits may all round closer than one of ours)
     err, torch_err = (ours - ref32).abs().max().item(), (torch_lowp - ref32).abs().max().item()
-    assert err <= 2 * torch_err + 1e-6, f"logits: ours {err:.3g} vs torch {torch_err:.3g}"
+    assert err <= 2 * torch_err + lowp_atol(ref32, dtype), f"logits: ours {err:.3g} vs torch {torch_err:.3g}"
     # (the keys' scale row of every layer, then the values')
     scales = iter([sc[0] for sc in args.get("kv_scales") or []] + [sc[1] for sc in args.get("kv_scales") or []])
     for ours_c, ref_c, lowp_c in zip(args["k_caches"] + args["v_caches"], ref_args["k_caches"] + ref_args["v_caches"],
@@ -310,7 +314,7 @@ def assert_step_within_rule(step, ref, args: dict, dtype) -> torch.Tensor:
             assert_fp8_caches_within_rule(ours_c, lowp_c, ref_c, next(scales), "cache")
             continue
         e, te = (ours_c.float() - ref_c).abs().max().item(), (lowp_c.float() - ref_c).abs().max().item()
-        assert e <= 2 * te + 1e-6, f"cache: ours {e:.3g} vs torch {te:.3g}"
+        assert e <= 2 * te + lowp_atol(ref_c, dtype), f"cache: ours {e:.3g} vs torch {te:.3g}"
     return ours
 
 
