@@ -1466,8 +1466,8 @@ int set_kv_scales(StepParams& p, const std::vector<at::Tensor>& kv_scales, bool 
 }
 
 // A step's weight or input tensor: contiguous, 16-byte aligned, `shape`, of the model dtype on the model's device.
-static void check_step_tensor(const at::Tensor& t, at::ScalarType dtype, c10::IntArrayRef shape, const at::Device& device,
-                       const char* op, const char* what) {
+static void check_step_tensor(const at::Tensor& t, at::ScalarType dtype, c10::IntArrayRef shape,
+                              const at::Device& device, const char* op, const char* what) {
   TORCH_CHECK(t.device() == device && t.scalar_type() == dtype && t.is_contiguous() && t.sizes().equals(shape) &&
                   reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
               op, ": ", what, " must be a contiguous, 16-byte aligned ", shape,
@@ -1476,7 +1476,7 @@ static void check_step_tensor(const at::Tensor& t, at::ScalarType dtype, c10::In
 
 // A cache: (B, kv heads, T, D) in the model dtype, or float8_e4m3fn (kv8, every cache).
 static void check_step_cache(const at::Tensor& t, bool kv8, at::ScalarType dtype, c10::IntArrayRef shape,
-                      const at::Device& device, const char* op, const char* what) {
+                             const at::Device& device, const char* op, const char* what) {
   if (!kv8) return check_step_tensor(t, dtype, shape, device, op, what);
   TORCH_CHECK(t.device() == device && t.scalar_type() == at::kFloat8_e4m3fn && t.is_contiguous() &&
                   t.sizes().equals(shape) && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
@@ -1485,8 +1485,8 @@ static void check_step_cache(const at::Tensor& t, bool kv8, at::ScalarType dtype
 }
 
 // The sizes both families' steps set in p (the ring's stages come after the shared memory's extra parts are known).
-static void set_step_sizes(StepParams& p, int64_t m, int64_t e, int64_t f, int64_t heads, int64_t vocab, int64_t layers,
-                    int64_t capacity, double eps, double scale) {
+static void set_step_sizes(StepParams& p, int64_t m, int64_t e, int64_t f, int64_t heads, int64_t vocab,
+                           int64_t layers, int64_t capacity, double eps, double scale) {
   p.m = static_cast<int>(m);
   p.e = static_cast<int>(e);
   p.f = static_cast<int>(f);
@@ -1503,7 +1503,8 @@ static void set_step_sizes(StepParams& p, int64_t m, int64_t e, int64_t f, int64
 // The workspace checked against its layout and set in p, the trace buffer, and the logits (m, vocab) fp32 the
 // step writes (returned).
 static at::Tensor set_step_outputs(StepParams& p, at::Tensor& workspace, const std::vector<int64_t>& layout,
-                            const at::Tensor& embed, int64_t m, int64_t vocab, int64_t layers, const char* op) {
+                                   const at::Tensor& embed, int64_t m, int64_t vocab, int64_t layers,
+                                   const char* op) {
   TORCH_CHECK(workspace.device() == embed.device() && workspace.is_contiguous() &&
                   workspace.nbytes() >= static_cast<size_t>(layout.back()),
               op, ": workspace too small");

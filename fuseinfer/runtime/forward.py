@@ -28,12 +28,11 @@ to its bucket (a multiple of ``prefill.LENGTH_BUCKET``): attention is causal, so
 position. ``auto`` takes graphs up to ``AUTO_GRAPH_MAX_TOKENS`` rows x bucket tokens, as fast decode's prefill does.
 After the replay the LM head runs on the kept positions of the graph's hidden states (a new tensor) and the k/v are
 copied out of the graph's buffer in one copy (the cache holds views of that copy), so nothing returned is
-overwritten by the next replay. The graphs of a
-model share one memory pool and live with its fast-decode sessions: ``fuseinfer.runtime.release(model)``,
-``unpatch`` and a move of the model's tensors (``model.to``, ``.half()``: a sample of the tensors' addresses is
-checked at each call) drop them. A single weight replaced after the first call (``param.data = t``,
-``load_state_dict(..., assign=True)``; copies into the weights are fine) is not seen by a graph captured before:
-call ``fuseinfer.runtime.release(model)`` after it.
+overwritten by the next replay. The graphs of a model share one memory pool and live with its fast-decode sessions:
+``fuseinfer.runtime.release(model)``, ``unpatch`` and a move of the model's tensors (``model.to``, ``.half()``: a
+sample of the tensors' addresses is checked at each call) drop them. A single weight replaced after the first call
+(``param.data = t``, ``load_state_dict(..., assign=True)``; copies into the weights are fine) is not seen by a graph
+captured before: call ``fuseinfer.runtime.release(model)`` after it.
 """
 from __future__ import annotations
 
@@ -258,8 +257,8 @@ _plain_types: dict[type, bool] = {}  # class -> whether copy.copy of its instanc
 
 def _shallow_copy(obj):
     """``copy.copy(obj)``: for a class that customises nothing of copying (no ``__copy__``, ``__reduce__``,
-    ``__reduce_ex__``, ``__getstate__``, no non-empty slots), what copy does, a new instance with the same attributes, without
-    the reduce protocol's calls (~25 copies a forward: the cache and each layer's)."""
+    ``__reduce_ex__``, ``__getstate__``, no non-empty slots), what copy does, a new instance with the same
+    attributes, without the reduce protocol's calls (~25 copies a forward: the cache and each layer's)."""
     cls = type(obj)
     plain = _plain_types.get(cls)
     if plain is None:
