@@ -73,17 +73,17 @@ void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
   launch_kernel_with(&attr, pdl_enabled() ? 1 : 0, kernel, grid, block, smem, stream, std::forward<Args>(args)...);
 }
 
-// Resident blocks per SM (at least 1) of `kernel` at `threads` threads per block and no dynamic shared memory,
-// cached per (kernel, block size, device): what sizing a one-wave grid needs.
-inline int blocks_per_sm(const void* kernel, int threads) {
+// Resident blocks per SM (at least 1) of `kernel` at `threads` threads per block and `smem` bytes of dynamic shared
+// memory, cached per (kernel, block size, shared memory, device): what sizing a one-wave grid needs.
+inline int blocks_per_sm(const void* kernel, int threads, size_t smem = 0) {
   static std::mutex mutex;
-  static std::map<std::tuple<const void*, int, int>, int> cache;
-  const auto key = std::make_tuple(kernel, threads, static_cast<int>(at::cuda::current_device()));
+  static std::map<std::tuple<const void*, int, size_t, int>, int> cache;
+  const auto key = std::make_tuple(kernel, threads, smem, static_cast<int>(at::cuda::current_device()));
   const std::lock_guard<std::mutex> lock(mutex);
   auto it = cache.find(key);
   if (it == cache.end()) {
     int blocks = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem));
     it = cache.emplace(key, std::max(1, blocks)).first;
   }
   return it->second;

@@ -42,6 +42,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 
 namespace fuseinfer {
 namespace {
@@ -237,11 +238,59 @@ at::Tensor silu_mul_op(const at::Tensor& gate_up) {
   return op.call(gate_up);
 }
 
+// The op fuseinfer_C::add_rms_norm (rms_norm.cu) without a residual, through the dispatcher: y = RMSNorm(x).
+at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fuseinfer_C::add_rms_norm", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&,
+                                                                       const c10::optional<at::Tensor>&,
+                                                                       const c10::optional<at::Tensor>&, double, bool)>();
+  return std::get<0>(op.call(x, c10::nullopt, weight, eps, false));
+}
+
+// linear_epilogue, or with `norm` (which rms_norm_linear_cuda has checked the decode GEMV takes) the GEMV with the
+// RMSNorm prologue over x's un-normalised rows.
+at::Tensor linear_epilogue_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                                const c10::optional<at::Tensor>& residual, const std::string& activation,
+                                const skinny::NormParams* norm);
+
 }  // namespace
 
 at::Tensor linear_epilogue_cuda(
     const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
     const c10::optional<at::Tensor>& residual, const std::string& activation) {
+  return linear_epilogue_impl(x, w, bias, residual, activation, nullptr);
+}
+
+// linear_epilogue(RMSNorm(x) with norm_weight and eps, w, bias, residual, activation): at decode (the skinny GEMV's
+// sizes, fp16 / bf16, FUSEINFER_GEMV_EPILOGUES on, the staged rows fitting shared memory) one kernel, the GEMV with
+// the RMSNorm prologue, which rounds as add_rms_norm does; elsewhere add_rms_norm, then linear_epilogue.
+at::Tensor rms_norm_linear_cuda(const at::Tensor& x, const at::Tensor& norm_weight, double eps, const at::Tensor& w,
+                                const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
+                                const std::string& activation) {
+  TORCH_CHECK(x.dim() == 2 && norm_weight.dim() == 1 && norm_weight.size(0) == x.size(1),
+              "rms_norm_linear: x must be (M, K) and norm_weight (K,), got ", x.sizes(), " and ", norm_weight.sizes());
+  TORCH_CHECK(norm_weight.device() == x.device() && norm_weight.scalar_type() == x.scalar_type(),
+              "rms_norm_linear: norm_weight must match x");
+  const auto dtype = x.scalar_type();
+  const int64_t m = x.size(0), k = x.size(1);
+  const at::cuda::CUDAGuard guard(x.device());
+  const bool fold = (dtype == at::kHalf || dtype == at::kBFloat16) && x.is_cuda() && w.device() == x.device() &&
+                    w.dim() == 2 && w.size(1) == k && w.scalar_type() == dtype && x.is_contiguous() &&
+                    w.is_contiguous() && norm_weight.is_contiguous() &&
+                    reinterpret_cast<uintptr_t>(norm_weight.data_ptr()) % 16 == 0 && m > 0 && k > 0 &&
+                    w.size(0) > 0 && w.size(0) <= INT32_MAX && k <= INT32_MAX && knob(Knob::kGemvEpilogues) != 0 &&
+                    skinny::norm_fits(m, k) && skinny::supported<skinny::HalfWeights>(x, w, m);
+  if (!fold) return linear_epilogue_cuda(rms_norm_op(x, norm_weight, eps), w, bias, residual, activation);
+  const skinny::NormParams np{norm_weight.data_ptr(), static_cast<float>(eps)};
+  return linear_epilogue_impl(x, w, bias, residual, activation, &np);
+}
+
+namespace {
+
+at::Tensor linear_epilogue_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                                const c10::optional<at::Tensor>& residual, const std::string& activation,
+                                const skinny::NormParams* norm) {
   TORCH_CHECK(activation == "none" || activation == "relu" || activation == "silu_mul",
               "linear_epilogue: activation must be 'none', 'relu' or 'silu_mul', got '", activation, "'");
   const bool relu = activation == "relu";
@@ -277,11 +326,13 @@ at::Tensor linear_epilogue_cuda(
         knob(Knob::kGemvEpilogues) != 0 && skinny::supported<skinny::HalfWeights>(x, w, m)) {
       count_path(Path::kLinearSkinny);
       at::Tensor y = at::empty({m, n / 2}, x.options());
-      skinny::run<skinny::HalfWeights>(x, w, nullptr, b, nullptr, false, y, /*silu=*/true);
+      skinny::run<skinny::HalfWeights>(x, w, nullptr, b, nullptr, false, y, /*silu=*/true, norm);
       return y;
     }
+    TORCH_CHECK(norm == nullptr, "linear_epilogue: the RMSNorm prologue without the decode GEMV");
     return silu_mul_op(linear_epilogue_cuda(x, w, bias, residual, "none"));  // (M, 2F) -> (M, F)
   }
+  TORCH_CHECK(norm == nullptr || (m > 0 && n > 0 && k > 0), "linear_epilogue: the RMSNorm prologue on empty operands");
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
   if (k == 0) {  // empty product: only the epilogue remains
@@ -294,9 +345,10 @@ at::Tensor linear_epilogue_cuda(
 
   if (skinny::supported<skinny::HalfWeights>(x, w, m)) {
     count_path(Path::kLinearSkinny);
-    skinny::run<skinny::HalfWeights>(x, w, nullptr, b, r, relu, y);
+    skinny::run<skinny::HalfWeights>(x, w, nullptr, b, r, relu, y, /*silu=*/false, norm);
     return y;
   }
+  TORCH_CHECK(norm == nullptr, "linear_epilogue: the RMSNorm prologue without the decode GEMV");
 
   // cuBLASLt's alignment preferences cover A, B, C and D but not the bias, whose kernels may assume 16 bytes:
   // a bias sliced out of a larger buffer gets an aligned copy (N elements, negligible).
@@ -306,10 +358,19 @@ at::Tensor linear_epilogue_cuda(
   return y;
 }
 
+}  // namespace
+
+// rms_norm_linear(x, norm_weight, eps, w, bias, residual, activation) = linear_epilogue(y, w, bias, residual,
+// activation) with y = add_rms_norm(x, None, norm_weight, eps) (rms_norm.cu): x (M, K), norm_weight (K,) in x's dtype.
 TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
   m.def("linear_epilogue(Tensor x, Tensor w, Tensor? bias, Tensor? residual, str activation) -> Tensor");
+  m.def("rms_norm_linear(Tensor x, Tensor norm_weight, float eps, Tensor w, Tensor? bias, Tensor? residual, "
+        "str activation) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) { m.impl("linear_epilogue", &linear_epilogue_cuda); }
+TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) {
+  m.impl("linear_epilogue", &linear_epilogue_cuda);
+  m.impl("rms_norm_linear", &rms_norm_linear_cuda);
+}
 
 }  // namespace fuseinfer

@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <string>
+#include <tuple>
 
 namespace fuseinfer {
 namespace {
@@ -56,12 +57,23 @@ at::Tensor rope_append_op(const at::Tensor& qkv, const at::Tensor& cos, const at
   return op.call(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots);
 }
 
-}  // namespace
+// The op fuseinfer_C::add_rms_norm (rms_norm.cu) without a residual, through the dispatcher: y = RMSNorm(x).
+at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fuseinfer_C::add_rms_norm", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&,
+                                                                       const c10::optional<at::Tensor>&,
+                                                                       const c10::optional<at::Tensor>&, double, bool)>();
+  return std::get<0>(op.call(x, c10::nullopt, weight, eps, false));
+}
 
-at::Tensor linear_rope_append_cuda(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale,
+// linear_rope_append of x, or with norm_weight of RMSNorm(x) (eps): the GEMV's RMSNorm prologue where the decode
+// GEMV serves the call (fp16 / bf16 weights, the staged rows fitting shared memory), add_rms_norm first elsewhere.
+at::Tensor linear_rope_append_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale,
                                    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& cos_in,
                                    const c10::optional<at::Tensor>& sin_in, int64_t heads, int64_t kv_heads,
-                                   at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+                                   at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+                                   const at::Tensor* norm_weight, double eps) {
   TORCH_CHECK(x.is_cuda() && w.device() == x.device(), "linear_rope_append: x and w must be on one CUDA device");
   TORCH_CHECK(x.dim() == 3 && w.dim() == 2 && x.size(2) == w.size(1),
               "linear_rope_append: x must be (B, S, K) and w (N, K), got ", x.sizes(), " and ", w.sizes());
@@ -99,6 +111,13 @@ at::Tensor linear_rope_append_cuda(const at::Tensor& x, const at::Tensor& w, con
   const bool gemv = operands && knob(Knob::kGemvEpilogues) != 0 &&
                     (int8 ? skinny::supported<skinny::Int8Weights>(x2, w, B * S)
                           : skinny::supported<skinny::HalfWeights>(x2, w, B * S));
+  // the RMSNorm prologue: fp16 / bf16 weights (the int8 GEMV has no prologue instantiations), rows that fit
+  const bool fold = norm_weight != nullptr && gemv && !int8 && skinny::norm_fits(B * S, K) &&
+                    reinterpret_cast<uintptr_t>(norm_weight->data_ptr()) % 16 == 0;
+  if (norm_weight != nullptr && !fold) {  // the norm first, then the call without it
+    return linear_rope_append_impl(rms_norm_op(x, *norm_weight, eps), w, scale, bias, cos_in, sin_in, heads,
+                                   kv_heads, k_cache, v_cache, slots, nullptr, 0.0);
+  }
   if (!gemv) {  // the linear, then the rotary pass (which checks the rest), or the split and the cache write
     const at::Tensor qkv = linear_op(x2, w, scale, bias).view({B, S, N});
     if (rotate) return rope_append_op(qkv, *cos_in, *sin_in, heads, kv_heads, k_cache, v_cache, slots);
@@ -114,21 +133,55 @@ at::Tensor linear_rope_append_cuda(const at::Tensor& x, const at::Tensor& w, con
     skinny::run_rope<skinny::Int8Weights>(x2, w, scale->data_ptr<float>(), b, cos, sin, S, heads, kv_heads, q,
                                           k_cache, v_cache, slots);
   } else {
+    const skinny::NormParams np{fold ? norm_weight->data_ptr() : nullptr, static_cast<float>(eps)};
     skinny::run_rope<skinny::HalfWeights>(x2, w, nullptr, b, cos, sin, S, heads, kv_heads, q, k_cache, v_cache,
-                                          slots);
+                                          slots, fold ? &np : nullptr);
   }
   return q;
+}
+
+}  // namespace
+
+at::Tensor linear_rope_append_cuda(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale,
+                                   const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& cos,
+                                   const c10::optional<at::Tensor>& sin, int64_t heads, int64_t kv_heads,
+                                   at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+  return linear_rope_append_impl(x, w, scale, bias, cos, sin, heads, kv_heads, k_cache, v_cache, slots, nullptr, 0.0);
+}
+
+at::Tensor rms_norm_linear_rope_append_cuda(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+                                            const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                                            const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
+                                            int64_t heads, int64_t kv_heads, at::Tensor& k_cache, at::Tensor& v_cache,
+                                            const at::Tensor& slots) {
+  TORCH_CHECK(x.dim() == 3 && norm_weight.dim() == 1 && norm_weight.size(0) == x.size(2),
+              "rms_norm_linear_rope_append: x must be (B, S, K) and norm_weight (K,), got ", x.sizes(), " and ",
+              norm_weight.sizes());
+  TORCH_CHECK(norm_weight.device() == x.device() && norm_weight.scalar_type() == x.scalar_type() &&
+                  norm_weight.is_contiguous(),
+              "rms_norm_linear_rope_append: norm_weight must be contiguous, on x's device, in x's dtype");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "rms_norm_linear_rope_append: w must have x's dtype");
+  return linear_rope_append_impl(x, w, c10::nullopt, bias, cos, sin, heads, kv_heads, k_cache, v_cache, slots,
+                                 &norm_weight, eps);
 }
 
 // linear_rope_append(x, w, scale, bias, cos, sin, heads, kv_heads, k_cache, v_cache, slots) -> q:
 // qkv_rope_append(x @ w'^T + bias, ...) with w' = w (x's dtype) or w * scale[:, None] (w int8, scale (N,) fp32).
 // x (B, S, K); w ((H + 2 Hkv) D, K); cos, sin (B, S, D), or both None: no rotation (the split and the cache write
 // alone, OPT's decode q/k/v); caches (B, Hkv, T, D); slots (S,) int64. q (B, H, S, D).
+// rms_norm_linear_rope_append(x, norm_weight, eps, w, bias, cos, sin, heads, kv_heads, k_cache, v_cache, slots) -> q:
+// linear_rope_append of add_rms_norm(x, None, norm_weight, eps) (rms_norm.cu), w in x's dtype (no scale); at decode
+// one kernel (the GEMV's RMSNorm prologue, rounding as add_rms_norm).
 TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
   m.def("linear_rope_append(Tensor x, Tensor w, Tensor? scale, Tensor? bias, Tensor? cos, Tensor? sin, int heads, "
         "int kv_heads, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> Tensor");
+  m.def("rms_norm_linear_rope_append(Tensor x, Tensor norm_weight, float eps, Tensor w, Tensor? bias, Tensor? cos, "
+        "Tensor? sin, int heads, int kv_heads, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) { m.impl("linear_rope_append", &linear_rope_append_cuda); }
+TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) {
+  m.impl("linear_rope_append", &linear_rope_append_cuda);
+  m.impl("rms_norm_linear_rope_append", &rms_norm_linear_rope_append_cuda);
+}
 
 }  // namespace fuseinfer

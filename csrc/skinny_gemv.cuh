@@ -46,6 +46,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <type_traits>
 #endif
 
 namespace fuseinfer {
@@ -81,6 +82,24 @@ struct RopeParams {
   int64_t slots_stride = 0;
   int seq = 0, cache_len = 0, heads = 0, kv_heads = 0, head_dim = 0;
 };
+
+// NORM only: the RMSNorm prologue's operands. x then holds the un-normalised rows h, and every block stages
+// x = round(round(h * rstd) * weight), rstd = rsqrt(mean(h^2) + eps) per row (fp32 statistics), in shared memory
+// before its first dot product: add_rms_norm (rms_norm.cu) without a residual, then the GEMV, in one kernel. A kernel
+// parameter of its own for the reason RopeParams is one.
+struct NormParams {
+  const void* weight = nullptr;  // (K,) T
+  float eps = 0.f;
+};
+
+// The NORM prologue's shared memory. Its rows: 16-byte chunks per staged row of x, K / 8 and 4 more, so that consecutive
+// rows start 64 bytes apart modulo 128 (the mma loads' quarter-warp reads tokens g, g + 1 at chunks t = 0..3:
+// conflict-free).
+__host__ __device__ constexpr int norm_row_chunks(int k) { return k / 8 + 4; }
+// The rows, then the prologue's per-segment sums of squares (at most kMaxM x kMaxWarps floats).
+__host__ __device__ constexpr size_t norm_smem_bytes(int m, int k) {
+  return static_cast<size_t>(m) * norm_row_chunks(k) * 16 + sizeof(float) * kMaxM * kMaxWarps;
+}
 
 enum Epilogue : int { kPlain = 0, kSiluMul = 1, kRope = 2 };
 
@@ -124,7 +143,8 @@ __device__ __forceinline__ void load_w(Frag<NT, U, XC>& f, const uint4* w_lo, co
 }
 
 // xs[j]: token 8j + g's row of x as 16-byte chunks (8 values each): weight chunk c covers x chunks XC c .. XC c + XC-1.
-template <int NT, int U, int XC, bool TAIL>
+// SMEM (the NORM prologue): xs point into shared memory, where the block staged the normalised rows.
+template <int NT, int U, int XC, bool TAIL, bool SMEM = false>
 __device__ __forceinline__ void load_x(Frag<NT, U, XC>& f, const uint4* const (&xs)[NT], int c0, int chunks) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -132,7 +152,13 @@ __device__ __forceinline__ void load_x(Frag<NT, U, XC>& f, const uint4* const (&
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
 #pragma unroll
-      for (int h = 0; h < XC; ++h) f.x[u][j][h] = ld_dep(xs[j] + XC * c + h);  // (written by the previous kernel)
+      for (int h = 0; h < XC; ++h) {
+        if constexpr (SMEM) {
+          f.x[u][j][h] = xs[j][XC * c + h];
+        } else {
+          f.x[u][j][h] = ld_dep(xs[j] + XC * c + h);  // (written by the previous kernel)
+        }
+      }
     }
   }
   if (TAIL) {
@@ -239,8 +265,11 @@ using Fp8Weights = ByteWeights<true>;
 // grid) and every row's k order and warp split are the plain GEMV's: gate and up come out bit-identical to
 // linear_epilogue's, and rounding them to T before silu * up (as silu_mul.cu does) gives linear + silu_mul's bits.
 // ROPE: the same pairing, tile i covering pairs 8i .. 8i + 7 of (head, d < D/2): rows head D + d and head D + D/2 + d.
-template <class W, typename T, int NT, bool TAIL, int EPI = kPlain>
-__global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p, const RopeParams rp) {
+// NORM: x holds the un-normalised rows h; each block first stages the RMSNorm of its M rows in (dynamic) shared
+// memory, norm_smem_bytes(M, K), which its k-blocks then read instead of global memory (NormParams).
+template <class W, typename T, int NT, bool TAIL, int EPI = kPlain, bool NORM = false>
+__global__ void __launch_bounds__(32 * kMaxWarps)
+    skinny_kernel(const Params p, const RopeParams rp, const NormParams np) {
   constexpr bool SILU = EPI == kSiluMul, ROPE = EPI == kRope;
   constexpr int U = W::template unroll<NT>();
   constexpr int XC = W::kChunkElems / 8;  // 16-byte chunks of x per weight chunk
@@ -260,10 +289,15 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p, 
   const int tiles = (p.n + kOut - 1) / kOut;
 
   const uint4* w = reinterpret_cast<const uint4*>(p.w);
+  extern __shared__ uint4 norm_x[];  // NORM: (M, norm_row_chunks(K)) 16-byte chunks, the normalised rows
   const uint4* xs[NT];
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
-    xs[j] = reinterpret_cast<const uint4*>(p.x) + static_cast<int64_t>(min(8 * j + g, p.m - 1)) * (p.k / 8);
+    if constexpr (NORM) {
+      xs[j] = norm_x + min(8 * j + g, p.m - 1) * norm_row_chunks(p.k);
+    } else {
+      xs[j] = reinterpret_cast<const uint4*>(p.x) + static_cast<int64_t>(min(8 * j + g, p.m - 1)) * (p.k / 8);
+    }
   }
   const T* bias = static_cast<const T*>(p.bias);
   const T* residual = static_cast<const T*>(p.residual);
@@ -298,7 +332,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p, 
   auto load_weights = [&](F& f, Item i) {
     load_w<NT, U, XC, TAIL>(f, w_row(i.tile, g), w_row(i.tile, g + 8), i.kb * kChunksPerBlock + t, chunks);
   };
-  auto load_acts = [&](F& f, Item i) { load_x<NT, U, XC, TAIL>(f, xs, i.kb * kChunksPerBlock + t, chunks); };
+  auto load_acts = [&](F& f, Item i) { load_x<NT, U, XC, TAIL, NORM>(f, xs, i.kb * kChunksPerBlock + t, chunks); };
 
   // The epilogue operands of the thread's first output of a tile (row threadIdx.x % kOut, token
   // threadIdx.x / kOut), requested a tile ahead so that the epilogue, which ends the kernel, does not wait for a
@@ -379,18 +413,75 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p, 
   if (i1.tile < tiles) load_weights(f1, i1);
   float e_scale = 0.f, e_scale_up = 0.f, e_bias_up = 0.f;  // (_up: SILU's up rows)
   if constexpr (W::kScaled && !ROPE) e_scale = load_scale(i0.tile);
-  float e_bias = ROPE ? 0.f : load_bias(i0.tile);
-  if constexpr (SILU) {
+  // SILU with the RMSNorm prologue and a partial last k-block: the epilogue loads its operands itself (held
+  // through the main loop, they pushed that kernel for up to 8 tokens into spilling, as the rotary operands below)
+  constexpr bool kPrefetchSilu = SILU && !(NORM && TAIL);
+  float e_bias = ROPE || (SILU && !kPrefetchSilu) ? 0.f : load_bias(i0.tile);
+  if constexpr (kPrefetchSilu) {
     if constexpr (W::kScaled) e_scale_up = load_scale(i0.tile, p.n);
     e_bias_up = load_bias(i0.tile, p.n);
   }
   pdl_wait();
+  if constexpr (NORM) {
+    // The RMSNorm prologue (x = h, written by the previous kernel: coherent loads after the wait). Each row is cut
+    // into `parts` segments, one per warp (all warps busy at M = 1: one load per lane at K = 2048, one round trip),
+    // and each warp copies its segment to shared memory while summing its squares in fp32. After a barrier every
+    // warp adds its row's segment sums in one fixed order (deterministic, unlike atomics) and rewrites its segment as
+    // round_T(round_T(h * rstd) * weight), the roundings of add_rms_norm (rms_norm.cu) and transformers'
+    // LlamaRMSNorm; a second barrier before the first k-block reads the rows. The first two items' weights are in
+    // flight meanwhile. (`#pragma unroll 1`: those weights hold 64 registers here; unrolled, the loops spilled.)
+    const int row_chunks = p.k / 8;
+    const int parts = max(1, warps / p.m);                  // warps per row
+    const int seg = (row_chunks + parts - 1) / parts;       // chunks per segment
+    float* seg_ss = reinterpret_cast<float*>(norm_x + p.m * norm_row_chunks(p.k));  // (M, parts) sums of squares
+    for (int item = warp; item < p.m * parts; item += warps) {
+      const int r = item / parts, c_end = min(row_chunks, (item - r * parts + 1) * seg);
+      const uint4* h = reinterpret_cast<const uint4*>(p.x) + static_cast<int64_t>(r) * row_chunks;
+      uint4* dst = norm_x + r * norm_row_chunks(p.k);
+      float ss = 0.f;
+#pragma unroll 1
+      for (int c = (item - r * parts) * seg + lane; c < c_end; c += 32) {
+        const uint4 v = ld_dep(h + c);
+        dst[c] = v;
+        const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ss += to_float(e[i]) * to_float(e[i]);
+      }
+      ss = warp_sum(ss);
+      if (lane == 0) seg_ss[item] = ss;
+    }
+    __syncthreads();
+    const uint4* nw = static_cast<const uint4*>(np.weight);
+    for (int item = warp; item < p.m * parts; item += warps) {
+      const int r = item / parts, c_end = min(row_chunks, (item - r * parts + 1) * seg);
+      float ss = 0.f;
+      for (int q = 0; q < parts; ++q) ss += seg_ss[r * parts + q];
+      // rsqrt(mean(h^2) + eps) as rms_norm.cu forms it: the sum divided by K, then rsqrtf
+      const float rstd = rsqrtf(ss / static_cast<float>(p.k) + np.eps);
+      uint4* dst = norm_x + r * norm_row_chunks(p.k);
+#pragma unroll 1
+      for (int c = (item - r * parts) * seg + lane; c < c_end; c += 32) {
+        uint4 v = dst[c];
+        const uint4 wv = __ldg(nw + c);  // (a weight: never written by a kernel)
+        T* e = reinterpret_cast<T*>(&v);
+        const T* we = reinterpret_cast<const T*>(&wv);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const T n = from_float<T>(to_float(e[i]) * rstd);
+          e[i] = from_float<T>(to_float(n) * to_float(we[i]));
+        }
+        dst[c] = v;
+      }
+    }
+    __syncthreads();
+  }
   load_acts(f0, i0);
   if (i1.tile < tiles) load_acts(f1, i1);
   float e_residual = ROPE ? 0.f : load_residual(i0.tile);
   // (a K with a partial last k-block (TAIL) needs more registers in the main loop: there the epilogue loads its
   // rotary operands itself rather than holding them through the loop, which spilled)
-  constexpr bool kPrefetchRope = ROPE && !TAIL;
+  // (nor with the RMSNorm prologue: its bf16 kernel for up to 8 tokens then spilled a register)
+  constexpr bool kPrefetchRope = ROPE && !TAIL && !NORM;
   RopeOperands e_rope;
   if constexpr (kPrefetchRope) e_rope = load_rope(i0.tile);
 
@@ -490,7 +581,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p, 
             u += part[v][row + kOut][token];
           }
           float sg = 1.f, su = 1.f, bg = 0.f, bu = 0.f;  // scale and bias of the gate and the up row
-          if (o == threadIdx.x) {  // the prefetched operands (0 where there are none)
+          if (kPrefetchSilu && o == threadIdx.x) {  // the prefetched operands (0 where there are none)
             if constexpr (W::kScaled) sg = e_scale, su = e_scale_up;
             bg = e_bias, bu = e_bias_up;
           } else {
@@ -510,12 +601,14 @@ __global__ void __launch_bounds__(32 * kMaxWarps) skinny_kernel(const Params p, 
           const float act = to_float(from_float<T>(gate / (1.f + expf(-gate))));
           y[static_cast<int64_t>(token) * p.n + n] = from_float<T>(act * up);
         }
-        if constexpr (W::kScaled) {
-          e_scale = load_scale(ci.tile + gridDim.x);
-          e_scale_up = load_scale(ci.tile + gridDim.x, p.n);
+        if constexpr (kPrefetchSilu) {
+          if constexpr (W::kScaled) {
+            e_scale = load_scale(ci.tile + gridDim.x);
+            e_scale_up = load_scale(ci.tile + gridDim.x, p.n);
+          }
+          e_bias = load_bias(ci.tile + gridDim.x);
+          e_bias_up = load_bias(ci.tile + gridDim.x, p.n);
         }
-        e_bias = load_bias(ci.tile + gridDim.x);
-        e_bias_up = load_bias(ci.tile + gridDim.x, p.n);
         ci = ni;
         return more;
       }
@@ -565,8 +658,17 @@ bool supported(const at::Tensor& x, const at::Tensor& w, int64_t m) {
          at::cuda::getCurrentDeviceProperties()->major >= 8;
 }
 
-template <class W, typename T, int NT, bool TAIL, int EPI>
-void launch(const Params& p, const RopeParams& rp, cudaStream_t stream) {
+// Whether the NORM prologue's staged rows fit the device's shared memory beside the kernel's own (M tokens, K).
+inline bool norm_fits(int64_t m, int64_t k) {
+  const int nt = m <= 8 ? 1 : 2;
+  const size_t own = sizeof(float) * 2 * kMaxWarps * kRows * (8 * nt + 1);  // skinny_kernel's `partial`
+  return m >= 1 && m <= kMaxM && k % 8 == 0 &&
+         own + norm_smem_bytes(static_cast<int>(m), static_cast<int>(k)) <=
+             at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
+}
+
+template <class W, typename T, int NT, bool TAIL, int EPI, bool NORM>
+void launch(const Params& p, const RopeParams& rp, const NormParams& np, cudaStream_t stream) {
   constexpr int kElemsPerBlock = 4 * W::kChunkElems * W::template unroll<NT>();
   constexpr int kOut = EPI == kPlain ? kRows : kRows / 2;
   const int tiles = (p.n + kOut - 1) / kOut;
@@ -576,28 +678,47 @@ void launch(const Params& p, const RopeParams& rp, cudaStream_t stream) {
   // k-blocks. The grid is one wave, capped at one block per tile.
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int warps = std::max(1, std::min(tiles < 2 * sms ? kMaxWarps : 8, k_blocks));
-  const auto kernel = skinny_kernel<W, T, NT, TAIL, EPI>;
-  const int resident = sms * blocks_per_sm(reinterpret_cast<const void*>(kernel), 32 * warps);
-  launch_kernel(kernel, std::min(tiles, resident), 32 * warps, 0, stream, p, rp);
+  const auto kernel = skinny_kernel<W, T, NT, TAIL, EPI, NORM>;
+  // NORM: the staged rows in dynamic shared memory (norm_fits() checked that they fit; above 48 KiB a kernel must
+  // opt in, per device, hence at every launch: a host call of well under a microsecond, none in a graph replay)
+  const size_t smem = NORM ? norm_smem_bytes(p.m, p.k) : 0;
+  if (NORM && smem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  }
+  const int resident = sms * blocks_per_sm(reinterpret_cast<const void*>(kernel), 32 * warps, smem);
+  launch_kernel(kernel, std::min(tiles, resident), 32 * warps, smem, stream, p, rp, np);
 }
 
-template <class W, typename T, int NT, int EPI>
-void launch(const Params& p, const RopeParams& rp, cudaStream_t stream) {
+template <class W, typename T, int NT, int EPI, bool NORM>
+void launch(const Params& p, const RopeParams& rp, const NormParams& np, cudaStream_t stream) {
   if ((p.k / W::kChunkElems) % (4 * W::template unroll<NT>()) != 0) {
-    launch<W, T, NT, true, EPI>(p, rp, stream);
+    launch<W, T, NT, true, EPI, NORM>(p, rp, np, stream);
   } else {
-    launch<W, T, NT, false, EPI>(p, rp, stream);
+    launch<W, T, NT, false, EPI, NORM>(p, rp, np, stream);
   }
 }
 
-// Launches the kernel for T = __half or __nv_bfloat16 (one n-tile up to 8 tokens, else two).
-template <class W, typename T, int EPI>
-void launch(const Params& p, cudaStream_t stream, const RopeParams& rp = {}) {
+// Launches the kernel for T = __half or __nv_bfloat16 (one n-tile up to 8 tokens, else two); NORM with the RMSNorm
+// prologue of `np`.
+template <class W, typename T, int EPI, bool NORM = false>
+void launch(const Params& p, cudaStream_t stream, const RopeParams& rp = {}, const NormParams& np = {}) {
   if (p.m <= 8) {
-    launch<W, T, 1, EPI>(p, rp, stream);
+    launch<W, T, 1, EPI, NORM>(p, rp, np, stream);
   } else {
-    launch<W, T, 2, EPI>(p, rp, stream);
+    launch<W, T, 2, EPI, NORM>(p, rp, np, stream);
   }
+}
+
+// launch<W, T, EPI> with the RMSNorm prologue where `norm` is given (fp16 / bf16 weights only: the prologue's
+// instantiations for int8 / e4m3 weights are not built).
+template <class W, typename T, int EPI>
+void launch_norm(const Params& p, cudaStream_t stream, const RopeParams& rp, const NormParams* norm) {
+  if constexpr (std::is_same_v<W, HalfWeights>) {
+    if (norm != nullptr) return launch<W, T, EPI, true>(p, stream, rp, *norm);
+  } else {
+    TORCH_CHECK(norm == nullptr, "skinny GEMV: the RMSNorm prologue takes fp16 / bf16 weights");
+  }
+  launch<W, T, EPI>(p, stream, rp);
 }
 
 // y (M, N) = act(scale * (x @ w^T) + bias + residual) on the current stream, for operands that supported<W>()
@@ -606,7 +727,7 @@ void launch(const Params& p, cudaStream_t stream, const RopeParams& rp = {}) {
 // scale and bias (2F,)), no residual.
 template <class W>
 void run(const at::Tensor& x, const at::Tensor& w, const float* scale, const at::Tensor* bias,
-         const at::Tensor* residual, bool relu, at::Tensor& y, bool silu = false) {
+         const at::Tensor* residual, bool relu, at::Tensor& y, bool silu = false, const NormParams* norm = nullptr) {
   Params p;
   p.x = x.data_ptr();
   p.w = w.data_ptr();
@@ -622,14 +743,14 @@ void run(const at::Tensor& x, const at::Tensor& w, const float* scale, const at:
   if (silu) {
     TORCH_CHECK(residual == nullptr && !relu && w.size(0) == 2 * y.size(1), "skinny GEMV: bad silu_mul operands");
     if (x.scalar_type() == at::kHalf) {
-      launch<W, __half, kSiluMul>(p, stream);
+      launch_norm<W, __half, kSiluMul>(p, stream, {}, norm);
     } else {
-      launch<W, __nv_bfloat16, kSiluMul>(p, stream);
+      launch_norm<W, __nv_bfloat16, kSiluMul>(p, stream, {}, norm);
     }
   } else if (x.scalar_type() == at::kHalf) {
-    launch<W, __half, kPlain>(p, stream);
+    launch_norm<W, __half, kPlain>(p, stream, {}, norm);
   } else {
-    launch<W, __nv_bfloat16, kPlain>(p, stream);
+    launch_norm<W, __nv_bfloat16, kPlain>(p, stream, {}, norm);
   }
 }
 
@@ -640,7 +761,8 @@ void run(const at::Tensor& x, const at::Tensor& w, const float* scale, const at:
 template <class W>
 void run_rope(const at::Tensor& x, const at::Tensor& w, const float* scale, const at::Tensor* bias,
               const at::Tensor* cos, const at::Tensor* sin, int64_t seq, int64_t heads, int64_t kv_heads,
-              at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+              at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+              const NormParams* norm = nullptr) {
   Params p;
   p.x = x.data_ptr();
   p.w = w.data_ptr();
@@ -667,9 +789,9 @@ void run_rope(const at::Tensor& x, const at::Tensor& w, const float* scale, cons
   rp.head_dim = static_cast<int>(q.size(3));
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (x.scalar_type() == at::kHalf) {
-    launch<W, __half, kRope>(p, stream, rp);
+    launch_norm<W, __half, kRope>(p, stream, rp, norm);
   } else {
-    launch<W, __nv_bfloat16, kRope>(p, stream, rp);
+    launch_norm<W, __nv_bfloat16, kRope>(p, stream, rp, norm);
   }
 }
 #endif

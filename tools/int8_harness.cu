@@ -36,7 +36,8 @@ template <> __nv_bfloat16 host_from_float(float v) { return __float2bfloat16_rn(
 
 template <typename T, int NT, bool TAIL>
 void launch(const skinny::Params& p, int warps, int blocks) {
-  skinny::skinny_kernel<skinny::Int8Weights, T, NT, TAIL><<<blocks, 32 * warps>>>(p, skinny::RopeParams{});
+  skinny::skinny_kernel<skinny::Int8Weights, T, NT, TAIL><<<blocks, 32 * warps>>>(p, skinny::RopeParams{},
+                                                                                 skinny::NormParams{});
 }
 
 template <typename T>
