@@ -76,10 +76,8 @@ def _(x, weight, scale, bias, cos, sin, heads, kv_heads, k_cache, v_cache, slots
     return x.new_empty(b, heads, s, weight.shape[0] // (heads + 2 * kv_heads))
 
 
-def linear_rope_append(x, weight, scale, bias, cos, sin, heads: int, kv_heads: int, k_cache, v_cache, slots):
-    """q (B, H, S, D) of the rotated q projection of x (B, S, K); the rotated k and the v projections written into
-    k_cache / v_cache (B, Hkv, T, D) at slots (S,). weight ((H + 2 Hkv) D, K): in x's dtype (scale None) or int8
-    with fp32 per-row scales (N,). cos, sin (B, S, D), or both None: no rotation. See the module doc."""
+def check_operands(x, weight, scale, bias, cos, sin, heads: int, kv_heads: int) -> None:
+    """linear_rope_append's checks of its operands (FuseInferError naming what is wrong)."""
     if (cos is None) != (sin is None):
         raise FuseInferError("linear_rope_append: give both cos and sin, or neither (no rotation)")
     if x.dim() != 3 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
@@ -99,6 +97,13 @@ def linear_rope_append(x, weight, scale, bias, cos, sin, heads: int, kv_heads: i
     if heads <= 0 or kv_heads <= 0 or n % (heads + 2 * kv_heads):
         raise FuseInferError(f"linear_rope_append: the weight's {n} rows are not (H + 2 Hkv) D for H={heads}, "
                              f"Hkv={kv_heads}")
+
+
+def linear_rope_append(x, weight, scale, bias, cos, sin, heads: int, kv_heads: int, k_cache, v_cache, slots):
+    """q (B, H, S, D) of the rotated q projection of x (B, S, K); the rotated k and the v projections written into
+    k_cache / v_cache (B, Hkv, T, D) at slots (S,). weight ((H + 2 Hkv) D, K): in x's dtype (scale None) or int8
+    with fp32 per-row scales (N,). cos, sin (B, S, D), or both None: no rotation. See the module doc."""
+    check_operands(x, weight, scale, bias, cos, sin, heads, kv_heads)
     return route(torch.ops.fuseinfer.linear_rope_append, linear_rope_append_ref, _linear_rope_append_cuda,
                  (x, weight, scale, bias, cos, sin, heads, kv_heads, k_cache, v_cache, slots),
                  (x,) if cos is None else (x, cos, sin))

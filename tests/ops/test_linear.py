@@ -286,9 +286,12 @@ def test_gemv_requests_its_weights_before_the_pdl_wait():
     spilled = [n for n, lines in kernels.items() if any(re.search(r"\b(LDL|STL)\b", line) for line in lines)]
     assert not spilled, f"skinny kernels with local-memory (spill) loads or stores: {spilled}"
     kernels = {n: lines for n, lines in kernels.items() if "HalfWeights" in n}
-    # {fp16, bf16} x {one, two n-tiles} x {TAIL, not} of the plain epilogue (EPI 0), and the fused epilogues'
-    plain = [n for n in kernels if re.search(r"skinny_kernelI\w+?Li[12]ELb[01]ELi0E", n)]
+    # {fp16, bf16} x {one, two n-tiles} x {TAIL, not} of the plain epilogue (EPI 0) without and with the RMSNorm
+    # prologue (NORM), and the fused epilogues'
+    plain = [n for n in kernels if re.search(r"skinny_kernelI\w+?Li[12]ELb[01]ELi0ELb0E", n)]
     assert len(plain) == 8, sorted(kernels)
+    normed = [n for n in kernels if re.search(r"skinny_kernelI\w+?Li[12]ELb[01]ELi[012]ELb1E", n)]
+    assert len(normed) == 24, sorted(kernels)
     for name, lines in kernels.items():
         n_tiles = int(re.search(r"skinny_kernelI\w+?Li([12])ELb[01]E", name).group(1))
         wait = next((i for i, line in enumerate(lines) if "ACQBULK" in line), None)
