@@ -50,6 +50,7 @@ from fuseinfer.core.state import LOCK_ATTR, lock_holder
 from fuseinfer.layers import hf_attention
 from fuseinfer.layers.linear import Int8WeightOnlyLinear, fused_linear
 from fuseinfer.ops import add_rms_norm, linear_epilogue, linear_rope_append, qkv_rope, qkv_rope_append, silu_mul
+from fuseinfer.ops.norm_linear import rms_norm_linear, rms_norm_linear_rope_append
 from fuseinfer.ops.attention import KERNEL_GQA, repeat_kv
 from fuseinfer.models.base import FusedWeight
 from fuseinfer.models.llama.layer import decoder_layer
@@ -76,6 +77,13 @@ ARCHS = {
     "qwen2": (Qwen2DecoderLayer, Qwen2Attention, Qwen2MLP, Qwen2RMSNorm, Qwen2Model),
 }
 
+
+# Whether a decoder layer folds its RMSNorms into the GEMV after each (input_layernorm into q/k/v + rotary + cache
+# write, post_attention_layernorm into gate/up + silu_mul; ``ops/norm_linear.py``): at decode one kernel fewer per norm,
+# the GEMV normalising the rows in its prologue. Read at each layer call (a benchmark flips it to time both in one
+# process); where the fused op does not apply (prefill, quantized or FP8-cache paths, an unpatched or hooked
+# attention / MLP) the norm runs first as before, so the values are the same either way.
+FOLD_NORMS = False
 
 # The fused weights: row concatenations of a module's linears in plain attributes of its ``__dict__`` (outside the
 # parameter and buffer registries, so ``state_dict`` lists what the unpatched model lists); ``name``: the one int8
@@ -211,8 +219,12 @@ class _FusedAttention(_FusedWeights):
     _fuseinfer_ops: frozenset = frozenset()
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
-                residual=None, **kwargs):
-        """residual: added to the output in o_proj's epilogue (the decoder layer's stream)."""
+                residual=None, prenorm=None, **kwargs):
+        """residual: added to the output in o_proj's epilogue (the decoder layer's stream). prenorm: an RMSNorm module
+        whose output the projections take (hidden_states un-normalised; :data:`FOLD_NORMS`), folded into the q/k/v
+        GEMV where that runs ``linear_rope_append`` over fp16 / bf16 weights, else applied first."""
+        if prenorm is not None and not self._folds_norm(hidden_states, past_key_values):
+            hidden_states, prenorm = _apply_norm(hidden_states, prenorm), None
         if _original_forward(self, hidden_states):
             out, weights = super().forward(hidden_states, position_embeddings, attention_mask, past_key_values,
                                            **kwargs)
@@ -232,8 +244,13 @@ class _FusedAttention(_FusedWeights):
                 i = self.layer_idx
                 keys, values = past_key_values.keys[i], past_key_values.values[i]
                 slots = cache_slots(past_key_values, hidden_states.device)
-                q = linear_rope_append(hidden_states, *operands, cos, sin, heads, kv_heads, keys, values,
-                                       slots)  # (B, H, S, D)
+                if prenorm is not None:  # (operands: the fp16 / bf16 weight, no scale; _folds_norm)
+                    q = rms_norm_linear_rope_append(hidden_states, prenorm.weight, prenorm.variance_epsilon,
+                                                    operands[0], operands[2], cos, sin, heads, kv_heads, keys, values,
+                                                    slots)  # (B, H, S, D)
+                else:
+                    q = linear_rope_append(hidden_states, *operands, cos, sin, heads, kv_heads, keys, values,
+                                           slots)  # (B, H, S, D)
                 k, v = keys, values  # (B, Hkv, T, D)
             elif static_cache(past_key_values):  # rotary, split and cache write in one pass
                 qkv = fused_linear(self, hidden_states)  # (B, S, (H + 2 Hkv) D); quantized weights
@@ -276,6 +293,15 @@ class _FusedAttention(_FusedWeights):
         out = self.o_proj(attn)
         return (out if residual is None else residual + out), weights
 
+    def _folds_norm(self, hidden_states, past_key_values) -> bool:
+        """Whether forward takes the ``linear_rope_append`` branch with fp16 / bf16 weights (the one that folds a
+        prenorm)."""
+        if _original_forward(self, hidden_states) or "qkv" not in self._fuseinfer_ops or not _linked(self, QKV):
+            return False
+        operands = _qkv_operands(self)
+        return static_cache(past_key_values) and getattr(past_key_values, "kv_scales", None) is None and \
+            operands is not None and operands[1] is None
+
 
 class _FusedMLP(_FusedWeights):
     """The gated MLP with gate / up as one GEMM, ``silu_mul``, and down_proj (+ residual) fused."""
@@ -283,11 +309,19 @@ class _FusedMLP(_FusedWeights):
     _groups = (GATE_UP,)
     _fuseinfer_ops: frozenset = frozenset()
 
-    def forward(self, x, residual=None):
+    def forward(self, x, residual=None, prenorm=None):
+        """prenorm: an RMSNorm module whose output the MLP takes (x un-normalised; :data:`FOLD_NORMS`), folded into
+        the gate/up GEMV over the fp16 / bf16 fused weight, else applied first."""
+        if prenorm is not None and (_original_forward(self, x) or not _linked(self, GATE_UP)
+                                    or GATE_UP.name in self._modules):
+            x, prenorm = _apply_norm(x, prenorm), None
         if _original_forward(self, x):
             out = super().forward(x)
             return out if residual is None else residual + out
-        if _linked(self, GATE_UP):
+        if prenorm is not None:  # (..., F): silu(gate) * up of the normalised rows
+            g = rms_norm_linear(x, prenorm.weight, prenorm.variance_epsilon, self.__dict__[GATE_UP.weight],
+                                self.__dict__[GATE_UP.bias], None, "silu_mul")
+        elif _linked(self, GATE_UP):
             g = _fused_group_linear(self, GATE_UP, x, "silu_mul")  # (..., F): silu(gate) * up
         else:
             g = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
@@ -301,6 +335,36 @@ class _FusedRMSNorm:
         if _original_forward(self, x):
             return super().forward(x)
         return add_rms_norm(x, None, self.weight, self.variance_epsilon)[0]
+
+
+def _apply_norm(x, norm):
+    """The RMSNorm a fused layer runs (:meth:`ModuleOps.norm` without a residual): ``add_rms_norm``'s output."""
+    return add_rms_norm(x, None, norm.weight, norm.variance_epsilon)[0]
+
+
+class _PendingNorm:
+    """:meth:`ModuleOps.norm`'s output when the layer folds its norms (:data:`FOLD_NORMS`): the un-normalised rows and
+    the norm, which the attention / MLP module applies (in its GEMV's prologue where it can)."""
+
+    __slots__ = ("x", "norm")
+
+    def __init__(self, x, norm):
+        self.x, self.norm = x, norm
+
+
+def _plain_call(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs its forward alone (no hooks, no replaced forward), so it may take
+    un-normalised rows and a ``prenorm``."""
+    return not (_has_hooks(module) or module._forward_hooks or module._forward_pre_hooks
+                or "forward" in module.__dict__)
+
+
+def _folds_norms(layer: nn.Module) -> bool:
+    """Whether ``layer`` hands its RMSNorms to its attention and MLP (:data:`FOLD_NORMS`, both fused and plainly
+    called)."""
+    attn, mlp = layer._modules["self_attn"], layer._modules["mlp"]
+    return isinstance(attn, _FusedAttention) and isinstance(mlp, _FusedMLP) and _plain_call(attn) and \
+        _plain_call(mlp)
 
 
 class _PendingMLP:
@@ -318,12 +382,15 @@ class ModuleOps:
     as calls of their modules (patched or not, so their hooks and a filter_fn's choice hold); the RMSNorms run
     fused when the layer's ops include ``layer_norm``."""
 
-    __slots__ = ("fused_norm",)
+    __slots__ = ("fused_norm", "fold")
 
     def __init__(self, layer: nn.Module):
         self.fused_norm = "layer_norm" in layer._fuseinfer_ops
+        self.fold = FOLD_NORMS and self.fused_norm and _folds_norms(layer)
 
     def norm(self, x, norm, residual=None):
+        if self.fold and residual is None:  # (the attention / MLP module normalises: _PendingNorm)
+            return _PendingNorm(x, norm), x
         if not self.fused_norm:
             s = x if residual is None else residual + x
             return norm(s), s
@@ -331,6 +398,8 @@ class ModuleOps:
         return y, (x if residual is None else s)
 
     def attention(self, i, attn, x, ctx):
+        if type(x) is _PendingNorm:
+            return _PendingAttention(attn, x.x, {**ctx, "prenorm": x.norm})
         return _PendingAttention(attn, x, ctx)
 
     def gated_mlp(self, mlp, x):
@@ -343,6 +412,8 @@ class ModuleOps:
             out = x.attn(x.x, **x.kwargs)[0]  # left unpatched (filter_fn, hooks)
             return out if residual is None else residual + out
         if type(x) is _PendingMLP:  # down_proj: the MLP module's call
+            if type(x.x) is _PendingNorm:  # (FOLD_NORMS: a fused MLP, _folds_norms)
+                return x.mlp(x.x.x, residual=residual, prenorm=x.x.norm)
             if isinstance(x.mlp, _FusedMLP):
                 return x.mlp(x.x, residual=residual)
             out = x.mlp(x.x)

@@ -1,0 +1,123 @@
+"""The Llama family's RMSNorms folded into the next GEMV (``modules.FOLD_NORMS``: input_layernorm into the q/k/v
+GEMV, post_attention_layernorm into gate/up, ``ops/norm_linear.py``): the same greedy tokens and logits as with the
+norms run on their own, on the CPU (the references: bit for bit) and on CUDA (marked ``gpu``: the GEMV's RMSNorm
+prologue, one norm kernel per step left, the final one); the folded ops are the ones called; a hooked MLP keeps its
+norm."""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import cuda_kernel_names, fuseinfer_op_counts
+
+import fuseinfer
+from fuseinfer.models.llama import modules as llama_modules
+
+
+def _load(path, dtype, device="cpu"):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def _ids(model, rows=3, length=20, seed=6, device="cpu"):
+    ids = torch.randint(3, model.config.vocab_size, (rows, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding
+    return ids.to(device), mask.to(device)
+
+
+def _run(model, ids, mask, fold: bool, monkeypatch):
+    """(greedy tokens, one cached decode step's logits) with FOLD_NORMS = fold, through a fresh patch."""
+    monkeypatch.setattr(llama_modules, "FOLD_NORMS", fold)
+    fuseinfer.patch(model)
+    try:
+        tokens = fuseinfer.generate(model, ids, mask, max_new_tokens=12, min_new_tokens=12, pad_token_id=1)
+        with torch.no_grad():  # one cached decode step through the patched modules
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+            step = model(input_ids=tokens[:, -1:], attention_mask=torch.cat([mask, mask[:, -1:]], 1),
+                         past_key_values=out.past_key_values).logits
+    finally:
+        fuseinfer.unpatch(model)
+    return tokens, step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_folded_norms_change_no_token_on_cpu(tiny_llama_path, dtype, monkeypatch):
+    model = _load(tiny_llama_path, dtype)
+    ids, mask = _ids(model)
+    off, on = _run(model, ids, mask, False, monkeypatch), _run(model, ids, mask, True, monkeypatch)
+    assert torch.equal(on[0], off[0])
+    assert torch.equal(on[1], off[1])  # the references round alike: bit for bit
+
+
+def test_the_folded_ops_run(tiny_llama_path, monkeypatch):
+    """With FOLD_NORMS, decoding calls rms_norm_linear_rope_append and rms_norm_linear (once per layer and step) and
+    add_rms_norm less often; without, never the folded ops."""
+    model = _load(tiny_llama_path, torch.float32)
+    ids, mask = _ids(model, rows=1, length=6)
+    layers = model.config.num_hidden_layers
+    counts = {}
+    for fold in (False, True):
+        monkeypatch.setattr(llama_modules, "FOLD_NORMS", fold)
+        fuseinfer.patch(model)
+        try:
+            counts[fold] = fuseinfer_op_counts(
+                lambda: fuseinfer.generate(model, ids, mask, max_new_tokens=3, min_new_tokens=3, pad_token_id=1))
+        finally:
+            fuseinfer.unpatch(model)
+    on, off = counts[True], counts[False]
+    assert on["fuseinfer::rms_norm_linear_rope_append"] >= 2 * layers, on
+    assert on["fuseinfer::rms_norm_linear"] >= 2 * layers, on
+    assert off["fuseinfer::rms_norm_linear_rope_append"] == off["fuseinfer::rms_norm_linear"] == 0, off
+    folded = on["fuseinfer::rms_norm_linear_rope_append"] + on["fuseinfer::rms_norm_linear"]
+    assert off["fuseinfer::add_rms_norm"] - on["fuseinfer::add_rms_norm"] == folded, (on, off)
+
+
+def test_a_hooked_mlp_keeps_its_norm(tiny_llama_path, monkeypatch):
+    """A forward hook on an MLP (added after patch) sees the normalised rows with FOLD_NORMS as without: that layer's
+    post-attention norm runs on its own."""
+    model = _load(tiny_llama_path, torch.float32)
+    ids, mask = _ids(model, rows=1, length=6)
+    seen = {}
+    for fold in (False, True):
+        monkeypatch.setattr(llama_modules, "FOLD_NORMS", fold)
+        fuseinfer.patch(model)
+        handle = model.model.layers[1].mlp.register_forward_hook(
+            lambda m, args, out: seen.__setitem__(fold, args[0]))  # noqa: B023
+        try:
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=mask)
+        finally:
+            handle.remove()
+            fuseinfer.unpatch(model)
+    assert torch.equal(seen[True], seen[False])
+
+
+# ---- CUDA ----
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_folded_norms_change_no_token_on_cuda(tiny_llama_path, dtype, monkeypatch):
+    """The GEMV's RMSNorm prologue against the norm kernel then the GEMV: the same greedy tokens (CUDA graphs), one
+    eager decode step's logits within a rounding step (the prologue's fp32 sum of squares runs in another order), and
+    that step launches one RMSNorm kernel (the final norm) instead of 2 per layer + 1."""
+    model = _load(tiny_llama_path, dtype, "cuda")
+    ids, mask = _ids(model, device="cuda")
+    off, on = _run(model, ids, mask, False, monkeypatch), _run(model, ids, mask, True, monkeypatch)
+    assert torch.equal(on[0], off[0])
+    torch.testing.assert_close(on[1], off[1], rtol=0, atol=4 * torch.finfo(dtype).eps * off[1].abs().max().item())
+    layers = model.config.num_hidden_layers
+    norms = {}
+    for fold in (False, True):
+        monkeypatch.setattr(llama_modules, "FOLD_NORMS", fold)
+        fuseinfer.patch(model)
+        try:
+            with torch.no_grad():
+                out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+                step_mask = torch.cat([mask, mask[:, -1:]], 1)
+                names = cuda_kernel_names(lambda: model(input_ids=ids[:, -1:], attention_mask=step_mask,  # noqa: B023
+                                                        past_key_values=out.past_key_values))  # noqa: B023
+        finally:
+            fuseinfer.unpatch(model)
+        norms[fold] = sum("RmsNorm" in n for n in names)
+    assert norms == {False: 2 * layers + 1, True: 1}, norms
