@@ -18,6 +18,10 @@ that backend is patched, captured and timed, so gate/up runs the GEMV and then s
 
 The one-kernel step against the per-op step, in one process: ``--backends fuseinfer-step,fuseinfer-perop``
 (RuntimeConfig(decode_kernel="on") and "off"; plain ``fuseinfer`` is "auto", the measured default).
+
+The Llama family's RMSNorms folded into the next GEMV's prologue against the norm kernels, in one process:
+``--backends fuseinfer-perop,fuseinfer-perop-foldnorm`` (``-foldnorm``: ``models.llama.modules.FOLD_NORMS`` on while
+that backend is patched, captured and timed; it changes the per-op step only).
 """
 from __future__ import annotations
 
@@ -41,6 +45,18 @@ from fuseinfer.harness.metrics import decode_bytes_per_step  # noqa: E402
 
 # fuseinfer backends -> their quantization scheme (None: fp16/bf16)
 SCHEMES = {"fuseinfer": None, "fuseinfer-w8a16": fuseinfer.Int8WeightOnly, "fuseinfer-fp8": fuseinfer.Float8}
+
+
+@contextlib.contextmanager
+def fold_norms():
+    """The Llama family's RMSNorms folded into the next GEMV (``modules.FOLD_NORMS``) inside the block."""
+    from fuseinfer.models.llama import modules as llama_modules
+
+    before, llama_modules.FOLD_NORMS = llama_modules.FOLD_NORMS, True
+    try:
+        yield
+    finally:
+        llama_modules.FOLD_NORMS = before
 
 
 def eight_bit_elements(model) -> int:
@@ -74,7 +90,8 @@ def main() -> None:
                     help="comma list of eager, hf_static_compile, fuseinfer, fuseinfer-w8a16, fuseinfer-fp8; a "
                          "'-perop' suffix on a fuseinfer backend turns the one-kernel step off, '-step' on wherever it "
                          "applies (decode_kernel='on'), a '-unfused' suffix "
-                         "the GEMV epilogue fusions (FUSEINFER_GEMV_EPILOGUES=0: gate/up GEMV, then silu_mul)")
+                         "the GEMV epilogue fusions (FUSEINFER_GEMV_EPILOGUES=0: gate/up GEMV, then silu_mul), a "
+                         "'-foldnorm' suffix (last) folds the Llama family's RMSNorms into the next GEMV")
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     ap.add_argument("--quick", action="store_true", help="batch 1 only, 64 tokens, 3 repeats")
     ap.add_argument("--out", default=None, help="results folder (default: $FUSEINFER_BENCH_DIR or bench/results)")
@@ -95,8 +112,13 @@ def main() -> None:
                "floor_kv_ms": step_bytes / (ceilings["copy_GBps"] * 1e9) * 1e3}
         for name in args.backends.split(","):
             model = copy.deepcopy(base)
-            kind, unfused = name.removesuffix("-unfused"), name.endswith("-unfused")
-            knob = knobs.override(GEMV_EPILOGUES="0") if unfused else contextlib.nullcontext()
+            kind, fold = name.removesuffix("-foldnorm"), name.endswith("-foldnorm")
+            kind, unfused = kind.removesuffix("-unfused"), kind.endswith("-unfused")
+            knob = contextlib.ExitStack()  # (held while the backend's CUDA graphs are captured and timed)
+            if unfused:
+                knob.enter_context(knobs.override(GEMV_EPILOGUES="0"))
+            if fold:
+                knob.enter_context(fold_norms())
             if name == "eager":
                 gen = lambda x, n: model.generate(x, max_new_tokens=n, do_sample=False)  # noqa
             elif name == "hf_static_compile":
@@ -113,7 +135,7 @@ def main() -> None:
                     row["floor_8bit_ms"] = eight_bit / (ceilings["copy_GBps"] * 1e9) * 1e3
             else:
                 ap.error(f"unknown backend {name!r} (eager, hf_static_compile, {', '.join(SCHEMES)}; '-perop', "
-                         "'-step', '-unfused')")
+                         "'-step', '-unfused', '-foldnorm')")
             with torch.no_grad(), knob:  # (the knob holds while the backend's CUDA graphs are captured)
                 t = ms_per_token(gen, ids, args.new_tokens, args.repeats)
             ms = t["median_ms"]

@@ -118,6 +118,23 @@ def other_kernels():
             sl = torch.tensor([6], device="cuda")
             ops.linear_rope_append(xk[:rows], wk, None, br, cs[:rows], sn[:rows], 3, 1, kc[:rows], vc[:rows], sl)
             ops.linear_rope_append(xk[:rows], wk, None, None, None, None, 3, 1, kc[:rows], vc[:rows], sl)
+        # the GEMV with the RMSNorm prologue (rms_norm_linear, rms_norm_linear_rope_append): one and two n-tiles,
+        # 1, 3 and 16 rows (warps per row: all, several, one), K with a tail (96) and without (128), every epilogue
+        nw, nk = torch.randn(96, device="cuda", dtype=dtype), torch.randn(128, device="cuda", dtype=dtype)
+        for rows in (1, 3, 16):
+            xr = torch.randn(rows, 96, device="cuda", dtype=dtype)
+            ops.rms_norm_linear(xr, nw, 1e-6, w, b, torch.randn(rows, 136, device="cuda", dtype=dtype), "none")
+            ops.rms_norm_linear(xr, nw, 1e-6, w, b, None, "silu_mul")
+            ops.rms_norm_linear(torch.randn(rows, 128, device="cuda", dtype=dtype), nk, 1e-6, wk, None, None,
+                                "silu_mul")
+            ang = torch.rand(rows, 1, 16, device="cuda")
+            cs, sn = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+            kc, vc = (torch.zeros(rows, 1, 7, 32, device="cuda", dtype=dtype) for _ in range(2))
+            sl = torch.tensor([6], device="cuda")
+            ops.rms_norm_linear_rope_append(xr[:, None], nw, 1e-6, wr, br, cs, sn, 3, 1, kc, vc, sl)
+            ops.rms_norm_linear_rope_append(torch.randn(rows, 1, 128, device="cuda", dtype=dtype), nk, 1e-6, wk,
+                                            None, cs, sn, 3, 1, kc, vc, sl)
+            ops.rms_norm_linear_rope_append(xr[:, None], nw, 1e-6, wr, None, None, None, 3, 1, kc, vc, sl)
         # the e4m3 weight GEMV: one and two n-tiles, a K tail (K % 128 != 0), N not a multiple of 16
         wq, ws = ops.quantize_fp8_ref(torch.randn(136, 96, device="cuda"), -1)
         for rows in (1, 11):
