@@ -89,4 +89,18 @@ inline int blocks_per_sm(const void* kernel, int threads, size_t smem = 0) {
   return it->second;
 }
 
+// Lets `kernel` take `smem` bytes of dynamic shared memory (above 48 KiB a kernel must opt in, per device): once
+// per (kernel, device) and size, so that the launches a CUDA graph captures after the first eager one make no call.
+inline void allow_dynamic_smem(const void* kernel, size_t smem) {
+  if (smem <= 48 * 1024) return;
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, size_t> allowed;  // the largest size opted into
+  const auto key = std::make_pair(kernel, static_cast<int>(at::cuda::current_device()));
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = allowed.find(key);
+  if (it != allowed.end() && it->second >= smem) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  allowed[key] = smem;
+}
+
 }  // namespace fuseinfer

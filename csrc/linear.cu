@@ -240,11 +240,10 @@ at::Tensor silu_mul_op(const at::Tensor& gate_up) {
 
 // The op fuseinfer_C::add_rms_norm (rms_norm.cu) without a residual, through the dispatcher: y = RMSNorm(x).
 at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fuseinfer_C::add_rms_norm", "")
-                             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&,
-                                                                       const c10::optional<at::Tensor>&,
-                                                                       const c10::optional<at::Tensor>&, double, bool)>();
+  using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const c10::optional<at::Tensor>&,
+                                                 const c10::optional<at::Tensor>&, double, bool);
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("fuseinfer_C::add_rms_norm", "").typed<Sig>();
   return std::get<0>(op.call(x, c10::nullopt, weight, eps, false));
 }
 
@@ -281,7 +280,10 @@ at::Tensor rms_norm_linear_cuda(const at::Tensor& x, const at::Tensor& norm_weig
                     reinterpret_cast<uintptr_t>(norm_weight.data_ptr()) % 16 == 0 && m > 0 && k > 0 &&
                     w.size(0) > 0 && w.size(0) <= INT32_MAX && k <= INT32_MAX && knob(Knob::kGemvEpilogues) != 0 &&
                     skinny::norm_fits(m, k) && skinny::supported<skinny::HalfWeights>(x, w, m);
-  if (!fold) return linear_epilogue_cuda(rms_norm_op(x, norm_weight, eps), w, bias, residual, activation);
+  if (!fold) {
+    return linear_epilogue_cuda(rms_norm_op(x.contiguous(), norm_weight.contiguous(), eps), w, bias, residual,
+                                activation);
+  }
   const skinny::NormParams np{norm_weight.data_ptr(), static_cast<float>(eps)};
   return linear_epilogue_impl(x, w, bias, residual, activation, &np);
 }

@@ -59,11 +59,10 @@ at::Tensor rope_append_op(const at::Tensor& qkv, const at::Tensor& cos, const at
 
 // The op fuseinfer_C::add_rms_norm (rms_norm.cu) without a residual, through the dispatcher: y = RMSNorm(x).
 at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fuseinfer_C::add_rms_norm", "")
-                             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&,
-                                                                       const c10::optional<at::Tensor>&,
-                                                                       const c10::optional<at::Tensor>&, double, bool)>();
+  using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const c10::optional<at::Tensor>&,
+                                                 const c10::optional<at::Tensor>&, double, bool);
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("fuseinfer_C::add_rms_norm", "").typed<Sig>();
   return std::get<0>(op.call(x, c10::nullopt, weight, eps, false));
 }
 
@@ -115,8 +114,8 @@ at::Tensor linear_rope_append_impl(const at::Tensor& x, const at::Tensor& w, con
   const bool fold = norm_weight != nullptr && gemv && !int8 && skinny::norm_fits(B * S, K) &&
                     reinterpret_cast<uintptr_t>(norm_weight->data_ptr()) % 16 == 0;
   if (norm_weight != nullptr && !fold) {  // the norm first, then the call without it
-    return linear_rope_append_impl(rms_norm_op(x, *norm_weight, eps), w, scale, bias, cos_in, sin_in, heads,
-                                   kv_heads, k_cache, v_cache, slots, nullptr, 0.0);
+    return linear_rope_append_impl(rms_norm_op(x.contiguous(), *norm_weight, eps), w, scale, bias, cos_in, sin_in,
+                                   heads, kv_heads, k_cache, v_cache, slots, nullptr, 0.0);
   }
   if (!gemv) {  // the linear, then the rotary pass (which checks the rest), or the split and the cache write
     const at::Tensor qkv = linear_op(x2, w, scale, bias).view({B, S, N});

@@ -92,9 +92,9 @@ struct NormParams {
   float eps = 0.f;
 };
 
-// The NORM prologue's shared memory. Its rows: 16-byte chunks per staged row of x, K / 8 and 4 more, so that consecutive
-// rows start 64 bytes apart modulo 128 (the mma loads' quarter-warp reads tokens g, g + 1 at chunks t = 0..3:
-// conflict-free).
+// The NORM prologue's shared memory. Its rows: 16-byte chunks per staged row of x, K / 8 and 4 more, so that
+// consecutive rows start 64 bytes apart modulo 128 (the mma loads' quarter-warp reads tokens g, g + 1 at chunks
+// t = 0..3: conflict-free).
 __host__ __device__ constexpr int norm_row_chunks(int k) { return k / 8 + 4; }
 // The rows, then the prologue's per-segment sums of squares (at most kMaxM x kMaxWarps floats).
 __host__ __device__ constexpr size_t norm_smem_bytes(int m, int k) {
@@ -679,12 +679,9 @@ void launch(const Params& p, const RopeParams& rp, const NormParams& np, cudaStr
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int warps = std::max(1, std::min(tiles < 2 * sms ? kMaxWarps : 8, k_blocks));
   const auto kernel = skinny_kernel<W, T, NT, TAIL, EPI, NORM>;
-  // NORM: the staged rows in dynamic shared memory (norm_fits() checked that they fit; above 48 KiB a kernel must
-  // opt in, per device, hence at every launch: a host call of well under a microsecond, none in a graph replay)
+  // NORM: the staged rows in dynamic shared memory (norm_fits() checked that they fit)
   const size_t smem = NORM ? norm_smem_bytes(p.m, p.k) : 0;
-  if (NORM && smem > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  }
+  if constexpr (NORM) allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   const int resident = sms * blocks_per_sm(reinterpret_cast<const void*>(kernel), 32 * warps, smem);
   launch_kernel(kernel, std::min(tiles, resident), 32 * warps, smem, stream, p, rp, np);
 }
