@@ -98,26 +98,37 @@ def test_a_hooked_mlp_keeps_its_norm(tiny_llama_path, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_folded_norms_change_no_token_on_cuda(tiny_llama_path, dtype, monkeypatch):
-    """The GEMV's RMSNorm prologue against the norm kernel then the GEMV: the same greedy tokens (CUDA graphs), one
-    eager decode step's logits within a rounding step (the prologue's fp32 sum of squares runs in another order), and
-    that step launches one RMSNorm kernel (the final norm) instead of 2 per layer + 1."""
+    """The GEMV's RMSNorm prologue against the norm kernel then the GEMV: the same greedy tokens (CUDA graphs), and
+    one eager decode step's logits over transformers' cache (the MLP's norm folded) within a rounding step (the
+    prologue's fp32 sum of squares runs in another order)."""
     model = _load(tiny_llama_path, dtype, "cuda")
     ids, mask = _ids(model, device="cuda")
     off, on = _run(model, ids, mask, False, monkeypatch), _run(model, ids, mask, True, monkeypatch)
     assert torch.equal(on[0], off[0])
     torch.testing.assert_close(on[1], off[1], rtol=0, atol=4 * torch.finfo(dtype).eps * off[1].abs().max().item())
+
+
+@pytest.mark.gpu
+def test_a_folded_decode_step_runs_one_norm_kernel(tiny_llama_path, monkeypatch):
+    """Per-op decode steps (no CUDA graphs, so the profiler sees each kernel) launch the final norm's RMSNorm kernel
+    alone with FOLD_NORMS, 2 per layer + 1 without; the tokens agree."""
+    model = _load(tiny_llama_path, torch.float16, "cuda")
+    ids, mask = _ids(model, rows=2, device="cuda")
     layers = model.config.num_hidden_layers
-    norms = {}
+    config = fuseinfer.PatchConfig(runtime=fuseinfer.RuntimeConfig(cuda_graphs=False, decode_kernel="off"))
+    norms, tokens = {}, {}
     for fold in (False, True):
         monkeypatch.setattr(llama_modules, "FOLD_NORMS", fold)
-        fuseinfer.patch(model)
+        fuseinfer.patch(model, config)
         try:
-            with torch.no_grad():
-                out = model(input_ids=ids, attention_mask=mask, use_cache=True)
-                step_mask = torch.cat([mask, mask[:, -1:]], 1)
-                names = cuda_kernel_names(lambda: model(input_ids=ids[:, -1:], attention_mask=step_mask,  # noqa: B023
-                                                        past_key_values=out.past_key_values))  # noqa: B023
+            def gen(n):
+                return fuseinfer.generate(model, ids, mask, max_new_tokens=n, min_new_tokens=n, pad_token_id=1)
+
+            gen(3)  # warm-up
+            counts = [sum("RmsNorm" in k for k in cuda_kernel_names(lambda: gen(n))) for n in (1, 3)]  # noqa: B023
+            tokens[fold] = gen(3)
         finally:
             fuseinfer.unpatch(model)
-        norms[fold] = sum("RmsNorm" in n for n in names)
+        norms[fold] = (counts[1] - counts[0]) // 2  # two decode steps
     assert norms == {False: 2 * layers + 1, True: 1}, norms
+    assert torch.equal(tokens[True], tokens[False])
