@@ -73,7 +73,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("FUSEINFER_GEMV_EPILOGUES", "1", "call",
          "`0`: the decode GEMV's fused epilogues off (benchmarks): a gate/up linear with activation `silu_mul` runs "
          "the GEMV and then `silu_mul`, the q/k/v linear with the rotary and cache write (`linear_rope_append`) the "
-         "GEMV and then `qkv_rope_append`: two kernels each instead of one", ("0", "1"), extension=True),
+         "GEMV and then `qkv_rope_append`: two kernels each instead of one; `rms_norm_linear` / "
+         "`rms_norm_linear_rope_append` run `add_rms_norm` and then the GEMV", ("0", "1"), extension=True),
     Knob("FUSEINFER_DECODE_KERNEL", "auto", "config",
          "fast decode's step as one persistent kernel: `auto` where measured faster (OPT: 1-2 rows; int8 weight-only "
          "models up to hidden size 2048), `1` wherever it applies (`on`), `0` never (`off`)", ("auto", "0", "1"),
