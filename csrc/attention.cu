@@ -1391,6 +1391,10 @@ void run_split_kv(const AttnParams& p, const at::Tensor& q, cudaStream_t stream)
     const int64_t want = int64_t(sms) * Cfg::MIN_BLOCKS / base;
     splits = static_cast<int>(std::max<int64_t>(1, std::min(want, max_splits)));
   }
+  // FUSEINFER_SPLITKV_SPLITS > 0 forces the count (benchmarks sweep it), still at most one split per KPI keys
+  if (const int forced = knob(Knob::kSplitKvSplits); forced > 0) {
+    splits = static_cast<int>(std::min<int64_t>(forced, std::max<int64_t>(1, max_splits)));
+  }
   count_path(Path::kAttentionSplitKv);
 
   at::Tensor part_acc, part_ml, per_call_counters;

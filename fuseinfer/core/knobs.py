@@ -75,6 +75,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "the GEMV and then `silu_mul`, the q/k/v linear with the rotary and cache write (`linear_rope_append`) the "
          "GEMV and then `qkv_rope_append`: two kernels each instead of one; `rms_norm_linear` / "
          "`rms_norm_linear_rope_append` run `add_rms_norm` and then the GEMV", ("0", "1"), extension=True),
+    Knob("FUSEINFER_SPLITKV_SPLITS", "0", "call",
+         "split-KV decode attention's split count: `0` chosen by the kernel from the grid and the SMs, `N` forced "
+         "to N (at most one split per block iteration's keys; benchmarks)", extension=True),
     Knob("FUSEINFER_DECODE_KERNEL", "auto", "config",
          "fast decode's step as one persistent kernel: `auto` where measured faster (OPT: 1-2 rows; int8 weight-only "
          "models up to hidden size 2048), `1` wherever it applies (`on`), `0` never (`off`)", ("auto", "0", "1"),
@@ -207,9 +210,16 @@ def get_int(name: str, minimum: int = 1) -> int:
 
 
 def extension_values() -> dict[str, int]:
-    """The run-time switches the CUDA extension takes, as integers."""
-    return {k.name: int(v) if (v := get(k.name)).isdigit() else k.choices.index(v)
-            for k in KNOBS.values() if k.extension}
+    """The run-time switches the CUDA extension takes, as integers (a switch's choice by its index; a number,
+    where the knob has no choices, checked to be a non-negative integer)."""
+    return {k.name: _extension_value(k) for k in KNOBS.values() if k.extension}
+
+
+def _extension_value(knob: Knob) -> int:
+    if knob.choices is None:
+        return get_int(knob.name, minimum=0)
+    value = get(knob.name)
+    return int(value) if value.isdigit() else knob.choices.index(value)
 
 
 _extension = None  # the loaded extension's ops, attached by _ext.py (knobs imports nothing of fuseinfer's)

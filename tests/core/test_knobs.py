@@ -157,3 +157,16 @@ def test_profile_takes_data_dir(tmp_path, capsys):
                str(tmp_path / "nonexistent")])
     _one_line_error(capsys, rc, "--data-dir", "does not exist")
     assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_a_number_knob_for_the_extension_is_checked(monkeypatch):
+    """FUSEINFER_SPLITKV_SPLITS (a number, no choices) reaches the extension as that integer; anything else is one
+    error naming the knob."""
+    monkeypatch.setenv("FUSEINFER_SPLITKV_SPLITS", "5")
+    assert knobs.extension_values()["FUSEINFER_SPLITKV_SPLITS"] == 5
+    monkeypatch.delenv("FUSEINFER_SPLITKV_SPLITS")
+    assert knobs.extension_values()["FUSEINFER_SPLITKV_SPLITS"] == 0
+    for bad in ("auto", "-1", "2.5"):
+        monkeypatch.setenv("FUSEINFER_SPLITKV_SPLITS", bad)
+        with pytest.raises(FuseInferError, match="FUSEINFER_SPLITKV_SPLITS"):
+            knobs.extension_values()

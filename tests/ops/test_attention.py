@@ -455,6 +455,18 @@ def test_attention_kernel_gqa(case, path, d, dtype, set_knob):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("splits", ["1", "2", "3", "7", "128"])
+@pytest.mark.parametrize("case", ["g4_decode_1_ctx_8192", "g6_decode_1_pad", "g1_decode_3_per_row_q_start"])
+def test_split_kv_any_forced_split_count(case, splits, set_knob):
+    """FUSEINFER_SPLITKV_SPLITS forces the split-KV kernel's split count (benchmarks sweep it): every count, one
+    split, a count that does not divide the keys, and more than the keys allow (capped), gives attention within the
+    rule."""
+    set_knob("FUSEINFER_SPLITKV_SPLITS", splits)
+    for d in (64, 128):
+        _check_attention_kernel(GQA_CASES[case], "split_kv", d, torch.float16)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("path", ["wgmma", "mma_sync"])
 def test_gqa_prefill_equals_the_kernel_on_repeated_heads(path, set_knob):
     """The prefills compute each (row, query head) alike whichever key/value head layout feeds it: on Hkv heads they

@@ -1,0 +1,35 @@
+"""bench/bench_splitkv.py on the CPU: its default cases are decode layers the split count matters for, and its
+command line."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_splitkv
+        yield bench_splitkv
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_default_cases_are_decode_layers_of_both_head_dims_and_groupings(bench):
+    dims, groups, contexts = set(), set(), set()
+    for case in bench.CASES.split(","):
+        b, h, hkv, ctx, d = (int(x) for x in case.split("x"))
+        assert h % hkv == 0, case
+        dims.add(d), groups.add(h // hkv), contexts.add(ctx)
+    assert dims == {64, 128} and {1, 4} <= groups and min(contexts) <= 512 and max(contexts) >= 8192
+
+
+def test_the_output_folder_is_required():
+    out = subprocess.run([sys.executable, str(BENCH / "bench_splitkv.py")], capture_output=True, text=True)
+    assert out.returncode == 2 and "--out" in out.stderr
