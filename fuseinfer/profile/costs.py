@@ -65,6 +65,10 @@ class Call:
     def precision(self, i: int = 0) -> str:
         return PRECISION.get(self.types[i], "float16") if i < len(self.types) else "float16"
 
+    def listed(self, i: int) -> list[list]:
+        """The dims of each tensor of input ``i``, a tensor list (``Tensor[]``); [] where there is none."""
+        return [d for d in (self.dims[i] if i < len(self.dims) else []) if isinstance(d, list)]
+
 
 COSTS: dict[str, Callable[[Call], Cost | None]] = {}
 
@@ -225,47 +229,44 @@ def _fi_kv_append(c: Call) -> Cost | None:  # (k_cache, v_cache, k, v, slots): r
     return Cost(0.0, 2.0 * (c.nbytes(2) + c.nbytes(3)) + c.nbytes(4), "memory", c.precision(2))
 
 
+def _step_cost(c: Call, weights: int, weight_bytes: float, vectors: int, caches: int, kv8: bool, es: int,
+               precision: str) -> Cost:
+    """A one-kernel decode step's cost: ``weights`` (2-D layer weights, ``weight_bytes`` of them) and the LM head
+    (argument 11) read once at 2 flops per weight per row (argument 0's rows), ``vectors`` (norm weights, biases)
+    and ``caches`` (keys and values, capacity: an upper bound; e4m3, one byte, with ``kv8``) at ``es`` bytes, the
+    fp32 logits written."""
+    m, lm = c.numel(0), c.shape(11)
+    head = math.prod(lm) if lm else 0
+    moved = weight_bytes + (head + vectors) * es + caches * (1 if kv8 else es) + m * (lm[0] if lm else 0) * 4
+    return Cost(2.0 * m * (weights + head), moved, "step", precision)
+
+
 @register_cost("fuseinfer::opt_decode_step")
 def _fi_decode_step(c: Call) -> Cost | None:
-    """The whole decode step: every 2-D weight of the layers and the LM head read once (2 flops per weight per
-    row), embedding rows, the caches (capacity: an upper bound), the logits (fp32) written. With weight scales
-    (argument 15: an int8 weight-only model) the layers' 2-D weights are int8 (1 byte) plus their fp32 scales; with
-    KV scales (argument 16: FP8 caches) the caches are e4m3 (1 byte)."""
-    m = c.numel(0)
-    params = c.dims[6] if len(c.dims) > 6 else []
-    layers = [d for d in params if isinstance(d, list)]
-    weights = [math.prod(d) for d in layers if len(d) == 2]
-    scales = [d for d in (c.dims[15] if len(c.dims) > 15 else []) if isinstance(d, list)]
+    """The whole decode step (:func:`_step_cost`): the layers' tensors (argument 6), embedding rows, the caches (7,
+    keys and values alike). With weight scales (argument 15: an int8 weight-only model) the layers' 2-D weights are
+    int8 (1 byte) plus their fp32 scales; with KV scales (argument 16: FP8 caches) the caches are e4m3 (1 byte)."""
+    layers = c.listed(6)
+    weights = sum(math.prod(d) for d in layers if len(d) == 2)
+    scales = c.listed(15)
     es = c.esize(4)
-    lm = c.shape(11)
-    head = math.prod(lm) if lm else 0
+    weight_bytes = weights + 4 * sum(math.prod(d) for d in scales) if scales else weights * es
     vectors = sum(math.prod(d) for d in layers if len(d) == 1)
-    caches = sum(math.prod(d) for d in (c.dims[7] if len(c.dims) > 7 else []) if isinstance(d, list)) * 2
-    kv8 = any(isinstance(d, list) for d in (c.dims[16] if len(c.dims) > 16 else []))
-    flops = 2.0 * m * (sum(weights) + head)
-    weight_bytes = sum(weights) + 4 * sum(math.prod(d) for d in scales) if scales else sum(weights) * es
-    moved = weight_bytes + (head + vectors) * es + caches * (1 if kv8 else es) + m * (lm[0] if lm else 0) * 4
-    return Cost(flops, moved, "step", c.precision(4))
-
+    caches = sum(math.prod(d) for d in c.listed(7)) * 2
+    return _step_cost(c, weights, weight_bytes, vectors, caches, bool(c.listed(16)), es, c.precision(4))
 
 
 @register_cost("fuseinfer::llama_decode_step")
 def _fi_llama_decode_step(c: Call) -> Cost | None:
-    """The Llama family's whole decode step: every 2-D weight of the layers (argument 6) and the LM head (11) read
-    once (2 flops per weight per row), the RMSNorm weights and q/k/v biases (7), the caches (8, 9: capacity, an upper
-    bound; e4m3, 1 byte, with KV scales: argument 15), the logits (fp32) written."""
-    m = c.numel(0)
-    listed = lambda i: [d for d in (c.dims[i] if len(c.dims) > i else []) if isinstance(d, list)]  # noqa: E731
-    layers = listed(6)
+    """The Llama family's whole decode step (:func:`_step_cost`): the layers' tensors (argument 6), the RMSNorm
+    weights and q/k/v biases among them and in argument 7, the caches (8, 9; e4m3 with KV scales: argument 15)."""
+    layers = c.listed(6)
     weights = sum(math.prod(d) for d in layers if len(d) == 2)
-    vectors = sum(math.prod(d) for d in layers if len(d) == 1) + sum(math.prod(d) for d in listed(7))
-    caches = sum(math.prod(d) for d in listed(8) + listed(9))
-    lm = c.shape(11)
-    head = math.prod(lm) if lm else 0
-    kv8 = bool(listed(15))
-    moved = (weights + head + vectors + (0 if kv8 else caches)) * c.esize(5) + (caches if kv8 else 0) \
-        + m * (lm[0] if lm else 0) * 4
-    return Cost(2.0 * m * (weights + head), moved, "step", c.precision(5))
+    vectors = sum(math.prod(d) for d in layers if len(d) == 1) + sum(math.prod(d) for d in c.listed(7))
+    caches = sum(math.prod(d) for d in c.listed(8) + c.listed(9))
+    es = c.esize(5)
+    return _step_cost(c, weights, weights * es, vectors, caches, bool(c.listed(15)), es, c.precision(5))
+
 
 # elementwise and data-movement ops: one flop per output element, every input read and the output written
 ELEMENTWISE = ("aten::add", "aten::add_", "aten::mul", "aten::mul_", "aten::sub", "aten::div", "aten::relu",
