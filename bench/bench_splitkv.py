@@ -10,7 +10,8 @@ median; the median over rounds reported, with its min and max). Reports microsec
 bytes read and that as a share of the copy bandwidth measured in the same run, and the fastest count. The default
 cases are decode layers at batch 1 (where a step's attention is a few microseconds and launch-bound): Llama-3.2-1B
 (32 query heads over 8 key/value heads of 64) at contexts 512, 2048 and 8192, Llama-3.1-8B (8 of 128) at 512 and
-8192, OPT-1.3b (32 heads of 64, no grouping) at 512, and Llama-3.2-1B at batch 8. Writes DIR/splitkv.json and .md.
+8192, OPT-1.3b (32 heads of 64, no grouping) at 512, Llama-3.2-1B at batch 8, and OPT-1.3b at batches 8 and 32
+(context 512) and 32 (context 2048). Writes DIR/splitkv.json and .md.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from common import bench_ms, measure_ceilings, write_results  # noqa: E402
 from fuseinfer.core import knobs  # noqa: E402
 from fuseinfer.ops.attention import attention  # noqa: E402
 
-CASES = "1x32x8x512x64,1x32x8x2048x64,1x32x8x8192x64,1x32x8x512x128,1x32x8x8192x128,1x32x32x512x64,8x32x8x512x64"
+CASES = ("1x32x8x512x64,1x32x8x2048x64,1x32x8x8192x64,1x32x8x512x128,1x32x8x8192x128,1x32x32x512x64,8x32x8x512x64,"
+         "8x32x32x512x64,32x32x32x512x64,32x32x32x2048x64")
 
 
 def main() -> None:

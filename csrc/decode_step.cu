@@ -1400,6 +1400,19 @@ void set_workspace(StepParams& p, at::Tensor& workspace, const std::vector<int64
   p.ffn = reinterpret_cast<uint64_t*>(ws + layout[8]);
 }
 
+// The step kernel of one weight/cache format (the flags as decode_step_kernel's), by dtype and head dim (64/128), to
+// launch(kernel).
+template <bool Q8, bool E4M3, bool LLAMA, bool KV8, typename Launch>
+void dispatch_step(at::ScalarType dtype, int64_t head_dim, Launch&& launch) {
+  if (dtype == at::kHalf) {
+    head_dim == 64 ? launch(decode_step_kernel<__half, 64, Q8, E4M3, LLAMA, KV8>)
+                   : launch(decode_step_kernel<__half, 128, Q8, E4M3, LLAMA, KV8>);
+  } else {
+    head_dim == 64 ? launch(decode_step_kernel<__nv_bfloat16, 64, Q8, E4M3, LLAMA, KV8>)
+                   : launch(decode_step_kernel<__nv_bfloat16, 128, Q8, E4M3, LLAMA, KV8>);
+  }
+}
+
 // One launch of a step kernel over p (its m rows), one block per SM. extra: the dynamic shared memory after the
 // parameters' copy (the rotary tables, the KV8 scales: what ring_stages was given).
 template <typename Kernel>
@@ -1625,33 +1638,13 @@ at::Tensor decode_step_cuda(const at::Tensor& tokens, const at::Tensor& position
 
   auto launch = [&](auto kernel) { launch_step(kernel, p, extra); };
   if (kv8) {
-    if (dtype == at::kHalf) {
-      head_dim == 64 ? launch(decode_step_kernel<__half, 64, false, false, false, true>)
-                     : launch(decode_step_kernel<__half, 128, false, false, false, true>);
-    } else {
-      head_dim == 64 ? launch(decode_step_kernel<__nv_bfloat16, 64, false, false, false, true>)
-                     : launch(decode_step_kernel<__nv_bfloat16, 128, false, false, false, true>);
-    }
+    dispatch_step<false, false, false, true>(dtype, head_dim, launch);
   } else if (e4m3) {
-    if (dtype == at::kHalf) {
-      head_dim == 64 ? launch(decode_step_kernel<__half, 64, true, true>)
-                     : launch(decode_step_kernel<__half, 128, true, true>);
-    } else {
-      head_dim == 64 ? launch(decode_step_kernel<__nv_bfloat16, 64, true, true>)
-                     : launch(decode_step_kernel<__nv_bfloat16, 128, true, true>);
-    }
+    dispatch_step<true, true, false, false>(dtype, head_dim, launch);
   } else if (q8) {
-    if (dtype == at::kHalf) {
-      head_dim == 64 ? launch(decode_step_kernel<__half, 64, true>) : launch(decode_step_kernel<__half, 128, true>);
-    } else {
-      head_dim == 64 ? launch(decode_step_kernel<__nv_bfloat16, 64, true>)
-                     : launch(decode_step_kernel<__nv_bfloat16, 128, true>);
-    }
-  } else if (dtype == at::kHalf) {
-    head_dim == 64 ? launch(decode_step_kernel<__half, 64, false>) : launch(decode_step_kernel<__half, 128, false>);
+    dispatch_step<true, false, false, false>(dtype, head_dim, launch);
   } else {
-    head_dim == 64 ? launch(decode_step_kernel<__nv_bfloat16, 64, false>)
-                   : launch(decode_step_kernel<__nv_bfloat16, 128, false>);
+    dispatch_step<false, false, false, false>(dtype, head_dim, launch);
   }
   return logits;
 }
@@ -1748,21 +1741,8 @@ at::Tensor llama_decode_step_cuda(const at::Tensor& tokens, const at::Tensor& co
                               w[5].data_ptr(), nullptr, k_caches[l].data_ptr(), v_caches[l].data_ptr()};
   }
   auto launch = [&](auto kernel) { launch_step(kernel, p, extra); };
-  if (kv8) {
-    if (dtype == at::kHalf) {
-      head_dim == 64 ? launch(decode_step_kernel<__half, 64, false, false, true, true>)
-                     : launch(decode_step_kernel<__half, 128, false, false, true, true>);
-    } else {
-      head_dim == 64 ? launch(decode_step_kernel<__nv_bfloat16, 64, false, false, true, true>)
-                     : launch(decode_step_kernel<__nv_bfloat16, 128, false, false, true, true>);
-    }
-  } else if (dtype == at::kHalf) {
-    head_dim == 64 ? launch(decode_step_kernel<__half, 64, false, false, true>)
-                   : launch(decode_step_kernel<__half, 128, false, false, true>);
-  } else {
-    head_dim == 64 ? launch(decode_step_kernel<__nv_bfloat16, 64, false, false, true>)
-                   : launch(decode_step_kernel<__nv_bfloat16, 128, false, false, true>);
-  }
+  kv8 ? dispatch_step<false, false, true, true>(dtype, head_dim, launch)
+      : dispatch_step<false, false, true, false>(dtype, head_dim, launch);
   return logits;
 }
 

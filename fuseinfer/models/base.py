@@ -102,7 +102,8 @@ class ModelFamily(ABC):
         """(the per-op decode forward of a patched model, None), or (None, why the model cannot take it)."""
 
     def decode_step_kernel(self, model: nn.Module, cache) -> tuple[DecodeStep | None, str | None]:
-        """(a one-kernel decode step over ``cache``, None), or (None, why not); by default there is none."""
+        """(a one-kernel decode step over ``cache``, None), or (None, why not); by default there is none. The step
+        carries ``op``, the qualified name of the op it launches (the runtime names its decode path with it)."""
         return None, f"no one-kernel decode step for {self.model_type or type(self).__name__}"
 
     # ---- what the feature packages (quant, profile, the harness) need of a family; the defaults say it has none

@@ -125,8 +125,7 @@ class _Session:
             self.step_kernel, why = None, plan.no_kernel
         else:
             self.step_kernel, why = patch_state(model).family.decode_step_kernel(model, self.cache)
-        op = getattr(self.step_kernel, "op", "fuseinfer::opt_decode_step")  # (the family's step names its op)
-        self.path = f"one kernel per step ({op})" if why is None else f"per op ({why})"
+        self.path = f"one kernel per step ({self.step_kernel.op})" if why is None else f"per op ({why})"
         self.path += f"; eager, {plan.no_graphs}" if plan.no_graphs else ""
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # steps per replay -> graph
         self.capture_mode = plan.capture_mode

@@ -97,6 +97,7 @@ def decode_step_kernel(model: nn.Module, cache):
         return opt_decode_step(tokens, positions, q_start, cache.key_mask, embed, pos_embed, params, cache.keys,
                                cache.values, lnf_w, lnf_b, lm_head, workspace, eps, scale, weight_scales, kv_scales)
 
+    step.op = "fuseinfer::opt_decode_step"  # (the runtime's description of its path)
     return step, None
 
 
