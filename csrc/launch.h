@@ -89,10 +89,11 @@ inline int blocks_per_sm(const void* kernel, int threads, size_t smem = 0) {
   return it->second;
 }
 
-// Lets `kernel` take `smem` bytes of dynamic shared memory (above 48 KiB a kernel must opt in, per device): once
-// per (kernel, device) and size, so that the launches a CUDA graph captures after the first eager one make no call.
+// Lets `kernel` take `smem` bytes of dynamic shared memory (a kernel whose static and dynamic shared memory together
+// pass 48 KiB must opt in, per device, to the dynamic part): once per (kernel, device) and size, so that the launches
+// a CUDA graph captures after the first eager one make no call.
 inline void allow_dynamic_smem(const void* kernel, size_t smem) {
-  if (smem <= 48 * 1024) return;
+  if (smem == 0) return;
   static std::mutex mutex;
   static std::map<std::pair<const void*, int>, size_t> allowed;  // the largest size opted into
   const auto key = std::make_pair(kernel, static_cast<int>(at::cuda::current_device()));
