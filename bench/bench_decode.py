@@ -19,9 +19,9 @@ that backend is patched, captured and timed, so gate/up runs the GEMV and then s
 The one-kernel step against the per-op step, in one process: ``--backends fuseinfer-step,fuseinfer-perop``
 (RuntimeConfig(decode_kernel="on") and "off"; plain ``fuseinfer`` is "auto", the measured default).
 
-The Llama family's RMSNorms folded into the next GEMV's prologue against the norm kernels, in one process:
-``--backends fuseinfer-perop,fuseinfer-perop-foldnorm`` (``-foldnorm``: ``models.llama.modules.FOLD_NORMS`` on while
-that backend is patched, captured and timed; it changes the per-op step only).
+The Llama family's RMSNorms folded into the next GEMV's prologue (the default) against the norm kernels, in one
+process: ``--backends fuseinfer-perop,fuseinfer-perop-nofold`` (``-nofold``: ``models.llama.modules.FOLD_NORMS`` off
+while that backend is patched, captured and timed; ``-foldnorm`` on; either changes the per-op step only).
 """
 from __future__ import annotations
 
@@ -48,11 +48,11 @@ SCHEMES = {"fuseinfer": None, "fuseinfer-w8a16": fuseinfer.Int8WeightOnly, "fuse
 
 
 @contextlib.contextmanager
-def fold_norms():
-    """The Llama family's RMSNorms folded into the next GEMV (``modules.FOLD_NORMS``) inside the block."""
+def fold_norms(on: bool = True):
+    """The Llama family's RMSNorms folded into the next GEMV (``modules.FOLD_NORMS``) or not inside the block."""
     from fuseinfer.models.llama import modules as llama_modules
 
-    before, llama_modules.FOLD_NORMS = llama_modules.FOLD_NORMS, True
+    before, llama_modules.FOLD_NORMS = llama_modules.FOLD_NORMS, on
     try:
         yield
     finally:
@@ -91,7 +91,8 @@ def main() -> None:
                          "'-perop' suffix on a fuseinfer backend turns the one-kernel step off, '-step' on wherever it "
                          "applies (decode_kernel='on'), a '-unfused' suffix "
                          "the GEMV epilogue fusions (FUSEINFER_GEMV_EPILOGUES=0: gate/up GEMV, then silu_mul), a "
-                         "'-foldnorm' suffix (last) folds the Llama family's RMSNorms into the next GEMV")
+                         "'-foldnorm' / '-nofold' suffix (last) folds the Llama family's RMSNorms into the next GEMV "
+                         "or not (folded is the default)")
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     ap.add_argument("--quick", action="store_true", help="batch 1 only, 64 tokens, 3 repeats")
     ap.add_argument("--out", default=None, help="results folder (default: $FUSEINFER_BENCH_DIR or bench/results)")
@@ -112,13 +113,14 @@ def main() -> None:
                "floor_kv_ms": step_bytes / (ceilings["copy_GBps"] * 1e9) * 1e3}
         for name in args.backends.split(","):
             model = copy.deepcopy(base)
-            kind, fold = name.removesuffix("-foldnorm"), name.endswith("-foldnorm")
+            fold = True if name.endswith("-foldnorm") else False if name.endswith("-nofold") else None
+            kind = name.removesuffix("-foldnorm").removesuffix("-nofold")
             kind, unfused = kind.removesuffix("-unfused"), kind.endswith("-unfused")
             knob = contextlib.ExitStack()  # (held while the backend's CUDA graphs are captured and timed)
             if unfused:
                 knob.enter_context(knobs.override(GEMV_EPILOGUES="0"))
-            if fold:
-                knob.enter_context(fold_norms())
+            if fold is not None:
+                knob.enter_context(fold_norms(fold))
             if name == "eager":
                 gen = lambda x, n: model.generate(x, max_new_tokens=n, do_sample=False)  # noqa
             elif name == "hf_static_compile":

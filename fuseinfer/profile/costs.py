@@ -123,6 +123,11 @@ def linear_cost(x: int = 0, weight: int = 1, bias: int | None = 2, residual: int
 
 register_cost("aten::linear", linear_cost())
 register_cost("fuseinfer::linear_epilogue", linear_cost(0, 1, 2, 3))
+# (the q/k/v GEMV with the rotary and the cache write in its epilogue writes its N outputs once, q out and k/v into
+# the cache; the RMSNorm prologue's weight is one row of K more)
+register_cost("fuseinfer::linear_rope_append", linear_cost(0, 1, 3))  # (x, weight, scale, bias, cos, sin, ...)
+register_cost("fuseinfer::rms_norm_linear", linear_cost(0, 3, 4, 5))  # (x, norm_weight, eps, weight, bias, residual)
+register_cost("fuseinfer::rms_norm_linear_rope_append", linear_cost(0, 3, 4))  # (x, norm_weight, eps, weight, bias,..)
 
 
 @register_cost("aten::mm")

@@ -1,5 +1,5 @@
 """bench/bench_decode.py's '-foldnorm' backends: the switch they hold while a backend is patched, captured and timed
-(FOLD_NORMS on inside, restored after, also on an error)."""
+(FOLD_NORMS on or off inside, restored after, also on an error)."""
 import sys
 from pathlib import Path
 
@@ -15,6 +15,9 @@ def test_fold_norms_holds_the_switch_and_restores_it():
     before = llama_modules.FOLD_NORMS
     with bench_decode.fold_norms():
         assert llama_modules.FOLD_NORMS is True
+    assert llama_modules.FOLD_NORMS is before
+    with bench_decode.fold_norms(False):
+        assert llama_modules.FOLD_NORMS is False
     assert llama_modules.FOLD_NORMS is before
     with pytest.raises(RuntimeError), bench_decode.fold_norms():
         raise RuntimeError("a failing backend")

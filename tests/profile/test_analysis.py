@@ -28,6 +28,22 @@ def test_linear_cost_by_hand():
     assert gemv.op_class == "gemv" and gemv.flops == 2 * 2048 * 2048 + 2 * 2048
 
 
+def test_folded_norm_gemvs_cost_as_their_linear():
+    """The RMSNorm-prologue GEMVs (the Llama family's decode) and the q/k/v GEMV with the rotary epilogue: the
+    linear's FLOPs and bytes (every output written once, to q or the cache)."""
+    lin = costs.cost_of("fuseinfer::linear_epilogue", [[1, 1, 2048], [6144, 2048], [], [], []],
+                        ["torch.float16"] * 4 + ["none"])
+    norm = costs.cost_of("fuseinfer::rms_norm_linear", [[1, 1, 2048], [2048], [], [6144, 2048], [], [], []],
+                         ["torch.float16", "torch.float16", "", "torch.float16", "", "", "silu_mul"])
+    rope = costs.cost_of("fuseinfer::rms_norm_linear_rope_append",
+                         [[1, 1, 2048], [2048], [], [6144, 2048], [], [1, 1, 64], [1, 1, 64]],
+                         ["torch.float16", "torch.float16", "", "torch.float16", "", "torch.float16", "torch.float16"])
+    plain = costs.cost_of("fuseinfer::linear_rope_append", [[1, 1, 2048], [6144, 2048], [], [], [1, 1, 64]],
+                          ["torch.float16", "torch.float16", "", "", "torch.float16"])
+    for c in (norm, rope, plain):
+        assert c.op_class == "gemv" and (c.flops, c.bytes) == (lin.flops, lin.bytes)
+
+
 def test_attention_costs_count_causal_pairs():
     sq = 128
     full = costs.cost_of("aten::scaled_dot_product_attention", [[1, 2, sq, 64]] * 3 + [[]], ["c10::Half"] * 3,

@@ -82,8 +82,9 @@ ARCHS = {
 # write, post_attention_layernorm into gate/up + silu_mul; ``ops/norm_linear.py``): at decode one kernel fewer per norm,
 # the GEMV normalising the rows in its prologue. Read at each layer call (a benchmark flips it to time both in one
 # process); where the fused op does not apply (prefill, quantized or FP8-cache paths, an unpatched or hooked
-# attention / MLP) the norm runs first as before, so the values are the same either way.
-FOLD_NORMS = False
+# attention / MLP) the norm runs first as before, so the values are the same either way. On: Llama-3.2-1B batch-1
+# decode 0.983 -> 0.925 ms/token (H200, both in one process).
+FOLD_NORMS = True
 
 # The fused weights: row concatenations of a module's linears in plain attributes of its ``__dict__`` (outside the
 # parameter and buffer registries, so ``state_dict`` lists what the unpatched model lists); ``name``: the one int8

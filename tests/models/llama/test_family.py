@@ -87,11 +87,14 @@ def test_patched_logits_equal_unpatched_bf16(tiny_cpu):
     assert err.mean() <= 1.5 * base.mean()
 
 
-def test_patch_runs_the_fused_ops(tiny_cpu, monkeypatch):
+@pytest.mark.parametrize("fold", [True, False])
+def test_patch_runs_the_fused_ops(tiny_cpu, monkeypatch, fold):
     """The patched forward calls the fused ops (not the original modules' math): each op counted where the
-    modules call it."""
+    modules call it, with the RMSNorms folded into the next GEMV (the default) and not."""
     from fuseinfer.layers import attention_backend
     from fuseinfer.layers import linear as linear_layer
+
+    monkeypatch.setattr(llama_modules, "FOLD_NORMS", fold)
 
     model = tiny_cpu()
     fuseinfer.patch(model)
@@ -109,12 +112,18 @@ def test_patch_runs_the_fused_ops(tiny_cpu, monkeypatch):
         else:
             setter(namespace, name, wrapped)
 
-    for name in ("add_rms_norm", "qkv_rope", "silu_mul", "linear_epilogue"):
+    for name in ("add_rms_norm", "qkv_rope", "silu_mul", "linear_epilogue", "rms_norm_linear"):
         counting(llama_modules, name)
     counting(linear_layer, "linear_epilogue")
     counting(attention_backend.IMPLS, "fuseinfer")
     modules_forward(model, input_ids=_ids(model, rows=1, length=5))
     layers = model.config.num_hidden_layers
+    if fold:
+        # 5 rows (GEMV sizes): post_attention_layernorm folded into gate/up (rms_norm_linear with silu_mul); the
+        # input norm runs (q/k/v folds it only when it appends to a static cache); q/k/v, o_proj, down_proj
+        assert calls == {"add_rms_norm": layers + 1, "rms_norm_linear": layers, "qkv_rope": layers,
+                         "linear_epilogue": 3 * layers, "fuseinfer": layers}, calls
+        return
     # 2 RMSNorms per layer + the final one; q/k/v, o_proj and down_proj per layer; gate/up: the module's own call,
     # with silu_mul as the linear's activation (no silu_mul call of its own)
     assert calls == {"add_rms_norm": 2 * layers + 1, "qkv_rope": layers,
@@ -482,9 +491,11 @@ def test_report_names_sdpa_where_grouped_query_attention_has_no_kernel(monkeypat
     assert next(s for s in report.swaps if s.new_class == "FusedLlamaAttention").ops["attention"] == "cuda"
 
 
-def test_patched_model_compiles_to_one_graph_of_the_registered_ops():
+@pytest.mark.parametrize("fold", [True, False])
+def test_patched_model_compiles_to_one_graph_of_the_registered_ops(fold, monkeypatch):
     from conftest import traced_by_compile
 
+    monkeypatch.setattr(llama_modules, "FOLD_NORMS", fold)
     model = random_llama("qwen2")
     ids = _ids(model, rows=2, length=9)
     ref = _logits(model, ids, None)
@@ -493,11 +504,16 @@ def test_patched_model_compiles_to_one_graph_of_the_registered_ops():
         out, code = traced_by_compile(model, input_ids=ids)
     torch.testing.assert_close(out.logits.float(), ref, rtol=0, atol=ATOL32)
     layers = model.config.num_hidden_layers
-    counts = {op: code.count(f"fuseinfer.{op}") for op in ("add_rms_norm", "qkv_rope", "silu_mul", "linear_epilogue")}
+    counts = {op: code.count(f"fuseinfer.{op}") for op in ("add_rms_norm", "qkv_rope", "silu_mul", "linear_epilogue",
+                                                            "rms_norm_linear")}
+    if fold:  # post_attention_layernorm in gate/up's op (the input norm folds only into a static cache's q/k/v)
+        assert counts == {"add_rms_norm": layers + 1, "qkv_rope": layers, "silu_mul": 0, "linear_epilogue": 3 * layers,
+                          "rms_norm_linear": layers}, counts
+        return
     # per layer: 2 norms, q/k/v + rotary, GEMMs q/k/v, o_proj, gate/up (silu_mul its activation: no op of its
     # own), down_proj; the final norm
     assert counts == {"add_rms_norm": 2 * layers + 1, "qkv_rope": layers, "silu_mul": 0,
-                      "linear_epilogue": 4 * layers}, counts
+                      "linear_epilogue": 4 * layers, "rms_norm_linear": 0}, counts
 
 
 def test_random_model_materialized_from_meta_runs_fast_decode():
