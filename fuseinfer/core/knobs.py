@@ -76,7 +76,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "GEMV and then `qkv_rope_append`: two kernels each instead of one; `rms_norm_linear` / "
          "`rms_norm_linear_rope_append` run `add_rms_norm` and then the GEMV", ("0", "1"), extension=True),
     Knob("FUSEINFER_SPLITKV_SPLITS", "0", "call",
-         "split-KV decode attention's split count: `0` chosen by the kernel from the grid and the SMs, `N` forced "
+         "split-KV decode attention's split count: `0` chosen by the kernel from the keys, the grid and the SMs, `N` forced "
          "to N (at most one split per block iteration's keys; benchmarks)", extension=True),
     Knob("FUSEINFER_DECODE_KERNEL", "auto", "config",
          "fast decode's step as one persistent kernel: `auto` where measured faster (OPT: 1-2 rows; int8 weight-only "
