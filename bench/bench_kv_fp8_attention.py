@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from common import measure_ceilings, paired_ms, paired_ratio, write_results  # noqa: E402
+from common import attention_cases, measure_ceilings, paired_ms, paired_ratio, write_results  # noqa: E402
 
 from fuseinfer.ops.attention import attention, attention_kv_fp8  # noqa: E402
 from fuseinfer.ops.kv_cache import dequantize_kv, kv_scales_from, quantize_kv  # noqa: E402
@@ -43,10 +43,7 @@ def main() -> None:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     ceilings = measure_ceilings()
     rows = []
-    for case in args.cases.split(","):
-        b, h, hkv, ctx, d = (int(x) for x in case.lower().split("x"))
-        if h % hkv:
-            ap.error(f"case {case}: heads must be a multiple of key/value heads")
+    for case, b, h, hkv, ctx, d in attention_cases(args.cases, ap):
         q = torch.randn(b, h, 1, d, device="cuda", dtype=dtype)
         k32 = torch.randn(b, hkv, ctx, d, device="cuda")  # (B, HKV, CTX, D)
         v32 = torch.randn(b, hkv, ctx, d, device="cuda") * 0.3
@@ -76,7 +73,7 @@ def main() -> None:
         print(f"{case}: fp16 {row['fp16_us']:.1f} us ({row['fp16_kv_GBps']:.0f} GB/s), fp8 {row['fp8_us']:.1f} us "
               f"({row['fp8_kv_GBps']:.0f} GB/s), speedup {row['speedup']:.3f}", flush=True)
         rows.append(row)
-        del q, k8, v8, k16, v16, fns
+        q = k8 = v8 = k16 = v16 = fns = None  # (freed before the next case)
         torch.cuda.empty_cache()
     cols = ["case", "rows_per_kv_head", "fp16_us", "fp16_kv_GBps", "fp16_pct_copy", "fp8_us", "fp8_kv_GBps",
             "fp8_pct_copy", "speedup"]

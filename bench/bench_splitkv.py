@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from common import bench_ms, measure_ceilings, write_results  # noqa: E402
+from common import attention_cases, bench_ms, measure_ceilings, write_results  # noqa: E402
 
 from fuseinfer.core import knobs  # noqa: E402
 from fuseinfer.ops.attention import attention  # noqa: E402
@@ -51,10 +51,7 @@ def main() -> None:
     counts = ["auto"] + [str(int(n)) for n in args.splits.split(",")]
     ceilings = measure_ceilings()
     rows = []
-    for case in args.cases.split(","):
-        b, h, hkv, ctx, d = (int(x) for x in case.lower().split("x"))
-        if h % hkv:
-            ap.error(f"case {case}: heads must be a multiple of key/value heads")
+    for case, b, h, hkv, ctx, d in attention_cases(args.cases, ap):
         q = torch.randn(b, h, 1, d, device="cuda", dtype=dtype)  # (B, H, 1, D)
         k = torch.randn(b, hkv, ctx, d, device="cuda", dtype=dtype)  # (B, HKV, CTX, D)
         v = torch.randn(b, hkv, ctx, d, device="cuda", dtype=dtype) * 0.3

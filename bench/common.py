@@ -95,6 +95,18 @@ def graph_calls_ms(groups: dict, rounds: int = 5, replays: int = 10, warmup_ms: 
     return {name: percentile_stats(t) for name, t in times.items()}
 
 
+def attention_cases(spec: str, ap) -> list[tuple]:
+    """(case, B, H, HKV, CTX, D) for each BATCHxHEADSxKV_HEADSxCONTEXTxHEAD_DIM of the comma list ``spec``; a case
+    whose heads are not a multiple of its key/value heads stops the command line (``ap.error``)."""
+    cases = []
+    for case in spec.split(","):
+        b, h, hkv, ctx, d = (int(x) for x in case.lower().split("x"))
+        if h % hkv:
+            ap.error(f"case {case}: heads must be a multiple of key/value heads")
+        cases.append((case, b, h, hkv, ctx, d))
+    return cases
+
+
 def wall_ms(fn) -> float:
     """Wall time of fn() in ms, the GPU synchronised before and after (host work included, e.g. a generate call's)."""
     torch.cuda.synchronize()

@@ -92,6 +92,17 @@ def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
     return 10 * math.log10(ref.float().pow(2).sum().item() / (ref.float() - approx.float()).pow(2).sum().item())
 
 
+def rope_cache_inputs(device, dtype, b: int, s: int, d: int, kv_heads: int, t: int, rotate: bool = True):
+    """(cos, sin, k_cache, v_cache, slots) for a q/k/v op with the rotary and the cache write: cos and sin (B, S, D)
+    of random angles (both None without ``rotate``), random caches (B, Hkv, T, D), slots the last S of T (S,)."""
+    ang = torch.rand(b, s, d // 2, device=device) * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+    if not rotate:
+        cos = sin = None
+    caches = [torch.randn(b, kv_heads, t, d, device=device).to(dtype) for _ in range(2)]
+    return cos, sin, caches[0], caches[1], torch.arange(t - s, t, device=device)
+
+
 def examples(device: str, cpu: int, cuda: int):
     """Hypothesis settings for a property test on ``device``: few examples on the CPU (CI has 2 cores; there the ops
     run their references, so the examples mostly exercise shapes and the op plumbing), more on a GPU (the kernels).

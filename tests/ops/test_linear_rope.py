@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICES, LOWP, cuda_kernel_names, examples, given, st
+from helpers import DEVICES, LOWP, cuda_kernel_names, examples, given, rope_cache_inputs, st
 
 from fuseinfer import FuseInferError, ops
 
@@ -30,13 +30,8 @@ def _case(device, dtype, b=2, s=1, k=64, heads=4, kv_heads=2, d=32, t=10, int8=F
     else:
         w = w.to(dtype)
     bb = torch.randn(n, device=device).to(dtype) if bias else None
-    ang = torch.rand(b, s, d // 2, device=device) * 6
-    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
-    if not rotate:
-        cos = sin = None
-    caches = [torch.randn(b, kv_heads, t, d, device=device).to(dtype) for _ in range(2)]
-    slots = torch.arange(t - s, t, device=device)  # (S,)
-    return [x, w, scale, bb, cos, sin, heads, kv_heads, *caches, slots]
+    cos, sin, k_cache, v_cache, slots = rope_cache_inputs(device, dtype, b, s, d, kv_heads, t, rotate)
+    return [x, w, scale, bb, cos, sin, heads, kv_heads, k_cache, v_cache, slots]
 
 
 def _pair(args):

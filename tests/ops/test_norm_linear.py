@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import DEVICES, LOWP, assert_lowp_close, cuda_kernel_names, examples, given, lowp_atol, \
-    require_kernel, st
+    require_kernel, rope_cache_inputs, st
 
 from fuseinfer import FuseInferError, ops
 
@@ -47,13 +47,8 @@ def _rope_case(device, dtype, b=2, s=1, k=64, heads=4, kv_heads=2, d=32, t=10, b
     nw = (1 + 0.5 * torch.randn(k, device=device)).to(dtype)
     w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)
     bb = torch.randn(n, device=device).to(dtype) if bias else None
-    ang = torch.rand(b, s, d // 2, device=device) * 6
-    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
-    if not rotate:
-        cos = sin = None
-    caches = [torch.randn(b, kv_heads, t, d, device=device).to(dtype) for _ in range(2)]
-    slots = torch.arange(t - s, t, device=device)  # (S,)
-    return [x, nw, 1e-6, w, bb, cos, sin, heads, kv_heads, *caches, slots]
+    cos, sin, k_cache, v_cache, slots = rope_cache_inputs(device, dtype, b, s, d, kv_heads, t, rotate)
+    return [x, nw, 1e-6, w, bb, cos, sin, heads, kv_heads, k_cache, v_cache, slots]
 
 
 def _rope_ours(args):
