@@ -103,6 +103,26 @@ def rope_cache_inputs(device, dtype, b: int, s: int, d: int, kv_heads: int, t: i
     return cos, sin, caches[0], caches[1], torch.arange(t - s, t, device=device)
 
 
+def step_cache_copy(layers: int, args: dict, slot: int, dtype):
+    """A StaticKVCache (activations ``dtype``) holding copies of a decode step's caches ``args`` (their scales too
+    when they are FP8), its key mask and one write slot for all rows: what the patched modules' decode step reads
+    where the one-kernel step reads ``args``."""
+    from fuseinfer.ops.kv_cache import FP8_DTYPE
+    from fuseinfer.runtime.cache import StaticKVCache
+
+    k0 = args["k_caches"][0]
+    fp8 = bool(args.get("kv_scales"))
+    cache = StaticKVCache(layers, k0.shape[0], k0.shape[1], k0.shape[3], k0.shape[2], dtype, k0.device,
+                          kv_dtype=FP8_DTYPE if fp8 else None)
+    if fp8:
+        cache.kv_scales = [sc.clone() for sc in args["kv_scales"]]
+    cache.keys = [c.clone() for c in args["k_caches"]]
+    cache.values = [c.clone() for c in args["v_caches"]]
+    cache.key_mask = args["key_mask"]
+    cache.write_idx = torch.tensor([slot], device=k0.device)
+    return cache
+
+
 def examples(device: str, cpu: int, cuda: int):
     """Hypothesis settings for a property test on ``device``: few examples on the CPU (CI has 2 cores; there the ops
     run their references, so the examples mostly exercise shapes and the op plumbing), more on a GPU (the kernels).

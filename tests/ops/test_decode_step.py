@@ -9,7 +9,7 @@ import torch
 from conftest import random_opt
 from helpers import (DEVICES, LOWP, assert_fp8_cache_tokens_agree, assert_fp8_step, assert_lowp_close,
                      assert_step_within_rule, assume, examples, generate_decode_kernel_off_on, given, lowp_atol, st,
-                     step_args_in, with_fp8_caches)
+                     step_args_in, step_cache_copy, with_fp8_caches)
 
 import fuseinfer
 from fuseinfer.ops import opt_decode_step, opt_decode_step_ref
@@ -530,15 +530,7 @@ def test_decode_step_kernel_takes_w8a8_models():
 def _fp8_per_op(model, args, slot):
     """The patched modules' decode step over a StaticKVCache holding copies of the step's FP8 caches and scales (one
     write slot for all rows, the scales kept: a decode step) -> (fp32 logits (B, V), the cache)."""
-    cfg = model.config
-    k0 = args["k_caches"][0]
-    cache = StaticKVCache(cfg.num_hidden_layers, k0.shape[0], k0.shape[1], k0.shape[3], k0.shape[2], torch.float32,
-                          k0.device, kv_dtype=FP8_DTYPE)
-    cache.keys = [c.clone() for c in args["k_caches"]]
-    cache.values = [c.clone() for c in args["v_caches"]]
-    cache.kv_scales = [s.clone() for s in args["kv_scales"]]
-    cache.key_mask = args["key_mask"]
-    cache.write_idx = torch.tensor([slot], device=k0.device)
+    cache = step_cache_copy(model.config.num_hidden_layers, args, slot, torch.float32)
     with torch.no_grad():
         return forward_last_logits(model, args["tokens"], args["positions"], cache, args["q_start"]), cache
 

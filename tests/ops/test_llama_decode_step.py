@@ -9,7 +9,8 @@ import pytest
 import torch
 from conftest import random_llama
 from helpers import (assert_fp8_cache_tokens_agree, assert_fp8_step, assert_step_within_rule, examples,
-                     generate_decode_kernel_off_on, given, require_kernel, st, step_args_in, with_fp8_caches)
+                     generate_decode_kernel_off_on, given, require_kernel, st, step_args_in, step_cache_copy,
+                     with_fp8_caches)
 
 import fuseinfer
 from fuseinfer.models.llama import decode as llama_decode
@@ -18,7 +19,6 @@ from fuseinfer.ops import llama_decode_step, llama_decode_step_ref
 from fuseinfer.ops.decode_step import decode_step_workspace
 from fuseinfer.ops.kv_cache import FP8_DTYPE
 from fuseinfer.ops.llama_step import kernel_supports
-from fuseinfer.runtime.cache import StaticKVCache
 
 
 def _step_inputs(model, pads, q_start, capacity, seed=1):
@@ -58,17 +58,7 @@ def _per_op(model, args, positions, slot):
     """The patched modules' decode step (forward_last_logits over a StaticKVCache holding copies of the step's
     caches, and of their scales when they are FP8, one write slot for all rows) -> (fp32 logits (B, V), the
     cache)."""
-    cfg = model.config
-    k0 = args["k_caches"][0]
-    fp8 = bool(args["kv_scales"])
-    cache = StaticKVCache(cfg.num_hidden_layers, k0.shape[0], k0.shape[1], k0.shape[3], k0.shape[2],
-                          args["embed"].dtype, k0.device, kv_dtype=FP8_DTYPE if fp8 else None)
-    if fp8:
-        cache.kv_scales = [sc.clone() for sc in args["kv_scales"]]
-    cache.keys = [c.clone() for c in args["k_caches"]]
-    cache.values = [c.clone() for c in args["v_caches"]]
-    cache.key_mask = args["key_mask"]
-    cache.write_idx = torch.tensor([slot], device=k0.device)
+    cache = step_cache_copy(model.config.num_hidden_layers, args, slot, args["embed"].dtype)
     with torch.no_grad():
         logits = forward_last_logits(model, args["tokens"][:, None], positions, cache, args["q_start"])
     return logits, cache
