@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from common import attention_cases, bench_ms, measure_ceilings, write_results  # noqa: E402
+from common import attention_cases, bench_ms, capture_calls, measure_ceilings, write_results  # noqa: E402
 
 from fuseinfer.core import knobs  # noqa: E402
 from fuseinfer.ops.attention import attention  # noqa: E402
@@ -72,7 +72,7 @@ def main() -> None:
         timed = {}  # count -> what is timed: a CUDA graph of --graph-calls launches (as decode replays), or one launch
         for n in counts:
             with knobs.override(SPLITKV_SPLITS="0" if n == "auto" else n):  # (read when the launch is captured)
-                timed[n] = _graph_of(run, args.graph_calls) if args.graph_calls else run
+                timed[n] = capture_calls([run] * args.graph_calls).replay if args.graph_calls else run
         calls = max(1, args.graph_calls)
         per = {n: [] for n in counts}
         for _ in range(args.rounds):
@@ -96,21 +96,6 @@ def main() -> None:
                + [f"{n}_pct_copy" for n in ("auto",)])
     out = write_results("splitkv", vars(args), ceilings, rows, columns)
     print(f"wrote {out}")
-
-
-def _graph_of(fn, calls: int):
-    """A closure replaying one CUDA graph of ``calls`` launches of ``fn`` (captured after a warm-up on a side
-    stream, as the decode graphs are)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return graph.replay
 
 
 if __name__ == "__main__":

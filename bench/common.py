@@ -54,6 +54,19 @@ def paired_ratio(a: dict, b: dict) -> float:
     return r[len(r) // 2]
 
 
+def capture_calls(calls) -> torch.cuda.CUDAGraph:
+    """One CUDA graph of the closures ``calls`` back to back, each run once outside it first (kernel selection,
+    workspaces, lazily made buffers)."""
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    return graph
+
+
 def graph_calls_ms(groups: dict, rounds: int = 5, replays: int = 10, warmup_ms: float = 50) -> dict:
     """Per-call time of each group of ``calls`` (closures, e.g. one per weight copy) captured back to back in a
     CUDA graph of its own. This is how the decode step runs them: no host launch overhead, and (with PDL) each
@@ -63,16 +76,7 @@ def graph_calls_ms(groups: dict, rounds: int = 5, replays: int = 10, warmup_ms: 
     in a process of its own, H100); then the groups take turns, ``rounds`` times over, each turn ``replays`` timed
     replays (a lone run of 20 replays once read OPT-6.7b's out_proj at M = 8 at half its speed in the rounds
     around it). Per group: the median over all timed replays (``median_ms``, with p10 and p90), per call."""
-    graphs = {}
-    for name, calls in groups.items():
-        for fn in calls:  # warm-up outside the graph (kernel selection, workspaces)
-            fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for fn in calls:
-                fn()
-        graphs[name] = (graph, len(calls))
+    graphs = {name: (capture_calls(calls), len(calls)) for name, calls in groups.items()}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for graph, _ in graphs.values():  # batches of 5 replays until warmup_ms have passed on the GPU
         warm = 0.0
