@@ -19,9 +19,10 @@ that backend is patched, captured and timed, so gate/up runs the GEMV and then s
 The one-kernel step against the per-op step, in one process: ``--backends fuseinfer-step,fuseinfer-perop``
 (RuntimeConfig(decode_kernel="on") and "off"; plain ``fuseinfer`` is "auto", the measured default).
 
-The Llama family's RMSNorms folded into the next GEMV's prologue (the default) against the norm kernels, in one
-process: ``--backends fuseinfer-perop,fuseinfer-perop-nofold`` (``-nofold``: ``models.llama.modules.FOLD_NORMS`` off
-while that backend is patched, captured and timed; ``-foldnorm`` on; either changes the per-op step only).
+The norms folded into the next GEMV's prologue against the norm kernels, in one process: ``--backends
+fuseinfer-perop,fuseinfer-perop-nofold`` (``-nofold``: ``FOLD_NORMS`` off in both families' ``modules`` while that
+backend is patched, captured and timed; ``-foldnorm`` on; either changes the per-op step only). The Llama family's
+RMSNorms fold by default, OPT's LayerNorms (pre-LN; fp16 / bf16 and W8A16 weights) only with ``-foldnorm``.
 """
 from __future__ import annotations
 
@@ -49,14 +50,20 @@ SCHEMES = {"fuseinfer": None, "fuseinfer-w8a16": fuseinfer.Int8WeightOnly, "fuse
 
 @contextlib.contextmanager
 def fold_norms(on: bool = True):
-    """The Llama family's RMSNorms folded into the next GEMV (``modules.FOLD_NORMS``) or not inside the block."""
+    """The norms folded into the next GEMV (each family's ``modules.FOLD_NORMS``: Llama's RMSNorms, OPT's LayerNorms)
+    or not inside the block."""
     from fuseinfer.models.llama import modules as llama_modules
+    from fuseinfer.models.opt import modules as opt_modules
 
-    before, llama_modules.FOLD_NORMS = llama_modules.FOLD_NORMS, on
+    families = (llama_modules, opt_modules)
+    before = [m.FOLD_NORMS for m in families]
+    for m in families:
+        m.FOLD_NORMS = on
     try:
         yield
     finally:
-        llama_modules.FOLD_NORMS = before
+        for m, b in zip(families, before):
+            m.FOLD_NORMS = b
 
 
 def eight_bit_elements(model) -> int:
@@ -91,8 +98,8 @@ def main() -> None:
                          "'-perop' suffix on a fuseinfer backend turns the one-kernel step off, '-step' on wherever it "
                          "applies (decode_kernel='on'), a '-unfused' suffix "
                          "the GEMV epilogue fusions (FUSEINFER_GEMV_EPILOGUES=0: gate/up GEMV, then silu_mul), a "
-                         "'-foldnorm' / '-nofold' suffix (last) folds the Llama family's RMSNorms into the next GEMV "
-                         "or not (folded is the default)")
+                         "'-foldnorm' / '-nofold' suffix (last) folds the norms into the next GEMV or not (the "
+                         "default: folded for the Llama family, not for OPT)")
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     ap.add_argument("--quick", action="store_true", help="batch 1 only, 64 tokens, 3 repeats")
     ap.add_argument("--out", default=None, help="results folder (default: $FUSEINFER_BENCH_DIR or bench/results)")

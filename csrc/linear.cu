@@ -21,6 +21,7 @@
 // Both paths allocate nothing but y (and an aligned copy of a misaligned bias; cuBLASLt's workspace is PyTorch's
 // cached per-stream one) and never sync the host, so they can be captured in a CUDA graph.
 #include "knobs.h"
+#include "norm_ops.h"
 #include "path_counts.h"
 #include "skinny_gemv.cuh"
 
@@ -238,20 +239,23 @@ at::Tensor silu_mul_op(const at::Tensor& gate_up) {
   return op.call(gate_up);
 }
 
-// The op fuseinfer_C::add_rms_norm (rms_norm.cu) without a residual, through the dispatcher: y = RMSNorm(x).
-at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const c10::optional<at::Tensor>&,
-                                                 const c10::optional<at::Tensor>&, double, bool);
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("fuseinfer_C::add_rms_norm", "").typed<Sig>();
-  return std::get<0>(op.call(x, c10::nullopt, weight, eps, false));
-}
-
-// linear_epilogue, or with `norm` (which rms_norm_linear_cuda has checked the decode GEMV takes) the GEMV with the
-// RMSNorm prologue over x's un-normalised rows.
+// linear_epilogue, or with `norm` (which rms_norm_linear_cuda / layer_norm_linear_cuda have checked the decode GEMV
+// takes) the GEMV with the norm prologue over x's un-normalised rows.
 at::Tensor linear_epilogue_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                                 const c10::optional<at::Tensor>& residual, const std::string& activation,
-                                const skinny::NormParams* norm);
+                                const norm_ops::Norm* norm);
+
+// The w8a16_linear op (w8a16_linear.cu) through the dispatcher.
+at::Tensor w8a16_linear_op(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                           const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
+                           const std::string& activation) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fuseinfer_C::w8a16_linear", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                               const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+                                               const std::string&)>();
+  return op.call(x, qweight, scale, bias, residual, activation);
+}
 
 }  // namespace
 
@@ -274,25 +278,63 @@ at::Tensor rms_norm_linear_cuda(const at::Tensor& x, const at::Tensor& norm_weig
   const auto dtype = x.scalar_type();
   const int64_t m = x.size(0), k = x.size(1);
   const at::cuda::CUDAGuard guard(x.device());
+  const norm_ops::Norm norm{skinny::kRmsNorm, &norm_weight, nullptr, eps};
   const bool fold = (dtype == at::kHalf || dtype == at::kBFloat16) && x.is_cuda() && w.device() == x.device() &&
                     w.dim() == 2 && w.size(1) == k && w.scalar_type() == dtype && x.is_contiguous() &&
-                    w.is_contiguous() && norm_weight.is_contiguous() &&
-                    reinterpret_cast<uintptr_t>(norm_weight.data_ptr()) % 16 == 0 && m > 0 && k > 0 &&
+                    w.is_contiguous() && norm.prologue_reads(x) && m > 0 && k > 0 &&
                     w.size(0) > 0 && w.size(0) <= INT32_MAX && k <= INT32_MAX && knob(Knob::kGemvEpilogues) != 0 &&
                     skinny::norm_fits(m, k) && skinny::supported<skinny::HalfWeights>(x, w, m);
   if (!fold) {
-    return linear_epilogue_cuda(rms_norm_op(x.contiguous(), norm_weight.contiguous(), eps), w, bias, residual,
-                                activation);
+    const at::Tensor nw = norm_weight.contiguous();
+    return linear_epilogue_cuda(norm_ops::apply(x.contiguous(), {skinny::kRmsNorm, &nw, nullptr, eps}), w, bias,
+                                residual, activation);
   }
-  const skinny::NormParams np{norm_weight.data_ptr(), static_cast<float>(eps)};
-  return linear_epilogue_impl(x, w, bias, residual, activation, &np);
+  return linear_epilogue_impl(x, w, bias, residual, activation, &norm);
+}
+
+// linear_epilogue (w in x's dtype) or w8a16_linear (w int8 with fp32 per-row scales) of LayerNorm(x) with ln_weight,
+// ln_bias and eps: at decode (the skinny GEMV's sizes, fp16 / bf16, FUSEINFER_GEMV_EPILOGUES on, the staged rows
+// fitting shared memory, activation "none" or "relu") one kernel, the GEMV with the LayerNorm prologue, which
+// rounds as add_layer_norm does; elsewhere add_layer_norm, then the linear op.
+at::Tensor layer_norm_linear_cuda(const at::Tensor& x, const at::Tensor& ln_weight, const at::Tensor& ln_bias,
+                                  double eps, const at::Tensor& w, const c10::optional<at::Tensor>& scale,
+                                  const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
+                                  const std::string& activation) {
+  TORCH_CHECK(x.dim() == 2 && ln_weight.dim() == 1 && ln_weight.size(0) == x.size(1) &&
+                  ln_bias.sizes() == ln_weight.sizes(),
+              "layer_norm_linear: x must be (M, K) and ln_weight, ln_bias (K,), got ", x.sizes(), ", ",
+              ln_weight.sizes(), " and ", ln_bias.sizes());
+  TORCH_CHECK(ln_weight.device() == x.device() && ln_weight.scalar_type() == x.scalar_type() &&
+                  ln_bias.device() == x.device() && ln_bias.scalar_type() == x.scalar_type(),
+              "layer_norm_linear: ln_weight and ln_bias must match x");
+  const bool int8 = w.scalar_type() == at::kChar;
+  TORCH_CHECK(!int8 || defined_or_null(scale) != nullptr, "layer_norm_linear: int8 weights need their scales");
+  const auto dtype = x.scalar_type();
+  const int64_t m = x.size(0), k = x.size(1);
+  const at::cuda::CUDAGuard guard(x.device());
+  const norm_ops::Norm norm{skinny::kLayerNorm, &ln_weight, &ln_bias, eps};
+  const bool fold = (dtype == at::kHalf || dtype == at::kBFloat16) && x.is_cuda() && w.device() == x.device() &&
+                    w.dim() == 2 && w.size(1) == k && (int8 || w.scalar_type() == dtype) && x.is_contiguous() &&
+                    w.is_contiguous() && norm.prologue_reads(x) && activation != "silu_mul" && m > 0 && k > 0 &&
+                    w.size(0) > 0 && w.size(0) <= INT32_MAX && k <= INT32_MAX && knob(Knob::kGemvEpilogues) != 0 &&
+                    skinny::norm_fits(m, k, skinny::kLayerNorm) &&
+                    (int8 ? skinny::supported<skinny::Int8Weights>(x, w, m)
+                          : skinny::supported<skinny::HalfWeights>(x, w, m));
+  if (!fold) {
+    const at::Tensor nw = ln_weight.contiguous(), nb = ln_bias.contiguous();
+    const at::Tensor y = norm_ops::apply(x.contiguous(), {skinny::kLayerNorm, &nw, &nb, eps});
+    return int8 ? w8a16_linear_op(y, w, *scale, bias, residual, activation)
+                : linear_epilogue_cuda(y, w, bias, residual, activation);
+  }
+  if (int8) return w8a16_linear_folded(x, w, *scale, bias, residual, activation, norm);
+  return linear_epilogue_impl(x, w, bias, residual, activation, &norm);
 }
 
 namespace {
 
 at::Tensor linear_epilogue_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                                 const c10::optional<at::Tensor>& residual, const std::string& activation,
-                                const skinny::NormParams* norm) {
+                                const norm_ops::Norm* norm) {
   TORCH_CHECK(activation == "none" || activation == "relu" || activation == "silu_mul",
               "linear_epilogue: activation must be 'none', 'relu' or 'silu_mul', got '", activation, "'");
   const bool relu = activation == "relu";
@@ -328,13 +370,15 @@ at::Tensor linear_epilogue_impl(const at::Tensor& x, const at::Tensor& w, const 
         knob(Knob::kGemvEpilogues) != 0 && skinny::supported<skinny::HalfWeights>(x, w, m)) {
       count_path(Path::kLinearSkinny);
       at::Tensor y = at::empty({m, n / 2}, x.options());
-      skinny::run<skinny::HalfWeights>(x, w, nullptr, b, nullptr, false, y, /*silu=*/true, norm);
+      const skinny::NormParams np = norm ? norm->params() : skinny::NormParams{};
+      skinny::run<skinny::HalfWeights>(x, w, nullptr, b, nullptr, false, y, /*silu=*/true, norm ? &np : nullptr,
+                                       norm ? norm->kind : skinny::kRmsNorm);
       return y;
     }
-    TORCH_CHECK(norm == nullptr, "linear_epilogue: the RMSNorm prologue without the decode GEMV");
+    TORCH_CHECK(norm == nullptr, "linear_epilogue: the norm prologue without the decode GEMV");
     return silu_mul_op(linear_epilogue_cuda(x, w, bias, residual, "none"));  // (M, 2F) -> (M, F)
   }
-  TORCH_CHECK(norm == nullptr || (m > 0 && n > 0 && k > 0), "linear_epilogue: the RMSNorm prologue on empty operands");
+  TORCH_CHECK(norm == nullptr || (m > 0 && n > 0 && k > 0), "linear_epilogue: the norm prologue on empty operands");
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
   if (k == 0) {  // empty product: only the epilogue remains
@@ -347,10 +391,12 @@ at::Tensor linear_epilogue_impl(const at::Tensor& x, const at::Tensor& w, const 
 
   if (skinny::supported<skinny::HalfWeights>(x, w, m)) {
     count_path(Path::kLinearSkinny);
-    skinny::run<skinny::HalfWeights>(x, w, nullptr, b, r, relu, y, /*silu=*/false, norm);
+    const skinny::NormParams np = norm ? norm->params() : skinny::NormParams{};
+    skinny::run<skinny::HalfWeights>(x, w, nullptr, b, r, relu, y, /*silu=*/false, norm ? &np : nullptr,
+                                     norm ? norm->kind : skinny::kRmsNorm);
     return y;
   }
-  TORCH_CHECK(norm == nullptr, "linear_epilogue: the RMSNorm prologue without the decode GEMV");
+  TORCH_CHECK(norm == nullptr, "linear_epilogue: the norm prologue without the decode GEMV");
 
   // cuBLASLt's alignment preferences cover A, B, C and D but not the bias, whose kernels may assume 16 bytes:
   // a bias sliced out of a larger buffer gets an aligned copy (N elements, negligible).
@@ -364,15 +410,22 @@ at::Tensor linear_epilogue_impl(const at::Tensor& x, const at::Tensor& w, const 
 
 // rms_norm_linear(x, norm_weight, eps, w, bias, residual, activation) = linear_epilogue(y, w, bias, residual,
 // activation) with y = add_rms_norm(x, None, norm_weight, eps) (rms_norm.cu): x (M, K), norm_weight (K,) in x's dtype.
+// layer_norm_linear(x, ln_weight, ln_bias, eps, w, scale, bias, residual, activation) = linear_epilogue(y, w, bias,
+// residual, activation) (w in x's dtype, scale None) or w8a16_linear(y, w, scale, bias, residual, activation) (w int8,
+// scale (N,) fp32) with y = add_layer_norm(x, None, ln_weight, ln_bias, eps) (layer_norm.cu): x (M, K), ln_weight and
+// ln_bias (K,) in x's dtype.
 TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
   m.def("linear_epilogue(Tensor x, Tensor w, Tensor? bias, Tensor? residual, str activation) -> Tensor");
   m.def("rms_norm_linear(Tensor x, Tensor norm_weight, float eps, Tensor w, Tensor? bias, Tensor? residual, "
         "str activation) -> Tensor");
+  m.def("layer_norm_linear(Tensor x, Tensor ln_weight, Tensor ln_bias, float eps, Tensor w, Tensor? scale, "
+        "Tensor? bias, Tensor? residual, str activation) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) {
   m.impl("linear_epilogue", &linear_epilogue_cuda);
   m.impl("rms_norm_linear", &rms_norm_linear_cuda);
+  m.impl("layer_norm_linear", &layer_norm_linear_cuda);
 }
 
 }  // namespace fuseinfer

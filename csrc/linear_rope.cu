@@ -9,6 +9,7 @@
 // Elsewhere, or with FUSEINFER_GEMV_EPILOGUES=0: the linear op (linear_epilogue or w8a16_linear), then
 // qkv_rope_append (or, without cos / sin, kv_cache_append of the k / v views), through the dispatcher.
 #include "knobs.h"
+#include "norm_ops.h"
 #include "skinny_gemv.cuh"
 
 #include <ATen/ATen.h>
@@ -57,22 +58,14 @@ at::Tensor rope_append_op(const at::Tensor& qkv, const at::Tensor& cos, const at
   return op.call(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots);
 }
 
-// The op fuseinfer_C::add_rms_norm (rms_norm.cu) without a residual, through the dispatcher: y = RMSNorm(x).
-at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const c10::optional<at::Tensor>&,
-                                                 const c10::optional<at::Tensor>&, double, bool);
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("fuseinfer_C::add_rms_norm", "").typed<Sig>();
-  return std::get<0>(op.call(x, c10::nullopt, weight, eps, false));
-}
-
-// linear_rope_append of x, or with norm_weight of RMSNorm(x) (eps): the GEMV's RMSNorm prologue where the decode
-// GEMV serves the call (fp16 / bf16 weights, the staged rows fitting shared memory), add_rms_norm first elsewhere.
+// linear_rope_append of x, or with `norm` of norm(x): the GEMV's norm prologue where the decode GEMV serves the call
+// (RMSNorm: fp16 / bf16 weights; LayerNorm: those and int8; the staged rows fitting shared memory), the norm op
+// first elsewhere.
 at::Tensor linear_rope_append_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale,
                                    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& cos_in,
                                    const c10::optional<at::Tensor>& sin_in, int64_t heads, int64_t kv_heads,
                                    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
-                                   const at::Tensor* norm_weight, double eps) {
+                                   const norm_ops::Norm* norm) {
   TORCH_CHECK(x.is_cuda() && w.device() == x.device(), "linear_rope_append: x and w must be on one CUDA device");
   TORCH_CHECK(x.dim() == 3 && w.dim() == 2 && x.size(2) == w.size(1),
               "linear_rope_append: x must be (B, S, K) and w (N, K), got ", x.sizes(), " and ", w.sizes());
@@ -110,12 +103,13 @@ at::Tensor linear_rope_append_impl(const at::Tensor& x, const at::Tensor& w, con
   const bool gemv = operands && knob(Knob::kGemvEpilogues) != 0 &&
                     (int8 ? skinny::supported<skinny::Int8Weights>(x2, w, B * S)
                           : skinny::supported<skinny::HalfWeights>(x2, w, B * S));
-  // the RMSNorm prologue: fp16 / bf16 weights (the int8 GEMV has no prologue instantiations), rows that fit
-  const bool fold = norm_weight != nullptr && gemv && !int8 && skinny::norm_fits(B * S, K) &&
-                    reinterpret_cast<uintptr_t>(norm_weight->data_ptr()) % 16 == 0;
-  if (norm_weight != nullptr && !fold) {  // the norm first, then the call without it
-    return linear_rope_append_impl(rms_norm_op(x.contiguous(), *norm_weight, eps), w, scale, bias, cos_in, sin_in,
-                                   heads, kv_heads, k_cache, v_cache, slots, nullptr, 0.0);
+  // the norm prologue: RMSNorm for fp16 / bf16 weights, LayerNorm also for int8 ones (the prologues built), rows
+  // that fit
+  const bool fold = norm != nullptr && gemv && (!int8 || norm->kind == skinny::kLayerNorm) &&
+                    skinny::norm_fits(B * S, K, norm->kind) && norm->prologue_reads(x);
+  if (norm != nullptr && !fold) {  // the norm first, then the call without it
+    return linear_rope_append_impl(norm_ops::apply(x.contiguous(), *norm), w, scale, bias, cos_in, sin_in, heads,
+                                   kv_heads, k_cache, v_cache, slots, nullptr);
   }
   if (!gemv) {  // the linear, then the rotary pass (which checks the rest), or the split and the cache write
     const at::Tensor qkv = linear_op(x2, w, scale, bias).view({B, S, N});
@@ -128,13 +122,14 @@ at::Tensor linear_rope_append_impl(const at::Tensor& x, const at::Tensor& w, con
   const at::Tensor* cos = rotate ? &*cos_in : nullptr;
   const at::Tensor* sin = rotate ? &*sin_in : nullptr;
   at::Tensor q = at::empty({B, heads, S, D}, x.options());
+  const skinny::NormParams np = fold ? norm->params() : skinny::NormParams{};
+  const skinny::Norm kind = fold ? norm->kind : skinny::kRmsNorm;
   if (int8) {
     skinny::run_rope<skinny::Int8Weights>(x2, w, scale->data_ptr<float>(), b, cos, sin, S, heads, kv_heads, q,
-                                          k_cache, v_cache, slots);
+                                          k_cache, v_cache, slots, fold ? &np : nullptr, kind);
   } else {
-    const skinny::NormParams np{fold ? norm_weight->data_ptr() : nullptr, static_cast<float>(eps)};
     skinny::run_rope<skinny::HalfWeights>(x2, w, nullptr, b, cos, sin, S, heads, kv_heads, q, k_cache, v_cache,
-                                          slots, fold ? &np : nullptr);
+                                          slots, fold ? &np : nullptr, kind);
   }
   return q;
 }
@@ -145,7 +140,7 @@ at::Tensor linear_rope_append_cuda(const at::Tensor& x, const at::Tensor& w, con
                                    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& cos,
                                    const c10::optional<at::Tensor>& sin, int64_t heads, int64_t kv_heads,
                                    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
-  return linear_rope_append_impl(x, w, scale, bias, cos, sin, heads, kv_heads, k_cache, v_cache, slots, nullptr, 0.0);
+  return linear_rope_append_impl(x, w, scale, bias, cos, sin, heads, kv_heads, k_cache, v_cache, slots, nullptr);
 }
 
 at::Tensor rms_norm_linear_rope_append_cuda(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
@@ -160,8 +155,25 @@ at::Tensor rms_norm_linear_rope_append_cuda(const at::Tensor& x, const at::Tenso
                   norm_weight.is_contiguous(),
               "rms_norm_linear_rope_append: norm_weight must be contiguous, on x's device, in x's dtype");
   TORCH_CHECK(w.scalar_type() == x.scalar_type(), "rms_norm_linear_rope_append: w must have x's dtype");
-  return linear_rope_append_impl(x, w, c10::nullopt, bias, cos, sin, heads, kv_heads, k_cache, v_cache, slots,
-                                 &norm_weight, eps);
+  const norm_ops::Norm norm{skinny::kRmsNorm, &norm_weight, nullptr, eps};
+  return linear_rope_append_impl(x, w, c10::nullopt, bias, cos, sin, heads, kv_heads, k_cache, v_cache, slots, &norm);
+}
+
+at::Tensor layer_norm_linear_append_cuda(const at::Tensor& x, const at::Tensor& ln_weight, const at::Tensor& ln_bias,
+                                         double eps, const at::Tensor& w, const c10::optional<at::Tensor>& scale,
+                                         const c10::optional<at::Tensor>& bias, int64_t heads, int64_t kv_heads,
+                                         at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+  TORCH_CHECK(x.dim() == 3 && ln_weight.dim() == 1 && ln_weight.size(0) == x.size(2) &&
+                  ln_bias.sizes() == ln_weight.sizes(),
+              "layer_norm_linear_append: x must be (B, S, K) and ln_weight, ln_bias (K,), got ", x.sizes(), ", ",
+              ln_weight.sizes(), " and ", ln_bias.sizes());
+  TORCH_CHECK(ln_weight.device() == x.device() && ln_weight.scalar_type() == x.scalar_type() &&
+                  ln_bias.device() == x.device() && ln_bias.scalar_type() == x.scalar_type(),
+              "layer_norm_linear_append: ln_weight and ln_bias must be on x's device, in x's dtype");
+  const at::Tensor nw = ln_weight.contiguous(), nb = ln_bias.contiguous();
+  const norm_ops::Norm norm{skinny::kLayerNorm, &nw, &nb, eps};
+  return linear_rope_append_impl(x, w, scale, bias, c10::nullopt, c10::nullopt, heads, kv_heads, k_cache, v_cache,
+                                 slots, &norm);
 }
 
 // linear_rope_append(x, w, scale, bias, cos, sin, heads, kv_heads, k_cache, v_cache, slots) -> q:
@@ -171,16 +183,23 @@ at::Tensor rms_norm_linear_rope_append_cuda(const at::Tensor& x, const at::Tenso
 // rms_norm_linear_rope_append(x, norm_weight, eps, w, bias, cos, sin, heads, kv_heads, k_cache, v_cache, slots) -> q:
 // linear_rope_append of add_rms_norm(x, None, norm_weight, eps) (rms_norm.cu), w in x's dtype (no scale); at decode
 // one kernel (the GEMV's RMSNorm prologue, rounding as add_rms_norm).
+// layer_norm_linear_append(x, ln_weight, ln_bias, eps, w, scale, bias, heads, kv_heads, k_cache, v_cache, slots) -> q:
+// linear_rope_append of add_layer_norm(x, None, ln_weight, ln_bias, eps) (layer_norm.cu) without rotation (OPT's
+// q/k/v: the split and the cache write), w in x's dtype or int8 with its scales; at decode one kernel (the GEMV's
+// LayerNorm prologue, rounding as add_layer_norm).
 TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
   m.def("linear_rope_append(Tensor x, Tensor w, Tensor? scale, Tensor? bias, Tensor? cos, Tensor? sin, int heads, "
         "int kv_heads, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> Tensor");
   m.def("rms_norm_linear_rope_append(Tensor x, Tensor norm_weight, float eps, Tensor w, Tensor? bias, Tensor? cos, "
         "Tensor? sin, int heads, int kv_heads, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> Tensor");
+  m.def("layer_norm_linear_append(Tensor x, Tensor ln_weight, Tensor ln_bias, float eps, Tensor w, Tensor? scale, "
+        "Tensor? bias, int heads, int kv_heads, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) {
   m.impl("linear_rope_append", &linear_rope_append_cuda);
   m.impl("rms_norm_linear_rope_append", &rms_norm_linear_rope_append_cuda);
+  m.impl("layer_norm_linear_append", &layer_norm_linear_append_cuda);
 }
 
 }  // namespace fuseinfer

@@ -83,22 +83,32 @@ struct RopeParams {
   int seq = 0, cache_len = 0, heads = 0, kv_heads = 0, head_dim = 0;
 };
 
-// NORM only: the RMSNorm prologue's operands. x then holds the un-normalised rows h, and every block stages
-// x = round(round(h * rstd) * weight), rstd = rsqrt(mean(h^2) + eps) per row (fp32 statistics), in shared memory
-// before its first dot product: add_rms_norm (rms_norm.cu) without a residual, then the GEMV, in one kernel. A kernel
-// parameter of its own for the reason RopeParams is one.
+// The norm prologue (template parameter NORM): none, RMSNorm (the Llama family's) or LayerNorm (OPT's).
+enum Norm : int { kNoNorm = 0, kRmsNorm = 1, kLayerNorm = 2 };
+
+// NORM only: the norm prologue's operands. x then holds the un-normalised rows h, and every block stages the
+// normalised rows in shared memory before its first dot product, in fp32 statistics per row:
+//   kRmsNorm:   x = round(round(h * rstd) * weight), rstd = rsqrt(mean(h^2) + eps): add_rms_norm (rms_norm.cu);
+//   kLayerNorm: x = round((h - mean) * rstd * weight + bias), rstd = rsqrt(mean((h - mean)^2) + eps), two passes
+//               (the mean, then the squared deviations: no E[h^2] - mean^2 cancellation on outlier channels) and one
+//               rounding: add_layer_norm (layer_norm.cu),
+// without a residual, then the GEMV, in one kernel. A kernel parameter of its own for the reason RopeParams is one;
+// `bias` (LayerNorm only) after the fields the RMSNorm kernels read, which so keep their code.
 struct NormParams {
   const void* weight = nullptr;  // (K,) T
   float eps = 0.f;
+  const void* bias = nullptr;    // (K,) T, kLayerNorm
 };
 
 // The NORM prologue's shared memory. Its rows: 16-byte chunks per staged row of x, K / 8 and 4 more, so that
 // consecutive rows start 64 bytes apart modulo 128 (the mma loads' quarter-warp reads tokens g, g + 1 at chunks
 // t = 0..3: conflict-free).
 __host__ __device__ constexpr int norm_row_chunks(int k) { return k / 8 + 4; }
-// The rows, then the prologue's per-segment sums of squares (at most kMaxM x kMaxWarps floats).
-__host__ __device__ constexpr size_t norm_smem_bytes(int m, int k) {
-  return static_cast<size_t>(m) * norm_row_chunks(k) * 16 + sizeof(float) * kMaxM * kMaxWarps;
+// The rows, then the prologue's per-segment sums (at most kMaxM x kMaxWarps floats: of squares, RMSNorm; of values,
+// LayerNorm, which then has a second such array, of squared deviations).
+__host__ __device__ constexpr size_t norm_smem_bytes(int m, int k, int norm = kRmsNorm) {
+  return static_cast<size_t>(m) * norm_row_chunks(k) * 16 +
+         sizeof(float) * kMaxM * kMaxWarps * (norm == kLayerNorm ? 2 : 1);
 }
 
 enum Epilogue : int { kPlain = 0, kSiluMul = 1, kRope = 2 };
@@ -265,12 +275,14 @@ using Fp8Weights = ByteWeights<true>;
 // grid) and every row's k order and warp split are the plain GEMV's: gate and up come out bit-identical to
 // linear_epilogue's, and rounding them to T before silu * up (as silu_mul.cu does) gives linear + silu_mul's bits.
 // ROPE: the same pairing, tile i covering pairs 8i .. 8i + 7 of (head, d < D/2): rows head D + d and head D + D/2 + d.
-// NORM: x holds the un-normalised rows h; each block first stages the RMSNorm of its M rows in (dynamic) shared
-// memory, norm_smem_bytes(M, K), which its k-blocks then read instead of global memory (NormParams).
-template <class W, typename T, int NT, bool TAIL, int EPI = kPlain, bool NORM = false>
+// NORM (kRmsNorm, kLayerNorm): x holds the un-normalised rows h; each block first stages the norm of its M rows in
+// (dynamic) shared memory, norm_smem_bytes(M, K, NORM), which its k-blocks then read instead of global memory
+// (NormParams).
+template <class W, typename T, int NT, bool TAIL, int EPI = kPlain, int NORM = kNoNorm>
 __global__ void __launch_bounds__(32 * kMaxWarps)
     skinny_kernel(const Params p, const RopeParams rp, const NormParams np) {
   constexpr bool SILU = EPI == kSiluMul, ROPE = EPI == kRope;
+  constexpr bool STAGED = NORM != kNoNorm;  // x read from the prologue's staged rows in shared memory
   constexpr int U = W::template unroll<NT>();
   constexpr int XC = W::kChunkElems / 8;  // 16-byte chunks of x per weight chunk
   constexpr int kChunksPerBlock = 4 * U;  // 16-byte weight chunks per row in a k-block
@@ -293,7 +305,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps)
   const uint4* xs[NT];
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
-    if constexpr (NORM) {
+    if constexpr (STAGED) {
       xs[j] = norm_x + min(8 * j + g, p.m - 1) * norm_row_chunks(p.k);
     } else {
       xs[j] = reinterpret_cast<const uint4*>(p.x) + static_cast<int64_t>(min(8 * j + g, p.m - 1)) * (p.k / 8);
@@ -332,7 +344,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps)
   auto load_weights = [&](F& f, Item i) {
     load_w<NT, U, XC, TAIL>(f, w_row(i.tile, g), w_row(i.tile, g + 8), i.kb * kChunksPerBlock + t, chunks);
   };
-  auto load_acts = [&](F& f, Item i) { load_x<NT, U, XC, TAIL, NORM>(f, xs, i.kb * kChunksPerBlock + t, chunks); };
+  auto load_acts = [&](F& f, Item i) { load_x<NT, U, XC, TAIL, STAGED>(f, xs, i.kb * kChunksPerBlock + t, chunks); };
 
   // The epilogue operands of the thread's first output of a tile (row threadIdx.x % kOut, token
   // threadIdx.x / kOut), requested a tile ahead so that the epilogue, which ends the kernel, does not wait for a
@@ -415,25 +427,29 @@ __global__ void __launch_bounds__(32 * kMaxWarps)
   if constexpr (W::kScaled && !ROPE) e_scale = load_scale(i0.tile);
   // SILU with the RMSNorm prologue and a partial last k-block: the epilogue loads its operands itself (held
   // through the main loop, they pushed that kernel for up to 8 tokens into spilling, as the rotary operands below)
-  constexpr bool kPrefetchSilu = SILU && !(NORM && TAIL);
+  constexpr bool kPrefetchSilu = SILU && !(STAGED && TAIL);
   float e_bias = ROPE || (SILU && !kPrefetchSilu) ? 0.f : load_bias(i0.tile);
   if constexpr (kPrefetchSilu) {
     if constexpr (W::kScaled) e_scale_up = load_scale(i0.tile, p.n);
     e_bias_up = load_bias(i0.tile, p.n);
   }
   pdl_wait();
-  if constexpr (NORM) {
-    // The RMSNorm prologue (x = h, written by the previous kernel: coherent loads after the wait). Each row is cut
+  if constexpr (STAGED) {
+    // The norm prologue (x = h, written by the previous kernel: coherent loads after the wait). Each row is cut
     // into `parts` segments, one per warp (all warps busy at M = 1: one load per lane at K = 2048, one round trip),
-    // and each warp copies its segment to shared memory while summing its squares in fp32. After a barrier every
-    // warp adds its row's segment sums in one fixed order (deterministic, unlike atomics) and rewrites its segment as
-    // round_T(round_T(h * rstd) * weight), the roundings of add_rms_norm (rms_norm.cu) and transformers'
-    // LlamaRMSNorm; a second barrier before the first k-block reads the rows. The first two items' weights are in
-    // flight meanwhile. (`#pragma unroll 1`: those weights hold 64 registers here; unrolled, the loops spilled.)
+    // and each warp copies its segment to shared memory while summing, in fp32, its squares (RMSNorm) or its values
+    // (LayerNorm). After a barrier every warp adds its row's segment sums in one fixed order (deterministic, unlike
+    // atomics); LayerNorm then sums its segment's squared deviations from that mean (a second pass over the staged
+    // rows, and a second barrier). Each warp then rewrites its segment as RMSNorm's round_T(round_T(h * rstd) *
+    // weight), the roundings of add_rms_norm (rms_norm.cu) and transformers' LlamaRMSNorm, or LayerNorm's
+    // round_T((h - mean) * rstd * weight + bias), add_layer_norm's (layer_norm_rows.cuh: one rounding); a last
+    // barrier before the first k-block reads the rows. The first two items' weights are in flight meanwhile.
+    // (`#pragma unroll 1`: those weights hold 64 registers here; unrolled, the loops spilled.)
+    constexpr bool LN = NORM == kLayerNorm;
     const int row_chunks = p.k / 8;
     const int parts = max(1, warps / p.m);                  // warps per row
     const int seg = (row_chunks + parts - 1) / parts;       // chunks per segment
-    float* seg_ss = reinterpret_cast<float*>(norm_x + p.m * norm_row_chunks(p.k));  // (M, parts) sums of squares
+    float* seg_ss = reinterpret_cast<float*>(norm_x + p.m * norm_row_chunks(p.k));  // (M, parts) sums (of squares)
     for (int item = warp; item < p.m * parts; item += warps) {
       const int r = item / parts, c_end = min(row_chunks, (item - r * parts + 1) * seg);
       const uint4* h = reinterpret_cast<const uint4*>(p.x) + static_cast<int64_t>(r) * row_chunks;
@@ -445,19 +461,59 @@ __global__ void __launch_bounds__(32 * kMaxWarps)
         dst[c] = v;
         const T* e = reinterpret_cast<const T*>(&v);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) ss += to_float(e[i]) * to_float(e[i]);
+        for (int i = 0; i < 8; ++i) {
+          if constexpr (LN) {
+            ss += to_float(e[i]);
+          } else {
+            ss += to_float(e[i]) * to_float(e[i]);
+          }
+        }
       }
       ss = warp_sum(ss);
       if (lane == 0) seg_ss[item] = ss;
     }
     __syncthreads();
+    // LayerNorm: the row's mean (as layer_norm_rows.cuh forms it: the sum times 1 / K) and its (M, parts) sums of
+    // squared deviations
+    float* seg_dev = seg_ss + kMaxM * kMaxWarps;
+    const float inv_k = 1.f / static_cast<float>(p.k);
+    auto row_mean = [&](int r) {
+      float sum = 0.f;
+      for (int q = 0; q < parts; ++q) sum += seg_ss[r * parts + q];
+      return sum * inv_k;
+    };
+    if constexpr (LN) {
+      for (int item = warp; item < p.m * parts; item += warps) {
+        const int r = item / parts, c_end = min(row_chunks, (item - r * parts + 1) * seg);
+        const float mean = row_mean(r);
+        const uint4* src = norm_x + r * norm_row_chunks(p.k);
+        float dev = 0.f;
+#pragma unroll 1
+        for (int c = (item - r * parts) * seg + lane; c < c_end; c += 32) {
+          const uint4 v = src[c];
+          const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) dev += (to_float(e[i]) - mean) * (to_float(e[i]) - mean);
+        }
+        dev = warp_sum(dev);
+        if (lane == 0) seg_dev[item] = dev;
+      }
+      __syncthreads();
+    }
     const uint4* nw = static_cast<const uint4*>(np.weight);
+    const uint4* nb = static_cast<const uint4*>(np.bias);
     for (int item = warp; item < p.m * parts; item += warps) {
       const int r = item / parts, c_end = min(row_chunks, (item - r * parts + 1) * seg);
-      float ss = 0.f;
-      for (int q = 0; q < parts; ++q) ss += seg_ss[r * parts + q];
-      // rsqrt(mean(h^2) + eps) as rms_norm.cu forms it: the sum divided by K, then rsqrtf
-      const float rstd = rsqrtf(ss / static_cast<float>(p.k) + np.eps);
+      float ss = 0.f, mean = 0.f, rstd;
+      if constexpr (LN) {
+        mean = row_mean(r);
+        for (int q = 0; q < parts; ++q) ss += seg_dev[r * parts + q];
+        rstd = rsqrtf(ss * inv_k + np.eps);  // biased variance, as layer_norm_rows.cuh
+      } else {
+        for (int q = 0; q < parts; ++q) ss += seg_ss[r * parts + q];
+        // rsqrt(mean(h^2) + eps) as rms_norm.cu forms it: the sum divided by K, then rsqrtf
+        rstd = rsqrtf(ss / static_cast<float>(p.k) + np.eps);
+      }
       uint4* dst = norm_x + r * norm_row_chunks(p.k);
 #pragma unroll 1
       for (int c = (item - r * parts) * seg + lane; c < c_end; c += 32) {
@@ -465,10 +521,22 @@ __global__ void __launch_bounds__(32 * kMaxWarps)
         const uint4 wv = __ldg(nw + c);  // (a weight: never written by a kernel)
         T* e = reinterpret_cast<T*>(&v);
         const T* we = reinterpret_cast<const T*>(&wv);
+        if constexpr (LN) {
+          const uint4 bv = __ldg(nb + c);
+          const T* be = reinterpret_cast<const T*>(&bv);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const T n = from_float<T>(to_float(e[i]) * rstd);
-          e[i] = from_float<T>(to_float(n) * to_float(we[i]));
+          for (int i = 0; i < 8; ++i) {
+            float f = (to_float(e[i]) - mean) * rstd;  // layer_norm_rows.cuh's normalize: then * w, + b
+            f *= to_float(we[i]);
+            f += to_float(be[i]);
+            e[i] = from_float<T>(f);
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const T n = from_float<T>(to_float(e[i]) * rstd);
+            e[i] = from_float<T>(to_float(n) * to_float(we[i]));
+          }
         }
         dst[c] = v;
       }
@@ -481,7 +549,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps)
   // (a K with a partial last k-block (TAIL) needs more registers in the main loop: there the epilogue loads its
   // rotary operands itself rather than holding them through the loop, which spilled)
   // (nor with the RMSNorm prologue: its bf16 kernel for up to 8 tokens then spilled a register)
-  constexpr bool kPrefetchRope = ROPE && !TAIL && !NORM;
+  constexpr bool kPrefetchRope = ROPE && !TAIL && !STAGED;
   RopeOperands e_rope;
   if constexpr (kPrefetchRope) e_rope = load_rope(i0.tile);
 
@@ -658,16 +726,16 @@ bool supported(const at::Tensor& x, const at::Tensor& w, int64_t m) {
          at::cuda::getCurrentDeviceProperties()->major >= 8;
 }
 
-// Whether the NORM prologue's staged rows fit the device's shared memory beside the kernel's own (M tokens, K).
-inline bool norm_fits(int64_t m, int64_t k) {
+// Whether the `norm` prologue's staged rows fit the device's shared memory beside the kernel's own (M tokens, K).
+inline bool norm_fits(int64_t m, int64_t k, Norm norm = kRmsNorm) {
   const int nt = m <= 8 ? 1 : 2;
   const size_t own = sizeof(float) * 2 * kMaxWarps * kRows * (8 * nt + 1);  // skinny_kernel's `partial`
   return m >= 1 && m <= kMaxM && k % 8 == 0 &&
-         own + norm_smem_bytes(static_cast<int>(m), static_cast<int>(k)) <=
+         own + norm_smem_bytes(static_cast<int>(m), static_cast<int>(k), norm) <=
              at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
 }
 
-template <class W, typename T, int NT, bool TAIL, int EPI, bool NORM>
+template <class W, typename T, int NT, bool TAIL, int EPI, int NORM>
 void launch(const Params& p, const RopeParams& rp, const NormParams& np, cudaStream_t stream) {
   constexpr int kElemsPerBlock = 4 * W::kChunkElems * W::template unroll<NT>();
   constexpr int kOut = EPI == kPlain ? kRows : kRows / 2;
@@ -680,13 +748,13 @@ void launch(const Params& p, const RopeParams& rp, const NormParams& np, cudaStr
   const int warps = std::max(1, std::min(tiles < 2 * sms ? kMaxWarps : 8, k_blocks));
   const auto kernel = skinny_kernel<W, T, NT, TAIL, EPI, NORM>;
   // NORM: the staged rows in dynamic shared memory (norm_fits() checked that they fit)
-  const size_t smem = NORM ? norm_smem_bytes(p.m, p.k) : 0;
-  if constexpr (NORM) allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
+  const size_t smem = NORM != kNoNorm ? norm_smem_bytes(p.m, p.k, NORM) : 0;
+  if constexpr (NORM != kNoNorm) allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   const int resident = sms * blocks_per_sm(reinterpret_cast<const void*>(kernel), 32 * warps, smem);
   launch_kernel(kernel, std::min(tiles, resident), 32 * warps, smem, stream, p, rp, np);
 }
 
-template <class W, typename T, int NT, int EPI, bool NORM>
+template <class W, typename T, int NT, int EPI, int NORM>
 void launch(const Params& p, const RopeParams& rp, const NormParams& np, cudaStream_t stream) {
   if ((p.k / W::kChunkElems) % (4 * W::template unroll<NT>()) != 0) {
     launch<W, T, NT, true, EPI, NORM>(p, rp, np, stream);
@@ -695,9 +763,9 @@ void launch(const Params& p, const RopeParams& rp, const NormParams& np, cudaStr
   }
 }
 
-// Launches the kernel for T = __half or __nv_bfloat16 (one n-tile up to 8 tokens, else two); NORM with the RMSNorm
+// Launches the kernel for T = __half or __nv_bfloat16 (one n-tile up to 8 tokens, else two); NORM with the norm
 // prologue of `np`.
-template <class W, typename T, int EPI, bool NORM = false>
+template <class W, typename T, int EPI, int NORM = kNoNorm>
 void launch(const Params& p, cudaStream_t stream, const RopeParams& rp = {}, const NormParams& np = {}) {
   if (p.m <= 8) {
     launch<W, T, 1, EPI, NORM>(p, rp, np, stream);
@@ -706,14 +774,22 @@ void launch(const Params& p, cudaStream_t stream, const RopeParams& rp = {}, con
   }
 }
 
-// launch<W, T, EPI> with the RMSNorm prologue where `norm` is given (fp16 / bf16 weights only: the prologue's
-// instantiations for int8 / e4m3 weights are not built).
+// launch<W, T, EPI> with the `kind` prologue where `norm` is given. Built: RMSNorm for fp16 / bf16 weights (every
+// epilogue; the Llama family's), LayerNorm for fp16 / bf16 and int8 weights with the plain and the q/k/v epilogue
+// (OPT's, also W8A16); no other combination is instantiated.
 template <class W, typename T, int EPI>
-void launch_norm(const Params& p, cudaStream_t stream, const RopeParams& rp, const NormParams* norm) {
-  if constexpr (std::is_same_v<W, HalfWeights>) {
-    if (norm != nullptr) return launch<W, T, EPI, true>(p, stream, rp, *norm);
-  } else {
-    TORCH_CHECK(norm == nullptr, "skinny GEMV: the RMSNorm prologue takes fp16 / bf16 weights");
+void launch_norm(const Params& p, cudaStream_t stream, const RopeParams& rp, const NormParams* norm,
+                 Norm kind = kRmsNorm) {
+  if (norm != nullptr) {
+    constexpr bool half = std::is_same_v<W, HalfWeights>;
+    if constexpr (half) {
+      if (kind == kRmsNorm) return launch<W, T, EPI, kRmsNorm>(p, stream, rp, *norm);
+    }
+    if constexpr ((half || std::is_same_v<W, Int8Weights>) && EPI != kSiluMul) {
+      if (kind == kLayerNorm) return launch<W, T, EPI, kLayerNorm>(p, stream, rp, *norm);
+    }
+    TORCH_CHECK(false, "skinny GEMV: no ", kind == kLayerNorm ? "LayerNorm" : "RMSNorm",
+                " prologue for these weights and this epilogue");
   }
   launch<W, T, EPI>(p, stream, rp);
 }
@@ -724,7 +800,8 @@ void launch_norm(const Params& p, cudaStream_t stream, const RopeParams& rp, con
 // scale and bias (2F,)), no residual.
 template <class W>
 void run(const at::Tensor& x, const at::Tensor& w, const float* scale, const at::Tensor* bias,
-         const at::Tensor* residual, bool relu, at::Tensor& y, bool silu = false, const NormParams* norm = nullptr) {
+         const at::Tensor* residual, bool relu, at::Tensor& y, bool silu = false, const NormParams* norm = nullptr,
+         Norm norm_kind = kRmsNorm) {
   Params p;
   p.x = x.data_ptr();
   p.w = w.data_ptr();
@@ -740,14 +817,14 @@ void run(const at::Tensor& x, const at::Tensor& w, const float* scale, const at:
   if (silu) {
     TORCH_CHECK(residual == nullptr && !relu && w.size(0) == 2 * y.size(1), "skinny GEMV: bad silu_mul operands");
     if (x.scalar_type() == at::kHalf) {
-      launch_norm<W, __half, kSiluMul>(p, stream, {}, norm);
+      launch_norm<W, __half, kSiluMul>(p, stream, {}, norm, norm_kind);
     } else {
-      launch_norm<W, __nv_bfloat16, kSiluMul>(p, stream, {}, norm);
+      launch_norm<W, __nv_bfloat16, kSiluMul>(p, stream, {}, norm, norm_kind);
     }
   } else if (x.scalar_type() == at::kHalf) {
-    launch_norm<W, __half, kPlain>(p, stream, {}, norm);
+    launch_norm<W, __half, kPlain>(p, stream, {}, norm, norm_kind);
   } else {
-    launch_norm<W, __nv_bfloat16, kPlain>(p, stream, {}, norm);
+    launch_norm<W, __nv_bfloat16, kPlain>(p, stream, {}, norm, norm_kind);
   }
 }
 
@@ -759,7 +836,7 @@ template <class W>
 void run_rope(const at::Tensor& x, const at::Tensor& w, const float* scale, const at::Tensor* bias,
               const at::Tensor* cos, const at::Tensor* sin, int64_t seq, int64_t heads, int64_t kv_heads,
               at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
-              const NormParams* norm = nullptr) {
+              const NormParams* norm = nullptr, Norm norm_kind = kRmsNorm) {
   Params p;
   p.x = x.data_ptr();
   p.w = w.data_ptr();
@@ -786,9 +863,9 @@ void run_rope(const at::Tensor& x, const at::Tensor& w, const float* scale, cons
   rp.head_dim = static_cast<int>(q.size(3));
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (x.scalar_type() == at::kHalf) {
-    launch_norm<W, __half, kRope>(p, stream, rp, norm);
+    launch_norm<W, __half, kRope>(p, stream, rp, norm, norm_kind);
   } else {
-    launch_norm<W, __nv_bfloat16, kRope>(p, stream, rp, norm);
+    launch_norm<W, __nv_bfloat16, kRope>(p, stream, rp, norm, norm_kind);
   }
 }
 #endif

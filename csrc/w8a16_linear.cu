@@ -16,6 +16,7 @@
 // Nothing syncs the host: both paths can be captured in CUDA graphs.
 #include "int8_convert.cuh"
 #include "knobs.h"
+#include "norm_ops.h"
 #include "skinny_gemv.cuh"
 
 #include <ATen/core/Dict.h>
@@ -99,9 +100,11 @@ at::Tensor int8_dequantize_cuda(const at::Tensor& qweight, const at::Tensor& sca
   return out;
 }
 
-at::Tensor w8a16_linear_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+// w8a16_linear, or with `norm` (which layer_norm_linear, linear.cu, has checked the int8 GEMV and its norm
+// prologue take) the GEMV with the norm prologue over x's un-normalised rows.
+at::Tensor w8a16_linear_impl(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                              const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
-                             const std::string& activation) {
+                             const std::string& activation, const norm_ops::Norm* norm) {
   TORCH_CHECK(activation == "none" || activation == "relu" || activation == "silu_mul",
               "w8a16_linear: activation must be 'none', 'relu' or 'silu_mul', got '", activation, "'");
   const bool relu = activation == "relu";
@@ -136,18 +139,34 @@ at::Tensor w8a16_linear_cuda(const at::Tensor& x, const at::Tensor& qweight, con
   const at::cuda::CUDAGuard guard(x.device());
   const bool gemv = m > 0 && n > 0 && k > 0 && skinny::supported<skinny::Int8Weights>(x, qweight, m);
   if (silu && !(gemv && knob(Knob::kGemvEpilogues) != 0)) {  // the linear, then silu_mul: (M, 2F) -> (M, F)
-    return silu_mul_op(w8a16_linear_cuda(x, qweight, scale, bias, residual, "none"));
+    TORCH_CHECK(norm == nullptr, "w8a16_linear: the norm prologue without the decode GEMV");
+    return silu_mul_op(w8a16_linear_impl(x, qweight, scale, bias, residual, "none", nullptr));
   }
   if (gemv) {
     ++gemv_calls;
     at::Tensor y = at::empty({m, silu ? n / 2 : n}, x.options());
-    skinny::run<skinny::Int8Weights>(x, qweight, scale.data_ptr<float>(), b, r, relu, y, silu);
+    const skinny::NormParams np = norm ? norm->params() : skinny::NormParams{};
+    skinny::run<skinny::Int8Weights>(x, qweight, scale.data_ptr<float>(), b, r, relu, y, silu, norm ? &np : nullptr,
+                                     norm ? norm->kind : skinny::kRmsNorm);
     return y;
   }
+  TORCH_CHECK(norm == nullptr, "w8a16_linear: the norm prologue without the decode GEMV");
   ++dequant_calls;
   // (M = 0, N = 0 and K = 0 are handled by linear_epilogue, on an empty or zero-size scratch weight)
   const at::Tensor w = int8_dequantize_cuda(qweight, scale, dtype);  // (N, K) scratch
   return linear_epilogue(x, w, bias, residual, activation);
+}
+
+at::Tensor w8a16_linear_cuda(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                             const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
+                             const std::string& activation) {
+  return w8a16_linear_impl(x, qweight, scale, bias, residual, activation, nullptr);
+}
+
+at::Tensor w8a16_linear_folded(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                               const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
+                               const std::string& activation, const norm_ops::Norm& norm) {
+  return w8a16_linear_impl(x, qweight, scale, bias, residual, activation, &norm);
 }
 
 // Calls of w8a16_linear per path since the process started: "gemv" (M <= 16 kernel), "dequant_gemm".

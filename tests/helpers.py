@@ -408,3 +408,55 @@ def assert_fp8_cache_tokens_agree(out: dict, prompt: int) -> None:
     for ours, theirs in ((out["on"][0], out["off"][0]), (out["on"][1], out["off"][1])):
         assert torch.equal(ours[:, :prompt + 4], theirs[:, :prompt + 4])
         assert (ours[:, prompt:] == theirs[:, prompt:]).float().mean().item() >= 0.9
+
+
+# ---- the folded-norm model tests (tests/models/*/test_fold_norms.py) ----
+
+def load_causal_lm(path, dtype, device="cpu"):
+    """A checkpoint's AutoModelForCausalLM in ``dtype`` on ``device``, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def fold_ids(model, rows=3, length=20, seed=6, device="cpu"):
+    """(input_ids, attention_mask) of random tokens, the first row left-padded by 5."""
+    ids = torch.randint(3, model.config.vocab_size, (rows, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding
+    return ids.to(device), mask.to(device)
+
+
+def run_folded(model, ids, mask, family_modules, fold: bool, monkeypatch, config=None):
+    """(greedy tokens, one cached decode step's logits) with ``family_modules.FOLD_NORMS = fold``, through a fresh
+    patch (``config``: its PatchConfig, or the default)."""
+    import fuseinfer
+
+    monkeypatch.setattr(family_modules, "FOLD_NORMS", fold)
+    fuseinfer.patch(model, config)
+    try:
+        tokens = fuseinfer.generate(model, ids, mask, max_new_tokens=12, min_new_tokens=12, pad_token_id=1)
+        with torch.no_grad():  # one cached decode step through the patched modules
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+            step = model(input_ids=tokens[:, -1:], attention_mask=torch.cat([mask, mask[:, -1:]], 1),
+                         past_key_values=out.past_key_values).logits
+    finally:
+        fuseinfer.unpatch(model)
+    return tokens, step
+
+
+def folded_op_counts(model, ids, mask, family_modules, monkeypatch, config=None) -> dict:
+    """{fold: Counter of fuseinfer::* op calls} of a 3-token greedy generate with ``family_modules.FOLD_NORMS`` off
+    and on (CPU: every op call goes through the dispatcher)."""
+    import fuseinfer
+
+    counts = {}
+    for fold in (False, True):
+        monkeypatch.setattr(family_modules, "FOLD_NORMS", fold)
+        fuseinfer.patch(model, config)
+        try:
+            counts[fold] = fuseinfer_op_counts(
+                lambda: fuseinfer.generate(model, ids, mask, max_new_tokens=3, min_new_tokens=3, pad_token_id=1))
+        finally:
+            fuseinfer.unpatch(model)
+    return counts

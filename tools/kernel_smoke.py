@@ -135,6 +135,32 @@ def other_kernels():
             ops.rms_norm_linear_rope_append(torch.randn(rows, 1, 128, device="cuda", dtype=dtype), nk, 1e-6, wk,
                                             None, cs, sn, 3, 1, kc, vc, sl)
             ops.rms_norm_linear_rope_append(xr[:, None], nw, 1e-6, wr, None, None, None, 3, 1, kc, vc, sl)
+        # the GEMV with the LayerNorm prologue (layer_norm_linear, layer_norm_linear_append): fp16 / bf16 and int8
+        # weights, one and two n-tiles, 1, 3 and 16 rows, K with a tail and without (96 and 128 for the fp16 / bf16
+        # GEMV; 96 and 256 for the int8 one, whose k-blocks are 128 wide), the plain (ReLU, residual) and the q/k/v
+        # epilogue (3 q heads and 1 k/v head of D 32 here: the op takes any H, Hkv, as OPT's H = Hkv)
+        lb, lbk = torch.randn(96, device="cuda", dtype=dtype), torch.randn(128, device="cuda", dtype=dtype)
+        w256, wr256 = (torch.randn(n, 256, device="cuda", dtype=dtype) for n in (136, 160))
+        n256, b256 = torch.randn(256, device="cuda", dtype=dtype), torch.randn(256, device="cuda", dtype=dtype)
+        qw, sw = ops.quantize_per_channel(w.float())
+        qw256, sw256 = ops.quantize_per_channel(w256.float())
+        qr256, sr256 = ops.quantize_per_channel(wr256.float())
+        for rows in (1, 3, 16):
+            xr = torch.randn(rows, 96, device="cuda", dtype=dtype)
+            xk2 = torch.randn(rows, 128, device="cuda", dtype=dtype)
+            x256 = torch.randn(rows, 256, device="cuda", dtype=dtype)
+            res = torch.randn(rows, 136, device="cuda", dtype=dtype)
+            ops.layer_norm_linear(xr, nw, lb, 1e-5, w, None, b, res, "none")
+            ops.layer_norm_linear(xk2, nk, lbk, 1e-5, wk, None, None, None, "relu")
+            ops.layer_norm_linear(xr, nw, lb, 1e-5, qw, sw.view(-1), b, None, "relu")
+            ops.layer_norm_linear(x256, n256, b256, 1e-5, qw256, sw256.view(-1), b, res, "none")
+            kc, vc = (torch.zeros(rows, 1, 7, 32, device="cuda", dtype=dtype) for _ in range(2))
+            sl = torch.tensor([6], device="cuda")
+            ops.layer_norm_linear_append(xr[:, None], nw, lb, 1e-5, wr, None, br, 3, 1, kc, vc, sl)
+            ops.layer_norm_linear_append(xk2[:, None], nk, lbk, 1e-5, wk, None, None, 3, 1, kc, vc, sl)
+            ops.layer_norm_linear_append(xr[:, None], nw, lb, 1e-5, qr, sr.view(-1), br, 3, 1, kc, vc, sl)
+            ops.layer_norm_linear_append(x256[:, None], n256, b256, 1e-5, qr256, sr256.view(-1), None, 3, 1, kc, vc,
+                                         sl)
         # the e4m3 weight GEMV: one and two n-tiles, a K tail (K % 128 != 0), N not a multiple of 16
         wq, ws = ops.quantize_fp8_ref(torch.randn(136, 96, device="cuda"), -1)
         for rows in (1, 11):

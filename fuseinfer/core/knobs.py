@@ -74,7 +74,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "`0`: the decode GEMV's fused epilogues off (benchmarks): a gate/up linear with activation `silu_mul` runs "
          "the GEMV and then `silu_mul`, the q/k/v linear with the rotary and cache write (`linear_rope_append`) the "
          "GEMV and then `qkv_rope_append`: two kernels each instead of one; `rms_norm_linear` / "
-         "`rms_norm_linear_rope_append` run `add_rms_norm` and then the GEMV", ("0", "1"), extension=True),
+         "`rms_norm_linear_rope_append` run `add_rms_norm` and then the GEMV, `layer_norm_linear` / "
+         "`layer_norm_linear_append` `add_layer_norm` and then the GEMV", ("0", "1"), extension=True),
     Knob("FUSEINFER_SPLITKV_SPLITS", "0", "call",
          "split-KV decode attention's split count: `0` chosen by the kernel from the keys, the grid and the SMs, `N` forced "
          "to N (at most one split per block iteration's keys; benchmarks)", extension=True),

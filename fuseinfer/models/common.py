@@ -179,6 +179,24 @@ class PendingAttention:
         self.attn, self.x, self.kwargs = attn, x, kwargs
 
 
+class PendingNorm:
+    """A patched-modules strategy's ``norm`` output when the layer folds its norms into the GEMV after each (the
+    families' ``FOLD_NORMS``): the un-normalised rows and the norm module, which the attention / MLP step applies (in
+    its GEMV's prologue where it can, else first)."""
+
+    __slots__ = ("x", "norm")
+
+    def __init__(self, x, norm):
+        self.x, self.norm = x, norm
+
+
+def plain_call(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs its forward alone (no hooks, no replaced forward), so it may take
+    un-normalised rows and a ``prenorm``."""
+    return not (has_hooks(module) or module._forward_hooks or module._forward_pre_hooks
+                or "forward" in module.__dict__)
+
+
 def static_cache(cache) -> bool:
     """Whether ``cache`` is fuseinfer's static KV cache (per-layer (B, Hkv, T, D) ``keys`` / ``values`` and the slots
     of the next write, ``write_idx``), which the q/k/v GEMV's epilogue writes into directly

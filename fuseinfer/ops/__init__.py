@@ -16,6 +16,8 @@ from fuseinfer.ops.w8a8_linear import w8a8_linear, w8a8_linear_ref
 from fuseinfer.ops.layer_norm import add_layer_norm, add_layer_norm_ref
 from fuseinfer.ops.layer_norm_quant import (add_layer_norm_quant, add_layer_norm_quant_fp8,
                                             add_layer_norm_quant_fp8_ref, add_layer_norm_quant_ref)
+from fuseinfer.ops.layer_norm_linear import (layer_norm_linear, layer_norm_linear_append,
+                                             layer_norm_linear_append_ref, layer_norm_linear_ref)
 from fuseinfer.ops.linear import linear_epilogue, linear_epilogue_ref
 from fuseinfer.ops.linear_rope import linear_rope_append, linear_rope_append_ref
 from fuseinfer.ops.norm_linear import (rms_norm_linear, rms_norm_linear_ref, rms_norm_linear_rope_append,
@@ -47,4 +49,5 @@ __all__ = [
     "add_rms_norm", "add_rms_norm_ref", "qkv_rope", "qkv_rope_append", "qkv_rope_append_ref", "qkv_rope_ref",
     "sample_tokens", "sample_tokens_ref", "silu_mul", "silu_mul_ref", "warp_ref",
     "rms_norm_linear", "rms_norm_linear_ref", "rms_norm_linear_rope_append", "rms_norm_linear_rope_append_ref",
+    "layer_norm_linear", "layer_norm_linear_ref", "layer_norm_linear_append", "layer_norm_linear_append_ref",
 ]

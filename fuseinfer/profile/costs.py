@@ -128,6 +128,11 @@ register_cost("fuseinfer::linear_epilogue", linear_cost(0, 1, 2, 3))
 register_cost("fuseinfer::linear_rope_append", linear_cost(0, 1, 3))  # (x, weight, scale, bias, cos, sin, ...)
 register_cost("fuseinfer::rms_norm_linear", linear_cost(0, 3, 4, 5))  # (x, norm_weight, eps, weight, bias, residual)
 register_cost("fuseinfer::rms_norm_linear_rope_append", linear_cost(0, 3, 4))  # (x, norm_weight, eps, weight, bias,..)
+# (the LayerNorm prologue's weight and bias: two rows of K more; an int8 weight counts its bytes, 1 each)
+register_cost("fuseinfer::layer_norm_linear", linear_cost(0, 4, 6, 7))  # (x, ln_weight, ln_bias, eps, weight, scale,
+# bias, residual, activation)
+register_cost("fuseinfer::layer_norm_linear_append", linear_cost(0, 4, 6))  # (x, ln_weight, ln_bias, eps, weight,
+# scale, bias, heads, ...)
 
 
 @register_cost("aten::mm")

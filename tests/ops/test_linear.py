@@ -253,7 +253,7 @@ def test_linear_chain_waits_for_its_input(m):
 
 @pytest.mark.gpu
 def test_gemv_requests_its_weights_before_the_pdl_wait():
-    """No skinny GEMV kernel spills to local memory, and the skinny GEMV's first two k-blocks of weights are loaded before griddepcontrol.wait (ACQBULK in sm_90
+    """No skinny GEMV kernel spills to local memory, and every skinny GEMV's first two k-blocks of weights are loaded before griddepcontrol.wait (ACQBULK in sm_90
     SASS), so that they stream while the kernel before finishes. ptxas once sank the first k-block's loads below the
     wait after an unrelated source change in the epilogue (4-13 points of copy lost, docs/history.md); this reads the built
     kernels' SASS so that such a change fails here and not only in a benchmark."""
@@ -285,19 +285,26 @@ def test_gemv_requests_its_weights_before_the_pdl_wait():
     # parameter struct) cost the fp16 decode step ~10% with no other trace
     spilled = [n for n, lines in kernels.items() if any(re.search(r"\b(LDL|STL)\b", line) for line in lines)]
     assert not spilled, f"skinny kernels with local-memory (spill) loads or stores: {spilled}"
-    kernels = {n: lines for n, lines in kernels.items() if "HalfWeights" in n}
-    # {fp16, bf16} x {one, two n-tiles} x {TAIL, not} of the plain epilogue (EPI 0) without and with the RMSNorm
-    # prologue (NORM), and the fused epilogues'
-    plain = [n for n in kernels if re.search(r"skinny_kernelI\w+?Li[12]ELb[01]ELi0ELb0E", n)]
-    assert len(plain) == 8, sorted(kernels)
-    normed = [n for n in kernels if re.search(r"skinny_kernelI\w+?Li[12]ELb[01]ELi[012]ELb1E", n)]
-    assert len(normed) == 24, sorted(kernels)
+    half = [n for n in kernels if "HalfWeights" in n]
+    int8 = [n for n in kernels if "ByteWeightsILb0E" in n]
+    # {fp16, bf16} x {one, two n-tiles} x {TAIL, not} of the plain epilogue (EPI 0) without a norm prologue (NORM
+    # 0), with the RMSNorm prologue (NORM 1: every epilogue), and with the LayerNorm prologue (NORM 2: the plain and
+    # the q/k/v epilogue, fp16 / bf16 and int8 weights)
+    plain = [n for n in half if re.search(r"skinny_kernelI\w+?Li[12]ELb[01]ELi0ELi0E", n)]
+    assert len(plain) == 8, sorted(half)
+    normed = [n for n in half if re.search(r"skinny_kernelI\w+?Li[12]ELb[01]ELi[012]ELi1E", n)]
+    assert len(normed) == 24, sorted(half)
+    for weights in (half, int8):
+        layer_normed = [n for n in weights if re.search(r"skinny_kernelI\w+?Li[12]ELb[01]ELi[02]ELi2E", n)]
+        assert len(layer_normed) == 16, sorted(weights)
     for name, lines in kernels.items():
         n_tiles = int(re.search(r"skinny_kernelI\w+?Li([12])ELb[01]E", name).group(1))
         wait = next((i for i, line in enumerate(lines) if "ACQBULK" in line), None)
         assert wait is not None, f"{name}: no griddepcontrol.wait (ACQBULK) in its SASS"
         loads = sum("LDG.E.NA." in line for line in lines[:wait])  # w's L1-bypassing loads; x's are LDG.E.128
-        unroll = 4 if n_tiles == 1 else 2  # HalfWeights::unroll: k-steps per k-block, two 16-byte loads per k-step
+        # W::unroll: k-steps per k-block (HalfWeights 4 / 2 for one / two n-tiles, the 8-bit weights 2 / 1), two
+        # 16-byte loads per k-step
+        unroll = (4 if n_tiles == 1 else 2) if "HalfWeights" in name else (2 if n_tiles == 1 else 1)
         assert loads >= 2 * 2 * unroll, f"{name}: {loads} weight loads before the wait, want {4 * unroll}"
 
 

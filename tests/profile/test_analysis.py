@@ -44,6 +44,28 @@ def test_folded_norm_gemvs_cost_as_their_linear():
         assert c.op_class == "gemv" and (c.flops, c.bytes) == (lin.flops, lin.bytes)
 
 
+def test_layer_norm_gemvs_cost_as_their_linear():
+    """The LayerNorm-prologue GEMVs (OPT's folded decode): fc1's (ReLU; fp16 or int8 weights, whose bytes count 1
+    each) and the q/k/v GEMV with the cache write, the linear's FLOPs and bytes."""
+    f16 = "torch.float16"
+    lin = costs.cost_of("fuseinfer::linear_epilogue", [[1, 1, 2048], [8192, 2048], [8192], [], []],
+                        [f16] * 3 + ["", "relu"])
+    fc1 = costs.cost_of("fuseinfer::layer_norm_linear",
+                        [[1, 1, 2048], [2048], [2048], [], [8192, 2048], [], [8192], [], []],
+                        [f16, f16, f16, "", f16, "", f16, "", "relu"])
+    assert fc1.op_class == "gemv" and (fc1.flops, fc1.bytes) == (lin.flops, lin.bytes)
+    int8 = costs.cost_of("fuseinfer::layer_norm_linear",
+                         [[1, 1, 2048], [2048], [2048], [], [8192, 2048], [8192], [8192], [], []],
+                         [f16, f16, f16, "", "torch.int8", "torch.float32", f16, "", "relu"])
+    assert int8.flops == lin.flops and lin.bytes - int8.bytes == 8192 * 2048
+    qkv = costs.cost_of("fuseinfer::layer_norm_linear_append",
+                        [[1, 1, 2048], [2048], [2048], [], [6144, 2048], [], [6144]],
+                        [f16, f16, f16, "", f16, "", f16])
+    plain = costs.cost_of("fuseinfer::linear_rope_append", [[1, 1, 2048], [6144, 2048], [], [6144]],
+                          [f16, f16, "", f16])
+    assert qkv.op_class == "gemv" and (qkv.flops, qkv.bytes) == (plain.flops, plain.bytes)
+
+
 def test_attention_costs_count_causal_pairs():
     sq = 128
     full = costs.cost_of("aten::scaled_dot_product_attention", [[1, 2, sq, 64]] * 3 + [[]], ["c10::Half"] * 3,

@@ -60,6 +60,8 @@ from fuseinfer.models.common import (
     install_attention,
     lock_models,
     own_storage_hook,
+    PendingNorm,
+    plain_call,
     restore_attention,
     static_cache,
     unlock_models,
@@ -343,29 +345,12 @@ def _apply_norm(x, norm):
     return add_rms_norm(x, None, norm.weight, norm.variance_epsilon)[0]
 
 
-class _PendingNorm:
-    """:meth:`ModuleOps.norm`'s output when the layer folds its norms (:data:`FOLD_NORMS`): the un-normalised rows and
-    the norm, which the attention / MLP module applies (in its GEMV's prologue where it can)."""
-
-    __slots__ = ("x", "norm")
-
-    def __init__(self, x, norm):
-        self.x, self.norm = x, norm
-
-
-def _plain_call(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs its forward alone (no hooks, no replaced forward), so it may take
-    un-normalised rows and a ``prenorm``."""
-    return not (_has_hooks(module) or module._forward_hooks or module._forward_pre_hooks
-                or "forward" in module.__dict__)
-
-
 def _folds_norms(layer: nn.Module) -> bool:
     """Whether ``layer`` hands its RMSNorms to its attention and MLP (:data:`FOLD_NORMS`, both fused and plainly
     called)."""
     attn, mlp = layer._modules["self_attn"], layer._modules["mlp"]
-    return isinstance(attn, _FusedAttention) and isinstance(mlp, _FusedMLP) and _plain_call(attn) and \
-        _plain_call(mlp)
+    return isinstance(attn, _FusedAttention) and isinstance(mlp, _FusedMLP) and plain_call(attn) and \
+        plain_call(mlp)
 
 
 class _PendingMLP:
@@ -390,8 +375,8 @@ class ModuleOps:
         self.fold = FOLD_NORMS and self.fused_norm and _folds_norms(layer)
 
     def norm(self, x, norm, residual=None):
-        if self.fold and residual is None:  # (the attention / MLP module normalises: _PendingNorm)
-            return _PendingNorm(x, norm), x
+        if self.fold and residual is None:  # (the attention / MLP module normalises: PendingNorm)
+            return PendingNorm(x, norm), x
         if not self.fused_norm:
             s = x if residual is None else residual + x
             return norm(s), s
@@ -399,7 +384,7 @@ class ModuleOps:
         return y, (x if residual is None else s)
 
     def attention(self, i, attn, x, ctx):
-        if type(x) is _PendingNorm:
+        if type(x) is PendingNorm:
             return _PendingAttention(attn, x.x, {**ctx, "prenorm": x.norm})
         return _PendingAttention(attn, x, ctx)
 
@@ -413,7 +398,7 @@ class ModuleOps:
             out = x.attn(x.x, **x.kwargs)[0]  # left unpatched (filter_fn, hooks)
             return out if residual is None else residual + out
         if type(x) is _PendingMLP:  # down_proj: the MLP module's call
-            if type(x.x) is _PendingNorm:  # (FOLD_NORMS: a fused MLP, _folds_norms)
+            if type(x.x) is PendingNorm:  # (FOLD_NORMS: a fused MLP, _folds_norms)
                 return x.mlp(x.x.x, residual=residual, prenorm=x.x.norm)
             if isinstance(x.mlp, _FusedMLP):
                 return x.mlp(x.x, residual=residual)

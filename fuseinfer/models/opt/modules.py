@@ -14,6 +14,9 @@ the swapped modules' own hooks and parameters stay as they are):
   whole row, spread over several CTAs);
 * FP8 W8A8 (``Float8``) likewise: those LayerNorms run as ``add_layer_norm_quant_fp8`` (per-token e4m3 activations
   and scales for the FP8 GEMMs); out_proj's and fc2's inputs are quantized by the linears themselves;
+* with :data:`FOLD_NORMS` (pre-LN), each LayerNorm runs in the prologue of the GEMV after it at decode rows
+  (self_attn_layer_norm in the q/k/v GEMV that writes the cache, final_layer_norm in fc1's:
+  ``layer_norm_linear_append`` / ``layer_norm_linear``), for fp16 / bf16 and int8 weight-only weights;
 * ``OPTAttention`` -> :class:`FusedOPTAttention`: q/k/v as one GEMM (q/k/v weights become views of one
   (3E, E) tensor, so no memory is added), unscaled q with the scale applied inside the attention kernel,
   out_proj + bias (+ residual) fused. The (3E, E) tensor and its (3E,) bias are plain attributes
@@ -52,6 +55,7 @@ from transformers.models.opt.modeling_opt import (
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.config import PatchConfig, PatchReport, Swap
 from fuseinfer.ops import add_layer_norm, linear_rope_append
+from fuseinfer.ops.layer_norm_linear import layer_norm_linear, layer_norm_linear_append
 from fuseinfer.ops.layer_norm_quant import add_layer_norm_quant, add_layer_norm_quant_fp8
 from fuseinfer.layers.linear import DECODE_ROWS, Int8WeightOnlyLinear, decode_rows, fused_linear, quantized_input
 from fuseinfer.core import placement
@@ -61,6 +65,8 @@ from fuseinfer.models.common import (
     cache_slots,
     install_attention,
     lock_models,
+    PendingNorm,
+    plain_call,
     restore_attention,
     static_cache,
     unlock_models,
@@ -71,6 +77,14 @@ from fuseinfer.models.common import (
     own_qkv_storage as _own_qkv_storage,
 )
 from fuseinfer.models.opt.layer import decoder_layer
+
+# Whether a pre-LN decoder layer folds its LayerNorms into the GEMV after each (self_attn_layer_norm into the q/k/v
+# projection + cache write, final_layer_norm into fc1 + ReLU; ``ops/layer_norm_linear.py``): at decode one kernel fewer
+# per norm, the GEMV normalising the rows in its prologue, for fp16 / bf16 and int8 weight-only (W8A16) weights. Read
+# at each layer call (a benchmark flips it to time both in one process); where the fused op does not apply (prefill,
+# post-LN, W8A8 / FP8 linears, an FP8 cache, an unpatched or hooked attention) the norm runs first as before, so the
+# values are the same either way. Off until timed on the GPU.
+FOLD_NORMS = False
 
 
 class FusedLayerNorm(nn.LayerNorm):
@@ -123,29 +137,42 @@ class FusedOPTAttention(OPTAttention):
             _link_qkv(self)
 
     def forward(self, hidden_states, past_key_values=None, attention_mask=None, output_attentions=False,
-                residual=None, quantized=None, **kwargs):
+                residual=None, quantized=None, prenorm=None, **kwargs):
         """quantized: (x_q (B, S, E) int8 / e4m3, x_scale (B, S, 1) fp32), the LayerNorm output already quantized per
         token for the W8A8 / FP8 q/k/v (``FusedOPTDecoderLayer._int8_qkv`` checked that this forward is fused and
-        takes it); hidden_states then gives only the shape and dtype."""
+        takes it); hidden_states then gives only the shape and dtype. prenorm: the LayerNorm module whose output the
+        projections take (hidden_states un-normalised; :data:`FOLD_NORMS`), folded into the q/k/v GEMV where that
+        runs the cache-writing ``linear_rope_append`` form, else applied first."""
         if _original_forward(self, hidden_states):
+            if prenorm is not None:
+                hidden_states = _norm(prenorm, hidden_states, None, True)
             out, weights = super().forward(hidden_states, past_key_values, attention_mask, output_attentions,
                                            **kwargs)
             return (out if residual is None else residual + out), weights
         ops = self._fuseinfer_ops
         bsz, tgt_len, _ = hidden_states.shape
         appended = False  # (k and v already in the cache)
+        fused_qkv = quantized is None and "qkv" in ops and _qkv_fused(self)
+        operands = _append_operands(self, hidden_states, past_key_values) if fused_qkv else None
+        if prenorm is not None and operands is None:  # (no GEMV to fold the norm into)
+            hidden_states, prenorm = _norm(prenorm, hidden_states, None, True), None
         if quantized is not None:  # W8A8 / FP8 q/k/v on add_layer_norm_quant(_fp8)'s output: (B, S, 3E)
             qkv = self._modules["qkv_proj"].forward_quantized(*quantized, None, "none", hidden_states.dtype)
             q, k, v = qkv.view(bsz, tgt_len, 3, self.num_heads, self.head_dim).unbind(2)  # 3 x (B, S, H, D)
-        elif "qkv" in ops and _qkv_fused(self) and (operands := _append_operands(self, hidden_states, past_key_values)) is not None:
+        elif operands is not None:
             # decode rows over fuseinfer's static cache: projection, split and cache write in one GEMV (its
-            # epilogue stores k and v into the cache)
+            # epilogue stores k and v into the cache), with prenorm in its prologue
             i = self.layer_idx
             keys, values = past_key_values.keys[i], past_key_values.values[i]
-            q = linear_rope_append(hidden_states, *operands, None, None, self.num_heads, self.num_heads, keys, values,
-                                   cache_slots(past_key_values, hidden_states.device))  # (B, H, S, D)
+            slots = cache_slots(past_key_values, hidden_states.device)
+            if prenorm is not None:
+                q = layer_norm_linear_append(hidden_states, prenorm.weight, prenorm.bias, prenorm.eps, *operands,
+                                             self.num_heads, self.num_heads, keys, values, slots)  # (B, H, S, D)
+            else:
+                q = linear_rope_append(hidden_states, *operands, None, None, self.num_heads, self.num_heads, keys,
+                                       values, slots)  # (B, H, S, D)
             k, v, appended = keys, values, True  # (B, H, T, D)
-        elif "qkv" in ops and _qkv_fused(self):
+        elif fused_qkv:
             qkv = fused_linear(self, hidden_states)  # (B, S, 3E); int8 weights when quantized
             q, k, v = qkv.view(bsz, tgt_len, 3, self.num_heads, self.head_dim).unbind(2)  # 3 x (B, S, H, D)
         else:
@@ -192,7 +219,7 @@ class ModuleOps:
     (``_fuseinfer_ops``; none: the submodules are called). One per layer call: ``h``, the layer's input, decides
     whether W8A8 LayerNorms quantize (not at decode-sized inputs on CUDA, where the W8A8 linears run the GEMV)."""
 
-    __slots__ = ("layer", "fused_ln", "fused_linear", "int8")
+    __slots__ = ("layer", "fused_ln", "fused_linear", "int8", "fold")
 
     def __init__(self, layer: nn.Module, h: torch.Tensor):
         ops = layer._fuseinfer_ops
@@ -203,6 +230,8 @@ class ModuleOps:
         # those linears run the 8-bit weight GEMV on fp16 activations (layers/linear.py decode_rows), so the LayerNorm
         # is fp16
         self.int8 = self.fused_ln and not decode_rows(h)
+        # pre-LN with the LayerNorms fused: each LayerNorm goes, unapplied (PendingNorm), to the q/k/v or fc1 step
+        self.fold = FOLD_NORMS and self.fused_ln and layer.do_layer_norm_before and _folds_norms(layer)
 
     def norm(self, x, ln, residual=None):
         if residual is not None:
@@ -212,12 +241,21 @@ class ModuleOps:
             lin = layer._int8_qkv(x) if ln is layer._modules["self_attn_layer_norm"] else layer._int8_fc1()
             if lin is not None:
                 return _Quantized(x, _norm_quant(ln, x, lin.quantized_input)), x
+        if self.fold:  # (the attention module or the fc1 step normalises)
+            return PendingNorm(x, ln), x
         return _norm(ln, x, None, self.fused_ln), x
 
     def attention(self, i, attn, x, ctx):
+        if type(x) is PendingNorm:  # (fold: a fused attention, plainly called)
+            return _PendingAttention(attn, x.x, {**ctx, "prenorm": x.norm})
         return _PendingAttention(attn, x, ctx)
 
     def linear(self, x, lin, residual=None, activation=None):
+        if type(x) is PendingNorm:  # fc1 after final_layer_norm (fold): one GEMV at decode rows, else the norm first
+            y = self._norm_linear(x, lin, residual, activation)
+            if y is not None:
+                return y
+            x = _norm(x.norm, x.x, None, self.fused_ln)
         if type(x) is _PendingAttention:  # out_proj: the attention module's call
             attn = x.attn
             if isinstance(attn, FusedOPTAttention):  # (out_proj + bias + residual fused)
@@ -238,6 +276,29 @@ class ModuleOps:
             y = lin.forward_quantized(*x.q, None, act, x.x.dtype)
             return y if residual is None else residual + y
         return fused_linear(lin, x, residual, act)
+
+    def _norm_linear(self, x: PendingNorm, lin, residual, activation):
+        """``layer_norm_linear`` of the pending norm's rows for ``lin`` (a plain nn.Linear or an int8 weight-only
+        linear, ReLU or no activation, decode-sized rows: where the GEMV's LayerNorm prologue serves), else None."""
+        h, ln = x.x, x.norm
+        if not self.fused_linear or h.numel() > DECODE_ROWS * h.shape[-1] or \
+                not (activation is None or activation.__class__.__name__ == "ReLU"):
+            return None
+        if type(lin) is nn.Linear:
+            weight, scale, bias = lin.weight, None, lin.bias
+        elif type(lin) is Int8WeightOnlyLinear:
+            weight, scale, bias = lin.qweight, lin.scale, lin.bias
+        else:
+            return None
+        return layer_norm_linear(h, ln.weight, ln.bias, ln.eps, weight, scale, bias, residual,
+                                 "none" if activation is None else "relu")
+
+
+def _folds_norms(layer: nn.Module) -> bool:
+    """Whether ``layer`` may hand its LayerNorms to its attention and fc1 steps (:data:`FOLD_NORMS`): the attention
+    fused and plainly called (it takes the un-normalised rows and the norm)."""
+    attn = layer._modules["self_attn"]
+    return isinstance(attn, FusedOPTAttention) and plain_call(attn)
 
 
 class FusedOPTDecoderLayer(OPTDecoderLayer):

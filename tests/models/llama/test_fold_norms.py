@@ -7,44 +7,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import cuda_kernel_names, fuseinfer_op_counts
+from helpers import cuda_kernel_names, fold_ids, folded_op_counts, load_causal_lm, run_folded
 
 import fuseinfer
 from fuseinfer.models.llama import modules as llama_modules
 
 
-def _load(path, dtype, device="cpu"):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-
-
-def _ids(model, rows=3, length=20, seed=6, device="cpu"):
-    ids = torch.randint(3, model.config.vocab_size, (rows, length), generator=torch.Generator().manual_seed(seed))
-    mask = torch.ones_like(ids)
-    mask[0, :5] = 0  # left padding
-    return ids.to(device), mask.to(device)
-
-
 def _run(model, ids, mask, fold: bool, monkeypatch):
     """(greedy tokens, one cached decode step's logits) with FOLD_NORMS = fold, through a fresh patch."""
-    monkeypatch.setattr(llama_modules, "FOLD_NORMS", fold)
-    fuseinfer.patch(model)
-    try:
-        tokens = fuseinfer.generate(model, ids, mask, max_new_tokens=12, min_new_tokens=12, pad_token_id=1)
-        with torch.no_grad():  # one cached decode step through the patched modules
-            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
-            step = model(input_ids=tokens[:, -1:], attention_mask=torch.cat([mask, mask[:, -1:]], 1),
-                         past_key_values=out.past_key_values).logits
-    finally:
-        fuseinfer.unpatch(model)
-    return tokens, step
+    return run_folded(model, ids, mask, llama_modules, fold, monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_folded_norms_change_no_token_on_cpu(tiny_llama_path, dtype, monkeypatch):
-    model = _load(tiny_llama_path, dtype)
-    ids, mask = _ids(model)
+    model = load_causal_lm(tiny_llama_path, dtype)
+    ids, mask = fold_ids(model)
     off, on = _run(model, ids, mask, False, monkeypatch), _run(model, ids, mask, True, monkeypatch)
     assert torch.equal(on[0], off[0])
     assert torch.equal(on[1], off[1])  # the references round alike: bit for bit
@@ -53,18 +30,10 @@ def test_folded_norms_change_no_token_on_cpu(tiny_llama_path, dtype, monkeypatch
 def test_the_folded_ops_run(tiny_llama_path, monkeypatch):
     """With FOLD_NORMS, decoding calls rms_norm_linear_rope_append and rms_norm_linear (once per layer and step) and
     add_rms_norm less often; without, never the folded ops."""
-    model = _load(tiny_llama_path, torch.float32)
-    ids, mask = _ids(model, rows=1, length=6)
+    model = load_causal_lm(tiny_llama_path, torch.float32)
+    ids, mask = fold_ids(model, rows=1, length=6)
     layers = model.config.num_hidden_layers
-    counts = {}
-    for fold in (False, True):
-        monkeypatch.setattr(llama_modules, "FOLD_NORMS", fold)
-        fuseinfer.patch(model)
-        try:
-            counts[fold] = fuseinfer_op_counts(
-                lambda: fuseinfer.generate(model, ids, mask, max_new_tokens=3, min_new_tokens=3, pad_token_id=1))
-        finally:
-            fuseinfer.unpatch(model)
+    counts = folded_op_counts(model, ids, mask, llama_modules, monkeypatch)
     on, off = counts[True], counts[False]
     assert on["fuseinfer::rms_norm_linear_rope_append"] >= 2 * layers, on
     assert on["fuseinfer::rms_norm_linear"] >= 2 * layers, on
@@ -76,8 +45,8 @@ def test_the_folded_ops_run(tiny_llama_path, monkeypatch):
 def test_a_hooked_mlp_keeps_its_norm(tiny_llama_path, monkeypatch):
     """A forward hook on an MLP (added after patch) sees the normalised rows with FOLD_NORMS as without: that layer's
     post-attention norm runs on its own."""
-    model = _load(tiny_llama_path, torch.float32)
-    ids, mask = _ids(model, rows=1, length=6)
+    model = load_causal_lm(tiny_llama_path, torch.float32)
+    ids, mask = fold_ids(model, rows=1, length=6)
     seen = {}
     for fold in (False, True):
         monkeypatch.setattr(llama_modules, "FOLD_NORMS", fold)
@@ -101,8 +70,8 @@ def test_folded_norms_change_no_token_on_cuda(tiny_llama_path, dtype, monkeypatc
     """The GEMV's RMSNorm prologue against the norm kernel then the GEMV: the same greedy tokens (CUDA graphs), and
     one eager decode step's logits over transformers' cache (the MLP's norm folded) within a rounding step (the
     prologue's fp32 sum of squares runs in another order)."""
-    model = _load(tiny_llama_path, dtype, "cuda")
-    ids, mask = _ids(model, device="cuda")
+    model = load_causal_lm(tiny_llama_path, dtype, "cuda")
+    ids, mask = fold_ids(model, device="cuda")
     off, on = _run(model, ids, mask, False, monkeypatch), _run(model, ids, mask, True, monkeypatch)
     assert torch.equal(on[0], off[0])
     torch.testing.assert_close(on[1], off[1], rtol=0, atol=4 * torch.finfo(dtype).eps * off[1].abs().max().item())
@@ -112,8 +81,8 @@ def test_folded_norms_change_no_token_on_cuda(tiny_llama_path, dtype, monkeypatc
 def test_a_folded_decode_step_runs_one_norm_kernel(tiny_llama_path, monkeypatch):
     """Per-op decode steps (no CUDA graphs, so the profiler sees each kernel) launch the final norm's RMSNorm kernel
     alone with FOLD_NORMS, 2 per layer + 1 without; the tokens agree."""
-    model = _load(tiny_llama_path, torch.float16, "cuda")
-    ids, mask = _ids(model, rows=2, device="cuda")
+    model = load_causal_lm(tiny_llama_path, torch.float16, "cuda")
+    ids, mask = fold_ids(model, rows=2, device="cuda")
     layers = model.config.num_hidden_layers
     config = fuseinfer.PatchConfig(runtime=fuseinfer.RuntimeConfig(cuda_graphs=False, decode_kernel="off"))
     norms, tokens = {}, {}
