@@ -350,3 +350,23 @@ def test_eval_runs_the_fp8_backend(tiny_model_path):
     notes = _notes(rows["fuseinfer-fp8"])  # the table's notes name the GEMM and the slower prefill, with the fix
     assert "FP8 GEMM: PyTorch reference" in notes and PREFILL_NOTE in notes
     assert f8 != fp and abs(f8 / fp - 1) < 0.005
+
+
+def test_eval_runs_the_fp8_static_backend(tiny_model_path):
+    """The fuseinfer-fp8-static row: calibrated on wiki.valid.raw of --data-dir (4 windows here), every fc2 with a
+    static input scale, the perplexity within 0.5% of the fuseinfer row's, the GEMM and the calibration in its
+    details."""
+    from fuseinfer.eval.runner import Settings, run
+    from tests.eval.test_cli import quiet_ui
+
+    _needs_wikitext()
+    settings = Settings(model=str(tiny_model_path), backends=("fuseinfer", "fuseinfer-fp8-static"), device="cpu",
+                        dtype="fp32", data_dir=str(WIKITEXT), skip_latency=True, max_windows=2,
+                        calibration_samples=4)
+    rows = run(settings, quiet_ui())["backends"]
+    row = rows["fuseinfer-fp8-static"]
+    assert row["quantized_weights"] == 16 and row["quant_scheme"] == "float8" and row["fc2_input"] == "static"
+    assert "FP8 GEMM: PyTorch reference" in row["fp8_gemm"] and "w8a8_gemm" not in row
+    assert row["calibration_samples"] == 4 and "wiki.valid.raw" in row["calibration_source"]
+    fp, f8 = rows["fuseinfer"]["ppl"], row["ppl"]
+    assert f8 != fp and abs(f8 / fp - 1) < 0.005
