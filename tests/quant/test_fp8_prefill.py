@@ -104,6 +104,19 @@ def test_static_fc2_input_lean_loop_equals_the_modules(variant, alpha):
     assert_lean_equals_modules(model, _ids(model.config.vocab_size), "fuseinfer::fp8_linear_fp8out", per_layer=1)
 
 
+def test_static_fc2_input_after_a_non_relu_activation():
+    """An activation the epilogue cannot apply (GELU): fc1 writes fp16, the activation runs apart, and fc2 quantizes
+    its input with its static scale (no fp8_linear_fp8out, no per-token quantize of it): the lean loop as the
+    modules, and one per-token quantize per layer only (out_proj's input)."""
+    base = random_opt(activation_function="gelu").eval()
+    model = copy.deepcopy(base)
+    fuseinfer.patch(model, PatchConfig(quant=_config(base, fc2_input="static")))
+    assert_lean_equals_modules(model, _ids(model.config.vocab_size), "fuseinfer::fp8_linear")
+    counts = fuseinfer_op_counts(lambda: fuseinfer.prefill(model, _ids(model.config.vocab_size)))
+    assert counts["fuseinfer::quantize_fp8_per_token"] == model.config.num_hidden_layers
+    assert counts["fuseinfer::fp8_linear_fp8out"] == 0
+
+
 def test_static_fc2_input_replaces_one_quantize_pass_per_layer():
     """Pre-LN with fc2_input="static": per layer one quantize_fp8_per_token (out_proj's input) instead of two, fc1
     as fp8_linear_fp8out, the other three GEMMs fp8_linear."""

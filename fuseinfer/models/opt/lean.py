@@ -394,6 +394,14 @@ class Fp8LeanOps(W8A8LeanOps):
                               nxt._buffers["input_scale"], "none" if activation is None else "relu")  # (M, F) e4m3
         return y, nxt.static_scales(y)
 
+    def lin(self, x, lin, residual, activation: str) -> torch.Tensor:
+        """W8A8LeanOps.lin, except that an fp16 / bf16 input of a linear with a static input scale (fc2 after a
+        non-ReLU activation, which fc1's epilogue cannot apply) is quantized with that scale, as the module's own
+        call quantizes it."""
+        if type(x) is not tuple and lin._buffers.get("input_scale") is not None:
+            x = lin.quantize_input(x)
+        return super().lin(x, lin, residual, activation)
+
     def _fp8(self, xq, xs, lin, residual, activation: str) -> torch.Tensor:
         """xq (M, K) e4m3, xs (M, 1) fp32 -> (M, N) in the model's dtype."""
         b = lin._buffers

@@ -233,7 +233,7 @@ class ModuleOps:
             y = y if activation is None else activation(y)
             return y if residual is None else residual + y
         if activation is not None and activation.__class__.__name__ != "ReLU":
-            y = activation(self.linear(x, lin))
+            y = activation(self._gemm(x, lin, None, "none"))
             return y if residual is None else residual + y
         act = "none" if activation is None else "relu"  # (ReLU in the GEMM's epilogue)
         nxt = self._static_next(lin)
@@ -242,7 +242,13 @@ class ModuleOps:
             xq, xs = x.q if type(x) is _Quantized else lin.quantize_input(x)
             y = lin.forward_fp8out(xq, xs, nxt.input_scale, act, like.dtype)  # (..., F) e4m3
             return _Quantized(like, (y, nxt.static_scales(y)))
-        if type(x) is _Quantized:  # fc1 on add_layer_norm_quant(_fp8)'s output, fc2 on fc1's: (..., N) in x's dtype
+        return self._gemm(x, lin, residual, act)
+
+    @staticmethod
+    def _gemm(x, lin, residual, act: str):
+        """act(x @ W.T + bias + residual) for ``lin``; x a tensor, or 8-bit activations (``_Quantized``: fc1 on
+        add_layer_norm_quant(_fp8)'s output, fc2 on fc1's e4m3 output) -> (..., N) in the model's dtype."""
+        if type(x) is _Quantized:
             return lin.forward_quantized(*x.q, residual, act, x.x.dtype)
         return fused_linear(lin, x, residual, act)
 
