@@ -184,7 +184,7 @@ def test_gpu_kernel_matches_the_reference(lead, n, k, bias_dtype, headroom):
             assert out.float().abs().amax() == FP8_MAX
         cpu = fp8_linear_fp8out_ref(*(None if t is None else t.cpu() for t in args), s.cpu(), act)
         # the kernel and the CPU reference: the same e4m3 value for nearly every element
-        assert (out.cpu().view(torch.uint8) == cpu.view(torch.uint8)).float().mean() > 0.97
+        assert (out.cpu().view(torch.uint8) == cpu.view(torch.uint8)).float().mean() > 0.95
 
 
 @pytest.mark.gpu
