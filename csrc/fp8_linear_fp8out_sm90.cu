@@ -75,8 +75,8 @@ void fp8_linear_fp8out_cuda(const at::Tensor& x_q, const at::Tensor& x_scale, co
                 bias->device() == x_q.device(), "fp8_linear_fp8out: bias must be (N,) contiguous float16 or bfloat16");
   }
   // TMA: 16-byte aligned base addresses and row strides (K and N one-byte values)
-  TORCH_CHECK(k % 16 == 0 && n % 16 == 0, "fp8_linear_fp8out: the sm90 kernel needs K % 16 == 0 and N % 16 == 0, got K=",
-              k, " N=", n);
+  TORCH_CHECK(k % 16 == 0 && n % 16 == 0,
+              "fp8_linear_fp8out: the sm90 kernel needs K % 16 == 0 and N % 16 == 0, got K=", k, " N=", n);
   TORCH_CHECK(m <= INT32_MAX && n <= INT32_MAX && k <= INT32_MAX, "fp8_linear_fp8out: dimensions must fit int32");
   auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   TORCH_CHECK(aligned16(x_q.data_ptr()) && aligned16(w_q.data_ptr()) && aligned16(out.data_ptr()) &&
