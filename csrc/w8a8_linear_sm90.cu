@@ -69,8 +69,9 @@ std::string w8a8_linear_unavailable(int64_t device) {
 }
 
 #if defined(FUSEINFER_CUTLASS) && defined(FUSEINFER_SM90A)
-namespace {
+namespace w8a8 {
 
+// the device's SM count, cached (the persistent kernels' grid; fp8_linear_fp8out_sm90.cu calls it too)
 int sm_count(int device) {
   static std::mutex mutex;
   static std::vector<int> counts;
@@ -81,6 +82,11 @@ int sm_count(int device) {
   }
   return counts[device];
 }
+
+}  // namespace w8a8
+namespace {
+
+using w8a8::sm_count;
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -149,6 +155,7 @@ void w8a8_linear_cuda(const at::Tensor& x_q, const at::Tensor& x_scale, const at
   p.relu = relu;
   p.sm_count = sm_count(x_q.get_device());
   p.config = forced_config();
+  p.out_scale = nullptr;
   p.workspace = nullptr;
   if (k == 0) {  // an empty reduction: out = act(bias + residual); CUTLASS is not asked to handle K = 0
     at::Tensor z = at::zeros({m, n}, out.options().dtype(at::kFloat));

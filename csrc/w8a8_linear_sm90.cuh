@@ -3,6 +3,10 @@
 //
 //   out[m, n] = act(acc[m, n] * a_scale[m] * w_scale[n] + bias[n] + residual[m, n])      (fp32 math, one rounding)
 //
+// or, the FP8-output variant (EpilogueFp8Out: fc1 writing fc2's e4m3 input with a static per-tensor scale),
+//
+//   out[m, n] = e4m3_satfinite(act(acc[m, n] * a_scale[m] * w_scale[n] + bias[n]) * (1 / out_scale))
+//
 //   acc = x_q (M, K) int8 @ w_q (N, K)^T int8, exact in int32 (or, the FP8 instantiations, float8 e4m3 operands
 //   accumulated by the tensor cores: CUTLASS's FP8 fast-accumulation mainloop, as TensorRT-LLM and vLLM run it);
 //   a_scale (M,) fp32 per token, w_scale (N,) fp32 per output channel, bias (N,) and residual (M, N) in the output
@@ -48,7 +52,8 @@ struct GemmParams {
   const float* w_scale;    // (N,)
   const void* bias;        // (N,) output dtype, or null
   const void* residual;    // (M, N) output dtype, or null
-  void* out;               // (M, N) output dtype
+  void* out;               // (M, N) output dtype (EpilogueFp8Out: float8 e4m3)
+  const float* out_scale;  // EpilogueFp8Out only: one fp32 value (device), out = e4m3(y / out_scale); else unused
   int m, n, k;
   bool relu;
   int sm_count;
@@ -117,9 +122,12 @@ struct ResidualFetch {
   }
 };
 
-// The epilogue tree for a CTA tile shape; ElementD is cutlass::half_t or cutlass::bfloat16_t.
-template <class TileShape, class ElementD>
+// The epilogue tree for a CTA tile shape; ElementD_ is cutlass::half_t or cutlass::bfloat16_t (the output, bias and
+// residual dtype).
+template <class TileShape, class ElementD_>
 struct Epilogue {
+  using ElementD = ElementD_;
+  using ElementC = ElementD;  // the residual
   using RN = std::integral_constant<cutlass::FloatRoundStyle, cutlass::FloatRoundStyle::round_to_nearest>;
   static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
 
@@ -153,19 +161,65 @@ struct Epilogue {
   }
 };
 
-// One CUTLASS kernel: operand type (int8_t or cutlass::float_e4m3_t), CTA tile, cluster shape and schedule (a
-// handful of these, chosen by M on the host).
-template <class ElementAB, class ElementD, class TileShape, class ClusterShape, class KernelSchedule,
-          class EpilogueSchedule>
+// The FP8-output epilogue tree: D float8 e4m3, no C (no residual), bias in ElementBias (cutlass::half_t or
+// cutlass::bfloat16_t, the model's dtype). The activation (ReLU) comes before the scale, and the scale is
+// 1 / out_scale, formed once per CTA from the device scalar (a scalar broadcast whose two-value "reduction" is
+// 1.0 / *out_scale), so the tree multiplies and the scale stays on the device (no host sync, graph-capturable).
+// The e4m3 conversion is CUTLASS's cvt.rn.satfinite (round to nearest even, saturating at +-448; NaN stays NaN).
+template <class TileShape, class ElementBias>
+struct EpilogueFp8Out {
+  using ElementD = cutlass::float_e4m3_t;
+  using ElementC = void;
+  static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
+
+  using Acc = fusion::Sm90AccFetch;
+  using WScale = fusion::Sm90RowBroadcast<0, TileShape, float, float, Stride<_0, _1, _0>>;        // (N,)
+  using AScale = fusion::Sm90ColBroadcast<0, TileShape, float, float, Stride<_1, _0, _0>>;        // (M,)
+  using Bias = fusion::Sm90RowBroadcast<0, TileShape, ElementBias, float, Stride<_0, _1, _0>>;    // (N,), null = 0
+  using Floor = fusion::Sm90ScalarBroadcast<float>;                                               // 0 or -inf
+  using InvScale = fusion::Sm90ScalarBroadcast<float, Stride<_0, _0, _0>, 2, cutlass::divides>;   // 1 / out_scale
+
+  // t0 = w_scale[n] * acc
+  using T0 = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, float, float, kRound>, WScale, Acc>;
+  // t1 = a_scale[m] * t0 + bias[n]
+  using T1 = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiply_add, float, float, kRound>, AScale, T0, Bias>;
+  // t2 = max(t1, floor)
+  using T2 = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::maximum, float, float, kRound>, T1, Floor>;
+  // out = t2 * (1 / out_scale) rounded to e4m3 (satfinite)
+  using Tree = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, ElementD, float, kRound>, T2, InvScale>;
+
+  static typename Tree::Arguments arguments(GemmParams const& p) {
+    typename WScale::Arguments w_scale{p.w_scale, 0.f, {}};
+    typename AScale::Arguments a_scale{p.a_scale, 0.f, {}};
+    typename Bias::Arguments bias{static_cast<ElementBias const*>(p.bias), ElementBias(0), {}};
+    typename Floor::Arguments floor{};
+    floor.scalars[0] = p.relu ? 0.f : -cutlass::platform::numeric_limits<float>::infinity();
+    typename InvScale::Arguments inv{};
+    inv.scalars[0] = 1.f;                // the "reduction" 1.0 / *scalar_ptrs[1]
+    inv.scalar_ptrs[1] = p.out_scale;
+    typename T0::Arguments t0{w_scale, {}, {}};
+    typename T1::Arguments t1{a_scale, t0, bias, {}};
+    typename T2::Arguments t2{t1, floor, {}};
+    return typename Tree::Arguments{t2, inv, {}};
+  }
+};
+
+// One CUTLASS kernel: operand type (int8_t or cutlass::float_e4m3_t), model dtype ElementT (cutlass::half_t or
+// cutlass::bfloat16_t), CTA tile, cluster shape and schedule (a handful of these, chosen by M on the host), and the
+// epilogue tree (Epilogue: ElementT output with the residual as C; EpilogueFp8Out: e4m3 output, no C).
+template <class ElementAB, class ElementT, class TileShape, class ClusterShape, class KernelSchedule,
+          class EpilogueSchedule, template <class, class> class EpilogueT = Epilogue>
 struct Sm90Gemm {
   using ElementAcc = std::conditional_t<std::is_same_v<ElementAB, int8_t>, int32_t, float>;
-  using EpilogueTree = Epilogue<TileShape, ElementD>;
-  using ElementC = ElementD;  // the residual
+  using EpilogueTree = EpilogueT<TileShape, ElementT>;
+  using ElementD = typename EpilogueTree::ElementD;
+  using ElementC = typename EpilogueTree::ElementC;  // the residual, or void (none)
+  static constexpr bool kHasC = !std::is_void_v<ElementC>;
   using LayoutA = cutlass::layout::RowMajor;     // (M, K), K contiguous
   using LayoutB = cutlass::layout::ColumnMajor;  // (K, N) column-major = (N, K) row-major
   using LayoutCD = cutlass::layout::RowMajor;    // (M, N)
   static constexpr int kAlignAB = 16;            // 16 one-byte values = 16 bytes (TMA)
-  static constexpr int kAlignCD = 8;             // 8 x 16-bit = 16 bytes
+  static constexpr int kAlignCD = 16 / static_cast<int>(sizeof(ElementD));  // 16 bytes: 8 x 16-bit, 16 x e4m3
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -193,8 +247,12 @@ struct Sm90Gemm {
     const StrideB stride_b = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(p.n, p.k, 1));
     const StrideC stride_c = cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(p.m, p.n, 1));
     const StrideD stride_d = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(p.m, p.n, 1));
-    // without a residual C points at D (same shape, dtype and strides: a valid TMA descriptor, never read)
-    auto c = static_cast<ElementC const*>(p.residual ? p.residual : p.out);
+    // without a residual C points at D (same shape, dtype and strides: a valid TMA descriptor, never read); no C
+    // at all (EpilogueFp8Out): null
+    auto c = [&] {
+      if constexpr (kHasC) return static_cast<ElementC const*>(p.residual ? p.residual : p.out);
+      else return static_cast<void const*>(nullptr);
+    }();
     cutlass::KernelHardwareInfo hw;
     hw.sm_count = p.sm_count;
     typename Gemm::Arguments args{
@@ -242,15 +300,15 @@ using KCooperative =
                        cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
 using EPingpong = cutlass::epilogue::TmaWarpSpecialized;
 using ECooperative = cutlass::epilogue::TmaWarpSpecializedCooperative;
-template <class ElementAB, class ElementD>
-using GemmSmall =
-    Sm90Gemm<ElementAB, ElementD, Shape<_64, _128, _128>, Shape<_1, _1, _1>, KPingpong<ElementAB>, EPingpong>;
-template <class ElementAB, class ElementD>
-using GemmMedium =
-    Sm90Gemm<ElementAB, ElementD, Shape<_128, _128, _128>, Shape<_2, _1, _1>, KPingpong<ElementAB>, EPingpong>;
-template <class ElementAB, class ElementD>
-using GemmLarge = Sm90Gemm<ElementAB, ElementD, Shape<_256, _128, _128>, Shape<_2, _1, _1>, KCooperative<ElementAB>,
-                           ECooperative>;
+template <class ElementAB, class ElementT, template <class, class> class EpilogueT = Epilogue>
+using GemmSmall = Sm90Gemm<ElementAB, ElementT, Shape<_64, _128, _128>, Shape<_1, _1, _1>, KPingpong<ElementAB>,
+                           EPingpong, EpilogueT>;
+template <class ElementAB, class ElementT, template <class, class> class EpilogueT = Epilogue>
+using GemmMedium = Sm90Gemm<ElementAB, ElementT, Shape<_128, _128, _128>, Shape<_2, _1, _1>, KPingpong<ElementAB>,
+                            EPingpong, EpilogueT>;
+template <class ElementAB, class ElementT, template <class, class> class EpilogueT = Epilogue>
+using GemmLarge = Sm90Gemm<ElementAB, ElementT, Shape<_256, _128, _128>, Shape<_2, _1, _1>, KCooperative<ElementAB>,
+                           ECooperative, EpilogueT>;
 
 constexpr int kSmallM = 128;  // M <= kSmallM takes GemmSmall by default
 
@@ -261,22 +319,23 @@ inline int pick_config(GemmParams const& p) {
 }
 
 // Entry points, instantiated per operand type and output dtype in w8a8_linear_sm90.cu (int8, fp16),
-// w8a8_linear_sm90_bf16.cu (int8, bf16), fp8_linear_sm90.cu (e4m3, fp16) and fp8_linear_sm90_bf16.cu (e4m3, bf16) so
-// that they compile in parallel.
-template <class ElementAB, class ElementD>
+// w8a8_linear_sm90_bf16.cu (int8, bf16), fp8_linear_sm90.cu (e4m3, fp16) and fp8_linear_sm90_bf16.cu (e4m3, bf16),
+// and with EpilogueFp8Out (e4m3 output, fp16 / bf16 bias) in fp8_linear_fp8out_sm90.cu and
+// fp8_linear_fp8out_sm90_bf16.cu, so that they compile in parallel.
+template <class ElementAB, class ElementT, template <class, class> class EpilogueT = Epilogue>
 size_t workspace_bytes(GemmParams const& p) {
   switch (pick_config(p)) {
-    case 1: return GemmSmall<ElementAB, ElementD>::workspace_bytes(p);
-    case 3: return GemmLarge<ElementAB, ElementD>::workspace_bytes(p);
-    default: return GemmMedium<ElementAB, ElementD>::workspace_bytes(p);
+    case 1: return GemmSmall<ElementAB, ElementT, EpilogueT>::workspace_bytes(p);
+    case 3: return GemmLarge<ElementAB, ElementT, EpilogueT>::workspace_bytes(p);
+    default: return GemmMedium<ElementAB, ElementT, EpilogueT>::workspace_bytes(p);
   }
 }
-template <class ElementAB, class ElementD>
+template <class ElementAB, class ElementT, template <class, class> class EpilogueT = Epilogue>
 const char* run(GemmParams const& p, cudaStream_t stream) {
   switch (pick_config(p)) {
-    case 1: return GemmSmall<ElementAB, ElementD>::run(p, stream);
-    case 3: return GemmLarge<ElementAB, ElementD>::run(p, stream);
-    default: return GemmMedium<ElementAB, ElementD>::run(p, stream);
+    case 1: return GemmSmall<ElementAB, ElementT, EpilogueT>::run(p, stream);
+    case 3: return GemmLarge<ElementAB, ElementT, EpilogueT>::run(p, stream);
+    default: return GemmMedium<ElementAB, ElementT, EpilogueT>::run(p, stream);
   }
 }
 

@@ -236,9 +236,10 @@ def cache_run(fn, model, ids, slots: int = 64):
     return logits, cache.keys[-1][:, :, :ids.shape[1]].clone(), cache.values[-1][:, :, :ids.shape[1]].clone()
 
 
-def assert_lean_equals_modules(model, ids, gemm_op: str):
+def assert_lean_equals_modules(model, ids, gemm_op: str, per_layer: int = 4):
     """The lean prefill loop takes ``model`` and gives its patched modules' logits and cache contents bit for bit
-    (on CPU), with the same fuseinfer ops (``gemm_op`` 4 times per layer; the LM head on the last position only)."""
+    (on CPU), with the same fuseinfer ops (``gemm_op`` ``per_layer`` times per layer; the LM head on the last
+    position only)."""
     from fuseinfer import prefill
     from fuseinfer.models.opt.decode import forward_last_logits
     from fuseinfer.runtime import prefill as pf
@@ -249,7 +250,7 @@ def assert_lean_equals_modules(model, ids, gemm_op: str):
         assert torch.equal(a, b)
     lean = fuseinfer_op_counts(lambda: prefill(model, ids))
     mods = fuseinfer_op_counts(lambda: modules_forward(model, input_ids=ids))
-    assert lean == mods and lean[gemm_op] == 4 * model.config.num_hidden_layers
+    assert lean == mods and lean[gemm_op] == per_layer * model.config.num_hidden_layers
 
 
 def assert_same_tokens_lean_and_modules(model, ids):

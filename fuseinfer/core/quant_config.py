@@ -123,6 +123,9 @@ def _check_calibration(config) -> None:
                              f"{type(config.calibration).__name__}")
 
 
+FC2_INPUTS = ("dynamic", "static")  # Float8's fc2_input
+
+
 @dataclass(frozen=True)
 class Float8(QuantConfig):
     """FP8 W8A8 (e4m3, ``fuseinfer/quant/fp8.py``): the decoder linears (q/k/v, the attention output and MLP
@@ -133,6 +136,11 @@ class Float8(QuantConfig):
     alpha: None (default: no smoothing, no calibration) or SmoothQuant's migration strength in [0, 1], which
       smooths the activation outliers into the weights first, exactly as ``SmoothQuantW8A8`` does (same
       calibration sources: ``calibration``, ``samples`` windows of ``seq_len`` tokens, ``tokenizer``).
+    fc2_input: ``"dynamic"`` (default: fc2's input, the MLP activation's output, quantized per token at run time,
+      as every other linear's) or ``"static"``: one per-tensor scale per layer for it, calibrated (``amax / 448``
+      over the calibration windows, the same sources as ``alpha``), so that the MLP's first GEMM writes fc2's e4m3
+      input straight from its epilogue (1 byte per element instead of 2, and no separate quantization pass); values
+      above the calibrated range saturate at +-448 * scale.
     """
 
     alpha: float | None = None
@@ -140,6 +148,7 @@ class Float8(QuantConfig):
     samples: int = 128
     seq_len: int = 512
     tokenizer: object = field(default=None, repr=False, compare=False)
+    fc2_input: str = "dynamic"
 
     scheme = "float8"
 
@@ -148,6 +157,9 @@ class Float8(QuantConfig):
         if self.alpha is not None:
             check_alpha(self.alpha)
         _check_calibration(self)
+        if self.fc2_input not in FC2_INPUTS:
+            raise FuseInferError(f"Float8 fc2_input must be one of {FC2_INPUTS} (per-token scales at run time, or one "
+                                 f"calibrated scale per layer), got {self.fc2_input!r}")
         if self.include_lm_head:
             raise FuseInferError("Float8 quantizes the decoder linears only for now (OPT ties the LM head to the "
                                  "input embeddings): use include_lm_head=False")
@@ -155,8 +167,10 @@ class Float8(QuantConfig):
     def describe(self) -> dict:
         return {**super().describe(), "bits": 8, "alpha": self.alpha, "format": "float8_e4m3fn",
                 "weights": "e4m3 per output channel, scale = amax / 448",
-                "activations": "e4m3 per token, dynamic, scale = amax / 448",
-                "qkv": "fused (3E, E) when patch fuses q/k/v"}
+                "activations": "e4m3 per token, dynamic, scale = amax / 448" + (
+                    "; fc2's input per tensor, static (calibrated), scale = amax / 448"
+                    if self.fc2_input == "static" else ""),
+                "fc2_input": self.fc2_input, "qkv": "fused (3E, E) when patch fuses q/k/v"}
 
 
 # config class -> the function that applies it: quantize(config, model, report) -> undo state. The quantization

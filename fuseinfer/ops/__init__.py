@@ -1,7 +1,8 @@
 """Fused ops: each module holds a pure-PyTorch reference and a ``fuseinfer::<name>`` torch.library custom op
 that runs the CUDA kernel when the extension is built and the tensors are on CUDA, the reference otherwise.
 ``quant`` (int8 quantize / dequantize), ``w8a16_linear`` (W8A16 GEMM), ``w8a8_linear``, ``fp8_linear`` (FP8
-e4m3 W8A8) and ``fp8_weight_linear`` (its decode GEMV) serve ``fuseinfer.quant``; ``sample_tokens`` is sampling's
+e4m3 W8A8), ``fp8_linear_fp8out`` (its e4m3-output variant) and ``fp8_weight_linear`` (its decode GEMV) serve
+``fuseinfer.quant``; ``sample_tokens`` is sampling's
 token choice in one pass.
 """
 from fuseinfer.ops.attention import attention, attention_ref
@@ -9,6 +10,7 @@ from fuseinfer.ops.decode_step import decode_step_workspace, opt_decode_step, op
 from fuseinfer.ops.emit_tokens import emit_tokens, emit_tokens_ref, emit_tokens_scratch
 from fuseinfer.ops.fp8_gemv import fp8_weight_linear, fp8_weight_linear_ref
 from fuseinfer.ops.fp8_linear import fp8_linear, fp8_linear_ref, quantize_fp8_per_token, quantize_fp8_ref
+from fuseinfer.ops.fp8_linear_fp8out import fp8_linear_fp8out, fp8_linear_fp8out_ref, quantize_fp8_static
 from fuseinfer.ops.w8a16_linear import dequantize_weight, w8a16_linear, w8a16_linear_ref
 from fuseinfer.ops.kv_cache import kv_cache_append, kv_cache_append_ref
 from fuseinfer.ops.kv_reorder import kv_reorder, kv_reorder_ref
@@ -38,8 +40,8 @@ from fuseinfer.ops.quant import (
 __all__ = [
     "add_layer_norm", "add_layer_norm_ref", "attention", "attention_ref", "decode_step_workspace", "dequantize",
     "dequantize_int8_ref", "dequantize_weight", "emit_tokens", "emit_tokens_ref", "emit_tokens_scratch",
-    "fp8_linear", "fp8_linear_ref", "fp8_weight_linear", "fp8_weight_linear_ref", "quantize_fp8_per_token",
-    "quantize_fp8_ref",
+    "fp8_linear", "fp8_linear_ref", "fp8_linear_fp8out", "fp8_linear_fp8out_ref", "fp8_weight_linear",
+    "fp8_weight_linear_ref", "quantize_fp8_per_token", "quantize_fp8_ref", "quantize_fp8_static",
     "w8a16_linear", "w8a16_linear_ref", "kv_cache_append", "kv_cache_append_ref", "kv_reorder", "kv_reorder_ref",
     "linear_epilogue", "linear_epilogue_ref", "linear_rope_append", "linear_rope_append_ref", "llama_decode_step",
     "llama_decode_step_ref",

@@ -205,7 +205,7 @@ def check_record(record) -> dict:
     """The checkpoint's ``quantization_config``, every field fuseinfer reads checked by type and value; returns
     them normalised (FuseInferError naming the field otherwise)."""
     from fuseinfer.core.config import OPS
-    from fuseinfer.core.quant_config import Float8, Int8WeightOnly, SmoothQuantW8A8
+    from fuseinfer.core.quant_config import FC2_INPUTS, Float8, Int8WeightOnly, SmoothQuantW8A8
 
     if not isinstance(record, dict):
         raise FuseInferError(f"quantization_config must be a JSON object, got {type(record).__name__}")
@@ -247,6 +247,12 @@ def check_record(record) -> dict:
         if alpha is not None and not 0 <= alpha <= 1:
             raise FuseInferError(f"quantization_config.alpha must be null or a number in [0, 1], got {alpha!r}")
         out["alpha"] = None if alpha is None else float(alpha)
+        # (absent: a checkpoint from before the option, dynamic)
+        fc2_input = _field(record, "fc2_input", str, f"one of {list(FC2_INPUTS)}", default="dynamic")
+        if fc2_input not in FC2_INPUTS:
+            raise FuseInferError(f"quantization_config.fc2_input must be one of {list(FC2_INPUTS)}, got "
+                                 f"{fc2_input!r}")
+        out["fc2_input"] = fc2_input
     return out
 
 
@@ -261,7 +267,7 @@ def empty_layout(checked: dict):
         raise FuseInferError(f"quantization_config.include_lm_head must be false for {checked['scheme']} "
                              "checkpoints")
     if checked["scheme"] == Float8.scheme:
-        return dataclasses.replace(Float8(alpha=checked["alpha"]), _empty=True)
+        return dataclasses.replace(Float8(alpha=checked["alpha"], fc2_input=checked["fc2_input"]), _empty=True)
     return dataclasses.replace(SmoothQuantW8A8(alpha=checked["alpha"]), _empty=True)
 
 

@@ -14,6 +14,12 @@ e4m3 quantize in one kernel), as it feeds the W8A8 linears ``add_layer_norm_quan
 input in ``fused`` (``quantize_fp8_per_token``: one kernel on CUDA). It does not take int8 activations
 (``takes_int8`` is False). The OPT lean prefill loop (``models/opt/lean.py``, ``Fp8LeanOps``) and its CUDA graphs run
 FP8 models with the same ops in the same order.
+
+``Float8(fc2_input="static")`` gives the MLP's output projection a calibrated per-tensor input scale
+(``input_scale``, ``amax / 448`` of its input over the calibration windows, after smoothing): the MLP's first GEMM
+then writes that e4m3 input from its epilogue (``fp8_linear_fp8out``, ReLU before the quantization; the family's
+patched layer and lean loop make the call), instead of writing fp16 for a separate pass to quantize per token. Any
+Float8Linear with an ``input_scale`` quantizes an fp16 / bf16 input with it (``quantize_fp8_static``).
 """
 from __future__ import annotations
 
@@ -23,7 +29,9 @@ from torch import nn
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.layers.linear import ChannelScaledLinear, decode_rows
 from fuseinfer.ops.fp8_gemv import fp8_weight_linear
-from fuseinfer.ops.fp8_linear import FP8_DTYPE, fp8_gemm_note, fp8_linear, quantize_fp8_per_token, quantize_fp8_ref
+from fuseinfer.ops.fp8_linear import (FP8_DTYPE, FP8_MAX, fp8_gemm_note, fp8_linear, quantize_fp8_per_token,
+                                      quantize_fp8_ref)
+from fuseinfer.ops.fp8_linear_fp8out import fp8_linear_fp8out, quantize_fp8_static
 from fuseinfer.ops.w8a8_linear import OUT_DTYPES
 from fuseinfer.quant.smoothquant import model_family
 from fuseinfer.quant.w8a8 import Flavor, W8A8QKVSlice, quantize_w8a8
@@ -33,7 +41,22 @@ FAMILIES = ("opt",)  # the families whose fused q/k/v layout (three equal row bl
 
 class Float8Linear(ChannelScaledLinear):
     """An nn.Linear with float8_e4m3fn weights (per output channel, fp32 scales) whose input is quantized to e4m3
-    per token at run time. ``fused(x, residual, activation)`` is the call the patched forwards make."""
+    per token at run time, or, with an ``input_scale`` buffer ((1,) fp32, calibrated: ``set_input_amax``), with that
+    one static scale for every token. ``fused(x, residual, activation)`` is the call the patched forwards make."""
+
+    def __init__(self, weight_q, weight_scale, bias, input_scale=None):
+        super().__init__(weight_q, weight_scale, bias)
+        self.register_buffer("input_scale", input_scale)  # (1,) fp32 or None (dynamic per-token scales)
+
+    def set_input_amax(self, amax: float) -> None:
+        """A static input scale from the calibrated max|x| of this linear's input: ``amax / 448`` (the smallest
+        normal fp32 value for an input that was always 0)."""
+        scale = max(float(amax) / FP8_MAX, torch.finfo(torch.float32).tiny)
+        self.input_scale = torch.tensor([scale], dtype=torch.float32, device=self.weight_scale.device)
+
+    def static_scales(self, x_q: torch.Tensor) -> torch.Tensor:
+        """The per-token scales of an input quantized with ``input_scale``: (..., 1) fp32, every one that scale."""
+        return self.input_scale.expand(*x_q.shape[:-1], 1).contiguous()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Float8Linear:
@@ -47,6 +70,8 @@ class Float8Linear(ChannelScaledLinear):
             self.weight_q = self.weight_q.to(FP8_DTYPE)
         if self.weight_scale.dtype != torch.float32 and not self.weight_scale.is_meta:
             self.weight_scale = self.weight_scale.float()
+        if self.input_scale is not None and self.input_scale.dtype != torch.float32 and not self.input_scale.is_meta:
+            self.input_scale = self.input_scale.float()
         return self
 
     def dequantized_weight(self, dtype=torch.float32) -> torch.Tensor:
@@ -61,8 +86,23 @@ class Float8Linear(ChannelScaledLinear):
         if decode_rows(x):  # decode on CUDA: the e4m3 weight GEMV on fp16/bf16 activations (ops/fp8_gemv.py)
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return fp8_weight_linear(x, self.weight_q, self.weight_scale.view(-1), bias, residual, activation)
-        q, s = quantize_fp8_per_token(x)  # (..., K) e4m3, (..., 1) fp32
+        q, s = self.quantize_input(x)  # (..., K) e4m3, (..., 1) fp32
         return self.forward_quantized(q, s, residual, activation, x.dtype)
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (..., K) fp16/bf16 -> (x_q (..., K) e4m3, x_scale (..., 1) fp32): with the static ``input_scale``
+        when there is one, else per token."""
+        if self.input_scale is not None:
+            q = quantize_fp8_static(x, self.input_scale)
+            return q, self.static_scales(q)
+        return quantize_fp8_per_token(x)
+
+    def forward_fp8out(self, x_q, x_scale, out_scale: torch.Tensor, activation: str = "none",
+                       bias_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        """x_q (..., K) e4m3, x_scale (..., 1) fp32 -> (..., N) e4m3 quantized with the static ``out_scale`` (the
+        next linear's ``input_scale``) in this GEMM's epilogue, the activation first."""
+        bias = None if self.bias is None else self.bias.to(bias_dtype)
+        return fp8_linear_fp8out(x_q, x_scale, self.weight_q, self.weight_scale, bias, out_scale, activation)
 
     def forward_quantized(self, x_q, x_scale, residual=None, activation: str = "none",
                           out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
@@ -72,7 +112,8 @@ class Float8Linear(ChannelScaledLinear):
         return fp8_linear(x_q, x_scale, self.weight_q, self.weight_scale, bias, residual, activation, out_dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 weights and activations"
+        how = "static input scale" if self.input_scale is not None else "per-token input scales"
+        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 weights and activations ({how})"
 
 
 class Float8QKVSlice(W8A8QKVSlice):
@@ -111,7 +152,15 @@ def fp8_note(device: torch.device, dtype: torch.dtype = torch.float16) -> str:
     return f"{fp8_gemm_note(device, dtype)}; {PREFILL_NOTE}"
 
 
-FP8 = Flavor(build, Float8QKVSlice, fp8_note)
+def static_inputs(config, family) -> tuple[str, ...]:
+    """The linears that get a calibrated static input scale: with ``fc2_input="static"``, the MLP's output
+    projection (the family's ``mlp_out`` modules), whose input is the activation's output."""
+    if getattr(config, "fc2_input", "dynamic") != "static":
+        return ()
+    return tuple(name for name, kind in family.module_kinds().items() if kind == "mlp_out")
+
+
+FP8 = Flavor(build, Float8QKVSlice, fp8_note, static_inputs)
 
 
 def quantize_fp8(model: nn.Module, config, report):

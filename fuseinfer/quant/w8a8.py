@@ -178,11 +178,14 @@ def _quantize(w: torch.Tensor, bias: torch.Tensor | None, empty: bool = False) -
 class Flavor:
     """What a scheme with per-token dynamic activations swaps in (the int8 W8A8 one here; FP8's in
     ``quant/fp8.py``): ``build(w, bias, empty)`` -> the quantized linear (``weight_q``, ``weight_scale`` (N, 1)),
-    the q/k/v slice class, and the note naming the GEMM it runs (``gemm_note(device, dtype)``)."""
+    the q/k/v slice class, the note naming the GEMM it runs (``gemm_note(device, dtype)``), and
+    ``static_inputs(config, family)``: the linears (by attribute name) that get a calibrated static input scale
+    (their quantized linear's ``set_input_amax``), none by default."""
 
     build: Callable
     slice_cls: type
     gemm_note: Callable
+    static_inputs: Callable = lambda config, family: ()
 
 
 def quantize_w8a8(model: nn.Module, config, report, flavor: Flavor | None = None) -> W8A8State:
@@ -200,11 +203,12 @@ def quantize_w8a8(model: nn.Module, config, report, flavor: Flavor | None = None
     if not targets:
         raise FuseInferError("nothing to quantize: the PatchConfig's ops and filter_fn left no decoder linear "
                              "patched; select at least one decoder layer or attention module")
+    static = flavor.static_inputs(config, fam)
     if config._empty:  # the layout of a saved W8A8 model (checkpoint.load_quantized): no calibration, no smoothing
-        return _empty_layout(model, config, targets, report, fam.qkv_names, flavor)
+        return _empty_layout(model, config, targets, report, fam.qkv_names, flavor, static)
     keep = config.keep_original
     smoothing_on = config.alpha is not None
-    stats, seconds = _stats(model, config) if smoothing_on else (None, 0.0)
+    stats, seconds = _stats(model, config) if smoothing_on or static else (None, 0.0)
     # every Parameter smoothing or quantization changes (LayerNorms, producing linears, quantized linears; the
     # q/k/v ones are views of the (3E, E) buffer, rebuilt from them on undo), kept before the first change
     kept_params = {}
@@ -228,11 +232,26 @@ def quantize_w8a8(model: nn.Module, config, report, flavor: Flavor | None = None
         new = flavor.build(w, bias)
         before = w.numel() * w.element_size()
         _swap_in(state, t, new, w, fam.qkv_names, flavor.slice_cls)
+        if t.attr in static:
+            new.set_input_amax(_input_amax(stats, smoothing, t.name))
         after = new.weight_q.numel() + 4 * new.weight_scale.numel()  # (1-byte weights: int8 or e4m3)
         qreport.entries.append(QuantEntry(t.name, tuple(new.weight_q.shape), before, after))
     qreport.gemm = flavor.gemm_note(w.device, w.dtype)
     report.quant = qreport
     return state
+
+
+def _input_amax(stats: CalibrationStats, smoothing: SmoothReport | None, name: str) -> float:
+    """max|x| over every channel of linear ``name``'s input in the calibration windows, as the quantized model sees
+    it: smoothing divides input channel j by s_j (the factors of the group ``name`` is the first target of)."""
+    if name not in stats.act_max:
+        raise FuseInferError(f"the calibration statistics have no entry for {name}, whose input gets a static scale: "
+                             "they come from another model; calibrate this one")
+    amax = stats.act_max[name].float()  # (K,)
+    factors = None if smoothing is None else smoothing.factors.get(name)
+    if factors is not None:
+        amax = amax / factors.float().to(amax.device)
+    return float(amax.max()) if amax.numel() else 0.0
 
 
 def _target_weight(t) -> tuple:
@@ -268,8 +287,8 @@ def _swap_in(state: W8A8State, t, new, w: torch.Tensor, qkv_names: tuple[str, ..
     attn._fuseinfer_qkv_params = (None,) * 6
 
 
-def _empty_layout(model: nn.Module, config, targets, report, qkv_names: tuple[str, ...], flavor: Flavor
-                  ) -> W8A8State:
+def _empty_layout(model: nn.Module, config, targets, report, qkv_names: tuple[str, ...], flavor: Flavor,
+                  static: tuple[str, ...] = ()) -> W8A8State:
     """Swap in W8A8Linears with uninitialized tensors (and the q/k/v slices) as ``quantize_w8a8`` would, without
     calibrating or smoothing: a checkpoint's tensors (the smoothed LayerNorms and biases among them) are loaded
     into them next. The originals are freed (unpatch refuses)."""
@@ -279,6 +298,8 @@ def _empty_layout(model: nn.Module, config, targets, report, qkv_names: tuple[st
     for t in targets:
         w, bias = _target_weight(t)
         new = flavor.build(w, bias, empty=True)
+        if t.attr in static:  # (the checkpoint holds the calibrated scale)
+            new.input_scale = torch.empty(1, dtype=torch.float32, device=w.device)
         before = w.numel() * w.element_size()
         _swap_in(state, t, new, w, qkv_names, flavor.slice_cls)
         qreport.entries.append(QuantEntry(t.name, tuple(new.weight_q.shape), before,

@@ -37,24 +37,31 @@ def _stats(model):
     return sq.calibrate(model, ids=ids, samples=2, seq_len=128)
 
 
-def _fp8(variant="pre_ln", alpha=None):
+def _config(base, alpha=None, fc2_input="dynamic"):
+    """Float8 with ``alpha`` and ``fc2_input``, calibrated on seeded ids where either needs it."""
+    if alpha is None and fc2_input == "dynamic":
+        return Float8()
+    return Float8(alpha=alpha, calibration=_stats(base), fc2_input=fc2_input)
+
+
+def _fp8(variant="pre_ln", alpha=None, fc2_input="dynamic"):
     base = random_opt(**VARIANTS[variant]).eval()
     model = copy.deepcopy(base)
-    config = Float8() if alpha is None else Float8(alpha=alpha, calibration=_stats(base))
-    fuseinfer.patch(model, PatchConfig(quant=config))
+    fuseinfer.patch(model, PatchConfig(quant=_config(base, alpha, fc2_input)))
     return base, model
 
 
-@pytest.fixture(scope="module", params=[None, 0.5], ids=["plain", "smoothed"])
+@pytest.fixture(scope="module", params=[(None, "dynamic"), (0.5, "dynamic"), (None, "static")],
+                ids=["plain", "smoothed", "static-fc2"])
 def tiny_fp8(request, tiny_model_path):
-    """The trained tiny OPT, quantized with Float8() or Float8(alpha=0.5) (calibrated on seeded ids)."""
+    """The trained tiny OPT, quantized with Float8(), Float8(alpha=0.5) or Float8(fc2_input="static") (calibrated
+    on seeded ids)."""
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path, torch_dtype=torch.float32).eval()
     model = copy.deepcopy(base)
-    alpha = request.param
-    config = Float8() if alpha is None else Float8(alpha=alpha, calibration=_stats(base))
-    fuseinfer.patch(model, PatchConfig(quant=config))
+    alpha, fc2_input = request.param
+    fuseinfer.patch(model, PatchConfig(quant=_config(base, alpha, fc2_input)))
     return base, model, alpha
 
 
@@ -83,6 +90,68 @@ def test_lean_loop_runs_the_fused_layernorm_quantize_and_two_quantize_passes_per
 def test_smoothed_fp8_random_model_equals_its_modules():
     _, model = _fp8(alpha=0.5)
     assert_lean_equals_modules(model, _ids(model.config.vocab_size), "fuseinfer::fp8_linear")
+
+
+@pytest.mark.parametrize("variant", FP8_VARIANTS)
+@pytest.mark.parametrize("alpha", [None, 0.5])
+def test_static_fc2_input_lean_loop_equals_the_modules(variant, alpha):
+    """Float8(fc2_input="static"): fc2 holds a calibrated (1,) fp32 input_scale; the lean loop and the modules both
+    run fc1 as fp8_linear_fp8out (e4m3 out with that scale) and fc2 on it: the same logits and caches."""
+    _, model = _fp8(variant, alpha, "static")
+    fc2 = model.model.decoder.layers[0].fc2
+    assert fc2.input_scale.shape == (1,) and fc2.input_scale.dtype == torch.float32 and fc2.input_scale > 0
+    assert model.model.decoder.layers[0].fc1.input_scale is None  # (only fc2's input is static)
+    assert_lean_equals_modules(model, _ids(model.config.vocab_size), "fuseinfer::fp8_linear_fp8out", per_layer=1)
+
+
+def test_static_fc2_input_after_a_non_relu_activation():
+    """An activation the epilogue cannot apply (GELU): fc1 writes fp16, the activation runs apart, and fc2 quantizes
+    its input with its static scale (no fp8_linear_fp8out, no per-token quantize of it): the lean loop as the
+    modules, and one per-token quantize per layer only (out_proj's input)."""
+    base = random_opt(activation_function="gelu").eval()
+    model = copy.deepcopy(base)
+    fuseinfer.patch(model, PatchConfig(quant=_config(base, fc2_input="static")))
+    assert_lean_equals_modules(model, _ids(model.config.vocab_size), "fuseinfer::fp8_linear")
+    counts = fuseinfer_op_counts(lambda: fuseinfer.prefill(model, _ids(model.config.vocab_size)))
+    assert counts["fuseinfer::quantize_fp8_per_token"] == model.config.num_hidden_layers
+    assert counts["fuseinfer::fp8_linear_fp8out"] == 0
+
+
+def test_static_fc2_input_replaces_one_quantize_pass_per_layer():
+    """Pre-LN with fc2_input="static": per layer one quantize_fp8_per_token (out_proj's input) instead of two, fc1
+    as fp8_linear_fp8out, the other three GEMMs fp8_linear."""
+    _, model = _fp8(fc2_input="static")
+    layers = model.config.num_hidden_layers
+    counts = fuseinfer_op_counts(lambda: fuseinfer.prefill(model, _ids(model.config.vocab_size)))
+    assert counts["fuseinfer::quantize_fp8_per_token"] == layers
+    assert counts["fuseinfer::fp8_linear_fp8out"] == layers
+    assert counts["fuseinfer::fp8_linear"] == 3 * layers
+    assert counts["fuseinfer::add_layer_norm_quant_fp8"] == 2 * layers
+
+
+def test_static_fc2_input_equals_the_emulated_layer():
+    """The static path's numbers from first principles: fc2 of layer 0 sees e4m3(relu(fc1) / s) * s, where s =
+    amax / 448 of fc2's calibrated input (the calibration's own max over fc2's input channels)."""
+    from fuseinfer.ops.fp8_linear_fp8out import fp8_linear_fp8out_ref, quantize_fp8_static
+    from fuseinfer.ops.fp8_linear import quantize_fp8_ref
+
+    base = random_opt().eval()
+    stats = _stats(base)
+    model = copy.deepcopy(base)
+    fuseinfer.patch(model, PatchConfig(quant=Float8(calibration=stats, fc2_input="static")))
+    layer = model.model.decoder.layers[0]
+    amax = stats.act_max["model.decoder.layers.0.fc2"].max()
+    torch.testing.assert_close(layer.fc2.input_scale, (amax / 448).reshape(1), rtol=0, atol=0)
+    x = torch.randn(7, model.config.hidden_size)
+    xq, xs = quantize_fp8_ref(x, -1)
+    fc1 = layer.fc1
+    y = fp8_linear_fp8out_ref(xq, xs, fc1.weight_q, fc1.weight_scale, fc1.bias, layer.fc2.input_scale, "relu")
+    h = torch.relu(fc1.fused(x))  # fc1 in fp32 (the per-token path), then the static quantization
+    assert torch.equal(y.view(torch.uint8), quantize_fp8_static(h, layer.fc2.input_scale).view(torch.uint8))
+    # fc2's fused call on an fp32 input quantizes with the static scale: what the e4m3 input gives
+    out = layer.fc2.fused(h)
+    ref = layer.fc2.forward_quantized(y, layer.fc2.static_scales(y), None, "none", torch.float32)
+    assert torch.equal(out, ref)
 
 
 def test_swapped_fp8_linear_keeps_the_modules():
@@ -150,11 +219,11 @@ def test_tiny_fp8_prefill_and_generate_equal_the_modules(tiny_fp8):
 
 # ---- GPU: the kernels (add_layer_norm_quant_fp8, quantize_fp8_rows, the FP8 GEMM, the e4m3 GEMV) ----
 
-def _gpu_fp8(dtype, alpha=None, layers=2):
+def _gpu_fp8(dtype, alpha=None, layers=2, fc2_input="dynamic"):
     """OPT-125m-shaped random weights (hidden 768, 12 heads, ffn 3072), ``layers`` layers, on CUDA."""
     base = random_opt(hidden_size=768, num_attention_heads=12, ffn_dim=3072, num_hidden_layers=layers,
                       max_position_embeddings=1024, vocab_size=2048)
-    config = Float8() if alpha is None else Float8(alpha=alpha, calibration=_stats(base))
+    config = _config(base, alpha, fc2_input)
     model = base.to("cuda", dtype)
     fuseinfer.patch(model, PatchConfig(quant=config))
     return model
@@ -162,13 +231,13 @@ def _gpu_fp8(dtype, alpha=None, layers=2):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("alpha", [None, 0.5])
+@pytest.mark.parametrize("alpha,fc2_input", [(None, "dynamic"), (0.5, "dynamic"), (None, "static")])
 @pytest.mark.parametrize("rows,length", [(1, 12), (2, 150), (1, 513)])
-def test_gpu_lean_loop_equals_the_fp8_modules(dtype, alpha, rows, length):
+def test_gpu_lean_loop_equals_the_fp8_modules(dtype, alpha, fc2_input, rows, length):
     """The lean loop runs the modules' kernels in the same order: the same logits and cache contents, bit for bit
     (1 x 12 tokens: decode-sized, the e4m3 weight GEMV on unquantized activations; else the quantize kernels and the
-    FP8 GEMM)."""
-    model = _gpu_fp8(dtype, alpha)
+    FP8 GEMM; fc2_input="static": fc1 as the e4m3-output GEMM)."""
+    model = _gpu_fp8(dtype, alpha, fc2_input=fc2_input)
     assert pf.lean_reason(model) is None
     ids = _ids(model.config.vocab_size, rows=rows, length=length).cuda()
     ours = cache_run(pf.lean_logits, model, ids, slots=576)
@@ -184,8 +253,9 @@ def test_gpu_lean_loop_equals_the_fp8_modules(dtype, alpha, rows, length):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_generate_same_tokens_graph_lean_modules(dtype):
-    model = _gpu_fp8(dtype)
+@pytest.mark.parametrize("fc2_input", ["dynamic", "static"])
+def test_gpu_generate_same_tokens_graph_lean_modules(dtype, fc2_input):
+    model = _gpu_fp8(dtype, fc2_input=fc2_input)
     assert_same_tokens_graph_lean_modules(model, _ids(model.config.vocab_size, rows=1, length=150).cuda())
 
 

@@ -10,8 +10,9 @@ linears at decode-sized inputs on CUDA, which run the int8 / e4m3 weight GEMV as
 :class:`W8A8LeanOps` (SmoothQuant: pre-LN, ``add_layer_norm_quant`` feeds q/k/v and fc1 int8 activations;
 attention's and fc1's outputs are quantized per token for out_proj and fc2; post-LN, the LayerNorm output is the
 residual stream, quantized apart) and :class:`Fp8LeanOps` (``Float8``: the same with e4m3 activations,
-``add_layer_norm_quant_fp8`` and ``quantize_fp8_per_token``, and the FP8 GEMM). They run the same ops in the same
-order as the patched modules.
+``add_layer_norm_quant_fp8`` and ``quantize_fp8_per_token``, and the FP8 GEMM; with ``fc2_input="static"`` fc1's
+GEMM writes fc2's e4m3 input itself, ``fp8_linear_fp8out``). They run the same ops in the same order as the patched
+modules.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from fuseinfer.models.opt.layer import decoder_layer
 from fuseinfer.ops import add_layer_norm, attention, w8a16_linear, linear_epilogue
 from fuseinfer.ops.fp8_gemv import fp8_weight_linear
 from fuseinfer.ops.fp8_linear import FP8_DTYPE, fp8_linear, quantize_fp8_per_token
+from fuseinfer.ops.fp8_linear_fp8out import fp8_linear_fp8out
 from fuseinfer.ops.kv_cache import kv_cache_append, kv_cache_append_fp8
 from fuseinfer.ops.layer_norm_quant import add_layer_norm_quant, add_layer_norm_quant_fp8
 from fuseinfer.ops.quant import quantize_per_token
@@ -57,6 +59,7 @@ class _Plan:
         # each call
         self.quant = quant_kind(model)
         self.linears = ()
+        self.fc2_after = {}
         if self.quant is not None:
             # the quantized linears per layer, (qkv_proj, out_proj, fc1, fc2): _linears_intact checks they are still
             # the modules' children at each call
@@ -70,6 +73,8 @@ class _Plan:
             self.w8a8_aligned = self.quant == "w8a8" and all(
                 lin.weight_q.shape[1] % 16 == 0 and lin.weight_q.shape[0] % 8 == 0
                 for lins in self.linears for lin in lins)
+            # FP8: id(fc1) -> fc2, for the fc2s with a static input scale (fc2_input="static"; checked at each call)
+            self.fc2_after = {id(fc1): fc2 for _, _, fc1, fc2 in self.linears} if self.quant == "fp8" else {}
         else:
             # the layers' q/k/v: (attention, its projections' linked parameters, the weight rows' byte step)
             self.qkv = tuple((attn, attn._fuseinfer_qkv_params,
@@ -367,11 +372,35 @@ class Fp8LeanOps(W8A8LeanOps):
     wrappers, the calls ``Float8Linear`` and the patched modules make (the CUTLASS sm90 GEMM, ``torch._scaled_mm``
     or the reference, as the wrapper chooses)."""
 
-    def __init__(self, like: torch.Tensor, heads: int, head_dim: int):
+    def __init__(self, like: torch.Tensor, heads: int, head_dim: int, fc2_after: dict | None = None):
         LeanOps.__init__(self, like, heads, head_dim)
         self.ln_quant = lambda x, r, w, b, eps: add_layer_norm_quant_fp8(x, r, w, b, eps)[:2]  # (M, E) e4m3, (M, 1)
         self.quant = quantize_fp8_per_token  # (M, K) -> (q (M, K) e4m3, scale (M, 1))
         self.w8a8 = self._fp8
+        self.fc2_after = fc2_after or {}  # id(fc1) -> fc2 (the plan's)
+
+    def linear(self, x, lin, residual=None, activation=None):
+        """As LeanOps.linear, except fc1 feeding an fc2 with a static input scale (``fc2_input="static"``): fc1's
+        epilogue writes fc2's e4m3 input with that scale (ReLU first), handed on as (x_q, x_scale) like a quantizing
+        LayerNorm's output."""
+        nxt = self.fc2_after.get(id(lin))
+        if nxt is None or nxt._buffers.get("input_scale") is None or residual is not None or not (
+                activation is None or activation.__class__.__name__ == "ReLU"):
+            return super().linear(x, lin, residual, activation)
+        xq, xs = x if type(x) is tuple else self.quant(x)
+        b = lin._buffers
+        bias = b["bias"]
+        y = fp8_linear_fp8out(xq, xs, b["weight_q"], b["weight_scale"], None if bias is None else bias.to(self.dtype),
+                              nxt._buffers["input_scale"], "none" if activation is None else "relu")  # (M, F) e4m3
+        return y, nxt.static_scales(y)
+
+    def lin(self, x, lin, residual, activation: str) -> torch.Tensor:
+        """W8A8LeanOps.lin, except that an fp16 / bf16 input of a linear with a static input scale (fc2 after a
+        non-ReLU activation, which fc1's epilogue cannot apply) is quantized with that scale, as the module's own
+        call quantizes it."""
+        if type(x) is not tuple and lin._buffers.get("input_scale") is not None:
+            x = lin.quantize_input(x)
+        return super().lin(x, lin, residual, activation)
 
     def _fp8(self, xq, xs, lin, residual, activation: str) -> torch.Tensor:
         """xq (M, K) e4m3, xs (M, 1) fp32 -> (M, N) in the model's dtype."""
@@ -418,7 +447,7 @@ def _layers(plan: _Plan, tokens, positions, key_mask, q_start, cache, slots, kv_
     if plan.quant == "w8a8" and not decode_rows(h):
         ops = W8A8LeanOps(like, plan.heads, plan.head_dim, plan.w8a8_aligned)
     elif plan.quant == "fp8" and not decode_rows(h):
-        ops = Fp8LeanOps(like, plan.heads, plan.head_dim)
+        ops = Fp8LeanOps(like, plan.heads, plan.head_dim, plan.fc2_after)
     elif plan.quant is not None:  # W8A16, or W8A8 / FP8 at decode-sized inputs on CUDA (the GEMV, as the modules)
         ops = Int8LeanOps(like, plan.heads, plan.head_dim)
     else:

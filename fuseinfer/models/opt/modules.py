@@ -204,7 +204,8 @@ class FusedOPTAttention(OPTAttention):
 
 class _Quantized:
     """A LayerNorm output quantized per token for the W8A8 / FP8 GEMM that reads it: ``q`` = (x_q int8 / e4m3
-    (B, S, E), x_scale fp32 (B, S, 1)); ``x``, the LayerNorm's input, gives the shape and dtype."""
+    (B, S, E), x_scale fp32 (B, S, 1)); ``x``, the LayerNorm's input, gives the shape and dtype. Also fc1's e4m3
+    output for an fc2 with a static input scale (``x``: fc1's input, for the dtype; x_scale that scale per token)."""
 
     __slots__ = ("x", "q")
 
@@ -219,7 +220,7 @@ class ModuleOps:
     (``_fuseinfer_ops``; none: the submodules are called). One per layer call: ``h``, the layer's input, decides
     whether W8A8 LayerNorms quantize (not at decode-sized inputs on CUDA, where the W8A8 linears run the GEMV)."""
 
-    __slots__ = ("layer", "fused_ln", "fused_linear", "int8", "fold")
+    __slots__ = ("layer", "fused_ln", "fused_linear", "int8", "fold", "prefill")
 
     def __init__(self, layer: nn.Module, h: torch.Tensor):
         ops = layer._fuseinfer_ops
@@ -229,7 +230,8 @@ class ModuleOps:
         # W8A8 / FP8 at prefill: LayerNorm + per-token quantize in one pass feeds the 8-bit GEMMs; at decode on CUDA
         # those linears run the 8-bit weight GEMV on fp16 activations (layers/linear.py decode_rows), so the LayerNorm
         # is fp16
-        self.int8 = self.fused_ln and not decode_rows(h)
+        self.prefill = not decode_rows(h)
+        self.int8 = self.fused_ln and self.prefill
         # pre-LN with the LayerNorms fused: each LayerNorm goes, unapplied (PendingNorm), to the q/k/v or fc1 step
         self.fold = FOLD_NORMS and self.fused_ln and layer.do_layer_norm_before and _folds_norms(layer)
 
@@ -269,13 +271,35 @@ class ModuleOps:
             y = y if activation is None else activation(y)
             return y if residual is None else residual + y
         if activation is not None and activation.__class__.__name__ != "ReLU":
-            y = activation(self.linear(x, lin))
+            y = activation(self._gemm(x, lin, None, "none"))
             return y if residual is None else residual + y
         act = "none" if activation is None else "relu"  # (ReLU in the GEMM's epilogue)
-        if type(x) is _Quantized:  # fc1 on add_layer_norm_quant(_fp8)'s output: (..., F) in x's dtype
-            y = lin.forward_quantized(*x.q, None, act, x.x.dtype)
-            return y if residual is None else residual + y
+        nxt = self._static_next(lin)
+        if nxt is not None:  # fc1 writing fc2's e4m3 input with fc2's static scale (ReLU before the quantization)
+            like = x.x if type(x) is _Quantized else x
+            xq, xs = x.q if type(x) is _Quantized else lin.quantize_input(x)
+            y = lin.forward_fp8out(xq, xs, nxt.input_scale, act, like.dtype)  # (..., F) e4m3
+            return _Quantized(like, (y, nxt.static_scales(y)))
+        return self._gemm(x, lin, residual, act)
+
+    @staticmethod
+    def _gemm(x, lin, residual, act: str):
+        """act(x @ W.T + bias + residual) for ``lin``; x a tensor, or 8-bit activations (``_Quantized``: fc1 on
+        add_layer_norm_quant(_fp8)'s output, fc2 on fc1's e4m3 output) -> (..., N) in the model's dtype."""
+        if type(x) is _Quantized:
+            return lin.forward_quantized(*x.q, residual, act, x.x.dtype)
         return fused_linear(lin, x, residual, act)
+
+    def _static_next(self, lin):
+        """fc2, when ``lin`` is this layer's fc1 and fc1's epilogue writes fc2's e4m3 input at prefill (FP8 with
+        ``fc2_input="static"``: fc2 holds a calibrated ``input_scale``); else None."""
+        mods = self.layer._modules
+        if not self.prefill or lin is not mods.get("fc1"):
+            return None
+        fc2 = mods.get("fc2")
+        if getattr(fc2, "input_scale", None) is None or not hasattr(lin, "forward_fp8out"):
+            return None
+        return fc2
 
     def _norm_linear(self, x: PendingNorm, lin, residual, activation):
         """``layer_norm_linear`` of the pending norm's rows for ``lin`` (a plain nn.Linear or an int8 weight-only
