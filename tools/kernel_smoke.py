@@ -367,6 +367,25 @@ def rope_kernels():
             ops.qkv_rope_append(qkv, cos, sin, h, hkv, *caches, slots)
 
 
+# ---- the sm_90 CUTLASS FP8 GEMMs: the e4m3-output one (fc1 writing fc2's input) at each tile configuration's M, and
+# the fp16/bf16-output one it sits beside ----
+def fp8_gemms():
+    from fuseinfer.ops.fp8_linear import fp8_linear, quantize_fp8_ref
+    from fuseinfer.ops.fp8_linear_fp8out import fp8_linear_fp8out
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        return
+    for dtype in (torch.float16, torch.bfloat16):
+        for m in (5, 200, 700):  # the small, medium and large configurations' M ranges (a partial last tile each)
+            xq, xs = quantize_fp8_ref(torch.randn(m, 256, device="cuda"), -1)
+            wq, ws = quantize_fp8_ref(torch.randn(528, 256, device="cuda"), -1)
+            b = torch.randn(528, device="cuda", dtype=dtype)
+            scale = torch.tensor([0.05], device="cuda")
+            fp8_linear_fp8out(xq, xs, wq, ws.view(-1), b, scale, "relu")
+            fp8_linear_fp8out(xq, xs, wq, ws.view(-1), None, scale, "none")
+            fp8_linear(xq, xs, wq, ws.view(-1), b, torch.randn(m, 528, device="cuda", dtype=dtype), "relu", dtype)
+
+
 # ---- the FP8 (e4m3) KV cache: the appends (plain and fused with the rotary, every vector width, out-of-range slots)
 # and decode attention over e4m3 keys and values (head dims 64 and 128, 1 to 8 rows per block, grouped-query heads,
 # several splits) ----
@@ -399,6 +418,7 @@ def kv_fp8_kernels():
 if part in ("all", "no-ring-wrap"):
     rope_kernels()
     kv_fp8_kernels()
+    fp8_gemms()
     for dtype in (torch.float16, torch.bfloat16):
         for d in (64, 128):
             for sq, skv in ((77, 77), (1, 300), (4, 129), (16, 700)):
