@@ -77,7 +77,7 @@ def _(x, dim):
 
 @torch.library.custom_op("fuseinfer::dequantize_int8", mutates_args=())
 def _dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return dequantize_int8_ref(q, scale, dtype)
+    return dequantize_int8_ref(q, scale, dtype).contiguous()  # (contiguous on every path, as the fake says)
 
 
 @_dequantize_int8.register_kernel("cuda")
@@ -85,13 +85,14 @@ def _dequantize_int8_cuda(q, scale, dtype):
     ext = extension(q.device)
     rows = q.dim() == 2 and scale.shape == (q.shape[0], 1) and scale.dtype == torch.float32
     if ext is None or not hasattr(ext, "int8_dequantize") or not rows or dtype not in KERNEL_DTYPES or q.numel() == 0:
-        return dequantize_int8_ref(q, scale, dtype)
+        return dequantize_int8_ref(q, scale, dtype).contiguous()
     return ext.int8_dequantize(q.contiguous(), scale.reshape(-1).contiguous(), dtype)
 
 
 @_dequantize_int8.register_fake
 def _(q, scale, dtype):
-    return torch.empty_like(q, dtype=dtype)
+    # contiguous whatever q's layout (the kernel writes a contiguous output; empty_like would keep a transposed q's)
+    return q.new_empty(q.shape, dtype=dtype)
 
 
 def _dequantize_setup(ctx, inputs, output):

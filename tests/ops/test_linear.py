@@ -151,9 +151,12 @@ def test_linear_epilogue_opcheck_property(device):
     @given(case=linear_cases(device), grad=st.booleans())
     def check(case, grad):
         x, w, b, r, act = case
+        tol = {}
         if grad:  # fp32 for the gradient checks
             x, w, b, r = (None if t is None else t.float().requires_grad_() for t in (x, w, b, r))
-        torch.library.opcheck(torch.ops.fuseinfer.linear_epilogue.default, (x, w, b, r, act))
+            if device == "cuda":  # eager's and AOT's backward GEMMs may take different cuBLAS algorithms: fp32 sums
+                tol = dict(rtol=1e-4, atol=1e-4)  # in another order (1.4e-5 apart seen at values ~1.7)
+        torch.library.opcheck(torch.ops.fuseinfer.linear_epilogue.default, (x, w, b, r, act), **tol)
     check()
 
 

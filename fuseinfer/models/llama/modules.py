@@ -87,6 +87,9 @@ ARCHS = {
 # attention / MLP) the norm runs first as before, so the values are the same either way. On: Llama-3.2-1B batch-1
 # decode 0.983 -> 0.925 ms/token (H200, both in one process).
 FOLD_NORMS = True
+# ... at up to this many rows (tokens) a call: the prologue's staging of every row in every block costs more than the
+# norm kernel it saves as the rows grow (set from the measured batch sizes, docs/history.md).
+FOLD_MAX_ROWS = 16
 
 # The fused weights: row concatenations of a module's linears in plain attributes of its ``__dict__`` (outside the
 # parameter and buffer registries, so ``state_dict`` lists what the unpatched model lists); ``name``: the one int8
@@ -370,9 +373,10 @@ class ModuleOps:
 
     __slots__ = ("fused_norm", "fold")
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, h: torch.Tensor):
         self.fused_norm = "layer_norm" in layer._fuseinfer_ops
-        self.fold = FOLD_NORMS and self.fused_norm and _folds_norms(layer)
+        self.fold = FOLD_NORMS and h.numel() <= FOLD_MAX_ROWS * h.shape[-1] and self.fused_norm and \
+            _folds_norms(layer)
 
     def norm(self, x, norm, residual=None):
         if self.fold and residual is None:  # (the attention / MLP module normalises: PendingNorm)
@@ -420,7 +424,8 @@ class _FusedDecoderLayer:
                                    position_embeddings, **kwargs)
         ctx = dict(attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
                    use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
-        return decoder_layer(ModuleOps(self), self._modules["self_attn"].layer_idx, self, hidden_states, ctx)
+        return decoder_layer(ModuleOps(self, hidden_states), self._modules["self_attn"].layer_idx, self,
+                             hidden_states, ctx)
 
 
 def _locked_forward(base: type):

@@ -132,7 +132,7 @@ class _TPDecoderLayer:
         _eval_only(self, hidden_states)
         ctx = dict(attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
                    use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
-        ops = TPOps(ModuleOps(self), self, self.__dict__[TP_ATTR])
+        ops = TPOps(ModuleOps(self, hidden_states), self, self.__dict__[TP_ATTR])
         return decoder_layer(ops, self._modules["self_attn"].layer_idx, self, hidden_states, ctx)
 
 

@@ -85,6 +85,9 @@ from fuseinfer.models.opt.layer import decoder_layer
 # post-LN, W8A8 / FP8 linears, an FP8 cache, an unpatched or hooked attention) the norm runs first as before, so the
 # values are the same either way. Off until timed on the GPU.
 FOLD_NORMS = False
+# ... at up to this many rows (tokens) a call: the prologue's staging of every row in every block costs more than the
+# norm kernel it saves as the rows grow (set from the measured batch sizes, docs/history.md).
+FOLD_MAX_ROWS = 16
 
 
 class FusedLayerNorm(nn.LayerNorm):
@@ -233,7 +236,8 @@ class ModuleOps:
         self.prefill = not decode_rows(h)
         self.int8 = self.fused_ln and self.prefill
         # pre-LN with the LayerNorms fused: each LayerNorm goes, unapplied (PendingNorm), to the q/k/v or fc1 step
-        self.fold = FOLD_NORMS and self.fused_ln and layer.do_layer_norm_before and _folds_norms(layer)
+        self.fold = FOLD_NORMS and h.numel() <= FOLD_MAX_ROWS * h.shape[-1] and self.fused_ln and \
+            layer.do_layer_norm_before and _folds_norms(layer)
 
     def norm(self, x, ln, residual=None):
         if residual is not None:

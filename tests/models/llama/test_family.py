@@ -496,6 +496,7 @@ def test_patched_model_compiles_to_one_graph_of_the_registered_ops(fold, monkeyp
     from conftest import traced_by_compile
 
     monkeypatch.setattr(llama_modules, "FOLD_NORMS", fold)
+    monkeypatch.setattr(llama_modules, "FOLD_MAX_ROWS", 18)  # (the 2 x 9 rows below fold)
     model = random_llama("qwen2")
     ids = _ids(model, rows=2, length=9)
     ref = _logits(model, ids, None)
