@@ -6,7 +6,7 @@ calls back to back (so drift between rounds cancels in the difference), after a 
 torch.compile's compile time), so prefill cancels out; the median over rounds, with the 10th and 90th
 percentiles. Compared: eager HF generate,
 HF generate(cache_implementation="static") (which torch.compiles its decode step), and fuseinfer.generate.
-Derived: floor = weight bytes / measured copy bandwidth (issue 5's definition), floor_kv = the bytes of a step,
+Derived: floor = weight bytes / measured copy bandwidth (docs/results.md defines it), floor_kv = the bytes of a step,
 KV cache included, / copy bandwidth (the KV cache outweighs the weights at batch 32); achieved GB/s = bytes read per decode step / ms-per-token,
 the bytes by ``fuseinfer.harness.metrics.decode_bytes_per_step`` (weights + KV cache at the mean context of the N timed
 steps), so the figure matches the eval CLI's GB/s for the same settings.
