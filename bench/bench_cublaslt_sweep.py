@@ -2,7 +2,7 @@
 the residual epilogue free?
 
 csrc/linear.cu runs OPT's prefill linears on cuBLASLt and times the heuristic's first 8 algorithms once per
-problem. Issue 4 asks for the fused epilogue at <= 1.03x the bare GEMM; out_proj + residual misses it
+problem. The target is the fused epilogue at <= 1.03x the bare GEMM; out_proj + residual misses it
 (bench_linear). This script asks the whole library, not its heuristic's short list: for each problem (OPT
 out_proj by default; --layers adds fc2) and mode
   residual   bias epilogue + residual as C (beta = 1) into a new output, as linear_epilogue runs it

@@ -1,4 +1,4 @@
-"""ms/token of patched ``model.generate`` with the settings apps pass, against transformers' generate (issue 34).
+"""ms/token of patched ``model.generate`` with the settings apps pass, against transformers' generate.
 
 Random-weight OPT (default opt-1.3b) fp16, prompt --context tokens, --new new tokens; every call passes
 min_new_tokens = max_new_tokens so that each setting decodes the same number of tokens. At each batch size
@@ -7,7 +7,7 @@ min_new_tokens = max_new_tokens so that each setting decodes the same number of 
   hf_static     unpatched model.generate(cache_implementation="static")
   fuseinfer     fuseinfer.generate on the patched model
   patched_a     patched model.generate, no extra settings
-  patched_b     ... min_new_tokens=new (the bench's common setting; same call as patched_a here, listed as in the issue)
+  patched_b     ... min_new_tokens=new (the bench's common setting; same call as patched_a here, listed separately)
   patched_c     ... repetition_penalty=1.1
   hf_beam4      unpatched beam search, num_beams=4: static cache if transformers accepts it, else its default
   patched_beam4 patched model.generate(num_beams=4) (the one-graph beam search, runtime/beam.py)

@@ -1,4 +1,4 @@
-"""Models larger than one GPU (issue 39): tensor parallel over NCCL and accelerate's device_map, on 2 GPUs.
+"""Models larger than one GPU: tensor parallel over NCCL and accelerate's device_map, on 2 GPUs.
 
     torchrun --nproc-per-node 2 bench/bench_parallel.py tp [PART ...]   # TP=2 parts: correctness 66b 30b 66b_int8
     python bench/bench_parallel.py single [PART ...]                   # one process: 30b dm_logits dm_66b
@@ -205,7 +205,7 @@ def prefill_ms(model, ids: torch.Tensor, sync, repeats: int = 3) -> dict:
 def mem_phase(dev: torch.device, phases: dict, name: str) -> None:
     """Record the memory of the phase that just ended -- allocated now and the peak since the last phase (both
     GiB, torch.cuda.memory_allocated / max_memory_allocated) -- then reset the peak, so each phase's peak is its
-    own: which phase (build, patch / shard, decode graphs, prefill) sets the run's peak (issue 39: 98.9 GiB per GPU
+    own: which phase (build, patch / shard, decode graphs, prefill) sets the run's peak (measured: 98.9 GiB per GPU
     at OPT-66b TP=2 against 61.6 GiB of weights). None on CPU."""
     if dev.type != "cuda":
         phases[name] = None

@@ -1,4 +1,4 @@
-"""Prefill latency and time to first token (issue 41): the lean loop and the per-bucket prefill graphs against eager,
+"""Prefill latency and time to first token: the lean loop and the per-bucket prefill graphs against eager,
 torch.compile and today's patched forward, with the floors measured in the same run.
 
 Random weights (``--model``, default opt-1.3b; any family with a lean loop, e.g.
@@ -7,8 +7,8 @@ Random weights (``--model``, default opt-1.3b; any family with a lean loop, e.g.
 * ``eager``: the unpatched model, ``model(input_ids, use_cache=False, logits_to_keep=1)``;
 * ``compile`` / ``compile_ro``: that call through ``torch.compile(model)`` (default mode) and
   ``torch.compile(model, mode="reduce-overhead")`` (CUDA graphs), compiled in the warm-up (compile time reported);
-* ``patched``: today's path, the patched model's same call (``patched_full``: all positions' logits, the call the
-  issue timed);
+* ``patched``: today's path, the patched model's same call (``patched_full``: all positions' logits, the call
+  timed before the lean loop existed);
 * ``prefill_lean``: ``fuseinfer.prefill(model, ids)`` (the lean loop, no cache);
 * ``begin_module`` / ``begin_lean`` / ``begin_graph``: fast decode's prefill (``_Session.begin``: the prompt into the
   static cache and the first token chosen) with FUSEINFER_PREFILL=module (today's) / lean / graph; ``begin_auto``
@@ -31,7 +31,7 @@ pad), ``fuseinfer.generate(patched, ids, max_new_tokens=1)`` (no EOS, pad 0) and
 ``--reps`` rounds call every caller once in turn, so the two patched styles alternate on one model as an app mixing
 them would; median and p10-p90. ``ttft_rebuilds`` records the runtime's ``COUNTS`` over the timed rounds (sessions,
 caches, decode / prefill graphs made: 0 expected, each style keeps its session). ``ttft_over_prefill`` = patched
-model.generate's TTFT / ``begin_auto``'s prefill at that shape (issue 41 target: <= 1.2).
+model.generate's TTFT / ``begin_auto``'s prefill at that shape (target: <= 1.2).
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ from fuseinfer.models import family_of  # noqa: E402
 from fuseinfer.runtime import prefill as pf  # noqa: E402
 from fuseinfer.runtime.decode import COUNTS, Sampling, decode_forward, session_for  # noqa: E402
 
-TARGETS_MS = {(1, 128): 1.3, (1, 512): 2.8}  # issue 41, H100
+TARGETS_MS = {(1, 128): 1.3, (1, 512): 2.8}  # targets on an H100
 
 
 def gemm_floor_ms(model, b: int, s: int) -> tuple[float, float]:

@@ -1,4 +1,4 @@
-"""W8A8 kernels on the H100 (issue 36): the sm90 int8 GEMM with its epilogue, and LayerNorm + per-token quantize.
+"""W8A8 kernels on the H100: the sm90 int8 GEMM with its epilogue, and LayerNorm + per-token quantize.
 
 Part 1, GEMM (``w8a8_gemm`` results): OPT-1.3b and OPT-6.7b prefill shapes, M = 2048 and 8192 tokens, each layer's
 linear with the epilogue it has in the model (q/k/v fused: + bias; out_proj, fc2: + bias + residual; fc1: + bias,
@@ -8,7 +8,7 @@ ReLU). Implementations, timed in turn over rounds (common.paired_ms; "x" columns
             its tile configuration chosen by M (FUSEINFER_W8A8_TILE=auto); ``large`` columns: the same op forced to
             the 256x128 cooperative configuration (FUSEINFER_W8A8_TILE=large, set before each call: ~1 us of host
             time against >= 50 us GEMMs), to choose the default;
-  cublas    bare cuBLAS fp16 ``torch.mm(x, w.T)`` (no bias, no epilogue: the issue's baseline);
+  cublas    bare cuBLAS fp16 ``torch.mm(x, w.T)`` (no bias, no epilogue: the baseline of the targets);
   int_mm    ``torch._int_mm`` (int32 out) followed by the rescale + epilogue in separate PyTorch ops, the path
             torchao-style W8A8 takes on H100; ``int_mm bare`` is torch._int_mm alone.
 TOPS = 2 M N K / median time / 1e12 (int8 ops for ours and int_mm, fp16 FLOPs for cuBLAS); "% fp16 rate" is ours'

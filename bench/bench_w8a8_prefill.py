@@ -1,4 +1,4 @@
-"""W8A8 prefill paths (issue 36): where the OPT-1.3b 1x2047 W8A8 prefill time goes, and what the fused LayerNorm +
+"""W8A8 prefill paths: where the OPT-1.3b 1x2047 W8A8 prefill time goes, and what the fused LayerNorm +
 quantize and the lean loop / prefill graphs buy, with fp16 fuseinfer timed in the same run.
 
 Random-weight OPT (default opt-1.3b) fp16 on one GPU; the W8A8 copy is SmoothQuant-calibrated on seeded random ids
@@ -18,7 +18,7 @@ Timing: CUDA events around each call with the GPU idle before it (so host launch
 (graph captures), then ``--reps`` rounds calling every implementation once in turn; median and p10-p90. Derived:
 ``graph_over_fp16`` = w8a8_graph / fp16_graph, ``gemm_share`` = w8a8_gemms / w8a8_graph (the rest: attention,
 LayerNorms, quantize, embeddings, head), ``module_host_ms`` = w8a8_module - w8a8_graph (what the module path's host
-work costs at that shape). Target (issue 36, H100): 1x2048 <= 6.0 ms.
+work costs at that shape). Target (H100): 1x2048 <= 6.0 ms.
 """
 from __future__ import annotations
 

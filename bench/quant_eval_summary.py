@@ -1,13 +1,13 @@
-"""The quantization issues' eval figures, one table: reads ``python -m fuseinfer.eval --output`` JSON files and
-derives, per backend row, the decode floor and what the targets of issues 35 / 36 compare against.
+"""The quantized backends' eval figures, one table: reads ``python -m fuseinfer.eval --output`` JSON files and
+derives, per backend row, the decode floor and what the W8A16 / W8A8 targets compare against.
 
 Per row (all from the eval JSON; nothing here is measured):
   weight bytes/token   the bytes of the model's tensors one decode step reads (int8 rows: the quantized model's, as
                        ``fuseinfer.quant.backends.weight_bytes_per_token`` counts them: int8 linears + fp32
                        scales + fp16 embeddings / LayerNorms / biases)
   decode GB/s, % copy  the eval's (weights + KV cache per step / decode ms; over the copy bandwidth of that run)
-  floor ms             weight bytes/token / copy bandwidth measured in that run (the KV cache left out, as the
-                       issue's floor); "x floor" = decode ms/token / floor ms (issue 35 target: <= 1.25)
+  floor ms             weight bytes/token / copy bandwidth measured in that run (the KV cache left out, as in
+                       docs/results.md's floor); "x floor" = decode ms/token / floor ms (W8A16 target: <= 1.25)
   peak / fp16          this row's max allocated MiB / the fp16 ``fuseinfer`` row's in the same file (target <= 0.55)
   prefill / fp16       this row's prefill ms / the fp16 ``fuseinfer`` row's (W8A16 target <= 1.10 at 1x2048; W8A8:
                        <= 0.6 at OPT-6.7b); / eager likewise

@@ -1,4 +1,4 @@
-"""Issue 38's targets, read back from a ``python -m fuseinfer.profile`` profile.json and an eval JSON of the same
+"""The profiler's targets, read back from a ``python -m fuseinfer.profile`` profile.json and an eval JSON of the same
 settings; prints one line per figure, each marked OK or MISS:
 
 * step time: the table's step (unprofiled, timed before any profiler session, no hooks) against the eval's figure
@@ -8,7 +8,7 @@ settings; prints one line per figure, each marked OK or MISS:
 * compare (when the profile has one): the per-module-kind busy-time savings (attribution passes) over the device
   busy-time difference (un-hooked passes): target 90-110%; the host/idle part of the step difference is its own
   line;
-* the verdict table by op class of each backend (printed for the closing note), and what the issue expects of it
+* the verdict table by op class of each backend (printed for the closing note), and what is expected of it
   (prefill: GEMMs compute-bound; decode: GEMVs and attention memory-bound), marked OK / MISS.
 
 Usage: check_profile_vs_eval.py PROFILE_JSON EVAL_JSON PHASE [--tolerance 0.10] [--strict]. Exit 0 unless the files

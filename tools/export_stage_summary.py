@@ -1,4 +1,5 @@
-"""One short Markdown page from what tools/gpu_stage_export.sh measured (issue 37's figures, each with its target).
+"""One short Markdown page from what tools/gpu_stage_export.sh measured (the export and ONNX Runtime figures, each with
+its target).
 
     python tools/export_stage_summary.py RESULTS_DIR > summary.md
 
@@ -12,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-EXPORT_TARGET_S = 180  # issue 37: export of OPT-1.3b fp16 under 3 minutes
+EXPORT_TARGET_S = 180  # export of OPT-1.3b fp16 under 3 minutes
 
 
 def load(path: Path):
@@ -119,7 +120,7 @@ def profile_lines(r: Path) -> list[str]:
 
 def main():
     r = Path(sys.argv[1])
-    lines = ["# Issue 37 GPU stage: ONNX export and ONNX Runtime", ""]
+    lines = ["# GPU stage: ONNX export and ONNX Runtime", ""]
     for part in (export_lines(r), accuracy_lines(r),
                  eval_lines(r, "eval_b1", "Eval (decode, batch 1)"),
                  eval_lines(r, "eval_b8", "Eval (decode, batch 8)"),

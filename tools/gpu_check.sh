@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# One call on the GPU machine (through the device tool) that builds the extension, tests and benchmarks.
+# One run on a GPU machine that builds the extension, tests and benchmarks.
 #
 #   bash tools/gpu_check.sh [stage ...]     stages: build gputest test sanitize bench decode eval e2e ppl interference
 #                                           and the features' export profile int8 w8a8 generate prefill multigpu flashattn
 #                                           wheel (tools/gpu_stage_<name>.sh) (default: build test sanitize)
 #
 # Needs the shared assets copied to .gpu_assets/ (git-ignored; tools/stage_gpu_assets.sh does it) and named in
-# the device call's `carry`; the wheel stage also needs .whl/ (tools/stage_wheel_assets.sh). Logs and results go
+# the remote run's `carry`; the wheel stage also needs .whl/ (tools/stage_wheel_assets.sh). Logs and results go
 # to $OUT (default /tmp/fuseinfer-gpu), one file per stage.
 # FUSEINFER_GPU_TRANSFORMERS=path/to/transformers-*.whl runs every stage under that transformers instead of the
 # machine's (installed without dependencies into /tmp/fuseinfer-transformers, put first on PYTHONPATH; the
@@ -25,7 +25,7 @@ status=0
 RUN_LOGS="$OUT"
 . tools/gpu_run.sh  # run NAME CMD...: logs to $RUN_LOGS/NAME.log, remembers failure
 
-finish() {  # finish CODE: pack $OUT into one file (the device tool returns few), print the summary, exit CODE
+finish() {  # finish CODE: pack $OUT into one file (a remote run returns few files), print the summary, exit CODE
   (cd "$OUT" && tar czf /tmp/gpu_check.tar.gz . && rm -rf ./* && mv /tmp/gpu_check.tar.gz .)
   echo "gpu_check: $([ "$1" -eq 0 ] && echo PASS || echo FAIL) (stages: ${stages[*]}); logs and results in $OUT/gpu_check.tar.gz"
   exit "$1"
@@ -116,7 +116,7 @@ for stage in "${stages[@]}"; do
         [ -f "$b" ] && run "$(basename "$b" .py)" python3 "$b" ${BENCH_ARGS:-}
       done ;;
     decode) run bench_decode python3 bench/bench_decode.py ${DECODE_ARGS:-} ;;
-    eval)  # issue 3: the main comparison; decode at batch 1, prompt 512
+    eval)  # the main comparison; decode at batch 1, prompt 512
       run eval python3 -m fuseinfer.eval --model random:opt-1.3b --dtype fp16 --backends eager,compile,fuseinfer \
         --skip-ppl --batch-size 1 --prompt-len 512 --gen-len 128 --output "$FUSEINFER_BENCH_DIR/eval_opt-1.3b_fp16_b1.json" \
         --markdown "$FUSEINFER_BENCH_DIR/eval_opt-1.3b_fp16_b1.md" --plot "$FUSEINFER_BENCH_DIR/eval_opt-1.3b_fp16_b1.png" ;;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU stage of issue 37 (ONNX export, ONNX Runtime backend). About 5.5 minutes on one H100.
+# GPU stage of the ONNX export and the ONNX Runtime backend. About 5.5 minutes on one H100.
 #
 #   OUT=/path bash tools/gpu_stage_export.sh        (or: bash tools/gpu_check.sh export)
 #

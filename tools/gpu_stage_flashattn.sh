@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The flash-attn-4 attention backend on the GPU (issue 40; docs/attention_backends.md): versions, an import and
+# The flash-attn-4 attention backend on the GPU (docs/attention_backends.md): versions, an import and
 # smoke run of the package, the backend's GPU tests, and bench/bench_attention.py with its flash_attn column.
 #
 #   bash tools/gpu_stage_flashattn.sh [tests] [bench] [--full]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU stage of issue 34 section 1 (model.generate paths, concurrency): the gpu tests of tests/runtime/,
+# GPU stage of patched model.generate (its paths, concurrency): the gpu tests of tests/runtime/,
 # bench/bench_generate.py and bench/bench_beam.py. Writes logs and results to $OUT and one tarball
 # $OUT/generate_results.tar.gz.
 # Needs the extension built (pip install --no-deps --no-build-isolation -e .) and FUSEINFER_SHARED.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU stage of the int8 weight-only (W8A16) feature, issue 35. Assumes the extension is built (gpu_check.sh build,
+# GPU stage of the int8 weight-only (W8A16) feature. Assumes the extension is built (gpu_check.sh build,
 # which compiles csrc/w8a16_linear.cu and csrc/quant.cu with the rest) and the shared assets in .gpu_assets/.
 # The GPU tests of tests/quant and the main sanitizers run elsewhere (gpu_check.sh gputest / sanitize); this stage
 # keeps only what is int8-specific: memcheck of tools/int8_smoke.py, the benches and the eval rows.
@@ -45,7 +45,7 @@ python3 -c 'from fuseinfer.core.extension import extension; assert hasattr(exten
 # and racecheck (gated like gpu_check's ring-wrap parts: only hazards other than a TMA-filled stage's reuse fail) of
 # kernel_smoke's int8-step part, then OPT-1.3b batch 1 ms/token: fp16 fuseinfer vs W8A16 with the step (default
 # FUSEINFER_DECODE_KERNEL=auto takes it at batch 1; the row's "decode" says "step: one kernel") and W8A16 per op
-# (FUSEINFER_DECODE_KERNEL=0, the 0.928 ms/token path) in one run each. Target (issue 35): W8A16 <= 0.55 ms/token.
+# (FUSEINFER_DECODE_KERNEL=0, the 0.928 ms/token path) in one run each. Target: W8A16 <= 0.55 ms/token.
 if [ "$mode" = step ] || [ "$mode" = all ]; then
   run step_pytest 300 python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/ops/test_decode_step.py
   run step_memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/kernel_smoke.py \

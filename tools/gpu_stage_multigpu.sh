@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 39 (models larger than one GPU) on the nvidia-h100-x2 machine (two H100s), one device call:
+# Models larger than one GPU, on a machine with two H100s, in one run:
 #
 #   bash tools/gpu_stage_multigpu.sh        (carry .gpu_assets: tools/stage_gpu_assets.sh copies the tiny model;
 #                                            optionally a prebuilt fuseinfer/_C*.so: the build is then skipped)

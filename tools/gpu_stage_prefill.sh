@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 41 (fast prefill) on the GPU machine: the prefill GPU tests, then bench/bench_prefill.py, then the eval's
+# Fast prefill on the GPU machine: the prefill GPU tests, then bench/bench_prefill.py, then the eval's
 # prefill column at 512 tokens; logs and results packed into one tar under $OUT.
 #
 #   bash tools/gpu_stage_prefill.sh            (after tools/gpu_check.sh build, or with the extension built)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 38 on the GPU: python -m fuseinfer.profile on random OPT-1.3b fp16 (fuseinfer vs eager), prefill of 2048
+# The profiler on the GPU: python -m fuseinfer.profile on random OPT-1.3b fp16 (fuseinfer vs eager), prefill of 2048
 # tokens and one decode step after a 512-token prompt, plus the eval's figures for the same settings to check the
 # profiler's step time against (target: within 10%) and the compare (>= 90% of the difference by module kind); the
 # dtype is the eval's and the profiler's default on CUDA, fp16.

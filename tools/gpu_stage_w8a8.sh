@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# W8A8 SmoothQuant (issue 36) on the GPU machine: the kernels' memcheck, the GEMM / LayerNorm+quantize benchmarks,
+# W8A8 SmoothQuant on the GPU machine: the kernels' memcheck, the GEMM / LayerNorm+quantize benchmarks,
 # the outlier test on the GPU, and the end-to-end eval rows.
 #
 #   bash tools/gpu_stage_w8a8.sh [stage ...]   stages: cutlass build sanitize outlier paths bench e2e (default: all,

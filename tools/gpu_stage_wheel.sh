@@ -5,7 +5,7 @@
 #
 #   bash tools/gpu_check.sh wheel                    or   OUT=dir bash tools/gpu_stage_wheel.sh [step ...]
 #   steps: build install test eval (default: all, in order; each later step reuses $WORK from an earlier call on
-#   the same machine, so a long run can be split over device calls: `... build install`, then `... test eval`)
+#   the same machine, so a long run can be split over remote runs: `... build install`, then `... test eval`)
 #
 # The GPU machine reaches no registry: carry .whl/ (git-ignored) with the wheels of build, pyproject_hooks, wheel and
 # nvidia-cutlass (tools/stage_wheel_assets.sh downloads them) and .gpu_assets/ (tools/stage_gpu_assets.sh). The

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Copies the shared assets a GPU run needs into .gpu_assets/ (git-ignored) so a device call can `carry` them.
+# Copies the shared assets a GPU run needs into .gpu_assets/ (git-ignored) so a remote run can `carry` them.
 # With TRANSFORMERS_VERSION=X.Y.Z it also downloads that transformers wheel into .gpu_assets/wheels/ (the GPU
 # machine reaches no registry); tools/gpu_check.sh runs under it when FUSEINFER_GPU_TRANSFORMERS names the wheel.
 set -euo pipefail

@@ -152,11 +152,11 @@ class OrtPlainBackend(OrtBackend):
 class TensorRTBackend(Backend):
     """The plain ONNX export built into a TensorRT engine and run with execute_async_v3.
 
-    Written against TensorRT's documented Python API; never run (TensorRT could not be installed
-    there). Without ``tensorrt`` the eval reports the install hint in this row."""
+    Written against TensorRT's documented Python API; not yet run against a TensorRT install. Without
+    ``tensorrt`` the eval reports the install hint in this row."""
 
     name = "tensorrt"
-    summary = "TensorRT engine from the plain ONNX export (written against the documented API, never run here)"
+    summary = "TensorRT engine from the plain ONNX export (written against the documented API, not yet run)"
 
     @classmethod
     def unavailable_reason(cls, device):

@@ -2,9 +2,9 @@
 
 WRITTEN AGAINST TENSORRT'S DOCUMENTED PYTHON API (TensorRT 10: ``Builder``, ``OnnxParser``,
 ``IOptimizationProfile.set_shape / set_shape_input``, ``build_serialized_network``, ``Runtime``,
-``IExecutionContext.set_input_shape / set_tensor_address / execute_async_v3``), NEVER RUN HERE: TensorRT cannot be
-installed on our machines (PyPI's tensorrt-cu13-libs is a stub that downloads from elsewhere; TensorRT-RTX has no
-sm_90). Where ``tensorrt`` does not import, every entry point raises one ExportError saying how to install it.
+``IExecutionContext.set_input_shape / set_tensor_address / execute_async_v3``), NOT YET RUN: it has not been tested
+against an installed TensorRT (PyPI's tensorrt-cu13-libs is a stub that downloads from elsewhere; TensorRT-RTX has
+no sm_90). Where ``tensorrt`` does not import, every entry point raises one ExportError saying how to install it.
 
 Engine: the plain flavour (contrib ops are ONNX Runtime's, TensorRT's parser knows none of them). One
 optimization profile covers batch 1..max_batch, new tokens 1..max_len and past 0..max_len - 1, tuned (opt) for

@@ -179,7 +179,7 @@ def _outlier_experiment(tiny_model_path, device, dtype):
 @pytest.mark.parametrize("device, dtype", [("cpu", torch.float32),
                                            pytest.param("cuda", torch.float16, marks=pytest.mark.gpu)])
 def test_smoothquant_matters_on_the_outlier_model(tiny_model_path, device, dtype):
-    """Issue 36's outlier test: on the CPU the reference path (fp32 activations, exact int8 GEMMs); on the GPU fp16,
+    """The outlier test: on the CPU the reference path (fp32 activations, exact int8 GEMMs); on the GPU fp16,
     every W8A8 linear running the sm90 kernel (or the documented fallback elsewhere)."""
     from fuseinfer.ops.w8a8_linear import w8a8_backend
 

@@ -1,4 +1,4 @@
-"""The W8A8 decoder layer's fused LayerNorm + quantize (issue 36) and W8A8 models through the lean prefill loop.
+"""The W8A8 decoder layer's fused LayerNorm + quantize and W8A8 models through the lean prefill loop.
 
 * the pre-LN W8A8 layer runs ``add_layer_norm_quant`` for self_attn_layer_norm and final_layer_norm (op counts
   from torch.profiler on CPU: 2 per layer, no fp16 LayerNorm, 2 separate quantize passes instead of 4) and gives

@@ -1,7 +1,11 @@
 """The README as a user meets it: its commands run as written (every flag exists, every required flag is given),
-no text speaks of the project's own machines or scripts, one results table, at most 2,000 words."""
+no text speaks of the project's own machines or scripts, one results table, at most 2,000 words. And all text a
+user or contributor reads (docs, --help of the CLIs and of the bench / tools scripts, whose module docstrings are
+their argparse descriptions, the package's docstrings and messages, skip reasons) names no issue number or machine
+path."""
 from __future__ import annotations
 
+import ast
 import functools
 import re
 import subprocess
@@ -13,6 +17,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 FORBIDDEN = re.compile(r"our machines?|the GPU machine|tools/\w+\.sh", re.I)
+# issue numbers ("issue 36", "Issue 4's", "#41"; not an upstream "pytorch/pytorch#144455") and machine paths
+PRIVATE = re.compile(r"\bissues? ?#?\d+\b|(?<![\w/])#\d{2,}\b|(?<![\w.])/(?:work|root)/|\bthe device tool\b|"
+                     r"\bour machines?\b", re.I)
 CLIS = {"eval": ["fuseinfer.eval"], "profile": ["fuseinfer.profile"], "export onnx": ["fuseinfer.export", "onnx"],
         "export tensorrt": ["fuseinfer.export", "tensorrt"], "export": ["fuseinfer.export"]}
 
@@ -64,6 +71,7 @@ def test_readme_command_matches_its_help(cli, args):
 @pytest.mark.parametrize("cli", ["eval", "profile", "export", "export onnx", "export tensorrt"])
 def test_help_texts_name_no_private_machine_or_script(cli):
     assert not FORBIDDEN.search(help_text(cli)), FORBIDDEN.search(help_text(cli)).group(0)
+    assert not PRIVATE.search(help_text(cli)), PRIVATE.search(help_text(cli)).group(0)
 
 
 @pytest.mark.parametrize("doc", ["README.md", "docs/results.md"])
@@ -84,7 +92,7 @@ def test_skip_reasons_name_no_private_machine_or_script():
     hits = []
     for path in (REPO / "tests").rglob("*.py"):
         for m in re.finditer(r"(?:skip(?:if)?\(|reason=|NO_\w+ = )[^\n]*", path.read_text()):
-            if FORBIDDEN.search(m.group(0)):
+            if FORBIDDEN.search(m.group(0)) or PRIVATE.search(m.group(0)):
                 hits.append(f"{path.relative_to(REPO)}: {m.group(0)[:80]}")
     assert not hits, hits
 
@@ -99,3 +107,44 @@ def test_the_install_lines_are_what_ci_runs():
     assert len(commands) == 4, commands
     for c in commands:
         assert "python -m pip install -q " + c.removeprefix("pip install ") in ci, c
+
+
+# ---- issue numbers and machine paths, in everything a user or contributor reads
+
+def _strings(path: Path, docstrings_only: bool) -> list[tuple[int, str]]:
+    """(line, text) of a Python file's module docstring, or of all its string constants (docstrings, messages,
+    help texts; comments are not strings)."""
+    tree = ast.parse(path.read_text())
+    if docstrings_only:
+        doc = ast.get_docstring(tree, clean=False)
+        return [(1, doc)] if doc else []
+    return [(n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+def user_texts(group: str) -> list[tuple[str, str]]:
+    """(where, text) of one group of user-facing text."""
+    if group == "docs":
+        files = [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").glob("*.md")),
+                 *sorted((REPO / "examples").iterdir()), *sorted((REPO / "tools").glob("*.sh"))]
+        return [(str(f.relative_to(REPO)), f.read_text()) for f in files if f.is_file()]
+    if group == "script docstrings":  # their --help: argparse(description=__doc__)
+        files = [*sorted((REPO / "bench").glob("*.py")), *sorted((REPO / "tools").glob("*.py"))]
+        return [(f"{f.relative_to(REPO)}:{line}", s) for f in files for line, s in _strings(f, True)]
+    assert group == "package strings"
+    return [(f"{f.relative_to(REPO)}:{line}", s) for f in sorted((REPO / "fuseinfer").rglob("*.py"))
+            for line, s in _strings(f, False)]
+
+
+@pytest.mark.parametrize("group", ["docs", "script docstrings", "package strings"])
+def test_user_facing_text_names_no_issue_or_machine_path(group):
+    hits = [f"{where}: {m.group(0)!r}" for where, text in user_texts(group) for m in PRIVATE.finditer(text)]
+    assert not hits, hits
+
+
+def test_the_private_pattern():
+    bad = ["Target (issue 36, H100)", "Issue 4 asks", "issue 5's definition", "see #41", "issues 35 / 36",
+           "in /work/main/.venv", "/root/.cache", "through the device tool", "installed on our machines"]
+    good = ["pytorch/pytorch#144455: no cuptiFinalize", "issues four m16n8k16 mmas", "/tmp/fuseinfer-gpu",
+            "$FUSEINFER_SHARED/work/x", "a helper", "a fast-decode session", "#1 and #2"]
+    assert [s for s in bad if not PRIVATE.search(s)] == []
+    assert [s for s in good if PRIVATE.search(s)] == []

@@ -1,5 +1,5 @@
 """Fast prefill (fuseinfer/runtime/prefill.py): the lean layer loop against the patched modules, fast decode through
-it, the per-bucket CUDA graphs, and capture of the patched forward (issue 41)."""
+it, the per-bucket CUDA graphs, and capture of the patched forward."""
 from __future__ import annotations
 
 import pytest
@@ -225,7 +225,7 @@ def _cuda_models(**cfg):
 @pytest.mark.gpu
 @pytest.mark.parametrize("with_mask", [False, True], ids=["no_mask", "mask_of_ones"])
 def test_patched_forward_is_capturable_in_a_cuda_graph(with_mask):
-    """Issue 41: torch.cuda.graph of the patched forward (1 x 128, use_cache=False, three warm-up calls on a side
+    """torch.cuda.graph of the patched forward (1 x 128, use_cache=False, three warm-up calls on a side
     stream) captures and replays; its logits are eager's within the fp16 rule. With transformers 5.17 OPT always
     passes a mask (of ones), whose host read invalidated the capture."""
     m32, m16, model = _cuda_models()

@@ -1,5 +1,5 @@
 """Fast-decode sessions per batch bucket: several settings over one cache, no rebuild when callers alternate
-(issue 41: ``model.generate`` with the generation config's EOS / pad and ``fuseinfer.generate`` without rebuilt the
+(previously ``model.generate`` with the generation config's EOS / pad and ``fuseinfer.generate`` without rebuilt the
 bucket's session and captured its graphs at every call).
 
 On the CPU no graph is captured; ``fake_graphs`` stands in ``decode.capture_graphs`` with an eager replay (the same
