@@ -434,6 +434,7 @@ def run_folded(model, ids, mask, family_modules, fold: bool, monkeypatch, config
     import fuseinfer
 
     monkeypatch.setattr(family_modules, "FOLD_NORMS", fold)
+    monkeypatch.setattr(family_modules, "FOLD_MAX_ROWS", 16)  # (every decode row count)
     fuseinfer.patch(model, config)
     try:
         tokens = fuseinfer.generate(model, ids, mask, max_new_tokens=12, min_new_tokens=12, pad_token_id=1)
@@ -454,6 +455,7 @@ def folded_op_counts(model, ids, mask, family_modules, monkeypatch, config=None)
     counts = {}
     for fold in (False, True):
         monkeypatch.setattr(family_modules, "FOLD_NORMS", fold)
+        monkeypatch.setattr(family_modules, "FOLD_MAX_ROWS", 16)  # (every decode row count)
         fuseinfer.patch(model, config)
         try:
             counts[fold] = fuseinfer_op_counts(

@@ -126,7 +126,10 @@ def step_cases(draw, device):
         ffn = 32 * draw(st.integers(1, 64))
         rows = draw(st.integers(1, 8))
         dtype = draw(st.sampled_from(LOWP))
-    layers, vocab = draw(st.integers(1, 3)), draw(st.integers(4, 700))
+    # vocabularies of 64 and more on CUDA: the dtype rule compares maximum errors, and over a handful of logits
+    # PyTorch's can fall below one rounding step of ours (drawn: 4 bf16 logits, 0.0142 against 0.0035; the Llama
+    # step's test_kernel_tiny_vocabulary_within_rule keeps such a case as a strict xfail)
+    layers, vocab = draw(st.integers(1, 3)), draw(st.integers(4 if device == "cpu" else 64, 700))
     capacity = draw(st.integers(1, 64 if device == "cpu" else 1200))
     q_start = draw(st.lists(st.integers(0, capacity - 1), min_size=rows, max_size=rows))
     pads = [draw(st.integers(0, s)) for s in q_start]  # a row's new token is never padding

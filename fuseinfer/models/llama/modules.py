@@ -87,9 +87,10 @@ ARCHS = {
 # attention / MLP) the norm runs first as before, so the values are the same either way. On: Llama-3.2-1B batch-1
 # decode 0.983 -> 0.925 ms/token (H200, both in one process).
 FOLD_NORMS = True
-# ... at up to this many rows (tokens) a call: the prologue's staging of every row in every block costs more than the
-# norm kernel it saves as the rows grow (set from the measured batch sizes, docs/history.md).
-FOLD_MAX_ROWS = 16
+# ... at up to this many rows (tokens) a call: every block of the GEMV stages and normalises all the rows, which
+# costs more than the norm kernel it saves as the rows grow. Llama-3.2-1B per-op decode, ms/token folded / not (H200,
+# one process): 1 row 0.954 / 1.009, 2 rows 0.972 / 1.020, 4 rows 1.014 / 1.045, 8 rows 1.120 / 1.097.
+FOLD_MAX_ROWS = 4
 
 # The fused weights: row concatenations of a module's linears in plain attributes of its ``__dict__`` (outside the
 # parameter and buffer registries, so ``state_dict`` lists what the unpatched model lists); ``name``: the one int8

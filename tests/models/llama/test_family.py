@@ -95,6 +95,7 @@ def test_patch_runs_the_fused_ops(tiny_cpu, monkeypatch, fold):
     from fuseinfer.layers import linear as linear_layer
 
     monkeypatch.setattr(llama_modules, "FOLD_NORMS", fold)
+    monkeypatch.setattr(llama_modules, "FOLD_MAX_ROWS", 16)  # (every decode row count)
 
     model = tiny_cpu()
     fuseinfer.patch(model)

@@ -50,6 +50,7 @@ def test_a_hooked_mlp_keeps_its_norm(tiny_llama_path, monkeypatch):
     seen = {}
     for fold in (False, True):
         monkeypatch.setattr(llama_modules, "FOLD_NORMS", fold)
+        monkeypatch.setattr(llama_modules, "FOLD_MAX_ROWS", 16)  # (every decode row count)
         fuseinfer.patch(model)
         handle = model.model.layers[1].mlp.register_forward_hook(
             lambda m, args, out: seen.__setitem__(fold, args[0]))  # noqa: B023
@@ -88,6 +89,7 @@ def test_a_folded_decode_step_runs_one_norm_kernel(tiny_llama_path, monkeypatch)
     norms, tokens = {}, {}
     for fold in (False, True):
         monkeypatch.setattr(llama_modules, "FOLD_NORMS", fold)
+        monkeypatch.setattr(llama_modules, "FOLD_MAX_ROWS", 16)  # (every decode row count)
         fuseinfer.patch(model, config)
         try:
             def gen(n):

@@ -50,6 +50,7 @@ def test_a_hooked_attention_keeps_its_norm(tiny_model_path, monkeypatch):
     seen = {}
     for fold in (False, True):
         monkeypatch.setattr(opt_modules, "FOLD_NORMS", fold)
+        monkeypatch.setattr(opt_modules, "FOLD_MAX_ROWS", 16)  # (every decode row count)
         fuseinfer.patch(model)
         handle = model.model.decoder.layers[1].self_attn.register_forward_pre_hook(
             lambda m, args, kwargs: seen.__setitem__(fold, args[0] if args else kwargs["hidden_states"]),  # noqa: B023
@@ -93,6 +94,7 @@ def test_a_folded_decode_step_runs_one_norm_kernel(tiny_model_path, quant, monke
     norms, tokens = {}, {}
     for fold in (False, True):
         monkeypatch.setattr(opt_modules, "FOLD_NORMS", fold)
+        monkeypatch.setattr(opt_modules, "FOLD_MAX_ROWS", 16)  # (every decode row count)
         fuseinfer.patch(model, config)
         try:
             def gen(n):
