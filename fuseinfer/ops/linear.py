@@ -83,10 +83,11 @@ def _linear_epilogue_cuda(x, weight, bias, residual, activation):
     # wait (launch.h): take the reference (cuBLAS through F.linear) instead
     if ext is None or not weight.is_contiguous() or x.dtype not in KERNEL_DTYPES:
         return linear_epilogue_ref(x, weight, bias, residual, activation)
-    if x.shape[-1] < SMALL_K:
+    if x.shape[-1] < SMALL_K and activation != "silu_mul":
         # cuBLASLt rounded tiny-K products to the output dtype before its bias / residual epilogue (1x9 @ 9x1 fp16:
         # 0.0410 against 0.0414; 1x1: 3 units where PyTorch's two roundings gave 1): fp32 math and one rounding
-        # instead (no model has such a K; the cost is nil)
+        # instead (no model has such a K; the cost is nil). (silu_mul keeps its contract, gate and up rounded to the
+        # dtype before silu(gate) * up, as the unfused pair.)
         up = (lambda t: None if t is None else t.float())
         return linear_epilogue_ref(x.float(), weight.float(), up(bias), up(residual), activation).to(x.dtype)
     lead = x.shape[:-1]
