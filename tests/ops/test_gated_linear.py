@@ -46,7 +46,9 @@ def test_reference_is_silu_of_gate_times_up(bias):
     expect = F.silu(F.linear(x, gate, bg)) * F.linear(x, upw, bu)
     for ours in (ops.linear_epilogue_ref(x, w, b, None, "silu_mul"), ops.linear_epilogue(x, w, b, None, "silu_mul")):
         assert ours.shape == (3, 5, 10)
-        torch.testing.assert_close(ours, expect, rtol=1e-6, atol=1e-6)
+        # fp32 GEMMs of 20 and of 10 rows block their sums differently on some CPUs: a few units of fp32 rounding
+        # over K = 24 (5e-6 seen at values ~2)
+        torch.testing.assert_close(ours, expect, rtol=1e-5, atol=2e-5)
 
 
 def test_int8_reference_is_the_dequantized_linear_then_silu_mul():
