@@ -463,3 +463,67 @@ def folded_op_counts(model, ids, mask, family_modules, monkeypatch, config=None)
         finally:
             fuseinfer.unpatch(model)
     return counts
+
+
+def folded_norm_kernels(model, family_modules, norm_kernel: str, monkeypatch, quant=None) -> tuple[dict, dict]:
+    """({fold: norm kernels a decode step}, {fold: 3 greedy tokens}) of per-op decode steps (no CUDA graphs, so the
+    profiler sees each kernel; the one-kernel step off) of 2 rows with ``family_modules.FOLD_NORMS`` off and on;
+    ``norm_kernel``: a word of the norm kernel's name."""
+    import fuseinfer
+
+    ids, mask = fold_ids(model, rows=2, device="cuda")
+    runtime = fuseinfer.RuntimeConfig(cuda_graphs=False, decode_kernel="off")
+    config = fuseinfer.PatchConfig(runtime=runtime, quant=quant)
+    norms, tokens = {}, {}
+    for fold in (False, True):
+        monkeypatch.setattr(family_modules, "FOLD_NORMS", fold)
+        monkeypatch.setattr(family_modules, "FOLD_MAX_ROWS", 16)  # (every decode row count)
+        fuseinfer.patch(model, config)
+        try:
+            def gen(n):
+                return fuseinfer.generate(model, ids, mask, max_new_tokens=n, min_new_tokens=n, pad_token_id=1)
+
+            gen(3)  # warm-up
+            counts = [sum(norm_kernel in k for k in cuda_kernel_names(lambda: gen(n))) for n in (1, 3)]  # noqa: B023
+            tokens[fold] = gen(3)
+        finally:
+            fuseinfer.unpatch(model)
+        norms[fold] = (counts[1] - counts[0]) // 2  # two decode steps
+    return norms, tokens
+
+
+def assert_folded_ops_ran(counts: dict, folded_ops: tuple[str, str], norm_op: str, layers: int):
+    """``folded_op_counts``' counts: with the fold both folded ops (q/k/v and the MLP's first GEMV) ran at least
+    twice per layer and the norm op that many times less; without it, never."""
+    on, off = counts[True], counts[False]
+    for op in folded_ops:
+        assert on[op] >= 2 * layers, on
+        assert off[op] == 0, off
+    assert off[norm_op] - on[norm_op] == sum(on[op] for op in folded_ops), (on, off)
+
+
+def hooked_module_inputs(model, family_modules, module, monkeypatch, pre_hook: bool) -> dict:
+    """{fold: the rows ``module`` (patched, hooked after the patch) received} of one forward with
+    ``family_modules.FOLD_NORMS`` off and on: a forward pre-hook (``pre_hook``) or forward hook."""
+    import fuseinfer
+
+    ids, mask = fold_ids(model, rows=1, length=6)
+    seen = {}
+    for fold in (False, True):
+        monkeypatch.setattr(family_modules, "FOLD_NORMS", fold)
+        monkeypatch.setattr(family_modules, "FOLD_MAX_ROWS", 16)  # (every decode row count)
+        fuseinfer.patch(model)
+        target = module(model)
+        if pre_hook:
+            handle = target.register_forward_pre_hook(
+                lambda m, args, kwargs: seen.__setitem__(  # noqa: B023
+                    fold, args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+        else:
+            handle = target.register_forward_hook(lambda m, args, out: seen.__setitem__(fold, args[0]))  # noqa: B023
+        try:
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=mask)
+        finally:
+            handle.remove()
+            fuseinfer.unpatch(model)
+    return seen

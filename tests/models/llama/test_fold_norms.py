@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import cuda_kernel_names, fold_ids, folded_op_counts, load_causal_lm, run_folded
+from helpers import (assert_folded_ops_ran, fold_ids, folded_norm_kernels, folded_op_counts, hooked_module_inputs,
+                     load_causal_lm, run_folded)
 
-import fuseinfer
 from fuseinfer.models.llama import modules as llama_modules
 
 
@@ -34,32 +34,16 @@ def test_the_folded_ops_run(tiny_llama_path, monkeypatch):
     ids, mask = fold_ids(model, rows=1, length=6)
     layers = model.config.num_hidden_layers
     counts = folded_op_counts(model, ids, mask, llama_modules, monkeypatch)
-    on, off = counts[True], counts[False]
-    assert on["fuseinfer::rms_norm_linear_rope_append"] >= 2 * layers, on
-    assert on["fuseinfer::rms_norm_linear"] >= 2 * layers, on
-    assert off["fuseinfer::rms_norm_linear_rope_append"] == off["fuseinfer::rms_norm_linear"] == 0, off
-    folded = on["fuseinfer::rms_norm_linear_rope_append"] + on["fuseinfer::rms_norm_linear"]
-    assert off["fuseinfer::add_rms_norm"] - on["fuseinfer::add_rms_norm"] == folded, (on, off)
+    folded = ("fuseinfer::rms_norm_linear_rope_append", "fuseinfer::rms_norm_linear")
+    assert_folded_ops_ran(counts, folded, "fuseinfer::add_rms_norm", layers)
 
 
 def test_a_hooked_mlp_keeps_its_norm(tiny_llama_path, monkeypatch):
     """A forward hook on an MLP (added after patch) sees the normalised rows with FOLD_NORMS as without: that layer's
     post-attention norm runs on its own."""
     model = load_causal_lm(tiny_llama_path, torch.float32)
-    ids, mask = fold_ids(model, rows=1, length=6)
-    seen = {}
-    for fold in (False, True):
-        monkeypatch.setattr(llama_modules, "FOLD_NORMS", fold)
-        monkeypatch.setattr(llama_modules, "FOLD_MAX_ROWS", 16)  # (every decode row count)
-        fuseinfer.patch(model)
-        handle = model.model.layers[1].mlp.register_forward_hook(
-            lambda m, args, out: seen.__setitem__(fold, args[0]))  # noqa: B023
-        try:
-            with torch.no_grad():
-                model(input_ids=ids, attention_mask=mask)
-        finally:
-            handle.remove()
-            fuseinfer.unpatch(model)
+    seen = hooked_module_inputs(model, llama_modules, lambda m: m.model.layers[1].mlp, monkeypatch,
+                                pre_hook=False)
     assert torch.equal(seen[True], seen[False])
 
 
@@ -83,23 +67,7 @@ def test_a_folded_decode_step_runs_one_norm_kernel(tiny_llama_path, monkeypatch)
     """Per-op decode steps (no CUDA graphs, so the profiler sees each kernel) launch the final norm's RMSNorm kernel
     alone with FOLD_NORMS, 2 per layer + 1 without; the tokens agree."""
     model = load_causal_lm(tiny_llama_path, torch.float16, "cuda")
-    ids, mask = fold_ids(model, rows=2, device="cuda")
     layers = model.config.num_hidden_layers
-    config = fuseinfer.PatchConfig(runtime=fuseinfer.RuntimeConfig(cuda_graphs=False, decode_kernel="off"))
-    norms, tokens = {}, {}
-    for fold in (False, True):
-        monkeypatch.setattr(llama_modules, "FOLD_NORMS", fold)
-        monkeypatch.setattr(llama_modules, "FOLD_MAX_ROWS", 16)  # (every decode row count)
-        fuseinfer.patch(model, config)
-        try:
-            def gen(n):
-                return fuseinfer.generate(model, ids, mask, max_new_tokens=n, min_new_tokens=n, pad_token_id=1)
-
-            gen(3)  # warm-up
-            counts = [sum("RmsNorm" in k for k in cuda_kernel_names(lambda: gen(n))) for n in (1, 3)]  # noqa: B023
-            tokens[fold] = gen(3)
-        finally:
-            fuseinfer.unpatch(model)
-        norms[fold] = (counts[1] - counts[0]) // 2  # two decode steps
+    norms, tokens = folded_norm_kernels(model, llama_modules, "RmsNorm", monkeypatch)
     assert norms == {False: 2 * layers + 1, True: 1}, norms
     assert torch.equal(tokens[True], tokens[False])

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import cuda_kernel_names, fold_ids, folded_op_counts, load_causal_lm, run_folded
+from helpers import (assert_folded_ops_ran, fold_ids, folded_norm_kernels, folded_op_counts, hooked_module_inputs,
+                     load_causal_lm, run_folded)
 
 import fuseinfer
 from fuseinfer.models.opt import modules as opt_modules
@@ -34,33 +35,16 @@ def test_the_folded_ops_run(tiny_model_path, quant, monkeypatch):
     ids, mask = fold_ids(model, rows=1, length=6)
     layers = model.config.num_hidden_layers
     counts = folded_op_counts(model, ids, mask, opt_modules, monkeypatch, QUANT[quant])
-    on, off = counts[True], counts[False]
-    assert on["fuseinfer::layer_norm_linear_append"] >= 2 * layers, on
-    assert on["fuseinfer::layer_norm_linear"] >= 2 * layers, on
-    assert off["fuseinfer::layer_norm_linear_append"] == off["fuseinfer::layer_norm_linear"] == 0, off
-    folded = on["fuseinfer::layer_norm_linear_append"] + on["fuseinfer::layer_norm_linear"]
-    assert off["fuseinfer::add_layer_norm"] - on["fuseinfer::add_layer_norm"] == folded, (on, off)
+    folded = ("fuseinfer::layer_norm_linear_append", "fuseinfer::layer_norm_linear")
+    assert_folded_ops_ran(counts, folded, "fuseinfer::add_layer_norm", layers)
 
 
 def test_a_hooked_attention_keeps_its_norm(tiny_model_path, monkeypatch):
     """A forward pre-hook on an attention module (added after patch) sees the normalised rows with FOLD_NORMS as
     without: that layer's norms run on their own."""
     model = load_causal_lm(tiny_model_path, torch.float32)
-    ids, mask = fold_ids(model, rows=1, length=6)
-    seen = {}
-    for fold in (False, True):
-        monkeypatch.setattr(opt_modules, "FOLD_NORMS", fold)
-        monkeypatch.setattr(opt_modules, "FOLD_MAX_ROWS", 16)  # (every decode row count)
-        fuseinfer.patch(model)
-        handle = model.model.decoder.layers[1].self_attn.register_forward_pre_hook(
-            lambda m, args, kwargs: seen.__setitem__(fold, args[0] if args else kwargs["hidden_states"]),  # noqa: B023
-            with_kwargs=True)
-        try:
-            with torch.no_grad():
-                model(input_ids=ids, attention_mask=mask)
-        finally:
-            handle.remove()
-            fuseinfer.unpatch(model)
+    seen = hooked_module_inputs(model, opt_modules, lambda m: m.model.decoder.layers[1].self_attn, monkeypatch,
+                                pre_hook=True)
     assert torch.equal(seen[True], seen[False])
 
 
@@ -87,24 +71,8 @@ def test_a_folded_decode_step_runs_one_norm_kernel(tiny_model_path, quant, monke
     """Per-op decode steps (no CUDA graphs, so the profiler sees each kernel; the one-kernel step off) launch the
     final LayerNorm's kernel alone with FOLD_NORMS, 2 per layer + 1 without; the tokens agree."""
     model = load_causal_lm(tiny_model_path, torch.float16, "cuda")
-    ids, mask = fold_ids(model, rows=2, device="cuda")
     layers = model.config.num_hidden_layers
-    runtime = fuseinfer.RuntimeConfig(cuda_graphs=False, decode_kernel="off")
-    config = fuseinfer.PatchConfig(runtime=runtime, quant=None if quant == "fp" else QUANT[quant].quant)
-    norms, tokens = {}, {}
-    for fold in (False, True):
-        monkeypatch.setattr(opt_modules, "FOLD_NORMS", fold)
-        monkeypatch.setattr(opt_modules, "FOLD_MAX_ROWS", 16)  # (every decode row count)
-        fuseinfer.patch(model, config)
-        try:
-            def gen(n):
-                return fuseinfer.generate(model, ids, mask, max_new_tokens=n, min_new_tokens=n, pad_token_id=1)
-
-            gen(3)  # warm-up
-            counts = [sum("LayerNorm" in k for k in cuda_kernel_names(lambda: gen(n))) for n in (1, 3)]  # noqa: B023
-            tokens[fold] = gen(3)
-        finally:
-            fuseinfer.unpatch(model)
-        norms[fold] = (counts[1] - counts[0]) // 2  # two decode steps
+    norms, tokens = folded_norm_kernels(model, opt_modules, "LayerNorm", monkeypatch,
+                                        None if quant == "fp" else QUANT[quant].quant)
     assert norms == {False: 2 * layers + 1, True: 1}, norms
     assert torch.equal(tokens[True], tokens[False])
