@@ -11,7 +11,6 @@
 #ifndef NDEBUG
 #define NDEBUG
 #endif
-#include "knobs.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -37,7 +36,13 @@ const char* run_fp8out_f16(GemmParams const& p, cudaStream_t s) {
 }
 size_t workspace_bytes_fp8out_bf16(GemmParams const& p);
 const char* run_fp8out_bf16(GemmParams const& p, cudaStream_t s);
-int sm_count(int device);  // w8a8_linear_sm90.cu
+// w8a8_linear_sm90.cu: the operand checks and parameters every sm90 scaled-GEMM entry shares, and the launch with
+// its workspace
+GemmParams checked_params(const char* op, const at::Tensor& x_q, const at::Tensor& x_scale, const at::Tensor& w_q,
+                          const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias, const at::Tensor& out,
+                          bool relu, int n_align);
+void launch(const char* op, GemmParams& p, const at::Tensor& like, size_t (*workspace_bytes)(GemmParams const&),
+            const char* (*run)(GemmParams const&, cudaStream_t));
 }  // namespace w8a8
 }  // namespace fuseinfer
 #endif
@@ -53,72 +58,29 @@ void fp8_linear_fp8out_cuda(const at::Tensor& x_q, const at::Tensor& x_scale, co
   (void)x_q; (void)x_scale; (void)w_q; (void)w_scale; (void)bias; (void)out_scale; (void)relu; (void)out;
   TORCH_CHECK(false, "fp8_linear_fp8out: ", w8a8_linear_unavailable(0));
 #else
-  TORCH_CHECK(x_q.is_cuda() && x_q.scalar_type() == at::kFloat8_e4m3fn && x_q.dim() == 2 && x_q.is_contiguous(),
-              "fp8_linear_fp8out: x_q must be a contiguous (M, K) float8_e4m3fn CUDA tensor");
-  TORCH_CHECK(w_q.scalar_type() == at::kFloat8_e4m3fn && w_q.dim() == 2 && w_q.is_contiguous() &&
-              w_q.size(1) == x_q.size(1) && w_q.device() == x_q.device(),
-              "fp8_linear_fp8out: w_q must be a contiguous (N, K) float8_e4m3fn tensor on x_q's device");
-  const int64_t m = x_q.size(0), k = x_q.size(1), n = w_q.size(0);
-  TORCH_CHECK(x_scale.scalar_type() == at::kFloat && x_scale.is_contiguous() && x_scale.numel() == m &&
-              x_scale.device() == x_q.device(), "fp8_linear_fp8out: x_scale must be M contiguous fp32 values");
-  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == n &&
-              w_scale.device() == x_q.device(), "fp8_linear_fp8out: w_scale must be N contiguous fp32 values");
+  TORCH_CHECK(x_q.scalar_type() == at::kFloat8_e4m3fn, "fp8_linear_fp8out: x_q must be float8_e4m3fn");
+  TORCH_CHECK(out.scalar_type() == at::kFloat8_e4m3fn, "fp8_linear_fp8out: out must be float8_e4m3fn");
   TORCH_CHECK(out_scale.scalar_type() == at::kFloat && out_scale.numel() == 1 && out_scale.device() == x_q.device(),
               "fp8_linear_fp8out: out_scale must be one fp32 value on x_q's device");
-  TORCH_CHECK(out.scalar_type() == at::kFloat8_e4m3fn && out.is_contiguous() && out.dim() == 2 && out.size(0) == m &&
-              out.size(1) == n && out.device() == x_q.device(),
-              "fp8_linear_fp8out: out must be a contiguous (M, N) float8_e4m3fn tensor on x_q's device");
   const bool has_bias = bias.has_value() && bias->defined();
   const bool bf16 = has_bias && bias->scalar_type() == at::kBFloat16;
-  if (has_bias) {
-    TORCH_CHECK((bias->scalar_type() == at::kHalf || bf16) && bias->is_contiguous() && bias->numel() == n &&
-                bias->device() == x_q.device(), "fp8_linear_fp8out: bias must be (N,) contiguous float16 or bfloat16");
-  }
-  // TMA: 16-byte aligned base addresses and row strides (K and N one-byte values)
-  TORCH_CHECK(k % 16 == 0 && n % 16 == 0,
-              "fp8_linear_fp8out: the sm90 kernel needs K % 16 == 0 and N % 16 == 0, got K=", k, " N=", n);
-  TORCH_CHECK(m <= INT32_MAX && n <= INT32_MAX && k <= INT32_MAX, "fp8_linear_fp8out: dimensions must fit int32");
-  auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  TORCH_CHECK(aligned16(x_q.data_ptr()) && aligned16(w_q.data_ptr()) && aligned16(out.data_ptr()) &&
-              aligned16(x_scale.data_ptr()) && aligned16(w_scale.data_ptr()) &&
-              (!has_bias || aligned16(bias->data_ptr())), "fp8_linear_fp8out: tensors must be 16-byte aligned");
-  if (m == 0 || n == 0) return;
+  TORCH_CHECK(!has_bias || bias->scalar_type() == at::kHalf || bf16, "fp8_linear_fp8out: bias must be float16 or "
+              "bfloat16");
+  // (N % 16: the e4m3 output's rows, 16 one-byte values, for TMA)
+  w8a8::GemmParams p = w8a8::checked_params("fp8_linear_fp8out", x_q, x_scale, w_q, w_scale, bias, out, relu, 16);
+  if (p.m == 0 || p.n == 0) return;
 
   const at::cuda::CUDAGuard guard(x_q.device());
-  if (k == 0) {  // an empty reduction: out = e4m3(act(bias) / out_scale); CUTLASS is not asked to handle K = 0
-    at::Tensor z = at::zeros({m, n}, out.options().dtype(at::kFloat));
+  if (p.k == 0) {  // an empty reduction: out = e4m3(act(bias) / out_scale); CUTLASS is not asked to handle K = 0
+    at::Tensor z = at::zeros({p.m, p.n}, out.options().dtype(at::kFloat));
     if (has_bias) z.add_(bias->to(at::kFloat));
     if (relu) z.clamp_min_(0);
     out.copy_(z.div_(out_scale.reshape({}).to(at::kFloat)).clamp_(-448.0, 448.0));
     return;
   }
-  w8a8::GemmParams p;
-  p.a = x_q.data_ptr();
-  p.b = w_q.data_ptr();
-  p.a_scale = x_scale.data_ptr<float>();
-  p.w_scale = w_scale.data_ptr<float>();
-  p.bias = has_bias ? bias->data_ptr() : nullptr;
-  p.residual = nullptr;
-  p.out = out.data_ptr();
   p.out_scale = out_scale.data_ptr<float>();
-  p.m = static_cast<int>(m);
-  p.n = static_cast<int>(n);
-  p.k = static_cast<int>(k);
-  p.relu = relu;
-  p.sm_count = w8a8::sm_count(x_q.get_device());
-  p.config = knob(Knob::kW8A8Tile);  // FUSEINFER_W8A8_TILE, as w8a8_linear's
-  p.workspace = nullptr;
-
-  const size_t bytes = bf16 ? w8a8::workspace_bytes_fp8out_bf16(p) : w8a8::workspace_bytes_fp8out_f16(p);
-  at::Tensor workspace;
-  if (bytes > 0) {
-    workspace = at::empty({static_cast<int64_t>(bytes)}, x_q.options().dtype(at::kByte));
-    p.workspace = workspace.data_ptr();
-  }
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const char* error = bf16 ? w8a8::run_fp8out_bf16(p, stream) : w8a8::run_fp8out_f16(p, stream);
-  TORCH_CHECK(error[0] == '\0', "fp8_linear_fp8out: ", error, " (M=", m, " N=", n, " K=", k, ")");
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  w8a8::launch("fp8_linear_fp8out", p, x_q, bf16 ? w8a8::workspace_bytes_fp8out_bf16 : w8a8::workspace_bytes_fp8out_f16,
+               bf16 ? w8a8::run_fp8out_bf16 : w8a8::run_fp8out_f16);
 #endif
 }
 

@@ -70,8 +70,9 @@ std::string w8a8_linear_unavailable(int64_t device) {
 
 #if defined(FUSEINFER_CUTLASS) && defined(FUSEINFER_SM90A)
 namespace w8a8 {
+namespace {
 
-// the device's SM count, cached (the persistent kernels' grid; fp8_linear_fp8out_sm90.cu calls it too)
+// the device's SM count, cached (the persistent kernels' grid)
 int sm_count(int device) {
   static std::mutex mutex;
   static std::vector<int> counts;
@@ -83,18 +84,72 @@ int sm_count(int device) {
   return counts[device];
 }
 
-}  // namespace w8a8
-namespace {
-
-using w8a8::sm_count;
-
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// The FUSEINFER_W8A8_TILE knob (knobs.h; 0 auto, 1 small, 2 medium, 3 large) forces that tile configuration
-// (w8a8_linear_sm90.cuh), for benchmarking; read on every call so a benchmark can switch it between calls.
-int forced_config() { return knob(Knob::kW8A8Tile); }
-
 }  // namespace
+
+GemmParams checked_params(const char* op, const at::Tensor& x_q, const at::Tensor& x_scale, const at::Tensor& w_q,
+                          const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias, const at::Tensor& out,
+                          bool relu, int n_align) {
+  TORCH_CHECK(x_q.is_cuda() && x_q.dim() == 2 && x_q.is_contiguous(), op,
+              ": x_q must be a contiguous (M, K) CUDA tensor");
+  TORCH_CHECK(w_q.scalar_type() == x_q.scalar_type() && w_q.dim() == 2 && w_q.is_contiguous() &&
+              w_q.size(1) == x_q.size(1) && w_q.device() == x_q.device(),
+              op, ": w_q must be a contiguous (N, K) tensor of x_q's dtype on x_q's device");
+  const int64_t m = x_q.size(0), k = x_q.size(1), n = w_q.size(0);
+  TORCH_CHECK(x_scale.scalar_type() == at::kFloat && x_scale.is_contiguous() && x_scale.numel() == m &&
+              x_scale.device() == x_q.device(), op, ": x_scale must be M contiguous fp32 values");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == n &&
+              w_scale.device() == x_q.device(), op, ": w_scale must be N contiguous fp32 values");
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == m && out.size(1) == n &&
+              out.device() == x_q.device(), op, ": out must be a contiguous (M, N) tensor on x_q's device");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->device() == x_q.device(), op,
+                ": bias must be (N,) contiguous on x_q's device");
+  }
+  // TMA: 16-byte aligned base addresses and row strides (K one-byte operands; N outputs of out's element size)
+  TORCH_CHECK(k % 16 == 0 && n % n_align == 0, op, ": the sm90 kernel needs K % 16 == 0 and N % ", n_align,
+              " == 0, got K=", k, " N=", n);
+  TORCH_CHECK(m <= INT32_MAX && n <= INT32_MAX && k <= INT32_MAX, op, ": dimensions must fit int32");
+  TORCH_CHECK(aligned16(x_q.data_ptr()) && aligned16(w_q.data_ptr()) && aligned16(out.data_ptr()) &&
+              aligned16(x_scale.data_ptr()) && aligned16(w_scale.data_ptr()) &&
+              (!has_bias || aligned16(bias->data_ptr())), op, ": tensors must be 16-byte aligned");
+  GemmParams p;
+  p.a = x_q.data_ptr();
+  p.b = w_q.data_ptr();
+  p.a_scale = x_scale.data_ptr<float>();
+  p.w_scale = w_scale.data_ptr<float>();
+  p.bias = has_bias ? bias->data_ptr() : nullptr;
+  p.residual = nullptr;
+  p.out = out.data_ptr();
+  p.out_scale = nullptr;
+  p.m = static_cast<int>(m);
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(k);
+  p.relu = relu;
+  p.sm_count = sm_count(x_q.get_device());
+  // FUSEINFER_W8A8_TILE (knobs.h; 0 auto, 1 small, 2 medium, 3 large) forces that tile configuration
+  // (w8a8_linear_sm90.cuh), for benchmarking; read on every call so a benchmark can switch it between calls
+  p.config = knob(Knob::kW8A8Tile);
+  p.workspace = nullptr;
+  return p;
+}
+
+void launch(const char* op, GemmParams& p, const at::Tensor& like, size_t (*workspace_bytes)(GemmParams const&),
+            const char* (*run)(GemmParams const&, cudaStream_t)) {
+  const size_t bytes = workspace_bytes(p);
+  at::Tensor workspace;
+  if (bytes > 0) {
+    workspace = at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
+    p.workspace = workspace.data_ptr();
+  }
+  const char* error = run(p, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(error[0] == '\0', op, ": ", error, " (M=", p.m, " N=", p.n, " K=", p.k, ")");
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace w8a8
 #endif
 
 void w8a8_linear_cuda(const at::Tensor& x_q, const at::Tensor& x_scale, const at::Tensor& w_q,
@@ -105,59 +160,25 @@ void w8a8_linear_cuda(const at::Tensor& x_q, const at::Tensor& x_scale, const at
   TORCH_CHECK(false, "w8a8_linear: ", w8a8_linear_unavailable(0));
 #else
   const bool fp8 = x_q.scalar_type() == at::kFloat8_e4m3fn;  // else int8
-  TORCH_CHECK(x_q.is_cuda() && (x_q.scalar_type() == at::kChar || fp8) && x_q.dim() == 2 && x_q.is_contiguous(),
-              "w8a8_linear: x_q must be a contiguous (M, K) int8 or float8_e4m3fn CUDA tensor");
-  TORCH_CHECK(w_q.scalar_type() == x_q.scalar_type() && w_q.dim() == 2 && w_q.is_contiguous() &&
-              w_q.size(1) == x_q.size(1) && w_q.device() == x_q.device(),
-              "w8a8_linear: w_q must be a contiguous (N, K) tensor of x_q's dtype on x_q's device");
-  const int64_t m = x_q.size(0), k = x_q.size(1), n = w_q.size(0);
-  TORCH_CHECK(x_scale.scalar_type() == at::kFloat && x_scale.is_contiguous() && x_scale.numel() == m &&
-              x_scale.device() == x_q.device(), "w8a8_linear: x_scale must be M contiguous fp32 values");
-  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == n &&
-              w_scale.device() == x_q.device(), "w8a8_linear: w_scale must be N contiguous fp32 values");
+  TORCH_CHECK(x_q.scalar_type() == at::kChar || fp8, "w8a8_linear: x_q must be int8 or float8_e4m3fn");
   const auto dtype = out.scalar_type();
   TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "w8a8_linear: output must be float16 or bfloat16");
-  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == m && out.size(1) == n &&
-              out.device() == x_q.device(), "w8a8_linear: out must be a contiguous (M, N) tensor on x_q's device");
   const bool has_bias = bias.has_value() && bias->defined();
   const bool has_residual = residual.has_value() && residual->defined();
-  if (has_bias) {
-    TORCH_CHECK(bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == n &&
-                bias->device() == x_q.device(), "w8a8_linear: bias must be (N,) contiguous in the output dtype");
-  }
+  TORCH_CHECK(!has_bias || bias->scalar_type() == dtype, "w8a8_linear: bias must be in the output dtype");
+  w8a8::GemmParams p = w8a8::checked_params("w8a8_linear", x_q, x_scale, w_q, w_scale, bias, out, relu, 8);
+  const int64_t m = p.m, n = p.n;
   if (has_residual) {
     TORCH_CHECK(residual->scalar_type() == dtype && residual->is_contiguous() && residual->size(0) == m &&
-                residual->size(1) == n && residual->device() == x_q.device(),
-                "w8a8_linear: residual must be (M, N) contiguous in the output dtype");
+                residual->size(1) == n && residual->device() == x_q.device() &&
+                reinterpret_cast<uintptr_t>(residual->data_ptr()) % 16 == 0,
+                "w8a8_linear: residual must be (M, N) contiguous in the output dtype, 16-byte aligned");
+    p.residual = residual->data_ptr();
   }
-  // TMA: 16-byte aligned base addresses and row strides (K int8, N 16-bit values)
-  TORCH_CHECK(k % 16 == 0 && n % 8 == 0, "w8a8_linear: the sm90 kernel needs K % 16 == 0 and N % 8 == 0, got K=", k,
-              " N=", n);
-  TORCH_CHECK(m <= INT32_MAX && n <= INT32_MAX && k <= INT32_MAX, "w8a8_linear: dimensions must fit int32");
-  TORCH_CHECK(aligned16(x_q.data_ptr()) && aligned16(w_q.data_ptr()) && aligned16(out.data_ptr()) &&
-              aligned16(x_scale.data_ptr()) && aligned16(w_scale.data_ptr()) &&
-              (!has_residual || aligned16(residual->data_ptr())) && (!has_bias || aligned16(bias->data_ptr())),
-              "w8a8_linear: tensors must be 16-byte aligned");
   if (m == 0 || n == 0) return;
 
   const at::cuda::CUDAGuard guard(x_q.device());
-  w8a8::GemmParams p;
-  p.a = x_q.data_ptr();
-  p.b = w_q.data_ptr();
-  p.a_scale = x_scale.data_ptr<float>();
-  p.w_scale = w_scale.data_ptr<float>();
-  p.bias = has_bias ? bias->data_ptr() : nullptr;
-  p.residual = has_residual ? residual->data_ptr() : nullptr;
-  p.out = out.data_ptr();
-  p.m = static_cast<int>(m);
-  p.n = static_cast<int>(n);
-  p.k = static_cast<int>(k);
-  p.relu = relu;
-  p.sm_count = sm_count(x_q.get_device());
-  p.config = forced_config();
-  p.out_scale = nullptr;
-  p.workspace = nullptr;
-  if (k == 0) {  // an empty reduction: out = act(bias + residual); CUTLASS is not asked to handle K = 0
+  if (p.k == 0) {  // an empty reduction: out = act(bias + residual); CUTLASS is not asked to handle K = 0
     at::Tensor z = at::zeros({m, n}, out.options().dtype(at::kFloat));
     if (has_bias) z.add_(bias->to(at::kFloat));
     if (has_residual) z.add_(residual->to(at::kFloat));
@@ -165,20 +186,14 @@ void w8a8_linear_cuda(const at::Tensor& x_q, const at::Tensor& x_scale, const at
     out.copy_(z);
     return;
   }
-
   const bool f16 = dtype == at::kHalf;
-  const size_t bytes = fp8 ? (f16 ? w8a8::workspace_bytes_fp8_f16(p) : w8a8::workspace_bytes_fp8_bf16(p))
-                           : (f16 ? w8a8::workspace_bytes_f16(p) : w8a8::workspace_bytes_bf16(p));
-  at::Tensor workspace;
-  if (bytes > 0) {
-    workspace = at::empty({static_cast<int64_t>(bytes)}, x_q.options().dtype(at::kByte));
-    p.workspace = workspace.data_ptr();
+  if (fp8) {
+    w8a8::launch("w8a8_linear", p, x_q, f16 ? w8a8::workspace_bytes_fp8_f16 : w8a8::workspace_bytes_fp8_bf16,
+                 f16 ? w8a8::run_fp8_f16 : w8a8::run_fp8_bf16);
+  } else {
+    w8a8::launch("w8a8_linear", p, x_q, f16 ? w8a8::workspace_bytes_f16 : w8a8::workspace_bytes_bf16,
+                 f16 ? w8a8::run_f16 : w8a8::run_bf16);
   }
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const char* error = fp8 ? (f16 ? w8a8::run_fp8_f16(p, stream) : w8a8::run_fp8_bf16(p, stream))
-                          : (f16 ? w8a8::run_f16(p, stream) : w8a8::run_bf16(p, stream));
-  TORCH_CHECK(error[0] == '\0', "w8a8_linear: ", error, " (M=", m, " N=", n, " K=", k, ")");
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 #endif
 }
 

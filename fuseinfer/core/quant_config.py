@@ -123,7 +123,7 @@ def _check_calibration(config) -> None:
                              f"{type(config.calibration).__name__}")
 
 
-FC2_INPUTS = ("dynamic", "static")  # Float8's fc2_input
+FC2_INPUTS = ("dynamic", "static")  # Float8's fc2_input and out_proj_input
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,9 @@ class Float8(QuantConfig):
       over the calibration windows, the same sources as ``alpha``), so that the MLP's first GEMM writes fc2's e4m3
       input straight from its epilogue (1 byte per element instead of 2, and no separate quantization pass); values
       above the calibrated range saturate at +-448 * scale.
+    out_proj_input: the same choice for the attention output projection's input (the attention's output):
+      ``"static"`` makes the attention kernel write it in e4m3 from its epilogue at prefill (one calibrated scale
+      per layer; no fp16 attention output and no quantization pass).
     """
 
     alpha: float | None = None
@@ -149,6 +152,7 @@ class Float8(QuantConfig):
     seq_len: int = 512
     tokenizer: object = field(default=None, repr=False, compare=False)
     fc2_input: str = "dynamic"
+    out_proj_input: str = "dynamic"
 
     scheme = "float8"
 
@@ -157,9 +161,10 @@ class Float8(QuantConfig):
         if self.alpha is not None:
             check_alpha(self.alpha)
         _check_calibration(self)
-        if self.fc2_input not in FC2_INPUTS:
-            raise FuseInferError(f"Float8 fc2_input must be one of {FC2_INPUTS} (per-token scales at run time, or one "
-                                 f"calibrated scale per layer), got {self.fc2_input!r}")
+        for name in ("fc2_input", "out_proj_input"):
+            if getattr(self, name) not in FC2_INPUTS:
+                raise FuseInferError(f"Float8 {name} must be one of {FC2_INPUTS} (per-token scales at run time, or "
+                                     f"one calibrated scale per layer), got {getattr(self, name)!r}")
         if self.include_lm_head:
             raise FuseInferError("Float8 quantizes the decoder linears only for now (OPT ties the LM head to the "
                                  "input embeddings): use include_lm_head=False")
@@ -167,10 +172,12 @@ class Float8(QuantConfig):
     def describe(self) -> dict:
         return {**super().describe(), "bits": 8, "alpha": self.alpha, "format": "float8_e4m3fn",
                 "weights": "e4m3 per output channel, scale = amax / 448",
-                "activations": "e4m3 per token, dynamic, scale = amax / 448" + (
-                    "; fc2's input per tensor, static (calibrated), scale = amax / 448"
-                    if self.fc2_input == "static" else ""),
-                "fc2_input": self.fc2_input, "qkv": "fused (3E, E) when patch fuses q/k/v"}
+                "activations": "e4m3 per token, dynamic, scale = amax / 448" + "".join(
+                    f"; {what} input per tensor, static (calibrated), scale = amax / 448"
+                    for what, mode in (("out_proj's", self.out_proj_input), ("fc2's", self.fc2_input))
+                    if mode == "static"),
+                "fc2_input": self.fc2_input, "out_proj_input": self.out_proj_input,
+                "qkv": "fused (3E, E) when patch fuses q/k/v"}
 
 
 # config class -> the function that applies it: quantize(config, model, report) -> undo state. The quantization

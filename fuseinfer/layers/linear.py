@@ -149,6 +149,13 @@ def quantized_input(module: nn.Module | None) -> QuantizedLinear | None:
     return linear if getattr(linear, "quantized_input", None) is not None else None
 
 
+def writes_static_input(lin: nn.Module, nxt: nn.Module | None) -> bool:
+    """Whether ``lin``'s GEMM writes the input of ``nxt`` (the linear it feeds) in e4m3 from its epilogue: ``nxt``
+    holds a calibrated static ``input_scale`` (FP8 with ``fc2_input="static"``) and ``lin`` has the e4m3-output
+    GEMM (``forward_fp8out``). The patched modules (at prefill) and the lean prefill loop both ask it."""
+    return nxt is not None and nxt._buffers.get("input_scale") is not None and hasattr(lin, "forward_fp8out")
+
+
 def fused_linear(module: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None,
                  activation: str = "none") -> torch.Tensor:
     """``act(x @ W.T + bias + residual)`` for ``module``: an nn.Linear, a :class:`QuantizedLinear`, or an attention

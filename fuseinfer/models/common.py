@@ -190,6 +190,12 @@ class PendingNorm:
         self.x, self.norm = x, norm
 
 
+def fold_rows(h: torch.Tensor, max_rows: int) -> bool:
+    """Whether a layer input h (..., E) is few enough rows (at most ``max_rows``, the family's ``FOLD_MAX_ROWS``) for
+    its norms to fold into the GEMV after each, where that gains (the families measure it by batch size)."""
+    return h.numel() <= max_rows * h.shape[-1]
+
+
 def plain_call(module: nn.Module) -> bool:
     """Whether calling ``module`` runs its forward alone (no hooks, no replaced forward), so it may take
     un-normalised rows and a ``prenorm``."""

@@ -141,7 +141,15 @@ def _backward(ctx, grad):
 _attention.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check_mask(q, k, key_mask, q_start) -> None:
+def check_shapes(q, k, v) -> None:
+    """q (B, H, Sq, D) and k, v (B, Hkv, Skv, D) with H a multiple of Hkv and D > 0, else one clear error."""
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[1] == 0 \
+            or q.shape[1] % k.shape[1] or k.shape[-1] != q.shape[-1] or q.shape[-1] == 0:
+        raise FuseInferError(f"attention: expected q (B,H,Sq,D) and k, v (B,Hkv,Skv,D) with H a multiple of Hkv, "
+                             f"D > 0; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+
+
+def check_mask(q, k, key_mask, q_start) -> None:
     """key_mask (B, Skv) bool and q_start (B,) int32, or None: one clear error naming the fix otherwise."""
     b, skv = q.shape[0], k.shape[2]
     if key_mask is not None and (key_mask.dtype != torch.bool or key_mask.shape != (b, skv)):
@@ -157,13 +165,10 @@ def attention(q, k, v, key_mask=None, q_start=None, scale: float | None = None, 
     (float8_e4m3fn) with its scales ``kv_scale`` (2, Hkv) fp32 (``attention_kv_fp8``)."""
     if k.dtype == FP8_DTYPE:
         return attention_kv_fp8(q, k, v, key_mask, q_start, scale, kv_scale)
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[1] == 0 \
-            or q.shape[1] % k.shape[1] or k.shape[-1] != q.shape[-1] or q.shape[-1] == 0:
-        raise FuseInferError(f"attention: expected q (B,H,Sq,D) and k, v (B,Hkv,Skv,D) with H a multiple of Hkv, "
-                             f"D > 0; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    check_shapes(q, k, v)
     if not q.dtype == k.dtype == v.dtype:
         raise FuseInferError(f"attention: q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    _check_mask(q, k, key_mask, q_start)
+    check_mask(q, k, key_mask, q_start)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return route(torch.ops.fuseinfer.attention, attention_ref, _attention_cuda, (q, k, v, key_mask, q_start, scale),
                  (q, k, v))
@@ -209,15 +214,12 @@ def attention_kv_fp8(q, k, v, key_mask=None, q_start=None, scale: float | None =
     """``attention`` over an FP8 cache: k, v (B, Hkv, Skv, D) float8_e4m3fn, a stored x meaning x * kv_scale[0]
     (keys) or x * kv_scale[1] (values), per head; q (B, H, Sq, D) fp16 / bf16 / fp32. Inference only (no
     gradients). Returns (B, Sq, H, D) in q's dtype."""
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[1] == 0 \
-            or q.shape[1] % k.shape[1] or k.shape[-1] != q.shape[-1] or q.shape[-1] == 0:
-        raise FuseInferError(f"attention: expected q (B,H,Sq,D) and k, v (B,Hkv,Skv,D) with H a multiple of Hkv, "
-                             f"D > 0; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    check_shapes(q, k, v)
     if not k.dtype == v.dtype == FP8_DTYPE or not q.is_floating_point() or q.dtype == FP8_DTYPE:
         raise FuseInferError(f"attention over an FP8 cache: k and v must be float8_e4m3fn and q fp16/bf16/fp32, got "
                              f"{q.dtype}, {k.dtype}, {v.dtype}")
     check_kv_scale(kv_scale, k)
-    _check_mask(q, k, key_mask, q_start)
+    check_mask(q, k, key_mask, q_start)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     args = (q, k, v, key_mask, q_start, scale, kv_scale)
     if transformed():

@@ -83,15 +83,19 @@ def _(x_q, x_scale, w_q, w_scale, bias, out_scale, activation):
     return x_q.new_empty(*x_q.shape[:-1], w_q.shape[0], dtype=FP8_DTYPE)
 
 
+def check_out_scale(op: str, out_scale, device: torch.device, what: str = "x_q") -> None:
+    """A static output scale: one fp32 value in a tensor on ``device``, else one clear error naming ``op``."""
+    if not isinstance(out_scale, torch.Tensor) or out_scale.dtype != torch.float32 or out_scale.numel() != 1 \
+            or out_scale.device != device:
+        got = f"{tuple(out_scale.shape)} {out_scale.dtype} on {out_scale.device}" \
+            if isinstance(out_scale, torch.Tensor) else type(out_scale).__name__
+        raise FuseInferError(f"{op}: out_scale must be one fp32 value (a tensor on {what}'s device), got {got}")
+
+
 def _check(x_q, x_scale, w_q, w_scale, bias, out_scale, activation):
     check_scaled_linear("fp8_linear_fp8out", FP8_DTYPE, "quantize_fp8_per_token / quantize_fp8_ref", x_q, x_scale,
                         w_q, w_scale, bias, None, activation, torch.float32 if bias is None else bias.dtype)
-    if not isinstance(out_scale, torch.Tensor) or out_scale.dtype != torch.float32 or out_scale.numel() != 1 \
-            or out_scale.device != x_q.device:
-        got = f"{tuple(out_scale.shape)} {out_scale.dtype} on {out_scale.device}" \
-            if isinstance(out_scale, torch.Tensor) else type(out_scale).__name__
-        raise FuseInferError(f"fp8_linear_fp8out: out_scale must be one fp32 value (a tensor on x_q's device), got "
-                             f"{got}")
+    check_out_scale("fp8_linear_fp8out", out_scale, x_q.device)
 
 
 def fp8_linear_fp8out(x_q, x_scale, w_q, w_scale, bias=None, out_scale=None, activation: str = "none"):

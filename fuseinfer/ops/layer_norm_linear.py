@@ -23,11 +23,9 @@ from fuseinfer.ops.linear import _check as _check_linear
 from fuseinfer.ops.linear import linear_epilogue, linear_epilogue_ref
 from fuseinfer.ops.linear_rope import check_operands as _check_rope
 from fuseinfer.ops.linear_rope import linear_rope_append, linear_rope_append_ref
+from fuseinfer.ops.norm_linear import KERNEL_DTYPES, _needs_grad
 from fuseinfer.ops.w8a16_linear import _check as _check_int8
 from fuseinfer.ops.w8a16_linear import w8a16_linear, w8a16_linear_ref
-
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the raw ops take (fp32: the two ops)
-
 
 def _norm_ref(x, ln_weight, ln_bias, eps):
     return add_layer_norm_ref(x, None, ln_weight, ln_bias, eps, False)[0]
@@ -90,10 +88,6 @@ def _check_norm(name: str, x, ln_weight, ln_bias) -> None:
         if t.shape != x.shape[-1:] or t.dtype != x.dtype:
             raise FuseInferError(f"{name}: {what} must be ({x.shape[-1]},) in x's dtype {x.dtype}, got "
                                  f"{tuple(t.shape)} in {t.dtype}")
-
-
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def layer_norm_linear(x, ln_weight, ln_bias, eps: float, weight, scale=None, bias=None, residual=None,

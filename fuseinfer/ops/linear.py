@@ -17,7 +17,7 @@ import torch
 
 from fuseinfer.core.extension import extension, route
 from fuseinfer.core.errors import FuseInferError
-from fuseinfer.ops.silu_mul import silu_mul_grad, silu_mul_ref
+from fuseinfer.ops.silu_mul import _silu_mul_cuda, silu_mul_grad, silu_mul_ref
 
 ACTIVATIONS = ("none", "relu")  # what every fused linear takes
 GATED_ACTIVATIONS = (*ACTIVATIONS, "silu_mul")  # linear_epilogue and w8a16_linear: also the gated MLP's
@@ -83,12 +83,15 @@ def _linear_epilogue_cuda(x, weight, bias, residual, activation):
     # wait (launch.h): take the reference (cuBLAS through F.linear) instead
     if ext is None or not weight.is_contiguous() or x.dtype not in KERNEL_DTYPES:
         return linear_epilogue_ref(x, weight, bias, residual, activation)
-    if x.shape[-1] < SMALL_K and activation != "silu_mul":
+    if x.shape[-1] < SMALL_K:
         # cuBLASLt rounded tiny-K products to the output dtype before its bias / residual epilogue (1x9 @ 9x1 fp16:
         # 0.0410 against 0.0414; 1x1: 3 units where PyTorch's two roundings gave 1): fp32 math and one rounding
-        # instead (no model has such a K; the cost is nil). (silu_mul keeps its contract, gate and up rounded to the
-        # dtype before silu(gate) * up, as the unfused pair.)
+        # instead (no model has such a K; the cost is nil). silu_mul keeps its contract, gate and up rounded to the
+        # dtype before silu(gate) * up: this same linear, then the silu_mul kernel, exactly the unfused pair (the
+        # GEMV's own fp32 sums, in another order, could round a gate or up the other way).
         up = (lambda t: None if t is None else t.float())
+        if activation == "silu_mul":
+            return _silu_mul_cuda(linear_epilogue_ref(x.float(), weight.float(), up(bias), None, "none").to(x.dtype))
         return linear_epilogue_ref(x.float(), weight.float(), up(bias), up(residual), activation).to(x.dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)

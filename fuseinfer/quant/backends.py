@@ -1,7 +1,7 @@
 """The quantized fuseinfer backends (``fuseinfer-w8a16``, ``fuseinfer-w8a8``, ``fuseinfer-fp8``,
 ``fuseinfer-fp8-static``; registered by the eval CLI, found by the profiler): fuseinfer's backend with int8
 weight-only quantization (``PatchConfig(quant=Int8WeightOnly())``), SmoothQuant W8A8 or FP8 W8A8 (``Float8()``, and
-``Float8(fc2_input="static")``), plus the bytes of their
+``Float8(fc2_input="static", out_proj_input="static")``), plus the bytes of their
 weights: the eval's decode GB/s column counts the quantized model's bytes (``weight_bytes_per_token`` below, which
 the eval uses for these rows), so it compares with the copy bandwidth as fp16's does."""
 from __future__ import annotations
@@ -146,25 +146,27 @@ class FuseInferFP8Backend(FuseInferW8A16Backend):
 
 
 class FuseInferFP8StaticBackend(FuseInferW8A8Backend):
-    """fuseinfer with FP8 W8A8 and a static (calibrated) per-tensor scale for fc2's input
-    (``Float8(fc2_input="static")``): the MLP's first GEMM writes fc2's e4m3 input from its epilogue. Calibrated as the
-    ``fuseinfer-w8a8`` row is (the same options and knobs; a ``random:`` model on seeded random token ids); no
-    smoothing."""
+    """fuseinfer with FP8 W8A8 and static (calibrated) per-tensor scales for the inputs no LayerNorm quantizes
+    (``Float8(fc2_input="static", out_proj_input="static")``): the attention kernel writes out_proj's e4m3 input
+    and the MLP's first GEMM fc2's, each from its epilogue. Calibrated as the ``fuseinfer-w8a8`` row is (the same
+    options and knobs; a ``random:`` model on seeded random token ids); no smoothing."""
 
     name = "fuseinfer-fp8-static"
-    summary = ("fuseinfer.patch + Float8(fc2_input='static'): e4m3 weights and activations, fc2's input with a "
-               "calibrated per-tensor scale, written by the first MLP GEMM's epilogue")
+    summary = ("fuseinfer.patch + Float8(fc2_input='static', out_proj_input='static'): e4m3 weights and "
+               "activations, out_proj's and fc2's inputs with calibrated per-tensor scales, written by the attention "
+               "kernel's and the first MLP GEMM's epilogues")
 
     def quant_config(self, calibration=None, samples: int | None = None):
         w8a8 = super().quant_config(calibration, samples)
-        return Float8(calibration=w8a8.calibration, samples=w8a8.samples, fc2_input="static")
+        return Float8(calibration=w8a8.calibration, samples=w8a8.samples, fc2_input="static",
+                      out_proj_input="static")
 
     def details(self):
         details = super().details()
         details.pop("w8a8_gemm", None)
         param = None if self.model is None else next(self.model.parameters(), None)
         gemm = self.report.quant.gemm if param is None else fp8_note(param.device, self.model.dtype)
-        return {**details, "fp8_gemm": gemm, "fc2_input": "static"}
+        return {**details, "fp8_gemm": gemm, "fc2_input": "static", "out_proj_input": "static"}
 
 
 BACKENDS = (FuseInferW8A16Backend, FuseInferW8A8Backend, FuseInferFP8Backend, FuseInferFP8StaticBackend)

@@ -248,11 +248,11 @@ def check_record(record) -> dict:
             raise FuseInferError(f"quantization_config.alpha must be null or a number in [0, 1], got {alpha!r}")
         out["alpha"] = None if alpha is None else float(alpha)
         # (absent: a checkpoint from before the option, dynamic)
-        fc2_input = _field(record, "fc2_input", str, f"one of {list(FC2_INPUTS)}", default="dynamic")
-        if fc2_input not in FC2_INPUTS:
-            raise FuseInferError(f"quantization_config.fc2_input must be one of {list(FC2_INPUTS)}, got "
-                                 f"{fc2_input!r}")
-        out["fc2_input"] = fc2_input
+        for name in ("fc2_input", "out_proj_input"):
+            mode = _field(record, name, str, f"one of {list(FC2_INPUTS)}", default="dynamic")
+            if mode not in FC2_INPUTS:
+                raise FuseInferError(f"quantization_config.{name} must be one of {list(FC2_INPUTS)}, got {mode!r}")
+            out[name] = mode
     return out
 
 
@@ -267,7 +267,8 @@ def empty_layout(checked: dict):
         raise FuseInferError(f"quantization_config.include_lm_head must be false for {checked['scheme']} "
                              "checkpoints")
     if checked["scheme"] == Float8.scheme:
-        return dataclasses.replace(Float8(alpha=checked["alpha"], fc2_input=checked["fc2_input"]), _empty=True)
+        return dataclasses.replace(Float8(alpha=checked["alpha"], fc2_input=checked["fc2_input"],
+                                                   out_proj_input=checked["out_proj_input"]), _empty=True)
     return dataclasses.replace(SmoothQuantW8A8(alpha=checked["alpha"]), _empty=True)
 
 

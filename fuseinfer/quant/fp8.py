@@ -18,8 +18,10 @@ FP8 models with the same ops in the same order.
 ``Float8(fc2_input="static")`` gives the MLP's output projection a calibrated per-tensor input scale
 (``input_scale``, ``amax / 448`` of its input over the calibration windows, after smoothing): the MLP's first GEMM
 then writes that e4m3 input from its epilogue (``fp8_linear_fp8out``, ReLU before the quantization; the family's
-patched layer and lean loop make the call), instead of writing fp16 for a separate pass to quantize per token. Any
-Float8Linear with an ``input_scale`` quantizes an fp16 / bf16 input with it (``quantize_fp8_static``).
+patched layer and lean loop make the call), instead of writing fp16 for a separate pass to quantize per token.
+``Float8(out_proj_input="static")`` does the same for the attention's output projection: the attention kernel writes
+its e4m3 input (``attention_fp8out``). Any Float8Linear with an ``input_scale`` quantizes an fp16 / bf16 input with
+it (``quantize_fp8_static``).
 """
 from __future__ import annotations
 
@@ -154,10 +156,11 @@ def fp8_note(device: torch.device, dtype: torch.dtype = torch.float16) -> str:
 
 def static_inputs(config, family) -> tuple[str, ...]:
     """The linears that get a calibrated static input scale: with ``fc2_input="static"``, the MLP's output
-    projection (the family's ``mlp_out`` modules), whose input is the activation's output."""
-    if getattr(config, "fc2_input", "dynamic") != "static":
-        return ()
-    return tuple(name for name, kind in family.module_kinds().items() if kind == "mlp_out")
+    projection (the family's ``mlp_out`` modules), whose input is the activation's output; with
+    ``out_proj_input="static"`` the attention's output projection (``attn_out``), whose input is the attention's."""
+    kinds = {kind for kind, field in (("mlp_out", "fc2_input"), ("attn_out", "out_proj_input"))
+             if getattr(config, field, "dynamic") == "static"}
+    return tuple(name for name, kind in family.module_kinds().items() if kind in kinds)
 
 
 FP8 = Flavor(build, Float8QKVSlice, fp8_note, static_inputs)

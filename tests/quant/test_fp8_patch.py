@@ -82,20 +82,23 @@ def test_fp8_perplexity_within_half_a_percent(tiny_model_path, device, dtype):
 
 @pytest.mark.parametrize("device, dtype", [("cpu", torch.float32),
                                            pytest.param("cuda", torch.float16, marks=pytest.mark.gpu)])
-def test_static_fc2_input_perplexity_within_half_a_percent(tiny_model_path, device, dtype):
-    """Float8(fc2_input="static"), fc2's input scale calibrated on the WikiText-2 validation split (8 windows of
-    512 tokens): test perplexity within 0.5% of the unquantized model, as dynamic FP8 (CPU fp32, the exact e4m3
-    emulation: measured +0.120% against dynamic's +0.118%; CUDA fp16: fc1 writes e4m3 from its epilogue)."""
+@pytest.mark.parametrize("out_proj_input", ["dynamic", "static"])
+def test_static_inputs_perplexity_within_half_a_percent(tiny_model_path, device, dtype, out_proj_input):
+    """Float8(fc2_input="static"), with out_proj_input="static" too, the input scales calibrated on the WikiText-2
+    validation split (8 windows of 512 tokens): test perplexity within 0.5% of the unquantized model, as dynamic
+    FP8 (CPU fp32, the exact e4m3 emulation: measured +0.120% against dynamic's +0.118%; CUDA fp16: fc1 and the
+    attention kernel write e4m3 from their epilogues)."""
     base, tok = _tiny(tiny_model_path, dtype, device)
     windows = _windows(tok)
     ppl_fp = _ppl(base, windows, torch.device(device))
-    report = fuseinfer.patch(base, PatchConfig(quant=Float8(fc2_input="static", calibration=WIKITEXT, tokenizer=tok,
-                                                            **CAL)))
+    report = fuseinfer.patch(base, PatchConfig(quant=Float8(fc2_input="static", out_proj_input=out_proj_input,
+                                                            calibration=WIKITEXT, tokenizer=tok, **CAL)))
     layers = base.model.decoder.layers
     assert all(layer.fc2.input_scale is not None for layer in layers) and "calibration: 8 sample(s)" in str(report)
+    assert all((layer.self_attn.out_proj.input_scale is not None) == (out_proj_input == "static") for layer in layers)
     ppl_q = _ppl(base, windows, torch.device(device))
-    print(f"[{report.quant.gemm}] opt-wt2-tiny {dtype} ppl {ppl_fp:.3f}, FP8 static fc2 input {ppl_q:.3f} "
-          f"({100 * (ppl_q / ppl_fp - 1):+.3f}%)")
+    print(f"[{report.quant.gemm}] opt-wt2-tiny {dtype} ppl {ppl_fp:.3f}, FP8 static fc2 input, {out_proj_input} "
+          f"out_proj input {ppl_q:.3f} ({100 * (ppl_q / ppl_fp - 1):+.3f}%)")
     assert ppl_q != ppl_fp
     assert abs(ppl_q / ppl_fp - 1) < 0.005
 
@@ -184,7 +187,8 @@ def test_unpatch_restores_with_keep_original_else_refuses():
                                            (dict(samples=0), "samples must be an integer >= 1"),
                                            (dict(calibration=3), "calibration= must be None"),
                                            (dict(include_lm_head=True), "include_lm_head=False"),
-                                           (dict(fc2_input="per_token"), "fc2_input must be one of")])
+                                           (dict(fc2_input="per_token"), "fc2_input must be one of"),
+                                           (dict(out_proj_input=None), "out_proj_input must be one of")])
 def test_config_checks(kwargs, words):
     with pytest.raises(FuseInferError, match=words):
         Float8(**kwargs)
@@ -201,20 +205,23 @@ def test_llama_refused_with_the_model_untouched():
 
 # ------------------------------------------------------------------------------------------------- checkpoints
 
-@pytest.mark.parametrize("alpha,fc2_input", [(None, "dynamic"), (0.5, "dynamic"), (None, "static"), (0.5, "static")])
-def test_save_load_round_trip(tmp_path, monkeypatch, alpha, fc2_input):
+@pytest.mark.parametrize("alpha,fc2_input,out_proj_input", [(None, "dynamic", "dynamic"), (0.5, "dynamic", "dynamic"),
+                                                           (None, "static", "dynamic"), (0.5, "static", "static"),
+                                                           (None, "dynamic", "static")])
+def test_save_load_round_trip(tmp_path, monkeypatch, alpha, fc2_input, out_proj_input):
     """save_quantized -> load_quantized and save_pretrained -> from_pretrained: float8 tensors stored as F8_E4M3,
-    fc2's static input scale (fc2_input="static") as F32 (1,), the same tensors and identical logits, nothing
-    quantized (or calibrated) again."""
+    the static input scales (fc2's with fc2_input="static", out_proj's with out_proj_input="static") as F32 (1,), the
+    same tensors and identical logits, nothing quantized (or calibrated) again."""
     from transformers import AutoModelForCausalLM
 
     from fuseinfer.quant.checkpoint import read_header
 
     model = random_opt(seed=7)
     ids = torch.randint(3, 512, (1, 256), generator=torch.Generator().manual_seed(0))
-    calibrated = alpha is not None or fc2_input == "static"
+    calibrated = alpha is not None or "static" in (fc2_input, out_proj_input)
     stats = sq.calibrate(model, ids=ids, samples=2, seq_len=128) if calibrated else None
-    fuseinfer.patch(model, PatchConfig(quant=Float8(alpha=alpha, calibration=stats, fc2_input=fc2_input)))
+    fuseinfer.patch(model, PatchConfig(quant=Float8(alpha=alpha, calibration=stats, fc2_input=fc2_input,
+                                                    out_proj_input=out_proj_input)))
     fuseinfer.save_quantized(model, tmp_path / "a")
     model.save_pretrained(tmp_path / "b")
     assert (tmp_path / "a" / WEIGHTS).read_bytes() == (tmp_path / "b" / WEIGHTS).read_bytes()
@@ -222,11 +229,13 @@ def test_save_load_round_trip(tmp_path, monkeypatch, alpha, fc2_input):
     assert record["scheme"] == "float8" and record["alpha"] == alpha and record["format"] == "float8_e4m3fn"
     header, _ = read_header(tmp_path / "a" / WEIGHTS)
     assert header["model.decoder.layers.0.fc1.weight_q"]["dtype"] == "F8_E4M3"
-    assert record["fc2_input"] == fc2_input
-    scale = header.get("model.decoder.layers.0.fc2.input_scale")
-    assert (scale is None) == (fc2_input == "dynamic") and "model.decoder.layers.0.fc1.input_scale" not in header
-    if scale is not None:
-        assert scale["dtype"] == "F32" and scale["shape"] == [1]
+    assert record["fc2_input"] == fc2_input and record["out_proj_input"] == out_proj_input
+    assert "model.decoder.layers.0.fc1.input_scale" not in header
+    for name, mode in (("fc2", fc2_input), ("self_attn.out_proj", out_proj_input)):
+        scale = header.get(f"model.decoder.layers.0.{name}.input_scale")
+        assert (scale is None) == (mode == "dynamic")
+        if scale is not None:
+            assert scale["dtype"] == "F32" and scale["shape"] == [1]
     import fuseinfer.quant.fp8 as fp8
     import fuseinfer.quant.w8a8 as w8
 
@@ -242,7 +251,8 @@ def test_save_load_round_trip(tmp_path, monkeypatch, alpha, fc2_input):
             assert torch.equal(model(x).logits, loaded(x).logits)
         text = str(fuseinfer.patch_report(loaded))
         assert "a saved FP8 checkpoint" in text and "FP8 GEMM" in text
-        assert fuseinfer.patch_state(loaded).config.quant == Float8(alpha=alpha, fc2_input=fc2_input)
+        assert fuseinfer.patch_state(loaded).config.quant == Float8(alpha=alpha, fc2_input=fc2_input,
+                                                                    out_proj_input=out_proj_input)
 
 
 def _saved(tmp_path):

@@ -37,31 +37,32 @@ def _stats(model):
     return sq.calibrate(model, ids=ids, samples=2, seq_len=128)
 
 
-def _config(base, alpha=None, fc2_input="dynamic"):
-    """Float8 with ``alpha`` and ``fc2_input``, calibrated on seeded ids where either needs it."""
-    if alpha is None and fc2_input == "dynamic":
+def _config(base, alpha=None, fc2_input="dynamic", out_proj_input="dynamic"):
+    """Float8 with ``alpha``, ``fc2_input`` and ``out_proj_input``, calibrated on seeded ids where one needs it."""
+    if alpha is None and fc2_input == out_proj_input == "dynamic":
         return Float8()
-    return Float8(alpha=alpha, calibration=_stats(base), fc2_input=fc2_input)
+    return Float8(alpha=alpha, calibration=_stats(base), fc2_input=fc2_input, out_proj_input=out_proj_input)
 
 
-def _fp8(variant="pre_ln", alpha=None, fc2_input="dynamic"):
+def _fp8(variant="pre_ln", alpha=None, fc2_input="dynamic", out_proj_input="dynamic"):
     base = random_opt(**VARIANTS[variant]).eval()
     model = copy.deepcopy(base)
-    fuseinfer.patch(model, PatchConfig(quant=_config(base, alpha, fc2_input)))
+    fuseinfer.patch(model, PatchConfig(quant=_config(base, alpha, fc2_input, out_proj_input)))
     return base, model
 
 
-@pytest.fixture(scope="module", params=[(None, "dynamic"), (0.5, "dynamic"), (None, "static")],
-                ids=["plain", "smoothed", "static-fc2"])
+@pytest.fixture(scope="module", params=[(None, "dynamic", "dynamic"), (0.5, "dynamic", "dynamic"),
+                                        (None, "static", "dynamic"), (0.5, "static", "static")],
+                ids=["plain", "smoothed", "static-fc2", "smoothed-static-both"])
 def tiny_fp8(request, tiny_model_path):
-    """The trained tiny OPT, quantized with Float8(), Float8(alpha=0.5) or Float8(fc2_input="static") (calibrated
-    on seeded ids)."""
+    """The trained tiny OPT, quantized with Float8(), Float8(alpha=0.5), Float8(fc2_input="static") or
+    Float8(alpha=0.5) with both static inputs (calibrated on seeded ids)."""
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path, torch_dtype=torch.float32).eval()
     model = copy.deepcopy(base)
-    alpha, fc2_input = request.param
-    fuseinfer.patch(model, PatchConfig(quant=_config(base, alpha, fc2_input)))
+    alpha, fc2_input, out_proj_input = request.param
+    fuseinfer.patch(model, PatchConfig(quant=_config(base, alpha, fc2_input, out_proj_input)))
     return base, model, alpha
 
 
@@ -127,6 +128,56 @@ def test_static_fc2_input_replaces_one_quantize_pass_per_layer():
     assert counts["fuseinfer::fp8_linear_fp8out"] == layers
     assert counts["fuseinfer::fp8_linear"] == 3 * layers
     assert counts["fuseinfer::add_layer_norm_quant_fp8"] == 2 * layers
+
+
+@pytest.mark.parametrize("variant", FP8_VARIANTS)
+@pytest.mark.parametrize("alpha", [None, 0.5])
+def test_static_out_proj_input_lean_loop_equals_the_modules(variant, alpha):
+    """Float8(out_proj_input="static"): out_proj holds a calibrated (1,) fp32 input_scale; the lean loop and the
+    modules both run the attention as attention_fp8out (its output in e4m3 with that scale) and out_proj on it: the
+    same logits and caches."""
+    _, model = _fp8(variant, alpha, out_proj_input="static")
+    layer = model.model.decoder.layers[0]
+    scale = layer.self_attn.out_proj.input_scale
+    assert scale.shape == (1,) and scale.dtype == torch.float32 and scale > 0
+    assert layer.fc2.input_scale is None and layer.fc1.input_scale is None  # (only out_proj's input is static)
+    assert_lean_equals_modules(model, _ids(model.config.vocab_size), "fuseinfer::attention_fp8out", per_layer=1)
+
+
+def test_static_inputs_leave_no_quantize_pass():
+    """Pre-LN with both inputs static: no per-token quantize at all, the attention as attention_fp8out, fc1 as
+    fp8_linear_fp8out, q/k/v, out_proj and fc2 as fp8_linear, the LayerNorms quantizing."""
+    _, model = _fp8(fc2_input="static", out_proj_input="static")
+    layers = model.config.num_hidden_layers
+    counts = fuseinfer_op_counts(lambda: fuseinfer.prefill(model, _ids(model.config.vocab_size)))
+    assert counts["fuseinfer::quantize_fp8_per_token"] == 0
+    assert counts["fuseinfer::attention_fp8out"] == layers and counts["fuseinfer::attention"] == 0
+    assert counts["fuseinfer::fp8_linear_fp8out"] == layers
+    assert counts["fuseinfer::fp8_linear"] == 3 * layers
+    assert counts["fuseinfer::add_layer_norm_quant_fp8"] == 2 * layers
+
+
+def test_static_out_proj_input_equals_the_emulated_layer():
+    """The static path from first principles: out_proj's scale is amax / 448 of its calibrated input (no smoothing),
+    and out_proj on the e4m3 attention output equals its own call on the fp32 attention output (which quantizes with
+    the static scale)."""
+    from fuseinfer.ops.attention import attention_ref
+    from fuseinfer.ops.attention_fp8out import attention_fp8out_ref
+
+    base = random_opt().eval()
+    stats = _stats(base)
+    model = copy.deepcopy(base)
+    fuseinfer.patch(model, PatchConfig(quant=Float8(calibration=stats, out_proj_input="static")))
+    out_proj = model.model.decoder.layers[0].self_attn.out_proj
+    amax = stats.act_max["model.decoder.layers.0.self_attn.out_proj"].max()
+    torch.testing.assert_close(out_proj.input_scale, (amax / 448).reshape(1), rtol=0, atol=0)
+    g = torch.Generator().manual_seed(0)
+    heads, d = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
+    q, k, v = (torch.randn(2, heads, 9, d, generator=g) for _ in range(3))
+    y = attention_fp8out_ref(q, k, v, None, None, 0.3, out_proj.input_scale).flatten(2)  # (2, 9, E) e4m3
+    a = attention_ref(q, k, v, None, None, 0.3).flatten(2)  # (2, 9, E) fp32
+    ref = out_proj.forward_quantized(y, out_proj.static_scales(y), None, "none", torch.float32)
+    assert torch.equal(out_proj.fused(a), ref)
 
 
 def test_static_fc2_input_equals_the_emulated_layer():
@@ -219,11 +270,11 @@ def test_tiny_fp8_prefill_and_generate_equal_the_modules(tiny_fp8):
 
 # ---- GPU: the kernels (add_layer_norm_quant_fp8, quantize_fp8_rows, the FP8 GEMM, the e4m3 GEMV) ----
 
-def _gpu_fp8(dtype, alpha=None, layers=2, fc2_input="dynamic"):
+def _gpu_fp8(dtype, alpha=None, layers=2, fc2_input="dynamic", out_proj_input="dynamic"):
     """OPT-125m-shaped random weights (hidden 768, 12 heads, ffn 3072), ``layers`` layers, on CUDA."""
     base = random_opt(hidden_size=768, num_attention_heads=12, ffn_dim=3072, num_hidden_layers=layers,
                       max_position_embeddings=1024, vocab_size=2048)
-    config = _config(base, alpha, fc2_input)
+    config = _config(base, alpha, fc2_input, out_proj_input)
     model = base.to("cuda", dtype)
     fuseinfer.patch(model, PatchConfig(quant=config))
     return model
@@ -231,13 +282,15 @@ def _gpu_fp8(dtype, alpha=None, layers=2, fc2_input="dynamic"):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("alpha,fc2_input", [(None, "dynamic"), (0.5, "dynamic"), (None, "static")])
+@pytest.mark.parametrize("alpha,fc2_input,out_proj_input", [(None, "dynamic", "dynamic"), (0.5, "dynamic", "dynamic"),
+                                                           (None, "static", "dynamic"), (0.5, "static", "static")])
 @pytest.mark.parametrize("rows,length", [(1, 12), (2, 150), (1, 513)])
-def test_gpu_lean_loop_equals_the_fp8_modules(dtype, alpha, fc2_input, rows, length):
+def test_gpu_lean_loop_equals_the_fp8_modules(dtype, alpha, fc2_input, out_proj_input, rows, length):
     """The lean loop runs the modules' kernels in the same order: the same logits and cache contents, bit for bit
     (1 x 12 tokens: decode-sized, the e4m3 weight GEMV on unquantized activations; else the quantize kernels and the
-    FP8 GEMM; fc2_input="static": fc1 as the e4m3-output GEMM)."""
-    model = _gpu_fp8(dtype, alpha, fc2_input=fc2_input)
+    FP8 GEMM; fc2_input="static": fc1 as the e4m3-output GEMM; out_proj_input="static": the attention kernel
+    writing e4m3)."""
+    model = _gpu_fp8(dtype, alpha, fc2_input=fc2_input, out_proj_input=out_proj_input)
     assert pf.lean_reason(model) is None
     ids = _ids(model.config.vocab_size, rows=rows, length=length).cuda()
     ours = cache_run(pf.lean_logits, model, ids, slots=576)
@@ -253,9 +306,10 @@ def test_gpu_lean_loop_equals_the_fp8_modules(dtype, alpha, fc2_input, rows, len
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("fc2_input", ["dynamic", "static"])
-def test_gpu_generate_same_tokens_graph_lean_modules(dtype, fc2_input):
-    model = _gpu_fp8(dtype, fc2_input=fc2_input)
+@pytest.mark.parametrize("static", ["", "fc2", "both"])
+def test_gpu_generate_same_tokens_graph_lean_modules(dtype, static):
+    model = _gpu_fp8(dtype, fc2_input="static" if static else "dynamic",
+                     out_proj_input="static" if static == "both" else "dynamic")
     assert_same_tokens_graph_lean_modules(model, _ids(model.config.vocab_size, rows=1, length=150).cuda())
 
 

@@ -57,6 +57,7 @@ from fuseinfer.models.llama.layer import decoder_layer
 from fuseinfer.models.llama.quant import SMOOTHQUANT_REFUSAL
 from fuseinfer.models.common import (
     cache_slots,
+    fold_rows,
     install_attention,
     lock_models,
     own_storage_hook,
@@ -376,7 +377,7 @@ class ModuleOps:
 
     def __init__(self, layer: nn.Module, h: torch.Tensor):
         self.fused_norm = "layer_norm" in layer._fuseinfer_ops
-        self.fold = FOLD_NORMS and h.numel() <= FOLD_MAX_ROWS * h.shape[-1] and self.fused_norm and \
+        self.fold = FOLD_NORMS and fold_rows(h, FOLD_MAX_ROWS) and self.fused_norm and \
             _folds_norms(layer)
 
     def norm(self, x, norm, residual=None):

@@ -11,7 +11,8 @@ linears at decode-sized inputs on CUDA, which run the int8 / e4m3 weight GEMV as
 attention's and fc1's outputs are quantized per token for out_proj and fc2; post-LN, the LayerNorm output is the
 residual stream, quantized apart) and :class:`Fp8LeanOps` (``Float8``: the same with e4m3 activations,
 ``add_layer_norm_quant_fp8`` and ``quantize_fp8_per_token``, and the FP8 GEMM; with ``fc2_input="static"`` fc1's
-GEMM writes fc2's e4m3 input itself, ``fp8_linear_fp8out``). They run the same ops in the same order as the patched
+GEMM writes fc2's e4m3 input itself, ``fp8_linear_fp8out``, and with ``out_proj_input="static"`` the attention kernel
+out_proj's, ``attention_fp8out``). They run the same ops in the same order as the patched
 modules.
 """
 from __future__ import annotations
@@ -22,10 +23,11 @@ from torch import nn
 
 from fuseinfer.core.extension import extension
 from fuseinfer.core.state import patch_state
-from fuseinfer.layers.linear import decode_rows
+from fuseinfer.layers.linear import decode_rows, writes_static_input
 from fuseinfer.models.common import checked_plan, lean_call_reason, lean_plan
 from fuseinfer.models.opt.layer import decoder_layer
 from fuseinfer.ops import add_layer_norm, attention, w8a16_linear, linear_epilogue
+from fuseinfer.ops.attention_fp8out import attention_fp8out
 from fuseinfer.ops.fp8_gemv import fp8_weight_linear
 from fuseinfer.ops.fp8_linear import FP8_DTYPE, fp8_linear, quantize_fp8_per_token
 from fuseinfer.ops.fp8_linear_fp8out import fp8_linear_fp8out
@@ -285,7 +287,12 @@ class LeanOps:
         if cache is not None:
             self.append(cache.keys[i], cache.values[i], k, v, slots)
             k, v = cache.keys[i], cache.values[i]  # (B, H, T, D)
-        return self.attend(q, k, v, key_mask, q_start, attn.scaling).view(b * s, heads * d)
+        return self.attend_out(attn, q, k, v, key_mask, q_start)
+
+    def attend_out(self, attn, q, k, v, key_mask, q_start):
+        """The attention of q (B, H, S, D) over k, v (B, H, T, D) as out_proj's input: (B*S, E)."""
+        b, _, s, _ = q.shape
+        return self.attend(q, k, v, key_mask, q_start, attn.scaling).view(b * s, -1)
 
 
 class Int8LeanOps(LeanOps):
@@ -384,7 +391,7 @@ class Fp8LeanOps(W8A8LeanOps):
         epilogue writes fc2's e4m3 input with that scale (ReLU first), handed on as (x_q, x_scale) like a quantizing
         LayerNorm's output."""
         nxt = self.fc2_after.get(id(lin))
-        if nxt is None or nxt._buffers.get("input_scale") is None or residual is not None or not (
+        if not writes_static_input(lin, nxt) or residual is not None or not (
                 activation is None or activation.__class__.__name__ == "ReLU"):
             return super().linear(x, lin, residual, activation)
         xq, xs = x if type(x) is tuple else self.quant(x)
@@ -401,6 +408,17 @@ class Fp8LeanOps(W8A8LeanOps):
         if type(x) is not tuple and lin._buffers.get("input_scale") is not None:
             x = lin.quantize_input(x)
         return super().lin(x, lin, residual, activation)
+
+    def attend_out(self, attn, q, k, v, key_mask, q_start):
+        """LeanOps.attend_out, except for an out_proj with a static input scale (``out_proj_input="static"``): the
+        attention kernel writes out_proj's e4m3 input with that scale, handed on as (x_q (B*S, E), x_scale)."""
+        out_proj = attn._modules["out_proj"]
+        scale = out_proj._buffers.get("input_scale")
+        if scale is None:
+            return super().attend_out(attn, q, k, v, key_mask, q_start)
+        b, _, s, _ = q.shape
+        y = attention_fp8out(q, k, v, key_mask, q_start, attn.scaling, scale).view(b * s, -1)  # (B*S, E) e4m3
+        return y, out_proj.static_scales(y)
 
     def _fp8(self, xq, xs, lin, residual, activation: str) -> torch.Tensor:
         """xq (M, K) e4m3, xs (M, 1) fp32 -> (M, N) in the model's dtype."""

@@ -13,7 +13,9 @@ the swapped modules' own hooks and parameters stay as they are):
   quantized per token by ``quantize_int8`` (the sm90 GEMM has no int8-output epilogue: a per-token scale needs the
   whole row, spread over several CTAs);
 * FP8 W8A8 (``Float8``) likewise: those LayerNorms run as ``add_layer_norm_quant_fp8`` (per-token e4m3 activations
-  and scales for the FP8 GEMMs); out_proj's and fc2's inputs are quantized by the linears themselves;
+  and scales for the FP8 GEMMs); out_proj's and fc2's inputs are quantized by the linears themselves, or, with a
+  calibrated static scale at prefill, written in e4m3 by the attention kernel (``out_proj_input="static"``) and by
+  fc1's GEMM (``fc2_input="static"``);
 * with :data:`FOLD_NORMS` (pre-LN), each LayerNorm runs in the prologue of the GEMV after it at decode rows
   (self_attn_layer_norm in the q/k/v GEMV that writes the cache, final_layer_norm in fc1's:
   ``layer_norm_linear_append`` / ``layer_norm_linear``), for fp16 / bf16 and int8 weight-only weights;
@@ -57,12 +59,14 @@ from fuseinfer.core.config import PatchConfig, PatchReport, Swap
 from fuseinfer.ops import add_layer_norm, linear_rope_append
 from fuseinfer.ops.layer_norm_linear import layer_norm_linear, layer_norm_linear_append
 from fuseinfer.ops.layer_norm_quant import add_layer_norm_quant, add_layer_norm_quant_fp8
-from fuseinfer.layers.linear import DECODE_ROWS, Int8WeightOnlyLinear, decode_rows, fused_linear, quantized_input
+from fuseinfer.layers.linear import (DECODE_ROWS, Int8WeightOnlyLinear, decode_rows, fused_linear, quantized_input,
+                                     writes_static_input)
 from fuseinfer.core import placement
 from fuseinfer.core.state import LOCK_ATTR, lock_holder
 from fuseinfer.layers import hf_attention
 from fuseinfer.models.common import (
     cache_slots,
+    fold_rows,
     install_attention,
     lock_models,
     PendingNorm,
@@ -198,12 +202,32 @@ class FusedOPTAttention(OPTAttention):
 
             attn_fn, scaling, q = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward), 1.0, \
                 q * self.scaling
+        if impl == hf_attention.NAME and "linear" in ops and not output_attentions:
+            out = self._fp8_out_proj(hidden_states, q, k, v, attention_mask, residual)
+            if out is not None:
+                return out, None
         attn, weights = attn_fn(self, q, k, v, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
         attn = attn.reshape(bsz, tgt_len, -1)  # (B, S, E)
         if "linear" in ops:
             return fused_linear(self.out_proj, attn, residual), weights
         out = self.out_proj(attn)
         return (out if residual is None else residual + out), weights
+
+
+    def _fp8_out_proj(self, hidden_states, q, k, v, attention_mask, residual):
+        """out_proj(attention) + residual with out_proj's e4m3 input written by the attention kernel (FP8 with
+        ``out_proj_input="static"``: out_proj holds a calibrated ``input_scale``) at prefill; None where that does
+        not apply (decode-sized rows run the e4m3 weight GEMV on fp16 activations) or the call would not run
+        fuseinfer's attention op."""
+        out_proj = self._modules["out_proj"]
+        scale = getattr(out_proj, "input_scale", None)
+        if scale is None or not hasattr(out_proj, "forward_quantized") or decode_rows(hidden_states):
+            return None
+        y = hf_attention.fuseinfer_attention_fp8out(self, q, k, v, attention_mask, self.scaling, scale)
+        if y is None:
+            return None
+        y = y.reshape(*hidden_states.shape[:-1], -1)  # (B, S, E) e4m3
+        return out_proj.forward_quantized(y, out_proj.static_scales(y), residual, "none", hidden_states.dtype)
 
 
 class _Quantized:
@@ -237,7 +261,7 @@ class ModuleOps:
         self.prefill = not decode_rows(h)
         self.int8 = self.fused_ln and self.prefill
         # pre-LN with the LayerNorms fused: each LayerNorm goes, unapplied (PendingNorm), to the q/k/v or fc1 step
-        self.fold = FOLD_NORMS and h.numel() <= FOLD_MAX_ROWS * h.shape[-1] and self.fused_ln and \
+        self.fold = FOLD_NORMS and fold_rows(h, FOLD_MAX_ROWS) and self.fused_ln and \
             layer.do_layer_norm_before and _folds_norms(layer)
 
     def norm(self, x, ln, residual=None):
@@ -299,19 +323,15 @@ class ModuleOps:
         """fc2, when ``lin`` is this layer's fc1 and fc1's epilogue writes fc2's e4m3 input at prefill (FP8 with
         ``fc2_input="static"``: fc2 holds a calibrated ``input_scale``); else None."""
         mods = self.layer._modules
-        if not self.prefill or lin is not mods.get("fc1"):
-            return None
         fc2 = mods.get("fc2")
-        if getattr(fc2, "input_scale", None) is None or not hasattr(lin, "forward_fp8out"):
-            return None
-        return fc2
+        return fc2 if self.prefill and lin is mods.get("fc1") and writes_static_input(lin, fc2) else None
 
     def _norm_linear(self, x: PendingNorm, lin, residual, activation):
         """``layer_norm_linear`` of the pending norm's rows for ``lin`` (a plain nn.Linear or an int8 weight-only
-        linear, ReLU or no activation, decode-sized rows: where the GEMV's LayerNorm prologue serves), else None."""
+        linear, ReLU or no activation), else None. (A pending norm has at most FOLD_MAX_ROWS rows; the op itself
+        runs the norm and the linear apart where its GEMV prologue does not serve.)"""
         h, ln = x.x, x.norm
-        if not self.fused_linear or h.numel() > DECODE_ROWS * h.shape[-1] or \
-                not (activation is None or activation.__class__.__name__ == "ReLU"):
+        if not self.fused_linear or not (activation is None or activation.__class__.__name__ == "ReLU"):
             return None
         if type(lin) is nn.Linear:
             weight, scale, bias = lin.weight, None, lin.bias
