@@ -93,7 +93,9 @@ struct AttnParams {
   int group;              // query heads per key/value head, H / Hkv (1: multi-head attention)
   float scale_log2;       // scale * log2(e): scores live in the exp2 domain
   const float* kv_scale;  // FP8 caches (split-KV only): (2, Hkv) fp32, row 0 the keys' scale, row 1 the values'
-  const float* out_scale; // e4m3 output (the prefills only, op attention_fp8out): one fp32 static scale; null: T
+  const float* out_scale; // 8-bit output (the prefills only, ops attention_fp8out / _int8out): one fp32 static
+                          // scale; null: the output in T
+  bool out_int8;          // with out_scale: int8 (else e4m3)
 };
 
 // ------------------------------------------------------------------------------------------------------------
@@ -194,9 +196,10 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 // Normalises the two query rows a thread holds in an m16n8-style accumulator (acc(d, e): n8 tile d, element e; rows
 // row0 and row0 + 8) by their softmax sums l and stores them to out (B, Sq, H, D); rows with no admissible key have
-// sum 0 and store 0. With p.out_scale the output is e4m3: acc / l / out_scale rounded to nearest even and saturated
-// at +-448 (the static per-tensor quantisation of the output projection's input), one multiply per element as
-// in T (1 / l and 1 / out_scale folded), so out_proj reads 1 byte per element and no quantize pass runs.
+// sum 0 and store 0. With p.out_scale the output is 8-bit: acc / l / out_scale rounded to nearest even and saturated
+// at +-448 (e4m3) or clamped to +-127 (int8): the static per-tensor quantisation of the output projection's input,
+// one multiply per element as in T (1 / l and 1 / out_scale folded), so out_proj reads 1 byte per element and no
+// quantize pass runs.
 template <typename T, int D, typename Acc>
 __device__ __forceinline__ void store_rows(const AttnParams& p, Acc acc, const float (&l)[2], int b, int h, int row0,
                                            int lane) {
@@ -211,9 +214,17 @@ __device__ __forceinline__ void store_rows(const AttnParams& p, Acc acc, const f
       uint8_t* orow = static_cast<uint8_t*>(p.out) + at;
       const float f = inv * qscale;
 #pragma unroll
-      for (int d = 0; d < D / 8; ++d)
-        *reinterpret_cast<uint16_t*>(orow + d * 8) = static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(
-            make_float2(acc(d, 2 * r) * f, acc(d, 2 * r + 1) * f), __NV_SATFINITE, __NV_E4M3));
+      for (int d = 0; d < D / 8; ++d) {
+        const float a = acc(d, 2 * r) * f, b = acc(d, 2 * r + 1) * f;
+        uint16_t pair;
+        if (p.out_int8) {  // round half to even, then the symmetric range
+          const int qa = min(max(__float2int_rn(a), -127), 127), qb = min(max(__float2int_rn(b), -127), 127);
+          pair = static_cast<uint16_t>((qa & 0xff) | ((qb & 0xff) << 8));
+        } else {
+          pair = static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3));
+        }
+        *reinterpret_cast<uint16_t*>(orow + d * 8) = pair;
+      }
     } else {
       T* orow = static_cast<T*>(p.out) + at;
 #pragma unroll
@@ -1498,11 +1509,12 @@ std::string attention_prefill_kernel() {
 
 namespace {
 
-// attention and attention_fp8out: out_scale null for an output in q's dtype, else one fp32 value on q's device
-// (the prefills then store e4m3, see store_rows; the op's wrapper sends other calls elsewhere).
+// attention, attention_fp8out and attention_int8out: out_scale null for an output in q's dtype, else one fp32 value
+// on q's device (the prefills then store e4m3, or int8 with `int8`, see store_rows; the ops' wrappers send other
+// calls elsewhere).
 at::Tensor attention_impl(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                           const c10::optional<at::Tensor>& key_mask, const c10::optional<at::Tensor>& q_start,
-                          double scale, const at::Tensor* out_scale) {
+                          double scale, const at::Tensor* out_scale, bool int8 = false) {
   TORCH_CHECK(q_in.is_cuda() && k_in.is_cuda() && v_in.is_cuda(), "attention_cuda: q, k, v must be CUDA tensors");
   TORCH_CHECK(q_in.dim() == 4 && k_in.dim() == 4 && v_in.dim() == 4,
               "attention_cuda: q, k, v must be 4-D (B, H, S, D)");
@@ -1527,22 +1539,23 @@ at::Tensor attention_impl(const at::Tensor& q_in, const at::Tensor& k_in, const 
 
   const bool use_prefill = dtype != at::kFloat && Sq > 16;
   if (out_scale != nullptr) {
-    TORCH_CHECK(use_prefill, "attention_fp8out_cuda: the e4m3 output is written by the prefill kernels (fp16/bf16, "
-                "more than 16 queries); run attention and quantize its output for other calls");
+    TORCH_CHECK(use_prefill, "attention: the 8-bit output is written by the prefill kernels (fp16/bf16, more than "
+                "16 queries); run attention and quantize its output for other calls");
     TORCH_CHECK(out_scale->is_cuda() && out_scale->device() == q_in.device() &&
                     out_scale->scalar_type() == at::kFloat && out_scale->numel() == 1,
-                "attention_fp8out_cuda: out_scale must be one float32 value on q's device, got ",
-                out_scale->scalar_type(), " ", out_scale->sizes());
+                "attention: out_scale must be one float32 value on q's device, got ", out_scale->scalar_type(), " ",
+                out_scale->sizes());
   }
   const at::cuda::CUDAGuard guard(q_in.device());
-  at::Tensor out = at::empty({B, Sq, H, D}, out_scale != nullptr ? q_in.options().dtype(at::kFloat8_e4m3fn)
-                                                                   : q_in.options());
+  at::Tensor out = at::empty({B, Sq, H, D}, out_scale == nullptr ? q_in.options()
+                                            : q_in.options().dtype(int8 ? at::kChar : at::kFloat8_e4m3fn));
   if (out.numel() == 0) return out;
   if (Skv == 0) return out.zero_();
 
   AttnParams p{};
   set_mask_params(p, key_mask, q_start, B, Skv, q_in.device());
   if (out_scale != nullptr) p.out_scale = out_scale->data_ptr<float>();
+  p.out_int8 = int8;
 
   // 16-byte loads: K/V always, Q too on the cp.async (prefill) path.
   const at::Tensor q = use_prefill ? aligned16(q_in) : q_in;
@@ -1587,6 +1600,12 @@ at::Tensor attention_fp8out_cuda(const at::Tensor& q, const at::Tensor& k, const
                                  const c10::optional<at::Tensor>& key_mask, const c10::optional<at::Tensor>& q_start,
                                  double scale, const at::Tensor& out_scale) {
   return attention_impl(q, k, v, key_mask, q_start, scale, &out_scale);
+}
+
+at::Tensor attention_int8out_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const c10::optional<at::Tensor>& key_mask, const c10::optional<at::Tensor>& q_start,
+                                  double scale, const at::Tensor& out_scale) {
+  return attention_impl(q, k, v, key_mask, q_start, scale, &out_scale, true);
 }
 
 
@@ -1660,10 +1679,12 @@ at::Tensor attention_kv_fp8_cuda(const at::Tensor& q, const at::Tensor& k_in, co
 // attention_fp8out(q, k, v, key_mask, q_start, scale, out_scale): attention's prefill (fp16 / bf16 q, k, v, Sq > 16)
 // with its output quantized in the kernel's epilogue: (B, Sq, H, D) float8_e4m3fn, out / out_scale rounded to
 // nearest even and saturated at +-448; out_scale one fp32 value (the static, calibrated scale of the output
-// projection's input).
+// projection's input). attention_int8out: the same with an int8 output, round(out / out_scale) clamped to +-127.
 TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? key_mask, Tensor? q_start, float scale) -> Tensor");
   m.def("attention_fp8out(Tensor q, Tensor k, Tensor v, Tensor? key_mask, Tensor? q_start, float scale, "
+        "Tensor out_scale) -> Tensor");
+  m.def("attention_int8out(Tensor q, Tensor k, Tensor v, Tensor? key_mask, Tensor? q_start, float scale, "
         "Tensor out_scale) -> Tensor");
   m.def("attention_prefill_kernel() -> str", &attention_prefill_kernel);
   m.def("attention_kv_fp8(Tensor q, Tensor k, Tensor v, Tensor? key_mask, Tensor? q_start, float scale, "
@@ -1673,6 +1694,7 @@ TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
 TORCH_LIBRARY_IMPL(fuseinfer_C, CUDA, m) {
   m.impl("attention", &attention_cuda);
   m.impl("attention_fp8out", &attention_fp8out_cuda);
+  m.impl("attention_int8out", &attention_int8out_cuda);
   m.impl("attention_kv_fp8", &attention_kv_fp8_cuda);
 }
 

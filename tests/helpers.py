@@ -527,3 +527,45 @@ def hooked_module_inputs(model, family_modules, module, monkeypatch, pre_hook: b
             handle.remove()
             fuseinfer.unpatch(model)
     return seen
+
+
+# ---- the tiny trained OPT's WikiText-2 perplexity (tests/quant) ----
+
+PPL_SEQ_LEN, PPL_WINDOWS = 2048, 2  # GPTQ protocol windows of the tiny model's full context, a few to stay fast
+
+
+def needs_wikitext():
+    """Skip (visibly) where the shared WikiText-2 raw files are absent."""
+    from conftest import WIKITEXT
+
+    from fuseinfer.quant import smoothquant as sq
+
+    if not (WIKITEXT / "wiki.test.raw").is_file() or not (WIKITEXT / sq.CALIBRATION_FILE).is_file():
+        pytest.skip(f"WikiText-2 raw files not found in {WIKITEXT}; set FUSEINFER_SHARED")
+
+
+def wikitext_ppl(model, windows, device):
+    """The model's perplexity over ``windows`` (wikitext_windows)."""
+    from fuseinfer.harness.perplexity import perplexity
+
+    with torch.no_grad():
+        return perplexity(lambda i, l: model(input_ids=i, labels=l).loss, windows, device).ppl
+
+
+def wikitext_windows(tok):
+    """The first PPL_WINDOWS GPTQ-protocol windows of PPL_SEQ_LEN tokens of wiki.test.raw."""
+    from conftest import WIKITEXT
+
+    from fuseinfer.harness.data import load_eval_text, tokenize
+    from fuseinfer.harness.perplexity import gptq_windows
+
+    return gptq_windows(tokenize(tok, load_eval_text(str(WIKITEXT)).text), PPL_SEQ_LEN, PPL_WINDOWS)
+
+
+def tiny_opt_and_tokenizer(path, dtype=torch.float32, device="cpu"):
+    """The tiny trained OPT at ``path`` in ``dtype`` on ``device`` (eval mode) and its tokenizer."""
+    from transformers import AutoTokenizer, OPTForCausalLM
+
+    needs_wikitext()
+    tok = AutoTokenizer.from_pretrained(path)
+    return OPTForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval(), tok

@@ -49,8 +49,9 @@ def attention(dtype, d, sq, skv, q_start=None, heads=3, kv_heads=None):
         with sm90_prefill(enabled):
             ops.attention(q, k, v, key_mask, qs, d ** -0.5)
             ops.attention(q, k, v, None, qs, d ** -0.5)
-            if dtype != torch.float32:  # the e4m3 output (the prefills' epilogue; decode: the unfused pair)
+            if dtype != torch.float32:  # the 8-bit outputs (the prefills' epilogue; decode: the unfused pair)
                 ops.attention_fp8out(q, k, v, key_mask, qs, d ** -0.5, torch.tensor([0.01], device="cuda"))
+                ops.attention_int8out(q, k, v, key_mask, qs, d ** -0.5, torch.tensor([0.01], device="cuda"))
 
 
 def other_kernels():

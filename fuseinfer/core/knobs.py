@@ -111,12 +111,12 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "default of the eval's `--onnx-dir`: its `ort` backends export under (and reuse from) this folder, one "
          "sub-folder per model; unset: a temporary export per run"),
     Knob("FUSEINFER_CALIBRATION_DATA", None, "call",
-         "default of the eval's `--calibration-data`: its `fuseinfer-w8a8` and `fuseinfer-fp8-static` backends' "
-         "calibration text file, folder with wiki.valid.raw, or saved SmoothQuant statistics (`.safetensors`); "
+         "default of the eval's `--calibration-data`: its `fuseinfer-w8a8`, `fuseinfer-w8a8-static` and "
+         "`fuseinfer-fp8-static` backends' calibration text file, folder with wiki.valid.raw, or saved SmoothQuant statistics (`.safetensors`); "
          "unset: wiki.valid.raw found as `--data-dir` / `FUSEINFER_DATA_DIR` say", must_exist=True),
     Knob("FUSEINFER_CALIBRATION_SAMPLES", "128", "call",
-         "default of the eval's `--calibration-samples`: its `fuseinfer-w8a8` and `fuseinfer-fp8-static` backends' "
-         "calibration windows of 512 tokens"),
+         "default of the eval's `--calibration-samples`: its `fuseinfer-w8a8`, `fuseinfer-w8a8-static` and "
+         "`fuseinfer-fp8-static` backends' calibration windows of 512 tokens"),
 )}
 
 # Read by the project's benchmark and development scripts and its test suite (and documented there), not by the

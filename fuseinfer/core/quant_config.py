@@ -85,6 +85,10 @@ class SmoothQuantW8A8(QuantConfig):
       ``fuseinfer.core.data`` finds it ($FUSEINFER_DATA_DIR, the shared assets folder, ``datasets``). Text is
       calibrated on the model at ``patch`` time (``samples`` windows of ``seq_len`` tokens).
     tokenizer: the tokenizer for calibration text; None loads the model's own (``config.name_or_path``).
+    out_proj_input: ``"dynamic"`` (default: the attention output projection's input quantized per token at run
+      time) or ``"static"``: one calibrated per-tensor scale per layer for it (``amax / 127`` over the calibration
+      windows, after smoothing), so that the attention kernel writes out_proj's int8 input from its epilogue at
+      prefill (no fp16 attention output, no quantization pass); values above the calibrated range saturate.
     """
 
     alpha: float = 0.5
@@ -92,6 +96,7 @@ class SmoothQuantW8A8(QuantConfig):
     samples: int = 128
     seq_len: int = 512
     tokenizer: object = field(default=None, repr=False, compare=False)
+    out_proj_input: str = "dynamic"
 
     scheme = "smoothquant_w8a8"
 
@@ -99,13 +104,17 @@ class SmoothQuantW8A8(QuantConfig):
         super().__post_init__()
         check_alpha(self.alpha)
         _check_calibration(self)
+        _check_static_inputs(self, ("out_proj_input",))
         if self.include_lm_head:
             raise FuseInferError("SmoothQuantW8A8 quantizes the decoder linears only (the LM head's input is the "
                                  "final LayerNorm's, not calibrated): use include_lm_head=False")
 
     def describe(self) -> dict:
         return {**super().describe(), "bits": 8, "alpha": self.alpha, "weights": "int8 per output channel, symmetric",
-                "activations": "int8 per token, dynamic, symmetric", "qkv": "fused (3E, E) when patch fuses q/k/v"}
+                "activations": "int8 per token, dynamic, symmetric" + (
+                    "; out_proj's input per tensor, static (calibrated), scale = amax / 127"
+                    if self.out_proj_input == "static" else ""),
+                "out_proj_input": self.out_proj_input, "qkv": "fused (3E, E) when patch fuses q/k/v"}
 
 
 def _check_calibration(config) -> None:
@@ -123,7 +132,15 @@ def _check_calibration(config) -> None:
                              f"{type(config.calibration).__name__}")
 
 
-FC2_INPUTS = ("dynamic", "static")  # Float8's fc2_input and out_proj_input
+FC2_INPUTS = ("dynamic", "static")  # Float8's fc2_input, and out_proj_input (Float8, SmoothQuantW8A8)
+
+
+def _check_static_inputs(config, fields: tuple[str, ...]) -> None:
+    """Each of ``fields`` one of FC2_INPUTS, else one clear error."""
+    for name in fields:
+        if getattr(config, name) not in FC2_INPUTS:
+            raise FuseInferError(f"{type(config).__name__} {name} must be one of {FC2_INPUTS} (per-token scales at run "
+                                 f"time, or one calibrated scale per layer), got {getattr(config, name)!r}")
 
 
 @dataclass(frozen=True)
@@ -161,10 +178,7 @@ class Float8(QuantConfig):
         if self.alpha is not None:
             check_alpha(self.alpha)
         _check_calibration(self)
-        for name in ("fc2_input", "out_proj_input"):
-            if getattr(self, name) not in FC2_INPUTS:
-                raise FuseInferError(f"Float8 {name} must be one of {FC2_INPUTS} (per-token scales at run time, or "
-                                     f"one calibrated scale per layer), got {getattr(self, name)!r}")
+        _check_static_inputs(self, ("fc2_input", "out_proj_input"))
         if self.include_lm_head:
             raise FuseInferError("Float8 quantizes the decoder linears only for now (OPT ties the LM head to the "
                                  "input embeddings): use include_lm_head=False")

@@ -70,13 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="raise a backend's error instead of reporting it")
     p.add_argument("--onnx-dir", help="ort / ort-plain / tensorrt: keep and reuse exports here (default: "
                                       "$FUSEINFER_ONNX_DIR, else a temporary export per run)")
-    p.add_argument("--calibration-data", help="fuseinfer-w8a8, fuseinfer-fp8-static: calibration text file, folder "
-                                              "with wiki.valid.raw, or "
+    p.add_argument("--calibration-data", help="fuseinfer-w8a8(-static), fuseinfer-fp8-static: calibration text "
+                                              "file, folder with wiki.valid.raw, or "
                                               "saved SmoothQuant statistics (.safetensors) (default: "
                                               "$FUSEINFER_CALIBRATION_DATA, else wiki.valid.raw found as for "
                                               "--data-dir)")
-    p.add_argument("--calibration-samples", type=int, help="fuseinfer-w8a8, fuseinfer-fp8-static: calibration "
-                                                           "windows of 512 tokens "
+    p.add_argument("--calibration-samples", type=int, help="fuseinfer-w8a8(-static), fuseinfer-fp8-static: "
+                                                           "calibration windows of 512 tokens "
                                                            "(default: $FUSEINFER_CALIBRATION_SAMPLES, else 128)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size: launch with torchrun --nproc-per-node N -m fuseinfer.eval ... --tp N "

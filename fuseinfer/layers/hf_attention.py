@@ -23,7 +23,7 @@ from transformers.utils.output_capturing import _active_collector
 from fuseinfer.core.config import ATTN_NAME
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.ops.attention import allowed_mask, attention, attention_kv_fp8, repeat_kv
-from fuseinfer.ops.attention_fp8out import attention_fp8out
+from fuseinfer.ops.attention_8bit_out import attention_8bit
 from fuseinfer.ops.kv_cache import FP8_DTYPE, dequantize_kv
 from fuseinfer.layers.attention_backend import attention_for
 
@@ -124,11 +124,11 @@ def fuseinfer_attention_forward(module, query, key, value, attention_mask, scali
     return out.transpose(1, 2).contiguous(), None
 
 
-def fuseinfer_attention_fp8out(module, query, key, value, attention_mask, scaling: float, out_scale):
-    """:func:`fuseinfer_attention_forward`'s output quantized to e4m3 with the static scale ``out_scale`` by the
-    attention kernel itself (``ops.attention_fp8out``): (B, Sq, H, D) float8_e4m3fn, or None where that call would
-    not run fuseinfer's attention op over this mask (training, the weights recorded, an FP8 cache, another
-    backend for this phase, a 4D mask), which the caller then makes as before."""
+def fuseinfer_attention_8bit(module, query, key, value, attention_mask, scaling: float, out_scale, fmt: str):
+    """:func:`fuseinfer_attention_forward`'s output quantized to ``fmt`` ("e4m3" or "int8") with the static scale
+    ``out_scale`` by the attention kernel itself (``ops.attention_8bit_out``): (B, Sq, H, D) float8_e4m3fn / int8,
+    or None where that call would not run fuseinfer's attention op over this mask (training, the weights recorded,
+    an FP8 cache, another backend for this phase, a 4D mask), which the caller then makes as before."""
     if module.training or weights_requested(module) or key.dtype == FP8_DTYPE \
             or attention_for(module, query.shape[2]) is not attention:
         return None
@@ -138,7 +138,7 @@ def fuseinfer_attention_fp8out(module, query, key, value, attention_mask, scalin
         key_mask = q_start = None
     else:
         return None
-    return attention_fp8out(query, key, value, key_mask, q_start, scaling, out_scale)
+    return attention_8bit(query, key, value, key_mask, q_start, scaling, out_scale, fmt)
 
 
 def eager_attention_with_weights(module, query, key, value, attention_mask, scaling: float, dropout=0.0, **kwargs):

@@ -52,19 +52,44 @@ class QuantizedLinear(nn.Module):
 
 class ChannelScaledLinear(QuantizedLinear):
     """Base of the quantized linears that hold an 8-bit weight with one fp32 scale per output channel (SmoothQuant
-    W8A8's int8, FP8's e4m3) and quantize their input at run time. Buffers: weight_q (N, K), weight_scale (N, 1)
-    fp32, bias (N,) or None. At decode-sized inputs they run the 8-bit weight GEMV on the unquantized activations,
-    so the one-kernel decode step may stream the same weights."""
+    W8A8's int8, FP8's e4m3) and quantize their input at run time: per token, or, with an ``input_scale`` buffer
+    ((1,) fp32, calibrated: ``set_input_amax``), with that one static scale for every token. Buffers: weight_q
+    (N, K), weight_scale (N, 1) fp32, bias (N,) or None, input_scale or None. At decode-sized inputs they run the
+    8-bit weight GEMV on the unquantized activations, so the one-kernel decode step may stream the same weights."""
 
-    def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
+    INPUT_QMAX = 127.0  # the input format's largest value (int8; e4m3: 448): a static scale is amax / INPUT_QMAX
+
+    def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                 input_scale: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("weight_q", weight_q)          # (N, K) int8 or float8_e4m3fn
         self.register_buffer("weight_scale", weight_scale)  # (N, 1) fp32
         self.register_buffer("bias", bias)                  # (N,) or None
+        self.register_buffer("input_scale", input_scale)    # (1,) fp32 or None (dynamic per-token scales)
         self.in_features, self.out_features = weight_q.shape[1], weight_q.shape[0]
 
     def step_weights(self):
         return self.weight_q, self.weight_scale.view(-1)
+
+    def set_input_amax(self, amax: float) -> None:
+        """A static input scale from the calibrated max|x| of this linear's input: ``amax / INPUT_QMAX`` (the
+        smallest normal fp32 value for an input that was always 0)."""
+        scale = max(float(amax) / self.INPUT_QMAX, torch.finfo(torch.float32).tiny)
+        self.input_scale = torch.tensor([scale], dtype=torch.float32, device=self.weight_scale.device)
+
+    def static_scales(self, x_q: torch.Tensor) -> torch.Tensor:
+        """The per-token scales of an input quantized with ``input_scale``: (..., 1) fp32, every one that scale."""
+        return self.input_scale.expand(*x_q.shape[:-1], 1).contiguous()
+
+    def _apply(self, fn, recurse=True):
+        """``model.half()`` / ``.to(dtype)`` convert every floating-point tensor: the scales stay fp32 (the kernels'
+        format; a round trip through fp16 may round them)."""
+        super()._apply(fn, recurse)
+        for name in ("weight_scale", "input_scale"):
+            t = getattr(self, name)
+            if t is not None and t.dtype != torch.float32 and not t.is_meta:
+                setattr(self, name, t.float())
+        return self
 
 
 class Int8WeightOnlyLinear(QuantizedLinear):

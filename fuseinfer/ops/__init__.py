@@ -2,12 +2,14 @@
 that runs the CUDA kernel when the extension is built and the tensors are on CUDA, the reference otherwise.
 ``quant`` (int8 quantize / dequantize), ``w8a16_linear`` (W8A16 GEMM), ``w8a8_linear``, ``fp8_linear`` (FP8
 e4m3 W8A8), ``fp8_linear_fp8out`` (its e4m3-output variant) and ``fp8_weight_linear`` (its decode GEMV) serve
-``fuseinfer.quant``, as ``attention_fp8out`` (attention writing the output projection's e4m3 input) does;
+``fuseinfer.quant``, as ``attention_fp8out`` / ``attention_int8out`` (attention writing the output projection's
+8-bit input) do;
 ``sample_tokens`` is sampling's
 token choice in one pass.
 """
 from fuseinfer.ops.attention import attention, attention_ref
-from fuseinfer.ops.attention_fp8out import attention_fp8out, attention_fp8out_ref
+from fuseinfer.ops.attention_8bit_out import (attention_fp8out, attention_fp8out_ref, attention_int8out,
+                                             attention_int8out_ref)
 from fuseinfer.ops.decode_step import decode_step_workspace, opt_decode_step, opt_decode_step_ref
 from fuseinfer.ops.emit_tokens import emit_tokens, emit_tokens_ref, emit_tokens_scratch
 from fuseinfer.ops.fp8_gemv import fp8_weight_linear, fp8_weight_linear_ref
@@ -41,7 +43,7 @@ from fuseinfer.ops.quant import (
 
 __all__ = [
     "add_layer_norm", "add_layer_norm_ref", "attention", "attention_ref", "attention_fp8out",
-    "attention_fp8out_ref", "decode_step_workspace", "dequantize",
+    "attention_fp8out_ref", "attention_int8out", "attention_int8out_ref", "decode_step_workspace", "dequantize",
     "dequantize_int8_ref", "dequantize_weight", "emit_tokens", "emit_tokens_ref", "emit_tokens_scratch",
     "fp8_linear", "fp8_linear_ref", "fp8_linear_fp8out", "fp8_linear_fp8out_ref", "fp8_weight_linear",
     "fp8_weight_linear_ref", "quantize_fp8_per_token", "quantize_fp8_ref", "quantize_fp8_static",

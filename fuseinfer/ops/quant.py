@@ -39,6 +39,12 @@ def quantize_int8_ref(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Te
     return q, scale
 
 
+def quantize_int8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x (...) floating point, scale one fp32 value (a static, calibrated per-tensor scale) -> (...) int8:
+    ``round(x / scale)`` (half to even) clamped to [-127, 127]; values beyond ``127 * scale`` saturate."""
+    return torch.round(x.float() / scale.float().reshape(())).clamp_(-QMAX, QMAX).to(torch.int8)
+
+
 def dequantize_int8_ref(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Reference: q * scale in fp32, cast to ``dtype``."""
     return (q.float() * scale).to(dtype)

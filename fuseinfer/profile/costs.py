@@ -216,10 +216,13 @@ def _fi_attention(c: Call) -> Cost | None:
     return _attention(c, True, c.nbytes(3) + c.nbytes(4))
 
 
-@register_cost("fuseinfer::attention_fp8out")
-def _fi_attention_fp8out(c: Call) -> Cost | None:
+def _fi_attention_8bit(c: Call) -> Cost | None:
     # (q, k, v, key_mask, q_start, scale, out_scale): as fuseinfer::attention, the output one byte per element
     return _attention(c, True, c.nbytes(3) + c.nbytes(4) + c.nbytes(6) + c.numel(0) - c.nbytes(0))
+
+
+register_cost("fuseinfer::attention_fp8out", _fi_attention_8bit)
+register_cost("fuseinfer::attention_int8out", _fi_attention_8bit)
 
 
 def _norm(c: Call, inputs: tuple[int, ...], outputs: int) -> Cost | None:

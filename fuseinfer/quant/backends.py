@@ -1,6 +1,7 @@
-"""The quantized fuseinfer backends (``fuseinfer-w8a16``, ``fuseinfer-w8a8``, ``fuseinfer-fp8``,
-``fuseinfer-fp8-static``; registered by the eval CLI, found by the profiler): fuseinfer's backend with int8
-weight-only quantization (``PatchConfig(quant=Int8WeightOnly())``), SmoothQuant W8A8 or FP8 W8A8 (``Float8()``, and
+"""The quantized fuseinfer backends (``fuseinfer-w8a16``, ``fuseinfer-w8a8``, ``fuseinfer-w8a8-static``,
+``fuseinfer-fp8``, ``fuseinfer-fp8-static``; registered by the eval CLI, found by the profiler): fuseinfer's backend
+with int8 weight-only quantization (``PatchConfig(quant=Int8WeightOnly())``), SmoothQuant W8A8 (and
+``SmoothQuantW8A8(out_proj_input="static")``) or FP8 W8A8 (``Float8()``, and
 ``Float8(fc2_input="static", out_proj_input="static")``), plus the bytes of their
 weights: the eval's decode GB/s column counts the quantized model's bytes (``weight_bytes_per_token`` below, which
 the eval uses for these rows), so it compares with the copy bandwidth as fp16's does."""
@@ -129,6 +130,23 @@ class FuseInferW8A8Backend(FuseInferW8A16Backend):
                 "calibration_seconds": round(seconds, 3)}
 
 
+class FuseInferW8A8StaticBackend(FuseInferW8A8Backend):
+    """fuseinfer with SmoothQuant W8A8 and a static (calibrated) per-tensor scale for the attention output
+    projection's input (``SmoothQuantW8A8(out_proj_input="static")``): the attention kernel writes out_proj's int8
+    input from its epilogue. Calibrated as the ``fuseinfer-w8a8`` row is."""
+
+    name = "fuseinfer-w8a8-static"
+    summary = ("fuseinfer.patch + SmoothQuantW8A8(out_proj_input='static'): int8 weights and activations, out_proj's "
+               "input with a calibrated per-tensor scale, written by the attention kernel's epilogue")
+
+    def quant_config(self, calibration=None, samples: int | None = None):
+        w8a8 = super().quant_config(calibration, samples)
+        return SmoothQuantW8A8(calibration=w8a8.calibration, samples=w8a8.samples, out_proj_input="static")
+
+    def details(self):
+        return {**super().details(), "out_proj_input": "static"}
+
+
 class FuseInferFP8Backend(FuseInferW8A16Backend):
     """fuseinfer with FP8 W8A8 (``Float8()``): e4m3 weights per output channel and e4m3 activations per token, no
     smoothing (no calibration); ``torch._scaled_mm`` on GPUs of compute capability >= 8.9."""
@@ -169,4 +187,5 @@ class FuseInferFP8StaticBackend(FuseInferW8A8Backend):
         return {**details, "fp8_gemm": gemm, "fc2_input": "static", "out_proj_input": "static"}
 
 
-BACKENDS = (FuseInferW8A16Backend, FuseInferW8A8Backend, FuseInferFP8Backend, FuseInferFP8StaticBackend)
+BACKENDS = (FuseInferW8A16Backend, FuseInferW8A8Backend, FuseInferW8A8StaticBackend, FuseInferFP8Backend,
+            FuseInferFP8StaticBackend)

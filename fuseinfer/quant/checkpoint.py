@@ -205,7 +205,7 @@ def check_record(record) -> dict:
     """The checkpoint's ``quantization_config``, every field fuseinfer reads checked by type and value; returns
     them normalised (FuseInferError naming the field otherwise)."""
     from fuseinfer.core.config import OPS
-    from fuseinfer.core.quant_config import FC2_INPUTS, Float8, Int8WeightOnly, SmoothQuantW8A8
+    from fuseinfer.core.quant_config import Float8, Int8WeightOnly, SmoothQuantW8A8
 
     if not isinstance(record, dict):
         raise FuseInferError(f"quantization_config must be a JSON object, got {type(record).__name__}")
@@ -242,17 +242,27 @@ def check_record(record) -> dict:
         if not 0 <= alpha <= 1:
             raise FuseInferError(f"quantization_config.alpha must be a number in [0, 1], got {alpha!r}")
         out["alpha"] = float(alpha)
+        out.update(_static_input_fields(record, ("out_proj_input",)))
     if scheme == Float8.scheme:  # (None: not smoothed)
         alpha = _field(record, "alpha", (int, float, type(None)), "null or a number in [0, 1]", default=None)
         if alpha is not None and not 0 <= alpha <= 1:
             raise FuseInferError(f"quantization_config.alpha must be null or a number in [0, 1], got {alpha!r}")
         out["alpha"] = None if alpha is None else float(alpha)
         # (absent: a checkpoint from before the option, dynamic)
-        for name in ("fc2_input", "out_proj_input"):
-            mode = _field(record, name, str, f"one of {list(FC2_INPUTS)}", default="dynamic")
-            if mode not in FC2_INPUTS:
-                raise FuseInferError(f"quantization_config.{name} must be one of {list(FC2_INPUTS)}, got {mode!r}")
-            out[name] = mode
+        out.update(_static_input_fields(record, ("fc2_input", "out_proj_input")))
+    return out
+
+
+def _static_input_fields(record: dict, names: tuple[str, ...]) -> dict:
+    """The record's static-input choices (absent: a checkpoint from before the option, dynamic), checked."""
+    from fuseinfer.core.quant_config import FC2_INPUTS
+
+    out = {}
+    for name in names:
+        mode = _field(record, name, str, f"one of {list(FC2_INPUTS)}", default="dynamic")
+        if mode not in FC2_INPUTS:
+            raise FuseInferError(f"quantization_config.{name} must be one of {list(FC2_INPUTS)}, got {mode!r}")
+        out[name] = mode
     return out
 
 
@@ -269,7 +279,8 @@ def empty_layout(checked: dict):
     if checked["scheme"] == Float8.scheme:
         return dataclasses.replace(Float8(alpha=checked["alpha"], fc2_input=checked["fc2_input"],
                                                    out_proj_input=checked["out_proj_input"]), _empty=True)
-    return dataclasses.replace(SmoothQuantW8A8(alpha=checked["alpha"]), _empty=True)
+    return dataclasses.replace(SmoothQuantW8A8(alpha=checked["alpha"], out_proj_input=checked["out_proj_input"]),
+                               _empty=True)
 
 
 def _tensor_groups(model) -> list[list[str]]:

@@ -36,29 +36,17 @@ from fuseinfer.ops.fp8_linear import (FP8_DTYPE, FP8_MAX, fp8_gemm_note, fp8_lin
 from fuseinfer.ops.fp8_linear_fp8out import fp8_linear_fp8out, quantize_fp8_static
 from fuseinfer.ops.w8a8_linear import OUT_DTYPES
 from fuseinfer.quant.smoothquant import model_family
-from fuseinfer.quant.w8a8 import Flavor, W8A8QKVSlice, quantize_w8a8
+from fuseinfer.quant.w8a8 import Flavor, W8A8QKVSlice, quantize_w8a8, static_inputs
 
 FAMILIES = ("opt",)  # the families whose fused q/k/v layout (three equal row blocks) the swap takes
 
 
 class Float8Linear(ChannelScaledLinear):
     """An nn.Linear with float8_e4m3fn weights (per output channel, fp32 scales) whose input is quantized to e4m3
-    per token at run time, or, with an ``input_scale`` buffer ((1,) fp32, calibrated: ``set_input_amax``), with that
-    one static scale for every token. ``fused(x, residual, activation)`` is the call the patched forwards make."""
+    per token at run time, or with its static ``input_scale`` (ChannelScaledLinear). ``fused(x, residual,
+    activation)`` is the call the patched forwards make."""
 
-    def __init__(self, weight_q, weight_scale, bias, input_scale=None):
-        super().__init__(weight_q, weight_scale, bias)
-        self.register_buffer("input_scale", input_scale)  # (1,) fp32 or None (dynamic per-token scales)
-
-    def set_input_amax(self, amax: float) -> None:
-        """A static input scale from the calibrated max|x| of this linear's input: ``amax / 448`` (the smallest
-        normal fp32 value for an input that was always 0)."""
-        scale = max(float(amax) / FP8_MAX, torch.finfo(torch.float32).tiny)
-        self.input_scale = torch.tensor([scale], dtype=torch.float32, device=self.weight_scale.device)
-
-    def static_scales(self, x_q: torch.Tensor) -> torch.Tensor:
-        """The per-token scales of an input quantized with ``input_scale``: (..., 1) fp32, every one that scale."""
-        return self.input_scale.expand(*x_q.shape[:-1], 1).contiguous()
+    INPUT_QMAX = FP8_MAX
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Float8Linear:
@@ -70,10 +58,6 @@ class Float8Linear(ChannelScaledLinear):
         super()._apply(fn, recurse)
         if self.weight_q.dtype != FP8_DTYPE and not self.weight_q.is_meta:
             self.weight_q = self.weight_q.to(FP8_DTYPE)
-        if self.weight_scale.dtype != torch.float32 and not self.weight_scale.is_meta:
-            self.weight_scale = self.weight_scale.float()
-        if self.input_scale is not None and self.input_scale.dtype != torch.float32 and not self.input_scale.is_meta:
-            self.input_scale = self.input_scale.float()
         return self
 
     def dequantized_weight(self, dtype=torch.float32) -> torch.Tensor:
@@ -152,15 +136,6 @@ PREFILL_NOTE = "FP8 prefill: the lean loop (LayerNorm + e4m3 quantize fused, the
 def fp8_note(device: torch.device, dtype: torch.dtype = torch.float16) -> str:
     """The patch report's and the eval's line for an FP8 model: its GEMM and the prefill path."""
     return f"{fp8_gemm_note(device, dtype)}; {PREFILL_NOTE}"
-
-
-def static_inputs(config, family) -> tuple[str, ...]:
-    """The linears that get a calibrated static input scale: with ``fc2_input="static"``, the MLP's output
-    projection (the family's ``mlp_out`` modules), whose input is the activation's output; with
-    ``out_proj_input="static"`` the attention's output projection (``attn_out``), whose input is the attention's."""
-    kinds = {kind for kind, field in (("mlp_out", "fc2_input"), ("attn_out", "out_proj_input"))
-             if getattr(config, field, "dynamic") == "static"}
-    return tuple(name for name, kind in family.module_kinds().items() if kind in kinds)
 
 
 FP8 = Flavor(build, Float8QKVSlice, fp8_note, static_inputs)

@@ -27,7 +27,6 @@ their int8 input comes from ``add_layer_norm_quant``.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +37,7 @@ from torch import nn
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.quant_config import check_alpha  # noqa: F401 (SmoothQuant's own check, kept with the config)
 from fuseinfer.ops.w8a8_linear import OUT_DTYPES, w8a8_linear
-from fuseinfer.ops.quant import quantize_int8_ref, quantize_per_token
+from fuseinfer.ops.quant import quantize_int8_ref, quantize_int8_static, quantize_per_token
 from fuseinfer.ops.w8a16_linear import w8a16_linear
 from fuseinfer.layers.linear import ChannelScaledLinear, decode_rows
 
@@ -286,8 +285,9 @@ def w8a8_forward(x_int8, x_scale, w_int8, w_scale, bias=None, residual=None, act
 
 class W8A8Linear(ChannelScaledLinear):
     """An nn.Linear with int8 weights (per output channel, symmetric, round half to even) whose input is quantised
-    per token at run time (dynamic). ``forward(x)`` replaces the linear as is; ``fused(x, residual, activation)`` is
-    the call the patched forwards make (the int8 weight-only branch's ``fused_linear`` protocol), with the residual
+    per token at run time (dynamic), or with its static ``input_scale`` (ChannelScaledLinear). ``forward(x)``
+    replaces the linear as is; ``fused(x, residual, activation)`` is the call the patched forwards make (the int8
+    weight-only branch's ``fused_linear`` protocol), with the residual
     and ReLU in the GEMM epilogue; ``forward_quantized(x_q, x_scale, ...)`` takes activations already quantised by
     ``add_layer_norm_quant`` (the fused LayerNorm path)."""
 
@@ -299,14 +299,6 @@ class W8A8Linear(ChannelScaledLinear):
         q, scale = quantize_int8_ref(linear.weight.detach(), -1)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(q, scale, bias)
-
-    def _apply(self, fn, recurse=True):
-        """``model.half()`` / ``.to(dtype)`` convert every floating-point tensor: the weight scales stay fp32 (the
-        kernel's format; a round trip through fp16 may round them)."""
-        super()._apply(fn, recurse)
-        if self.weight_scale.dtype != torch.float32 and not self.weight_scale.is_meta:
-            self.weight_scale = self.weight_scale.float()
-        return self
 
     def dequantized_weight(self, dtype=torch.float32) -> torch.Tensor:
         return (self.weight_q.float() * self.weight_scale).to(dtype)
@@ -324,12 +316,20 @@ class W8A8Linear(ChannelScaledLinear):
         if decode_rows(x):  # decode on CUDA: the W8A16 GEMV on the same int8 weights (quant/linear.py DECODE_ROWS)
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return w8a16_linear(x, self.weight_q, self.weight_scale.view(-1), bias, residual, activation)
-        # per token, dynamic: (..., K) int8, (..., 1) fp32 (the fuseinfer::quantize_int8 op)
-        q, s = quantize_per_token(x)
+        q, s = self.quantize_input(x)  # (..., K) int8, (..., 1) fp32
         return self.forward_quantized(q, s, residual, activation, x.dtype)
 
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (..., K) fp16/bf16 -> (x_q (..., K) int8, x_scale (..., 1) fp32): with the static ``input_scale`` when
+        there is one, else per token (the fuseinfer::quantize_int8 op)."""
+        if self.input_scale is not None:
+            q = quantize_int8_static(x, self.input_scale)
+            return q, self.static_scales(q)
+        return quantize_per_token(x)
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights and activations"
+        how = "static input scale" if self.input_scale is not None else "per-token input scales"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights and activations ({how})"
 
 
 def quantize_linears_w8a8(model) -> list[str]:

@@ -309,4 +309,13 @@ def _empty_layout(model: nn.Module, config, targets, report, qkv_names: tuple[st
 
 
 SAVED = {"smoothquant_w8a8": "W8A8", "float8": "FP8"}  # (the patch report's name of a loaded scheme)
-INT8 = Flavor(_quantize, W8A8QKVSlice, w8a8_gemm_note)
+def static_inputs(config, family) -> tuple[str, ...]:
+    """The linears that get a calibrated static input scale: with ``fc2_input="static"`` (Float8), the MLP's output
+    projection (the family's ``mlp_out`` modules), whose input is the activation's output; with
+    ``out_proj_input="static"`` the attention's output projection (``attn_out``), whose input is the attention's."""
+    kinds = {kind for kind, field in (("mlp_out", "fc2_input"), ("attn_out", "out_proj_input"))
+             if getattr(config, field, "dynamic") == "static"}
+    return tuple(name for name, kind in family.module_kinds().items() if kind in kinds)
+
+
+INT8 = Flavor(_quantize, W8A8QKVSlice, w8a8_gemm_note, static_inputs)

@@ -20,36 +20,12 @@ from fuseinfer.quant.checkpoint import WEIGHTS
 from fuseinfer.quant.fp8 import Float8Linear, Float8QKVSlice
 from conftest import WIKITEXT, random_llama, random_opt
 from helpers import assert_same_state, state
+from helpers import needs_wikitext as _needs_wikitext
+from helpers import tiny_opt_and_tokenizer as _tiny
+from helpers import wikitext_ppl as _ppl
+from helpers import wikitext_windows as _windows
 
-SEQ_LEN, WINDOWS = 2048, 2  # GPTQ protocol windows of the tiny model's full context, a few to stay fast
 CAL = dict(samples=8, seq_len=512)
-
-
-def _needs_wikitext():
-    if not (WIKITEXT / "wiki.test.raw").is_file() or not (WIKITEXT / sq.CALIBRATION_FILE).is_file():
-        pytest.skip(f"WikiText-2 raw files not found in {WIKITEXT}; set FUSEINFER_SHARED")
-
-
-def _ppl(model, windows, device):
-    from fuseinfer.harness.perplexity import perplexity
-
-    with torch.no_grad():
-        return perplexity(lambda i, l: model(input_ids=i, labels=l).loss, windows, device).ppl
-
-
-def _windows(tok):
-    from fuseinfer.harness.data import load_eval_text, tokenize
-    from fuseinfer.harness.perplexity import gptq_windows
-
-    return gptq_windows(tokenize(tok, load_eval_text(str(WIKITEXT)).text), SEQ_LEN, WINDOWS)
-
-
-def _tiny(path, dtype=torch.float32, device="cpu"):
-    from transformers import AutoTokenizer, OPTForCausalLM
-
-    _needs_wikitext()
-    tok = AutoTokenizer.from_pretrained(path)
-    return OPTForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval(), tok
 
 
 def _fp8_linears(model) -> int:

@@ -162,7 +162,7 @@ def test_static_out_proj_input_equals_the_emulated_layer():
     and out_proj on the e4m3 attention output equals its own call on the fp32 attention output (which quantizes with
     the static scale)."""
     from fuseinfer.ops.attention import attention_ref
-    from fuseinfer.ops.attention_fp8out import attention_fp8out_ref
+    from fuseinfer.ops.attention_8bit_out import attention_fp8out_ref
 
     base = random_opt().eval()
     stats = _stats(base)

@@ -36,10 +36,10 @@ def _stats(model):
     return sq.calibrate(model, ids=ids, samples=2, seq_len=128)
 
 
-def _w8a8(variant="pre_ln", **kw):
+def _w8a8(variant="pre_ln", out_proj_input="dynamic", **kw):
     base = random_opt(**VARIANTS[variant], **kw).eval()
     model = copy.deepcopy(base)
-    fuseinfer.patch(model, PatchConfig(quant=SmoothQuantW8A8(calibration=_stats(base))))
+    fuseinfer.patch(model, PatchConfig(quant=SmoothQuantW8A8(calibration=_stats(base), out_proj_input=out_proj_input)))
     return base, model
 
 
@@ -113,6 +113,53 @@ def test_lean_loop_takes_w8a8_models_and_equals_the_patched_modules(variant):
     assert_lean_equals_modules(model, _ids(model.config.vocab_size), "fuseinfer::w8a8_linear")
 
 
+@pytest.mark.parametrize("variant", W8A8_VARIANTS)
+def test_static_out_proj_input_lean_loop_equals_the_modules(variant):
+    """SmoothQuantW8A8(out_proj_input="static"): out_proj holds a calibrated (1,) fp32 input_scale (amax / 127 of
+    its smoothed input); the lean loop and the modules both run the attention as attention_int8out (its output in
+    int8 with that scale) and out_proj on it: the same logits and caches."""
+    _, model = _w8a8(variant, out_proj_input="static")
+    layer = model.model.decoder.layers[0]
+    scale = layer.self_attn.out_proj.input_scale
+    assert scale.shape == (1,) and scale.dtype == torch.float32 and scale > 0 and layer.fc2.input_scale is None
+    assert_lean_equals_modules(model, _ids(model.config.vocab_size), "fuseinfer::attention_int8out", per_layer=1)
+
+
+def test_static_out_proj_input_leaves_one_quantize_pass_per_layer():
+    """Pre-LN with out_proj_input="static": per layer one quantize_int8 (fc2's input) instead of two, the attention
+    as attention_int8out, every GEMM the W8A8 one."""
+    _, model = _w8a8(out_proj_input="static")
+    layers = model.config.num_hidden_layers
+    counts = fuseinfer_op_counts(lambda: fuseinfer.prefill(model, _ids(model.config.vocab_size)))
+    assert counts["fuseinfer::quantize_int8"] == layers
+    assert counts["fuseinfer::attention_int8out"] == layers and counts["fuseinfer::attention"] == 0
+    assert counts["fuseinfer::w8a8_linear"] == 4 * layers
+    assert counts["fuseinfer::add_layer_norm_quant"] == 2 * layers
+
+
+def test_static_out_proj_input_equals_the_emulated_layer():
+    """out_proj's scale is amax / 127 of its calibrated input divided by the smoothing factors, and out_proj on the
+    int8 attention output equals its own call on the fp32 attention output (which quantizes with the scale)."""
+    from fuseinfer.ops.attention import attention_ref
+    from fuseinfer.ops.attention_8bit_out import attention_int8out_ref
+
+    base = random_opt().eval()
+    stats = _stats(base)
+    model = copy.deepcopy(base)
+    report = fuseinfer.patch(model, PatchConfig(quant=SmoothQuantW8A8(calibration=stats, out_proj_input="static")))
+    out_proj = model.model.decoder.layers[0].self_attn.out_proj
+    name = "model.decoder.layers.0.self_attn.out_proj"
+    amax = (stats.act_max[name] / report.quant.smoothing.factors[name]).max()
+    torch.testing.assert_close(out_proj.input_scale, (amax / 127).reshape(1), rtol=1e-6, atol=0)
+    g = torch.Generator().manual_seed(0)
+    heads, d = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
+    q, k, v = (torch.randn(2, heads, 9, d, generator=g) for _ in range(3))
+    y = attention_int8out_ref(q, k, v, None, None, 0.3, out_proj.input_scale).flatten(2)  # (2, 9, E) int8
+    a = attention_ref(q, k, v, None, None, 0.3).flatten(2)  # (2, 9, E) fp32
+    ref = out_proj.forward_quantized(y, out_proj.static_scales(y), None, "none", torch.float32)
+    assert torch.equal(out_proj.fused(a), ref)
+
+
 def test_fuseinfer_prefill_of_a_w8a8_model_equals_its_forward():
     _, model = _w8a8()
     ids = _ids(model.config.vocab_size)
@@ -143,24 +190,26 @@ def test_swapped_linear_or_int8_lm_head_keeps_the_modules():
 
 # ---- GPU: the kernels (add_layer_norm_quant, quantize_int8_rows, the sm90 W8A8 GEMM) in the lean loop / graph ----
 
-def _gpu_w8a8(dtype):
+def _gpu_w8a8(dtype, out_proj_input="dynamic"):
     base = random_opt(hidden_size=256, num_attention_heads=4, ffn_dim=1024, num_hidden_layers=3,
                       max_position_embeddings=512)
     stats = _stats(base)
     model = base.to("cuda", dtype)
-    fuseinfer.patch(model, PatchConfig(quant=SmoothQuantW8A8(calibration=stats)))
+    fuseinfer.patch(model, PatchConfig(quant=SmoothQuantW8A8(calibration=stats, out_proj_input=out_proj_input)))
     return model
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_lean_loop_and_graph_equal_the_w8a8_modules(dtype):
+@pytest.mark.parametrize("out_proj_input", ["dynamic", "static"])
+def test_gpu_lean_loop_and_graph_equal_the_w8a8_modules(dtype, out_proj_input):
     """On CUDA the lean loop calls the extension directly (the sm90 GEMM where it is built): it must give what the
     patched modules give (the same kernels in the same order: logits equal up to the LM head's row count), and
-    generate must choose the same tokens through the prefill graph, the lean loop and the modules."""
+    generate must choose the same tokens through the prefill graph, the lean loop and the modules (static: the
+    attention kernel writing out_proj's int8 input)."""
     from fuseinfer.ops.w8a8_linear import w8a8_backend
 
-    model = _gpu_w8a8(dtype)
+    model = _gpu_w8a8(dtype, out_proj_input)
     assert pf.lean_reason(model) is None
     print("w8a8 backend:", w8a8_backend(torch.device("cuda"), dtype))
     ids = _ids(model.config.vocab_size, rows=2, length=150).cuda()

@@ -77,6 +77,7 @@ def test_unpatch_restores_with_kept_originals(tiny):
     (dict(samples=0), "samples must be an integer"),
     (dict(calibration=3), "calibration= must be"),
     (dict(include_lm_head=True), "include_lm_head=False"),
+    (dict(out_proj_input="per_token"), "out_proj_input must be one of"),
 ])
 def test_bad_config(bad, match):
     with pytest.raises(FuseInferError, match=match):
@@ -140,6 +141,8 @@ def test_eval_backend_is_registered():
 
     cls = BACKENDS["fuseinfer-w8a8"]
     assert "SmoothQuantW8A8" in cls.summary
+    static = BACKENDS["fuseinfer-w8a8-static"]
+    assert issubclass(static, cls) and "out_proj_input='static'" in static.summary
 
 
 def test_eval_backend_calibration_flags_and_random_weights(monkeypatch, tmp_path):
@@ -177,3 +180,29 @@ def test_eval_backend_calibration_flags_and_random_weights(monkeypatch, tmp_path
     assert details["calibration_source"].startswith("random token ids")
     assert details["quantized_weights"] == 2 * 4  # q/k/v fused, out_proj, fc1, fc2 per layer
     assert details["prefill_path"].startswith("lean loop")  # W8A8 prefill runs the lean loop / prefill graphs
+
+
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.float32),
+                                           pytest.param("cuda", torch.float16, marks=pytest.mark.gpu)])
+def test_static_out_proj_input_perplexity_within_half_a_percent(tiny_model_path, device, dtype):
+    """SmoothQuantW8A8(out_proj_input="static"), out_proj's input scale calibrated on the WikiText-2 validation split
+    (8 windows of 512 tokens): test perplexity within 0.5% of the unquantized model (CPU fp32: the exact int8
+    emulation; CUDA fp16: the attention kernel writes out_proj's int8 input), as dynamic W8A8 (printed beside it)."""
+    from helpers import tiny_opt_and_tokenizer, wikitext_ppl, wikitext_windows
+
+    base, tok = tiny_opt_and_tokenizer(tiny_model_path, dtype, device)
+    windows = wikitext_windows(tok)
+    ppl_fp = wikitext_ppl(base, windows, torch.device(device))
+    ppls = {}
+    for mode in ("dynamic", "static"):
+        model = copy.deepcopy(base)
+        fuseinfer.patch(model, PatchConfig(quant=SmoothQuantW8A8(out_proj_input=mode, calibration=WIKITEXT,
+                                                                 tokenizer=tok, samples=8, seq_len=512)))
+        layers = model.model.decoder.layers
+        assert all((layer.self_attn.out_proj.input_scale is not None) == (mode == "static") for layer in layers)
+        ppls[mode] = wikitext_ppl(model, windows, torch.device(device))
+    print(f"opt-wt2-tiny {dtype} ppl {ppl_fp:.3f}, W8A8 {ppls['dynamic']:.3f} "
+          f"({100 * (ppls['dynamic'] / ppl_fp - 1):+.3f}%), static out_proj input {ppls['static']:.3f} "
+          f"({100 * (ppls['static'] / ppl_fp - 1):+.3f}%)")
+    assert ppls["static"] != ppls["dynamic"]
+    assert abs(ppls["static"] / ppl_fp - 1) < 0.005

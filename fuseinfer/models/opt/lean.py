@@ -11,9 +11,9 @@ linears at decode-sized inputs on CUDA, which run the int8 / e4m3 weight GEMV as
 attention's and fc1's outputs are quantized per token for out_proj and fc2; post-LN, the LayerNorm output is the
 residual stream, quantized apart) and :class:`Fp8LeanOps` (``Float8``: the same with e4m3 activations,
 ``add_layer_norm_quant_fp8`` and ``quantize_fp8_per_token``, and the FP8 GEMM; with ``fc2_input="static"`` fc1's
-GEMM writes fc2's e4m3 input itself, ``fp8_linear_fp8out``, and with ``out_proj_input="static"`` the attention kernel
-out_proj's, ``attention_fp8out``). They run the same ops in the same order as the patched
-modules.
+GEMM writes fc2's e4m3 input itself, ``fp8_linear_fp8out``; with ``out_proj_input="static"``, W8A8 or FP8, the
+attention kernel writes out_proj's 8-bit input, ``attention_int8out`` / ``attention_fp8out``). They run the same ops
+in the same order as the patched modules.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from fuseinfer.layers.linear import decode_rows, writes_static_input
 from fuseinfer.models.common import checked_plan, lean_call_reason, lean_plan
 from fuseinfer.models.opt.layer import decoder_layer
 from fuseinfer.ops import add_layer_norm, attention, w8a16_linear, linear_epilogue
-from fuseinfer.ops.attention_fp8out import attention_fp8out
+from fuseinfer.ops.attention_8bit_out import attention_fp8out, attention_int8out
 from fuseinfer.ops.fp8_gemv import fp8_weight_linear
 from fuseinfer.ops.fp8_linear import FP8_DTYPE, fp8_linear, quantize_fp8_per_token
 from fuseinfer.ops.fp8_linear_fp8out import fp8_linear_fp8out
@@ -339,6 +339,7 @@ class W8A8LeanOps(LeanOps):
             self.ln_quant = lambda x, r, w, b, eps: add_layer_norm_quant(x, r, w, b, eps)[:2]
             self.quant = quantize_per_token
         self.w8a8 = self._kernel if kernel else self._wrapper
+        self.attend_8bit = attention_int8out
         self._ext = ext
 
     def norm(self, x, ln, residual=None):
@@ -348,9 +349,24 @@ class W8A8LeanOps(LeanOps):
         return self.ln_quant(x, None, p.get("weight"), p.get("bias"), ln.eps), x  # (x_q, x_scale)
 
     def lin(self, x, lin, residual, activation: str) -> torch.Tensor:
-        """x: (x_q, x_scale) from ``norm``, or (M, K) activations quantized here."""
-        xq, xs = x if type(x) is tuple else self.quant(x)
+        """x: (x_q, x_scale) from ``norm`` (or from the attention or fc1 writing 8 bits), or (M, K) activations
+        quantized here: with the linear's static input scale where it holds one, as the module's own call quantizes
+        them, else per token."""
+        if type(x) is not tuple:
+            x = lin.quantize_input(x) if lin._buffers.get("input_scale") is not None else self.quant(x)
+        xq, xs = x
         return self.w8a8(xq, xs, lin, residual, activation)
+
+    def attend_out(self, attn, q, k, v, key_mask, q_start):
+        """LeanOps.attend_out, except for an out_proj with a static input scale (``out_proj_input="static"``): the
+        attention kernel writes out_proj's 8-bit input with that scale, handed on as (x_q (B*S, E), x_scale)."""
+        out_proj = attn._modules["out_proj"]
+        scale = out_proj._buffers.get("input_scale")
+        if scale is None:
+            return super().attend_out(attn, q, k, v, key_mask, q_start)
+        b, _, s, _ = q.shape
+        y = self.attend_8bit(q, k, v, key_mask, q_start, attn.scaling, scale).view(b * s, -1)  # (B*S, E) 8-bit
+        return y, out_proj.static_scales(y)
 
     def qkv(self, attn, x):
         return self.lin(x, attn._modules["qkv_proj"], None, "none")
@@ -384,6 +400,7 @@ class Fp8LeanOps(W8A8LeanOps):
         self.ln_quant = lambda x, r, w, b, eps: add_layer_norm_quant_fp8(x, r, w, b, eps)[:2]  # (M, E) e4m3, (M, 1)
         self.quant = quantize_fp8_per_token  # (M, K) -> (q (M, K) e4m3, scale (M, 1))
         self.w8a8 = self._fp8
+        self.attend_8bit = attention_fp8out
         self.fc2_after = fc2_after or {}  # id(fc1) -> fc2 (the plan's)
 
     def linear(self, x, lin, residual=None, activation=None):
@@ -400,25 +417,6 @@ class Fp8LeanOps(W8A8LeanOps):
         y = fp8_linear_fp8out(xq, xs, b["weight_q"], b["weight_scale"], None if bias is None else bias.to(self.dtype),
                               nxt._buffers["input_scale"], "none" if activation is None else "relu")  # (M, F) e4m3
         return y, nxt.static_scales(y)
-
-    def lin(self, x, lin, residual, activation: str) -> torch.Tensor:
-        """W8A8LeanOps.lin, except that an fp16 / bf16 input of a linear with a static input scale (fc2 after a
-        non-ReLU activation, which fc1's epilogue cannot apply) is quantized with that scale, as the module's own
-        call quantizes it."""
-        if type(x) is not tuple and lin._buffers.get("input_scale") is not None:
-            x = lin.quantize_input(x)
-        return super().lin(x, lin, residual, activation)
-
-    def attend_out(self, attn, q, k, v, key_mask, q_start):
-        """LeanOps.attend_out, except for an out_proj with a static input scale (``out_proj_input="static"``): the
-        attention kernel writes out_proj's e4m3 input with that scale, handed on as (x_q (B*S, E), x_scale)."""
-        out_proj = attn._modules["out_proj"]
-        scale = out_proj._buffers.get("input_scale")
-        if scale is None:
-            return super().attend_out(attn, q, k, v, key_mask, q_start)
-        b, _, s, _ = q.shape
-        y = attention_fp8out(q, k, v, key_mask, q_start, attn.scaling, scale).view(b * s, -1)  # (B*S, E) e4m3
-        return y, out_proj.static_scales(y)
 
     def _fp8(self, xq, xs, lin, residual, activation: str) -> torch.Tensor:
         """xq (M, K) e4m3, xs (M, 1) fp32 -> (M, N) in the model's dtype."""

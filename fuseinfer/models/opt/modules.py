@@ -14,8 +14,8 @@ the swapped modules' own hooks and parameters stay as they are):
   whole row, spread over several CTAs);
 * FP8 W8A8 (``Float8``) likewise: those LayerNorms run as ``add_layer_norm_quant_fp8`` (per-token e4m3 activations
   and scales for the FP8 GEMMs); out_proj's and fc2's inputs are quantized by the linears themselves, or, with a
-  calibrated static scale at prefill, written in e4m3 by the attention kernel (``out_proj_input="static"``) and by
-  fc1's GEMM (``fc2_input="static"``);
+  calibrated static scale at prefill, written in e4m3 by the attention kernel (``out_proj_input="static"``, which
+  W8A8 takes too, in int8) and by fc1's GEMM (``fc2_input="static"``);
 * with :data:`FOLD_NORMS` (pre-LN), each LayerNorm runs in the prologue of the GEMV after it at decode rows
   (self_attn_layer_norm in the q/k/v GEMV that writes the cache, final_layer_norm in fc1's:
   ``layer_norm_linear_append`` / ``layer_norm_linear``), for fp16 / bf16 and int8 weight-only weights;
@@ -203,7 +203,7 @@ class FusedOPTAttention(OPTAttention):
             attn_fn, scaling, q = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward), 1.0, \
                 q * self.scaling
         if impl == hf_attention.NAME and "linear" in ops and not output_attentions:
-            out = self._fp8_out_proj(hidden_states, q, k, v, attention_mask, residual)
+            out = self._static_out_proj(hidden_states, q, k, v, attention_mask, residual)
             if out is not None:
                 return out, None
         attn, weights = attn_fn(self, q, k, v, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
@@ -214,19 +214,20 @@ class FusedOPTAttention(OPTAttention):
         return (out if residual is None else residual + out), weights
 
 
-    def _fp8_out_proj(self, hidden_states, q, k, v, attention_mask, residual):
-        """out_proj(attention) + residual with out_proj's e4m3 input written by the attention kernel (FP8 with
-        ``out_proj_input="static"``: out_proj holds a calibrated ``input_scale``) at prefill; None where that does
-        not apply (decode-sized rows run the e4m3 weight GEMV on fp16 activations) or the call would not run
+    def _static_out_proj(self, hidden_states, q, k, v, attention_mask, residual):
+        """out_proj(attention) + residual with out_proj's 8-bit input written by the attention kernel (W8A8 / FP8
+        with ``out_proj_input="static"``: out_proj holds a calibrated ``input_scale``) at prefill; None where that
+        does not apply (decode-sized rows run the 8-bit weight GEMV on fp16 activations) or the call would not run
         fuseinfer's attention op."""
         out_proj = self._modules["out_proj"]
         scale = getattr(out_proj, "input_scale", None)
         if scale is None or not hasattr(out_proj, "forward_quantized") or decode_rows(hidden_states):
             return None
-        y = hf_attention.fuseinfer_attention_fp8out(self, q, k, v, attention_mask, self.scaling, scale)
+        y = hf_attention.fuseinfer_attention_8bit(self, q, k, v, attention_mask, self.scaling, scale,
+                                                  out_proj.quantized_input)
         if y is None:
             return None
-        y = y.reshape(*hidden_states.shape[:-1], -1)  # (B, S, E) e4m3
+        y = y.reshape(*hidden_states.shape[:-1], -1)  # (B, S, E) int8 / e4m3
         return out_proj.forward_quantized(y, out_proj.static_scales(y), residual, "none", hidden_states.dtype)
 
 

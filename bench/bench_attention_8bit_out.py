@@ -1,20 +1,22 @@
-"""The attention prefill with its output quantized for an FP8 output projection: in the kernel's epilogue against
+"""The attention prefill with its output quantized for an 8-bit output projection: in the kernel's epilogue against
 the separate quantize passes.
 
-    python bench/bench_attention_fp8out.py --out DIR [--cases 1x32x2040x64,...] [--rounds 5] [--graph-calls 10]
+    python bench/bench_attention_8bit_out.py --out DIR [--cases 1x32x2040x64,...] [--rounds 5] [--graph-calls 10]
 
-Per case BxHxSxD (causal self-attention, q = k = v length S, fp16), four implementations timed in turn round after
+Per case BxHxSxD (causal self-attention, q = k = v length S, fp16), six implementations timed in turn round after
 round, each as a CUDA graph of ``--graph-calls`` back-to-back calls (as the prefill graph runs them, PDL overlap
 included), time per call:
-  * ``fp16``: ``attention`` alone (fp16 output; no quantization: the floor of the other three);
+  * ``fp16``: ``attention`` alone (fp16 output; no quantization: the floor of the others);
   * ``dynamic``: ``attention`` then ``quantize_fp8_per_token`` (what ``Float8()`` runs before out_proj);
   * ``static_pass``: ``attention`` then ``quantize_fp8_static`` (a static scale, quantized in a pass of its own);
-  * ``fused``: ``attention_fp8out`` (``Float8(out_proj_input="static")``: e4m3 written by the attention kernel).
-Every implementation's e4m3 output is checked against the reference first (the same e4m3 value for > 95% of the
+  * ``fused``: ``attention_fp8out`` (``Float8(out_proj_input="static")``: e4m3 written by the attention kernel);
+  * ``int8_dynamic``: ``attention`` then ``quantize_per_token`` (what ``SmoothQuantW8A8()`` runs before out_proj);
+  * ``int8_fused``: ``attention_int8out`` (``SmoothQuantW8A8(out_proj_input="static")``).
+Every fused implementation's output is checked against its reference first (the same 8-bit value for > 95% of the
 elements; a wrong result stops the run). Reports microseconds per call (median over rounds, with the spread),
 attention TFLOP/s with the causal count 4 * B * H * S^2 * D / 2, and the cost of each quantization over ``fp16``.
 Default cases: OPT-1.3b (32 heads of 64) and OPT-6.7b (32 heads of 128) at a 2040-token prompt, OPT-1.3b at 512.
-Writes DIR/attention_fp8out.json and .md.
+Writes DIR/attention_8bit_out.json and .md.
 """
 from __future__ import annotations
 
@@ -30,17 +32,19 @@ import common  # noqa: E402
 from common import bench_ms, capture_calls, measure_ceilings, write_results  # noqa: E402
 
 from fuseinfer.ops.attention import attention  # noqa: E402
-from fuseinfer.ops.attention_fp8out import attention_fp8out, attention_fp8out_ref  # noqa: E402
+from fuseinfer.ops.attention_8bit_out import (attention_fp8out, attention_fp8out_ref, attention_int8out,  # noqa: E402
+                                             attention_int8out_ref)
 from fuseinfer.ops.fp8_linear import quantize_fp8_per_token  # noqa: E402
 from fuseinfer.ops.fp8_linear_fp8out import quantize_fp8_static  # noqa: E402
+from fuseinfer.ops.quant import quantize_per_token  # noqa: E402
 
 CASES = "1x32x2040x64,1x32x2040x128,1x32x512x64"
-IMPLS = ("fp16", "dynamic", "static_pass", "fused")
+IMPLS = ("fp16", "dynamic", "static_pass", "fused", "int8_dynamic", "int8_fused")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="folder for attention_fp8out.json and .md")
+    ap.add_argument("--out", required=True, help="folder for attention_8bit_out.json and .md")
     ap.add_argument("--cases", default=CASES, help="comma list of BATCHxHEADSxSEQxHEAD_DIM")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--graph-calls", type=int, default=10, help="calls per CUDA graph replay, timed per call")
@@ -54,17 +58,22 @@ def main():
         scale = d ** -0.5
         out16 = attention(q, k, v, None, None, scale)  # (B, S, H, D)
         out_scale = (out16.float().abs().amax() / 448).reshape(1)
+        int8_scale = (out16.float().abs().amax() / 127).reshape(1)
         runs = {
             "fp16": lambda: attention(q, k, v, None, None, scale),
             "dynamic": lambda: quantize_fp8_per_token(attention(q, k, v, None, None, scale).view(b * s, h * d)),
             "static_pass": lambda: quantize_fp8_static(attention(q, k, v, None, None, scale), out_scale),
             "fused": lambda: attention_fp8out(q, k, v, None, None, scale, out_scale),
+            "int8_dynamic": lambda: quantize_per_token(attention(q, k, v, None, None, scale).view(b * s, h * d)),
+            "int8_fused": lambda: attention_int8out(q, k, v, None, None, scale, int8_scale),
         }
-        ref = attention_fp8out_ref(q, k, v, None, None, scale, out_scale).view(torch.uint8)
-        for name in ("static_pass", "fused"):
+        refs = {"static_pass": attention_fp8out_ref(q, k, v, None, None, scale, out_scale).view(torch.uint8),
+                "int8_fused": attention_int8out_ref(q, k, v, None, None, scale, int8_scale).view(torch.uint8)}
+        refs["fused"] = refs["static_pass"]
+        for name, ref in refs.items():
             same = (runs[name]().view(torch.uint8) == ref).float().mean().item()
             if not same > 0.95:
-                raise SystemExit(f"case {case}: {name}'s e4m3 output matches the reference for {same:.3f} only")
+                raise SystemExit(f"case {case}: {name}'s 8-bit output matches the reference for {same:.3f} only")
         timed = {n: capture_calls([runs[n]] * args.graph_calls).replay for n in IMPLS}
         per = {n: [] for n in IMPLS}
         for _ in range(args.rounds):
@@ -84,8 +93,8 @@ def main():
         q = k = v = timed = None
         torch.cuda.empty_cache()
     columns = (["case"] + [f"{n}_us" for n in IMPLS] + [f"{n}_spread_us" for n in IMPLS]
-               + [f"{n}_over_fp16_us" for n in IMPLS[1:]] + ["fp16_TFLOPs", "fused_TFLOPs"])
-    print(f"wrote {write_results('attention_fp8out', vars(args), ceilings, rows, columns)}")
+               + [f"{n}_over_fp16_us" for n in IMPLS[1:]] + ["fp16_TFLOPs", "fused_TFLOPs", "int8_fused_TFLOPs"])
+    print(f"wrote {write_results('attention_8bit_out', vars(args), ceilings, rows, columns)}")
 
 
 if __name__ == "__main__":
