@@ -569,3 +569,18 @@ def tiny_opt_and_tokenizer(path, dtype=torch.float32, device="cpu"):
     needs_wikitext()
     tok = AutoTokenizer.from_pretrained(path)
     return OPTForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval(), tok
+
+
+def assert_out_proj_takes_8bit_attention(model, out_proj, fmt: str):
+    """out_proj (a linear with a static input scale) on the attention's 8-bit output (``attention_8bit_ref`` in
+    ``fmt``, its scale) equals its own call on the fp32 attention output, which quantizes with that scale."""
+    from fuseinfer.ops.attention import attention_ref
+    from fuseinfer.ops.attention_8bit_out import attention_8bit_ref
+
+    g = torch.Generator().manual_seed(0)
+    heads, d = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
+    q, k, v = (torch.randn(2, heads, 9, d, generator=g) for _ in range(3))  # (B, H, S, D)
+    y = attention_8bit_ref(q, k, v, None, None, 0.3, out_proj.input_scale, fmt).flatten(2)  # (2, 9, E) 8-bit
+    a = attention_ref(q, k, v, None, None, 0.3).flatten(2)  # (2, 9, E) fp32
+    ref = out_proj.forward_quantized(y, out_proj.static_scales(y), None, "none", torch.float32)
+    assert torch.equal(out_proj.fused(a), ref)

@@ -161,8 +161,7 @@ def test_static_out_proj_input_equals_the_emulated_layer():
     """The static path from first principles: out_proj's scale is amax / 448 of its calibrated input (no smoothing),
     and out_proj on the e4m3 attention output equals its own call on the fp32 attention output (which quantizes with
     the static scale)."""
-    from fuseinfer.ops.attention import attention_ref
-    from fuseinfer.ops.attention_8bit_out import attention_fp8out_ref
+    from helpers import assert_out_proj_takes_8bit_attention
 
     base = random_opt().eval()
     stats = _stats(base)
@@ -171,13 +170,7 @@ def test_static_out_proj_input_equals_the_emulated_layer():
     out_proj = model.model.decoder.layers[0].self_attn.out_proj
     amax = stats.act_max["model.decoder.layers.0.self_attn.out_proj"].max()
     torch.testing.assert_close(out_proj.input_scale, (amax / 448).reshape(1), rtol=0, atol=0)
-    g = torch.Generator().manual_seed(0)
-    heads, d = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
-    q, k, v = (torch.randn(2, heads, 9, d, generator=g) for _ in range(3))
-    y = attention_fp8out_ref(q, k, v, None, None, 0.3, out_proj.input_scale).flatten(2)  # (2, 9, E) e4m3
-    a = attention_ref(q, k, v, None, None, 0.3).flatten(2)  # (2, 9, E) fp32
-    ref = out_proj.forward_quantized(y, out_proj.static_scales(y), None, "none", torch.float32)
-    assert torch.equal(out_proj.fused(a), ref)
+    assert_out_proj_takes_8bit_attention(model, out_proj, "e4m3")
 
 
 def test_static_fc2_input_equals_the_emulated_layer():

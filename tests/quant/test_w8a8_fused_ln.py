@@ -140,8 +140,7 @@ def test_static_out_proj_input_leaves_one_quantize_pass_per_layer():
 def test_static_out_proj_input_equals_the_emulated_layer():
     """out_proj's scale is amax / 127 of its calibrated input divided by the smoothing factors, and out_proj on the
     int8 attention output equals its own call on the fp32 attention output (which quantizes with the scale)."""
-    from fuseinfer.ops.attention import attention_ref
-    from fuseinfer.ops.attention_8bit_out import attention_int8out_ref
+    from helpers import assert_out_proj_takes_8bit_attention
 
     base = random_opt().eval()
     stats = _stats(base)
@@ -151,13 +150,7 @@ def test_static_out_proj_input_equals_the_emulated_layer():
     name = "model.decoder.layers.0.self_attn.out_proj"
     amax = (stats.act_max[name] / report.quant.smoothing.factors[name]).max()
     torch.testing.assert_close(out_proj.input_scale, (amax / 127).reshape(1), rtol=1e-6, atol=0)
-    g = torch.Generator().manual_seed(0)
-    heads, d = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
-    q, k, v = (torch.randn(2, heads, 9, d, generator=g) for _ in range(3))
-    y = attention_int8out_ref(q, k, v, None, None, 0.3, out_proj.input_scale).flatten(2)  # (2, 9, E) int8
-    a = attention_ref(q, k, v, None, None, 0.3).flatten(2)  # (2, 9, E) fp32
-    ref = out_proj.forward_quantized(y, out_proj.static_scales(y), None, "none", torch.float32)
-    assert torch.equal(out_proj.fused(a), ref)
+    assert_out_proj_takes_8bit_attention(model, out_proj, "int8")
 
 
 def test_fuseinfer_prefill_of_a_w8a8_model_equals_its_forward():
