@@ -12,6 +12,7 @@ and ``torch_same_dtype`` is plain PyTorch in the inputs' dtype.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -584,3 +585,31 @@ def assert_out_proj_takes_8bit_attention(model, out_proj, fmt: str):
     a = attention_ref(q, k, v, None, None, 0.3).flatten(2)  # (2, 9, E) fp32
     ref = out_proj.forward_quantized(y, out_proj.static_scales(y), None, "none", torch.float32)
     assert torch.equal(out_proj.fused(a), ref)
+
+
+# ---- the benchmark scripts (tests/bench) ----
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+
+
+def assert_bench_requires_out(script: str) -> None:
+    """``python bench/<script>.py`` without arguments stops with a usage error naming ``--out``."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(BENCH_DIR / f"{script}.py")], capture_output=True, text=True)
+    assert out.returncode == 2 and "--out" in out.stderr
+
+
+# ---- op wrappers' argument checks (tests/ops) ----
+
+def assert_rejects_each(op, args, replacements, match: str | None = None) -> None:
+    """``op(*args)`` with args[i] replaced by each (i, value) of ``replacements`` raises one FuseInferError (whose
+    message matches ``match`` when given)."""
+    from fuseinfer import FuseInferError
+
+    for i, value in replacements:
+        wrong = list(args)
+        wrong[i] = value
+        with pytest.raises(FuseInferError, match=match):
+            op(*wrong)

@@ -2,23 +2,9 @@
 implementation it checks, and its command line."""
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
+from helpers import assert_bench_requires_out
 
-import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import bench_attention_8bit_out
-        yield bench_attention_8bit_out
-    finally:
-        sys.path.remove(str(BENCH))
+SCRIPT = "bench_attention_8bit_out"  # (the ``bench`` fixture: tests/bench/conftest.py)
 
 
 def test_default_cases_are_prefills_of_both_head_dims(bench):
@@ -35,5 +21,4 @@ def test_both_formats_fused_and_unfused_are_timed(bench):
 
 
 def test_the_output_folder_is_required():
-    out = subprocess.run([sys.executable, str(BENCH / "bench_attention_8bit_out.py")], capture_output=True, text=True)
-    assert out.returncode == 2 and "--out" in out.stderr
+    assert_bench_requires_out(SCRIPT)

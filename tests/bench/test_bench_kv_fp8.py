@@ -2,23 +2,9 @@
 ~12.9 GB in fp16, half in e4m3) and its command line."""
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
+from helpers import assert_bench_requires_out
 
-import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import bench_kv_fp8
-        yield bench_kv_fp8
-    finally:
-        sys.path.remove(str(BENCH))
+SCRIPT = "bench_kv_fp8"  # (the ``bench`` fixture: tests/bench/conftest.py)
 
 
 def test_kv_bytes_per_step_of_opt_1_3b(bench):
@@ -38,5 +24,4 @@ def test_gqa_heads_count_the_key_value_heads(bench):
 
 
 def test_the_output_folder_is_required():
-    out = subprocess.run([sys.executable, str(BENCH / "bench_kv_fp8.py")], capture_output=True, text=True)
-    assert out.returncode == 2 and "--out" in out.stderr
+    assert_bench_requires_out(SCRIPT)

@@ -1,23 +1,9 @@
 """bench/bench_kv_fp8_attention.py on the CPU: its default cases stream well past L2 and its command line."""
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
+from helpers import assert_bench_requires_out
 
-import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import bench_kv_fp8_attention
-        yield bench_kv_fp8_attention
-    finally:
-        sys.path.remove(str(BENCH))
+SCRIPT = "bench_kv_fp8_attention"  # (the ``bench`` fixture: tests/bench/conftest.py)
 
 
 def test_default_cases_read_over_100_mb_of_fp8_keys_and_values(bench):
@@ -31,5 +17,4 @@ def test_default_cases_read_over_100_mb_of_fp8_keys_and_values(bench):
 
 
 def test_the_output_folder_is_required():
-    out = subprocess.run([sys.executable, str(BENCH / "bench_kv_fp8_attention.py")], capture_output=True, text=True)
-    assert out.returncode == 2 and "--out" in out.stderr
+    assert_bench_requires_out(SCRIPT)

@@ -2,23 +2,9 @@
 command line."""
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
+from helpers import assert_bench_requires_out
 
-import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import bench_splitkv
-        yield bench_splitkv
-    finally:
-        sys.path.remove(str(BENCH))
+SCRIPT = "bench_splitkv"  # (the ``bench`` fixture: tests/bench/conftest.py)
 
 
 def test_default_cases_are_decode_layers_of_both_head_dims_and_groupings(bench):
@@ -31,5 +17,4 @@ def test_default_cases_are_decode_layers_of_both_head_dims_and_groupings(bench):
 
 
 def test_the_output_folder_is_required():
-    out = subprocess.run([sys.executable, str(BENCH / "bench_splitkv.py")], capture_output=True, text=True)
-    assert out.returncode == 2 and "--out" in out.stderr
+    assert_bench_requires_out(SCRIPT)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICES, LOWP, assert_lowp_close, cuda_kernel_names, examples, given, lowp_atol, \
-    require_kernel, rope_cache_inputs, st
+from helpers import DEVICES, LOWP, assert_lowp_close, assert_rejects_each, cuda_kernel_names, examples, given, \
+    lowp_atol, require_kernel, rope_cache_inputs, st
 
-from fuseinfer import FuseInferError, ops
+from fuseinfer import ops
 
 
 @pytest.fixture(autouse=True)
@@ -126,24 +126,12 @@ def test_rejects_bad_input():
     args = _case("cpu", torch.float32)
     bad = [(1, torch.ones(63)), (2, torch.ones(64, dtype=torch.float16)), (4, torch.ones(48, 32)),
            (8, "gelu"), (6, torch.ones(7)), (5, torch.ones(48))]  # (5: scales with a float weight)
-    for i, value in bad:
-        wrong = list(args)
-        wrong[i] = value
-        with pytest.raises(FuseInferError):
-            ops.layer_norm_linear(*wrong)
-    iargs = _case("cpu", torch.float32, int8=True)
-    for i, value in [(5, None), (5, torch.ones(7))]:
-        wrong = list(iargs)
-        wrong[i] = value
-        with pytest.raises(FuseInferError):
-            ops.layer_norm_linear(*wrong)
+    assert_rejects_each(ops.layer_norm_linear, args, bad)
+    assert_rejects_each(ops.layer_norm_linear, _case("cpu", torch.float32, int8=True), [(5, None), (5, torch.ones(7))])
     aargs = _append_case("cpu", torch.float32)
-    for i, value in [(0, torch.ones(2, 64)), (1, torch.ones(32)), (2, torch.ones(64, dtype=torch.float16)),
-                     (4, aargs[4].half()), (7, 3)]:
-        wrong = list(aargs)
-        wrong[i] = value
-        with pytest.raises(FuseInferError, match="layer_norm_linear_append|linear_rope_append"):
-            ops.layer_norm_linear_append(*wrong)
+    assert_rejects_each(ops.layer_norm_linear_append, aargs,
+                        [(0, torch.ones(2, 64)), (1, torch.ones(32)), (2, torch.ones(64, dtype=torch.float16)),
+                         (4, aargs[4].half()), (7, 3)], match="layer_norm_linear_append|linear_rope_append")
 
 
 def test_gradients_are_the_two_ops():

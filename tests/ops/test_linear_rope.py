@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICES, LOWP, cuda_kernel_names, examples, given, rope_cache_inputs, st
+from helpers import DEVICES, LOWP, assert_rejects_each, cuda_kernel_names, examples, given, rope_cache_inputs, st
 
-from fuseinfer import FuseInferError, ops
+from fuseinfer import ops
 
 
 @pytest.fixture(autouse=True)
@@ -106,11 +106,7 @@ def test_without_rotation_q_and_the_cache_are_the_linear_heads():
 def test_rejects_bad_input():
     args = _case("cpu", torch.float32)
     bad = [(1, torch.randn(5, 64)), (1, args[1].half()), (2, torch.ones(256)), (3, torch.ones(7)), (6, 3), (5, None)]
-    for i, value in bad:
-        wrong = list(args)
-        wrong[i] = value
-        with pytest.raises(FuseInferError, match="linear_rope_append"):
-            ops.linear_rope_append(*wrong)
+    assert_rejects_each(ops.linear_rope_append, args, bad, match="linear_rope_append")
 
 
 @pytest.mark.parametrize("device", DEVICES)

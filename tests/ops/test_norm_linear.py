@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICES, LOWP, assert_lowp_close, cuda_kernel_names, examples, given, lowp_atol, \
-    require_kernel, rope_cache_inputs, st
+from helpers import DEVICES, LOWP, assert_lowp_close, assert_rejects_each, cuda_kernel_names, examples, given, \
+    lowp_atol, require_kernel, rope_cache_inputs, st
 
-from fuseinfer import FuseInferError, ops
+from fuseinfer import ops
 
 
 @pytest.fixture(autouse=True)
@@ -104,17 +104,11 @@ def test_rejects_bad_input():
     args = _case("cpu", torch.float32)
     bad = [(1, torch.ones(63)), (1, torch.ones(64, dtype=torch.float16)), (3, torch.ones(48, 32)),
            (6, "gelu"), (4, torch.ones(7))]
-    for i, value in bad:
-        wrong = list(args)
-        wrong[i] = value
-        with pytest.raises(FuseInferError):
-            ops.rms_norm_linear(*wrong)
+    assert_rejects_each(ops.rms_norm_linear, args, bad)
     rargs = _rope_case("cpu", torch.float32)
-    for i, value in [(0, torch.ones(2, 64)), (1, torch.ones(32)), (3, rargs[3].half()), (7, 3), (6, None)]:
-        wrong = list(rargs)
-        wrong[i] = value
-        with pytest.raises(FuseInferError, match="rms_norm_linear_rope_append|linear_rope_append"):
-            ops.rms_norm_linear_rope_append(*wrong)
+    assert_rejects_each(ops.rms_norm_linear_rope_append, rargs,
+                        [(0, torch.ones(2, 64)), (1, torch.ones(32)), (3, rargs[3].half()), (7, 3), (6, None)],
+                        match="rms_norm_linear_rope_append|linear_rope_append")
 
 
 def test_gradients_are_the_two_ops():
