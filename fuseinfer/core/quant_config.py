@@ -132,15 +132,16 @@ def _check_calibration(config) -> None:
                              f"{type(config.calibration).__name__}")
 
 
-FC2_INPUTS = ("dynamic", "static")  # Float8's fc2_input, and out_proj_input (Float8, SmoothQuantW8A8)
+STATIC_INPUT_MODES = ("dynamic", "static")  # Float8's fc2_input; out_proj_input (Float8, SmoothQuantW8A8)
 
 
 def _check_static_inputs(config, fields: tuple[str, ...]) -> None:
-    """Each of ``fields`` one of FC2_INPUTS, else one clear error."""
+    """Each of ``fields`` one of STATIC_INPUT_MODES, else one clear error."""
     for name in fields:
-        if getattr(config, name) not in FC2_INPUTS:
-            raise FuseInferError(f"{type(config).__name__} {name} must be one of {FC2_INPUTS} (per-token scales at run "
-                                 f"time, or one calibrated scale per layer), got {getattr(config, name)!r}")
+        if getattr(config, name) not in STATIC_INPUT_MODES:
+            raise FuseInferError(f"{type(config).__name__} {name} must be one of {STATIC_INPUT_MODES} (per-token "
+                                 f"scales at run time, or one calibrated scale per layer), got "
+                                 f"{getattr(config, name)!r}")
 
 
 @dataclass(frozen=True)

@@ -255,13 +255,14 @@ def check_record(record) -> dict:
 
 def _static_input_fields(record: dict, names: tuple[str, ...]) -> dict:
     """The record's static-input choices (absent: a checkpoint from before the option, dynamic), checked."""
-    from fuseinfer.core.quant_config import FC2_INPUTS
+    from fuseinfer.core.quant_config import STATIC_INPUT_MODES
 
     out = {}
     for name in names:
-        mode = _field(record, name, str, f"one of {list(FC2_INPUTS)}", default="dynamic")
-        if mode not in FC2_INPUTS:
-            raise FuseInferError(f"quantization_config.{name} must be one of {list(FC2_INPUTS)}, got {mode!r}")
+        mode = _field(record, name, str, f"one of {list(STATIC_INPUT_MODES)}", default="dynamic")
+        if mode not in STATIC_INPUT_MODES:
+            raise FuseInferError(f"quantization_config.{name} must be one of {list(STATIC_INPUT_MODES)}, got "
+                                 f"{mode!r}")
         out[name] = mode
     return out
 
@@ -278,7 +279,7 @@ def empty_layout(checked: dict):
                              "checkpoints")
     if checked["scheme"] == Float8.scheme:
         return dataclasses.replace(Float8(alpha=checked["alpha"], fc2_input=checked["fc2_input"],
-                                                   out_proj_input=checked["out_proj_input"]), _empty=True)
+                                          out_proj_input=checked["out_proj_input"]), _empty=True)
     return dataclasses.replace(SmoothQuantW8A8(alpha=checked["alpha"], out_proj_input=checked["out_proj_input"]),
                                _empty=True)
 

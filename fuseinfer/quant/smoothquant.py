@@ -287,9 +287,9 @@ class W8A8Linear(ChannelScaledLinear):
     """An nn.Linear with int8 weights (per output channel, symmetric, round half to even) whose input is quantised
     per token at run time (dynamic), or with its static ``input_scale`` (ChannelScaledLinear). ``forward(x)``
     replaces the linear as is; ``fused(x, residual, activation)`` is the call the patched forwards make (the int8
-    weight-only branch's ``fused_linear`` protocol), with the residual
-    and ReLU in the GEMM epilogue; ``forward_quantized(x_q, x_scale, ...)`` takes activations already quantised by
-    ``add_layer_norm_quant`` (the fused LayerNorm path)."""
+    weight-only branch's ``fused_linear`` protocol), with the residual and ReLU in the GEMM epilogue;
+    ``forward_quantized(x_q, x_scale, ...)`` takes activations already quantised by ``add_layer_norm_quant`` (the
+    fused LayerNorm path)."""
 
     takes_int8 = True
     quantized_input = "int8"

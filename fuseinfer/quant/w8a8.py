@@ -308,7 +308,6 @@ def _empty_layout(model: nn.Module, config, targets, report, qkv_names: tuple[st
     return state
 
 
-SAVED = {"smoothquant_w8a8": "W8A8", "float8": "FP8"}  # (the patch report's name of a loaded scheme)
 def static_inputs(config, family) -> tuple[str, ...]:
     """The linears that get a calibrated static input scale: with ``fc2_input="static"`` (Float8), the MLP's output
     projection (the family's ``mlp_out`` modules), whose input is the activation's output; with
@@ -318,4 +317,5 @@ def static_inputs(config, family) -> tuple[str, ...]:
     return tuple(name for name, kind in family.module_kinds().items() if kind in kinds)
 
 
+SAVED = {"smoothquant_w8a8": "W8A8", "float8": "FP8"}  # (the patch report's name of a loaded scheme)
 INT8 = Flavor(_quantize, W8A8QKVSlice, w8a8_gemm_note, static_inputs)

@@ -213,7 +213,6 @@ class FusedOPTAttention(OPTAttention):
         out = self.out_proj(attn)
         return (out if residual is None else residual + out), weights
 
-
     def _static_out_proj(self, hidden_states, q, k, v, attention_mask, residual):
         """out_proj(attention) + residual with out_proj's 8-bit input written by the attention kernel (W8A8 / FP8
         with ``out_proj_input="static"``: out_proj holds a calibrated ``input_scale``) at prefill; None where that
