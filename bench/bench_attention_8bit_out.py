@@ -35,7 +35,7 @@ from fuseinfer.ops.attention import attention  # noqa: E402
 from fuseinfer.ops.attention_8bit_out import (attention_fp8out, attention_fp8out_ref, attention_int8out,  # noqa: E402
                                              attention_int8out_ref)
 from fuseinfer.ops.fp8_linear import quantize_fp8_per_token  # noqa: E402
-from fuseinfer.ops.fp8_linear_fp8out import quantize_fp8_static  # noqa: E402
+from fuseinfer.ops.linear_8bit_out import quantize_fp8_static  # noqa: E402
 from fuseinfer.ops.quant import quantize_per_token  # noqa: E402
 
 CASES = "1x32x2040x64,1x32x2040x128,1x32x512x64"

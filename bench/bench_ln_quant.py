@@ -1,19 +1,20 @@
 """Fused residual add + LayerNorm + per-token 8-bit quantize (int8 and e4m3) against the copy bandwidth.
 
-Times fuseinfer.ops.add_layer_norm_quant (int8) and add_layer_norm_quant_fp8 (e4m3), two forms each (ln_quant:
-y = LN(x) -> q, scale; add_ln_quant_sum: s = x + r -> q, scale, s), at N = 2048, 4096, 8192 and 4096 / 8192 rows,
-fp16 and bf16; beside them add_layer_norm (the same rows, y written in x's dtype: the non-quantized kernel sharing
-the row machinery) and the unfused e4m3 path (add_layer_norm, then quantize_fp8_per_token: its row quantize kernel
-on CUDA; "unfused ref": add_layer_norm, then the PyTorch reference quantize_fp8_ref). For e4m3 the row quantize
-kernel alone (quantize_fp8_per_token of y: "quant" columns, bytes = y read + q written + 4 B scale per row; "quant
-exact": bit for bit against quantize_fp8_ref). Bytes moved = 2 B x (x, r read, s written) + 1 B q written + 4 B
-scale per row + weight and bias; "% copy" is that rate over the device-to-device copy bandwidth measured in the same
-run (common.measure_ceilings). L2 is flushed before every timed
-call (do_bench); the implementations take turns over rounds (common.paired_ms). Target: >= 80% of copy for both forms.
+Times fuseinfer.ops.add_layer_norm_quant (int8) and add_layer_norm_quant_fp8 (e4m3), two forms each (ln_quant: y =
+LN(x) -> q, scale; add_ln_quant_sum: s = x + r -> q, scale, s), at N = 2048, 4096, 8192 and 2040 / 4096 / 8192 rows
+(2040: OPT-1.3b's 2040-token prefill), fp16 and bf16; beside them add_layer_norm (the same rows, y written in x's
+dtype: the non-quantized kernel sharing the row machinery) and the unfused e4m3 path (add_layer_norm, then
+quantize_fp8_per_token: its row quantize kernel on CUDA; "unfused ref": add_layer_norm, then the PyTorch reference
+quantize_fp8_ref). For e4m3 the row quantize kernel alone (quantize_fp8_per_token of y: "quant" columns, bytes = y
+read + q written + 4 B scale per row; "quant exact": bit for bit against quantize_fp8_ref). Bytes moved = 2 B x (x,
+r read, s written) + 1 B q written + 4 B scale per row + weight and bias; "% copy" is that rate over the device-to-
+device copy bandwidth measured in the same run (common.measure_ceilings). L2 is flushed before every timed call
+(do_bench); the implementations take turns over rounds (common.paired_ms). Target: >= 80% of copy for both forms.
 Before timing, each row checks the fused kernel bit for bit against the per-token quantize reference applied to
 add_layer_norm's y ("exact": at these row counts both kernels take the same layout, so the same statistics).
 
-Usage: python bench/bench_ln_quant.py [--quick] [--out DIR]  -> DIR/ln_quant.{json,md} (default bench/results)
+Usage: python bench/bench_ln_quant.py [--quick] [--hidden N ...] [--rows R ...] [--out DIR]
+  -> DIR/ln_quant.{json,md} (default bench/results)
 """
 from __future__ import annotations
 
@@ -40,10 +41,11 @@ COLUMNS = ["fmt", "form", "dtype", "N", "rows", "exact", "ours ms", "ours GB/s",
 FUSED = {"int8": (add_layer_norm_quant, quantize_int8_ref), "e4m3": (add_layer_norm_quant_fp8, quantize_fp8_ref)}
 
 
-def bench(quick: bool, ceilings: dict) -> list[dict]:
+def bench(quick: bool, ceilings: dict, hidden: list[int] | None = None,
+          row_counts: list[int] | None = None) -> list[dict]:
     out = []
-    hidden = [4096] if quick else [2048, 4096, 8192]
-    row_counts = [8192] if quick else [4096, 8192]
+    hidden = hidden or ([4096] if quick else [2048, 4096, 8192])
+    row_counts = row_counts or ([8192] if quick else [2040, 4096, 8192])
     dtypes = [torch.float16] if quick else [torch.float16, torch.bfloat16]
     forms = {"ln_quant": (False, False), "add_ln_quant_sum": (True, True)}
     with torch.no_grad():
@@ -104,14 +106,18 @@ def bench(quick: bool, ceilings: dict) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fp16, N = 4096, 8192 rows only")
+    parser.add_argument("--quick", action="store_true", help="fp16 only (and N = 4096, 8192 rows by default)")
+    parser.add_argument("--hidden", type=int, nargs="+", default=None, help="hidden sizes N (default 2048 4096 8192)")
+    parser.add_argument("--rows", type=int, nargs="+", default=None, help="row counts (default 2040 4096 8192)")
     parser.add_argument("--out", type=Path, default=None, help="directory for ln_quant.{json,md}")
     args = parser.parse_args()
     if args.out is not None:
         common.RESULTS_DIR = args.out
+    if any(v < 1 for v in (args.hidden or []) + (args.rows or [])):
+        parser.error("--hidden and --rows take positive integers")
     ceilings = measure_ceilings()
     print(f"ceilings: {ceilings}", flush=True)
-    rows = bench(args.quick, ceilings)
+    rows = bench(args.quick, ceilings, args.hidden, args.rows)
     settings = {"eps": EPS, "quick": args.quick,
                 "note": "L2 flushed before every timed call (do_bench); implementations in turn over 5 rounds; "
                         "% copy against the device-to-device copy bandwidth of this run"}

@@ -54,6 +54,7 @@ struct LayerNormQuantOp {
   static constexpr bool kPrefetchAffine = false;
   static constexpr bool kRowInFp32 = true;  // layer_norm_rows.cuh: fewer conversions, the kernel's bottleneck
   static constexpr float kQmax = kFp8 ? 448.f : 127.f;  // largest int8 / finite e4m3 magnitude
+  static constexpr int kMinBlocks16 = 2;  // layer_norm_rows.cuh: a 64-register cap (a single wave at 2040 x 2048)
   struct Params : ln_rows::RowParams {
     uint8_t* q;    // (rows, n) int8 or float8_e4m3fn bytes
     float* scale;  // (rows,)

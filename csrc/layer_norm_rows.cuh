@@ -73,6 +73,19 @@ struct RowInFp32Of<Op, std::void_t<decltype(Op::kRowInFp32)>> {
   static constexpr bool value = Op::kRowInFp32;
 };
 
+// Op::kMinBlocks16 where the Op declares it, else 1: the 16-bit vector kernels' minimum resident blocks of
+// max_threads (__launch_bounds__), i.e. a register cap of 65536 / (kMinBlocks16 * 512) per thread. LayerNorm +
+// quantize asks 2 (64 registers): at 68 its 64-thread blocks of a 2048-wide fp16 row fit 14 per SM, so 2040 rows
+// took 1.10 waves on 132 SMs, and the kernel is latency-bound per row (ncu): 16 per SM take them in one.
+template <class Op, class = void>
+struct MinBlocks16Of {
+  static constexpr int value = 1;
+};
+template <class Op>
+struct MinBlocks16Of<Op, std::void_t<decltype(Op::kMinBlocks16)>> {
+  static constexpr int value = Op::kMinBlocks16;
+};
+
 // VEC elements of T moved as one load/store (16 bytes for the vector paths, one element for the scalar path).
 template <typename T, int VEC>
 struct alignas(sizeof(T) * VEC) Pack {
@@ -249,7 +262,8 @@ __device__ __forceinline__ void normalize(const Row<T, VEC, VPT>& r, const RowPa
 // grid: warp-per-row layout: ceil(rows / blockDim.y) blocks of (32, kWarpRowsPerBlock);
 //       block-per-row layout: rows blocks of (32 * WPR, 1).
 template <class Op, typename T, int VEC, int VPT>
-__global__ void __launch_bounds__(max_threads<VEC>(), 1) rows_kernel(const typename Op::Params p) {
+__global__ void __launch_bounds__(max_threads<VEC>(), VEC == 8 ? MinBlocks16Of<Op>::value : 1)
+rows_kernel(const typename Op::Params p) {
   using P = Pack<T, VEC>;
   __shared__ float scratch_mean[32];
   __shared__ float scratch_var[32];

@@ -3,9 +3,11 @@
 //
 //   out[m, n] = act(acc[m, n] * a_scale[m] * w_scale[n] + bias[n] + residual[m, n])      (fp32 math, one rounding)
 //
-// or, the FP8-output variant (EpilogueFp8Out: fc1 writing fc2's e4m3 input with a static per-tensor scale),
+// or, the 8-bit-output variants (EpilogueFp8Out, EpilogueInt8Out: fc1 writing fc2's input with a static
+// per-tensor scale),
 //
 //   out[m, n] = e4m3_satfinite(act(acc[m, n] * a_scale[m] * w_scale[n] + bias[n]) * (1 / out_scale))
+//   out[m, n] = int8(clamp(act(acc[m, n] * a_scale[m] * w_scale[n] + bias[n]) * (1 / out_scale), -127, 127))
 //
 //   acc = x_q (M, K) int8 @ w_q (N, K)^T int8, exact in int32 (or, the FP8 instantiations, float8 e4m3 operands
 //   accumulated by the tensor cores: CUTLASS's FP8 fast-accumulation mainloop, as TensorRT-LLM and vLLM run it);
@@ -21,7 +23,8 @@
 // turns that load off at run time when there is no residual (C's pointer is then D's, so the TMA descriptor stays
 // valid; nothing is read through it).
 //
-// This header is included only by the w8a8_linear_sm90*.cu files, and only when FUSEINFER_CUTLASS is defined.
+// This header is included (only when FUSEINFER_CUTLASS is defined) by the host entry points, w8a8_linear_sm90.cu and
+// linear_8bit_out_sm90.cu, and by sm90_gemm_instance.cuh, through which a .cu file per instantiation compiles it.
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -52,8 +55,8 @@ struct GemmParams {
   const float* w_scale;    // (N,)
   const void* bias;        // (N,) output dtype, or null
   const void* residual;    // (M, N) output dtype, or null
-  void* out;               // (M, N) output dtype (EpilogueFp8Out: float8 e4m3)
-  const float* out_scale;  // EpilogueFp8Out only: one fp32 value (device), out = e4m3(y / out_scale); else unused
+  void* out;               // (M, N) output dtype (the 8-bit-output trees: float8 e4m3 or int8)
+  const float* out_scale;  // 8-bit output only: one fp32 value (device), out = 8bit(y / out_scale); else unused
   int m, n, k;
   bool relu;
   int sm_count;
@@ -161,52 +164,94 @@ struct Epilogue {
   }
 };
 
-// The FP8-output epilogue tree: D float8 e4m3, no C (no residual), bias in ElementBias (cutlass::half_t or
-// cutlass::bfloat16_t, the model's dtype). The activation (ReLU) comes before the scale, and the scale is
-// 1 / out_scale, formed once per CTA from the device scalar (a scalar broadcast whose two-value "reduction" is
-// 1.0 / *out_scale), so the tree multiplies and the scale stays on the device (no host sync, graph-capturable).
-// The e4m3 conversion is CUTLASS's cvt.rn.satfinite (round to nearest even, saturating at +-448; NaN stays NaN).
+// The 8-bit-output epilogue trees (fc1 writing fc2's input with a static per-tensor scale): D float8 e4m3
+// (EpilogueFp8Out) or int8 (EpilogueInt8Out), no C (no residual), bias in ElementBias (cutlass::half_t or
+// cutlass::bfloat16_t, the model's dtype). The scale is 1 / out_scale, formed once per CTA from the device scalar (a
+// scalar broadcast whose two-value "reduction" is 1.0 / *out_scale), so the tree multiplies and the scale stays on
+// the device (no host sync, graph-capturable). Both share the scaled prefix t1 = a_scale[m] * (w_scale[n] * acc) +
+// bias[n]; then
+//   e4m3: out = e4m3(max(t1, floor) * inv), CUTLASS's cvt.rn.satfinite (round to nearest even, saturating at
+//         +-448; NaN stays NaN); floor 0 (ReLU) or -inf;
+//   int8: out = int8(max(min(t1 * inv, 127), floor)), floor 0 (ReLU) or -127: clamped to +-127 in fp32 first
+//         (CUTLASS's fp32 -> int8 array conversion goes through int32 and does not saturate), then rounded to
+//         nearest even (cvt.rni); ReLU after the positive scale is ReLU before it.
 template <class TileShape, class ElementBias>
-struct EpilogueFp8Out {
-  using ElementD = cutlass::float_e4m3_t;
-  using ElementC = void;
+struct ScaledPrefix {
   static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
-
   using Acc = fusion::Sm90AccFetch;
   using WScale = fusion::Sm90RowBroadcast<0, TileShape, float, float, Stride<_0, _1, _0>>;        // (N,)
   using AScale = fusion::Sm90ColBroadcast<0, TileShape, float, float, Stride<_1, _0, _0>>;        // (M,)
   using Bias = fusion::Sm90RowBroadcast<0, TileShape, ElementBias, float, Stride<_0, _1, _0>>;    // (N,), null = 0
-  using Floor = fusion::Sm90ScalarBroadcast<float>;                                               // 0 or -inf
+  using Scalar = fusion::Sm90ScalarBroadcast<float>;                                              // floor, ceiling
   using InvScale = fusion::Sm90ScalarBroadcast<float, Stride<_0, _0, _0>, 2, cutlass::divides>;   // 1 / out_scale
+  template <template <class> class Fn, class Out = float>
+  using Op = fusion::Sm90Compute<Fn, Out, float, kRound>;
 
   // t0 = w_scale[n] * acc
-  using T0 = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, float, float, kRound>, WScale, Acc>;
+  using T0 = fusion::Sm90EVT<Op<cutlass::multiplies>, WScale, Acc>;
   // t1 = a_scale[m] * t0 + bias[n]
-  using T1 = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiply_add, float, float, kRound>, AScale, T0, Bias>;
-  // t2 = max(t1, floor)
-  using T2 = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::maximum, float, float, kRound>, T1, Floor>;
-  // out = t2 * (1 / out_scale) rounded to e4m3 (satfinite)
-  using Tree = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, ElementD, float, kRound>, T2, InvScale>;
+  using T1 = fusion::Sm90EVT<Op<cutlass::multiply_add>, AScale, T0, Bias>;
 
-  static typename Tree::Arguments arguments(GemmParams const& p) {
+  static typename T1::Arguments t1(GemmParams const& p) {
     typename WScale::Arguments w_scale{p.w_scale, 0.f, {}};
     typename AScale::Arguments a_scale{p.a_scale, 0.f, {}};
     typename Bias::Arguments bias{static_cast<ElementBias const*>(p.bias), ElementBias(0), {}};
-    typename Floor::Arguments floor{};
-    floor.scalars[0] = p.relu ? 0.f : -cutlass::platform::numeric_limits<float>::infinity();
+    typename T0::Arguments t0{w_scale, {}, {}};
+    return typename T1::Arguments{a_scale, t0, bias, {}};
+  }
+  static typename Scalar::Arguments scalar(float value) {
+    typename Scalar::Arguments a{};
+    a.scalars[0] = value;
+    return a;
+  }
+  static typename InvScale::Arguments inv_scale(GemmParams const& p) {
     typename InvScale::Arguments inv{};
     inv.scalars[0] = 1.f;                // the "reduction" 1.0 / *scalar_ptrs[1]
     inv.scalar_ptrs[1] = p.out_scale;
-    typename T0::Arguments t0{w_scale, {}, {}};
-    typename T1::Arguments t1{a_scale, t0, bias, {}};
-    typename T2::Arguments t2{t1, floor, {}};
-    return typename Tree::Arguments{t2, inv, {}};
+    return inv;
+  }
+};
+
+template <class TileShape, class ElementBias>
+struct EpilogueFp8Out {
+  using ElementD = cutlass::float_e4m3_t;
+  using ElementC = void;
+  using P = ScaledPrefix<TileShape, ElementBias>;
+  // t2 = max(t1, floor)
+  using T2 = fusion::Sm90EVT<typename P::template Op<cutlass::maximum>, typename P::T1, typename P::Scalar>;
+  // out = t2 * (1 / out_scale) rounded to e4m3 (satfinite)
+  using Tree = fusion::Sm90EVT<typename P::template Op<cutlass::multiplies, ElementD>, T2, typename P::InvScale>;
+
+  static typename Tree::Arguments arguments(GemmParams const& p) {
+    const float floor = p.relu ? 0.f : -cutlass::platform::numeric_limits<float>::infinity();
+    typename T2::Arguments t2{P::t1(p), P::scalar(floor), {}};
+    return typename Tree::Arguments{t2, P::inv_scale(p), {}};
+  }
+};
+
+template <class TileShape, class ElementBias>
+struct EpilogueInt8Out {
+  using ElementD = int8_t;
+  using ElementC = void;
+  using P = ScaledPrefix<TileShape, ElementBias>;
+  // t2 = t1 * (1 / out_scale)
+  using T2 = fusion::Sm90EVT<typename P::template Op<cutlass::multiplies>, typename P::T1, typename P::InvScale>;
+  // t3 = min(t2, 127)
+  using T3 = fusion::Sm90EVT<typename P::template Op<cutlass::minimum>, T2, typename P::Scalar>;
+  // out = max(t3, floor) rounded to int8 (nearest even; in range by now)
+  using Tree = fusion::Sm90EVT<typename P::template Op<cutlass::maximum, ElementD>, T3, typename P::Scalar>;
+
+  static typename Tree::Arguments arguments(GemmParams const& p) {
+    typename T2::Arguments t2{P::t1(p), P::inv_scale(p), {}};
+    typename T3::Arguments t3{t2, P::scalar(127.f), {}};
+    return typename Tree::Arguments{t3, P::scalar(p.relu ? 0.f : -127.f), {}};
   }
 };
 
 // One CUTLASS kernel: operand type (int8_t or cutlass::float_e4m3_t), model dtype ElementT (cutlass::half_t or
 // cutlass::bfloat16_t), CTA tile, cluster shape and schedule (a handful of these, chosen by M on the host), and the
-// epilogue tree (Epilogue: ElementT output with the residual as C; EpilogueFp8Out: e4m3 output, no C).
+// epilogue tree (Epilogue: ElementT output with the residual as C; EpilogueFp8Out / EpilogueInt8Out: 8-bit output,
+// no C).
 template <class ElementAB, class ElementT, class TileShape, class ClusterShape, class KernelSchedule,
           class EpilogueSchedule, template <class, class> class EpilogueT = Epilogue>
 struct Sm90Gemm {
@@ -248,7 +293,7 @@ struct Sm90Gemm {
     const StrideC stride_c = cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(p.m, p.n, 1));
     const StrideD stride_d = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(p.m, p.n, 1));
     // without a residual C points at D (same shape, dtype and strides: a valid TMA descriptor, never read); no C
-    // at all (EpilogueFp8Out): null
+    // at all (the 8-bit outputs): null
     auto c = [&] {
       if constexpr (kHasC) return static_cast<ElementC const*>(p.residual ? p.residual : p.out);
       else return static_cast<void const*>(nullptr);
@@ -320,8 +365,8 @@ inline int pick_config(GemmParams const& p) {
 
 // Entry points, instantiated per operand type and output dtype in w8a8_linear_sm90.cu (int8, fp16),
 // w8a8_linear_sm90_bf16.cu (int8, bf16), fp8_linear_sm90.cu (e4m3, fp16) and fp8_linear_sm90_bf16.cu (e4m3, bf16),
-// and with EpilogueFp8Out (e4m3 output, fp16 / bf16 bias) in fp8_linear_fp8out_sm90.cu and
-// fp8_linear_fp8out_sm90_bf16.cu, so that they compile in parallel.
+// and with the 8-bit-output trees (fp16 / bf16 bias) in fp8_linear_fp8out_sm90{,_bf16}.cu (e4m3) and
+// w8a8_linear_int8out_sm90{,_bf16}.cu (int8), so that they compile in parallel.
 template <class ElementAB, class ElementT, template <class, class> class EpilogueT = Epilogue>
 size_t workspace_bytes(GemmParams const& p) {
   switch (pick_config(p)) {

@@ -587,6 +587,19 @@ def assert_out_proj_takes_8bit_attention(model, out_proj, fmt: str):
     assert torch.equal(out_proj.fused(a), ref)
 
 
+def scaled_linear_operands(quantize, lead, n, k, bias_dtype=torch.float16, seed=0, device="cpu"):
+    """(x_q, x_scale, w_q, w_scale, bias) of an 8-bit scaled linear: x (*lead, K) quantized per token and w (N, K)
+    per output channel by ``quantize(t, dim)`` (quantize_int8_ref / quantize_fp8_ref), bias (N,) in bias_dtype or
+    None; seeded, on ``device``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, k, generator=g)
+    w = torch.randn(n, k, generator=g) * 0.05
+    b = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype)
+    x_q, x_s = quantize(x, -1)
+    w_q, w_s = quantize(w, -1)
+    return tuple(None if t is None else t.to(device) for t in (x_q, x_s, w_q, w_s, b))
+
+
 # ---- the benchmark scripts (tests/bench) ----
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"

@@ -370,22 +370,27 @@ def rope_kernels():
             ops.qkv_rope_append(qkv, cos, sin, h, hkv, *caches, slots)
 
 
-# ---- the sm_90 CUTLASS FP8 GEMMs: the e4m3-output one (fc1 writing fc2's input) at each tile configuration's M, and
-# the fp16/bf16-output one it sits beside ----
-def fp8_gemms():
+# ---- the sm_90 CUTLASS scaled GEMMs with 8-bit output (fc1 writing fc2's input: e4m3 and int8) at each tile
+# configuration's M, and the fp16/bf16-output FP8 one they sit beside ----
+def scaled_gemms_8bit_out():
     from fuseinfer.ops.fp8_linear import fp8_linear, quantize_fp8_ref
-    from fuseinfer.ops.fp8_linear_fp8out import fp8_linear_fp8out
+    from fuseinfer.ops.linear_8bit_out import fp8_linear_fp8out, w8a8_linear_int8out
+    from fuseinfer.ops.quant import quantize_int8_ref
 
     if torch.cuda.get_device_capability()[0] < 9:
         return
     for dtype in (torch.float16, torch.bfloat16):
         for m in (5, 200, 700):  # the small, medium and large configurations' M ranges (a partial last tile each)
-            xq, xs = quantize_fp8_ref(torch.randn(m, 256, device="cuda"), -1)
-            wq, ws = quantize_fp8_ref(torch.randn(528, 256, device="cuda"), -1)
+            x, w = torch.randn(m, 256, device="cuda"), torch.randn(528, 256, device="cuda")
             b = torch.randn(528, device="cuda", dtype=dtype)
             scale = torch.tensor([0.05], device="cuda")
-            fp8_linear_fp8out(xq, xs, wq, ws.view(-1), b, scale, "relu")
-            fp8_linear_fp8out(xq, xs, wq, ws.view(-1), None, scale, "none")
+            for quantize, linear_8bit_out in ((quantize_fp8_ref, fp8_linear_fp8out),
+                                              (quantize_int8_ref, w8a8_linear_int8out)):
+                (xq, xs), (wq, ws) = quantize(x, -1), quantize(w, -1)
+                linear_8bit_out(xq, xs, wq, ws.view(-1), b, scale, "relu")
+                linear_8bit_out(xq, xs, wq, ws.view(-1), None, scale, "none")
+            xq, xs = quantize_fp8_ref(x, -1)
+            wq, ws = quantize_fp8_ref(w, -1)
             fp8_linear(xq, xs, wq, ws.view(-1), b, torch.randn(m, 528, device="cuda", dtype=dtype), "relu", dtype)
 
 
@@ -421,7 +426,7 @@ def kv_fp8_kernels():
 if part in ("all", "no-ring-wrap"):
     rope_kernels()
     kv_fp8_kernels()
-    fp8_gemms()
+    scaled_gemms_8bit_out()
     for dtype in (torch.float16, torch.bfloat16):
         for d in (64, 128):
             for sq, skv in ((77, 77), (1, 300), (4, 129), (16, 700)):

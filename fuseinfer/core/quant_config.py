@@ -85,10 +85,14 @@ class SmoothQuantW8A8(QuantConfig):
       ``fuseinfer.core.data`` finds it ($FUSEINFER_DATA_DIR, the shared assets folder, ``datasets``). Text is
       calibrated on the model at ``patch`` time (``samples`` windows of ``seq_len`` tokens).
     tokenizer: the tokenizer for calibration text; None loads the model's own (``config.name_or_path``).
-    out_proj_input: ``"dynamic"`` (default: the attention output projection's input quantized per token at run
-      time) or ``"static"``: one calibrated per-tensor scale per layer for it (``amax / 127`` over the calibration
-      windows, after smoothing), so that the attention kernel writes out_proj's int8 input from its epilogue at
-      prefill (no fp16 attention output, no quantization pass); values above the calibrated range saturate.
+    fc2_input: ``"dynamic"`` (default: fc2's input, the MLP activation's output, quantized per token at run time)
+      or ``"static"``: one calibrated per-tensor scale per layer for it (``amax / 127`` over the calibration
+      windows, after smoothing), so that the MLP's first GEMM writes fc2's int8 input from its epilogue at prefill
+      (ReLU first; 1 byte per element instead of 2, no quantization pass); values above the calibrated range
+      saturate.
+    out_proj_input: the same choice for the attention output projection's input: ``"static"`` makes the attention
+      kernel write out_proj's int8 input from its epilogue at prefill (no fp16 attention output, no quantization
+      pass).
     """
 
     alpha: float = 0.5
@@ -96,6 +100,7 @@ class SmoothQuantW8A8(QuantConfig):
     samples: int = 128
     seq_len: int = 512
     tokenizer: object = field(default=None, repr=False, compare=False)
+    fc2_input: str = "dynamic"
     out_proj_input: str = "dynamic"
 
     scheme = "smoothquant_w8a8"
@@ -104,17 +109,16 @@ class SmoothQuantW8A8(QuantConfig):
         super().__post_init__()
         check_alpha(self.alpha)
         _check_calibration(self)
-        _check_static_inputs(self, ("out_proj_input",))
+        _check_static_inputs(self, STATIC_INPUT_FIELDS)
         if self.include_lm_head:
             raise FuseInferError("SmoothQuantW8A8 quantizes the decoder linears only (the LM head's input is the "
                                  "final LayerNorm's, not calibrated): use include_lm_head=False")
 
     def describe(self) -> dict:
         return {**super().describe(), "bits": 8, "alpha": self.alpha, "weights": "int8 per output channel, symmetric",
-                "activations": "int8 per token, dynamic, symmetric" + (
-                    "; out_proj's input per tensor, static (calibrated), scale = amax / 127"
-                    if self.out_proj_input == "static" else ""),
-                "out_proj_input": self.out_proj_input, "qkv": "fused (3E, E) when patch fuses q/k/v"}
+                "activations": "int8 per token, dynamic, symmetric" + _static_described(self, 127),
+                "fc2_input": self.fc2_input, "out_proj_input": self.out_proj_input,
+                "qkv": "fused (3E, E) when patch fuses q/k/v"}
 
 
 def _check_calibration(config) -> None:
@@ -132,7 +136,15 @@ def _check_calibration(config) -> None:
                              f"{type(config.calibration).__name__}")
 
 
-STATIC_INPUT_MODES = ("dynamic", "static")  # Float8's fc2_input; out_proj_input (Float8, SmoothQuantW8A8)
+STATIC_INPUT_MODES = ("dynamic", "static")  # the choices of the STATIC_INPUT_FIELDS (Float8, SmoothQuantW8A8)
+STATIC_INPUT_FIELDS = ("fc2_input", "out_proj_input")
+
+
+def _static_described(config, qmax: int) -> str:
+    """The describe() note of a scheme's static inputs ("" when every input is dynamic)."""
+    return "".join(f"; {what} input per tensor, static (calibrated), scale = amax / {qmax}"
+                   for what, mode in (("out_proj's", config.out_proj_input), ("fc2's", config.fc2_input))
+                   if mode == "static")
 
 
 def _check_static_inputs(config, fields: tuple[str, ...]) -> None:
@@ -179,7 +191,7 @@ class Float8(QuantConfig):
         if self.alpha is not None:
             check_alpha(self.alpha)
         _check_calibration(self)
-        _check_static_inputs(self, ("fc2_input", "out_proj_input"))
+        _check_static_inputs(self, STATIC_INPUT_FIELDS)
         if self.include_lm_head:
             raise FuseInferError("Float8 quantizes the decoder linears only for now (OPT ties the LM head to the "
                                  "input embeddings): use include_lm_head=False")
@@ -187,10 +199,7 @@ class Float8(QuantConfig):
     def describe(self) -> dict:
         return {**super().describe(), "bits": 8, "alpha": self.alpha, "format": "float8_e4m3fn",
                 "weights": "e4m3 per output channel, scale = amax / 448",
-                "activations": "e4m3 per token, dynamic, scale = amax / 448" + "".join(
-                    f"; {what} input per tensor, static (calibrated), scale = amax / 448"
-                    for what, mode in (("out_proj's", self.out_proj_input), ("fc2's", self.fc2_input))
-                    if mode == "static"),
+                "activations": "e4m3 per token, dynamic, scale = amax / 448" + _static_described(self, 448),
                 "fc2_input": self.fc2_input, "out_proj_input": self.out_proj_input,
                 "qkv": "fused (3E, E) when patch fuses q/k/v"}
 

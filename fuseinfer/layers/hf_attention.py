@@ -114,10 +114,9 @@ def fuseinfer_attention_forward(module, query, key, value, attention_mask, scali
     if weights_requested(module):
         return eager_attention_with_weights(module, query, key, value, attention_mask, scale)
     attention = attention_for(module, query.shape[2])  # the patch's backend for this phase (attention_backend.py)
-    if isinstance(attention_mask, MaskInfo):
-        return attention(query, key, value, attention_mask.key_mask, attention_mask.q_start, scale), None
-    if attention_mask is None:  # called without a mask: OPT is causal
-        return attention(query, key, value, None, None, scale), None
+    rows = _row_mask(attention_mask)
+    if rows is not None:
+        return attention(query, key, value, *rows, scale), None
     # a prepared 4D mask (user-supplied, or a pattern MaskInfo cannot express); grouped-query k / v repeated to H heads
     key, value = repeat_kv(query, key, value)
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scale)
@@ -132,13 +131,16 @@ def fuseinfer_attention_8bit(module, query, key, value, attention_mask, scaling:
     if module.training or weights_requested(module) or key.dtype == FP8_DTYPE \
             or attention_for(module, query.shape[2]) is not attention:
         return None
+    rows = _row_mask(attention_mask)
+    return None if rows is None else attention_8bit(query, key, value, *rows, scaling, out_scale, fmt)
+
+
+def _row_mask(attention_mask) -> tuple | None:
+    """(key_mask, q_start) for fuseinfer's attention ops from the builder's mask: a :class:`MaskInfo`'s, or
+    (None, None) for no mask (called without one: OPT is causal); None for a 4D mask, which they do not take."""
     if isinstance(attention_mask, MaskInfo):
-        key_mask, q_start = attention_mask.key_mask, attention_mask.q_start
-    elif attention_mask is None:
-        key_mask = q_start = None
-    else:
-        return None
-    return attention_8bit(query, key, value, key_mask, q_start, scaling, out_scale, fmt)
+        return attention_mask.key_mask, attention_mask.q_start
+    return (None, None) if attention_mask is None else None
 
 
 def eager_attention_with_weights(module, query, key, value, attention_mask, scaling: float, dropout=0.0, **kwargs):

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from fuseinfer.ops import w8a16_linear, linear_epilogue
+from fuseinfer.ops.linear_8bit_out import linear_8bit_out
 from fuseinfer.ops.w8a16_linear import dequantize_weight
 
 
@@ -80,6 +81,15 @@ class ChannelScaledLinear(QuantizedLinear):
     def static_scales(self, x_q: torch.Tensor) -> torch.Tensor:
         """The per-token scales of an input quantized with ``input_scale``: (..., 1) fp32, every one that scale."""
         return self.input_scale.expand(*x_q.shape[:-1], 1).contiguous()
+
+    def forward_8bit_out(self, x_q, x_scale, out_scale: torch.Tensor, activation: str = "none",
+                         bias_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        """x_q (..., K) in this linear's 8-bit format (``quantized_input``), x_scale (..., 1) fp32 -> (..., N) in
+        the same format, quantized with the static ``out_scale`` (the next linear's ``input_scale``) in this GEMM's
+        epilogue, the activation first (``linear_8bit_out``)."""
+        bias = None if self.bias is None else self.bias.to(bias_dtype)
+        return linear_8bit_out(x_q, x_scale, self.weight_q, self.weight_scale, bias, out_scale, activation,
+                               self.quantized_input)
 
     def _apply(self, fn, recurse=True):
         """``model.half()`` / ``.to(dtype)`` convert every floating-point tensor: the scales stay fp32 (the kernels'
@@ -175,10 +185,12 @@ def quantized_input(module: nn.Module | None) -> QuantizedLinear | None:
 
 
 def writes_static_input(lin: nn.Module, nxt: nn.Module | None) -> bool:
-    """Whether ``lin``'s GEMM writes the input of ``nxt`` (the linear it feeds) in e4m3 from its epilogue: ``nxt``
-    holds a calibrated static ``input_scale`` (FP8 with ``fc2_input="static"``) and ``lin`` has the e4m3-output
-    GEMM (``forward_fp8out``). The patched modules (at prefill) and the lean prefill loop both ask it."""
-    return nxt is not None and nxt._buffers.get("input_scale") is not None and hasattr(lin, "forward_fp8out")
+    """Whether ``lin``'s GEMM writes the input of ``nxt`` (the linear it feeds) in 8 bits from its epilogue:
+    ``nxt`` holds a calibrated static ``input_scale`` (``fc2_input="static"``) and both are channel-scaled linears
+    of one 8-bit format (``forward_8bit_out``). The patched modules (at prefill) and the lean prefill loop both ask
+    it."""
+    return (isinstance(lin, ChannelScaledLinear) and isinstance(nxt, ChannelScaledLinear)
+            and nxt._buffers.get("input_scale") is not None and lin.quantized_input == nxt.quantized_input)
 
 
 def fused_linear(module: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None,

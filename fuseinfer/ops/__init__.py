@@ -1,7 +1,8 @@
 """Fused ops: each module holds a pure-PyTorch reference and a ``fuseinfer::<name>`` torch.library custom op
 that runs the CUDA kernel when the extension is built and the tensors are on CUDA, the reference otherwise.
 ``quant`` (int8 quantize / dequantize), ``w8a16_linear`` (W8A16 GEMM), ``w8a8_linear``, ``fp8_linear`` (FP8
-e4m3 W8A8), ``fp8_linear_fp8out`` (its e4m3-output variant) and ``fp8_weight_linear`` (its decode GEMV) serve
+e4m3 W8A8), ``fp8_linear_fp8out`` / ``w8a8_linear_int8out`` (their 8-bit-output variants) and
+``fp8_weight_linear`` (the FP8 decode GEMV) serve
 ``fuseinfer.quant``, as ``attention_fp8out`` / ``attention_int8out`` (attention writing the output projection's
 8-bit input) do;
 ``sample_tokens`` is sampling's
@@ -14,7 +15,8 @@ from fuseinfer.ops.decode_step import decode_step_workspace, opt_decode_step, op
 from fuseinfer.ops.emit_tokens import emit_tokens, emit_tokens_ref, emit_tokens_scratch
 from fuseinfer.ops.fp8_gemv import fp8_weight_linear, fp8_weight_linear_ref
 from fuseinfer.ops.fp8_linear import fp8_linear, fp8_linear_ref, quantize_fp8_per_token, quantize_fp8_ref
-from fuseinfer.ops.fp8_linear_fp8out import fp8_linear_fp8out, fp8_linear_fp8out_ref, quantize_fp8_static
+from fuseinfer.ops.linear_8bit_out import (fp8_linear_fp8out, fp8_linear_fp8out_ref, quantize_fp8_static,
+                                           w8a8_linear_int8out, w8a8_linear_int8out_ref)
 from fuseinfer.ops.w8a16_linear import dequantize_weight, w8a16_linear, w8a16_linear_ref
 from fuseinfer.ops.kv_cache import kv_cache_append, kv_cache_append_ref
 from fuseinfer.ops.kv_reorder import kv_reorder, kv_reorder_ref
@@ -52,7 +54,7 @@ __all__ = [
     "llama_decode_step_ref",
     "opt_decode_step", "opt_decode_step_ref", "quantize_int8_ref", "quantize_per_channel", "quantize_per_token",
     "add_layer_norm_quant", "add_layer_norm_quant_ref", "add_layer_norm_quant_fp8", "add_layer_norm_quant_fp8_ref",
-    "w8a8_linear", "w8a8_linear_ref",
+    "w8a8_linear", "w8a8_linear_ref", "w8a8_linear_int8out", "w8a8_linear_int8out_ref",
     "add_rms_norm", "add_rms_norm_ref", "qkv_rope", "qkv_rope_append", "qkv_rope_append_ref", "qkv_rope_ref",
     "sample_tokens", "sample_tokens_ref", "silu_mul", "silu_mul_ref", "warp_ref",
     "rms_norm_linear", "rms_norm_linear_ref", "rms_norm_linear_rope_append", "rms_norm_linear_rope_append_ref",

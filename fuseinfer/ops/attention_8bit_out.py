@@ -26,7 +26,7 @@ import torch
 from fuseinfer.core.errors import FuseInferError
 from fuseinfer.core.extension import extension, route
 from fuseinfer.ops.attention import KERNEL_GQA, _attention_cuda, _probs, check_mask, check_shapes, kernel_supports
-from fuseinfer.ops.fp8_linear_fp8out import FP8_DTYPE, check_out_scale, quantize_fp8_static
+from fuseinfer.ops.linear_8bit_out import FP8_DTYPE, check_out_scale, quantize_fp8_static
 from fuseinfer.ops.quant import quantize_int8_static
 
 KERNEL_MIN_SQ = 17  # queries from which the prefill kernels run (fewer: split-KV, which writes q's dtype)
@@ -72,7 +72,7 @@ def _fake(q, fmt: str):
 
 def _register(fmt: str):
     """The custom op ``fuseinfer::attention_fp8out`` / ``attention_int8out`` (FORMATS): the reference on CPU, _cuda on
-    CUDA, the fake's output in the format's dtype; -> (the op, its CUDA implementation)."""
+    CUDA, the fake's output in the format's dtype; -> (the op's handle, its reference, its CUDA implementation)."""
     def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
                   q_start: torch.Tensor | None, scale: float, out_scale: torch.Tensor) -> torch.Tensor:
         return attention_8bit_ref(q, k, v, key_mask, q_start, scale, out_scale, fmt)
@@ -80,18 +80,14 @@ def _register(fmt: str):
     def cuda(q, k, v, key_mask, q_start, scale, out_scale):
         return _cuda(q, k, v, key_mask, q_start, scale, out_scale, fmt)
 
-    op = torch.library.custom_op(f"fuseinfer::{FORMATS[fmt][2]}", reference, mutates_args=())
+    name = FORMATS[fmt][2]
+    op = torch.library.custom_op(f"fuseinfer::{name}", reference, mutates_args=())
     op.register_kernel("cuda")(cuda)
     op.register_fake(lambda q, k, v, key_mask, q_start, scale, out_scale: _fake(q, fmt))
-    return op, cuda
+    return lambda: getattr(torch.ops.fuseinfer, name), reference, cuda
 
 
-_attention_fp8out, _attention_fp8out_cuda = _register("e4m3")
-_attention_int8out, _attention_int8out_cuda = _register("int8")
-
-
-_OPS = {"e4m3": (lambda: torch.ops.fuseinfer.attention_fp8out, attention_fp8out_ref, _attention_fp8out_cuda),
-        "int8": (lambda: torch.ops.fuseinfer.attention_int8out, attention_int8out_ref, _attention_int8out_cuda)}
+_OPS = {fmt: _register(fmt) for fmt in FORMATS}
 
 
 def attention_8bit(q, k, v, key_mask=None, q_start=None, scale: float | None = None, out_scale=None,

@@ -1,7 +1,7 @@
 """The quantized fuseinfer backends (``fuseinfer-w8a16``, ``fuseinfer-w8a8``, ``fuseinfer-w8a8-static``,
 ``fuseinfer-fp8``, ``fuseinfer-fp8-static``; registered by the eval CLI, found by the profiler): fuseinfer's backend
 with int8 weight-only quantization (``PatchConfig(quant=Int8WeightOnly())``), SmoothQuant W8A8 (and
-``SmoothQuantW8A8(out_proj_input="static")``) or FP8 W8A8 (``Float8()``, and
+``SmoothQuantW8A8(fc2_input="static", out_proj_input="static")``) or FP8 W8A8 (``Float8()``, and
 ``Float8(fc2_input="static", out_proj_input="static")``), plus the bytes of their
 weights: the eval's decode GB/s column counts the quantized model's bytes (``weight_bytes_per_token`` below, which
 the eval uses for these rows), so it compares with the copy bandwidth as fp16's does."""
@@ -131,20 +131,23 @@ class FuseInferW8A8Backend(FuseInferW8A16Backend):
 
 
 class FuseInferW8A8StaticBackend(FuseInferW8A8Backend):
-    """fuseinfer with SmoothQuant W8A8 and a static (calibrated) per-tensor scale for the attention output
-    projection's input (``SmoothQuantW8A8(out_proj_input="static")``): the attention kernel writes out_proj's int8
-    input from its epilogue. Calibrated as the ``fuseinfer-w8a8`` row is."""
+    """fuseinfer with SmoothQuant W8A8 and static (calibrated) per-tensor scales for the inputs no LayerNorm
+    quantizes (``SmoothQuantW8A8(fc2_input="static", out_proj_input="static")``): the attention kernel writes
+    out_proj's int8 input and the MLP's first GEMM fc2's, each from its epilogue. Calibrated as the
+    ``fuseinfer-w8a8`` row is."""
 
     name = "fuseinfer-w8a8-static"
-    summary = ("fuseinfer.patch + SmoothQuantW8A8(out_proj_input='static'): int8 weights and activations, out_proj's "
-               "input with a calibrated per-tensor scale, written by the attention kernel's epilogue")
+    summary = ("fuseinfer.patch + SmoothQuantW8A8(fc2_input='static', out_proj_input='static'): int8 weights and "
+               "activations, out_proj's and fc2's inputs with calibrated per-tensor scales, written by the attention "
+               "kernel's and the first MLP GEMM's epilogues")
 
     def quant_config(self, calibration=None, samples: int | None = None):
         w8a8 = super().quant_config(calibration, samples)
-        return SmoothQuantW8A8(calibration=w8a8.calibration, samples=w8a8.samples, out_proj_input="static")
+        return SmoothQuantW8A8(calibration=w8a8.calibration, samples=w8a8.samples, fc2_input="static",
+                               out_proj_input="static")
 
     def details(self):
-        return {**super().details(), "out_proj_input": "static"}
+        return {**super().details(), "fc2_input": "static", "out_proj_input": "static"}
 
 
 class FuseInferFP8Backend(FuseInferW8A16Backend):

@@ -242,23 +242,22 @@ def check_record(record) -> dict:
         if not 0 <= alpha <= 1:
             raise FuseInferError(f"quantization_config.alpha must be a number in [0, 1], got {alpha!r}")
         out["alpha"] = float(alpha)
-        out.update(_static_input_fields(record, ("out_proj_input",)))
+        out.update(_static_input_fields(record))
     if scheme == Float8.scheme:  # (None: not smoothed)
         alpha = _field(record, "alpha", (int, float, type(None)), "null or a number in [0, 1]", default=None)
         if alpha is not None and not 0 <= alpha <= 1:
             raise FuseInferError(f"quantization_config.alpha must be null or a number in [0, 1], got {alpha!r}")
         out["alpha"] = None if alpha is None else float(alpha)
-        # (absent: a checkpoint from before the option, dynamic)
-        out.update(_static_input_fields(record, ("fc2_input", "out_proj_input")))
+        out.update(_static_input_fields(record))
     return out
 
 
-def _static_input_fields(record: dict, names: tuple[str, ...]) -> dict:
+def _static_input_fields(record: dict) -> dict:
     """The record's static-input choices (absent: a checkpoint from before the option, dynamic), checked."""
-    from fuseinfer.core.quant_config import STATIC_INPUT_MODES
+    from fuseinfer.core.quant_config import STATIC_INPUT_FIELDS, STATIC_INPUT_MODES
 
     out = {}
-    for name in names:
+    for name in STATIC_INPUT_FIELDS:
         mode = _field(record, name, str, f"one of {list(STATIC_INPUT_MODES)}", default="dynamic")
         if mode not in STATIC_INPUT_MODES:
             raise FuseInferError(f"quantization_config.{name} must be one of {list(STATIC_INPUT_MODES)}, got "
@@ -277,11 +276,9 @@ def empty_layout(checked: dict):
     if checked["include_lm_head"]:
         raise FuseInferError(f"quantization_config.include_lm_head must be false for {checked['scheme']} "
                              "checkpoints")
-    if checked["scheme"] == Float8.scheme:
-        return dataclasses.replace(Float8(alpha=checked["alpha"], fc2_input=checked["fc2_input"],
-                                          out_proj_input=checked["out_proj_input"]), _empty=True)
-    return dataclasses.replace(SmoothQuantW8A8(alpha=checked["alpha"], out_proj_input=checked["out_proj_input"]),
-                               _empty=True)
+    scheme = Float8 if checked["scheme"] == Float8.scheme else SmoothQuantW8A8
+    return dataclasses.replace(scheme(alpha=checked["alpha"], fc2_input=checked["fc2_input"],
+                                      out_proj_input=checked["out_proj_input"]), _empty=True)
 
 
 def _tensor_groups(model) -> list[list[str]]:

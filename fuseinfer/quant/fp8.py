@@ -33,10 +33,10 @@ from fuseinfer.layers.linear import ChannelScaledLinear, decode_rows
 from fuseinfer.ops.fp8_gemv import fp8_weight_linear
 from fuseinfer.ops.fp8_linear import (FP8_DTYPE, FP8_MAX, fp8_gemm_note, fp8_linear, quantize_fp8_per_token,
                                       quantize_fp8_ref)
-from fuseinfer.ops.fp8_linear_fp8out import fp8_linear_fp8out, quantize_fp8_static
+from fuseinfer.ops.linear_8bit_out import quantize_fp8_static
 from fuseinfer.ops.w8a8_linear import OUT_DTYPES
 from fuseinfer.quant.smoothquant import model_family
-from fuseinfer.quant.w8a8 import Flavor, W8A8QKVSlice, quantize_w8a8, static_inputs
+from fuseinfer.quant.w8a8 import Flavor, W8A8QKVSlice, quantize_w8a8
 
 FAMILIES = ("opt",)  # the families whose fused q/k/v layout (three equal row blocks) the swap takes
 
@@ -82,13 +82,6 @@ class Float8Linear(ChannelScaledLinear):
             q = quantize_fp8_static(x, self.input_scale)
             return q, self.static_scales(q)
         return quantize_fp8_per_token(x)
-
-    def forward_fp8out(self, x_q, x_scale, out_scale: torch.Tensor, activation: str = "none",
-                       bias_dtype: torch.dtype = torch.float16) -> torch.Tensor:
-        """x_q (..., K) e4m3, x_scale (..., 1) fp32 -> (..., N) e4m3 quantized with the static ``out_scale`` (the
-        next linear's ``input_scale``) in this GEMM's epilogue, the activation first."""
-        bias = None if self.bias is None else self.bias.to(bias_dtype)
-        return fp8_linear_fp8out(x_q, x_scale, self.weight_q, self.weight_scale, bias, out_scale, activation)
 
     def forward_quantized(self, x_q, x_scale, residual=None, activation: str = "none",
                           out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
@@ -138,7 +131,7 @@ def fp8_note(device: torch.device, dtype: torch.dtype = torch.float16) -> str:
     return f"{fp8_gemm_note(device, dtype)}; {PREFILL_NOTE}"
 
 
-FP8 = Flavor(build, Float8QKVSlice, fp8_note, static_inputs)
+FP8 = Flavor(build, Float8QKVSlice, fp8_note)
 
 
 def quantize_fp8(model: nn.Module, config, report):

@@ -178,14 +178,11 @@ def _quantize(w: torch.Tensor, bias: torch.Tensor | None, empty: bool = False) -
 class Flavor:
     """What a scheme with per-token dynamic activations swaps in (the int8 W8A8 one here; FP8's in
     ``quant/fp8.py``): ``build(w, bias, empty)`` -> the quantized linear (``weight_q``, ``weight_scale`` (N, 1)),
-    the q/k/v slice class, the note naming the GEMM it runs (``gemm_note(device, dtype)``), and
-    ``static_inputs(config, family)``: the linears (by attribute name) that get a calibrated static input scale
-    (their quantized linear's ``set_input_amax``), none by default."""
+    the q/k/v slice class and the note naming the GEMM it runs (``gemm_note(device, dtype)``)."""
 
     build: Callable
     slice_cls: type
     gemm_note: Callable
-    static_inputs: Callable = lambda config, family: ()
 
 
 def quantize_w8a8(model: nn.Module, config, report, flavor: Flavor | None = None) -> W8A8State:
@@ -203,7 +200,7 @@ def quantize_w8a8(model: nn.Module, config, report, flavor: Flavor | None = None
     if not targets:
         raise FuseInferError("nothing to quantize: the PatchConfig's ops and filter_fn left no decoder linear "
                              "patched; select at least one decoder layer or attention module")
-    static = flavor.static_inputs(config, fam)
+    static = static_inputs(config, fam)
     if config._empty:  # the layout of a saved W8A8 model (checkpoint.load_quantized): no calibration, no smoothing
         return _empty_layout(model, config, targets, report, fam.qkv_names, flavor, static)
     keep = config.keep_original
@@ -309,7 +306,7 @@ def _empty_layout(model: nn.Module, config, targets, report, qkv_names: tuple[st
 
 
 def static_inputs(config, family) -> tuple[str, ...]:
-    """The linears that get a calibrated static input scale: with ``fc2_input="static"`` (Float8), the MLP's output
+    """The linears that get a calibrated static input scale: with ``fc2_input="static"``, the MLP's output
     projection (the family's ``mlp_out`` modules), whose input is the activation's output; with
     ``out_proj_input="static"`` the attention's output projection (``attn_out``), whose input is the attention's."""
     kinds = {kind for kind, field in (("mlp_out", "fc2_input"), ("attn_out", "out_proj_input"))
@@ -318,4 +315,4 @@ def static_inputs(config, family) -> tuple[str, ...]:
 
 
 SAVED = {"smoothquant_w8a8": "W8A8", "float8": "FP8"}  # (the patch report's name of a loaded scheme)
-INT8 = Flavor(_quantize, W8A8QKVSlice, w8a8_gemm_note, static_inputs)
+INT8 = Flavor(_quantize, W8A8QKVSlice, w8a8_gemm_note)

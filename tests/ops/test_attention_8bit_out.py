@@ -16,7 +16,7 @@ from torch.library import opcheck
 from fuseinfer import FuseInferError
 from fuseinfer.ops.attention import allowed_mask, attention, sm90_prefill
 from fuseinfer.ops.attention_8bit_out import attention_8bit, attention_8bit_ref
-from fuseinfer.ops.fp8_linear_fp8out import FP8_DTYPE, FP8_MAX, quantize_fp8_static
+from fuseinfer.ops.linear_8bit_out import FP8_DTYPE, FP8_MAX, quantize_fp8_static
 from fuseinfer.ops.quant import quantize_int8_static
 
 # opcheck's schema test compares float8 tensors with torch.allclose, which they do not implement

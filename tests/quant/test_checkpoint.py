@@ -68,11 +68,12 @@ def test_refusals(tmp_path):
         fuseinfer.load_quantized(tmp_path)
 
 
-@pytest.mark.parametrize("out_proj_input", ["dynamic", "static"])
-def test_w8a8_round_trip_gives_identical_logits(tmp_path, monkeypatch, out_proj_input):
+@pytest.mark.parametrize("out_proj_input,fc2_input", [("dynamic", "dynamic"), ("static", "dynamic"),
+                                                      ("static", "static")])
+def test_w8a8_round_trip_gives_identical_logits(tmp_path, monkeypatch, out_proj_input, fc2_input):
     """A SmoothQuant W8A8 model (calibrated on token ids, smoothed, quantized) saves and loads without calibrating
-    or quantizing again: same tensors (the smoothed LayerNorms included; out_proj's static input scale with
-    out_proj_input="static"), identical logits, the scheme recorded."""
+    or quantizing again: same tensors (the smoothed LayerNorms included; out_proj's / fc2's static input scales
+    with out_proj_input / fc2_input "static"), identical logits, the scheme recorded."""
     from fuseinfer import SmoothQuantW8A8
     from fuseinfer.quant import smoothquant as sq
 
@@ -80,11 +81,11 @@ def test_w8a8_round_trip_gives_identical_logits(tmp_path, monkeypatch, out_proj_
     ids = torch.randint(0, 512, (1, 256), generator=torch.Generator().manual_seed(0))
     stats = sq.calibrate(model, ids=ids, samples=2, seq_len=128)
     fuseinfer.patch(model, PatchConfig(quant=SmoothQuantW8A8(alpha=0.5, calibration=stats,
-                                                             out_proj_input=out_proj_input)))
+                                                             out_proj_input=out_proj_input, fc2_input=fc2_input)))
     fuseinfer.save_quantized(model, tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert cfg["scheme"] == "smoothquant_w8a8" and cfg["alpha"] == 0.5 and cfg["calibration_source"] == "token ids"
-    assert cfg["out_proj_input"] == out_proj_input
+    assert cfg["out_proj_input"] == out_proj_input and cfg["fc2_input"] == fc2_input
     import fuseinfer.quant.w8a8 as w8
 
     monkeypatch.setattr(w8, "_stats", lambda *a: pytest.fail("load_quantized calibrated again"))
@@ -94,7 +95,9 @@ def test_w8a8_round_trip_gives_identical_logits(tmp_path, monkeypatch, out_proj_
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(k.endswith("qkv_proj.weight_q") for k in a)
     assert any(k.endswith("out_proj.input_scale") for k in a) == (out_proj_input == "static")
-    assert fuseinfer.patch_state(loaded).config.quant.out_proj_input == out_proj_input
+    assert any(k.endswith("fc2.input_scale") for k in a) == (fc2_input == "static")
+    quant = fuseinfer.patch_state(loaded).config.quant
+    assert quant.out_proj_input == out_proj_input and quant.fc2_input == fc2_input
     x = torch.randint(0, 512, (2, 9))
     with torch.no_grad():
         assert torch.equal(model(x).logits, loaded(x).logits)

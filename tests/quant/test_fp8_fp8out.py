@@ -10,13 +10,14 @@ import importlib
 
 import pytest
 import torch
+from helpers import scaled_linear_operands
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.library import opcheck
 
 from fuseinfer import FuseInferError
 from fuseinfer.ops.fp8_linear import FP8_DTYPE, FP8_MAX, quantize_fp8_ref
-from fuseinfer.ops.fp8_linear_fp8out import fp8_linear_fp8out, fp8_linear_fp8out_ref, quantize_fp8_static
+from fuseinfer.ops.linear_8bit_out import fp8_linear_fp8out, fp8_linear_fp8out_ref, quantize_fp8_static
 
 # opcheck's schema test compares float8 tensors with torch.allclose, which they do not implement (see test_fp8_ops)
 FP8_OPCHECK = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -24,14 +25,7 @@ FP8_OPCHECK = ("test_autograd_registration", "test_faketensor", "test_aot_dispat
 
 def operands(lead, n, k, bias_dtype=torch.float16, seed=0, device="cpu"):
     """(x_q, x_scale, w_q, w_scale, bias): per-token e4m3 x (*lead, K), per-channel e4m3 w (N, K), bias (N,)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*lead, k, generator=g)
-    w = torch.randn(n, k, generator=g) * 0.05
-    b = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype)
-    x_q, x_s = quantize_fp8_ref(x, -1)
-    w_q, w_s = quantize_fp8_ref(w, -1)
-    to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return to(x_q), to(x_s), to(w_q), to(w_s), to(b)
+    return scaled_linear_operands(quantize_fp8_ref, lead, n, k, bias_dtype, seed, device)
 
 
 def float64_y(x_q, x_scale, w_q, w_scale, bias, activation):
@@ -130,7 +124,7 @@ def test_cuda_registration_fallback_on_cpu(bias_dtype):
     """The CUDA registration where the kernel does not serve (run here on the CPU, where fp8_linear is the
     reference): fp8_linear in the bias' dtype (fp16 without one), then the static quantization: within one e4m3 step
     of the reference (the extra rounding to that dtype may move a value to the next e4m3 value)."""
-    mod = importlib.import_module("fuseinfer.ops.fp8_linear_fp8out")
+    mod = importlib.import_module("fuseinfer.ops.linear_8bit_out")
     args = operands((2, 9), 48, 64, bias_dtype)
     s = static_scale(float64_y(*args, "relu"), 0.5)
     out = mod._fp8_linear_fp8out_cuda(*args, s, "relu")
@@ -161,7 +155,7 @@ def test_gpu_kernel_matches_the_reference(lead, n, k, bias_dtype, headroom):
     fallback) against the float64 value: within one e4m3 step at the value plus the FP8 fast accumulation's error
     (2^-8 of the sum of |products|, as test_fp8_ops bounds fp8_linear), in units of the scale; saturated values at
     exactly +-448, never NaN; ReLU before the quantization (no negative output)."""
-    mod = importlib.import_module("fuseinfer.ops.fp8_linear_fp8out")
+    mod = importlib.import_module("fuseinfer.ops.linear_8bit_out")
     _needs_kernel()
     args = operands(lead, n, k, bias_dtype, device="cuda")
     assert mod.kernel_serves(args[0], args[2], args[4]) == (k % 16 == 0 and n % 16 == 0)

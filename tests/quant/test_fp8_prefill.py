@@ -176,7 +176,7 @@ def test_static_out_proj_input_equals_the_emulated_layer():
 def test_static_fc2_input_equals_the_emulated_layer():
     """The static path's numbers from first principles: fc2 of layer 0 sees e4m3(relu(fc1) / s) * s, where s =
     amax / 448 of fc2's calibrated input (the calibration's own max over fc2's input channels)."""
-    from fuseinfer.ops.fp8_linear_fp8out import fp8_linear_fp8out_ref, quantize_fp8_static
+    from fuseinfer.ops.linear_8bit_out import fp8_linear_fp8out_ref, quantize_fp8_static
     from fuseinfer.ops.fp8_linear import quantize_fp8_ref
 
     base = random_opt().eval()

@@ -36,10 +36,11 @@ def _stats(model):
     return sq.calibrate(model, ids=ids, samples=2, seq_len=128)
 
 
-def _w8a8(variant="pre_ln", out_proj_input="dynamic", **kw):
+def _w8a8(variant="pre_ln", out_proj_input="dynamic", fc2_input="dynamic", **kw):
     base = random_opt(**VARIANTS[variant], **kw).eval()
     model = copy.deepcopy(base)
-    fuseinfer.patch(model, PatchConfig(quant=SmoothQuantW8A8(calibration=_stats(base), out_proj_input=out_proj_input)))
+    fuseinfer.patch(model, PatchConfig(quant=SmoothQuantW8A8(calibration=_stats(base), out_proj_input=out_proj_input,
+                                                             fc2_input=fc2_input)))
     return base, model
 
 
@@ -153,6 +154,59 @@ def test_static_out_proj_input_equals_the_emulated_layer():
     assert_out_proj_takes_8bit_attention(model, out_proj, "int8")
 
 
+@pytest.mark.parametrize("variant", W8A8_VARIANTS)
+def test_static_fc2_input_lean_loop_equals_the_modules(variant):
+    """SmoothQuantW8A8(fc2_input="static"): fc2 holds a calibrated (1,) fp32 input_scale; the lean loop and the
+    modules both run fc1 as w8a8_linear_int8out (int8 out with that scale, ReLU first) and fc2 on it: the same
+    logits and caches."""
+    _, model = _w8a8(variant, fc2_input="static")
+    layer = model.model.decoder.layers[0]
+    scale = layer.fc2.input_scale
+    assert scale.shape == (1,) and scale.dtype == torch.float32 and scale > 0
+    assert layer.fc1.input_scale is None and layer.self_attn.out_proj.input_scale is None
+    assert_lean_equals_modules(model, _ids(model.config.vocab_size), "fuseinfer::w8a8_linear_int8out", per_layer=1)
+
+
+def test_static_inputs_leave_no_quantize_pass():
+    """Pre-LN with both inputs static: no per-token quantize at all, the attention as attention_int8out, fc1 as
+    w8a8_linear_int8out, q/k/v, out_proj and fc2 as w8a8_linear, the LayerNorms quantizing."""
+    _, model = _w8a8(out_proj_input="static", fc2_input="static")
+    layers = model.config.num_hidden_layers
+    counts = fuseinfer_op_counts(lambda: fuseinfer.prefill(model, _ids(model.config.vocab_size)))
+    assert counts["fuseinfer::quantize_int8"] == 0
+    assert counts["fuseinfer::attention_int8out"] == layers and counts["fuseinfer::attention"] == 0
+    assert counts["fuseinfer::w8a8_linear_int8out"] == layers
+    assert counts["fuseinfer::w8a8_linear"] == 3 * layers
+    assert counts["fuseinfer::add_layer_norm_quant"] == 2 * layers
+
+
+def test_static_fc2_input_equals_the_emulated_layer():
+    """fc2's scale is amax / 127 of its calibrated input divided by the smoothing factors folded into fc1 (when
+    smoothed), and fc1's int8 output is the static quantization of relu(fc1) with that scale; fc2 on it equals its
+    own call on the fp32 activation (which quantizes with the static scale)."""
+    from fuseinfer.ops.linear_8bit_out import w8a8_linear_int8out_ref
+    from fuseinfer.ops.quant import quantize_int8_ref, quantize_int8_static
+
+    base = random_opt().eval()
+    stats = _stats(base)
+    model = copy.deepcopy(base)
+    report = fuseinfer.patch(model, PatchConfig(quant=SmoothQuantW8A8(calibration=stats, fc2_input="static")))
+    layer = model.model.decoder.layers[0]
+    name = "model.decoder.layers.0.fc2"
+    factors = report.quant.smoothing.factors.get(name)
+    amax = (stats.act_max[name] / (1 if factors is None else factors)).max()
+    torch.testing.assert_close(layer.fc2.input_scale, (amax / 127).reshape(1), rtol=1e-6, atol=0)
+    x = torch.randn(7, model.config.hidden_size)
+    xq, xs = quantize_int8_ref(x, -1)
+    fc1, fc2 = layer.fc1, layer.fc2
+    y = w8a8_linear_int8out_ref(xq, xs, fc1.weight_q, fc1.weight_scale, fc1.bias, fc2.input_scale, "relu")
+    h = torch.relu(fc1.forward_quantized(xq, xs, None, "none", torch.float32))
+    assert torch.equal(y, quantize_int8_static(h, fc2.input_scale))
+    out = fc2.fused(h)
+    ref = fc2.forward_quantized(y, fc2.static_scales(y), None, "none", torch.float32)
+    assert torch.equal(out, ref)
+
+
 def test_fuseinfer_prefill_of_a_w8a8_model_equals_its_forward():
     _, model = _w8a8()
     ids = _ids(model.config.vocab_size)
@@ -183,26 +237,27 @@ def test_swapped_linear_or_int8_lm_head_keeps_the_modules():
 
 # ---- GPU: the kernels (add_layer_norm_quant, quantize_int8_rows, the sm90 W8A8 GEMM) in the lean loop / graph ----
 
-def _gpu_w8a8(dtype, out_proj_input="dynamic"):
+def _gpu_w8a8(dtype, static=()):
     base = random_opt(hidden_size=256, num_attention_heads=4, ffn_dim=1024, num_hidden_layers=3,
                       max_position_embeddings=512)
     stats = _stats(base)
     model = base.to("cuda", dtype)
-    fuseinfer.patch(model, PatchConfig(quant=SmoothQuantW8A8(calibration=stats, out_proj_input=out_proj_input)))
+    fuseinfer.patch(model, PatchConfig(quant=SmoothQuantW8A8(calibration=stats, **{f: "static" for f in static})))
     return model
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("out_proj_input", ["dynamic", "static"])
-def test_gpu_lean_loop_and_graph_equal_the_w8a8_modules(dtype, out_proj_input):
+@pytest.mark.parametrize("static", [(), ("out_proj_input",), ("fc2_input", "out_proj_input")],
+                         ids=["dynamic", "static-out_proj", "static-both"])
+def test_gpu_lean_loop_and_graph_equal_the_w8a8_modules(dtype, static):
     """On CUDA the lean loop calls the extension directly (the sm90 GEMM where it is built): it must give what the
     patched modules give (the same kernels in the same order: logits equal up to the LM head's row count), and
     generate must choose the same tokens through the prefill graph, the lean loop and the modules (static: the
-    attention kernel writing out_proj's int8 input)."""
+    attention kernel writing out_proj's int8 input, fc1's GEMM fc2's)."""
     from fuseinfer.ops.w8a8_linear import w8a8_backend
 
-    model = _gpu_w8a8(dtype, out_proj_input)
+    model = _gpu_w8a8(dtype, static)
     assert pf.lean_reason(model) is None
     print("w8a8 backend:", w8a8_backend(torch.device("cuda"), dtype))
     ids = _ids(model.config.vocab_size, rows=2, length=150).cuda()

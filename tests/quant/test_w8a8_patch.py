@@ -78,6 +78,7 @@ def test_unpatch_restores_with_kept_originals(tiny):
     (dict(calibration=3), "calibration= must be"),
     (dict(include_lm_head=True), "include_lm_head=False"),
     (dict(out_proj_input="per_token"), "out_proj_input must be one of"),
+    (dict(fc2_input=None), "fc2_input must be one of"),
 ])
 def test_bad_config(bad, match):
     with pytest.raises(FuseInferError, match=match):
@@ -142,7 +143,7 @@ def test_eval_backend_is_registered():
     cls = BACKENDS["fuseinfer-w8a8"]
     assert "SmoothQuantW8A8" in cls.summary
     static = BACKENDS["fuseinfer-w8a8-static"]
-    assert issubclass(static, cls) and "out_proj_input='static'" in static.summary
+    assert issubclass(static, cls) and "fc2_input='static', out_proj_input='static'" in static.summary
 
 
 def test_eval_backend_calibration_flags_and_random_weights(monkeypatch, tmp_path):
@@ -184,25 +185,27 @@ def test_eval_backend_calibration_flags_and_random_weights(monkeypatch, tmp_path
 
 @pytest.mark.parametrize("device, dtype", [("cpu", torch.float32),
                                            pytest.param("cuda", torch.float16, marks=pytest.mark.gpu)])
-def test_static_out_proj_input_perplexity_within_half_a_percent(tiny_model_path, device, dtype):
-    """SmoothQuantW8A8(out_proj_input="static"), out_proj's input scale calibrated on the WikiText-2 validation split
-    (8 windows of 512 tokens): test perplexity within 0.5% of the unquantized model (CPU fp32: the exact int8
-    emulation; CUDA fp16: the attention kernel writes out_proj's int8 input), as dynamic W8A8 (printed beside it)."""
+def test_static_inputs_perplexity_within_half_a_percent(tiny_model_path, device, dtype):
+    """SmoothQuantW8A8 with out_proj_input="static", then with fc2_input="static" too, the input scales calibrated on
+    the WikiText-2 validation split (8 windows of 512 tokens): test perplexity within 0.5% of the unquantized model
+    (CPU fp32: the exact int8 emulation; CUDA fp16: the attention kernel writes out_proj's int8 input, fc1's GEMM
+    fc2's), as dynamic W8A8 (printed beside them)."""
     from helpers import tiny_opt_and_tokenizer, wikitext_ppl, wikitext_windows
 
     base, tok = tiny_opt_and_tokenizer(tiny_model_path, dtype, device)
     windows = wikitext_windows(tok)
     ppl_fp = wikitext_ppl(base, windows, torch.device(device))
     ppls = {}
-    for mode in ("dynamic", "static"):
+    for mode, fc2 in (("dynamic", "dynamic"), ("static", "dynamic"), ("static", "static")):
         model = copy.deepcopy(base)
-        fuseinfer.patch(model, PatchConfig(quant=SmoothQuantW8A8(out_proj_input=mode, calibration=WIKITEXT,
-                                                                 tokenizer=tok, samples=8, seq_len=512)))
+        fuseinfer.patch(model, PatchConfig(quant=SmoothQuantW8A8(out_proj_input=mode, fc2_input=fc2,
+                                                                 calibration=WIKITEXT, tokenizer=tok, samples=8,
+                                                                 seq_len=512)))
         layers = model.model.decoder.layers
         assert all((layer.self_attn.out_proj.input_scale is not None) == (mode == "static") for layer in layers)
-        ppls[mode] = wikitext_ppl(model, windows, torch.device(device))
-    print(f"opt-wt2-tiny {dtype} ppl {ppl_fp:.3f}, W8A8 {ppls['dynamic']:.3f} "
-          f"({100 * (ppls['dynamic'] / ppl_fp - 1):+.3f}%), static out_proj input {ppls['static']:.3f} "
-          f"({100 * (ppls['static'] / ppl_fp - 1):+.3f}%)")
-    assert ppls["static"] != ppls["dynamic"]
-    assert abs(ppls["static"] / ppl_fp - 1) < 0.005
+        assert all((layer.fc2.input_scale is not None) == (fc2 == "static") for layer in layers)
+        ppls[mode, fc2] = wikitext_ppl(model, windows, torch.device(device))
+    print(f"opt-wt2-tiny {dtype} ppl {ppl_fp:.3f}, W8A8 " + ", ".join(
+        f"out_proj {m} fc2 {f} {p:.3f} ({100 * (p / ppl_fp - 1):+.3f}%)" for (m, f), p in ppls.items()))
+    assert len(set(ppls.values())) == 3
+    assert all(abs(p / ppl_fp - 1) < 0.005 for p in ppls.values())

@@ -10,10 +10,10 @@ linears at decode-sized inputs on CUDA, which run the int8 / e4m3 weight GEMV as
 :class:`W8A8LeanOps` (SmoothQuant: pre-LN, ``add_layer_norm_quant`` feeds q/k/v and fc1 int8 activations;
 attention's and fc1's outputs are quantized per token for out_proj and fc2; post-LN, the LayerNorm output is the
 residual stream, quantized apart) and :class:`Fp8LeanOps` (``Float8``: the same with e4m3 activations,
-``add_layer_norm_quant_fp8`` and ``quantize_fp8_per_token``, and the FP8 GEMM; with ``fc2_input="static"`` fc1's
-GEMM writes fc2's e4m3 input itself, ``fp8_linear_fp8out``; with ``out_proj_input="static"``, W8A8 or FP8, the
-attention kernel writes out_proj's 8-bit input, ``attention_int8out`` / ``attention_fp8out``). They run the same ops
-in the same order as the patched modules.
+``add_layer_norm_quant_fp8`` and ``quantize_fp8_per_token``, and the FP8 GEMM). With ``fc2_input="static"`` fc1's
+GEMM writes fc2's 8-bit input itself (``w8a8_linear_int8out`` / ``fp8_linear_fp8out``); with
+``out_proj_input="static"`` the attention kernel writes out_proj's (``attention_int8out`` / ``attention_fp8out``).
+They run the same ops in the same order as the patched modules.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from fuseinfer.ops import add_layer_norm, attention, w8a16_linear, linear_epilog
 from fuseinfer.ops.attention_8bit_out import attention_fp8out, attention_int8out
 from fuseinfer.ops.fp8_gemv import fp8_weight_linear
 from fuseinfer.ops.fp8_linear import FP8_DTYPE, fp8_linear, quantize_fp8_per_token
-from fuseinfer.ops.fp8_linear_fp8out import fp8_linear_fp8out
+from fuseinfer.ops.linear_8bit_out import fp8_linear_fp8out, w8a8_linear_int8out
 from fuseinfer.ops.kv_cache import kv_cache_append, kv_cache_append_fp8
 from fuseinfer.ops.layer_norm_quant import add_layer_norm_quant, add_layer_norm_quant_fp8
 from fuseinfer.ops.quant import quantize_per_token
@@ -75,8 +75,9 @@ class _Plan:
             self.w8a8_aligned = self.quant == "w8a8" and all(
                 lin.weight_q.shape[1] % 16 == 0 and lin.weight_q.shape[0] % 8 == 0
                 for lins in self.linears for lin in lins)
-            # FP8: id(fc1) -> fc2, for the fc2s with a static input scale (fc2_input="static"; checked at each call)
-            self.fc2_after = {id(fc1): fc2 for _, _, fc1, fc2 in self.linears} if self.quant == "fp8" else {}
+            # W8A8 / FP8: id(fc1) -> fc2, for the fc2s with a static input scale (fc2_input="static"; checked at
+            # each call)
+            self.fc2_after = {id(fc1): fc2 for _, _, fc1, fc2 in self.linears} if self.quant != "w8a16" else {}
         else:
             # the layers' q/k/v: (attention, its projections' linked parameters, the weight rows' byte step)
             self.qkv = tuple((attn, attn._fuseinfer_qkv_params,
@@ -328,7 +329,7 @@ class W8A8LeanOps(LeanOps):
     ``w8a8_backend`` is ``cutlass-sm90``, the plan's shapes aligned), else the op wrappers (references on CPU,
     ``torch._int_mm`` + rescale on other GPUs), which choose as the patched W8A8 modules' calls do."""
 
-    def __init__(self, like: torch.Tensor, heads: int, head_dim: int, aligned: bool):
+    def __init__(self, like: torch.Tensor, heads: int, head_dim: int, aligned: bool, fc2_after: dict | None = None):
         super().__init__(like, heads, head_dim)
         ext = extension(like.device) if like.is_cuda else None
         kernel = self.direct and aligned and w8a8_backend(like.device, like.dtype) == "cutlass-sm90"
@@ -340,7 +341,25 @@ class W8A8LeanOps(LeanOps):
             self.quant = quantize_per_token
         self.w8a8 = self._kernel if kernel else self._wrapper
         self.attend_8bit = attention_int8out
+        self.linear_8bit = w8a8_linear_int8out
+        self.fc2_after = fc2_after or {}  # id(fc1) -> fc2 (the plan's)
         self._ext = ext
+
+    def linear(self, x, lin, residual=None, activation=None):
+        """As LeanOps.linear, except fc1 feeding an fc2 with a static input scale (``fc2_input="static"``): fc1's
+        epilogue writes fc2's 8-bit input with that scale (ReLU first), handed on as (x_q, x_scale) like a
+        quantizing LayerNorm's output."""
+        nxt = self.fc2_after.get(id(lin))
+        if not writes_static_input(lin, nxt) or residual is not None or not (
+                activation is None or activation.__class__.__name__ == "ReLU"):
+            return super().linear(x, lin, residual, activation)
+        xq, xs = x if type(x) is tuple else self.quant(x)  # (M, K), (M,) or (M, 1)
+        b = lin._buffers
+        bias = b["bias"]
+        bias = None if bias is None else bias.to(self.dtype)
+        y = self.linear_8bit(xq, xs.view(-1, 1), b["weight_q"], b["weight_scale"], bias, nxt._buffers["input_scale"],
+                             "none" if activation is None else "relu")  # (M, F) 8-bit
+        return y, nxt.static_scales(y)
 
     def norm(self, x, ln, residual=None):
         if residual is not None:  # post-LN: the output is the residual stream
@@ -401,22 +420,8 @@ class Fp8LeanOps(W8A8LeanOps):
         self.quant = quantize_fp8_per_token  # (M, K) -> (q (M, K) e4m3, scale (M, 1))
         self.w8a8 = self._fp8
         self.attend_8bit = attention_fp8out
+        self.linear_8bit = fp8_linear_fp8out
         self.fc2_after = fc2_after or {}  # id(fc1) -> fc2 (the plan's)
-
-    def linear(self, x, lin, residual=None, activation=None):
-        """As LeanOps.linear, except fc1 feeding an fc2 with a static input scale (``fc2_input="static"``): fc1's
-        epilogue writes fc2's e4m3 input with that scale (ReLU first), handed on as (x_q, x_scale) like a quantizing
-        LayerNorm's output."""
-        nxt = self.fc2_after.get(id(lin))
-        if not writes_static_input(lin, nxt) or residual is not None or not (
-                activation is None or activation.__class__.__name__ == "ReLU"):
-            return super().linear(x, lin, residual, activation)
-        xq, xs = x if type(x) is tuple else self.quant(x)
-        b = lin._buffers
-        bias = b["bias"]
-        y = fp8_linear_fp8out(xq, xs, b["weight_q"], b["weight_scale"], None if bias is None else bias.to(self.dtype),
-                              nxt._buffers["input_scale"], "none" if activation is None else "relu")  # (M, F) e4m3
-        return y, nxt.static_scales(y)
 
     def _fp8(self, xq, xs, lin, residual, activation: str) -> torch.Tensor:
         """xq (M, K) e4m3, xs (M, 1) fp32 -> (M, N) in the model's dtype."""
@@ -461,7 +466,7 @@ def _layers(plan: _Plan, tokens, positions, key_mask, q_start, cache, slots, kv_
     h = _embed(plan, tokens, positions)  # (B*S, E)
     like = plan.lm_head.weight
     if plan.quant == "w8a8" and not decode_rows(h):
-        ops = W8A8LeanOps(like, plan.heads, plan.head_dim, plan.w8a8_aligned)
+        ops = W8A8LeanOps(like, plan.heads, plan.head_dim, plan.w8a8_aligned, plan.fc2_after)
     elif plan.quant == "fp8" and not decode_rows(h):
         ops = Fp8LeanOps(like, plan.heads, plan.head_dim, plan.fc2_after)
     elif plan.quant is not None:  # W8A16, or W8A8 / FP8 at decode-sized inputs on CUDA (the GEMV, as the modules)

@@ -10,12 +10,11 @@ the swapped modules' own hooks and parameters stay as they are):
   linears (q/k/v fused; fc1) runs as ``add_layer_norm_quant``, which emits the int8 activations and per-token
   scales those GEMMs read (the smoothing factors are already folded into the LayerNorm's weight and bias); the
   fp16 LayerNorm output is never formed. fc2's input (fc1's ReLU output) and out_proj's (attention's) are
-  quantized per token by ``quantize_int8`` (the sm90 GEMM has no int8-output epilogue: a per-token scale needs the
-  whole row, spread over several CTAs);
-* FP8 W8A8 (``Float8``) likewise: those LayerNorms run as ``add_layer_norm_quant_fp8`` (per-token e4m3 activations
-  and scales for the FP8 GEMMs); out_proj's and fc2's inputs are quantized by the linears themselves, or, with a
-  calibrated static scale at prefill, written in e4m3 by the attention kernel (``out_proj_input="static"``, which
-  W8A8 takes too, in int8) and by fc1's GEMM (``fc2_input="static"``);
+  quantized per token by ``quantize_int8`` (a per-token scale needs the whole row, spread over several CTAs, so no
+  epilogue can write it), or, with a calibrated static scale at prefill, written in int8 by the attention kernel
+  (``out_proj_input="static"``) and by fc1's GEMM (``fc2_input="static"``);
+* FP8 W8A8 (``Float8``) likewise, in e4m3: those LayerNorms run as ``add_layer_norm_quant_fp8``; out_proj's and
+  fc2's inputs are quantized by the linears themselves, or written in e4m3 as above with static scales;
 * with :data:`FOLD_NORMS` (pre-LN), each LayerNorm runs in the prologue of the GEMV after it at decode rows
   (self_attn_layer_norm in the q/k/v GEMV that writes the cache, final_layer_norm in fc1's:
   ``layer_norm_linear_append`` / ``layer_norm_linear``), for fp16 / bf16 and int8 weight-only weights;
@@ -232,7 +231,7 @@ class FusedOPTAttention(OPTAttention):
 
 class _Quantized:
     """A LayerNorm output quantized per token for the W8A8 / FP8 GEMM that reads it: ``q`` = (x_q int8 / e4m3
-    (B, S, E), x_scale fp32 (B, S, 1)); ``x``, the LayerNorm's input, gives the shape and dtype. Also fc1's e4m3
+    (B, S, E), x_scale fp32 (B, S, 1)); ``x``, the LayerNorm's input, gives the shape and dtype. Also fc1's 8-bit
     output for an fc2 with a static input scale (``x``: fc1's input, for the dtype; x_scale that scale per token)."""
 
     __slots__ = ("x", "q")
@@ -304,24 +303,24 @@ class ModuleOps:
             return y if residual is None else residual + y
         act = "none" if activation is None else "relu"  # (ReLU in the GEMM's epilogue)
         nxt = self._static_next(lin)
-        if nxt is not None:  # fc1 writing fc2's e4m3 input with fc2's static scale (ReLU before the quantization)
+        if nxt is not None:  # fc1 writing fc2's 8-bit input with fc2's static scale (ReLU before the quantization)
             like = x.x if type(x) is _Quantized else x
             xq, xs = x.q if type(x) is _Quantized else lin.quantize_input(x)
-            y = lin.forward_fp8out(xq, xs, nxt.input_scale, act, like.dtype)  # (..., F) e4m3
+            y = lin.forward_8bit_out(xq, xs, nxt.input_scale, act, like.dtype)  # (..., F) int8 / e4m3
             return _Quantized(like, (y, nxt.static_scales(y)))
         return self._gemm(x, lin, residual, act)
 
     @staticmethod
     def _gemm(x, lin, residual, act: str):
         """act(x @ W.T + bias + residual) for ``lin``; x a tensor, or 8-bit activations (``_Quantized``: fc1 on
-        add_layer_norm_quant(_fp8)'s output, fc2 on fc1's e4m3 output) -> (..., N) in the model's dtype."""
+        add_layer_norm_quant(_fp8)'s output, fc2 on fc1's 8-bit output) -> (..., N) in the model's dtype."""
         if type(x) is _Quantized:
             return lin.forward_quantized(*x.q, residual, act, x.x.dtype)
         return fused_linear(lin, x, residual, act)
 
     def _static_next(self, lin):
-        """fc2, when ``lin`` is this layer's fc1 and fc1's epilogue writes fc2's e4m3 input at prefill (FP8 with
-        ``fc2_input="static"``: fc2 holds a calibrated ``input_scale``); else None."""
+        """fc2, when ``lin`` is this layer's fc1 and fc1's epilogue writes fc2's 8-bit input at prefill
+        (``fc2_input="static"``: fc2 holds a calibrated ``input_scale``); else None."""
         mods = self.layer._modules
         fc2 = mods.get("fc2")
         return fc2 if self.prefill and lin is mods.get("fc1") and writes_static_input(lin, fc2) else None
