@@ -95,10 +95,10 @@ void linear_8bit_out_cuda(const at::Tensor& x_q, const at::Tensor& x_scale, cons
 #endif
 }
 
-// linear_8bit_out(x_q, x_scale, w_q, w_scale, bias, out_scale, relu, out): x_q (M, K), w_q (N, K) and out (M, N)
-// all float8_e4m3fn or all int8, x_scale M fp32, w_scale N fp32, bias (N,) fp16 or bf16 or None, out_scale one fp32
-// value, out preallocated; all contiguous, K % 16 == 0, N % 16 == 0. w8a8_linear_unavailable says whether it runs on
-// a device.
+// linear_8bit_out(x_q, x_scale, w_q, w_scale, bias, out_scale, relu, out): x_q (M, K), w_q (N, K) and out (M, N) all
+// float8_e4m3fn or all int8, x_scale M fp32 (or one, for every row), w_scale N fp32, bias (N,) fp16 or bf16 or None,
+// out_scale one fp32 value, out preallocated; all contiguous, K % 16 == 0, N % 16 == 0. w8a8_linear_unavailable says
+// whether it runs on a device.
 TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
   m.def("linear_8bit_out(Tensor x_q, Tensor x_scale, Tensor w_q, Tensor w_scale, Tensor? bias, Tensor out_scale, "
         "bool relu, Tensor(a!) out) -> ()");

@@ -97,8 +97,10 @@ GemmParams checked_params(const char* op, const at::Tensor& x_q, const at::Tenso
               w_q.size(1) == x_q.size(1) && w_q.device() == x_q.device(),
               op, ": w_q must be a contiguous (N, K) tensor of x_q's dtype on x_q's device");
   const int64_t m = x_q.size(0), k = x_q.size(1), n = w_q.size(0);
-  TORCH_CHECK(x_scale.scalar_type() == at::kFloat && x_scale.is_contiguous() && x_scale.numel() == m &&
-              x_scale.device() == x_q.device(), op, ": x_scale must be M contiguous fp32 values");
+  // (one value: a static per-tensor scale for every row)
+  TORCH_CHECK(x_scale.scalar_type() == at::kFloat && x_scale.is_contiguous() &&
+              (x_scale.numel() == m || x_scale.numel() == 1) && x_scale.device() == x_q.device(), op,
+              ": x_scale must be M (or 1) contiguous fp32 values");
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == n &&
               w_scale.device() == x_q.device(), op, ": w_scale must be N contiguous fp32 values");
   TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == m && out.size(1) == n &&
@@ -119,6 +121,7 @@ GemmParams checked_params(const char* op, const at::Tensor& x_q, const at::Tenso
   p.a = x_q.data_ptr();
   p.b = w_q.data_ptr();
   p.a_scale = x_scale.data_ptr<float>();
+  p.a_per_row = x_scale.numel() == m && m != 1;
   p.w_scale = w_scale.data_ptr<float>();
   p.bias = has_bias ? bias->data_ptr() : nullptr;
   p.residual = nullptr;
@@ -198,11 +201,10 @@ void w8a8_linear_cuda(const at::Tensor& x_q, const at::Tensor& x_scale, const at
 }
 
 // w8a8_linear(x_q, x_scale, w_q, w_scale, bias, residual, relu, out): x_q (M, K) and w_q (N, K) both int8 or both
-// float8_e4m3fn (FP8: fp32 accumulation), x_scale M
-// fp32, w_scale N fp32, bias (N,), residual (M, N), out (M, N) preallocated, fp16 or bf16 (bias and residual in out's
-// dtype); all contiguous, K % 16 == 0, N % 8 == 0; act = ReLU when relu.
-// w8a8_linear_unavailable(device): "" when w8a8_linear runs on CUDA device `device`, else why not (built without
-// CUTLASS or sm_90a, not sm_90).
+// float8_e4m3fn (FP8: fp32 accumulation), x_scale M fp32 (or one, for every row), w_scale N fp32, bias (N,), residual
+// (M, N), out (M, N) preallocated, fp16 or bf16 (bias and residual in out's dtype); all contiguous, K % 16 == 0, N % 8
+// == 0; act = ReLU when relu. w8a8_linear_unavailable(device): "" when w8a8_linear runs on CUDA device `device`, else
+// why not (built without CUTLASS or sm_90a, not sm_90).
 TORCH_LIBRARY_FRAGMENT(fuseinfer_C, m) {
   m.def("w8a8_linear(Tensor x_q, Tensor x_scale, Tensor w_q, Tensor w_scale, Tensor? bias, Tensor? residual, "
         "bool relu, Tensor(a!) out) -> ()");

@@ -11,8 +11,9 @@
 //
 //   acc = x_q (M, K) int8 @ w_q (N, K)^T int8, exact in int32 (or, the FP8 instantiations, float8 e4m3 operands
 //   accumulated by the tensor cores: CUTLASS's FP8 fast-accumulation mainloop, as TensorRT-LLM and vLLM run it);
-//   a_scale (M,) fp32 per token, w_scale (N,) fp32 per output channel, bias (N,) and residual (M, N) in the output
-//   dtype (fp16 / bf16), each optional at run time; act = ReLU or identity, chosen at run time (max with 0 or -inf).
+//   a_scale (M,) fp32 per token (or one static value for every row), w_scale (N,) fp32 per output channel, bias
+//   (N,) and residual (M, N) in the output dtype (fp16 / bf16), each optional at run time; act = ReLU or identity,
+//   chosen at run time (max with 0 or -inf).
 //
 // The approach (CollectiveBuilder mainloop on int8 row-major A / column-major B, int32 accumulators, a
 // per-row x per-column scale EVT) follows vLLM's csrc/quantization/cutlass_w8a8/scaled_mm_c3x*.cu
@@ -51,7 +52,8 @@ namespace fusion = cutlass::epilogue::fusion;
 struct GemmParams {
   const void* a;           // (M, K) activations, int8 or float8 e4m3 (the instantiation's ElementAB)
   const void* b;           // (N, K) weights, the same type (nn.Linear layout)
-  const float* a_scale;    // (M,)
+  const float* a_scale;    // (M,) per token, or one value for every row (a_per_row false)
+  bool a_per_row;          // a_scale holds M values (else 1)
   const float* w_scale;    // (N,)
   const void* bias;        // (N,) output dtype, or null
   const void* residual;    // (M, N) output dtype, or null
@@ -125,62 +127,16 @@ struct ResidualFetch {
   }
 };
 
-// The epilogue tree for a CTA tile shape; ElementD_ is cutlass::half_t or cutlass::bfloat16_t (the output, bias and
-// residual dtype).
-template <class TileShape, class ElementD_>
-struct Epilogue {
-  using ElementD = ElementD_;
-  using ElementC = ElementD;  // the residual
-  using RN = std::integral_constant<cutlass::FloatRoundStyle, cutlass::FloatRoundStyle::round_to_nearest>;
-  static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
-
-  using Acc = fusion::Sm90AccFetch;                                                               // int32 / fp32
-  using WScale = fusion::Sm90RowBroadcast<0, TileShape, float, float, Stride<_0, _1, _0>>;        // (N,)
-  using AScale = fusion::Sm90ColBroadcast<0, TileShape, float, float, Stride<_1, _0, _0>>;        // (M,)
-  using Bias = fusion::Sm90RowBroadcast<0, TileShape, ElementD, float, Stride<_0, _1, _0>>;       // (N,), null = 0
-  using Residual = ResidualFetch<ElementD>;                                                       // (M, N) via C
-  using Floor = fusion::Sm90ScalarBroadcast<float>;                                               // 0 or -inf
-
-  // t0 = w_scale[n] * acc
-  using T0 = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, float, float, kRound>, WScale, Acc>;
-  // t1 = a_scale[m] * t0 + bias[n]
-  using T1 = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiply_add, float, float, kRound>, AScale, T0, Bias>;
-  // t2 = t1 + residual[m, n]
-  using T2 = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::plus, float, float, kRound>, T1, Residual>;
-  // out = max(t2, floor) rounded to ElementD
-  using Tree = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::maximum, ElementD, float, kRound>, T2, Floor>;
-
-  static typename Tree::Arguments arguments(GemmParams const& p) {
-    typename WScale::Arguments w_scale{p.w_scale, 0.f, {}};
-    typename AScale::Arguments a_scale{p.a_scale, 0.f, {}};
-    typename Bias::Arguments bias{static_cast<ElementD const*>(p.bias), ElementD(0), {}};
-    typename Residual::Arguments residual{p.residual != nullptr};
-    typename Floor::Arguments floor{};
-    floor.scalars[0] = p.relu ? 0.f : -cutlass::platform::numeric_limits<float>::infinity();
-    typename T0::Arguments t0{w_scale, {}, {}};
-    typename T1::Arguments t1{a_scale, t0, bias, {}};
-    typename T2::Arguments t2{t1, residual, {}};
-    return typename Tree::Arguments{t2, floor, {}};
-  }
-};
-
-// The 8-bit-output epilogue trees (fc1 writing fc2's input with a static per-tensor scale): D float8 e4m3
-// (EpilogueFp8Out) or int8 (EpilogueInt8Out), no C (no residual), bias in ElementBias (cutlass::half_t or
-// cutlass::bfloat16_t, the model's dtype). The scale is 1 / out_scale, formed once per CTA from the device scalar (a
-// scalar broadcast whose two-value "reduction" is 1.0 / *out_scale), so the tree multiplies and the scale stays on
-// the device (no host sync, graph-capturable). Both share the scaled prefix t1 = a_scale[m] * (w_scale[n] * acc) +
-// bias[n]; then
-//   e4m3: out = e4m3(max(t1, floor) * inv), CUTLASS's cvt.rn.satfinite (round to nearest even, saturating at
-//         +-448; NaN stays NaN); floor 0 (ReLU) or -inf;
-//   int8: out = int8(max(min(t1 * inv, 127), floor)), floor 0 (ReLU) or -127: clamped to +-127 in fp32 first
-//         (CUTLASS's fp32 -> int8 array conversion goes through int32 and does not saturate), then rounded to
-//         nearest even (cvt.rni); ReLU after the positive scale is ReLU before it.
+// The scaled prefix every epilogue tree starts with, t1 = a_scale * (w_scale[n] * acc) + bias[n] in fp32: w_scale
+// per output channel, bias (N,) in ElementBias (the model's dtype; null reads as 0), and a_scale per token (a_scale[m])
+// or one value for every row (a static per-tensor scale) as GemmParams::a_per_row says: a column broadcast with a
+// run-time stride (0 or 1: CUTLASS's dynamic column-or-scalar broadcast), so one instantiation serves both.
 template <class TileShape, class ElementBias>
 struct ScaledPrefix {
   static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
-  using Acc = fusion::Sm90AccFetch;
+  using Acc = fusion::Sm90AccFetch;                                                               // int32 / fp32
   using WScale = fusion::Sm90RowBroadcast<0, TileShape, float, float, Stride<_0, _1, _0>>;        // (N,)
-  using AScale = fusion::Sm90ColBroadcast<0, TileShape, float, float, Stride<_1, _0, _0>>;        // (M,)
+  using AScale = fusion::Sm90ColBroadcast<0, TileShape, float, float, Stride<bool, _0, _0>>;      // (M,) or (1,)
   using Bias = fusion::Sm90RowBroadcast<0, TileShape, ElementBias, float, Stride<_0, _1, _0>>;    // (N,), null = 0
   using Scalar = fusion::Sm90ScalarBroadcast<float>;                                              // floor, ceiling
   using InvScale = fusion::Sm90ScalarBroadcast<float, Stride<_0, _0, _0>, 2, cutlass::divides>;   // 1 / out_scale
@@ -194,7 +150,7 @@ struct ScaledPrefix {
 
   static typename T1::Arguments t1(GemmParams const& p) {
     typename WScale::Arguments w_scale{p.w_scale, 0.f, {}};
-    typename AScale::Arguments a_scale{p.a_scale, 0.f, {}};
+    typename AScale::Arguments a_scale{p.a_scale, 0.f, {p.a_per_row, _0{}, _0{}}};
     typename Bias::Arguments bias{static_cast<ElementBias const*>(p.bias), ElementBias(0), {}};
     typename T0::Arguments t0{w_scale, {}, {}};
     return typename T1::Arguments{a_scale, t0, bias, {}};
@@ -212,6 +168,38 @@ struct ScaledPrefix {
   }
 };
 
+// The epilogue tree for a CTA tile shape; ElementD_ is cutlass::half_t or cutlass::bfloat16_t (the output, bias and
+// residual dtype): out = max(t1 + residual[m, n], floor) rounded once to ElementD, floor 0 (ReLU) or -inf.
+template <class TileShape, class ElementD_>
+struct Epilogue {
+  using ElementD = ElementD_;
+  using ElementC = ElementD;  // the residual
+  using P = ScaledPrefix<TileShape, ElementD>;
+  using Residual = ResidualFetch<ElementD>;                                                       // (M, N) via C
+
+  // t2 = t1 + residual[m, n]
+  using T2 = fusion::Sm90EVT<typename P::template Op<cutlass::plus>, typename P::T1, Residual>;
+  // out = max(t2, floor) rounded to ElementD
+  using Tree = fusion::Sm90EVT<typename P::template Op<cutlass::maximum, ElementD>, T2, typename P::Scalar>;
+
+  static typename Tree::Arguments arguments(GemmParams const& p) {
+    typename Residual::Arguments residual{p.residual != nullptr};
+    typename T2::Arguments t2{P::t1(p), residual, {}};
+    const float floor = p.relu ? 0.f : -cutlass::platform::numeric_limits<float>::infinity();
+    return typename Tree::Arguments{t2, P::scalar(floor), {}};
+  }
+};
+
+// The 8-bit-output epilogue trees (fc1 writing fc2's input with a static per-tensor scale): D float8 e4m3
+// (EpilogueFp8Out) or int8 (EpilogueInt8Out), no C (no residual), bias in ElementBias (cutlass::half_t or
+// cutlass::bfloat16_t, the model's dtype). The scale is 1 / out_scale, formed once per CTA from the device scalar (a
+// scalar broadcast whose two-value "reduction" is 1.0 / *out_scale), so the tree multiplies and the scale stays on
+// the device (no host sync, graph-capturable). After the scaled prefix t1:
+//   e4m3: out = e4m3(max(t1, floor) * inv), CUTLASS's cvt.rn.satfinite (round to nearest even, saturating at
+//         +-448; NaN stays NaN); floor 0 (ReLU) or -inf;
+//   int8: out = int8(max(min(t1 * inv, 127), floor)), floor 0 (ReLU) or -127: clamped to +-127 in fp32 first
+//         (CUTLASS's fp32 -> int8 array conversion goes through int32 and does not saturate), then rounded to
+//         nearest even (cvt.rni); ReLU after the positive scale is ReLU before it.
 template <class TileShape, class ElementBias>
 struct EpilogueFp8Out {
   using ElementD = cutlass::float_e4m3_t;

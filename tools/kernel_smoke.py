@@ -371,7 +371,7 @@ def rope_kernels():
 
 
 # ---- the sm_90 CUTLASS scaled GEMMs with 8-bit output (fc1 writing fc2's input: e4m3 and int8) at each tile
-# configuration's M, and the fp16/bf16-output FP8 one they sit beside ----
+# configuration's M, and the fp16/bf16-output FP8 one they sit beside; per-token and one-value x_scale ----
 def scaled_gemms_8bit_out():
     from fuseinfer.ops.fp8_linear import fp8_linear, quantize_fp8_ref
     from fuseinfer.ops.linear_8bit_out import fp8_linear_fp8out, w8a8_linear_int8out
@@ -389,9 +389,11 @@ def scaled_gemms_8bit_out():
                 (xq, xs), (wq, ws) = quantize(x, -1), quantize(w, -1)
                 linear_8bit_out(xq, xs, wq, ws.view(-1), b, scale, "relu")
                 linear_8bit_out(xq, xs, wq, ws.view(-1), None, scale, "none")
+                linear_8bit_out(xq, scale, wq, ws.view(-1), b, scale, "relu")  # one x_scale for every row
             xq, xs = quantize_fp8_ref(x, -1)
             wq, ws = quantize_fp8_ref(w, -1)
             fp8_linear(xq, xs, wq, ws.view(-1), b, torch.randn(m, 528, device="cuda", dtype=dtype), "relu", dtype)
+            fp8_linear(xq, scale, wq, ws.view(-1), b, torch.randn(m, 528, device="cuda", dtype=dtype), "relu", dtype)
 
 
 # ---- the FP8 (e4m3) KV cache: the appends (plain and fused with the rotary, every vector width, out-of-range slots)

@@ -79,8 +79,9 @@ class ChannelScaledLinear(QuantizedLinear):
         self.input_scale = torch.tensor([scale], dtype=torch.float32, device=self.weight_scale.device)
 
     def static_scales(self, x_q: torch.Tensor) -> torch.Tensor:
-        """The per-token scales of an input quantized with ``input_scale``: (..., 1) fp32, every one that scale."""
-        return self.input_scale.expand(*x_q.shape[:-1], 1).contiguous()
+        """The x_scale of an input ``x_q`` quantized with ``input_scale``: that one (1,) fp32 value, which the scaled
+        GEMMs apply to every row (no per-row copy of it)."""
+        return self.input_scale
 
     def forward_8bit_out(self, x_q, x_scale, out_scale: torch.Tensor, activation: str = "none",
                          bias_dtype: torch.dtype = torch.float16) -> torch.Tensor:

@@ -4,7 +4,7 @@
 
 x_q (..., K) float8_e4m3fn with per-token fp32 scales x_scale (..., 1) (``quantize_fp8_per_token``: scale =
 max|x_row| / 448, dynamic; on CUDA one kernel, ``csrc/quant.cu``'s ``quantize_fp8_rows``, bit-exact to
-``quantize_fp8_ref``), w_q (N, K) float8_e4m3fn with per-output-channel fp32 scales w_scale (N, 1) or (N,)
+``quantize_fp8_ref``) or one static scale for every token (one value), w_q (N, K) float8_e4m3fn with per-output-channel fp32 scales w_scale (N, 1) or (N,)
 (``quantize_fp8_ref(w, -1)``); bias (N,) and residual (..., N) in the output dtype; act = ReLU or none. The
 epilogue is ``fused_linear``'s protocol, shared with the int8 W8A8 op (``w8a8_linear._epilogue``).
 
@@ -145,7 +145,7 @@ def _scaled_mm(x_q, x_scale, w_q, w_scale, bias, residual, activation, out_dtype
     # row-major (M, K) x column-major (K, N): w_q (N, K) contiguous, transposed as a view
     try:
         y = torch._scaled_mm(x2.contiguous(), w_q.contiguous().t(),
-                             scale_a=x_scale.reshape(m, 1).float().contiguous(),
+                             scale_a=x_scale.reshape(-1, 1).float().expand(m, 1).contiguous(),
                              scale_b=w_scale.reshape(1, n).float().contiguous(), out_dtype=torch.bfloat16)  # (M, N)
     except RuntimeError as exc:  # a constraint this torch build has: the reference from now on, and said so
         why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

@@ -3,7 +3,8 @@
     fp8_linear_fp8out:   out = e4m3(clamp(act(acc * x_scale[m] * w_scale[n] + bias[n]) / out_scale, -448, 448))
     w8a8_linear_int8out: out = clamp(round(act(acc * x_scale[m] * w_scale[n] + bias[n]) / out_scale), -127, 127)
 
-acc = x_q @ w_q.T: x_q (..., K) float8_e4m3fn / int8 with per-token fp32 scales x_scale (..., 1), w_q (N, K) of the
+acc = x_q @ w_q.T: x_q (..., K) float8_e4m3fn / int8 with per-token fp32 scales x_scale (..., 1) (or one static
+value), w_q (N, K) of the
 same type with per-output-channel fp32 scales w_scale (N, 1) or (N,); bias (N,) fp16 / bf16 / fp32 or None, act =
 ReLU or none, out_scale one fp32 value: the *static* per-tensor scale of the next linear's input (calibrated
 ``amax / 448`` or ``amax / 127``, as TensorRT-LLM and ModelOpt quantize static activations). A per-token scale cannot
@@ -84,7 +85,7 @@ def _cuda(x_q, x_scale, w_q, w_scale, bias, out_scale, activation, fmt: str):
         m = x2.shape[0]
         out = torch.empty(m, n, dtype=dtype, device=x_q.device)  # (M, N)
         extension(x_q.device).linear_8bit_out(
-            x2, _aligned(x_scale.reshape(m)), _aligned(w_q), _aligned(w_scale.reshape(n)),
+            x2, _aligned(x_scale.reshape(-1)), _aligned(w_q), _aligned(w_scale.reshape(n)),
             None if bias is None else _aligned(bias), out_scale.reshape(1).float(), activation == "relu", out)
         return out.view(*lead, n)
     y = linear_cuda(x_q, x_scale, w_q, w_scale, bias, None, activation,

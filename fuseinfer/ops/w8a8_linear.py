@@ -3,7 +3,7 @@
     out = act(acc * x_scale[m] * w_scale[n] + bias[n] + residual[m, n]),   acc = x_q @ w_q.T (exact, int32)
 
 x_q (..., K) int8 with per-token fp32 scales x_scale (..., 1) (from ``add_layer_norm_quant`` or
-``quantize_per_token``), w_q (N, K) int8 with per-output-channel fp32 scales w_scale (N, 1) or (N,)
+``quantize_per_token``) or one static scale for every token (one value), w_q (N, K) int8 with per-output-channel fp32 scales w_scale (N, 1) or (N,)
 (``quantize_per_channel``); bias (N,) and residual (..., N) in the output dtype; act = ReLU or none. The epilogue
 math is fp32 with one rounding to ``out_dtype``, so the only error against fp32 is the quantisation itself.
 
@@ -150,7 +150,7 @@ def sm90_scaled_linear(x_q, x_scale, w_q, w_scale, bias, residual, activation, o
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)  # (M, N)
     r2 = None if residual is None else _aligned(residual.reshape(m, n))
-    ext.w8a8_linear(x2, _aligned(x_scale.reshape(m)), _aligned(w_q), _aligned(w_scale.reshape(n)),
+    ext.w8a8_linear(x2, _aligned(x_scale.reshape(-1)), _aligned(w_q), _aligned(w_scale.reshape(n)),
                     None if bias is None else _aligned(bias), r2, activation == "relu", out)
     return out.view(*lead, n)
 
@@ -183,9 +183,10 @@ def check_scaled_linear(op: str, qdtype: torch.dtype, hint: str, x_q, x_scale, w
         raise FuseInferError(f"{op}: expected x_q (..., K) and w_q (N, K), got {tuple(x_q.shape)} and "
                              f"{tuple(w_q.shape)}")
     rows, n = x_q.shape[:-1].numel(), w_q.shape[0]
-    if x_scale.dtype != torch.float32 or x_scale.numel() != rows or x_scale.shape[:-1] != x_q.shape[:-1]:
-        raise FuseInferError(f"{op}: x_scale must be fp32 {tuple(x_q.shape[:-1]) + (1,)} (one per token), got "
-                             f"{tuple(x_scale.shape)} {x_scale.dtype}")
+    per_token = x_scale.numel() == rows and x_scale.shape[:-1] == x_q.shape[:-1]
+    if x_scale.dtype != torch.float32 or not (per_token or x_scale.numel() == 1):
+        raise FuseInferError(f"{op}: x_scale must be fp32 {tuple(x_q.shape[:-1]) + (1,)} (one per token) or one "
+                             f"value (a static scale for every token), got {tuple(x_scale.shape)} {x_scale.dtype}")
     if w_scale.dtype != torch.float32 or w_scale.numel() != n or w_scale.shape[0] != n:
         raise FuseInferError(f"{op}: w_scale must be fp32 ({n}, 1) or ({n},) (one per output channel), got "
                              f"{tuple(w_scale.shape)} {w_scale.dtype}")
