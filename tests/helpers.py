@@ -210,6 +210,18 @@ def fuseinfer_op_counts(fn):
     return collections.Counter(e.name for e in prof.events() if e.name.startswith("fuseinfer::"))
 
 
+def assert_prefill_op_counts(model, ids, per_layer: dict, once: dict | None = None) -> None:
+    """``fuseinfer.prefill(model, ids)`` calls each op of ``per_layer`` (name without ``fuseinfer::`` -> calls per
+    decoder layer) that many times per layer, and each of ``once`` that many times in all (counted on CPU)."""
+    import fuseinfer
+
+    counts = fuseinfer_op_counts(lambda: fuseinfer.prefill(model, ids))
+    layers = model.config.num_hidden_layers
+    want = {**{op: n * layers for op, n in per_layer.items()}, **(once or {})}
+    got = {op: counts[f"fuseinfer::{op}"] for op in want}
+    assert got == want, (got, want)
+
+
 def modules_forward(model, **inputs):
     """model(**inputs) through the patched modules, under no_grad (RuntimeConfig.prefill='module' for the call: the
     patched model's own forward otherwise takes the lean loop, runtime/forward.py)."""
@@ -585,6 +597,20 @@ def assert_out_proj_takes_8bit_attention(model, out_proj, fmt: str):
     a = attention_ref(q, k, v, None, None, 0.3).flatten(2)  # (2, 9, E) fp32
     ref = out_proj.forward_quantized(y, out_proj.static_scales(y), None, "none", torch.float32)
     assert torch.equal(out_proj.fused(a), ref)
+
+
+def assert_graph_follows_scale(call, scale: torch.Tensor, values=(0.05, 0.2)) -> None:
+    """``call(scale)`` (an op writing 8 bits with the static scale ``scale``, one fp32 value on the GPU), captured once
+    in a CUDA graph, follows in-place changes of the scale (read on the device, no host sync): each replay equals an
+    eager call at that value, bit for bit."""
+    call(scale)  # (warm-up outside the capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call(scale)
+    for value in values:
+        scale.fill_(value)
+        graph.replay()
+        assert torch.equal(out.view(torch.uint8), call(scale).view(torch.uint8)), value
 
 
 def scaled_linear_operands(quantize, lead, n, k, bias_dtype=torch.float16, seed=0, device="cpu"):

@@ -10,7 +10,7 @@ import importlib
 
 import pytest
 import torch
-from helpers import examples, given, paths_taken, require_kernel, st, wgmma_available
+from helpers import assert_graph_follows_scale, examples, given, paths_taken, require_kernel, st, wgmma_available
 from torch.library import opcheck
 
 from fuseinfer import FuseInferError
@@ -234,13 +234,5 @@ def test_gpu_kernel_takes_a_graph_captured_scale(fmt):
     """The scale is read on the device: a CUDA graph captured once follows a changed scale."""
     require_kernel()
     q, k, v, key_mask, q_start = _gpu_case(GPU_CASES[1], 64, torch.float16)
-    s = torch.tensor([0.01], device="cuda")
-    attention_8bit(q, k, v, key_mask, q_start, 0.125, s, fmt)  # (warm-up outside the capture)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = attention_8bit(q, k, v, key_mask, q_start, 0.125, s, fmt)
-    for value in (0.01, 0.003):
-        s.fill_(value)
-        graph.replay()
-        ref = attention_8bit(q, k, v, key_mask, q_start, 0.125, s, fmt)
-        assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
+    assert_graph_follows_scale(lambda s: attention_8bit(q, k, v, key_mask, q_start, 0.125, s, fmt),
+                               torch.tensor([0.01], device="cuda"), (0.01, 0.003))

@@ -10,7 +10,7 @@ import importlib
 
 import pytest
 import torch
-from helpers import scaled_linear_operands
+from helpers import assert_graph_follows_scale, scaled_linear_operands
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.library import opcheck
@@ -186,13 +186,5 @@ def test_gpu_kernel_takes_a_graph_captured_scale():
     """The scale is read on the device (no host sync): a CUDA graph captured once follows a changed scale."""
     _needs_kernel()
     args = operands((256,), 512, 1024, torch.float16, device="cuda")
-    s = torch.tensor([0.05], device="cuda")
-    fp8_linear_fp8out(*args, out_scale=s, activation="relu")  # (warm-up outside the capture)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fp8_linear_fp8out(*args, out_scale=s, activation="relu")
-    for value in (0.05, 0.2):
-        s.fill_(value)
-        graph.replay()
-        ref = fp8_linear_fp8out(*args, out_scale=s, activation="relu")
-        assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
+    assert_graph_follows_scale(lambda s: fp8_linear_fp8out(*args, out_scale=s, activation="relu"),
+                               torch.tensor([0.05], device="cuda"))

@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 from conftest import VARIANTS, random_opt
-from helpers import (assert_lean_equals_modules, assert_same_tokens_graph_lean_modules,
+from helpers import (assert_lean_equals_modules, assert_prefill_op_counts, assert_same_tokens_graph_lean_modules,
                      assert_same_tokens_lean_and_modules, cache_run, fuseinfer_op_counts, modules_forward)
 
 import fuseinfer
@@ -79,13 +79,9 @@ def test_lean_loop_runs_the_fused_layernorm_quantize_and_two_quantize_passes_per
     """Pre-LN: 2 add_layer_norm_quant_fp8 and 2 quantize_fp8_per_token per layer (out_proj's and fc2's inputs), the
     final LayerNorm the one fp16 LayerNorm, no int8 op."""
     _, model = _fp8()
-    layers = model.config.num_hidden_layers
-    counts = fuseinfer_op_counts(lambda: fuseinfer.prefill(model, _ids(model.config.vocab_size)))
-    assert counts["fuseinfer::add_layer_norm_quant_fp8"] == 2 * layers
-    assert counts["fuseinfer::quantize_fp8_per_token"] == 2 * layers
-    assert counts["fuseinfer::fp8_linear"] == 4 * layers
-    assert counts["fuseinfer::add_layer_norm"] == 1
-    assert counts["fuseinfer::quantize_int8"] == 0 and counts["fuseinfer::w8a8_linear"] == 0
+    assert_prefill_op_counts(model, _ids(model.config.vocab_size), {
+        "add_layer_norm_quant_fp8": 2, "quantize_fp8_per_token": 2, "fp8_linear": 4
+    }, {"add_layer_norm": 1, "quantize_int8": 0, "w8a8_linear": 0})
 
 
 def test_smoothed_fp8_random_model_equals_its_modules():
@@ -122,12 +118,9 @@ def test_static_fc2_input_replaces_one_quantize_pass_per_layer():
     """Pre-LN with fc2_input="static": per layer one quantize_fp8_per_token (out_proj's input) instead of two, fc1
     as fp8_linear_fp8out, the other three GEMMs fp8_linear."""
     _, model = _fp8(fc2_input="static")
-    layers = model.config.num_hidden_layers
-    counts = fuseinfer_op_counts(lambda: fuseinfer.prefill(model, _ids(model.config.vocab_size)))
-    assert counts["fuseinfer::quantize_fp8_per_token"] == layers
-    assert counts["fuseinfer::fp8_linear_fp8out"] == layers
-    assert counts["fuseinfer::fp8_linear"] == 3 * layers
-    assert counts["fuseinfer::add_layer_norm_quant_fp8"] == 2 * layers
+    assert_prefill_op_counts(model, _ids(model.config.vocab_size), {
+        "quantize_fp8_per_token": 1, "fp8_linear_fp8out": 1, "fp8_linear": 3, "add_layer_norm_quant_fp8": 2
+    })
 
 
 @pytest.mark.parametrize("variant", FP8_VARIANTS)
@@ -148,13 +141,10 @@ def test_static_inputs_leave_no_quantize_pass():
     """Pre-LN with both inputs static: no per-token quantize at all, the attention as attention_fp8out, fc1 as
     fp8_linear_fp8out, q/k/v, out_proj and fc2 as fp8_linear, the LayerNorms quantizing."""
     _, model = _fp8(fc2_input="static", out_proj_input="static")
-    layers = model.config.num_hidden_layers
-    counts = fuseinfer_op_counts(lambda: fuseinfer.prefill(model, _ids(model.config.vocab_size)))
-    assert counts["fuseinfer::quantize_fp8_per_token"] == 0
-    assert counts["fuseinfer::attention_fp8out"] == layers and counts["fuseinfer::attention"] == 0
-    assert counts["fuseinfer::fp8_linear_fp8out"] == layers
-    assert counts["fuseinfer::fp8_linear"] == 3 * layers
-    assert counts["fuseinfer::add_layer_norm_quant_fp8"] == 2 * layers
+    assert_prefill_op_counts(model, _ids(model.config.vocab_size), {
+        "quantize_fp8_per_token": 0, "attention_fp8out": 1, "attention": 0, "fp8_linear_fp8out": 1, "fp8_linear": 3,
+        "add_layer_norm_quant_fp8": 2
+    })
 
 
 def test_static_out_proj_input_equals_the_emulated_layer():

@@ -17,7 +17,7 @@ import copy
 import pytest
 import torch
 from conftest import VARIANTS, random_opt
-from helpers import (assert_lean_equals_modules, assert_same_tokens_graph_lean_modules,
+from helpers import (assert_lean_equals_modules, assert_prefill_op_counts, assert_same_tokens_graph_lean_modules,
                      assert_same_tokens_lean_and_modules, fuseinfer_op_counts, modules_forward)
 
 import fuseinfer
@@ -130,12 +130,9 @@ def test_static_out_proj_input_leaves_one_quantize_pass_per_layer():
     """Pre-LN with out_proj_input="static": per layer one quantize_int8 (fc2's input) instead of two, the attention
     as attention_int8out, every GEMM the W8A8 one."""
     _, model = _w8a8(out_proj_input="static")
-    layers = model.config.num_hidden_layers
-    counts = fuseinfer_op_counts(lambda: fuseinfer.prefill(model, _ids(model.config.vocab_size)))
-    assert counts["fuseinfer::quantize_int8"] == layers
-    assert counts["fuseinfer::attention_int8out"] == layers and counts["fuseinfer::attention"] == 0
-    assert counts["fuseinfer::w8a8_linear"] == 4 * layers
-    assert counts["fuseinfer::add_layer_norm_quant"] == 2 * layers
+    assert_prefill_op_counts(model, _ids(model.config.vocab_size), {
+        "quantize_int8": 1, "attention_int8out": 1, "attention": 0, "w8a8_linear": 4, "add_layer_norm_quant": 2
+    })
 
 
 def test_static_out_proj_input_equals_the_emulated_layer():
@@ -171,13 +168,10 @@ def test_static_inputs_leave_no_quantize_pass():
     """Pre-LN with both inputs static: no per-token quantize at all, the attention as attention_int8out, fc1 as
     w8a8_linear_int8out, q/k/v, out_proj and fc2 as w8a8_linear, the LayerNorms quantizing."""
     _, model = _w8a8(out_proj_input="static", fc2_input="static")
-    layers = model.config.num_hidden_layers
-    counts = fuseinfer_op_counts(lambda: fuseinfer.prefill(model, _ids(model.config.vocab_size)))
-    assert counts["fuseinfer::quantize_int8"] == 0
-    assert counts["fuseinfer::attention_int8out"] == layers and counts["fuseinfer::attention"] == 0
-    assert counts["fuseinfer::w8a8_linear_int8out"] == layers
-    assert counts["fuseinfer::w8a8_linear"] == 3 * layers
-    assert counts["fuseinfer::add_layer_norm_quant"] == 2 * layers
+    assert_prefill_op_counts(model, _ids(model.config.vocab_size), {
+        "quantize_int8": 0, "attention_int8out": 1, "attention": 0, "w8a8_linear_int8out": 1, "w8a8_linear": 3,
+        "add_layer_norm_quant": 2
+    })
 
 
 def test_static_fc2_input_equals_the_emulated_layer():

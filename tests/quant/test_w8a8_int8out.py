@@ -10,7 +10,7 @@ import importlib
 
 import pytest
 import torch
-from helpers import assert_rejects_each, scaled_linear_operands
+from helpers import assert_graph_follows_scale, assert_rejects_each, scaled_linear_operands
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.library import opcheck
@@ -167,12 +167,5 @@ def test_gpu_kernel_takes_a_graph_captured_scale():
     """The scale is read on the device (no host sync): a CUDA graph captured once follows a changed scale."""
     _needs_kernel()
     args = operands((256,), 512, 1024, torch.float16, device="cuda")
-    s = torch.tensor([0.05], device="cuda")
-    w8a8_linear_int8out(*args, out_scale=s, activation="relu")  # (warm-up outside the capture)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = w8a8_linear_int8out(*args, out_scale=s, activation="relu")
-    for value in (0.05, 0.2):
-        s.fill_(value)
-        graph.replay()
-        assert torch.equal(out, w8a8_linear_int8out(*args, out_scale=s, activation="relu"))
+    assert_graph_follows_scale(lambda s: w8a8_linear_int8out(*args, out_scale=s, activation="relu"),
+                               torch.tensor([0.05], device="cuda"))
