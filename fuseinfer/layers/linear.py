@@ -85,9 +85,9 @@ class ChannelScaledLinear(QuantizedLinear):
 
     def forward_8bit_out(self, x_q, x_scale, out_scale: torch.Tensor, activation: str = "none",
                          bias_dtype: torch.dtype = torch.float16) -> torch.Tensor:
-        """x_q (..., K) in this linear's 8-bit format (``quantized_input``), x_scale (..., 1) fp32 -> (..., N) in
-        the same format, quantized with the static ``out_scale`` (the next linear's ``input_scale``) in this GEMM's
-        epilogue, the activation first (``linear_8bit_out``)."""
+        """x_q (..., K) in this linear's 8-bit format (``quantized_input``), x_scale (..., 1) fp32 or one value ->
+        (..., N) in the same format, quantized with the static ``out_scale`` (the next linear's ``input_scale``) in
+        this GEMM's epilogue, the activation first (``linear_8bit_out``)."""
         bias = None if self.bias is None else self.bias.to(bias_dtype)
         return linear_8bit_out(x_q, x_scale, self.weight_q, self.weight_scale, bias, out_scale, activation,
                                self.quantized_input)

@@ -391,8 +391,9 @@ class W8A8LeanOps(LeanOps):
         return self.lin(x, attn._modules["qkv_proj"], None, "none")
 
     def _kernel(self, xq, xs, lin, residual, activation: str) -> torch.Tensor:
-        """xq (M, K) int8, xs M fp32 per-token scales -> (M, N): ``torch.ops.fuseinfer_C.w8a8_linear`` (the CUTLASS sm90
-        kernel), without the wrapper's checks (the plan checked the shapes; every tensor here is contiguous)."""
+        """xq (M, K) int8, xs M fp32 per-token scales (or one static value) -> (M, N):
+        ``torch.ops.fuseinfer_C.w8a8_linear`` (the CUTLASS sm90 kernel), without the wrapper's checks (the plan
+        checked the shapes; every tensor here is contiguous)."""
         b = lin._buffers
         bias = b["bias"]
         out = torch.empty(xq.shape[0], b["weight_q"].shape[0], dtype=self.dtype, device=xq.device)  # (M, N)
@@ -424,7 +425,7 @@ class Fp8LeanOps(W8A8LeanOps):
         self.fc2_after = fc2_after or {}  # id(fc1) -> fc2 (the plan's)
 
     def _fp8(self, xq, xs, lin, residual, activation: str) -> torch.Tensor:
-        """xq (M, K) e4m3, xs (M, 1) fp32 -> (M, N) in the model's dtype."""
+        """xq (M, K) e4m3, xs (M, 1) fp32 (or one static value) -> (M, N) in the model's dtype."""
         b = lin._buffers
         bias = b["bias"]
         return fp8_linear(xq, xs, b["weight_q"], b["weight_scale"], None if bias is None else bias.to(self.dtype),

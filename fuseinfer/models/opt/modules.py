@@ -232,7 +232,7 @@ class FusedOPTAttention(OPTAttention):
 class _Quantized:
     """A LayerNorm output quantized per token for the W8A8 / FP8 GEMM that reads it: ``q`` = (x_q int8 / e4m3
     (B, S, E), x_scale fp32 (B, S, 1)); ``x``, the LayerNorm's input, gives the shape and dtype. Also fc1's 8-bit
-    output for an fc2 with a static input scale (``x``: fc1's input, for the dtype; x_scale that scale per token)."""
+    output for an fc2 with a static input scale (``x``: fc1's input, for the dtype; x_scale that one scale)."""
 
     __slots__ = ("x", "q")
 
