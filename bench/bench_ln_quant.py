@@ -38,14 +38,16 @@ EPS = 1e-5
 COLUMNS = ["fmt", "form", "dtype", "N", "rows", "exact", "ours ms", "ours GB/s", "% copy", "add_ln ms",
            "add_ln % copy", "x add_ln", "unfused ms", "x unfused", "unfused ref ms", "quant exact", "quant ms",
            "quant GB/s", "quant % copy", "quant ref ms"]
+HIDDEN, ROWS = (2048, 4096, 8192), (2040, 4096, 8192)  # (2040: OPT-1.3b's 2040-token prefill)
+QUICK_HIDDEN, QUICK_ROWS = (4096,), (8192,)
 FUSED = {"int8": (add_layer_norm_quant, quantize_int8_ref), "e4m3": (add_layer_norm_quant_fp8, quantize_fp8_ref)}
 
 
 def bench(quick: bool, ceilings: dict, hidden: list[int] | None = None,
           row_counts: list[int] | None = None) -> list[dict]:
     out = []
-    hidden = hidden or ([4096] if quick else [2048, 4096, 8192])
-    row_counts = row_counts or ([8192] if quick else [2040, 4096, 8192])
+    hidden = hidden or (QUICK_HIDDEN if quick else HIDDEN)
+    row_counts = row_counts or (QUICK_ROWS if quick else ROWS)
     dtypes = [torch.float16] if quick else [torch.float16, torch.bfloat16]
     forms = {"ln_quant": (False, False), "add_ln_quant_sum": (True, True)}
     with torch.no_grad():
