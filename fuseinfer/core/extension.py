@@ -140,6 +140,17 @@ def backend_for(t: torch.Tensor) -> str:
     return "cuda" if t.is_cuda and extension(t.device) is not None else "reference"
 
 
+def register_op(name: str, reference, cuda_impl, fake):
+    """The custom op ``fuseinfer::<name>`` built from ``reference`` (its schema from the annotations; the CPU
+    implementation), with ``cuda_impl`` for CUDA tensors and ``fake`` for tracing; -> (a callable returning the op's
+    handle, the reference, the CUDA implementation): the three ``route`` takes. For ops registered per variant (one
+    factory making several ops of one signature); a single op uses the decorators."""
+    op = torch.library.custom_op(f"fuseinfer::{name}", reference, mutates_args=())
+    op.register_kernel("cuda")(cuda_impl)
+    op.register_fake(fake)
+    return lambda: getattr(torch.ops.fuseinfer, name), reference, cuda_impl
+
+
 def route(op, ref, cuda_impl, args: tuple, tensors: tuple):
     """Run an op on ``args``: its reference under torch.func transforms and forward-mode AD (``transformed``), the
     extension directly in eager mode on CUDA when no input needs a gradient (``eager_cuda``, over ``tensors``),

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from fuseinfer.core.errors import FuseInferError
-from fuseinfer.core.extension import extension, route
+from fuseinfer.core.extension import extension, register_op, route
 from fuseinfer.ops.attention import KERNEL_GQA, _attention_cuda, _probs, check_mask, check_shapes, kernel_supports
 from fuseinfer.ops.linear_8bit_out import FP8_DTYPE, check_out_scale, quantize_fp8_static
 from fuseinfer.ops.quant import quantize_int8_static
@@ -80,11 +80,8 @@ def _register(fmt: str):
     def cuda(q, k, v, key_mask, q_start, scale, out_scale):
         return _cuda(q, k, v, key_mask, q_start, scale, out_scale, fmt)
 
-    name = FORMATS[fmt][2]
-    op = torch.library.custom_op(f"fuseinfer::{name}", reference, mutates_args=())
-    op.register_kernel("cuda")(cuda)
-    op.register_fake(lambda q, k, v, key_mask, q_start, scale, out_scale: _fake(q, fmt))
-    return lambda: getattr(torch.ops.fuseinfer, name), reference, cuda
+    return register_op(FORMATS[fmt][2], reference, cuda,
+                       lambda q, k, v, key_mask, q_start, scale, out_scale: _fake(q, fmt))
 
 
 _OPS = {fmt: _register(fmt) for fmt in FORMATS}

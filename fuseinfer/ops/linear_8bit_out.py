@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from fuseinfer.core.errors import FuseInferError
-from fuseinfer.core.extension import extension, route
+from fuseinfer.core.extension import extension, register_op, route
 from fuseinfer.ops.fp8_linear import _fp8_linear_cuda, FP8_DTYPE, FP8_MAX, fp8_linear_ref
 from fuseinfer.ops.quant import quantize_int8_static
 from fuseinfer.ops.w8a8_linear import _aligned, _kernel_ok, _w8a8_linear_cuda, check_scaled_linear, w8a8_linear_ref
@@ -104,12 +104,10 @@ def _register(fmt: str):
     def cuda(x_q, x_scale, w_q, w_scale, bias, out_scale, activation):
         return _cuda(x_q, x_scale, w_q, w_scale, bias, out_scale, activation, fmt)
 
-    name = FORMATS[fmt][2]
-    op = torch.library.custom_op(f"fuseinfer::{name}", reference, mutates_args=())
-    op.register_kernel("cuda")(cuda)
-    op.register_fake(lambda x_q, x_scale, w_q, w_scale, bias, out_scale, activation:
-                     x_q.new_empty(*x_q.shape[:-1], w_q.shape[0], dtype=FORMATS[fmt][0]))
-    return lambda: getattr(torch.ops.fuseinfer, name), reference, cuda
+    def fake(x_q, x_scale, w_q, w_scale, bias, out_scale, activation):
+        return x_q.new_empty(*x_q.shape[:-1], w_q.shape[0], dtype=FORMATS[fmt][0])
+
+    return register_op(FORMATS[fmt][2], reference, cuda, fake)
 
 
 _OPS = {fmt: _register(fmt) for fmt in FORMATS}
