@@ -8,12 +8,15 @@ the eval uses for these rows), so it compares with the copy bandwidth as fp16's 
 from __future__ import annotations
 
 from fuseinfer.core.config import PatchConfig
-from fuseinfer.core.quant_config import Float8, Int8WeightOnly, SmoothQuantW8A8
+from fuseinfer.core.quant_config import STATIC_INPUT_FIELDS, Float8, Int8WeightOnly, SmoothQuantW8A8
 from fuseinfer.harness.backends import Backend, FuseInferBackend
 from fuseinfer.ops.w8a8_linear import w8a8_gemm_note
 from fuseinfer.quant.fp8 import fp8_note
 from fuseinfer.patching import patch
 from fuseinfer.runtime import release
+
+
+STATIC_INPUTS = dict.fromkeys(STATIC_INPUT_FIELDS, "static")  # the "-static" backends' config fields
 
 
 def weight_bytes_per_token(model) -> int:
@@ -143,11 +146,10 @@ class FuseInferW8A8StaticBackend(FuseInferW8A8Backend):
 
     def quant_config(self, calibration=None, samples: int | None = None):
         w8a8 = super().quant_config(calibration, samples)
-        return SmoothQuantW8A8(calibration=w8a8.calibration, samples=w8a8.samples, fc2_input="static",
-                               out_proj_input="static")
+        return SmoothQuantW8A8(calibration=w8a8.calibration, samples=w8a8.samples, **STATIC_INPUTS)
 
     def details(self):
-        return {**super().details(), "fc2_input": "static", "out_proj_input": "static"}
+        return {**super().details(), **STATIC_INPUTS}
 
 
 class FuseInferFP8Backend(FuseInferW8A16Backend):
@@ -161,9 +163,7 @@ class FuseInferFP8Backend(FuseInferW8A16Backend):
         return Float8()
 
     def details(self):
-        param = None if self.model is None else next(self.model.parameters(), None)
-        gemm = self.report.quant.gemm if param is None else fp8_note(param.device, self.model.dtype)
-        return {**super().details(), "fp8_gemm": gemm}
+        return {**super().details(), "fp8_gemm": _fp8_gemm(self)}
 
 
 class FuseInferFP8StaticBackend(FuseInferW8A8Backend):
@@ -179,15 +179,19 @@ class FuseInferFP8StaticBackend(FuseInferW8A8Backend):
 
     def quant_config(self, calibration=None, samples: int | None = None):
         w8a8 = super().quant_config(calibration, samples)
-        return Float8(calibration=w8a8.calibration, samples=w8a8.samples, fc2_input="static",
-                      out_proj_input="static")
+        return Float8(calibration=w8a8.calibration, samples=w8a8.samples, **STATIC_INPUTS)
 
     def details(self):
         details = super().details()
         details.pop("w8a8_gemm", None)
-        param = None if self.model is None else next(self.model.parameters(), None)
-        gemm = self.report.quant.gemm if param is None else fp8_note(param.device, self.model.dtype)
-        return {**details, "fp8_gemm": gemm, "fc2_input": "static", "out_proj_input": "static"}
+        return {**details, "fp8_gemm": _fp8_gemm(self), **STATIC_INPUTS}
+
+
+def _fp8_gemm(backend) -> str:
+    """The FP8 backends' ``fp8_gemm`` detail: the GEMM and prefill path on the model's device (the patch report's
+    note when the model is gone)."""
+    param = None if backend.model is None else next(backend.model.parameters(), None)
+    return backend.report.quant.gemm if param is None else fp8_note(param.device, backend.model.dtype)
 
 
 BACKENDS = (FuseInferW8A16Backend, FuseInferW8A8Backend, FuseInferW8A8StaticBackend, FuseInferFP8Backend,
