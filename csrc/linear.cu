@@ -14,12 +14,16 @@
 //     a later eager call tunes), the heuristic's first choice.
 //   * fp16/bf16 with M <= 16 (decode): the weight-streaming tensor-core kernel of skinny_gemv.cuh with fp16/bf16
 //     weight chunks (skinny::HalfWeights). Reading w once is the whole cost.
+//   * outputs of at most kTinyOutputs elements that the GEMV does not take: ATen in fp32, rounded once (see there).
 // Activation "silu_mul" (the gated MLP's fused gate/up weight w (2F, K), gate rows first): y (M, F) = silu(gate) * up.
-// At decode the GEMV computes it in its epilogue (one kernel, no (M, 2F) intermediate); elsewhere, or with
-// FUSEINFER_GEMV_EPILOGUES=0, the linear and then the op fuseinfer_C::silu_mul (silu_mul.cu). Both round alike (gate
-// and up to the dtype, then as silu_mul), so the two agree bit for bit.
-// Both paths allocate nothing but y (and an aligned copy of a misaligned bias; cuBLASLt's workspace is PyTorch's
-// cached per-stream one) and never sync the host, so they can be captured in a CUDA graph.
+// At decode the GEMV computes it in its epilogue (one kernel, no (M, 2F) intermediate); at prefill sizes on sm_90 the
+// GEMM of silu_gemm_sm90.cu can (one kernel; opt-in, FUSEINFER_SILU_GEMM=1: slower than the pair where measured);
+// elsewhere, or with
+// FUSEINFER_GEMV_EPILOGUES=0, the linear and then the op fuseinfer_C::silu_mul (silu_mul.cu). All round alike (gate
+// and up to the dtype, then as silu_mul): the GEMV and the pair agree bit for bit, the sm_90 GEMM sums k in another
+// order. The GEMV, cuBLASLt and sm_90 GEMM paths allocate nothing but y (and an aligned copy of a misaligned bias;
+// cuBLASLt's workspace is PyTorch's cached per-stream one), the tiny path's fp32 temporaries come from PyTorch's
+// caching allocator; none syncs the host, so every path can be captured in a CUDA graph.
 #include "knobs.h"
 #include "norm_ops.h"
 #include "path_counts.h"
@@ -227,6 +231,15 @@ void cublaslt_linear(const at::Tensor& x, const at::Tensor& w, const void* bias,
   FUSEINFER_CUBLASLT_CHECK(matmul(algo));
 }
 
+}  // namespace
+
+// silu_gemm_sm90.cu: y (M, F) = silu(x @ w[:F]^T) * (x @ w[F:]^T); false (nothing launched) where it does not apply
+bool silu_gemm_sm90(const at::Tensor& x, const at::Tensor& w, at::Tensor& y);
+
+constexpr int64_t kTinyOutputs = 64;  // outputs (M N) up to which linear_epilogue computes in fp32 with ATen (below)
+
+namespace {
+
 const at::Tensor* defined_or_null(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? &*t : nullptr;
 }
@@ -376,6 +389,12 @@ at::Tensor linear_epilogue_impl(const at::Tensor& x, const at::Tensor& w, const 
       return y;
     }
     TORCH_CHECK(norm == nullptr, "linear_epilogue: the norm prologue without the decode GEMV");
+    // prefill sizes on sm_90: one GEMM with silu(gate) * up in its epilogue (decode sizes: the GEMV, or with
+    // FUSEINFER_GEMV_EPILOGUES=0 the GEMV and then silu_mul)
+    if (b == nullptr && m > 0 && n > 0 && k > 0 && !skinny::supported<skinny::HalfWeights>(x, w, m)) {
+      at::Tensor y = at::empty({m, n / 2}, x.options());
+      if (silu_gemm_sm90(x, w, y)) return y;
+    }
     return silu_mul_op(linear_epilogue_cuda(x, w, bias, residual, "none"));  // (M, 2F) -> (M, F)
   }
   TORCH_CHECK(norm == nullptr || (m > 0 && n > 0 && k > 0), "linear_epilogue: the norm prologue on empty operands");
@@ -398,6 +417,20 @@ at::Tensor linear_epilogue_impl(const at::Tensor& x, const at::Tensor& w, const 
   }
   TORCH_CHECK(norm == nullptr, "linear_epilogue: the norm prologue without the decode GEMV");
 
+  // Outputs of a few elements (a row times a column or two, where the GEMV does not apply: K % 8 != 0, a misaligned
+  // row, fp32; K < 16 does not get here, the Python op computes it in fp32 itself): cuBLASLt's heuristic picks
+  // reduction kernels there, some of which round the product to the output type
+  // before the bias epilogue (x 1 x 17 @ w 1 x 17 fp16 with a bias came out one unit in the last place off, far from a
+  // tie, in one draw of ten; the split-K preference below does not exclude them). ATen in fp32 instead, rounded once.
+  if (m * n <= kTinyOutputs) {
+    at::Tensor acc = at::matmul(x.to(at::kFloat), w.to(at::kFloat).t());  // (M, N)
+    if (b) acc.add_(b->to(at::kFloat));
+    if (r) acc.add_(r->to(at::kFloat));
+    if (relu) acc.relu_();
+    y.copy_(acc);
+    count_path(Path::kLinearTiny);
+    return y;
+  }
   // cuBLASLt's alignment preferences cover A, B, C and D but not the bias, whose kernels may assume 16 bytes:
   // a bias sliced out of a larger buffer gets an aligned copy (N elements, negligible).
   at::Tensor bias_aligned;

@@ -131,7 +131,8 @@ __device__ __forceinline__ void wgmma_fence_operands(uint32_t (&r)[M][N]) {
 // warp w of the warpgroup holds rows 16w..16w+15; register 4i + e of lane l is row 16w + l/4 + 8 * (e / 2),
 // column 8i + 2 * (l % 4) + e % 2. A in registers (RS): the m16n8k16 A fragment of warp w's 16 rows.
 
-// The accumulator operands d[0..31], d[0..35] and d[0..63], and their placeholders %0..%31 / %0..%35 / %0..%63.
+// The accumulator operands d[0..31], d[0..35], d[0..63] and d[0..127], and their placeholders %0..%31 / %0..%35 /
+// %0..%63 / %0..%127.
 #define WGMMA_D32                                                                                         \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
@@ -158,13 +159,35 @@ __device__ __forceinline__ void wgmma_fence_operands(uint32_t (&r)[M][N]) {
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 
-#define WGMMA_SS_N128(TY)                                                           \
-  asm volatile(                                                                     \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                  \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" WGMMA_R64 "}, " \
-      "%64, %65, p, 1, 1, 0, 0;\n}\n"                                               \
-      : WGMMA_D64                                                                   \
+// A (shared, K-major) x B (shared) -> the m64nN accumulators: D and R list them (operands and placeholders), IDA /
+// IDB / IP are the placeholders of A's and B's descriptors and the accumulate flag that follow them.
+#define WGMMA_SS(TY, N, D, R, IDA, IDB, IP)                                                                      \
+  asm volatile(                                                                                                  \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, " IP ", 0;\n"                                                            \
+      "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {" R "}, " IDA ", " IDB ", p, 1, 1, 0, 0;\n}\n" \
+      : D                                                                                                        \
       : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+#define WGMMA_SS_N128(TY) WGMMA_SS(TY, 128, WGMMA_D64, WGMMA_R64, "%64", "%65", "%66")
+
+#define WGMMA_D128 \
+  WGMMA_D64, \
+  "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+  "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+  "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+  "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
+  "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
+  "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+  "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+  "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+
+#define WGMMA_R128 \
+  WGMMA_R64 ", " \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+
+#define WGMMA_SS_N256(TY) WGMMA_SS(TY, 256, WGMMA_D128, WGMMA_R128, "%128", "%129", "%130")
 
 // A (registers) x B (shared, MN-major) -> the m64nN accumulators: D and R list them (operands and placeholders),
 // IA / IDESC / IP are the placeholders of the A fragment, B's descriptor and the accumulate flag that follow them.
@@ -191,6 +214,12 @@ __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t desc_a, u
   WGMMA_FOR_TYPE(WGMMA_SS_N128)
 }
 
+// d (64 x 256, fp32) {=, +=} A (64 x 16, shared, K-major) * B (16 x 256, shared, K-major: 256 rows of K).
+template <typename T>
+__device__ __forceinline__ void wgmma_ss_n256(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  WGMMA_FOR_TYPE(WGMMA_SS_N256)
+}
+
 // d (64 x N, fp32) {=, +=} A (64 x 16, registers) * B (16 x N, shared, MN-major), N = 72 (head dim 64 and the
 // row-sum column) or 128.
 template <typename T>
@@ -206,10 +235,14 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4],
 #undef WGMMA_D32
 #undef WGMMA_D36
 #undef WGMMA_D64
+#undef WGMMA_D128
 #undef WGMMA_R32
 #undef WGMMA_R36
 #undef WGMMA_R64
+#undef WGMMA_R128
+#undef WGMMA_SS
 #undef WGMMA_SS_N128
+#undef WGMMA_SS_N256
 #undef WGMMA_RS
 #undef WGMMA_RS_N72
 #undef WGMMA_RS_N128

@@ -7,7 +7,8 @@
 also the Llama family's step),
 whose weight and key/value streams go round each block's ring of shared-memory stages many times;
 ``prefill`` is the attention prefills over enough key tiles to wrap the wgmma kernel's ring of TMA-filled stages,
-and into a cache tail it zeroes after the TMA write; ``int8-step`` is the one-kernel step of int8 weight-only models
+and into a cache tail it zeroes after the TMA write, and the gate/up GEMM with SiLU(gate) * up in its epilogue (its
+ring of TMA-filled stages read by wgmma only); ``int8-step`` is the one-kernel step of int8 weight-only models
 (int8 weight tiles through the ring: a short step per dtype and a long-context one whose ring wraps; racecheck it
 through tools/racecheck_tma.py like the ring-wrap parts); ``sampling`` and ``sampling-cluster`` are the token-sampling
 kernels (one block a row, and a cluster of blocks a row: slow under racecheck, so parts of their own that run beside
@@ -24,6 +25,7 @@ from transformers import OPTConfig, OPTForCausalLM
 
 import fuseinfer
 from fuseinfer import ops
+from fuseinfer.core.knobs import override
 from fuseinfer.ops.attention import sm90_prefill
 from fuseinfer.ops.decode_step import decode_step_workspace, kernel_supports
 from fuseinfer.models.opt.decode import decode_step_params, decode_step_weight_scales
@@ -349,6 +351,13 @@ if part in ("all", "int8-step"):
 # cache whose keys past the chunk the kernel zeroes in its last tile (a generic write after the TMA write); the
 # last one has more work items than an H100 has SMs, so blocks of the persistent kernel run several
 if part in ("all", "prefill"):
+    # the sm_90 gate/up GEMM with silu_mul in its epilogue: partial row, column (gate box past F) and k tiles; more
+    # tiles than SMs (CTAs walk several, the ring wraps across tiles)
+    with override(SILU_GEMM="1"):
+        for dtype, (m, f, k) in ((torch.float16, (300, 1000, 1040)), (torch.bfloat16, (1030, 4000, 264)),
+                                 (torch.float16, (130, 1001, 64))):  # F % 8 != 0: the scalar stores
+            ops.linear_epilogue(torch.randn(m, k, device="cuda", dtype=dtype),
+                                torch.randn(2 * f, k, device="cuda", dtype=dtype), None, None, "silu_mul")
     for dtype, d in ((torch.float16, 64), (torch.bfloat16, 128)):
         attention(dtype, d, 1000, 1000)
         attention(dtype, d, 300, 700, q_start=300)
@@ -435,6 +444,13 @@ if part in ("all", "no-ring-wrap"):
                 attention(dtype, d, sq, skv, heads=12, kv_heads=2)  # 6 query heads per key/value head
             attention(dtype, d, 1, 3000, heads=32, kv_heads=8)  # decode with several splits (scratch, merge counters)
 if part in ("all", "prefill"):
+    # the sm_90 gate/up GEMM with silu_mul in its epilogue: partial row, column (gate box past F) and k tiles; more
+    # tiles than SMs (CTAs walk several, the ring wraps across tiles)
+    with override(SILU_GEMM="1"):
+        for dtype, (m, f, k) in ((torch.float16, (300, 1000, 1040)), (torch.bfloat16, (1030, 4000, 264)),
+                                 (torch.float16, (130, 1001, 64))):  # F % 8 != 0: the scalar stores
+            ops.linear_epilogue(torch.randn(m, k, device="cuda", dtype=dtype),
+                                torch.randn(2 * f, k, device="cuda", dtype=dtype), None, None, "silu_mul")
     for dtype, d in ((torch.float16, 64), (torch.bfloat16, 128)):
         attention(dtype, d, 300, 700, q_start=300, heads=8, kv_heads=2)  # the wgmma ring wraps, a cache tail to zero
         attention(dtype, d, 300, 700, q_start=300, heads=64, kv_heads=8)  # more work items than SMs

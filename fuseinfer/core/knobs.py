@@ -79,6 +79,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("FUSEINFER_SPLITKV_SPLITS", "0", "call",
          "split-KV decode attention's split count: `0` chosen by the kernel from the keys, the grid and the SMs, `N` forced "
          "to N (at most one split per block iteration's keys; benchmarks)", extension=True),
+    Knob("FUSEINFER_SILU_GEMM", "0", "call",
+         "`1`: a gate/up linear with activation `silu_mul` at prefill sizes runs the sm_90 GEMM with SiLU(gate) * up in "
+         "its epilogue instead of cuBLASLt's GEMM and then `silu_mul` (off by default: slower at the sizes measured, "
+         "see docs/results.md)", ("0", "1"), extension=True),
     Knob("FUSEINFER_DECODE_KERNEL", "auto", "config",
          "fast decode's step as one persistent kernel: `auto` where measured faster (OPT: 1-2 rows; int8 weight-only "
          "models up to hidden size 2048), `1` wherever it applies (`on`), `0` never (`off`)", ("auto", "0", "1"),

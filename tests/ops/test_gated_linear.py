@@ -1,7 +1,9 @@
 """The gated MLP's gate/up linear with ``silu_mul`` as its activation (linear_epilogue and w8a16_linear with
 activation "silu_mul"): the reference against the formula, bad input, gradients, the registration (opcheck), property
 tests against the reference and against the unfused pair (linear, then silu_mul) on every device, and on CUDA the
-decode GEMV's epilogue (one kernel, bit-identical to the pair) and FUSEINFER_GEMV_EPILOGUES=0 (the pair)."""
+decode GEMV's epilogue (one kernel, bit-identical to the pair) and FUSEINFER_GEMV_EPILOGUES=0 (the pair), and the
+sm_90 prefill GEMM with SiLU(gate) * up in its epilogue (opt-in, FUSEINFER_SILU_GEMM=1: one kernel, within the rule;
+by default the pair)."""
 from __future__ import annotations
 
 import pytest
@@ -165,12 +167,14 @@ def test_matches_reference_and_the_unfused_pair_property(device):
     @given(case=gated_cases(device))
     def check(case):
         x, w, b, int8 = case
-        ours, torch_same, ref, pair = _ours_ref_pair(case)
+        (ours, torch_same, ref, pair), paths = paths_taken(lambda: _ours_ref_pair(case)) if device == "cuda" else \
+            (_ours_ref_pair(case), {})
         what = f"silu_mul linear x{tuple(x.shape)} {'int8' if int8 else x.dtype} bias={b is not None}"
         assert ours.shape == (*x.shape[:-1], ref.shape[-1]) and ours.dtype == x.dtype, what
         # (atol: a rounding step of gate and of up each reach the product, so two half-ulps of its largest value)
         assert_lowp_close(ours, torch_same, ref, what, 2 * lowp_atol(ref, x.dtype))
-        if not (int8 and b is not None):
+        # the sm_90 GEMM sums k in another order than cuBLASLt's: gate and up may round the other way (the rule only)
+        if not (int8 and b is not None) and "linear.silu_gemm" not in paths:
             assert torch.equal(ours, pair), what
     check()
 
@@ -230,13 +234,77 @@ def test_knob_off_runs_the_gemv_then_silu_mul(fmt, set_knob):
     assert torch.equal(call(), fused)
 
 
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_sm90 = pytest.mark.skipif(not _sm90(), reason="the gated GEMM needs an sm_90 GPU (H100/H200)")
+
+
+# ---- CUDA: the sm_90 prefill GEMM with SiLU(gate) * up in its epilogue ----
+
+# Llama-3.2-1B's MLP (F 8192, K 2048) at 2048 rows, Qwen2.5-1.5B's (F 8960, K 1536), Llama-3.1-8B's (F 14336,
+# K 4096) at 520 rows (a partial row tile); odd sizes: a partial row tile, a partial column tile (F 1000: the gate
+# box reaches past F and must read zeros, not up rows), a partial last k-block (K 1040), more tiles than SMs (each
+# CTA walks several, the ring wraps), 17 rows (one row tile), F 6 (one partial column tile), F 1001 (scalar stores).
 @pytest.mark.gpu
-def test_prefill_rows_run_the_gemm_then_silu_mul():
+@needs_sm90
+@pytest.mark.parametrize("mfk", [(2048, 8192, 2048), (300, 8960, 1536), (520, 14336, 4096), (300, 1000, 1040),
+                                 (17, 136, 256), (1030, 4000, 264), (40, 6, 64), (130, 1001, 64)])
+@pytest.mark.parametrize("dtype", LOWP)
+def test_prefill_gemm_with_silu_mul_epilogue_is_one_kernel_within_the_rule(mfk, dtype, set_knob):
+    set_knob("FUSEINFER_SILU_GEMM", "1")
+    m, f, k = mfk
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = (torch.randn(2 * f, k, device="cuda") * k ** -0.5 * 3).to(dtype)
+    call = lambda: ops.linear_epilogue(x, w, None, None, "silu_mul")  # noqa: E731
+    names = cuda_kernel_names(call)
+    assert len(names) == 1 and "silu_gemm" in names[0], names  # no (M, 2F) intermediate, no silu_mul pass
+    ours, paths = paths_taken(call)
+    assert paths == {"linear.silu_gemm": 1}, paths
+    ref = ops.linear_epilogue_ref(x.float(), w.float(), None, None, "silu_mul")
+    torch_same = ops.linear_epilogue_ref(x, w, None, None, "silu_mul")
+    assert_lowp_close(ours, torch_same, ref, f"{mfk} {dtype}", 2 * lowp_atol(ref, dtype))
+    # against the unfused pair (cuBLASLt, then silu_mul): the same rounding steps, k summed in another order
+    pair = _pair(x, w, None)
+    assert (ours.float() - pair.float()).abs().max() <= 4 * lowp_atol(ref, dtype), mfk
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_prefill_gemm_falls_back_where_it_does_not_apply(set_knob):
+    """By default (FUSEINFER_SILU_GEMM=0), or with a bias, K % 8 != 0, a misaligned x or fp32: cuBLASLt then silu_mul
+    (the pair's bits)."""
     x = torch.randn(40, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2 * 128, 256, device="cuda", dtype=torch.bfloat16) * 256 ** -0.5
     names = cuda_kernel_names(lambda: ops.linear_epilogue(x, w, None, None, "silu_mul"))
     assert len(names) >= 2 and "silu_mul" in names[-1] and not any("skinny" in n for n in names), names
     assert torch.equal(ops.linear_epilogue(x, w, None, None, "silu_mul"), _pair(x, w, None))
+    set_knob("FUSEINFER_SILU_GEMM", "1")
+    b = torch.randn(256, device="cuda", dtype=torch.bfloat16)
+    xs = torch.randn(40 * 256 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(40, 256)  # 2 bytes off alignment
+    for args in ((x, w, b), (x[:, :250], w[:, :250].contiguous(), None), (xs, w, None), (x.float(), w.float(), None)):
+        out, paths = paths_taken(lambda: ops.linear_epilogue(*args, None, "silu_mul"))
+        assert "linear.silu_gemm" not in paths, paths
+        assert torch.equal(out, _pair(*args)), [a.shape if a is not None else None for a in args]
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_prefill_gemm_in_a_cuda_graph(set_knob):
+    """Captured and replayed (prefill graphs): the replay reads the new input."""
+    set_knob("FUSEINFER_SILU_GEMM", "1")
+    x = torch.randn(300, 512, device="cuda", dtype=torch.float16)
+    w = torch.randn(2 * 1024, 512, device="cuda", dtype=torch.float16) * 512 ** -0.5
+    eager = ops.linear_epilogue(x, w, None, None, "silu_mul")  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.linear_epilogue(x, w, None, None, "silu_mul")
+    graph.replay()
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(out, ops.linear_epilogue(x, w, None, None, "silu_mul"), rtol=0, atol=0)
 
 
 @pytest.mark.gpu

@@ -163,6 +163,28 @@ def test_linear_epilogue_opcheck_property(device):
 
 # ---- CUDA kernels ----
 
+# Outputs of a few elements where the GEMV does not apply (odd K >= 16; below, the Python op computes in fp32 itself):
+# cuBLASLt's reduction kernels for a 1 x 1 output rounded the product to fp16 / bf16 before adding the bias (one unit
+# in the last place off, far from a tie): these draws did, before such outputs went to fp32 ATen.
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", LOWP)
+def test_tiny_outputs_round_once(dtype):
+    for k, n, seed in [(17, 1, 6), (17, 1, 10), (17, 1, 11), (18, 1, 3)] + [(k, n, 0) for k in (17, 23, 41)
+                                                                          for n in (1, 2, 64)]:
+        torch.manual_seed(seed * 1000 + k)
+        x = torch.randn(1, k, device="cuda").to(dtype)
+        w = (torch.randn(n, k, device="cuda") * k ** -0.5).to(dtype)
+        b = torch.randn(n, device="cuda").to(dtype)
+        for r in (None, torch.randn(1, n, device="cuda").to(dtype)):
+            ours, paths = paths_taken(lambda: ops.linear_epilogue(x, w, b, r, "none"))
+            assert paths == {"linear.tiny": 1}, (k, n, paths)
+            ref = ops.linear_epilogue_ref(x.double(), w.double(), b.double(), None if r is None else r.double(),
+                                          "none")
+            # rounded once from fp32 sums: the correctly rounded value, or (a sum a hair off a tie) within the rule
+            if not torch.equal(ours, ref.to(dtype)):
+                assert_lowp_close(ours, ops.linear_epilogue_ref(x, w, b, r, "none"), ref, f"k={k} n={n} seed={seed}",
+                                  lowp_atol(ref, dtype))
+
 # M <= 16 runs the skinny kernel: one n-tile (M <= 8) and two (M 9-16), a partial last k-block (K = 96,
 # 1000), more 16-row tiles than SMs (N = 4000, 6144) and many k-blocks per warp (K = 8192).
 @pytest.mark.gpu

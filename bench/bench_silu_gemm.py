@@ -1,0 +1,89 @@
+"""The gated MLP's gate/up projection at prefill sizes: the sm_90 GEMM with SiLU(gate) * up in its epilogue against
+the unfused pair and the bare GEMM.
+
+Three implementations of y (M, F) = silu(x @ w[:F]^T) * (x @ w[F:]^T), x (M, K), w (2F, K), timed in turn over
+five rounds in one process (ratios are medians of per-round ratios):
+  fused = linear_epilogue(x, w, activation="silu_mul") with FUSEINFER_SILU_GEMM=1: one kernel
+          (csrc/silu_gemm_sm90.cu), writes y only;
+  pair  = linear_epilogue(x, w) then silu_mul: cuBLASLt's GEMM writing (M, 2F), then the activation pass (what
+          FUSEINFER_SILU_GEMM=0 runs);
+  gemm  = torch.mm(x, w.t()): cuBLAS's GEMM alone, no activation (the ceiling the prefill target is quoted against).
+TFLOP/s = 2 M (2F) K / t. Shapes: the MLPs of Llama-3.2-1B (K 2048, F 8192), Qwen2.5-1.5B (K 1536, F 8960) and
+Llama-3.1-8B (K 4096, F 14336) at M = 128, 512, 2048, 8192 rows. Every row first checks fused against the pair.
+Usage: python bench/bench_silu_gemm.py [--quick] [--dtype fp16|bf16] [--name silu_gemm]
+  -> bench/results/<name>.json, .md
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import bench_ms, measure_ceilings, paired_ratio, round_stats, write_results  # noqa: E402
+
+from fuseinfer import ops  # noqa: E402
+from fuseinfer.core.extension import extension  # noqa: E402
+from fuseinfer.core.knobs import override  # noqa: E402
+
+KNOB = {"fused": "1", "pair": "0", "gemm": "0"}  # FUSEINFER_SILU_GEMM while each is timed
+
+
+def paired_knob_ms(fns: dict, rounds: int = 5) -> dict:
+    """common.paired_ms with each implementation timed under its FUSEINFER_SILU_GEMM value (set outside do_bench)."""
+    per = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            with override(SILU_GEMM=KNOB[name]):
+                per[name].append(bench_ms(fn, rep_ms=50)["median_ms"])
+    return {name: round_stats(times) for name, times in per.items()}
+
+MLPS = {"llama-3.2-1b": (2048, 8192), "qwen2.5-1.5b": (1536, 8960), "llama-3.1-8b": (4096, 14336)}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="M 512 and 2048 only")
+    ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
+    ap.add_argument("--name", default=None, help="result file name (default silu_gemm_<dtype>)")
+    args = ap.parse_args(argv)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    rows_m = (512, 2048) if args.quick else (128, 512, 2048, 8192)
+    ceilings = measure_ceilings()
+    rows = []
+    for model, (k, f) in MLPS.items():
+        w = (torch.randn(2 * f, k, device="cuda") * k ** -0.5 * 3).to(dtype)
+        for m in rows_m:
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            fns = {"fused": lambda: ops.linear_epilogue(x, w, None, None, "silu_mul"),
+                   "pair": lambda: ops.silu_mul(ops.linear_epilogue(x, w, None, None, "none")),
+                   "gemm": lambda: torch.mm(x, w.t())}
+            before = extension().path_counts()["linear.silu_gemm"]
+            with override(SILU_GEMM="1"):
+                fused = fns["fused"]()
+            took = extension().path_counts()["linear.silu_gemm"] - before == 1
+            diff = (fused.float() - fns["pair"]().float()).abs().max().item()
+            t = paired_knob_ms(fns)
+            flops = 2 * m * 2 * f * k
+            rows.append({"model": model, "M": m, "F": f, "K": k, "fused_kernel": took,
+                         "fused_ms": t["fused"]["median_ms"],
+                         "pair_ms": t["pair"]["median_ms"], "gemm_ms": t["gemm"]["median_ms"],
+                         "fused_TFLOPs": flops / (t["fused"]["median_ms"] * 1e-3) / 1e12,
+                         "gemm_TFLOPs": flops / (t["gemm"]["median_ms"] * 1e-3) / 1e12,
+                         "fused_over_pair": paired_ratio(t["fused"], t["pair"]),
+                         "fused_over_gemm": paired_ratio(t["fused"], t["gemm"]),
+                         "max_abs_diff_vs_pair": diff, "spread": t})
+            shown = ("fused_ms", "pair_ms", "gemm_ms", "fused_over_pair", "fused_over_gemm")
+            print(model, m, {c: round(rows[-1][c], 4) for c in shown}, flush=True)
+    cols = ["model", "M", "F", "K", "fused_kernel", "fused_ms", "pair_ms", "gemm_ms", "fused_TFLOPs",
+            "gemm_TFLOPs", "fused_over_pair", "fused_over_gemm", "max_abs_diff_vs_pair"]
+    write_results(args.name or f"silu_gemm_{args.dtype}", {"dtype": args.dtype, "rows": list(rows_m), "rounds": 5,
+                                                          "timing": "CUDA events (do_bench), implementations in turn"},
+                  ceilings, rows, cols)
+
+
+if __name__ == "__main__":
+    main()
