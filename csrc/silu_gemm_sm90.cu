@@ -26,10 +26,11 @@
 //
 // Measured (H200; ncu at Llama-3.1-8B's MLP, 2048 rows): two m64n128 wgmmas per k16 step and the epilogue in the
 // consumers 829 us, tensor pipe busy 86% of the cycles (cuBLAS's plain GEMM of the same size: 736 us, 95%); with the
-// hand-off 816 us; with one m64n256 wgmma 778 us, 90%. Against cuBLASLt's GEMM + silu_mul (bench/bench_silu_gemm.py,
-// one run): 0.96-0.99x at 2048-8192 rows of the Llama MLPs, 1.06-1.09x at Qwen2.5-1.5B's (K 1536), 1.0-1.5x at 128-512
-// rows (fewer tiles than two waves of SMs). Not faster where prefill spends its time, so it is opt-in
-// (FUSEINFER_SILU_GEMM=1); the default stays the pair.
+// hand-off 816 us; with one m64n256 wgmma 778 us, 90%. Its time against cuBLASLt's GEMM + silu_mul
+// (bench/bench_silu_gemm.py, one run): 0.96-0.99x at 2048-8192 rows of the Llama MLPs, 1.06-1.09x at Qwen2.5-1.5B's
+// (K 1536), 1.0-1.5x at 128-512 rows (64-70 tiles at 128 rows, under one wave of 132 SMs; 280-448 at 512, a partial
+// last wave). A few percent at best where it wins, more lost elsewhere: opt-in (FUSEINFER_SILU_GEMM=1), the default
+// stays the pair.
 #include "device_utils.cuh"
 #include "knobs.h"
 #include "launch.h"

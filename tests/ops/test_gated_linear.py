@@ -244,13 +244,14 @@ needs_sm90 = pytest.mark.skipif(not _sm90(), reason="the gated GEMM needs an sm_
 # ---- CUDA: the sm_90 prefill GEMM with SiLU(gate) * up in its epilogue ----
 
 # Llama-3.2-1B's MLP (F 8192, K 2048) at 2048 rows, Qwen2.5-1.5B's (F 8960, K 1536), Llama-3.1-8B's (F 14336,
-# K 4096) at 520 rows (a partial row tile); odd sizes: a partial row tile, a partial column tile (F 1000: the gate
-# box reaches past F and must read zeros, not up rows), a partial last k-block (K 1040), more tiles than SMs (each
-# CTA walks several, the ring wraps), 17 rows (one row tile), F 6 (one partial column tile), F 1001 (scalar stores).
+# K 4096) at 520 rows (a partial row tile); odd sizes: a partial row tile, a partial column tile (F 1000), a partial
+# last k-block (K 1040), more tiles than SMs (each CTA walks several, the ring wraps), 17 rows (one row tile), F 6
+# (one partial column tile), F 1001 (scalar stores), K 40 (one partial k-block).
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("mfk", [(2048, 8192, 2048), (300, 8960, 1536), (520, 14336, 4096), (300, 1000, 1040),
-                                 (17, 136, 256), (1030, 4000, 264), (40, 6, 64), (130, 1001, 64)])
+                                 (17, 136, 256), (1030, 4000, 264), (40, 6, 64), (130, 1001, 64),
+                                 (70, 136, 40)])
 @pytest.mark.parametrize("dtype", LOWP)
 def test_prefill_gemm_with_silu_mul_epilogue_is_one_kernel_within_the_rule(mfk, dtype, set_knob):
     set_knob("FUSEINFER_SILU_GEMM", "1")
@@ -296,10 +297,12 @@ def test_prefill_gemm_in_a_cuda_graph(set_knob):
     set_knob("FUSEINFER_SILU_GEMM", "1")
     x = torch.randn(300, 512, device="cuda", dtype=torch.float16)
     w = torch.randn(2 * 1024, 512, device="cuda", dtype=torch.float16) * 512 ** -0.5
-    eager = ops.linear_epilogue(x, w, None, None, "silu_mul")  # warm-up outside the capture
+    eager, paths = paths_taken(lambda: ops.linear_epilogue(x, w, None, None, "silu_mul"))  # warm-up, not captured
+    assert paths == {"linear.silu_gemm": 1}, paths
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ops.linear_epilogue(x, w, None, None, "silu_mul")
+        out, paths = paths_taken(lambda: ops.linear_epilogue(x, w, None, None, "silu_mul"))
+    assert paths == {"linear.silu_gemm": 1}, paths
     graph.replay()
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
     x.copy_(torch.randn_like(x))
