@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICES, assert_lowp_close, examples, given, lowp_atol, require_kernel, st
+from helpers import DEVICES, assert_lowp_close, examples, given, lowp_atol, require_kernel, sqnr_db, st
 
 from fuseinfer import FuseInferError, ops
 from fuseinfer.ops.attention import attention_kv_fp8, attention_kv_fp8_ref, attention_ref
@@ -102,9 +102,10 @@ def test_attention_reference_is_the_reference_on_dequantized_keys_and_values(hkv
     expected = attention_ref(q, dequantize_kv(k, scales[0]), dequantize_kv(v, scales[1]), key_mask, q_start, 0.25)
     assert torch.equal(ours, expected)
     assert torch.equal(ops.attention(q, k, v, key_mask, q_start, 0.25, kv_scale=scales), expected)
-    # and close to attention on the unquantized k, v: e4m3's error, not a wrong scale or layout
+    # and close to attention on the unquantized k, v: e4m3's error, not a wrong scale or layout (SQNR over 1,500 draws
+    # of these sizes: 23.0 dB at the least, 29.7 the median; a wrong scale or layout is near 0)
     exact = attention_ref(q, k32, v32, key_mask, q_start, 0.25)
-    assert (ours - exact).abs().max() < 0.15
+    assert sqnr_db(exact, ours) >= 20
 
 
 def test_rope_append_fp8_is_rotation_then_fp8_append(device):
