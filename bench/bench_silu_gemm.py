@@ -23,23 +23,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import bench_ms, measure_ceilings, paired_ratio, round_stats, write_results  # noqa: E402
+from common import measure_ceilings, paired_ms, paired_ratio, write_results  # noqa: E402
 
 from fuseinfer import ops  # noqa: E402
 from fuseinfer.core.extension import extension  # noqa: E402
 from fuseinfer.core.knobs import override  # noqa: E402
 
-KNOB = {"fused": "1", "pair": "0", "gemm": "0"}  # FUSEINFER_SILU_GEMM while each is timed
-
-
-def paired_knob_ms(fns: dict, rounds: int = 5) -> dict:
-    """common.paired_ms with each implementation timed under its FUSEINFER_SILU_GEMM value (set outside do_bench)."""
-    per = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            with override(SILU_GEMM=KNOB[name]):
-                per[name].append(bench_ms(fn, rep_ms=50)["median_ms"])
-    return {name: round_stats(times) for name, times in per.items()}
+# FUSEINFER_SILU_GEMM while each is timed: the fused GEMM on, the pair off
+KNOB = {"fused": "1", "pair": "0", "gemm": "0"}
 
 MLPS = {"llama-3.2-1b": (2048, 8192), "qwen2.5-1.5b": (1536, 8960), "llama-3.1-8b": (4096, 14336)}
 
@@ -66,7 +57,7 @@ def main(argv=None) -> None:
                 fused = fns["fused"]()
             took = extension().path_counts()["linear.silu_gemm"] - before == 1
             diff = (fused.float() - fns["pair"]().float()).abs().max().item()
-            t = paired_knob_ms(fns)
+            t = paired_ms(fns, contexts={name: (lambda v=v: override(SILU_GEMM=v)) for name, v in KNOB.items()})
             flops = 2 * m * 2 * f * k
             rows.append({"model": model, "M": m, "F": f, "K": k, "fused_kernel": took,
                          "fused_ms": t["fused"]["median_ms"],

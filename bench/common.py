@@ -11,6 +11,7 @@ fp16 matmul rate) and writes ``bench/results/<name>.json`` plus a Markdown table
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -31,14 +32,18 @@ def bench_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> dict:
     return {"median_ms": p50, "p10_ms": p10, "p90_ms": p90}
 
 
-def paired_ms(fns: dict, rounds: int = 5, rep_ms: float = 50) -> dict:
+def paired_ms(fns: dict, rounds: int = 5, rep_ms: float = 50, contexts: dict | None = None) -> dict:
     """Times the closures in ``fns`` in turn, ``rounds`` times over (A B A B ...), so that clock and thermal
     drift between them cancels in a ratio. Returns, per name, the median over rounds of each round's do_bench
-    median (``median_ms``), the smallest and largest of them and the list (``min_ms``, ``max_ms``, ``rounds_ms``)."""
+    median (``median_ms``), the smallest and largest of them and the list (``min_ms``, ``max_ms``, ``rounds_ms``).
+    ``contexts`` maps a name to a context-manager factory entered around that closure's timing (e.g. a knob
+    override that selects the implementation; outside the timed calls)."""
+    contexts = contexts or {}
     per = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            per[name].append(bench_ms(fn, rep_ms=rep_ms)["median_ms"])
+            with contexts.get(name, contextlib.nullcontext)():
+                per[name].append(bench_ms(fn, rep_ms=rep_ms)["median_ms"])
     return {name: round_stats(times) for name, times in per.items()}
 
 

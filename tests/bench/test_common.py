@@ -22,6 +22,23 @@ def test_paired_ms_alternates_and_summarises(monkeypatch):
     assert common.paired_ratio(out["a"], out["b"]) == 2.5
 
 
+def test_paired_ms_enters_each_closures_context_around_its_timing(monkeypatch):
+    """(bench_silu_gemm: a knob override selects the implementation while it is timed, and only then)"""
+    import contextlib
+    events = []
+
+    @contextlib.contextmanager
+    def ctx(name):
+        events.append(f"enter {name}")
+        yield
+        events.append(f"exit {name}")
+
+    monkeypatch.setattr(common, "bench_ms", lambda fn, rep_ms: (fn(), {"median_ms": 1.0})[1])
+    common.paired_ms({"a": lambda: events.append("a"), "b": lambda: events.append("b")}, rounds=2,
+                     contexts={"a": lambda: ctx("a")})
+    assert events == ["enter a", "a", "exit a", "b"] * 2
+
+
 def test_ratio_to_the_fastest_of_several_per_round():
     """bench_attention's speedup: each round's fastest baseline over this round's time, median over rounds."""
     b1, b2, ours = [2.0, 4.0, 3.0], [3.0, 1.0, 6.0], [1.0, 2.0, 4.0]
