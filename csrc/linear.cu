@@ -17,13 +17,13 @@
 //   * outputs of at most kTinyOutputs elements that the GEMV does not take: ATen in fp32, rounded once (see there).
 // Activation "silu_mul" (the gated MLP's fused gate/up weight w (2F, K), gate rows first): y (M, F) = silu(gate) * up.
 // At decode the GEMV computes it in its epilogue (one kernel, no (M, 2F) intermediate); at prefill sizes on sm_90 the
-// GEMM of silu_gemm_sm90.cu can (one kernel; opt-in, FUSEINFER_SILU_GEMM=1: slower than the pair where measured);
-// elsewhere, or with
-// FUSEINFER_GEMV_EPILOGUES=0, the linear and then the op fuseinfer_C::silu_mul (silu_mul.cu). All round alike (gate
-// and up to the dtype, then as silu_mul): the GEMV and the pair agree bit for bit, the sm_90 GEMM sums k in another
-// order. The GEMV, cuBLASLt and sm_90 GEMM paths allocate nothing but y (and an aligned copy of a misaligned bias;
-// cuBLASLt's workspace is PyTorch's cached per-stream one), the tiny path's fp32 temporaries come from PyTorch's
-// caching allocator; none syncs the host, so every path can be captured in a CUDA graph.
+// GEMM of silu_gemm_sm90.cu can (one kernel; opt-in, FUSEINFER_SILU_GEMM=1: not faster than the pair at most sizes
+// measured); elsewhere, or with FUSEINFER_GEMV_EPILOGUES=0, the linear and then the op fuseinfer_C::silu_mul
+// (silu_mul.cu). All round alike (gate and up to the dtype, then as silu_mul): the GEMV and the pair agree bit for
+// bit, the sm_90 GEMM sums k in another order. The GEMV, cuBLASLt and sm_90 GEMM paths allocate nothing but y (and
+// an aligned copy of a misaligned bias; cuBLASLt's workspace is PyTorch's cached per-stream one), the tiny path's fp32
+// temporaries come from PyTorch's caching allocator; none syncs the host, so every path can be captured in a CUDA
+// graph.
 #include "knobs.h"
 #include "norm_ops.h"
 #include "path_counts.h"
@@ -419,9 +419,9 @@ at::Tensor linear_epilogue_impl(const at::Tensor& x, const at::Tensor& w, const 
 
   // Outputs of a few elements (a row times a column or two, where the GEMV does not apply: K % 8 != 0, a misaligned
   // row, fp32; K < 16 does not get here, the Python op computes it in fp32 itself): cuBLASLt's heuristic picks
-  // reduction kernels there, some of which round the product to the output type
-  // before the bias epilogue (x 1 x 17 @ w 1 x 17 fp16 with a bias came out one unit in the last place off, far from a
-  // tie, in one draw of ten; the split-K preference below does not exclude them). ATen in fp32 instead, rounded once.
+  // reduction kernels there, some of which round the product to the output type before the bias epilogue (x 1 x 17 @
+  // w 1 x 17 fp16 with a bias came out one unit in the last place off, far from a tie, in one draw of ten; the
+  // split-K preference below does not exclude them). ATen in fp32 instead, rounded once.
   if (m * n <= kTinyOutputs) {
     at::Tensor acc = at::matmul(x.to(at::kFloat), w.to(at::kFloat).t());  // (M, N)
     if (b) acc.add_(b->to(at::kFloat));

@@ -4,9 +4,10 @@
 
 x_q (..., K) float8_e4m3fn with per-token fp32 scales x_scale (..., 1) (``quantize_fp8_per_token``: scale =
 max|x_row| / 448, dynamic; on CUDA one kernel, ``csrc/quant.cu``'s ``quantize_fp8_rows``, bit-exact to
-``quantize_fp8_ref``) or one static scale for every token (one value), w_q (N, K) float8_e4m3fn with per-output-channel fp32 scales w_scale (N, 1) or (N,)
-(``quantize_fp8_ref(w, -1)``); bias (N,) and residual (..., N) in the output dtype; act = ReLU or none. The
-epilogue is ``fused_linear``'s protocol, shared with the int8 W8A8 op (``w8a8_linear._epilogue``).
+``quantize_fp8_ref``) or one static scale for every token (one value), w_q (N, K) float8_e4m3fn with
+per-output-channel fp32 scales w_scale (N, 1) or (N,) (``quantize_fp8_ref(w, -1)``); bias (N,) and residual (..., N)
+in the output dtype; act = ReLU or none. The epilogue is ``fused_linear``'s protocol, shared with the int8 W8A8 op
+(``w8a8_linear._epilogue``).
 
 Backends (``fp8_backend(device)`` says which one serves a device):
   * ``cutlass-sm90``: an sm_90 GPU with the extension built with CUTLASS (the int8 W8A8 kernels' build): the CUTLASS

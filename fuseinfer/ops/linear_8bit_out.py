@@ -4,14 +4,13 @@
     w8a8_linear_int8out: out = clamp(round(act(acc * x_scale[m] * w_scale[n] + bias[n]) / out_scale), -127, 127)
 
 acc = x_q @ w_q.T: x_q (..., K) float8_e4m3fn / int8 with per-token fp32 scales x_scale (..., 1) (or one static
-value), w_q (N, K) of the
-same type with per-output-channel fp32 scales w_scale (N, 1) or (N,); bias (N,) fp16 / bf16 / fp32 or None, act =
-ReLU or none, out_scale one fp32 value: the *static* per-tensor scale of the next linear's input (calibrated
-``amax / 448`` or ``amax / 127``, as TensorRT-LLM and ModelOpt quantize static activations). A per-token scale cannot
-be formed in one GEMM epilogue (it needs the row's maximum over every N tile); a static one can, so the output is
-written once, one byte per element, and the next linear takes it with ``x_scale = out_scale`` for every row
-(``quantize_fp8_static`` / ``quantize_int8_static`` quantize an fp16 / bf16 tensor the same way, where the output
-was not written by these ops). Rounding: e4m3 to nearest even, saturating; int8 half to even.
+value), w_q (N, K) of the same type with per-output-channel fp32 scales w_scale (N, 1) or (N,); bias (N,) fp16, bf16,
+fp32 or None, act = ReLU or none, out_scale one fp32 value: the *static* per-tensor scale of the next linear's input
+(calibrated ``amax / 448`` or ``amax / 127``, as TensorRT-LLM and ModelOpt quantize static activations). A per-token
+scale cannot be formed in one GEMM epilogue (it needs the row's maximum over every N tile); a static one can, so the
+output is written once, one byte per element, and the next linear takes it with ``x_scale = out_scale`` for every row
+(``quantize_fp8_static`` / ``quantize_int8_static`` quantize an fp16 / bf16 tensor the same way, where the output was
+not written by these ops). Rounding: e4m3 to nearest even, saturating; int8 half to even.
 
 Backends:
   * the CUTLASS sm_90 scaled GEMM of ``fp8_linear`` / ``w8a8_linear`` with an 8-bit-output epilogue

@@ -3,9 +3,10 @@
     out = act(acc * x_scale[m] * w_scale[n] + bias[n] + residual[m, n]),   acc = x_q @ w_q.T (exact, int32)
 
 x_q (..., K) int8 with per-token fp32 scales x_scale (..., 1) (from ``add_layer_norm_quant`` or
-``quantize_per_token``) or one static scale for every token (one value), w_q (N, K) int8 with per-output-channel fp32 scales w_scale (N, 1) or (N,)
-(``quantize_per_channel``); bias (N,) and residual (..., N) in the output dtype; act = ReLU or none. The epilogue
-math is fp32 with one rounding to ``out_dtype``, so the only error against fp32 is the quantisation itself.
+``quantize_per_token``) or one static scale for every token (one value), w_q (N, K) int8 with per-output-channel fp32
+scales w_scale (N, 1) or (N,) (``quantize_per_channel``); bias (N,) and residual (..., N) in the output dtype; act =
+ReLU or none. The epilogue math is fp32 with one rounding to ``out_dtype``, so the only error against fp32 is the
+quantisation itself.
 
 Backends (``w8a8_backend(device)`` says which one serves a device):
   * ``cutlass-sm90``: on an sm_90 GPU (H100/H200) with the extension built with CUTLASS and sm_90a, a CUTLASS
