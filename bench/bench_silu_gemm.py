@@ -15,7 +15,6 @@ Usage: python bench/bench_silu_gemm.py [--quick] [--dtype fp16|bf16] [--name sil
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -23,7 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import measure_ceilings, paired_ms, paired_ratio, write_results  # noqa: E402
+from common import (fused_bench_args, fused_pair_gemm_row, measure_ceilings, show_fused_row,  # noqa: E402
+                    write_fused_results)
 
 from fuseinfer import ops  # noqa: E402
 from fuseinfer.core.extension import extension  # noqa: E402
@@ -36,13 +36,7 @@ MLPS = {"llama-3.2-1b": (2048, 8192), "qwen2.5-1.5b": (1536, 8960), "llama-3.1-8
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="M 512 and 2048 only")
-    ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
-    ap.add_argument("--name", default=None, help="result file name (default silu_gemm_<dtype>)")
-    args = ap.parse_args(argv)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    rows_m = (512, 2048) if args.quick else (128, 512, 2048, 8192)
+    args, dtype, rows_m = fused_bench_args(__doc__, "silu_gemm", argv)
     ceilings = measure_ceilings()
     rows = []
     for model, (k, f) in MLPS.items():
@@ -57,23 +51,10 @@ def main(argv=None) -> None:
                 fused = fns["fused"]()
             took = extension().path_counts()["linear.silu_gemm"] - before == 1
             diff = (fused.float() - fns["pair"]().float()).abs().max().item()
-            t = paired_ms(fns, contexts={name: (lambda v=v: override(SILU_GEMM=v)) for name, v in KNOB.items()})
-            flops = 2 * m * 2 * f * k
-            rows.append({"model": model, "M": m, "F": f, "K": k, "fused_kernel": took,
-                         "fused_ms": t["fused"]["median_ms"],
-                         "pair_ms": t["pair"]["median_ms"], "gemm_ms": t["gemm"]["median_ms"],
-                         "fused_TFLOPs": flops / (t["fused"]["median_ms"] * 1e-3) / 1e12,
-                         "gemm_TFLOPs": flops / (t["gemm"]["median_ms"] * 1e-3) / 1e12,
-                         "fused_over_pair": paired_ratio(t["fused"], t["pair"]),
-                         "fused_over_gemm": paired_ratio(t["fused"], t["gemm"]),
-                         "max_abs_diff_vs_pair": diff, "spread": t})
-            shown = ("fused_ms", "pair_ms", "gemm_ms", "fused_over_pair", "fused_over_gemm")
-            print(model, m, {c: round(rows[-1][c], 4) for c in shown}, flush=True)
-    cols = ["model", "M", "F", "K", "fused_kernel", "fused_ms", "pair_ms", "gemm_ms", "fused_TFLOPs",
-            "gemm_TFLOPs", "fused_over_pair", "fused_over_gemm", "max_abs_diff_vs_pair"]
-    write_results(args.name or f"silu_gemm_{args.dtype}", {"dtype": args.dtype, "rows": list(rows_m), "rounds": 5,
-                                                          "timing": "CUDA events (do_bench), implementations in turn"},
-                  ceilings, rows, cols)
+            rows.append({"model": model, "M": m, "F": f, "K": k, "fused_kernel": took, "max_abs_diff_vs_pair": diff,
+                         **fused_pair_gemm_row(fns, "SILU_GEMM", KNOB, 2 * m * 2 * f * k)})
+            show_fused_row(model, m, rows[-1])
+    write_fused_results(args, rows_m, ceilings, rows, ["model", "M", "F", "K"])
 
 
 if __name__ == "__main__":

@@ -59,6 +59,54 @@ def paired_ratio(a: dict, b: dict) -> float:
     return r[len(r) // 2]
 
 
+def fused_bench_args(doc: str, stem: str, argv=None):
+    """The fused-projection benches' command line: (args, dtype, rows M); ``--quick`` M 512 and 2048 only; the result
+    file name defaults to ``<stem>_<dtype>``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="M 512 and 2048 only")
+    ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
+    ap.add_argument("--name", default=None, help=f"result file name (default {stem}_<dtype>)")
+    args = ap.parse_args(argv)
+    args.name = args.name or f"{stem}_{args.dtype}"
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    return args, dtype, (512, 2048) if args.quick else (128, 512, 2048, 8192)
+
+
+# the columns of fused_pair_gemm_row, after the bench's own
+FUSED_PAIR_GEMM_COLUMNS = ["fused_kernel", "fused_ms", "pair_ms", "gemm_ms", "fused_TFLOPs", "gemm_TFLOPs",
+                           "fused_over_pair", "fused_over_gemm", "max_abs_diff_vs_pair"]
+
+
+def fused_pair_gemm_row(fns: dict, knob: str, values: dict, flops: float) -> dict:
+    """A fused projection against its unfused pair and the bare GEMM: ``fns`` "fused", "pair" and "gemm" timed in turn
+    (``paired_ms``) with the knob FUSEINFER_``knob`` set to ``values[name]`` around each. Their medians, TFLOP/s
+    (``flops`` per call) of fused and gemm, the ratios fused / pair and fused / gemm (medians of per-round ratios) and
+    the spread."""
+    from fuseinfer.core.knobs import override
+
+    t = paired_ms(fns, contexts={name: (lambda v=v: override(**{knob: v})) for name, v in values.items()})
+    return {"fused_ms": t["fused"]["median_ms"], "pair_ms": t["pair"]["median_ms"], "gemm_ms": t["gemm"]["median_ms"],
+            "fused_TFLOPs": flops / (t["fused"]["median_ms"] * 1e-3) / 1e12,
+            "gemm_TFLOPs": flops / (t["gemm"]["median_ms"] * 1e-3) / 1e12,
+            "fused_over_pair": paired_ratio(t["fused"], t["pair"]),
+            "fused_over_gemm": paired_ratio(t["fused"], t["gemm"]), "spread": t}
+
+
+def show_fused_row(model: str, m: int, row: dict) -> None:
+    """One progress line of a fused-projection bench."""
+    shown = ("fused_ms", "pair_ms", "gemm_ms", "fused_over_pair", "fused_over_gemm")
+    print(model, m, {c: round(row[c], 4) for c in shown}, flush=True)
+
+
+def write_fused_results(args, rows_m, ceilings: dict, rows: list, lead: list) -> Path:
+    """A fused-projection bench's results: its ``lead`` columns, then FUSED_PAIR_GEMM_COLUMNS."""
+    return write_results(args.name, {"dtype": args.dtype, "rows": list(rows_m), "rounds": 5,
+                                     "timing": "CUDA events (do_bench), implementations in turn"},
+                         ceilings, rows, [*lead, *FUSED_PAIR_GEMM_COLUMNS])
+
+
 def capture_calls(calls) -> torch.cuda.CUDAGraph:
     """One CUDA graph of the closures ``calls`` back to back, each run once outside it first (kernel selection,
     workspaces, lazily made buffers)."""

@@ -85,6 +85,14 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
   return __float2bfloat16_rn(v);
 }
 
+// The rotary embedding of the element pair that rotate_half mixes (x1 at column d of a head, x2 at d + D / 2), as
+// transformers' apply_rotary_pos_emb computes x * cos + rotate_half(x) * sin: fp32 inside, each output rounded once.
+template <typename T>
+__device__ __forceinline__ void rope_pair(float x1, float x2, float c1, float s1, float c2, float s2, T& y1, T& y2) {
+  y1 = from_float<T>(fmaf(x1, c1, -x2 * s1));
+  y2 = from_float<T>(fmaf(x2, c2, x1 * s2));
+}
+
 // Sum and maximum of v over the 32 lanes of a warp (every lane gets the result).
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

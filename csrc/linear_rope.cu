@@ -6,7 +6,10 @@
 // weight-streaming GEMV of skinny_gemv.cuh with its ROPE epilogue (a tile pairs dims d and d + D/2 of a head, which
 // rotate_half mixes), so neither the (B, S, (H + 2 Hkv) D) projection nor a second pass over it exists. It rounds the
 // projection to the dtype first and rotates as rope.cu does, so it matches the two-kernel path bit for bit.
-// Elsewhere, or with FUSEINFER_GEMV_EPILOGUES=0: the linear op (linear_epilogue or w8a16_linear), then
+// At prefill sizes on sm_90 (fp16 / bf16 weights, head dims 16-256 dividing 256), opt-in (FUSEINFER_QKV_GEMM=1: not
+// faster than the pair measured), one kernel as well: the GEMM of qkv_rope_gemm_sm90.cu with the same rounding in
+// its epilogue.
+// Elsewhere, or with FUSEINFER_GEMV_EPILOGUES=0 at decode: the linear op (linear_epilogue or w8a16_linear), then
 // qkv_rope_append (or, without cos / sin, kv_cache_append of the k / v views), through the dispatcher.
 #include "knobs.h"
 #include "norm_ops.h"
@@ -21,6 +24,13 @@
 #include <tuple>
 
 namespace fuseinfer {
+
+// qkv_rope_gemm_sm90.cu: the q/k/v GEMM with the rotary, the split and the cache write in its epilogue; false
+// (nothing launched) where it does not apply
+bool qkv_rope_gemm_sm90(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias, const at::Tensor* cos,
+                        const at::Tensor* sin, int64_t seq, int64_t heads, int64_t kv_heads, at::Tensor& q,
+                        at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots);
+
 namespace {
 
 at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale,
@@ -110,6 +120,12 @@ at::Tensor linear_rope_append_impl(const at::Tensor& x, const at::Tensor& w, con
   if (norm != nullptr && !fold) {  // the norm first, then the call without it
     return linear_rope_append_impl(norm_ops::apply(x.contiguous(), *norm), w, scale, bias, cos_in, sin_in, heads,
                                    kv_heads, k_cache, v_cache, slots, nullptr);
+  }
+  if (!gemv && operands && !int8 && B * S > 16) {  // prefill sizes: the sm_90 GEMM with all of it in its epilogue
+    at::Tensor q = at::empty({B, heads, S, D}, x.options());
+    if (qkv_rope_gemm_sm90(x2, w, b, rotate ? &*cos_in : nullptr, rotate ? &*sin_in : nullptr, S, heads, kv_heads, q,
+                           k_cache, v_cache, slots))
+      return q;
   }
   if (!gemv) {  // the linear, then the rotary pass (which checks the rest), or the split and the cache write
     const at::Tensor qkv = linear_op(x2, w, scale, bias).view({B, S, N});

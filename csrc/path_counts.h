@@ -5,15 +5,16 @@
 //   attention: wgmma or mma.sync prefill, split-KV (Sq <= 16 or fp32);
 //   linear: the skinny kernel (M <= 16), or cuBLASLt with the algorithm cached for the problem, its heuristic's
 //   first choice (then cached), the fastest of its candidates timed at this call (then cached), or its first
-//   choice under CUDA-graph capture (not cached); the gate/up GEMM with SiLU(gate) * up in its epilogue (sm_90); ATen in fp32 for outputs of
-//   a few elements.
+//   choice under CUDA-graph capture (not cached); the gate/up GEMM with SiLU(gate) * up in its epilogue (sm_90); ATen
+//   in fp32 for outputs of a few elements; the q/k/v GEMM with the rotary, the split and the cache write in its
+//   epilogue (linear_rope_append at prefill sizes, sm_90).
 #pragma once
 
 namespace fuseinfer {
 
 enum class Path : int {
   kAttentionWgmma, kAttentionMmaSync, kAttentionSplitKv, kLinearSkinny,
-  kLinearLtHeuristic, kLinearLtTuned, kLinearLtCaptured, kLinearLtCached, kLinearSiluGemm, kLinearTiny, kCount
+  kLinearLtHeuristic, kLinearLtTuned, kLinearLtCaptured, kLinearLtCached, kLinearSiluGemm, kLinearTiny, kLinearQkvRopeGemm, kCount
 };
 void count_path(Path path);
 

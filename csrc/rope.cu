@@ -81,10 +81,8 @@ __global__ void __launch_bounds__(kRopeThreads) qkv_rope_kernel(const RopeParams
       const P s1 = ld_dep_as(reinterpret_cast<const P*>(sg)), s2 = ld_dep_as(reinterpret_cast<const P*>(sg + half));
 #pragma unroll
       for (int e = 0; e < V; ++e) {
-        const float a = to_float(x1.x[e]), bb = to_float(x2.x[e]);
-        // rotate_half(x) = cat(-x2, x1): out1 = x1 cos1 - x2 sin1, out2 = x2 cos2 + x1 sin2
-        y1.x[e] = from_float<T>(fmaf(a, to_float(c1.x[e]), -bb * to_float(s1.x[e])));
-        y2.x[e] = from_float<T>(fmaf(bb, to_float(c2.x[e]), a * to_float(s2.x[e])));
+        rope_pair(to_float(x1.x[e]), to_float(x2.x[e]), to_float(c1.x[e]), to_float(s1.x[e]), to_float(c2.x[e]),
+                  to_float(s2.x[e]), y1.x[e], y2.x[e]);
       }
     } else {  // v: copied
       y1 = x1;

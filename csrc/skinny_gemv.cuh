@@ -613,10 +613,8 @@ __global__ void __launch_bounds__(32 * kMaxWarps)
           const int64_t s = token % rp.seq, b = token / rp.seq;
           const RopeOperands ro = kPrefetchRope && o == threadIdx.x ? e_rope : load_rope_at(token, head, d);
           if (rp.cos != nullptr && head < rp.heads + rp.kv_heads) {  // q or k: x cos + rotate_half(x) sin
-            const float af = to_float(a), bf = to_float(b2);
-            const float c1 = unpack(ro.c, 0), c2 = unpack(ro.c, 1), s1 = unpack(ro.s, 0), s2 = unpack(ro.s, 1);
-            y1 = from_float<T>(fmaf(af, c1, -bf * s1));
-            y2 = from_float<T>(fmaf(bf, c2, af * s2));
+            rope_pair(to_float(a), to_float(b2), unpack(ro.c, 0), unpack(ro.s, 0), unpack(ro.c, 1), unpack(ro.s, 1),
+                      y1, y2);
           }
           T* dst;
           if (head < rp.heads) {

@@ -169,26 +169,6 @@ __device__ __forceinline__ void wgmma_fence_operands(uint32_t (&r)[M][N]) {
       : "l"(desc_a), "l"(desc_b), "r"(accumulate))
 #define WGMMA_SS_N128(TY) WGMMA_SS(TY, 128, WGMMA_D64, WGMMA_R64, "%64", "%65", "%66")
 
-#define WGMMA_D128 \
-  WGMMA_D64, \
-  "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
-  "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
-  "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
-  "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
-  "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
-  "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
-  "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
-  "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-
-#define WGMMA_R128 \
-  WGMMA_R64 ", " \
-  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
-  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
-  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
-  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-
-#define WGMMA_SS_N256(TY) WGMMA_SS(TY, 256, WGMMA_D128, WGMMA_R128, "%128", "%129", "%130")
-
 // A (registers) x B (shared, MN-major) -> the m64nN accumulators: D and R list them (operands and placeholders),
 // IA / IDESC / IP are the placeholders of the A fragment, B's descriptor and the accumulate flag that follow them.
 #define WGMMA_RS(TY, N, D, R, IA, IDESC, IP)                                                                         \
@@ -214,12 +194,6 @@ __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t desc_a, u
   WGMMA_FOR_TYPE(WGMMA_SS_N128)
 }
 
-// d (64 x 256, fp32) {=, +=} A (64 x 16, shared, K-major) * B (16 x 256, shared, K-major: 256 rows of K).
-template <typename T>
-__device__ __forceinline__ void wgmma_ss_n256(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  WGMMA_FOR_TYPE(WGMMA_SS_N256)
-}
-
 // d (64 x N, fp32) {=, +=} A (64 x 16, registers) * B (16 x N, shared, MN-major), N = 72 (head dim 64 and the
 // row-sum column) or 128.
 template <typename T>
@@ -235,14 +209,11 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4],
 #undef WGMMA_D32
 #undef WGMMA_D36
 #undef WGMMA_D64
-#undef WGMMA_D128
 #undef WGMMA_R32
 #undef WGMMA_R36
 #undef WGMMA_R64
-#undef WGMMA_R128
 #undef WGMMA_SS
 #undef WGMMA_SS_N128
-#undef WGMMA_SS_N256
 #undef WGMMA_RS
 #undef WGMMA_RS_N72
 #undef WGMMA_RS_N128

@@ -171,6 +171,10 @@ def record_kernel_calls(monkeypatch) -> list[str]:
     return calls
 
 
+needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                                reason="needs an sm_90 GPU (H100/H200)")
+
+
 def wgmma_available() -> bool:
     """Whether this GPU and build run the sm_90 wgmma attention prefill."""
     import fuseinfer

@@ -444,6 +444,23 @@ if part in ("all", "prefill"):
                                  (torch.float16, (130, 1001, 64)), (torch.bfloat16, (70, 136, 40))):  # F 1001: scalar
             ops.linear_epilogue(torch.randn(m, k, device="cuda", dtype=dtype),
                                 torch.randn(2 * f, k, device="cuda", dtype=dtype), None, None, "silu_mul")
+    # the sm_90 q/k/v GEMM with the rotary, the split and the cache write in its epilogue: (B, S, H, Hkv, D, K, bias,
+    # rotate): a partial row tile across batch rows, N 384 (a wholly out-of-bounds weight box), K 40, D 256 and 32, no
+    # rotation with biases, more tiles than SMs; the last token's slot past the cache (skipped)
+    for dtype, (b, s, h, hkv, d, k, bias, rot) in (
+            (torch.float16, (3, 50, 4, 1, 64, 40, True, True)), (torch.bfloat16, (1, 17, 2, 1, 256, 264, False, True)),
+            (torch.float16, (2, 130, 32, 32, 64, 256, True, False)), (torch.bfloat16, (2, 9, 8, 4, 32, 1040, True, True)),
+            (torch.float16, (1, 1100, 32, 8, 128, 512, False, True))):
+        n = (h + 2 * hkv) * d
+        x = torch.randn(b, s, k, device="cuda", dtype=dtype)
+        w = torch.randn(n, k, device="cuda", dtype=dtype)
+        cs, sn = (torch.randn(b, s, d, device="cuda", dtype=dtype) for _ in range(2)) if rot else (None, None)
+        kc, vc = (torch.randn(b, hkv, s + 2, d, device="cuda", dtype=dtype) for _ in range(2))
+        sl = torch.arange(2, s + 2, device="cuda")
+        sl[-1] = s + 2
+        with override(QKV_GEMM="1"):
+            ops.linear_rope_append(x, w, None, torch.randn(n, device="cuda", dtype=dtype) if bias else None, cs, sn, h,
+                                   hkv, kc, vc, sl)
     for dtype, d in ((torch.float16, 64), (torch.bfloat16, 128)):
         attention(dtype, d, 300, 700, q_start=300, heads=8, kv_heads=2)  # the wgmma ring wraps, a cache tail to zero
         attention(dtype, d, 300, 700, q_start=300, heads=64, kv_heads=8)  # more work items than SMs

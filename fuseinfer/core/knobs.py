@@ -84,6 +84,11 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "its epilogue instead of cuBLASLt's GEMM and then `silu_mul` (off by default: 0.96-0.99x the pair's time at "
          "2048-8192 rows of the Llama MLPs measured, slower at fewer rows and at Qwen2.5-1.5B's; see docs/results.md)",
          ("0", "1"), extension=True),
+    Knob("FUSEINFER_QKV_GEMM", "0", "call",
+         "`1`: the q/k/v linear with the rotary and the k / v write (`linear_rope_append`) at prefill sizes runs the "
+         "sm_90 GEMM with the rotary, the split and the write in its epilogue instead of cuBLASLt's GEMM and then "
+         "`qkv_rope_append` (off by default: 1.0-2.0x the pair's time measured, about equal only at 2048-8192 rows of "
+         "Llama-3.2-1B, Llama-3.1-8B and OPT-1.3b; see docs/results.md)", ("0", "1"), extension=True),
     Knob("FUSEINFER_DECODE_KERNEL", "auto", "config",
          "fast decode's step as one persistent kernel: `auto` where measured faster (OPT: 1-2 rows; int8 weight-only "
          "models up to hidden size 2048), `1` wherever it applies (`on`), `0` never (`off`)", ("auto", "0", "1"),

@@ -1,5 +1,5 @@
-"""bench/bench_silu_gemm.py on the CPU: its command line (a bad choice is one usage error before any GPU work) and its
-shapes (the published MLP sizes of the Llama-architecture models the eval builds)."""
+"""bench/bench_silu_gemm.py on the CPU: its command line and bench_qkv_gemm.py's (a bad choice is one usage error
+before any GPU work) and its shapes (the published MLP sizes of the Llama-architecture models the eval builds)."""
 from __future__ import annotations
 
 import subprocess
@@ -11,9 +11,10 @@ from helpers import BENCH_DIR
 SCRIPT = "bench_silu_gemm"  # (the ``bench`` fixture: tests/bench/conftest.py)
 
 
+@pytest.mark.parametrize("script", [SCRIPT, "bench_qkv_gemm"])  # (the fused-projection benches share their CLI)
 @pytest.mark.parametrize("args", [["--dtype", "fp32"], ["--dtype"], ["--rows", "8"]])
-def test_bad_arguments_are_one_usage_error(args):
-    out = subprocess.run([sys.executable, str(BENCH_DIR / f"{SCRIPT}.py"), *args], capture_output=True, text=True)
+def test_bad_arguments_are_one_usage_error(script, args):
+    out = subprocess.run([sys.executable, str(BENCH_DIR / f"{script}.py"), *args], capture_output=True, text=True)
     assert out.returncode == 2 and "usage:" in out.stderr, out.stderr[-500:]
     assert "Traceback" not in out.stderr
 

@@ -54,3 +54,25 @@ def test_percentile_stats_interpolates_like_the_eval():
 
     out = common.percentile_stats([10.0, 1.0, 2.0, 3.0, 4.0])
     assert out == pytest.approx({"median_ms": 3.0, "p10_ms": 1.4, "p90_ms": 7.6, "n": 5}, abs=1e-12)
+
+
+def test_fused_pair_gemm_row_sets_each_knob_and_derives_the_figures(monkeypatch):
+    """(bench_silu_gemm, bench_qkv_gemm) each closure is timed with its knob value set, and only then; TFLOP/s and
+    the ratios come from the paired rounds."""
+    from fuseinfer.core import knobs
+
+    seen, clock = [], iter([2.0, 4.0, 1.0] * 5)  # fused, pair, gemm per round
+
+    def fake_bench_ms(fn, rep_ms):
+        fn()
+        return {"median_ms": next(clock)}
+
+    monkeypatch.setattr(common, "bench_ms", fake_bench_ms)
+    fns = {name: (lambda name=name: seen.append((name, knobs.get("FUSEINFER_QKV_GEMM"))))
+           for name in ("fused", "pair", "gemm")}
+    row = common.fused_pair_gemm_row(fns, "QKV_GEMM", {"fused": "1", "pair": "0", "gemm": "0"}, flops=4e9)
+    assert seen == [("fused", "1"), ("pair", "0"), ("gemm", "0")] * 5
+    assert (row["fused_ms"], row["pair_ms"], row["gemm_ms"]) == (2.0, 4.0, 1.0)
+    assert row["fused_over_pair"] == 0.5 and row["fused_over_gemm"] == 2.0
+    assert abs(row["fused_TFLOPs"] - 2.0) < 1e-9 and abs(row["gemm_TFLOPs"] - 4.0) < 1e-9
+    assert set(common.FUSED_PAIR_GEMM_COLUMNS) - {"fused_kernel", "max_abs_diff_vs_pair"} <= set(row)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import (DEVICES, LOWP, assert_lowp_close, cuda_kernel_names, examples, given, lowp_atol, paths_taken,
-                     ref_dtype, st, up)
+from helpers import (DEVICES, LOWP, assert_lowp_close, cuda_kernel_names, examples, given, lowp_atol, needs_sm90,
+                     paths_taken, ref_dtype, st, up)
 
 from fuseinfer import FuseInferError, ops
 
@@ -232,13 +232,6 @@ def test_knob_off_runs_the_gemv_then_silu_mul(fmt, set_knob):
     names = cuda_kernel_names(call)
     assert len(names) == 2 and "skinny" in names[0] and "silu_mul" in names[1], names
     assert torch.equal(call(), fused)
-
-
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-needs_sm90 = pytest.mark.skipif(not _sm90(), reason="the gated GEMM needs an sm_90 GPU (H100/H200)")
 
 
 # ---- CUDA: the sm_90 prefill GEMM with SiLU(gate) * up in its epilogue ----

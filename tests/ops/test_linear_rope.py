@@ -2,12 +2,15 @@
 the static-cache write in its epilogue. On every device: equal to the two ops it fuses (the linear, then
 qkv_rope_append; without cos / sin, the linear then kv_cache_append: OPT's decode q/k/v), bad input, the registration
 (opcheck), a property test over shapes; on CUDA: one kernel at decode sizes, bit-identical to the two ops,
-FUSEINFER_GEMV_EPILOGUES=0 (the two kernels), prefill sizes, a CUDA graph."""
+FUSEINFER_GEMV_EPILOGUES=0 (the two kernels), a CUDA graph; at prefill sizes on sm_90 with FUSEINFER_QKV_GEMM=1 one
+kernel too (the GEMM with the rotary, the split and the cache write in its epilogue) within the rule, by default and
+for odd head dims the pair."""
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICES, LOWP, assert_rejects_each, cuda_kernel_names, examples, given, rope_cache_inputs, st
+from helpers import (DEVICES, LOWP, assert_lowp_close, assert_rejects_each, cuda_kernel_names, examples, given,
+                     lowp_atol, needs_sm90, paths_taken, rope_cache_inputs, st)
 
 from fuseinfer import ops
 
@@ -48,16 +51,17 @@ def _pair(args):
     return ops.qkv_rope_append(qkv, cos, sin, h, hkv, kc, vc, slots), kc, vc
 
 
-def _same(ours, pair, args):
-    """Bit for bit; int8 weights with a bias within a rounding step of the projection (the plain GEMV may fuse the
-    scale and the bias into one fma per output or not, so the projection can differ in its last bit before the
-    rotation, and a rotated value a cos - b sin then differs by up to a unit in the last place of a and b each, which
-    is many of its own units where it is small: about 1.42 units of the largest projection, plus the rounding of the
-    rotated value)."""
+def _same(ours, pair, args, gemm: bool = False):
+    """Bit for bit; within a rounding step of the projection for int8 weights with a bias (the plain GEMV may fuse the
+    scale and the bias into one fma per output or not) and where the prefill GEMM ran (``gemm``: k summed in another
+    order than cuBLASLt's). Either way the projection can differ in its last bit before the rotation, and a rotated
+    value a cos - b sin then differs by up to a unit in the last place of a and b each, which is many of its own units
+    where it is small: about 1.42 units of the largest projection, plus the rounding of the rotated value."""
     x, w, scale, b = args[:4]
     for a, r in zip(ours, pair):
-        if scale is not None and b is not None:
-            step = torch.finfo(a.dtype).eps * ops.w8a16_linear(x, w, scale, b).abs().max().item()
+        if gemm or (scale is not None and b is not None):
+            proj = ops.w8a16_linear(x, w, scale, b) if scale is not None else ops.linear_epilogue(x, w, b)
+            step = torch.finfo(a.dtype).eps * proj.abs().max().item()
             torch.testing.assert_close(a, r, rtol=0, atol=3 * step)
         else:
             assert torch.equal(a, r)
@@ -120,7 +124,8 @@ def test_opcheck(device, int8, rotate):
 @pytest.mark.parametrize("device", DEVICES)
 def test_equals_the_pair_property(device):
     """Drawn rows (decode 1-16 tokens, prefill), head dims (multiples of 16 and not), grouped-query heads, weight
-    format, bias, dtype: bit-identical to the two ops."""
+    format, bias, dtype: bit-identical to the two ops (within a rounding step of the projection where the sm_90
+    prefill GEMM ran)."""
     @examples(device, cpu=15, cuda=150)
     @given(b=st.integers(1, 4), s=st.sampled_from([1, 1, 2, 4, 9]), kdim=st.sampled_from([16, 48, 272, 2048]),
            heads=st.sampled_from([(2, 1), (4, 2), (4, 4), (8, 1)]), d=st.sampled_from([16, 32, 64, 128, 40]),
@@ -129,7 +134,8 @@ def test_equals_the_pair_property(device):
     def check(b, s, kdim, heads, d, int8, bias, rotate, dtype):
         args = _case(device, dtype, b=b, s=s, k=kdim, heads=heads[0], kv_heads=heads[1], d=d, t=12, int8=int8,
                      bias=bias, rotate=rotate)
-        _same(_ours(args), _pair(args), args)
+        ours, paths = paths_taken(lambda: _ours(args)) if device == "cuda" else (_ours(args), {})
+        _same(ours, _pair(args), args, gemm="linear.qkv_rope_gemm" in paths)
     check()
 
 
@@ -172,12 +178,80 @@ def test_knob_off_runs_the_gemv_then_qkv_rope_append(set_knob, rotate):
 
 
 @pytest.mark.gpu
-def test_prefill_and_odd_head_dims_run_the_pair():
-    for s, d in ((24, 64), (1, 40)):
+def test_default_and_odd_head_dims_run_the_pair(set_knob):
+    """Prefill by default (FUSEINFER_QKV_GEMM=0), and with the GEMM on, a head dim its epilogue does not take (40):
+    cuBLASLt's GEMM, then qkv_rope_append, bit for bit."""
+    for s, d, knob in ((24, 64, "0"), (24, 40, "1"), (1, 40, "1")):
+        set_knob("FUSEINFER_QKV_GEMM", knob)
         args = _case("cuda", torch.bfloat16, s=s, k=128, d=d, t=30)
         names = cuda_kernel_names(lambda: ops.linear_rope_append(*args))  # noqa: B023
-        assert any("rope" in n for n in names), names
-        _same(_ours(args), _pair(args), args)
+        assert any("qkv_rope_kernel" in n for n in names), names
+        ours, paths = paths_taken(lambda: _ours(args))  # noqa: B023
+        assert "linear.qkv_rope_gemm" not in paths, paths
+        _same(ours, _pair(args), args)
+
+
+# Prefill on sm_90: (B, S, H, Hkv, D, K, bias, rotate). Llama-3.2-1B's q/k/v at 2048 rows, Qwen2.5-1.5B's (biases,
+# D 128), Llama-3.1-8B's at a partial row tile, OPT-1.3b's without rotation (32 / 32 heads, biases) over two batch
+# rows; then odd ones: N = 384 (the last tile's second weight box wholly past N), batch boundaries inside a tile, a
+# partial k-block (K 40); D 256 (pairs across the tile's halves) at 17 rows; D 32 and D 16.
+PREFILL = [(1, 2048, 32, 8, 64, 2048, False, True), (1, 520, 12, 2, 128, 1536, True, True),
+           (1, 300, 32, 8, 128, 4096, False, True), (2, 130, 32, 32, 64, 2048, True, False),
+           (3, 50, 4, 1, 64, 40, True, True), (1, 17, 2, 1, 256, 264, False, True), (2, 9, 8, 4, 32, 1040, True, True),
+           (1, 33, 6, 2, 16, 64, False, True)]
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("shape", PREFILL)
+@pytest.mark.parametrize("dtype", LOWP)
+def test_prefill_is_one_kernel_within_the_rule(shape, dtype, set_knob):
+    """With FUSEINFER_QKV_GEMM=1, one kernel (the GEMM with the rotary, the split and the cache write in its epilogue), within a rounding step of
+    the projection of the pair, and within twice PyTorch's own error against fp32 (q and the written cache rows); the
+    last row's slot lies past the cache and is skipped."""
+    set_knob("FUSEINFER_QKV_GEMM", "1")
+    b, s, heads, kv_heads, d, k, bias, rotate = shape
+    args = _case("cuda", dtype, b=b, s=s, k=k, heads=heads, kv_heads=kv_heads, d=d, t=s + 3, bias=bias, rotate=rotate)
+    args[1] = (args[1].float() * 3).to(dtype)  # projections of about unit size
+    in_range = args[10].clone()  # (for the references, whose index_copy_ would assert on the skipped slot)
+    args[10][-1] = s + 3
+    call = lambda: ops.linear_rope_append(*args)  # noqa: E731
+    names = cuda_kernel_names(call)
+    assert len(names) == 1 and "qkv_rope_gemm" in names[0], names  # no (M, N) projection, no rotary pass
+    ours, paths = paths_taken(lambda: _ours(args))
+    assert paths == {"linear.qkv_rope_gemm": 1}, paths
+    pair = _pair(args)
+    _same(ours, pair, args, gemm=True)
+    up = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    up[8], up[9], up[10] = up[8].clone(), up[9].clone(), in_range
+    ref = (ops.linear_rope_append_ref(*up), up[8], up[9])
+    low = list(args)
+    low[8], low[9], low[10] = low[8].clone(), low[9].clone(), in_range
+    torch_low = (ops.linear_rope_append_ref(*low), low[8], low[9])
+    for i, (a, t, r) in enumerate(zip(ours, torch_low, ref)):
+        if i > 0:  # the cache rows the slots wrote (3 .. s + 1)
+            a, t, r = (c[:, :, 3:s + 2] for c in (a, t, r))
+        assert_lowp_close(a, t, r, f"{shape} {dtype} output {i}", 2 * lowp_atol(r, dtype))
+    assert torch.equal(ours[1][:, :, -1], args[8][:, :, -1])  # the skipped slot: untouched
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_prefill_gemm_in_a_cuda_graph(set_knob):
+    """The prefill GEMM captured and replayed: the replay reads the new x, cos, sin and slots."""
+    set_knob("FUSEINFER_QKV_GEMM", "1")
+    args = _case("cuda", torch.float16, b=1, s=64, k=2048, heads=32, kv_heads=8, d=64, t=80)
+    ops.linear_rope_append(*args)  # warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q, paths = paths_taken(lambda: ops.linear_rope_append(*args))
+    assert paths == {"linear.qkv_rope_gemm": 1}, paths
+    args[0].copy_(torch.randn_like(args[0]))
+    args[4].copy_(torch.randn_like(args[4]))
+    args[10].sub_(10)
+    expect = _pair(args)
+    graph.replay()
+    _same((q, args[8], args[9]), expect, args, gemm=True)
 
 
 @pytest.mark.gpu

@@ -6,8 +6,9 @@ position only. ``runtime/prefill.py`` (modes, length buckets, CUDA graphs) reach
 hidden states of every position (and, on request, each layer's k / v as transformers' DynamicCache holds them).
 
 One strategy, :class:`LeanOps`, runs the ops of the patched modules (``modules.py``) in their order: fused residual +
-RMSNorm (``add_rms_norm``), the fused q/k/v GEMM, ``qkv_rope`` (or ``qkv_rope_append`` into fuseinfer's static
-cache), attention, o_proj with the residual in its epilogue, the fused gate/up GEMM with ``silu_mul`` as its
+RMSNorm (``add_rms_norm``), the fused q/k/v GEMM with the rotary and the split (and the static cache's write):
+``linear_rope_append``, one kernel on sm_90, or for other quantized weights and FP8 caches the GEMM and ``qkv_rope``
+/ ``qkv_rope_append``, attention, o_proj with the residual in its epilogue, the fused gate/up GEMM with ``silu_mul`` as its
 activation (a GEMM then ``silu_mul``; one GEMV at decode-sized inputs), down_proj with the residual. Each linear is
 the fp16/bf16 GEMM or, for a model quantized with ``Int8WeightOnly``, the int8 weight-only one (W8A16), as the module
 holding it says.
@@ -28,8 +29,9 @@ from fuseinfer.layers.linear import Int8WeightOnlyLinear
 from fuseinfer.models.common import checked_plan, lean_call_reason, lean_plan
 from fuseinfer.models.llama.decode import _DYNAMIC_ROPE
 from fuseinfer.models.llama.layer import decoder_layer
-from fuseinfer.models.llama.modules import ARCHS, FUSED, GATE_UP, QKV, head_dim_of
-from fuseinfer.ops import add_rms_norm, attention, linear_epilogue, qkv_rope, qkv_rope_append, w8a16_linear
+from fuseinfer.models.llama.modules import ARCHS, FUSED, GATE_UP, QKV, head_dim_of, qkv_operands
+from fuseinfer.ops import (add_rms_norm, attention, linear_epilogue, linear_rope_append, qkv_rope, qkv_rope_append,
+                           w8a16_linear)
 
 CAUSAL_LMS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _LINEARS = (nn.Linear, Int8WeightOnlyLinear)  # what a linear the loop reads may be (fp16/bf16, or W8A16)
@@ -37,7 +39,8 @@ _LINEARS = (nn.Linear, Int8WeightOnlyLinear)  # what a linear the loop reads may
 _LAYERS, _ATTNS, _MLPS, _NORMS = ({FUSED[a[i]] for a in ARCHS.values()} for i in range(4))
 _PLAIN_NORMS = tuple(a[3] for a in ARCHS.values())  # a decoder layer's own RMSNorms stay plain (the layer fuses them)
 # (silu_mul: linear_epilogue's gate/up activation calls it at prefill sizes)
-_RAW_OPS = ("add_rms_norm", "linear_epilogue", "qkv_rope", "qkv_rope_append", "silu_mul", "attention")
+_RAW_OPS = ("add_rms_norm", "linear_epilogue", "qkv_rope", "qkv_rope_append", "linear_rope_append", "silu_mul",
+            "attention")
 
 
 # ---- what the lean loop reads from the model ----
@@ -205,13 +208,15 @@ class LeanOps:
             self.gemm = ext.linear_epilogue  # (x (M, K) contiguous, w, b, residual (M, N) or None, activation)
             self.rope = ext.qkv_rope
             self.rope_append = ext.qkv_rope_append
+            self.rope_linear = ext.linear_rope_append
             self.attend = ext.attention
             # (an extension built without the int8 ops: the wrapper, which falls back to the reference as well)
             self.int8 = ext.w8a16_linear if hasattr(ext, "w8a16_linear") else w8a16_linear
         else:
             self.rms, self.gemm, self.rope, self.rope_append = add_rms_norm, linear_epilogue, qkv_rope, qkv_rope_append
+            self.rope_linear = linear_rope_append
             self.attend, self.int8 = attention, w8a16_linear
-        self.heads, self.kv_heads = heads, kv_heads
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
 
     def norm(self, x, norm, residual=None):
         y, s = self.rms(x, residual, norm._parameters["weight"], norm.variance_epsilon, residual is not None)
@@ -246,18 +251,28 @@ class LeanOps:
         and attention reads the whole cache; without, attention reads this prompt's k/v (appended to ``kv_out``
         when it is a list)."""
         b, s, cos, sin, key_mask, q_start, cache, slots, kv_out = ctx
-        qkv = self.fused(attn, QKV, x).view(b, s, -1)  # (B, S, (H + 2 Hkv) D)
         if cache is not None and getattr(cache, "kv_scales", None) is not None:  # an FP8 cache (the op wrappers)
             k, v, kv_scale = cache.keys[i], cache.values[i], cache.kv_scales[i]  # (B, Hkv, T, D) e4m3, (2, Hkv)
+            qkv = self.fused(attn, QKV, x).view(b, s, -1)  # (B, S, (H + 2 Hkv) D)
             q = qkv_rope_append(qkv, cos, sin, self.heads, self.kv_heads, k, v, slots, kv_scale, cache.calibrate)
             return attention(q, k, v, key_mask, q_start, attn.scaling, kv_scale).view(b * s, -1)
-        if cache is not None:
+        operands = qkv_operands(attn)
+        if operands is not None:  # fp16 / bf16 or int8 weight-only: projection, rotary, split (and cache write), one op
+            if cache is not None:
+                k, v = cache.keys[i], cache.values[i]  # (B, Hkv, T, D)
+            else:  # written as (B, Hkv, S, D): slots are 0 .. S - 1 (ctx)
+                k, v = (x.new_empty(b, self.kv_heads, s, self.head_dim) for _ in range(2))
+            q = self.rope_linear(x.view(b, s, -1), *operands, cos, sin, self.heads, self.kv_heads, k, v,
+                                 slots)  # (B, H, S, D)
+        elif cache is not None:
             k, v = cache.keys[i], cache.values[i]  # (B, Hkv, T, D)
+            qkv = self.fused(attn, QKV, x).view(b, s, -1)  # (B, S, (H + 2 Hkv) D)
             q = self.rope_append(qkv, cos, sin, self.heads, self.kv_heads, k, v, slots)  # (B, H, S, D)
         else:
+            qkv = self.fused(attn, QKV, x).view(b, s, -1)  # (B, S, (H + 2 Hkv) D)
             q, k, v = self.rope(qkv, cos, sin, self.heads, self.kv_heads)  # (B, H, S, D), (B, Hkv, S, D) x 2
-            if kv_out is not None:
-                kv_out.append((k, v))
+        if cache is None and kv_out is not None:
+            kv_out.append((k, v))
         return self.attend(q, k, v, key_mask, q_start, attn.scaling).view(b * s, -1)  # (B, S, H, D) -> (B*S, H*D)
 
 
@@ -272,6 +287,8 @@ def _run(plan: _Plan, tokens, positions, key_mask, q_start, cache, slots, kv_out
     cos, sin = plan.rotary(h, positions)
     cos, sin = cos.expand(b, s, -1).contiguous(), sin.expand(b, s, -1).contiguous()
     ops = LeanOps(h, plan.heads, plan.kv_heads, plan.head_dim)
+    if cache is None:  # the q/k/v op writes k, v (B, Hkv, S, D) of each layer at these slots
+        slots = torch.arange(s, device=h.device)
     ctx = (b, s, cos, sin, key_mask, q_start, cache, slots, kv_out)
     for i, layer in enumerate(plan.layers):
         h = decoder_layer(ops, i, layer, h, ctx)

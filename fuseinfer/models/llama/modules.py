@@ -8,10 +8,10 @@ Swaps, by changing the class of the existing modules to subclasses (as the OPT f
   the MLP in the o_proj / down_proj GEMM epilogues;
 * the attention -> ``Fused<Arch>Attention``: q/k/v as one GEMM over a ((H + 2 Hkv) D, E) tensor whose rows the q/k/v
   weights (and Qwen2's biases) are views of, so no memory is added and ``state_dict`` keeps their names; the split,
-  the rotary embedding (the model's own cos / sin tables) and, over fuseinfer's static cache, the cache write in one
-  pass (``qkv_rope`` / ``qkv_rope_append``; over the static cache the GEMM and that pass are ``linear_rope_append``,
-  one GEMV at decode); transformers' caches (DynamicCache, StaticCache) through their
-  ``update``; attention through the registered ``"fuseinfer"`` implementation (grouped-query k / v as they are);
+  the rotary embedding (the model's own cos / sin tables) and, over fuseinfer's static cache, the cache write: one op
+  with the GEMM (``linear_rope_append``: one kernel at decode, the GEMV, and at prefill on sm_90, the GEMM with all
+  of it in its epilogue), or for other quantized weights and FP8 caches their GEMM and one pass (``qkv_rope`` /
+  ``qkv_rope_append``); transformers' caches (DynamicCache, StaticCache) through their ``update``; attention through the registered ``"fuseinfer"`` implementation (grouped-query k / v as they are);
   o_proj (+ residual) fused;
 * the MLP -> ``Fused<Arch>MLP``: gate and up as one (2F, E) GEMM (the two weights views of it) with ``silu_mul`` as
   its activation (in the decode GEMV's epilogue; a GEMM and then ``silu_mul`` for prefill), then down_proj
@@ -209,7 +209,7 @@ class _FusedWeights:
 
 # ---------------------------------------------------------------------------------------------- fused modules
 
-def _qkv_operands(attn: nn.Module):
+def qkv_operands(attn: nn.Module):
     """(weight, scale, bias) of the fused q/k/v projection for ``linear_rope_append``: the fp16/bf16/fp32 fused weight
     (scale None) or the int8 weight-only one; None for another quantized linear (it runs its own GEMM)."""
     quant = attn._modules.get(QKV.name)
@@ -244,7 +244,7 @@ class _FusedAttention(_FusedWeights):
         cos, sin = position_embeddings  # (B or 1, S, D)
         if "qkv" in ops and _linked(self, QKV):
             cos, sin = cos.expand(b, s, d), sin.expand(b, s, d)
-            operands = _qkv_operands(self)
+            operands = qkv_operands(self)
             scales = getattr(past_key_values, "kv_scales", None)  # (an FP8 cache's, else None)
             if static_cache(past_key_values) and operands is not None and scales is None:
                 # (the GEMV's epilogue writes caches of the model's dtype; an FP8 cache takes the pass below)
@@ -270,8 +270,13 @@ class _FusedAttention(_FusedWeights):
                                     getattr(past_key_values, "calibrate", False))  # (B, H, S, D)
                 k, v = keys, values  # (B, Hkv, T, D)
             else:
-                qkv = fused_linear(self, hidden_states)  # (B, S, (H + 2 Hkv) D); int8 weights when quantized
-                q, k, v = qkv_rope(qkv, cos, sin, heads, kv_heads)  # (B, H, S, D), (B, Hkv, S, D) x 2
+                if operands is not None:  # projection, rotary and split in one op: k, v written as (B, Hkv, S, D)
+                    k, v = (hidden_states.new_empty(b, kv_heads, s, d) for _ in range(2))
+                    slots = torch.arange(s, device=hidden_states.device)
+                    q = linear_rope_append(hidden_states, *operands, cos, sin, heads, kv_heads, k, v, slots)
+                else:  # other quantized weights: their GEMM, then the rotary pass
+                    qkv = fused_linear(self, hidden_states)  # (B, S, (H + 2 Hkv) D)
+                    q, k, v = qkv_rope(qkv, cos, sin, heads, kv_heads)  # (B, H, S, D), (B, Hkv, S, D) x 2
                 if past_key_values is not None:
                     k, v = past_key_values.update(k, v, self.layer_idx)
         else:
@@ -306,7 +311,7 @@ class _FusedAttention(_FusedWeights):
         prenorm)."""
         if _original_forward(self, hidden_states) or "qkv" not in self._fuseinfer_ops or not _linked(self, QKV):
             return False
-        operands = _qkv_operands(self)
+        operands = qkv_operands(self)
         return static_cache(past_key_values) and getattr(past_key_values, "kv_scales", None) is None and \
             operands is not None and operands[1] is None
 

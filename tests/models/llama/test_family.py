@@ -113,7 +113,7 @@ def test_patch_runs_the_fused_ops(tiny_cpu, monkeypatch, fold):
         else:
             setter(namespace, name, wrapped)
 
-    for name in ("add_rms_norm", "qkv_rope", "silu_mul", "linear_epilogue", "rms_norm_linear"):
+    for name in ("add_rms_norm", "qkv_rope", "linear_rope_append", "silu_mul", "linear_epilogue", "rms_norm_linear"):
         counting(llama_modules, name)
     counting(linear_layer, "linear_epilogue")
     counting(attention_backend.IMPLS, "fuseinfer")
@@ -121,14 +121,15 @@ def test_patch_runs_the_fused_ops(tiny_cpu, monkeypatch, fold):
     layers = model.config.num_hidden_layers
     if fold:
         # 5 rows (GEMV sizes): post_attention_layernorm folded into gate/up (rms_norm_linear with silu_mul); the
-        # input norm runs (q/k/v folds it only when it appends to a static cache); q/k/v, o_proj, down_proj
-        assert calls == {"add_rms_norm": layers + 1, "rms_norm_linear": layers, "qkv_rope": layers,
-                         "linear_epilogue": 3 * layers, "fuseinfer": layers}, calls
+        # input norm runs (q/k/v folds it only when it appends to a static cache); q/k/v with the rotary (one op),
+        # o_proj, down_proj
+        assert calls == {"add_rms_norm": layers + 1, "rms_norm_linear": layers, "linear_rope_append": layers,
+                         "linear_epilogue": 2 * layers, "fuseinfer": layers}, calls
         return
-    # 2 RMSNorms per layer + the final one; q/k/v, o_proj and down_proj per layer; gate/up: the module's own call,
-    # with silu_mul as the linear's activation (no silu_mul call of its own)
-    assert calls == {"add_rms_norm": 2 * layers + 1, "qkv_rope": layers,
-                     "linear_epilogue": layers + 3 * layers, "fuseinfer": layers}, calls
+    # 2 RMSNorms per layer + the final one; q/k/v with the rotary (one op); o_proj and down_proj per layer; gate/up:
+    # the module's own call, with silu_mul as the linear's activation (no silu_mul call of its own)
+    assert calls == {"add_rms_norm": 2 * layers + 1, "linear_rope_append": layers,
+                     "linear_epilogue": 3 * layers, "fuseinfer": layers}, calls
 
 
 # ---- perplexity ----
@@ -506,16 +507,16 @@ def test_patched_model_compiles_to_one_graph_of_the_registered_ops(fold, monkeyp
         out, code = traced_by_compile(model, input_ids=ids)
     torch.testing.assert_close(out.logits.float(), ref, rtol=0, atol=ATOL32)
     layers = model.config.num_hidden_layers
-    counts = {op: code.count(f"fuseinfer.{op}") for op in ("add_rms_norm", "qkv_rope", "silu_mul", "linear_epilogue",
-                                                            "rms_norm_linear")}
+    counts = {op: code.count(f"fuseinfer.{op}") for op in ("add_rms_norm", "qkv_rope", "linear_rope_append", "silu_mul",
+                                                            "linear_epilogue", "rms_norm_linear")}
     if fold:  # post_attention_layernorm in gate/up's op (the input norm folds only into a static cache's q/k/v)
-        assert counts == {"add_rms_norm": layers + 1, "qkv_rope": layers, "silu_mul": 0, "linear_epilogue": 3 * layers,
-                          "rms_norm_linear": layers}, counts
+        assert counts == {"add_rms_norm": layers + 1, "qkv_rope": 0, "linear_rope_append": layers, "silu_mul": 0,
+                          "linear_epilogue": 2 * layers, "rms_norm_linear": layers}, counts
         return
-    # per layer: 2 norms, q/k/v + rotary, GEMMs q/k/v, o_proj, gate/up (silu_mul its activation: no op of its
-    # own), down_proj; the final norm
-    assert counts == {"add_rms_norm": 2 * layers + 1, "qkv_rope": layers, "silu_mul": 0,
-                      "linear_epilogue": 4 * layers, "rms_norm_linear": 0}, counts
+    # per layer: 2 norms, q/k/v with the rotary (one op), GEMMs o_proj, gate/up (silu_mul its activation: no op of
+    # its own), down_proj; the final norm
+    assert counts == {"add_rms_norm": 2 * layers + 1, "qkv_rope": 0, "linear_rope_append": layers, "silu_mul": 0,
+                      "linear_epilogue": 3 * layers, "rms_norm_linear": 0}, counts
 
 
 def test_random_model_materialized_from_meta_runs_fast_decode():

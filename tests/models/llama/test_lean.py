@@ -351,6 +351,7 @@ def test_direct_calls_pass_what_the_extension_takes(monkeypatch):
     from fuseinfer.ops.attention import attention_ref
     from fuseinfer.ops.kv_cache import kv_cache_append_ref
     from fuseinfer.ops.linear import linear_epilogue_ref
+    from fuseinfer.ops.linear_rope import linear_rope_append_ref
     from fuseinfer.ops.rms_norm import add_rms_norm_ref
     from fuseinfer.ops.rope import qkv_rope_append_ref, qkv_rope_ref
     from fuseinfer.ops.silu_mul import silu_mul_ref
@@ -371,6 +372,7 @@ def test_direct_calls_pass_what_the_extension_takes(monkeypatch):
         linear_epilogue = staticmethod(raw("linear_epilogue", linear_epilogue_ref))
         qkv_rope = staticmethod(raw("qkv_rope", qkv_rope_ref))
         qkv_rope_append = staticmethod(raw("qkv_rope_append", qkv_rope_append_ref))
+        linear_rope_append = staticmethod(raw("linear_rope_append", linear_rope_append_ref))
         silu_mul = staticmethod(raw("silu_mul", silu_mul_ref))
         attention = staticmethod(raw("attention", attention_ref))
         w8a16_linear = staticmethod(raw("w8a16_linear", w8a16_linear_ref))
@@ -389,9 +391,11 @@ def test_direct_calls_pass_what_the_extension_takes(monkeypatch):
             ours = _over_cache(pf.lean_logits, model, ids, mask)
             hidden = models.family_of(model).lean_hidden(model, ids, _positions(mask), mask.bool())
         gemm = "w8a16_linear" if quant is not None else "linear_epilogue"
-        # (two forwards: the loop over the cache, then lean_hidden's without one)
-        assert calls.count(gemm) == 2 * 4 * model.config.num_hidden_layers
-        assert calls.count("qkv_rope_append") == calls.count("qkv_rope") == model.config.num_hidden_layers
+        # (two forwards: the loop over the cache, then lean_hidden's without one; q/k/v one linear_rope_append in
+        # both)
+        layers = model.config.num_hidden_layers
+        assert calls.count(gemm) == 2 * 3 * layers and calls.count("linear_rope_append") == 2 * layers
+        assert calls.count("qkv_rope_append") == calls.count("qkv_rope") == 0
         for a, b in zip([ours[0], *ours[1], *ours[2], hidden], [ref[0], *ref[1], *ref[2], ref_hidden]):
             assert torch.equal(a, b)
 
