@@ -16,7 +16,7 @@
 // 128 or 256.
 //
 // Measured against cuBLASLt's GEMM + qkv_rope_append (bench/bench_qkv_gemm.py, H200, one run, fp16): 1.00-1.06x the
-// time at 2048-8192 rows of Llama-3.2-1B, Llama-3.1-8B and OPT-1.3b, 1.3x at Qwen2.5-1.5B's (N 2048, K 1536), 1.2-2.0x
+// time at 2048-8192 rows of Llama-3.2-1B, Llama-3.1-8B and OPT-1.3b, 1.3x at Qwen2.5-1.5B's (N 2048, K 1536), 0.98-2.0x
 // at 128-512 rows. The pass it saves (reading and writing the (M, N) projection) is worth 10-25% of the GEMM's time,
 // and the GEMM runs at 81-87% of cuBLAS's rate at these shapes (m64n128 wgmmas per warpgroup from shared memory;
 // fewer tiles than SMs below ~2000 rows), so at best it breaks even: opt-in (FUSEINFER_QKV_GEMM=1).
@@ -147,7 +147,10 @@ bool qkv_rope_gemm_sm90(const at::Tensor& x, const at::Tensor& w, const at::Tens
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
   const auto dtype = x.scalar_type();
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0), d = n / (heads + 2 * kv_heads);
-  auto aligned = [](const at::Tensor* t) { return t == nullptr || reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0; };
+  if (n < 1 || d < 16) return false;  // (before the modulo below: an empty weight has D = 0)
+  auto aligned = [](const at::Tensor* t) {
+    return t == nullptr || reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0;
+  };
   constexpr int64_t kMax = int64_t(1) << 30;
   if (knob(Knob::kQkvGemm) == 0 || props->major != 9 || props->minor != 0 ||
       (dtype != at::kHalf && dtype != at::kBFloat16) || w.scalar_type() != dtype || k % 8 != 0 || d % 16 != 0 ||
@@ -166,6 +169,7 @@ bool qkv_rope_gemm_sm90(const at::Tensor& x, const at::Tensor& w, const at::Tens
   g.k = static_cast<int>(k);
   g.tiles_m = static_cast<int>((m + BM - 1) / BM);
   g.tiles_n = static_cast<int>((n + qkv_rope_gemm::TILE_N - 1) / qkv_rope_gemm::TILE_N);
+  if (int64_t(g.tiles_m) * g.tiles_n > INT32_MAX) return false;
   g.tile_rows = qkv_rope_gemm::TILE_N;
   g.half_rows = BH;
   g.half_plane = 0;

@@ -46,7 +46,7 @@ __device__ __forceinline__ T silu_mul1(T gate, T up) {
   return from_float<T>(to_float(act) * to_float(up));
 }
 
-// The epilogue: a tile's 128 rows x 16 chunks of 8 outputs, chunk i of the 96 threads i, i + 96, ...: a warp covers
+// The epilogue: a tile's BM rows x 16 chunks of 8 outputs, chunk i of the 96 threads i, i + 96, ...: a warp covers
 // two rows, 16-byte loads of gate and up and one 16-byte store of y per chunk (scalar where F % 8 != 0).
 template <typename T>
 struct SiluMul {

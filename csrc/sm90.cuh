@@ -131,8 +131,7 @@ __device__ __forceinline__ void wgmma_fence_operands(uint32_t (&r)[M][N]) {
 // warp w of the warpgroup holds rows 16w..16w+15; register 4i + e of lane l is row 16w + l/4 + 8 * (e / 2),
 // column 8i + 2 * (l % 4) + e % 2. A in registers (RS): the m16n8k16 A fragment of warp w's 16 rows.
 
-// The accumulator operands d[0..31], d[0..35], d[0..63] and d[0..127], and their placeholders %0..%31 / %0..%35 /
-// %0..%63 / %0..%127.
+// The accumulator operands d[0..31], d[0..35] and d[0..63], and their placeholders %0..%31 / %0..%35 / %0..%63.
 #define WGMMA_D32                                                                                         \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \

@@ -81,7 +81,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "to N (at most one split per block iteration's keys; benchmarks)", extension=True),
     Knob("FUSEINFER_SILU_GEMM", "0", "call",
          "`1`: a gate/up linear with activation `silu_mul` at prefill sizes runs the sm_90 GEMM with SiLU(gate) * up in "
-         "its epilogue instead of cuBLASLt's GEMM and then `silu_mul` (off by default: 0.96-0.99x the pair's time at "
+         "its epilogue instead of cuBLASLt's GEMM and then `silu_mul` (off by default: 0.99-1.11x the pair's time at "
          "2048-8192 rows of the Llama MLPs measured, slower at fewer rows and at Qwen2.5-1.5B's; see docs/results.md)",
          ("0", "1"), extension=True),
     Knob("FUSEINFER_QKV_GEMM", "0", "call",

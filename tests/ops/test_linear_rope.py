@@ -124,17 +124,20 @@ def test_opcheck(device, int8, rotate):
 @pytest.mark.parametrize("device", DEVICES)
 def test_equals_the_pair_property(device):
     """Drawn rows (decode 1-16 tokens, prefill), head dims (multiples of 16 and not), grouped-query heads, weight
-    format, bias, dtype: bit-identical to the two ops (within a rounding step of the projection where the sm_90
-    prefill GEMM ran)."""
+    format, bias, dtype, FUSEINFER_QKV_GEMM: bit-identical to the two ops (within a rounding step of the projection
+    where the sm_90 prefill GEMM ran)."""
+    from fuseinfer.core.knobs import override
+
     @examples(device, cpu=15, cuda=150)
     @given(b=st.integers(1, 4), s=st.sampled_from([1, 1, 2, 4, 9]), kdim=st.sampled_from([16, 48, 272, 2048]),
            heads=st.sampled_from([(2, 1), (4, 2), (4, 4), (8, 1)]), d=st.sampled_from([16, 32, 64, 128, 40]),
-           int8=st.booleans(), bias=st.booleans(), rotate=st.booleans(),
+           int8=st.booleans(), bias=st.booleans(), rotate=st.booleans(), fused=st.booleans(),
            dtype=st.sampled_from([torch.float32, *LOWP] if device == "cpu" else [*LOWP, torch.float32]))
-    def check(b, s, kdim, heads, d, int8, bias, rotate, dtype):
+    def check(b, s, kdim, heads, d, int8, bias, rotate, fused, dtype):
         args = _case(device, dtype, b=b, s=s, k=kdim, heads=heads[0], kv_heads=heads[1], d=d, t=12, int8=int8,
                      bias=bias, rotate=rotate)
-        ours, paths = paths_taken(lambda: _ours(args)) if device == "cuda" else (_ours(args), {})
+        with override(QKV_GEMM="1" if fused else "0"):
+            ours, paths = paths_taken(lambda: _ours(args)) if device == "cuda" else (_ours(args), {})
         _same(ours, _pair(args), args, gemm="linear.qkv_rope_gemm" in paths)
     check()
 
@@ -179,9 +182,9 @@ def test_knob_off_runs_the_gemv_then_qkv_rope_append(set_knob, rotate):
 
 @pytest.mark.gpu
 def test_default_and_odd_head_dims_run_the_pair(set_knob):
-    """Prefill by default (FUSEINFER_QKV_GEMM=0), and with the GEMM on, a head dim its epilogue does not take (40):
-    cuBLASLt's GEMM, then qkv_rope_append, bit for bit."""
-    for s, d, knob in ((24, 64, "0"), (24, 40, "1"), (1, 40, "1")):
+    """Prefill by default (FUSEINFER_QKV_GEMM=0), and with the GEMM on, head dims its epilogue does not take (40, and
+    96, which does not divide its 256-column tiles): cuBLASLt's GEMM, then qkv_rope_append, bit for bit."""
+    for s, d, knob in ((24, 64, "0"), (24, 40, "1"), (1, 40, "1"), (24, 96, "1")):
         set_knob("FUSEINFER_QKV_GEMM", knob)
         args = _case("cuda", torch.bfloat16, s=s, k=128, d=d, t=30)
         names = cuda_kernel_names(lambda: ops.linear_rope_append(*args))  # noqa: B023
@@ -206,15 +209,19 @@ PREFILL = [(1, 2048, 32, 8, 64, 2048, False, True), (1, 520, 12, 2, 128, 1536, T
 @pytest.mark.parametrize("shape", PREFILL)
 @pytest.mark.parametrize("dtype", LOWP)
 def test_prefill_is_one_kernel_within_the_rule(shape, dtype, set_knob):
-    """With FUSEINFER_QKV_GEMM=1, one kernel (the GEMM with the rotary, the split and the cache write in its epilogue), within a rounding step of
-    the projection of the pair, and within twice PyTorch's own error against fp32 (q and the written cache rows); the
-    last row's slot lies past the cache and is skipped."""
+    """With FUSEINFER_QKV_GEMM=1, one kernel (the GEMM with the rotary, the split and the cache write in its
+    epilogue), within a rounding step of the projection of the pair, and within twice PyTorch's own error against fp32
+    (q and the written cache rows); the last row's slot lies past the cache and is skipped: nothing else written."""
     set_knob("FUSEINFER_QKV_GEMM", "1")
     b, s, heads, kv_heads, d, k, bias, rotate = shape
     args = _case("cuda", dtype, b=b, s=s, k=k, heads=heads, kv_heads=kv_heads, d=d, t=s + 3, bias=bias, rotate=rotate)
     args[1] = (args[1].float() * 3).to(dtype)  # projections of about unit size
     in_range = args[10].clone()  # (for the references, whose index_copy_ would assert on the skipped slot)
     args[10][-1] = s + 3
+    # the caches at the start of larger buffers, so that a write past them (a skipped slot mis-addressed) shows
+    bufs = [torch.randn(c.numel() + 4096, device="cuda").to(dtype) for c in args[8:10]]
+    args[8], args[9] = (buf[:c.numel()].view(c.shape) for buf, c in zip(bufs, args[8:10]))
+    before = [buf.clone() for buf in bufs]
     call = lambda: ops.linear_rope_append(*args)  # noqa: E731
     names = cuda_kernel_names(call)
     assert len(names) == 1 and "qkv_rope_gemm" in names[0], names  # no (M, N) projection, no rotary pass
@@ -232,7 +239,11 @@ def test_prefill_is_one_kernel_within_the_rule(shape, dtype, set_knob):
         if i > 0:  # the cache rows the slots wrote (3 .. s + 1)
             a, t, r = (c[:, :, 3:s + 2] for c in (a, t, r))
         assert_lowp_close(a, t, r, f"{shape} {dtype} output {i}", 2 * lowp_atol(r, dtype))
-    assert torch.equal(ours[1][:, :, -1], args[8][:, :, -1])  # the skipped slot: untouched
+    for buf, old in zip(bufs, before):  # every cache row but those written (3 .. s + 1), and past the caches: untouched
+        cache, old_cache = (t[:args[8].numel()].view(args[8].shape) for t in (buf, old))
+        assert torch.equal(cache[:, :, :3], old_cache[:, :, :3])
+        assert torch.equal(cache[:, :, s + 2:], old_cache[:, :, s + 2:])
+        assert torch.equal(buf[args[8].numel():], old[args[8].numel():])
 
 
 @pytest.mark.gpu
@@ -248,6 +259,7 @@ def test_prefill_gemm_in_a_cuda_graph(set_knob):
     assert paths == {"linear.qkv_rope_gemm": 1}, paths
     args[0].copy_(torch.randn_like(args[0]))
     args[4].copy_(torch.randn_like(args[4]))
+    args[5].copy_(torch.randn_like(args[5]))
     args[10].sub_(10)
     expect = _pair(args)
     graph.replay()

@@ -7,9 +7,10 @@ hidden states of every position (and, on request, each layer's k / v as transfor
 
 One strategy, :class:`LeanOps`, runs the ops of the patched modules (``modules.py``) in their order: fused residual +
 RMSNorm (``add_rms_norm``), the fused q/k/v GEMM with the rotary and the split (and the static cache's write):
-``linear_rope_append``, one kernel on sm_90, or for other quantized weights and FP8 caches the GEMM and ``qkv_rope``
-/ ``qkv_rope_append``, attention, o_proj with the residual in its epilogue, the fused gate/up GEMM with ``silu_mul`` as its
-activation (a GEMM then ``silu_mul``; one GEMV at decode-sized inputs), down_proj with the residual. Each linear is
+``linear_rope_append`` (one kernel at prefill on sm_90 with ``FUSEINFER_QKV_GEMM=1``), or for other quantized
+weights and FP8 caches the GEMM and ``qkv_rope`` / ``qkv_rope_append``, attention, o_proj with the residual in its
+epilogue, the fused gate/up GEMM with ``silu_mul`` as its activation (a GEMM then ``silu_mul``; one GEMV at
+decode-sized inputs), down_proj with the residual. Each linear is
 the fp16/bf16 GEMM or, for a model quantized with ``Int8WeightOnly``, the int8 weight-only one (W8A16), as the module
 holding it says.
 

@@ -9,10 +9,11 @@ Swaps, by changing the class of the existing modules to subclasses (as the OPT f
 * the attention -> ``Fused<Arch>Attention``: q/k/v as one GEMM over a ((H + 2 Hkv) D, E) tensor whose rows the q/k/v
   weights (and Qwen2's biases) are views of, so no memory is added and ``state_dict`` keeps their names; the split,
   the rotary embedding (the model's own cos / sin tables) and, over fuseinfer's static cache, the cache write: one op
-  with the GEMM (``linear_rope_append``: one kernel at decode, the GEMV, and at prefill on sm_90, the GEMM with all
-  of it in its epilogue), or for other quantized weights and FP8 caches their GEMM and one pass (``qkv_rope`` /
-  ``qkv_rope_append``); transformers' caches (DynamicCache, StaticCache) through their ``update``; attention through the registered ``"fuseinfer"`` implementation (grouped-query k / v as they are);
-  o_proj (+ residual) fused;
+  with the GEMM (``linear_rope_append``: one kernel at decode, the GEMV; at prefill the GEMM and one pass, or with
+  ``FUSEINFER_QKV_GEMM=1`` on sm_90 one GEMM with all of it in its epilogue), or for other quantized weights, FP8
+  caches and inputs that need gradients their GEMM and one pass (``qkv_rope`` / ``qkv_rope_append``); transformers'
+  caches (DynamicCache, StaticCache) through their ``update``; attention through the registered ``"fuseinfer"``
+  implementation (grouped-query k / v as they are); o_proj (+ residual) fused;
 * the MLP -> ``Fused<Arch>MLP``: gate and up as one (2F, E) GEMM (the two weights views of it) with ``silu_mul`` as
   its activation (in the decode GEMV's epilogue; a GEMM and then ``silu_mul`` for prefill), then down_proj
   (+ residual) fused;
@@ -21,10 +22,11 @@ Swaps, by changing the class of the existing modules to subclasses (as the OPT f
   ``patch`` / ``unpatch`` in another thread wait for a running forward;
 * ``config._attn_implementation`` -> ``"fuseinfer"`` on a copy of the config (as for OPT).
 
-What stays unswapped, and why, follows the rules every family shares (``models/common.py``): training mode, autocast to another dtype and global module hooks run the original forwards; a module whose
-fused forward would bypass a hooked or non-plain submodule (an adapter) is skipped and reported; a ``filter_fn``
-picks the candidates. Mistral with a sliding window shorter than its context, and Qwen2 with sliding-window layers,
-are refused: fuseinfer's attention has no window.
+What stays unswapped, and why, follows the rules every family shares (``models/common.py``): training mode, autocast
+to another dtype and global module hooks run the original forwards; a module whose fused forward would bypass a
+hooked or non-plain submodule (an adapter) is skipped and reported; a ``filter_fn`` picks the candidates. Mistral with
+a sliding window shorter than its context, and Qwen2 with sliding-window layers, are refused: fuseinfer's attention
+has no window.
 """
 from __future__ import annotations
 
@@ -270,11 +272,13 @@ class _FusedAttention(_FusedWeights):
                                     getattr(past_key_values, "calibrate", False))  # (B, H, S, D)
                 k, v = keys, values  # (B, Hkv, T, D)
             else:
-                if operands is not None:  # projection, rotary and split in one op: k, v written as (B, Hkv, S, D)
+                # (linear_rope_append has no autograd formula: its k, v are written into inputs)
+                grad = torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, cos, sin))
+                if operands is not None and not grad:  # projection, rotary and split in one op: k, v (B, Hkv, S, D)
                     k, v = (hidden_states.new_empty(b, kv_heads, s, d) for _ in range(2))
                     slots = torch.arange(s, device=hidden_states.device)
                     q = linear_rope_append(hidden_states, *operands, cos, sin, heads, kv_heads, k, v, slots)
-                else:  # other quantized weights: their GEMM, then the rotary pass
+                else:  # other quantized weights, or gradients: the GEMM, then the rotary pass
                     qkv = fused_linear(self, hidden_states)  # (B, S, (H + 2 Hkv) D)
                     q, k, v = qkv_rope(qkv, cos, sin, heads, kv_heads)  # (B, H, S, D), (B, Hkv, S, D) x 2
                 if past_key_values is not None:
