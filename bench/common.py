@@ -11,6 +11,7 @@ fp16 matmul rate) and writes ``bench/results/<name>.json`` plus a Markdown table
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from fuseinfer.core.knobs import override
 from fuseinfer.harness.timing import copy_bandwidth_gbps, summarize, time_call
 
 RESULTS_DIR = Path(os.environ.get("FUSEINFER_BENCH_DIR", Path(__file__).resolve().parent / "results"))
@@ -62,8 +64,6 @@ def paired_ratio(a: dict, b: dict) -> float:
 def fused_bench_args(doc: str, stem: str, argv=None):
     """The fused-projection benches' command line: (args, dtype, rows M); ``--quick`` M 512 and 2048 only; the result
     file name defaults to ``<stem>_<dtype>``."""
-    import argparse
-
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="M 512 and 2048 only")
     ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
@@ -84,8 +84,6 @@ def fused_pair_gemm_row(fns: dict, knob: str, values: dict, flops: float) -> dic
     (``paired_ms``) with the knob FUSEINFER_``knob`` set to ``values[name]`` around each. Their medians, TFLOP/s
     (``flops`` per call) of fused and gemm, the ratios fused / pair and fused / gemm (medians of per-round ratios) and
     the spread."""
-    from fuseinfer.core.knobs import override
-
     t = paired_ms(fns, contexts={name: (lambda v=v: override(**{knob: v})) for name, v in values.items()})
     return {"fused_ms": t["fused"]["median_ms"], "pair_ms": t["pair"]["median_ms"], "gemm_ms": t["gemm"]["median_ms"],
             "fused_TFLOPs": flops / (t["fused"]["median_ms"] * 1e-3) / 1e12,

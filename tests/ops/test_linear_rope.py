@@ -58,13 +58,15 @@ def _same(ours, pair, args, gemm: bool = False):
     value a cos - b sin then differs by up to a unit in the last place of a and b each, which is many of its own units
     where it is small: about 1.42 units of the largest projection, plus the rounding of the rotated value."""
     x, w, scale, b = args[:4]
+    step = None  # (bit for bit)
+    if gemm or (scale is not None and b is not None):
+        proj = ops.w8a16_linear(x, w, scale, b) if scale is not None else ops.linear_epilogue(x, w, b)
+        step = torch.finfo(proj.dtype).eps * proj.abs().max().item()
     for a, r in zip(ours, pair):
-        if gemm or (scale is not None and b is not None):
-            proj = ops.w8a16_linear(x, w, scale, b) if scale is not None else ops.linear_epilogue(x, w, b)
-            step = torch.finfo(a.dtype).eps * proj.abs().max().item()
-            torch.testing.assert_close(a, r, rtol=0, atol=3 * step)
-        else:
+        if step is None:
             assert torch.equal(a, r)
+        else:
+            torch.testing.assert_close(a, r, rtol=0, atol=3 * step)
 
 
 def _ours(args):
