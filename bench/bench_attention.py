@@ -6,7 +6,8 @@ Decode rows: one query over a KV cache of `ctx` keys, reported in GB/s of (K + V
 percentage of the device-to-device copy ceiling measured in the same run.
 
 On an sm_90 GPU the prefill rows also time fuseinfer's mma.sync kernel (`fuseinfer_mma_sync`, FUSEINFER_ATTN_SM90=0)
-next to the default wgmma one (`fuseinfer`).
+and its FP8 prefill (`fuseinfer_fp8`, FUSEINFER_ATTN_FP8=1: the e4m3 prep of k and v included) next to the default
+wgmma one (`fuseinfer`); the FP8 rows are checked against MAX_ERR_FP8 (e4m3 keeps 3 mantissa bits).
 
 `flash_attn` is the flash-attn-4 package (FlashAttention's CuTe-DSL kernels, `pip install fuseinfer[flash-attn]`)
 called through fuseinfer's own mapping (`fuseinfer.ops.flash_attention`, what `attention_backend="flash_attn"` runs),
@@ -26,7 +27,7 @@ timed; a wrong result aborts the run, so no speed is ever reported for a wrong k
 timed in turn, once per round over --rounds rounds (drift between them cancels); a row reports the median of its
 rounds and "speedup_vs_best_sdpa" the median over rounds of (that round's fastest SDPA backend) / (this one).
 
-    python bench/bench_attention.py [--quick] [--rounds 5] [--no-flash-attn]
+    python bench/bench_attention.py [--quick] [--rounds 5] [--no-flash-attn] [--prefill-only]
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import bench_ms, measure_ceilings, paired_ratio, round_stats, write_results  # noqa: E402
 
+from fuseinfer.core import knobs  # noqa: E402
 from fuseinfer.ops import flash_attention as fa_op  # noqa: E402
 from fuseinfer.ops.attention import allowed_mask, sm90_prefill  # noqa: E402
 
@@ -49,6 +51,7 @@ SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_efficient": SDP
                  "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
 DTYPE = torch.float16
 MAX_ERR = 2e-2  # |impl - fp32 math| on unit-variance random inputs; fp16 kernels land near 1e-3
+MAX_ERR_FP8 = 0.3  # the same for the FP8 prefill: e4m3's step is 1/8 of a value's power of two (|out| up to ~3)
 SCORE_BYTES_LIMIT = 12 << 30  # skip torch.compile(math) when its fp32 score matrix would exceed this
 
 
@@ -69,6 +72,8 @@ def implementations(q, k, v, scale: float, causal: bool, ext, key_mask=None, fla
     if causal and ext.attention_prefill_kernel() == "wgmma":  # the mma.sync prefill it replaces, same run
         impls["fuseinfer_mma_sync"] = (lambda: ext.attention(q, k, v, key_mask, None, scale),
                                        lambda: sm90_prefill(False))
+        impls["fuseinfer_fp8"] = (lambda: ext.attention(q, k, v, key_mask, None, scale),
+                                  lambda: knobs.override(ATTN_FP8="1"))
     if flash:  # the package through fuseinfer's mapping (checked to take the flash-attn-4 path in check_flash)
         impls["flash_attn"] = (lambda: fa_op.flash_attention_cuda(q, k, v, key_mask, None, scale), None)
     b, h, sq, _ = q.shape
@@ -139,9 +144,10 @@ def run_config(mode: str, b: int, h: int, sq: int, skv: int, d: int, ext, ceilin
             rows.append({**base, "impl": name, "note": f"unavailable: {_first_line(exc)}"})
             continue
         err = (out.float() - ref)[real_q].abs().nan_to_num(float("inf")).max().item()
-        if not err <= MAX_ERR:  # also catches NaN
+        limit = MAX_ERR_FP8 if name == "fuseinfer_fp8" else MAX_ERR
+        if not err <= limit:  # also catches NaN
             if name.startswith("fuseinfer"):
-                raise AssertionError(f"{name} {base}: max abs error {err:.3g} > {MAX_ERR}")
+                raise AssertionError(f"{name} {base}: max abs error {err:.3g} > {limit}")
             rows.append({**base, "impl": name, "max_abs_err": err, "note": "wrong result, not timed"})
             continue
         timed[name] = (fn, ctx, err)
@@ -284,6 +290,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="few configs, short timing")
     parser.add_argument("--rounds", type=int, default=5, help="timing rounds over all implementations")
     parser.add_argument("--no-flash-attn", action="store_true", help="leave out the flash-attn-4 column")
+    parser.add_argument("--prefill-only", action="store_true",
+                        help="prefill rows only, with batch-1 rows of OPT-1.3b's and OPT-6.7b's heads (results file "
+                             "attention_prefill)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -309,6 +318,9 @@ def main() -> None:
                   for ctx in (512, 2048, 4096, 8192)]
         decode_padded = [(8, 32 if d == 64 else 16, ctx, d) for d in (64, 128) for ctx in (512, 8192)]
 
+    if args.prefill_only:
+        prefill = [(1, 32, 2048, 64), (1, 32, 2048, 128)] + prefill
+        decode, decode_padded = [], []
     check_semantics(ext)
     flash_skip = "--no-flash-attn" if args.no_flash_attn else check_flash(ext)
     if flash_skip:
@@ -327,7 +339,7 @@ def main() -> None:
     print("AUTO_TABLE rows measured (flash_attn faster than fuseinfer in every row of the class): "
           + (", ".join(f"({k.split(',')[0]!r}, {k.split(',')[1]}): 'flash_attn'" for k in measured) or "none"))
 
-    settings = dict(quick=args.quick, dtype=str(DTYPE), causal_prefill=True, decode_sq=1, **timing, rounds=args.rounds,
+    settings = dict(quick=args.quick, prefill_only=args.prefill_only, dtype=str(DTYPE), causal_prefill=True, decode_sq=1, **timing, rounds=args.rounds,
                     timing="each implementation once per round (do_bench median); median_ms = median over rounds, "
                            "min/max over rounds; speedup_vs_best_sdpa = median over rounds of the round's fastest "
                            "SDPA time / this one's",
@@ -339,7 +351,7 @@ def main() -> None:
                     flops="prefill: 4*B*H*S^2*D/2 (causal)", bytes="decode: K+V read + q read + out written")
     columns = ["mode", "B", "H", "Sq", "Skv", "D", "impl", "median_ms", "min_ms", "max_ms", "TFLOPs", "GBps",
                "pct_copy", "speedup_vs_best_sdpa", "max_abs_err", "note"]
-    path = write_results("attention", settings, ceilings, rows, columns)
+    path = write_results("attention_prefill" if args.prefill_only else "attention", settings, ceilings, rows, columns)
     print(f"wrote {path}")
 
 

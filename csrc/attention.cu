@@ -145,6 +145,26 @@ __device__ __forceinline__ void unpack16(const uint4& r, const float*, float* f)
   f[2] = __uint_as_float(r.z);
   f[3] = __uint_as_float(r.w);
 }
+// 4 loaded 16-bit values (8 bytes) -> 4 floats.
+template <typename T>
+__device__ __forceinline__ void unpack4(const uint2& r, float* f) {
+  const uint32_t w[2] = {r.x, r.y};
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    float2 t;
+    if constexpr (std::is_same_v<T, __half>)
+      t = __half22float2(*reinterpret_cast<const __half2*>(&w[j]));
+    else
+      t = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[j]));
+    f[2 * j] = t.x;
+    f[2 * j + 1] = t.y;
+  }
+}
+// Four floats -> four e4m3 (a in the low byte), rounded to nearest even and saturated at +-448.
+__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
+  return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3)) |
+         (static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3)) << 16);
+}
 // 8 loaded e4m3 bytes -> 8 floats (exact: e4m3 -> fp16 -> fp32).
 __device__ __forceinline__ void unpack_e4m3x8(const uint2& r, float* f) {
   const uint32_t words[2] = {r.x, r.y};
@@ -463,12 +483,14 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) prefill_kernel(const A
 // Measured on an H100 (docs/notes.md): three consumer warpgroups beat two at D = 64 (320-327 vs 302 TFLOP/s, B 4, H 32,
 // S 2048, one block per item); round-robin turns between warpgroups for issuing their GEMMs (FlashAttention-3's
 // ping-pong, named barriers) made ptxas wait after every wgmma and lost 17-30%, so there is none.
-template <int D>
+// FP8: the FP8 form (prefill_sm90_kernel's FP8 instance): k, v as fp8_prep_kernel's e4m3 tiles, half the bytes of a
+// stage, so four stages.
+template <int D, bool FP8 = false>
 struct Sm90Cfg {
   static constexpr int WG = D == 64 ? 3 : 2;  // D = 128 holds twice the O registers: two warpgroups
   static constexpr int BM = 64 * WG;
   static constexpr int BN = 128;
-  static constexpr int STAGES = 3;
+  static constexpr int STAGES = FP8 ? 4 : 3;
   static constexpr int Q_BUFS = D == 64 ? 2 : 1;  // D = 128: a second Q buffer does not fit beside three stages
   static constexpr int HALVES = D / 64;
   static constexpr int THREADS = 128 * (WG + 1);  // + the producer warpgroup (one warp of it loads)
@@ -477,12 +499,12 @@ struct Sm90Cfg {
   static constexpr int PRODUCER_REGS = WG == 2 ? 40 : 24;
   static constexpr int CONSUMER_REGS = WG == 2 ? 232 : 160;
   static_assert(32 * (PRODUCER_REGS + WG * CONSUMER_REGS) <= 16384, "registers of one SM sub-partition");
-  static constexpr int Q_BYTES = BM * D * 2;
-  static constexpr int KV_BYTES = BN * D * 2;  // one K or V tile
+  static constexpr int Q_BYTES = BM * D * 2;  // Q in T (FP8 too: its consumers quantise their rows in registers)
+  static constexpr int KV_BYTES = BN * D * (FP8 ? 1 : 2);  // one K or V tile
   // D = 64: P V runs as m64n72 against V and a 64-column block of ones, so that O's columns 64..71 accumulate the
   // softmax row sums on the tensor cores instead of 64 FADDs per tile and thread (the consumers are issue-bound).
   // At D = 128 a third 64-column block would have to sit at the same stride after V's two halves.
-  static constexpr bool SUM_COL = HALVES == 1;
+  static constexpr bool SUM_COL = !FP8 && HALVES == 1;
   static constexpr int O_REGS = D / 2 + (SUM_COL ? 4 : 0);  // accumulator registers of O per thread
   static constexpr int ONES_BYTES = SUM_COL ? BN * 128 : 0;
   static constexpr int SMEM = Q_BUFS * Q_BYTES + STAGES * 2 * KV_BYTES + ONES_BYTES + 1024;  // + alignment slack
@@ -515,12 +537,131 @@ struct Sm90Sched {
   }
 };
 
+// ---- FP8 operands ----
+// The FP8 prefill (FUSEINFER_ATTN_FP8=1) reads keys and values quantised once per call by fp8_prep_kernel, in
+// tiles of kFp8Tile = BN keys of one (batch, key/value head) (a ring stage's worth):
+//   k8     (B, Hkv, tiles * 128, D) e4m3: key j of tile t is k[j] / ks[t];
+//   vt8    (B, Hkv, tiles, D, 128) e4m3: the tile's V transposed (a row per head dim, the tile's keys along it),
+//          v[key] / vs[t], with the keys of every 32 permuted (fp8_key_of): wgmma's 8-bit B operands are K-major
+//          only, so P V reads V^T, and in this order P's accumulator registers, packed as they lie, are P V's A
+//          fragments (no shuffles);
+//   scales (B, Hkv, tiles) float2 (ks[t], vs[t]): powers of two with the tile's max |x| / scale <= 448 (1 for a zero
+//          tile), so that O moves exactly between the value scales of consecutive tiles.
+// Keys at or past the batch row's end, min(q_start + Sq, Skv) (unwritten cache slots may hold NaN), are zeros; no
+// query sees them. Per-tile scales keep the prep one pass with no reduction across blocks; the query rows are
+// quantised in the attention kernel's registers.
+constexpr int kFp8Tile = 128;
+
+// The key at position L of a 32-key block of vt8: the column of P that register packing puts there (pack_p).
+__host__ __device__ constexpr int fp8_key_of(int L) {
+  return (L & 16) + 2 * ((L >> 2) & 3) + (L & 1) + 8 * ((L >> 1) & 1);
+}
+
+// The power of two s with amax / s in (224, 448] (1 for amax 0 or not finite).
+__device__ __forceinline__ float fp8_pow2_scale(float amax) {
+  if (!(amax > 0.f) || !(amax <= FLT_MAX)) return 1.f;
+  int e;
+  const float m = frexpf(amax / 448.f, &e);  // amax / 448 = m 2^e, m in [0.5, 1)
+  return ldexpf(1.f, m == 0.5f ? e - 1 : e);
+}
+
+// grid (tiles, B * Hkv), 256 threads: one tile of one (batch, key/value head). Reads its keys and values once (16-byte
+// loads), takes their max |x| over the block, writes k8 rows directly and V^T through shared memory (bytes, then
+// 32-bit words of four permuted keys, staged XOR-swizzled so that both the transposing writes and the row-wise
+// copy-out are free of bank conflicts).
 template <typename T, int D>
-__global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
+__global__ void __launch_bounds__(256) fp8_prep_kernel(const AttnParams p, uint8_t* __restrict__ k8,
+                                                       uint8_t* __restrict__ vt8, float2* __restrict__ scales,
+                                                       int tiles) {
+  constexpr int NT = 256, CH = D / 8, PER = kFp8Tile * CH / NT;  // 16-byte chunks of K (and of V) per thread
+  pdl_launch_dependents();
+  pdl_wait();  // k, v, q_start come from earlier kernels
+  __shared__ __align__(16) uint8_t v8[kFp8Tile][D];  // the tile's V in e4m3, key-major
+  __shared__ uint32_t vt_words[D][32];               // V^T words: row d, word u at u ^ (d % 32)
+  __shared__ float red[2][NT / 32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int t = blockIdx.x, bhk = blockIdx.y, hkv = p.H / p.group, b = bhk / hkv, hk = bhk % hkv;
+  const int qs = p.q_start ? p.q_start[b * p.qs_s] : p.Skv - p.Sq;
+  const int n_end = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(p.Skv, int64_t(qs) + p.Sq)));
+  const int row0 = t * kFp8Tile;
+  if (row0 >= n_end) return;  // no query reads this tile
+  const T* kg = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh;
+  const T* vg = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh;
+  uint4 kr[PER], vr[PER];
+  float amax[2] = {0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int c = i * NT + tid, r = c / CH, ch = c % CH;
+    const bool valid = row0 + r < n_end;
+    kr[i] = valid ? *reinterpret_cast<const uint4*>(kg + (row0 + r) * p.k_ss + ch * 8) : make_uint4(0, 0, 0, 0);
+    vr[i] = valid ? *reinterpret_cast<const uint4*>(vg + (row0 + r) * p.v_ss + ch * 8) : make_uint4(0, 0, 0, 0);
+    float f[8];
+    unpack16(kr[i], static_cast<const T*>(nullptr), f);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) amax[0] = fmaxf(amax[0], fabsf(f[e]));
+    unpack16(vr[i], static_cast<const T*>(nullptr), f);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) amax[1] = fmaxf(amax[1], fabsf(f[e]));
+  }
+#pragma unroll
+  for (int a = 0; a < 2; ++a) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax[a] = fmaxf(amax[a], __shfl_xor_sync(kFullMask, amax[a], off));
+    if (lane == 0) red[a][warp] = amax[a];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int a = 0; a < 2; ++a) {
+    amax[a] = red[a][0];
+#pragma unroll
+    for (int w = 1; w < NT / 32; ++w) amax[a] = fmaxf(amax[a], red[a][w]);
+  }
+  const float ks = fp8_pow2_scale(amax[0]), vs = fp8_pow2_scale(amax[1]);
+  if (tid == 0) scales[int64_t(bhk) * tiles + t] = make_float2(ks, vs);
+  const float kinv = 1.f / ks, vinv = 1.f / vs;  // exact: powers of two
+  uint8_t* krow = k8 + (int64_t(bhk) * tiles * kFp8Tile + row0) * D;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int c = i * NT + tid, r = c / CH, ch = c % CH;
+    float f[8];
+    unpack16(kr[i], static_cast<const T*>(nullptr), f);
+    *reinterpret_cast<uint2*>(krow + r * D + ch * 8) =
+        make_uint2(e4m3x4(f[0] * kinv, f[1] * kinv, f[2] * kinv, f[3] * kinv),
+                   e4m3x4(f[4] * kinv, f[5] * kinv, f[6] * kinv, f[7] * kinv));
+    unpack16(vr[i], static_cast<const T*>(nullptr), f);
+    *reinterpret_cast<uint2*>(&v8[r][ch * 8]) = make_uint2(e4m3x4(f[0] * vinv, f[1] * vinv, f[2] * vinv, f[3] * vinv),
+                                                          e4m3x4(f[4] * vinv, f[5] * vinv, f[6] * vinv, f[7] * vinv));
+  }
+  __syncthreads();
+  // Word u of V^T row d: keys 32 (u / 8) + fp8_key_of(4 (u % 8) + 0..3); a warp's lanes take consecutive d
+#pragma unroll 4
+  for (int w = tid; w < D * 32; w += NT) {
+    const int d = w % D, u = w / D, k0 = 32 * (u >> 3), L = 4 * (u & 7);
+    const uint32_t word = uint32_t(v8[k0 + fp8_key_of(L)][d]) | (uint32_t(v8[k0 + fp8_key_of(L + 1)][d]) << 8) |
+                          (uint32_t(v8[k0 + fp8_key_of(L + 2)][d]) << 16) |
+                          (uint32_t(v8[k0 + fp8_key_of(L + 3)][d]) << 24);
+    vt_words[d][u ^ (d & 31)] = word;
+  }
+  __syncthreads();
+  uint32_t* vtile = reinterpret_cast<uint32_t*>(vt8 + (int64_t(bhk) * tiles + t) * D * kFp8Tile);
+#pragma unroll 4
+  for (int w = tid; w < D * 32; w += NT) {  // lanes take consecutive words of one row: 128-byte stores
+    const int d = w / 32, u = w % 32;
+    vtile[w] = vt_words[d][u ^ (d & 31)];
+  }
+}
+
+// The FP8 instance (FP8 = true) reads k and v as fp8_prep_kernel's e4m3 tiles (tm_k over k8, tm_v over vt8) with their
+// per-tile scales fp8_scales (B * Hkv rows of fp8_tiles (key, value) pairs); its consumers quantise their Q rows to
+// e4m3 in registers (one scale per row) and run Q K^T and P V as e4m3 wgmmas (k32) with P from registers; everything
+// else is the 16-bit kernel's. See fp8_prep_kernel for the layouts.
+template <typename T, int D, bool FP8 = false>
+__global__ void __launch_bounds__(Sm90Cfg<D, FP8>::THREADS, 1)
     prefill_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                        const __grid_constant__ CUtensorMap tm_v, const AttnParams p, const Sm90Sched sched) {
+                        const __grid_constant__ CUtensorMap tm_v, const AttnParams p, const Sm90Sched sched,
+                        const float2* __restrict__ fp8_scales, int fp8_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using C = Sm90Cfg<D>;
+  using C = Sm90Cfg<D, FP8>;
   constexpr int BN = C::BN, STAGE_BYTES = 2 * C::KV_BYTES;
   extern __shared__ unsigned char smem_raw[];
   // [Q: Q_BUFS][HALVES][BM][64] | per stage [K: HALVES][BN][64] [V: HALVES][BN][64] | [ones: BN][64] (SUM_COL),
@@ -617,16 +758,22 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
         if (tile >= C::STAGES) mbar_wait(&empty_bar[s], (tile / C::STAGES - 1) & 1);
         // The last tile may reach past n_end into rows that are not ours to use (unwritten cache slots may hold
         // NaN, and 0 * NaN would poison P V): it lands on tail_bar, the warp zeroes V's rows >= n_end, then
-        // releases the stage with a plain arrival. Rows >= Skv are zero-filled by TMA.
-        const bool tail = t == it.n_tiles - 1 && it.n_end < Skv && it.n_end < n0 + BN;
+        // releases the stage with a plain arrival. Rows >= Skv are zero-filled by TMA. (FP8: the prep kernel wrote
+        // zeros past the batch row's end, and keys between an item's n_end and it are written ones.)
+        const bool tail = !FP8 && t == it.n_tiles - 1 && it.n_end < Skv && it.n_end < n0 + BN;
         unsigned char* k_dst = kv_s + s * STAGE_BYTES;
         unsigned char* v_dst = k_dst + C::KV_BYTES;
         uint64_t* bar = tail ? &tail_bar : &full_bar[s];
         if (lane == 0) {
           mbar_expect_tx(bar, STAGE_BYTES);
-          for (int hf = 0; hf < C::HALVES; ++hf) {
-            tma_load_4d(k_dst + hf * BN * 128, &tm_k, hf * 64, n0, it.hk, it.b, bar);
-            tma_load_4d(v_dst + hf * BN * 128, &tm_v, hf * 64, n0, it.hk, it.b, bar);
+          if constexpr (FP8) {  // k8 rows n0.. (D bytes each), vt8 tile t (D rows of BN keys)
+            tma_load_4d(k_dst, &tm_k, 0, n0, it.hk, it.b, bar);
+            tma_load_4d(v_dst, &tm_v, 0, 0, t, it.b * (p.H / p.group) + it.hk, bar);
+          } else {
+            for (int hf = 0; hf < C::HALVES; ++hf) {
+              tma_load_4d(k_dst + hf * BN * 128, &tm_k, hf * 64, n0, it.hk, it.b, bar);
+              tma_load_4d(v_dst + hf * BN * 128, &tm_v, hf * 64, n0, it.hk, it.b, bar);
+            }
           }
         }
         if (tail) {
@@ -650,8 +797,10 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
   // Software pipeline (FlashAttention-3's intra-warpgroup overlap): while the tensor cores run S = Q K^T of tile t
   // and O += P V of tile t - 1, nothing waits; the softmax of tile t then overlaps the P V of tile t - 1.
   const int g = __shfl_sync(kFullMask, warp >> 2, 0), wi = warp & 3;  // broadcast: see w below
-  // Descriptors of stage 0's K and V tiles; another stage's, and a k16 step's, differ in the start address only.
-  const uint64_t k_desc0 = wgmma_desc(smem_addr(kv_s), 16, 1024);
+  // Descriptors of stage 0's K and V tiles; another stage's, and a k16 (k32) step's, differ in the start address only.
+  // FP8 at D = 64: K's rows are 64 bytes, in the 64-byte swizzle.
+  const uint64_t k_desc0 =
+      FP8 && D == 64 ? wgmma_desc_sw64(smem_addr(kv_s), 512) : wgmma_desc(smem_addr(kv_s), 16, 1024);
   const uint32_t v_addr0 = smem_addr(kv_s) + C::KV_BYTES, ones_addr = smem_addr(ones_s);
   auto stage16 = [&](int k) {  // broadcast: see w below
     return static_cast<uint32_t>(__shfl_sync(kFullMask, (k % C::STAGES) * (STAGE_BYTES >> 4), 0));
@@ -663,23 +812,38 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
   };
   float o[C::O_REGS];        // O, then (SUM_COL) the row sums in registers 32..35 (columns 64..71, all alike)
   float sc[BN / 2];          // S of the tile in the softmax, then its P in fp32
-  uint32_t pa[BN / 16][4];   // P of the previous tile as wgmma A fragments (keys 16kk..16kk+15 in pa[kk])
+  // P of the previous tile as wgmma A fragments: keys 16kk..16kk+15 in pa[kk]; FP8: the 32 keys of block kk
+  // (permuted, see fp8_prep_kernel) in pa[kk]
+  uint32_t pa[FP8 ? BN / 32 : BN / 16][4];
+  uint32_t qa[FP8 ? D / 32 : 1][4];  // FP8: this warp's 16 Q rows in e4m3, columns 32s..32s+31 in qa[s]
+  float q_scale[2] = {1.f, 1.f};     // FP8: the scale of each thread row's e4m3 Q
   auto issue_qk = [&](uint64_t q_desc, int k) {  // sc = Q K^T of ring tile k (committed, not waited)
     const uint64_t k_desc = wgmma_desc_add(k_desc0, stage16(k));
+    if constexpr (FP8) {
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t off = (kk % 4) * 32;  // k16 step: 32 bytes along a 128-byte row
-      wgmma_ss_n128<T>(sc, wgmma_desc_add(q_desc, ((kk / 4) * C::BM * 128 + off) >> 4),
-                       wgmma_desc_add(k_desc, ((kk / 4) * BN * 128 + off) >> 4), kk > 0);
+      for (int s = 0; s < D / 32; ++s) wgmma_rs_e4m3(sc, qa[s], wgmma_desc_add(k_desc, 2 * s), s > 0);  // 32 B a step
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t off = (kk % 4) * 32;  // k16 step: 32 bytes along a 128-byte row
+        wgmma_ss_n128<T>(sc, wgmma_desc_add(q_desc, ((kk / 4) * C::BM * 128 + off) >> 4),
+                         wgmma_desc_add(k_desc, ((kk / 4) * BN * 128 + off) >> 4), kk > 0);
+      }
     }
     wgmma_commit();
   };
   auto issue_pv = [&](int k) {  // o += pa V of ring tile k (committed, not waited)
-    // V's 64-column blocks: D / 64 halves BN * 128 bytes apart, or (SUM_COL) V and the block of ones
     const uint32_t v_addr = v_addr0 + 16 * stage16(k);
-    const uint64_t v_desc = wgmma_desc(v_addr, C::SUM_COL ? ones_addr - v_addr : BN * 128, 1024);
+    if constexpr (FP8) {  // V^T: D rows of BN keys (128 bytes), k32 steps of 32 bytes along them
+      const uint64_t v_desc = wgmma_desc(v_addr, 16, 1024);
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<T>(o, pa[kk], wgmma_desc_add(v_desc, kk * 16 * 128 >> 4), 1);
+      for (int kk = 0; kk < BN / 32; ++kk) wgmma_rs_e4m3(o, pa[kk], wgmma_desc_add(v_desc, 2 * kk), 1);
+    } else {
+      // V's 64-column blocks: D / 64 halves BN * 128 bytes apart, or (SUM_COL) V and the block of ones
+      const uint64_t v_desc = wgmma_desc(v_addr, C::SUM_COL ? ones_addr - v_addr : BN * 128, 1024);
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<T>(o, pa[kk], wgmma_desc_add(v_desc, kk * 16 * 128 >> 4), 1);
+    }
     wgmma_commit();
   };
   int tile = 0;  // ring tiles of earlier items (the producer's count)
@@ -696,6 +860,44 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
     const int last_key = it.qs + q0 + 63;
     const int my_tiles = q0 + 64 <= 0 || last_key < 0 ? 0 : min(it.n_tiles, last_key / BN + 1);
     const uint64_t q_desc = wgmma_desc(smem_addr(q_s + qb * C::Q_BYTES) + g * 64 * 128, 16, 1024);
+    if constexpr (FP8) {
+      // This warp's 16 Q rows (T, 128-byte-swizzled 64-column halves) -> e4m3 A fragments with one scale per row,
+      // max |q| / 448 (1 for a zero row, whose scores are 0 whatever the scale). The Q buffer is then free.
+      const unsigned char* qt = q_s + qb * C::Q_BYTES;
+      uint2 raw[D / 32][4];
+      float amax[2] = {0.f, 0.f};
+#pragma unroll
+      for (int s = 0; s < D / 32; ++s)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // qa[s][j]: row 8 * (j % 2) + lane / 4, columns 32s + 16 * (j / 2) + 4 * (lane % 4)
+          const int r = 64 * g + 16 * wi + (lane >> 2) + 8 * (j & 1);
+          const int col = 32 * s + 16 * (j >> 1) + 4 * (lane & 3), cc = col & 63;
+          raw[s][j] = *reinterpret_cast<const uint2*>(qt + (col >> 6) * C::BM * 128 + r * 128 +
+                                                      (((cc >> 3) ^ (r & 7)) << 4) + (cc & 7) * 2);
+          float f[4];
+          unpack4<T>(raw[s][j], f);
+          amax[j & 1] = fmaxf(amax[j & 1], fmaxf(fmaxf(fabsf(f[0]), fabsf(f[1])), fmaxf(fabsf(f[2]), fabsf(f[3]))));
+        }
+      float inv[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        amax[r] = fmaxf(amax[r], __shfl_xor_sync(kFullMask, amax[r], 1));
+        amax[r] = fmaxf(amax[r], __shfl_xor_sync(kFullMask, amax[r], 2));
+        q_scale[r] = amax[r] > 0.f ? amax[r] / 448.f : 1.f;
+        inv[r] = amax[r] > 0.f ? 448.f / amax[r] : 0.f;
+      }
+#pragma unroll
+      for (int s = 0; s < D / 32; ++s)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float f[4];
+          unpack4<T>(raw[s][j], f);
+          const float x = inv[j & 1];
+          qa[s][j] = e4m3x4(f[0] * x, f[1] * x, f[2] * x, f[3] * x);
+        }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&q_empty[qb]);
+    }
     const bool* mrow = has_mask ? p.key_mask + it.b * p.m_sb : nullptr;
 #pragma unroll
     for (int i = 0; i < C::O_REGS; ++i) o[i] = 0.f;
@@ -722,7 +924,8 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
     // O * corr multiply. The decision is per warp (its 16 rows), so the skip is a uniform branch.
     constexpr float kStaleMax = 8.f;
     bool rescale_o = false;  // whether O must be multiplied by corr after the P V of the previous tile
-    auto softmax = [&](int t) {  // mask sc, update row max / sum, sc = P; sets corr and rescale_o
+    // ks: FP8, the key scale of tile t
+    auto softmax = [&](int t, float ks) {  // mask sc, update row max / sum, sc = P; sets corr and rescale_o
       const int n0 = t * BN;
       // sc[i] holds column c = 8 * (i / 4) + 2 * (lane % 4) + i % 2 of the tile: admissible while c - 2 * (lane % 4)
       // <= room, so each test is against a compile-time constant
@@ -743,6 +946,40 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
       } else if (n0 + BN - 1 > it.qs + q0 + 16 * wi || n0 + BN > it.n_end) {  // the causal diagonal or the end
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) sc[i] = (i >> 2) * 8 + (i & 1) <= room[(i >> 1) & 1] ? sc[i] : -INFINITY;
+      }
+      if constexpr (FP8) {
+        // The exp2-domain score of sc[i] is sc[i] * c[r]: the softmax scale times Q's row scale times the tile's key
+        // scale (all > 0), which changes from tile to tile, so row_max holds the running max of scaled scores.
+        const float c[2] = {p.scale_log2 * q_scale[0] * ks, p.scale_log2 * q_scale[1] * ks};
+        float mx[2] = {-INFINITY, -INFINITY}, base[2];
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], sc[i]);
+        bool grown = false;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFullMask, mx[r], 1));
+          mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFullMask, mx[r], 2));
+          mx[r] = fmaxf(row_max[r], mx[r] * c[r]);
+          grown |= mx[r] - row_max[r] > kStaleMax;  // false while both are -inf
+        }
+        rescale_o = __any_sync(kFullMask, grown);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          if (rescale_o) {
+            base[r] = mx[r] == -INFINITY ? 0.f : mx[r];
+            corr[r] = ex2(row_max[r] - base[r]);
+            row_max[r] = mx[r];
+            row_sum[r] *= corr[r];
+          } else {
+            base[r] = row_max[r] == -INFINITY ? 0.f : row_max[r];
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) {  // P <= 2^kStaleMax = 256: within e4m3's 448
+          sc[i] = ex2(fmaf(sc[i], c[(i >> 1) & 1], -base[(i >> 1) & 1]));
+          row_sum[(i >> 1) & 1] += sc[i];
+        }
+        return;
       }
       // scale > 0 (the host checks), so the max of raw scores is the max of scaled ones
       float mx[2] = {row_max[0], row_max[1]}, base[2];
@@ -774,23 +1011,44 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
       }
     };
     auto pack_p = [&] {  // accumulator columns 16kk..16kk+15 -> A fragment kk
+      if constexpr (FP8) {
+        // Columns 32kk..32kk+31 as they lie in the registers -> A fragment kk of the permuted keys (fp8_key_of):
+        // register j takes row 8 * (j % 2) + lane / 4 at columns 2 * (lane % 4) + {0, 1, 8, 9} + 16 * (j / 2)
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
+        for (int kk = 0; kk < BN / 32; ++kk) {
+          const float* x = sc + 16 * kk;
+          pa[kk][0] = e4m3x4(x[0], x[1], x[4], x[5]);
+          pa[kk][1] = e4m3x4(x[2], x[3], x[6], x[7]);
+          pa[kk][2] = e4m3x4(x[8], x[9], x[12], x[13]);
+          pa[kk][3] = e4m3x4(x[10], x[11], x[14], x[15]);
+        }
+      } else {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) pa[kk][j] = pack2<T>(sc[8 * kk + 2 * j], sc[8 * kk + 2 * j + 1]);
+        for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) pa[kk][j] = pack2<T>(sc[8 * kk + 2 * j], sc[8 * kk + 2 * j + 1]);
+      }
     };
+    // FP8: the (key, value) scales of the item's tiles; O is in units of v_unit, the value scale of the last tile added
+    const float2* tile_scales =
+        FP8 ? fp8_scales + (int64_t(it.b) * (p.H / p.group) + it.hk) * fp8_tiles : nullptr;
+    auto scales_of = [&](int t) { return FP8 ? tile_scales[t] : make_float2(1.f, 1.f); };
+    float v_unit = 1.f;
 
     if (my_tiles > 0) {
       wait_full(tile);
+      float2 ts = scales_of(0);
       wgmma_fence_operands(sc);
       wgmma_fence();
       issue_qk(q_desc, tile);
       wgmma_wait<0>();
       wgmma_fence_operands(sc);
-      softmax(0);  // O is still 0: no rescale
+      softmax(0, ts.x);  // O is still 0: no rescale
+      v_unit = ts.y;
       pack_p();
       for (int t = 1; t < my_tiles; ++t) {
         wait_full(tile + t);
+        ts = scales_of(t);  // loaded before the wgmmas are issued, used after them
         wgmma_fence_operands(sc);
         wgmma_fence_operands(o);
         wgmma_fence_operands(pa);
@@ -799,21 +1057,32 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
         issue_pv(tile + t - 1);
         wgmma_wait<1>();  // S of tile t is ready; P V of tile t - 1 may still run
         wgmma_fence_operands(sc);
-        softmax(t);
+        softmax(t, ts.x);
         wgmma_wait<0>();
         wgmma_fence_operands(o);
         wgmma_fence_operands(pa);
         release(tile + t - 1);
-        if (rescale_o) {
+        if constexpr (FP8) {  // O to the new running max and to tile t's value scale (powers of two: exact)
+          const float vr = v_unit / ts.y;
+          v_unit = ts.y;
+          if (rescale_o || vr != 1.f) {
+            const float f[2] = {(rescale_o ? corr[0] : 1.f) * vr, (rescale_o ? corr[1] : 1.f) * vr};
+#pragma unroll
+            for (int i = 0; i < C::O_REGS; ++i) o[i] *= f[(i >> 1) & 1];
+          }
+        } else if (rescale_o) {
 #pragma unroll
           for (int i = 0; i < C::O_REGS; ++i) o[i] *= corr[(i >> 1) & 1];
         }
         pack_p();
       }
     }
-    // This warp's S = Q K^T are done (each waited above): the producer may load the next item's Q here.
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&q_empty[qb]);
+    // This warp's S = Q K^T are done (each waited above): the producer may load the next item's Q here. (FP8: done
+    // when its Q went into registers.)
+    if constexpr (!FP8) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&q_empty[qb]);
+    }
     if (my_tiles > 0) {
       wgmma_fence_operands(o);
       wgmma_fence_operands(pa);
@@ -831,7 +1100,7 @@ __global__ void __launch_bounds__(Sm90Cfg<D>::THREADS, 1)
     tile += it.n_tiles;
     float l[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) l[r] = C::SUM_COL ? o[D / 2 + 2 * r] : quad_sum(row_sum[r]);
+    for (int r = 0; r < 2; ++r) l[r] = (C::SUM_COL ? o[D / 2 + 2 * r] : quad_sum(row_sum[r])) / v_unit;
     store_rows<T, D>(p, [&](int d, int e) { return o[4 * d + e]; }, l, it.b, it.h, q0 + 16 * wi + (lane >> 2),
                      lane);
   }
@@ -1282,18 +1551,34 @@ bool sm90_prefill_enabled() {
   return knob(Knob::kAttnSm90) != 0 && props->major == 9 && props->minor == 0;
 }
 
-// Launches prefill_sm90_kernel; false (nothing launched) when the tensors do not fit TMA maps or the grid.
-template <typename T, int D>
+// Launches prefill_sm90_kernel (FP8: after fp8_prep_kernel, on its operands); false (nothing launched) when the
+// tensors do not fit TMA maps or the grids.
+template <typename T, int D, bool FP8>
 bool run_prefill_sm90(const AttnParams& p, const at::TensorOptions& opts, cudaStream_t stream) {
-  using C = Sm90Cfg<D>;
+  using C = Sm90Cfg<D, FP8>;
   constexpr bool bf16 = std::is_same_v<T, __nv_bfloat16>;
   CUtensorMap tq, tk, tv;
   const int kv_heads = p.H / p.group;  // K and V maps span the Hkv key/value heads
-  if (!make_tensor_map(&tq, p.q, bf16, p.B, p.H, p.Sq, D, p.q_sb, p.q_sh, p.q_ss, C::BM) ||
-      !make_tensor_map(&tk, p.k, bf16, p.B, kv_heads, p.Skv, D, p.k_sb, p.k_sh, p.k_ss, C::BN) ||
-      !make_tensor_map(&tv, p.v, bf16, p.B, kv_heads, p.Skv, D, p.v_sb, p.v_sh, p.v_ss, C::BN))
+  if (!make_tensor_map(&tq, p.q, bf16, p.B, p.H, p.Sq, D, p.q_sb, p.q_sh, p.q_ss, C::BM)) return false;
+  at::Tensor k8, vt8, scales;  // FP8: fp8_prep_kernel's outputs (see there)
+  const int64_t tiles = (int64_t(p.Skv) + kFp8Tile - 1) / kFp8Tile, bhk = int64_t(p.B) * kv_heads;
+  if constexpr (FP8) {
+    if (bhk > 65535 || tiles > INT32_MAX / kFp8Tile) return false;
+    k8 = at::empty({bhk, tiles * kFp8Tile, D}, opts.dtype(at::kByte));
+    vt8 = at::empty({bhk, tiles, D, kFp8Tile}, opts.dtype(at::kByte));
+    scales = at::empty({bhk, tiles, 2}, opts.dtype(at::kFloat));
+    const int64_t k_dims[4] = {D, tiles * kFp8Tile, kv_heads, p.B};
+    const int64_t k_strides[3] = {D, tiles * kFp8Tile * D, kv_heads * tiles * kFp8Tile * D};
+    const int64_t v_dims[4] = {kFp8Tile, D, tiles, bhk};
+    const int64_t v_strides[3] = {kFp8Tile, int64_t(D) * kFp8Tile, tiles * D * kFp8Tile};
+    if (!make_tensor_map_u8(&tk, k8.data_ptr(), k_dims, k_strides, D, C::BN) ||
+        !make_tensor_map_u8(&tv, vt8.data_ptr(), v_dims, v_strides, kFp8Tile, D))
+      return false;
+  } else if (!make_tensor_map(&tk, p.k, bf16, p.B, kv_heads, p.Skv, D, p.k_sb, p.k_sh, p.k_ss, C::BN) ||
+             !make_tensor_map(&tv, p.v, bf16, p.B, kv_heads, p.Skv, D, p.v_sb, p.v_sh, p.v_ss, C::BN)) {
     return false;
-  auto kernel = prefill_sm90_kernel<T, D>;
+  }
+  auto kernel = prefill_sm90_kernel<T, D, FP8>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
   Sm90Sched sched;
@@ -1301,14 +1586,21 @@ bool run_prefill_sm90(const AttnParams& p, const at::TensorOptions& opts, cudaSt
   if (n_mb * bh > INT32_MAX) return false;
   sched.n_mb = static_cast<int>(n_mb);
   sched.bh = static_cast<int>(bh);
-  // Heads per group: K and V of a group (2 * Skv * D * 2 bytes per key/value head, shared by p.group consecutive
-  // query heads) fill at most half of L2.
-  const int64_t kv_bytes = int64_t(4) * p.Skv * D;
+  // Heads per group: K and V of a group (2 * Skv * D * 2 bytes per key/value head, half that in FP8, shared by
+  // p.group consecutive query heads) fill at most half of L2.
+  const int64_t kv_bytes = int64_t(FP8 ? 2 : 4) * p.Skv * D;
   sched.group = static_cast<int>(std::clamp<int64_t>(props->l2CacheSize / 2 / kv_bytes * p.group, 1, bh));
   const int ctas = std::min(sched.items(), props->multiProcessorCount);
   at::Tensor per_call_counters;
   sched.counter = kernel_counters(CounterPool::kPrefillQueue, 2 + int64_t(ctas) * C::Q_BUFS, opts, per_call_counters);
-  launch_kernel(kernel, dim3(ctas), C::THREADS, C::SMEM, stream, tq, tk, tv, p, sched);
+  float2* fp8_scales = nullptr;
+  if constexpr (FP8) {
+    fp8_scales = reinterpret_cast<float2*>(scales.data_ptr<float>());
+    launch_kernel(fp8_prep_kernel<T, D>, dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(bhk)), 256, 0,
+                  stream, p, k8.data_ptr<uint8_t>(), vt8.data_ptr<uint8_t>(), fp8_scales, static_cast<int>(tiles));
+  }
+  launch_kernel(kernel, dim3(ctas), C::THREADS, C::SMEM, stream, tq, tk, tv, p, sched, fp8_scales,
+                static_cast<int>(tiles));
   return true;
 }
 #endif
@@ -1316,10 +1608,17 @@ bool run_prefill_sm90(const AttnParams& p, const at::TensorOptions& opts, cudaSt
 template <typename T>
 void prefill(const AttnParams& p, int D, const at::TensorOptions& opts, cudaStream_t stream) {
 #if defined(FUSEINFER_SM90A)
-  if (p.scale_log2 > 0.f && sm90_prefill_enabled() &&
-      (D == 64 ? run_prefill_sm90<T, 64>(p, opts, stream) : run_prefill_sm90<T, 128>(p, opts, stream))) {
-    count_path(Path::kAttentionWgmma);
-    return;
+  if (p.scale_log2 > 0.f && sm90_prefill_enabled()) {
+    // FUSEINFER_ATTN_FP8=1: Q K^T and P V in e4m3 (the 16-bit kernel when its operands do not fit)
+    if (knob(Knob::kAttnFp8) != 0 && (D == 64 ? run_prefill_sm90<T, 64, true>(p, opts, stream)
+                                              : run_prefill_sm90<T, 128, true>(p, opts, stream))) {
+      count_path(Path::kAttentionWgmmaFp8);
+      return;
+    }
+    if (D == 64 ? run_prefill_sm90<T, 64, false>(p, opts, stream) : run_prefill_sm90<T, 128, false>(p, opts, stream)) {
+      count_path(Path::kAttentionWgmma);
+      return;
+    }
   }
 #endif
   count_path(Path::kAttentionMmaSync);
@@ -1466,7 +1765,7 @@ void set_mask_params(AttnParams& p, const c10::optional<at::Tensor>& key_mask, c
 
 std::string attention_prefill_kernel() {
 #if defined(FUSEINFER_SM90A)
-  if (sm90_prefill_enabled() && tensor_map_encoder() != nullptr) return "wgmma";
+  if (sm90_prefill_enabled() && tensor_map_encoder() != nullptr) return knob(Knob::kAttnFp8) != 0 ? "wgmma_fp8" : "wgmma";
 #endif
   return "mma.sync";
 }

@@ -11,7 +11,7 @@
 
 namespace fuseinfer {
 namespace {
-std::atomic<int> values[static_cast<int>(Knob::kCount)] = {{1}, {1}, {1}, {0}, {0}, {1}, {0}, {0}, {0}};
+std::atomic<int> values[static_cast<int>(Knob::kCount)] = {{1}, {1}, {1}, {0}, {0}, {1}, {0}, {0}, {0}, {0}};
 const std::map<std::string, Knob> names = {{"FUSEINFER_PDL", Knob::kPdl},
                                            {"FUSEINFER_ATTN_SM90", Knob::kAttnSm90},
                                            {"FUSEINFER_GEMM_TUNE", Knob::kGemmTune},
@@ -20,7 +20,8 @@ const std::map<std::string, Knob> names = {{"FUSEINFER_PDL", Knob::kPdl},
                                            {"FUSEINFER_GEMV_EPILOGUES", Knob::kGemvEpilogues},
                                            {"FUSEINFER_SPLITKV_SPLITS", Knob::kSplitKvSplits},
                                            {"FUSEINFER_SILU_GEMM", Knob::kSiluGemm},
-                                           {"FUSEINFER_QKV_GEMM", Knob::kQkvGemm}};
+                                           {"FUSEINFER_QKV_GEMM", Knob::kQkvGemm},
+                                           {"FUSEINFER_ATTN_FP8", Knob::kAttnFp8}};
 
 // Sets the knobs named in `v`; an unknown name is an error.
 void set_knobs(const c10::Dict<std::string, int64_t>& v) {

@@ -391,7 +391,9 @@ at::Tensor linear_epilogue_impl(const at::Tensor& x, const at::Tensor& w, const 
     TORCH_CHECK(norm == nullptr, "linear_epilogue: the norm prologue without the decode GEMV");
     // prefill sizes on sm_90: one GEMM with silu(gate) * up in its epilogue (decode sizes: the GEMV, or with
     // FUSEINFER_GEMV_EPILOGUES=0 the GEMV and then silu_mul)
-    if (b == nullptr && m > 0 && n > 0 && k > 0 && !skinny::supported<skinny::HalfWeights>(x, w, m)) {
+    // (the knob first: off by default, the output is not allocated for nothing)
+    if (knob(Knob::kSiluGemm) != 0 && b == nullptr && m > 0 && n > 0 && k > 0 &&
+        !skinny::supported<skinny::HalfWeights>(x, w, m)) {
       at::Tensor y = at::empty({m, n / 2}, x.options());
       if (silu_gemm_sm90(x, w, y)) return y;
     }

@@ -121,7 +121,9 @@ at::Tensor linear_rope_append_impl(const at::Tensor& x, const at::Tensor& w, con
     return linear_rope_append_impl(norm_ops::apply(x.contiguous(), *norm), w, scale, bias, cos_in, sin_in, heads,
                                    kv_heads, k_cache, v_cache, slots, nullptr);
   }
-  if (!gemv && operands && !int8 && B * S > 16) {  // prefill sizes: the sm_90 GEMM with all of it in its epilogue
+  // prefill sizes: the sm_90 GEMM with all of it in its epilogue (the knob first: off by default, q is not
+  // allocated for nothing)
+  if (knob(Knob::kQkvGemm) != 0 && !gemv && operands && !int8 && B * S > 16) {
     at::Tensor q = at::empty({B, heads, S, D}, x.options());
     if (qkv_rope_gemm_sm90(x2, w, b, rotate ? &*cos_in : nullptr, rotate ? &*sin_in : nullptr, S, heads, kv_heads, q,
                            k_cache, v_cache, slots))

@@ -18,7 +18,7 @@ constexpr int kPaths = static_cast<int>(Path::kCount);
 constexpr const char* kPathNames[] = {
     "attention.wgmma",     "attention.mma_sync", "attention.split_kv", "linear.skinny",
     "linear.lt_heuristic", "linear.lt_tuned",    "linear.lt_captured", "linear.lt_cached",
-    "linear.silu_gemm",    "linear.tiny",        "linear.qkv_rope_gemm",
+    "linear.silu_gemm",    "linear.tiny",        "linear.qkv_rope_gemm", "attention.wgmma_fp8",
 };
 static_assert(sizeof(kPathNames) / sizeof(kPathNames[0]) == kPaths, "one name per Path");
 

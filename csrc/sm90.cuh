@@ -97,6 +97,12 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr, uint32_t lead_byte
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lead_bytes >> 4) << 16) |
          (static_cast<uint64_t>(stride_bytes >> 4) << 32) | (uint64_t{1} << 62);
 }
+// The same for an 8-bit K-major tile with 64-byte rows (64 e4m3 per row, TMA's CU_TENSOR_MAP_SWIZZLE_64B): 8-row
+// atoms of 512 bytes whose 16-byte chunk c of row r sits at chunk c ^ ((r / 2) % 4); a k32 step advances 32 bytes.
+__device__ __forceinline__ uint64_t wgmma_desc_sw64(uint32_t addr, uint32_t stride_bytes) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) |
+         (static_cast<uint64_t>(stride_bytes >> 4) << 32) | (uint64_t{2} << 62);
+}
 // desc moved by units16 * 16 bytes in shared memory. Only the start-address field (the low 14 bits) changes, and
 // it cannot carry while the address stays in shared memory (below 2^18), so a 32-bit add of the low word does:
 // a 64-bit add would cost an extra instruction per wgmma, in the consumers' issue-bound loops.
@@ -179,6 +185,26 @@ __device__ __forceinline__ void wgmma_fence_operands(uint32_t (&r)[M][N]) {
 #define WGMMA_RS_N72(TY) WGMMA_RS(TY, 72, WGMMA_D36, WGMMA_R36, "%36, %37, %38, %39", "%40", "%41")
 #define WGMMA_RS_N128(TY) WGMMA_RS(TY, 128, WGMMA_D64, WGMMA_R64, "%64, %65, %66, %67", "%68", "%69")
 
+// A (registers, e4m3) x B (shared, e4m3, K-major) -> the m64nN accumulators, k32 (8-bit operands are K-major only:
+// no transpose flags). The A fragment of warp w: register j holds 4 e4m3 (low byte first) of row 16w + l/4 + 8 * (j % 2),
+// columns 4 * (l % 4) + 16 * (j / 2) + 0..3 (the m16n8k32 A fragment).
+#define WGMMA_RS_E4M3(N, D, R, IA, IDESC, IP)                                                                     \
+  asm volatile(                                                                                                  \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, " IP ", 0;\n"                                                            \
+      "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 {" R "}, {" IA "}, " IDESC ", p, 1, 1;\n}\n"       \
+      : D                                                                                                        \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+
+// d (64 x N, fp32) {=, +=} A (64 x 32, registers, e4m3) * B (32 x N, shared, e4m3, K-major), N = 64 or 128.
+__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
+                                              int accumulate) {
+  WGMMA_RS_E4M3(64, WGMMA_D32, WGMMA_R32, "%32, %33, %34, %35", "%36", "%37");
+}
+__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
+                                              int accumulate) {
+  WGMMA_RS_E4M3(128, WGMMA_D64, WGMMA_R64, "%64, %65, %66, %67", "%68", "%69");
+}
+
 // MACRO with T's PTX type name.
 #define WGMMA_FOR_TYPE(MACRO)                  \
   if constexpr (std::is_same_v<T, __half>) {  \
@@ -216,5 +242,6 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4],
 #undef WGMMA_RS
 #undef WGMMA_RS_N72
 #undef WGMMA_RS_N128
+#undef WGMMA_RS_E4M3
 
 }  // namespace fuseinfer

@@ -1,7 +1,7 @@
-// TMA tensor maps (cuTensorMapEncodeTiled) of 16-bit tensors for the sm_90 kernels (the wgmma attention prefill,
-// the gated gate/up GEMM): the driver entry point taken at run time (the extension does not link libcuda) and one
-// encoder for 4-D (B, H, S, D) tensors with 64-column boxes and the 128-byte swizzle that sm90.cuh's wgmma
-// descriptors expect.
+// TMA tensor maps (cuTensorMapEncodeTiled) for the sm_90 kernels (the wgmma attention prefills, the fused-epilogue
+// GEMMs): the driver entry point taken at run time (the extension does not link libcuda), one encoder for 4-D (B, H,
+// S, D) 16-bit tensors with 64-column boxes and the 128-byte swizzle that sm90.cuh's wgmma descriptors expect, and
+// one for 4-D byte (e4m3) tensors with the 64- or 128-byte swizzle.
 #pragma once
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -46,6 +46,27 @@ inline bool make_tensor_map(CUtensorMap* map, const void* base, bool bf16, int64
                 const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// TMA map of a 4-D tensor of bytes (e4m3) with extents dims (innermost first, dims[0] contiguous) and byte strides
+// strides[0..2] of dims 1..3: boxes of box0 x box1 bytes (dims 0 and 1) of one index of dims 2 and 3, the 64- or
+// 128-byte swizzle (box0 its width), out-of-bounds parts zero-filled. False when the strides or the driver do not
+// allow it.
+inline bool make_tensor_map_u8(CUtensorMap* map, const void* base, const int64_t (&dims)[4],
+                               const int64_t (&strides)[3], int box0, int box1) {
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr || (box0 != 64 && box0 != 128)) return false;
+  const cuuint64_t d[4] = {cuuint64_t(dims[0]), cuuint64_t(dims[1]), cuuint64_t(dims[2]), cuuint64_t(dims[3])};
+  cuuint64_t st[3];
+  for (int i = 0; i < 3; ++i) {
+    st[i] = cuuint64_t(strides[i]);
+    if (st[i] % 16 != 0 || st[i] >= (cuuint64_t{1} << 40)) return false;
+  }
+  const cuuint32_t box[4] = {cuuint32_t(box0), cuuint32_t(box1), 1, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(base), d, st, box, elem_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, box0 == 64 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 }  // namespace fuseinfer

@@ -91,7 +91,7 @@ for stage in "${stages[@]}"; do
       for tool in memcheck synccheck; do
         run_quiet $tool compute-sanitizer --tool $tool --error-exitcode 1 python3 tools/kernel_smoke.py & pids+=($!)
       done
-      for part in no-ring-wrap sampling sampling-cluster prefill; do
+      for part in no-ring-wrap sampling sampling-cluster prefill prefill-fp8; do
         run_quiet racecheck_$part compute-sanitizer --tool racecheck --error-exitcode 1 \
           python3 tools/kernel_smoke.py --part $part & pids+=($!)
       done

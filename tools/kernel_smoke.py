@@ -1,14 +1,15 @@
 """Runs every CUDA kernel once on small odd shapes; the target of compute-sanitizer in tools/gpu_check.sh.
 
     python tools/kernel_smoke.py [--part all|no-ring-wrap|sampling|sampling-cluster|ring-wrap-d64|ring-wrap-d128|
-                                         prefill|int8-step]
+                                         prefill|prefill-fp8|int8-step]
 
 ``ring-wrap-d64`` and ``ring-wrap-d128`` are the one-kernel decode step with long contexts (head dim 64 and 128; d64
 also the Llama family's step),
 whose weight and key/value streams go round each block's ring of shared-memory stages many times;
 ``prefill`` is the attention prefills over enough key tiles to wrap the wgmma kernel's ring of TMA-filled stages,
 and into a cache tail it zeroes after the TMA write, and the gate/up GEMM with SiLU(gate) * up in its epilogue (its
-ring of TMA-filled stages read by wgmma only); ``int8-step`` is the one-kernel step of int8 weight-only models
+ring of TMA-filled stages read by wgmma only); ``prefill-fp8`` the FP8 prefill and its prep kernel (its consumers
+read each Q tile from shared memory before the buffer's next TMA write); ``int8-step`` is the one-kernel step of int8 weight-only models
 (int8 weight tiles through the ring: a short step per dtype and a long-context one whose ring wraps; racecheck it
 through tools/racecheck_tma.py like the ring-wrap parts); ``sampling`` and ``sampling-cluster`` are the token-sampling
 kernels (one block a row, and a cluster of blocks a row: slow under racecheck, so parts of their own that run beside
@@ -26,29 +27,29 @@ from transformers import OPTConfig, OPTForCausalLM
 import fuseinfer
 from fuseinfer import ops
 from fuseinfer.core.knobs import override
-from fuseinfer.ops.attention import sm90_prefill
 from fuseinfer.ops.decode_step import decode_step_workspace, kernel_supports
 from fuseinfer.models.opt.decode import decode_step_params, decode_step_weight_scales
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--part", default="all",
                     choices=["all", "no-ring-wrap", "sampling", "sampling-cluster", "ring-wrap-d64", "ring-wrap-d128",
-                             "prefill", "int8-step"])
+                             "prefill", "prefill-fp8", "int8-step"])
 part = parser.parse_args().part
 assert torch.cuda.is_available()
 torch.manual_seed(0)
 
 
-def attention(dtype, d, sq, skv, q_start=None, heads=3, kv_heads=None):
+def attention(dtype, d, sq, skv, q_start=None, heads=3, kv_heads=None, modes=("wgmma", "mma_sync")):
     """Causal attention of 2 x `heads` query heads over `kv_heads` key/value heads (default: `heads`), with and
-    without a key mask (row 1's first 11 keys masked); prefills (sq > 16) run twice, with FUSEINFER_ATTN_SM90 1 and
-    0: the wgmma and the mma.sync kernel on an sm_90a build."""
+    without a key mask (row 1's first 11 keys masked); prefills (sq > 16) run once per mode: the wgmma kernel, the
+    mma.sync one (FUSEINFER_ATTN_SM90=0) and the FP8 one (`fp8`: FUSEINFER_ATTN_FP8=1, its prep kernel too) on an
+    sm_90a build."""
     q = torch.randn(2, heads, sq, d, device="cuda", dtype=dtype)
     k, v = (torch.randn(2, kv_heads or heads, skv, d, device="cuda", dtype=dtype) for _ in range(2))
     key_mask = torch.arange(skv, device="cuda")[None] >= torch.tensor([0, 11], device="cuda")[:, None]
     qs = None if q_start is None else torch.full((2,), q_start, dtype=torch.int32, device="cuda")
-    for enabled in (True, False) if sq > 16 else (True,):
-        with sm90_prefill(enabled):
+    for mode in modes if sq > 16 else ("wgmma",):
+        with override(ATTN_SM90="0" if mode == "mma_sync" else "1", ATTN_FP8="1" if mode == "fp8" else "0"):
             ops.attention(q, k, v, key_mask, qs, d ** -0.5)
             ops.attention(q, k, v, None, qs, d ** -0.5)
             if dtype != torch.float32:  # the 8-bit outputs (the prefills' epilogue; decode: the unfused pair)
@@ -464,5 +465,13 @@ if part in ("all", "prefill"):
     for dtype, d in ((torch.float16, 64), (torch.bfloat16, 128)):
         attention(dtype, d, 300, 700, q_start=300, heads=8, kv_heads=2)  # the wgmma ring wraps, a cache tail to zero
         attention(dtype, d, 300, 700, q_start=300, heads=64, kv_heads=8)  # more work items than SMs
+# the FP8 prefill and its prep: 1-8 key tiles per row (the ring of four stages wraps), a row end inside a tile and
+# tiles past it (not written, not read), grouped-query heads, more work items than SMs
+if part in ("all", "prefill-fp8"):
+    for dtype, d in ((torch.float16, 64), (torch.bfloat16, 128)):
+        attention(dtype, d, 1000, 1000, modes=("fp8",))
+        attention(dtype, d, 300, 700, q_start=300, modes=("fp8",))
+        attention(dtype, d, 300, 700, q_start=300, heads=8, kv_heads=2, modes=("fp8",))
+        attention(dtype, d, 300, 700, q_start=300, heads=64, kv_heads=8, modes=("fp8",))
 torch.cuda.synchronize()
 print(f"kernel_smoke ({part}): all kernels ran")

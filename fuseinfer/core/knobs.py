@@ -89,6 +89,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "sm_90 GEMM with the rotary, the split and the write in its epilogue instead of cuBLASLt's GEMM and then "
          "`qkv_rope_append` (off by default: 1.0-2.0x the pair's time measured, about equal only at 2048-8192 rows of "
          "Llama-3.2-1B, Llama-3.1-8B and OPT-1.3b; see docs/results.md)", ("0", "1"), extension=True),
+    Knob("FUSEINFER_ATTN_FP8", "0", "call",
+         "`1`: prefill attention on sm_90 (fp16 / bf16, more than 16 queries) quantizes q per row and k, v per "
+         "128-key tile to float8 e4m3 and runs Q K^T and P V on FP8 tensor cores (off by default; accuracy and "
+         "speed in docs/results.md)", ("0", "1"), extension=True),
     Knob("FUSEINFER_DECODE_KERNEL", "auto", "config",
          "fast decode's step as one persistent kernel: `auto` where measured faster (OPT: 1-2 rows; int8 weight-only "
          "models up to hidden size 2048), `1` wherever it applies (`on`), `0` never (`off`)", ("auto", "0", "1"),

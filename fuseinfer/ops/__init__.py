@@ -8,7 +8,7 @@ e4m3 W8A8), ``fp8_linear_fp8out`` / ``w8a8_linear_int8out`` (their 8-bit-output 
 ``sample_tokens`` is sampling's
 token choice in one pass.
 """
-from fuseinfer.ops.attention import attention, attention_ref
+from fuseinfer.ops.attention import attention, attention_fp8_ref, attention_ref
 from fuseinfer.ops.attention_8bit_out import (attention_fp8out, attention_fp8out_ref, attention_int8out,
                                              attention_int8out_ref)
 from fuseinfer.ops.decode_step import decode_step_workspace, opt_decode_step, opt_decode_step_ref
@@ -44,7 +44,7 @@ from fuseinfer.ops.quant import (
 )
 
 __all__ = [
-    "add_layer_norm", "add_layer_norm_ref", "attention", "attention_ref", "attention_fp8out",
+    "add_layer_norm", "add_layer_norm_ref", "attention", "attention_ref", "attention_fp8_ref", "attention_fp8out",
     "attention_fp8out_ref", "attention_int8out", "attention_int8out_ref", "decode_step_workspace", "dequantize",
     "dequantize_int8_ref", "dequantize_weight", "emit_tokens", "emit_tokens_ref", "emit_tokens_scratch",
     "fp8_linear", "fp8_linear_ref", "fp8_linear_fp8out", "fp8_linear_fp8out_ref", "fp8_weight_linear",

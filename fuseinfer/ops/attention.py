@@ -69,6 +69,54 @@ def attention_ref(q, k, v, key_mask, q_start, scale: float) -> torch.Tensor:
     return out.transpose(1, 2).contiguous().to(q.dtype)
 
 
+FP8_TILE = 128  # keys per scale of the FP8 prefill's k and v
+
+
+def _e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to float8 e4m3 (nearest even, saturated at +-448), back in fp32."""
+    return x.clamp(-448.0, 448.0).to(FP8_DTYPE).float()
+
+
+def _tile_pow2_scales(x: torch.Tensor) -> torch.Tensor:
+    """x (B, Hkv, Skv, D) -> (B, Hkv, Skv, 1): for each key, the scale of its 128-key tile, the power of two s with
+    max |x| / s in (224, 448] over the tile (1 for a zero tile)."""
+    b, h, skv, d = x.shape
+    pad = -skv % FP8_TILE
+    tiles = torch.nn.functional.pad(x.abs(), (0, 0, 0, pad)).view(b, h, -1, FP8_TILE * d).amax(-1)  # (B, Hkv, T)
+    scale = torch.exp2(torch.ceil(torch.log2(tiles / 448.0)))
+    scale = torch.where(tiles > 0, scale, torch.ones_like(scale))
+    return scale.repeat_interleave(FP8_TILE, dim=-1)[..., :skv, None]
+
+
+def attention_fp8_ref(q, k, v, key_mask, q_start, scale: float) -> torch.Tensor:
+    """Pure-PyTorch reference of the FP8 prefill (``FUSEINFER_ATTN_FP8=1``) in fp32: q rounded to e4m3 at one scale
+    per row (max |q| / 448), k and v at one power-of-two scale per 128-key tile, P (at most 1 here: the exact row max)
+    rounded to e4m3 for P V, the row sums from P in fp32 -> (B, Sq, H, D) in q's dtype. The kernel's online softmax
+    rescales by a running max, so its P is rounded at other magnitudes: tests compare both to fp32 attention."""
+    b, _, sq, _ = q.shape
+    skv = k.shape[2]
+    allowed = allowed_mask(key_mask, q_start, b, sq, skv, q.device)  # (B, 1, Sq, Skv)
+    # keys before the row's causal end, min(q_start + Sq, Skv), go into the tiles' scales (padding too); the kernel
+    # zeroes the rest (unwritten cache slots may hold NaN)
+    start = q_start if q_start is not None else torch.full((b,), skv - sq, dtype=torch.int32, device=q.device)
+    inside = (torch.arange(skv, device=q.device)[None] < (start.view(b, 1) + sq)).view(b, 1, skv, 1)
+    k32, v32 = k.float().masked_fill(~inside, 0.0), v.float().masked_fill(~inside, 0.0)
+    ks, vs = _tile_pow2_scales(k32), _tile_pow2_scales(v32)  # (B, Hkv, Skv, 1)
+    k8, v8 = _e4m3(k32 / ks) * ks, _e4m3(v32 / vs) * vs
+    qamax = q.float().abs().amax(-1, keepdim=True)  # (B, H, Sq, 1)
+    qs = torch.where(qamax > 0, qamax / 448.0, torch.ones_like(qamax))
+    q8 = _e4m3(q.float() / qs) * qs
+    k8, v8 = repeat_kv(q, k8, v8)  # (B, H, Skv, D)
+    scores = torch.matmul(q8, k8.transpose(-1, -2)) * scale  # (B, H, Sq, Skv)
+    has_key = allowed.any(-1, keepdim=True)  # (B, 1, Sq, 1)
+    scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0)
+    p = torch.exp(scores - scores.amax(-1, keepdim=True)).masked_fill(~allowed, 0.0)  # (B, H, Sq, Skv), <= 1
+    total = p.sum(-1, keepdim=True)
+    out = torch.matmul(_e4m3(p), v8) / total.clamp_min(torch.finfo(torch.float32).tiny)  # (B, H, Sq, D)
+    out = out.masked_fill(~has_key, 0.0)
+    return out.transpose(1, 2).contiguous().to(q.dtype)
+
+
 def attention_sdpa(q, k, v, key_mask, q_start, scale: float) -> torch.Tensor:
     """The CUDA fallback for cases our kernel does not cover (fp32, other head dims): SDPA with the boolean
     mask, queries with no key set to 0 -> (B, Sq, H, D)."""

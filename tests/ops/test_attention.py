@@ -1,8 +1,8 @@
 """fuseinfer::attention (fuseinfer/ops/attention.py): the reference against SDPA and per-row formulas (left padding,
 decode offsets, queries without keys, unwritten cache slots), grouped-query attention against repeated key/value
 heads, bad input, gradients, the SDPA fallback, the registration (opcheck), property tests against the reference
-(hypothesis) on every device, and the CUDA kernels (wgmma / mma.sync prefill, split-KV decode; multi-head and
-grouped-query) with their path counts."""
+(hypothesis) on every device, the CUDA kernels (wgmma / mma.sync prefill, split-KV decode; multi-head and
+grouped-query) with their path counts, and the FP8 prefill against its reference (attention_fp8_ref)."""
 from __future__ import annotations
 
 import math
@@ -452,6 +452,113 @@ def test_attention_kernel_gqa(case, path, d, dtype, set_knob):
         pytest.skip("the wgmma prefill needs an sm_90 GPU")
     set_knob("FUSEINFER_ATTN_SM90", "0" if path == "mma_sync" else "1")
     _check_attention_kernel(GQA_CASES[case], path, d, dtype)
+
+
+# ---- FP8 prefill (FUSEINFER_ATTN_FP8=1): e4m3 Q K^T and P V ----
+
+def _rms(x: torch.Tensor) -> float:
+    return x.double().pow(2).mean().sqrt().item()
+
+
+def _check_fp8_attention(ours, q, k, v, key_mask, q_start, scale, what: str) -> None:
+    """ours (the FP8 prefill's output) against fp32 attention: finite, 0 on queries without keys, and its RMS error
+    within twice the FP8 reference's (attention_fp8_ref: the same roundings with an exact row max), which itself
+    keeps ~26 dB on unit-normal inputs."""
+    b, h, sq, d = q.shape
+    allowed = allowed_mask(key_mask, q_start, b, sq, k.shape[2], q.device)  # (B, 1, Sq, Skv)
+    has_key = allowed.any(-1).view(b, sq)  # (B, Sq)
+    assert torch.isfinite(ours).all(), f"{what}: NaN or inf"
+    if (~has_key).any():
+        assert ours[~has_key].abs().max().item() == 0, f"{what}: a query without keys gave non-zero"
+    k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)  # (masked-out unwritten slots)
+    ref32 = ops.attention_ref(q.float(), k.float(), v.float(), key_mask, q_start, scale)[has_key].double()
+    emul = ops.attention_fp8_ref(q.float(), k.float(), v.float(), key_mask, q_start, scale)[has_key].double()
+    ours_err, emul_err = _rms(ours[has_key].double() - ref32), _rms(emul - ref32)
+    assert ours_err <= 2 * emul_err + 1e-6, f"{what}: RMS error {ours_err:.3g} vs the FP8 reference's {emul_err:.3g}"
+
+
+def test_fp8_reference_keeps_its_accuracy_and_masks():
+    """attention_fp8_ref on the CPU: within 22 dB of fp32 attention on unit-normal inputs (e4m3 keeps 3 mantissa
+    bits; measured ~26-27 dB), 0 for queries without keys, and unwritten slots (NaN past the causal end) unread."""
+    from helpers import sqnr_db
+    for b, h, kv, sq, skv, d, qs, pads in [(2, 4, 4, 300, 300, 64, None, None), (1, 8, 2, 200, 700, 128, 400, None),
+                                           (2, 4, 1, 130, 130, 64, None, [0, 129])]:
+        q, k, v = torch.randn(b, h, sq, d), torch.randn(b, kv, skv, d), torch.randn(b, kv, skv, d)
+        q_start = None if qs is None else torch.full((b,), qs, dtype=torch.int32)
+        end = skv if qs is None else qs + sq
+        k[:, :, end:], v[:, :, end:] = float("nan"), float("nan")
+        key_mask = None if pads is None else torch.arange(skv)[None] >= torch.tensor(pads)[:, None]
+        ours = ops.attention_fp8_ref(q, k, v, key_mask, q_start, d ** -0.5)
+        assert torch.isfinite(ours).all()
+        ref = ops.attention_ref(q, k.nan_to_num(0.0), v.nan_to_num(0.0), key_mask, q_start, d ** -0.5)
+        has_key = allowed_mask(key_mask, q_start, b, sq, skv, q.device).any(-1).view(b, sq)
+        assert sqnr_db(ref[has_key], ours[has_key]) >= 22.0
+        if (~has_key).any():
+            assert ours[~has_key].abs().max().item() == 0
+
+
+def _fp8_prefill_cases():
+    for name, case in sorted({**ATTN_CASES, **GQA_CASES}.items()):
+        if case["sq"] > 16:
+            yield name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(_fp8_prefill_cases()))
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", LOWP)
+def test_attention_kernel_fp8(case, d, dtype, set_knob):
+    """The FP8 prefill on every prefill case (padding, per-row q_start, NaN in unwritten slots, more items than SMs,
+    grouped-query heads, q strided): one FP8 kernel call (path count), within twice the FP8 reference's error."""
+    if not wgmma_available():
+        pytest.skip("the FP8 prefill needs an sm_90 GPU")
+    set_knob("FUSEINFER_ATTN_FP8", "1")
+    q, k, v, key_mask, q_start = _attn_case(d=d, dtype=dtype, **{**ATTN_CASES, **GQA_CASES}[case])
+    scale = d ** -0.5
+    ours, paths = paths_taken(lambda: ops.attention(q, k, v, key_mask, q_start, scale))
+    assert paths == {"attention.wgmma_fp8": 1}, paths
+    assert ours.shape == (q.shape[0], q.shape[2], q.shape[1], d) and ours.dtype == dtype
+    _check_fp8_attention(ours, q, k, v, key_mask, q_start, scale, f"{case} d{d} {dtype}")
+
+
+@pytest.mark.gpu
+def test_attention_kernel_fp8_large_and_small_magnitudes(set_knob):
+    """Keys and values far from 1 (x 1000 in one tile, x 1e-3 in another) and a zero query row: the per-tile powers of
+    two and the per-row query scales keep the FP8 prefill within the rule; a zero query attends uniformly."""
+    if not wgmma_available():
+        pytest.skip("the FP8 prefill needs an sm_90 GPU")
+    set_knob("FUSEINFER_ATTN_FP8", "1")
+    q, k, v, key_mask, q_start = _attn_case(b=2, h=4, sq=400, skv=400, d=64, dtype=torch.float16)
+    k[:, :, :128] *= 1000.0 / 16
+    v[:, :, 128:256] *= 1e-3
+    v[:, :, 256:] *= 30.0
+    q[:, :, 5] = 0.0
+    ours = ops.attention(q, k, v, key_mask, q_start, 0.125)
+    _check_fp8_attention(ours, q, k, v, key_mask, q_start, 0.125, "magnitudes")
+
+
+@pytest.mark.gpu
+def test_attention_fp8_output_and_graph_replay(set_knob):
+    """With the FP8 prefill on, the e4m3-output op (attention_fp8out) takes it too, and a CUDA graph of the call
+    (the prep's temporaries from the graph's pool) replays to the eager result bit for bit."""
+    if not wgmma_available():
+        pytest.skip("the FP8 prefill needs an sm_90 GPU")
+    set_knob("FUSEINFER_ATTN_FP8", "1")
+    q, k, v, key_mask, q_start = _attn_case(b=2, h=8, sq=600, skv=600, d=128, dtype=torch.bfloat16, pads=[0, 77])
+    out_scale = torch.tensor([0.01], device="cuda")
+    out8, paths = paths_taken(lambda: ops.attention_fp8out(q, k, v, key_mask, q_start, 128 ** -0.5, out_scale))
+    assert paths == {"attention.wgmma_fp8": 1}, paths
+    eager = ops.attention(q, k, v, key_mask, q_start, 128 ** -0.5)
+    assert (out8.float() * 0.01 - eager.float()).abs().max().item() <= 0.01 * 32 + 1e-3  # one e4m3 step at <= 448
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        ops.attention(q, k, v, key_mask, q_start, 128 ** -0.5)  # warm-up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = ops.attention(q, k, v, key_mask, q_start, 128 ** -0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
 
 
 @pytest.mark.gpu

@@ -79,6 +79,29 @@ def test_static_inputs_perplexity_within_half_a_percent(tiny_model_path, device,
     assert abs(ppl_q / ppl_fp - 1) < 0.005
 
 
+@pytest.mark.gpu
+def test_fp8_attention_perplexity_within_half_a_percent(tiny_model_path, set_knob):
+    """Float8() with the FP8 prefill attention (FUSEINFER_ATTN_FP8=1: Q K^T and P V in e4m3) on the tiny trained OPT
+    in fp16: WikiText-2 perplexity within 0.5% of the unquantized model, the FP8 attention kernel having run."""
+    from helpers import paths_taken, wgmma_available
+    if not wgmma_available():
+        pytest.skip("the FP8 prefill attention needs an sm_90 GPU")
+    base, tok = _tiny(tiny_model_path, torch.float16, "cuda")
+    windows = _windows(tok)
+    ppl_fp = _ppl(base, windows, torch.device("cuda"))
+    fuseinfer.patch(base, PatchConfig(quant=Float8()))
+    ppl_linears = _ppl(base, windows, torch.device("cuda"))
+    # the knob is read at each call: a model patched before (whose forward graph is captured) keeps its kernel
+    set_knob("FUSEINFER_ATTN_FP8", "1")
+    base, _ = _tiny(tiny_model_path, torch.float16, "cuda")
+    fuseinfer.patch(base, PatchConfig(quant=Float8()))
+    ppl_q, paths = paths_taken(lambda: _ppl(base, windows, torch.device("cuda")))
+    print(f"opt-wt2-tiny fp16 ppl {ppl_fp:.3f}, FP8 linears {ppl_linears:.3f} ({100 * (ppl_linears / ppl_fp - 1):+.3f}%),"
+          f" + FP8 attention {ppl_q:.3f} ({100 * (ppl_q / ppl_fp - 1):+.3f}%)")
+    assert paths.get("attention.wgmma_fp8", 0) >= base.config.num_hidden_layers and "attention.wgmma" not in paths
+    assert abs(ppl_q / ppl_fp - 1) < 0.005
+
+
 def test_outlier_model_naive_and_smoothed_fp8(tiny_model_path):
     """The W8A8 outlier test (x300 on 4 channels per LayerNorm) with FP8: e4m3 keeps ~3 significant bits at any
     magnitude, so the outliers cost naive FP8 far less than the >= 20% they cost naive int8; both naive (measured

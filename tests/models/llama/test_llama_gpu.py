@@ -121,6 +121,24 @@ def test_wikitext2_perplexity_within_a_tenth_of_a_percent_on_cuda(tiny_llama_pat
     assert abs(patched / eager - 1) < 1e-3
 
 
+def test_fp8_attention_perplexity_on_cuda(tiny_llama_path, set_knob):
+    """fp16 weights with the FP8 prefill attention (FUSEINFER_ATTN_FP8=1, grouped-query heads): WikiText-2
+    perplexity within 0.5% of the fp16 model's."""
+    from helpers import paths_taken, wgmma_available
+    from tests.models.llama.test_family import _perplexities
+
+    if not wgmma_available():
+        pytest.skip("the FP8 prefill attention needs an sm_90 GPU")
+    eager, patched = _perplexities(_load(tiny_llama_path, torch.float16), tiny_llama_path, windows=24, device="cuda")
+    set_knob("FUSEINFER_ATTN_FP8", "1")
+    (_, fp8), paths = paths_taken(lambda: _perplexities(_load(tiny_llama_path, torch.float16), tiny_llama_path,
+                                                       windows=24, device="cuda"))
+    print(f"llama-wt2-tiny fp16 WikiText-2 PPL (24 windows of 512): patched {patched:.4f}, FP8 attention {fp8:.4f}"
+          f" ({100 * (fp8 / patched - 1):+.3f}%)")
+    assert paths.get("attention.wgmma_fp8", 0) > 0
+    assert abs(fp8 / patched - 1) < 0.005
+
+
 def test_int8_weight_only_perplexity_on_cuda(tiny_llama_path):
     from tests.models.llama.test_family import _perplexities
 
