@@ -503,11 +503,14 @@ struct Sm90Cfg {
   static constexpr int KV_BYTES = BN * D * (FP8 ? 1 : 2);  // one K or V tile
   // D = 64: P V runs as m64n72 against V and a 64-column block of ones, so that O's columns 64..71 accumulate the
   // softmax row sums on the tensor cores instead of 64 FADDs per tile and thread (the consumers are issue-bound).
-  // At D = 128 a third 64-column block would have to sit at the same stride after V's two halves.
-  static constexpr bool SUM_COL = !FP8 && HALVES == 1;
+  // At D = 128 a third 64-column block would have to sit at the same stride after V's two halves. FP8 (V^T, D rows
+  // of keys): 8 rows of ones after V^T's D rows in every stage, P V as m64n(D + 8).
+  static constexpr bool SUM_COL = FP8 || HALVES == 1;
   static constexpr int O_REGS = D / 2 + (SUM_COL ? 4 : 0);  // accumulator registers of O per thread
-  static constexpr int ONES_BYTES = SUM_COL ? BN * 128 : 0;
-  static constexpr int SMEM = Q_BUFS * Q_BYTES + STAGES * 2 * KV_BYTES + ONES_BYTES + 1024;  // + alignment slack
+  static constexpr int ONES_BYTES = SUM_COL && !FP8 ? BN * 128 : 0;  // the 16-bit kernel's block of ones
+  static constexpr int TX_BYTES = 2 * KV_BYTES;                      // a stage's TMA loads: K and V
+  static constexpr int STAGE_BYTES = TX_BYTES + (FP8 ? 8 * 128 : 0);  // FP8: + the stage's 8 rows of ones
+  static constexpr int SMEM = Q_BUFS * Q_BYTES + STAGES * STAGE_BYTES + ONES_BYTES + 1024;  // + alignment slack
 };
 
 // Work items of the persistent prefill in the order the blocks claim them: block i starts with item i, then each
@@ -567,8 +570,8 @@ __device__ __forceinline__ float fp8_pow2_scale(float amax) {
 
 // grid (tiles, B * Hkv), 256 threads: one tile of one (batch, key/value head). Reads its keys and values once (16-byte
 // loads), takes their max |x| over the block, writes k8 rows directly and V^T through shared memory (bytes, then
-// 32-bit words of four permuted keys, staged XOR-swizzled so that both the transposing writes and the row-wise
-// copy-out are free of bank conflicts).
+// 32-bit words of four permuted keys from 4 x 4 byte transposes, staged XOR-swizzled so that the transposing writes
+// and the row-wise copy-out meet few bank conflicts).
 template <typename T, int D>
 __global__ void __launch_bounds__(256) fp8_prep_kernel(const AttnParams p, uint8_t* __restrict__ k8,
                                                        uint8_t* __restrict__ vt8, float2* __restrict__ scales,
@@ -577,7 +580,7 @@ __global__ void __launch_bounds__(256) fp8_prep_kernel(const AttnParams p, uint8
   pdl_launch_dependents();
   pdl_wait();  // k, v, q_start come from earlier kernels
   __shared__ __align__(16) uint8_t v8[kFp8Tile][D];  // the tile's V in e4m3, key-major
-  __shared__ uint32_t vt_words[D][32];               // V^T words: row d, word u at u ^ (d % 32)
+  __shared__ uint32_t vt_words[D][32];               // V^T words: row d, word u at u ^ (d / 4 % 32)
   __shared__ float red[2][NT / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int t = blockIdx.x, bhk = blockIdx.y, hkv = p.H / p.group, b = bhk / hkv, hk = bhk % hkv;
@@ -633,21 +636,27 @@ __global__ void __launch_bounds__(256) fp8_prep_kernel(const AttnParams p, uint8
                                                           e4m3x4(f[4] * vinv, f[5] * vinv, f[6] * vinv, f[7] * vinv));
   }
   __syncthreads();
-  // Word u of V^T row d: keys 32 (u / 8) + fp8_key_of(4 (u % 8) + 0..3); a warp's lanes take consecutive d
-#pragma unroll 4
-  for (int w = tid; w < D * 32; w += NT) {
-    const int d = w % D, u = w / D, k0 = 32 * (u >> 3), L = 4 * (u & 7);
-    const uint32_t word = uint32_t(v8[k0 + fp8_key_of(L)][d]) | (uint32_t(v8[k0 + fp8_key_of(L + 1)][d]) << 8) |
-                          (uint32_t(v8[k0 + fp8_key_of(L + 2)][d]) << 16) |
-                          (uint32_t(v8[k0 + fp8_key_of(L + 3)][d]) << 24);
-    vt_words[d][u ^ (d & 31)] = word;
+  // Word u of V^T rows d..d+3 (d = 4 d4): keys 32 (u / 8) + fp8_key_of(4 (u % 8) + j), j = 0..3, one 32-bit load of
+  // dims d..d+3 per key, then a 4 x 4 byte transpose; a warp's lanes take consecutive d4
+#pragma unroll 2
+  for (int w = tid; w < D / 4 * 32; w += NT) {
+    const int d4 = w % (D / 4), u = w / (D / 4), k0 = 32 * (u >> 3), L = 4 * (u & 7);
+    uint32_t x[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) x[j] = *reinterpret_cast<const uint32_t*>(&v8[k0 + fp8_key_of(L + j)][4 * d4]);
+    const uint32_t lo01 = __byte_perm(x[0], x[1], 0x5140), hi01 = __byte_perm(x[0], x[1], 0x7362);
+    const uint32_t lo23 = __byte_perm(x[2], x[3], 0x5140), hi23 = __byte_perm(x[2], x[3], 0x7362);
+    const uint32_t words[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
+                               __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) vt_words[4 * d4 + i][u ^ (d4 & 31)] = words[i];
   }
   __syncthreads();
   uint32_t* vtile = reinterpret_cast<uint32_t*>(vt8 + (int64_t(bhk) * tiles + t) * D * kFp8Tile);
 #pragma unroll 4
   for (int w = tid; w < D * 32; w += NT) {  // lanes take consecutive words of one row: 128-byte stores
     const int d = w / 32, u = w % 32;
-    vtile[w] = vt_words[d][u ^ (d & 31)];
+    vtile[w] = vt_words[d][u ^ ((d >> 2) & 31)];
   }
 }
 
@@ -662,7 +671,7 @@ __global__ void __launch_bounds__(Sm90Cfg<D, FP8>::THREADS, 1)
                         const float2* __restrict__ fp8_scales, int fp8_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = Sm90Cfg<D, FP8>;
-  constexpr int BN = C::BN, STAGE_BYTES = 2 * C::KV_BYTES;
+  constexpr int BN = C::BN, STAGE_BYTES = C::STAGE_BYTES;
   extern __shared__ unsigned char smem_raw[];
   // [Q: Q_BUFS][HALVES][BM][64] | per stage [K: HALVES][BN][64] [V: HALVES][BN][64] | [ones: BN][64] (SUM_COL),
   // 1024-byte aligned (swizzle atoms)
@@ -687,7 +696,12 @@ __global__ void __launch_bounds__(Sm90Cfg<D, FP8>::THREADS, 1)
     mbar_init(&tail_bar, 1);
     fence_mbarrier_init();
   }
-  if constexpr (C::SUM_COL) {
+  if constexpr (FP8) {  // e4m3 1.0 (0x38) in the 8 rows after each stage's V^T
+    for (int i = tid; i < C::STAGES * 64; i += C::THREADS)
+      reinterpret_cast<uint4*>(kv_s + (i / 64) * STAGE_BYTES + C::TX_BYTES)[i % 64] =
+          make_uint4(0x38383838u, 0x38383838u, 0x38383838u, 0x38383838u);
+    fence_proxy_async_smem();  // read by wgmma (the async proxy) after the barrier below
+  } else if constexpr (C::SUM_COL) {
     const uint32_t one = pack2<T>(1.f, 1.f);
     for (int i = tid; i < C::ONES_BYTES / 16; i += C::THREADS)
       reinterpret_cast<uint4*>(ones_s)[i] = make_uint4(one, one, one, one);
@@ -765,7 +779,7 @@ __global__ void __launch_bounds__(Sm90Cfg<D, FP8>::THREADS, 1)
         unsigned char* v_dst = k_dst + C::KV_BYTES;
         uint64_t* bar = tail ? &tail_bar : &full_bar[s];
         if (lane == 0) {
-          mbar_expect_tx(bar, STAGE_BYTES);
+          mbar_expect_tx(bar, C::TX_BYTES);
           if constexpr (FP8) {  // k8 rows n0.. (D bytes each), vt8 tile t (D rows of BN keys)
             tma_load_4d(k_dst, &tm_k, 0, n0, it.hk, it.b, bar);
             tma_load_4d(v_dst, &tm_v, 0, 0, t, it.b * (p.H / p.group) + it.hk, bar);
@@ -810,7 +824,7 @@ __global__ void __launch_bounds__(Sm90Cfg<D, FP8>::THREADS, 1)
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty_bar[k % C::STAGES]);
   };
-  float o[C::O_REGS];        // O, then (SUM_COL) the row sums in registers 32..35 (columns 64..71, all alike)
+  float o[C::O_REGS];  // O, then (SUM_COL) the row sums in registers D/2..D/2+3 (columns D..D+7, all alike)
   float sc[BN / 2];          // S of the tile in the softmax, then its P in fp32
   // P of the previous tile as wgmma A fragments: keys 16kk..16kk+15 in pa[kk]; FP8: the 32 keys of block kk
   // (permuted, see fp8_prep_kernel) in pa[kk]
@@ -834,7 +848,7 @@ __global__ void __launch_bounds__(Sm90Cfg<D, FP8>::THREADS, 1)
   };
   auto issue_pv = [&](int k) {  // o += pa V of ring tile k (committed, not waited)
     const uint32_t v_addr = v_addr0 + 16 * stage16(k);
-    if constexpr (FP8) {  // V^T: D rows of BN keys (128 bytes), k32 steps of 32 bytes along them
+    if constexpr (FP8) {  // V^T: D rows of BN keys (128 bytes) and 8 rows of ones, k32 steps of 32 bytes along them
       const uint64_t v_desc = wgmma_desc(v_addr, 16, 1024);
 #pragma unroll
       for (int kk = 0; kk < BN / 32; ++kk) wgmma_rs_e4m3(o, pa[kk], wgmma_desc_add(v_desc, 2 * kk), 1);
@@ -969,16 +983,13 @@ __global__ void __launch_bounds__(Sm90Cfg<D, FP8>::THREADS, 1)
             base[r] = mx[r] == -INFINITY ? 0.f : mx[r];
             corr[r] = ex2(row_max[r] - base[r]);
             row_max[r] = mx[r];
-            row_sum[r] *= corr[r];
           } else {
             base[r] = row_max[r] == -INFINITY ? 0.f : row_max[r];
           }
         }
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) {  // P <= 2^kStaleMax = 256: within e4m3's 448
+        for (int i = 0; i < BN / 2; ++i)  // P <= 2^kStaleMax = 256: within e4m3's 448 (row sums: SUM_COL)
           sc[i] = ex2(fmaf(sc[i], c[(i >> 1) & 1], -base[(i >> 1) & 1]));
-          row_sum[(i >> 1) & 1] += sc[i];
-        }
         return;
       }
       // scale > 0 (the host checks), so the max of raw scores is the max of scaled ones
@@ -1062,13 +1073,16 @@ __global__ void __launch_bounds__(Sm90Cfg<D, FP8>::THREADS, 1)
         wgmma_fence_operands(o);
         wgmma_fence_operands(pa);
         release(tile + t - 1);
-        if constexpr (FP8) {  // O to the new running max and to tile t's value scale (powers of two: exact)
+        if constexpr (FP8) {
+          // O to the new running max and to tile t's value scale (powers of two: exact); the row sums (registers
+          // D/2..) to the new running max only
           const float vr = v_unit / ts.y;
           v_unit = ts.y;
           if (rescale_o || vr != 1.f) {
-            const float f[2] = {(rescale_o ? corr[0] : 1.f) * vr, (rescale_o ? corr[1] : 1.f) * vr};
+            const float g[2] = {rescale_o ? corr[0] : 1.f, rescale_o ? corr[1] : 1.f};
+            const float f[2] = {g[0] * vr, g[1] * vr};
 #pragma unroll
-            for (int i = 0; i < C::O_REGS; ++i) o[i] *= f[(i >> 1) & 1];
+            for (int i = 0; i < C::O_REGS; ++i) o[i] *= i < D / 2 ? f[(i >> 1) & 1] : g[(i >> 1) & 1];
           }
         } else if (rescale_o) {
 #pragma unroll

@@ -137,7 +137,8 @@ __device__ __forceinline__ void wgmma_fence_operands(uint32_t (&r)[M][N]) {
 // warp w of the warpgroup holds rows 16w..16w+15; register 4i + e of lane l is row 16w + l/4 + 8 * (e / 2),
 // column 8i + 2 * (l % 4) + e % 2. A in registers (RS): the m16n8k16 A fragment of warp w's 16 rows.
 
-// The accumulator operands d[0..31], d[0..35] and d[0..63], and their placeholders %0..%31 / %0..%35 / %0..%63.
+// The accumulator operands d[0..31], d[0..35], d[0..63] and d[0..67], and their placeholders %0..%31 / %0..%35 /
+// %0..%63 / %0..%67.
 #define WGMMA_D32                                                                                         \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
@@ -152,6 +153,7 @@ __device__ __forceinline__ void wgmma_fence_operands(uint32_t (&r)[M][N]) {
   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
 #define WGMMA_D36 WGMMA_D32, "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
+#define WGMMA_D68 WGMMA_D64, "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67])
 
 #define WGMMA_R32                                                                  \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "         \
@@ -163,6 +165,8 @@ __device__ __forceinline__ void wgmma_fence_operands(uint32_t (&r)[M][N]) {
   WGMMA_R32 ", "                                                                     \
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+
+#define WGMMA_R68 WGMMA_R64 ", %64, %65, %66, %67"
 
 // A (shared, K-major) x B (shared) -> the m64nN accumulators: D and R list them (operands and placeholders), IDA /
 // IDB / IP are the placeholders of A's and B's descriptors and the accumulate flag that follow them.
@@ -195,10 +199,14 @@ __device__ __forceinline__ void wgmma_fence_operands(uint32_t (&r)[M][N]) {
       : D                                                                                                        \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
 
-// d (64 x N, fp32) {=, +=} A (64 x 32, registers, e4m3) * B (32 x N, shared, e4m3, K-major), N = 64 or 128.
-__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
+// d (64 x N, fp32) {=, +=} A (64 x 32, registers, e4m3) * B (32 x N, shared, e4m3, K-major), N = 72, 128 or 136.
+__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[36], const uint32_t (&a)[4], uint64_t desc_b,
                                               int accumulate) {
-  WGMMA_RS_E4M3(64, WGMMA_D32, WGMMA_R32, "%32, %33, %34, %35", "%36", "%37");
+  WGMMA_RS_E4M3(72, WGMMA_D36, WGMMA_R36, "%36, %37, %38, %39", "%40", "%41");
+}
+__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[68], const uint32_t (&a)[4], uint64_t desc_b,
+                                              int accumulate) {
+  WGMMA_RS_E4M3(136, WGMMA_D68, WGMMA_R68, "%68, %69, %70, %71", "%72", "%73");
 }
 __device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
                                               int accumulate) {
@@ -234,9 +242,11 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4],
 #undef WGMMA_D32
 #undef WGMMA_D36
 #undef WGMMA_D64
+#undef WGMMA_D68
 #undef WGMMA_R32
 #undef WGMMA_R36
 #undef WGMMA_R64
+#undef WGMMA_R68
 #undef WGMMA_SS
 #undef WGMMA_SS_N128
 #undef WGMMA_RS
