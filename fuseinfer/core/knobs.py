@@ -224,6 +224,13 @@ def get_int(name: str, minimum: int = 1) -> int:
     return int(value)
 
 
+def changed_switches() -> dict[str, str]:
+    """The extension's switches set to other than their defaults (e.g. ``{"FUSEINFER_ATTN_FP8": "1"}``): what a
+    measurement's record names, since they change which kernels run."""
+    return {k.name: get(k.name) for k in KNOBS.values()
+            if k.extension and k.default is not None and get(k.name) != k.default}
+
+
 def extension_values() -> dict[str, int]:
     """The run-time switches the CUDA extension takes, as integers (a switch's choice by its index; a number,
     where the knob has no choices, checked to be a non-negative integer)."""

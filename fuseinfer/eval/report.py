@@ -103,7 +103,8 @@ def settings_lines(results: dict) -> list[str]:
         "settings: " + ", ".join(f"{k}={v}" for k, v in s.items()),
         f"environment: GPU {env['gpu'] or 'none'} (driver {env['driver'] or 'n/a'}), CUDA {env['cuda']}, "
         f"torch {env['torch']}, transformers {env['transformers']}, fuseinfer {env['fuseinfer']} "
-        f"(extension: {env['fuseinfer_extension']}), python {env['python']}",
+        f"(extension: {env['fuseinfer_extension']}), python {env['python']}"
+        + "".join(f", {k}={v}" for k, v in (env.get("switches") or {}).items()),
     ]
     if data:
         lines.append(f"data: {data['source']}, {data['rows']} rows, {data['chars']:,} chars, {data['tokens']:,} "

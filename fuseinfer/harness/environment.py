@@ -7,6 +7,7 @@ from datetime import datetime, timezone
 
 import torch
 
+from fuseinfer.core import knobs
 from fuseinfer.core.extension import extension_status
 from fuseinfer.core.version import __version__
 
@@ -21,8 +22,8 @@ def _driver_version() -> str | None:
 
 
 def environment(device: torch.device) -> dict:
-    """When (UTC), Python, platform, torch / CUDA / transformers / fuseinfer versions, the extension's status and the
-    GPU."""
+    """When (UTC), Python, platform, torch / CUDA / transformers / fuseinfer versions, the extension's status and
+    switches set off their defaults, and the GPU."""
     import transformers
 
     env = {
@@ -35,6 +36,7 @@ def environment(device: torch.device) -> dict:
         "fuseinfer": __version__,
         "fuseinfer_extension": extension_status(device),
         "cpu_threads": torch.get_num_threads(),
+        "switches": knobs.changed_switches(),  # the extension's switches off their defaults
         "gpu": None, "gpu_capability": None, "gpu_memory_mib": None, "driver": None,
     }
     if device.type == "cuda":

@@ -170,3 +170,23 @@ def test_a_number_knob_for_the_extension_is_checked(monkeypatch):
         monkeypatch.setenv("FUSEINFER_SPLITKV_SPLITS", bad)
         with pytest.raises(FuseInferError, match="FUSEINFER_SPLITKV_SPLITS"):
             knobs.extension_values()
+
+
+def test_switches_off_their_defaults_are_named_in_the_eval_record(monkeypatch):
+    """A switch that changes which kernels run (FUSEINFER_ATTN_FP8=1) is listed by changed_switches, the eval's
+    environment record and its report line; one at its default (set or not) is not."""
+    import torch
+
+    from fuseinfer.eval.report import settings_lines
+    from fuseinfer.harness.environment import environment
+
+    monkeypatch.setenv("FUSEINFER_ATTN_SM90", "1")  # the default, set explicitly
+    monkeypatch.delenv("FUSEINFER_ATTN_FP8", raising=False)
+    assert "FUSEINFER_ATTN_SM90" not in knobs.changed_switches()
+    assert "FUSEINFER_ATTN_FP8" not in knobs.changed_switches()
+    monkeypatch.setenv("FUSEINFER_ATTN_FP8", "1")
+    assert knobs.changed_switches()["FUSEINFER_ATTN_FP8"] == "1"
+    env = environment(torch.device("cpu"))
+    assert env["switches"]["FUSEINFER_ATTN_FP8"] == "1"
+    lines = settings_lines({"environment": env, "settings": {}, "data": None, "ppl_note": "skipped", "copy_gbps": None})
+    assert any(line.startswith("environment:") and line.endswith("FUSEINFER_ATTN_FP8=1") for line in lines)

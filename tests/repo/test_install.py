@@ -333,7 +333,7 @@ spec.loader.exec_module(importlib.util.module_from_spec(spec))
 from fuseinfer.core.extension import Kernels
 k = Kernels()
 counts = k.path_counts()
-assert isinstance(counts, dict) and counts["linear.skinny"] == 0 and len(counts) == 11, counts
+assert isinstance(counts, dict) and counts["linear.skinny"] == 0 and len(counts) == 12, counts
 k.set_knobs({{"FUSEINFER_PDL": 0, "FUSEINFER_GEMM_TUNE": 1}})
 try:
     k.set_knobs({{"FUSEINFER_NOT_A_KNOB": 1}})
