@@ -45,12 +45,13 @@ from common import bench_ms, measure_ceilings, paired_ratio, round_stats, write_
 
 from fuseinfer.core import knobs  # noqa: E402
 from fuseinfer.ops import flash_attention as fa_op  # noqa: E402
-from fuseinfer.ops.attention import allowed_mask, sm90_prefill  # noqa: E402
+from fuseinfer.ops.attention import allowed_mask  # noqa: E402
 
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
                  "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
 DTYPE = torch.float16
 MAX_ERR = 2e-2  # |impl - fp32 math| on unit-variance random inputs; fp16 kernels land near 1e-3
+EXPECTED_PATH = {"fuseinfer_fp8": "attention.wgmma_fp8", "fuseinfer_mma_sync": "attention.mma_sync"}
 MAX_ERR_FP8 = 0.3  # the same for the FP8 prefill: e4m3's step is 1/8 of a value's power of two (|out| up to ~3)
 SCORE_BYTES_LIMIT = 12 << 30  # skip torch.compile(math) when its fp32 score matrix would exceed this
 
@@ -68,10 +69,11 @@ def math_attention(q, k, v, scale: float, causal: bool):
 def implementations(q, k, v, scale: float, causal: bool, ext, key_mask=None, flash: bool = False) -> dict:
     """name -> (callable returning (B, Sq, H, D), context manager factory or None). ``key_mask`` (B, Skv): padded
     rows (fuseinfer and flash_attn take it per row, SDPA as a boolean mask; no compile_math)."""
-    impls = {"fuseinfer": (lambda: ext.attention(q, k, v, key_mask, None, scale), None)}
-    if causal and ext.attention_prefill_kernel() == "wgmma":  # the mma.sync prefill it replaces, same run
+    # the 16-bit kernels whatever FUSEINFER_ATTN_FP8 says; the FP8 prefill in a column of its own
+    impls = {"fuseinfer": (lambda: ext.attention(q, k, v, key_mask, None, scale), lambda: knobs.override(ATTN_FP8="0"))}
+    if causal and ext.attention_prefill_kernel() in ("wgmma", "wgmma_fp8"):  # the mma.sync prefill it replaces
         impls["fuseinfer_mma_sync"] = (lambda: ext.attention(q, k, v, key_mask, None, scale),
-                                       lambda: sm90_prefill(False))
+                                       lambda: knobs.override(ATTN_SM90="0", ATTN_FP8="0"))
         impls["fuseinfer_fp8"] = (lambda: ext.attention(q, k, v, key_mask, None, scale),
                                   lambda: knobs.override(ATTN_FP8="1"))
     if flash:  # the package through fuseinfer's mapping (checked to take the flash-attn-4 path in check_flash)
@@ -136,8 +138,12 @@ def run_config(mode: str, b: int, h: int, sq: int, skv: int, d: int, ext, ceilin
     for name, (fn, ctx) in implementations(q, k, v, scale, causal, ext, key_mask, flash).items():
         try:
             with ctx() if ctx else _null():
+                before = ext.path_counts()
                 out = fn()
                 torch.cuda.synchronize()
+                taken = {p for p, n in ext.path_counts().items() if n != before[p]}
+            if name in EXPECTED_PATH and EXPECTED_PATH[name] not in taken:  # a silent fallback is not timed as it
+                raise AssertionError(f"{name} {base}: took {sorted(taken)}, not {EXPECTED_PATH[name]}")
         except Exception as exc:  # backend unavailable for these inputs / this GPU (flash-attn-4 raises other types too)
             if name.startswith("fuseinfer"):
                 raise
@@ -212,7 +218,7 @@ def check_semantics(ext) -> None:
     from fuseinfer.ops.attention import attention_ref
 
     torch.manual_seed(1)
-    sm90 = (True, False) if ext.attention_prefill_kernel() == "wgmma" else (True,)
+    sm90 = (True, False) if ext.attention_prefill_kernel() in ("wgmma", "wgmma_fp8") else (True,)
     for d, enabled in ((d, enabled) for d in (64, 128) for enabled in sm90):
         for sq, skv, q_start in ((113, 113, None), (1, 4096, None), (4, 1024, 500), (16, 700, None)):
             b, h = 3, 4
@@ -223,7 +229,7 @@ def check_semantics(ext) -> None:
             pads = torch.tensor([0, 7, skv], device="cuda")  # row 2 fully padded: output must be exactly 0
             key_mask = torch.arange(skv, device="cuda")[None] >= pads[:, None]
             qs = None if q_start is None else torch.full((b,), q_start, device="cuda", dtype=torch.int32)
-            with sm90_prefill(enabled):
+            with knobs.override(ATTN_SM90="1" if enabled else "0", ATTN_FP8="0"):
                 out = ext.attention(q, k, v, key_mask, qs, d ** -0.5)
             ref = attention_ref(q.float(), k.float(), v.float(), key_mask, qs, d ** -0.5)
             err = (out.float() - ref).abs().max().item()

@@ -1893,7 +1893,8 @@ at::Tensor attention_int8out_cuda(const at::Tensor& q, const at::Tensor& k, cons
 // a query with no key gets 0. Returns (B, Sq, H, D) contiguous, q's dtype.
 // attention_prefill_kernel(): the kernel attention runs for prefill (fp16/bf16, Sq > 16) on the current device:
 // "wgmma" (sm_90a build on an sm_90 GPU, FUSEINFER_ATTN_SM90 not 0; a call still falls back when a tensor does not
-// fit a TMA map, there are more than 2^31 work items or scale <= 0) or "mma.sync".
+// fit a TMA map, there are more than 2^31 work items or scale <= 0), "wgmma_fp8" (the same with FUSEINFER_ATTN_FP8=1;
+// a call the FP8 form cannot take runs the 16-bit one) or "mma.sync".
 at::Tensor attention_kv_fp8_cuda(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in,
                                  const c10::optional<at::Tensor>& key_mask, const c10::optional<at::Tensor>& q_start,
                                  double scale, const at::Tensor& kv_scale) {

@@ -91,8 +91,8 @@ def _tile_pow2_scales(x: torch.Tensor) -> torch.Tensor:
 def attention_fp8_ref(q, k, v, key_mask, q_start, scale: float) -> torch.Tensor:
     """Pure-PyTorch reference of the FP8 prefill (``FUSEINFER_ATTN_FP8=1``) in fp32: q rounded to e4m3 at one scale
     per row (max |q| / 448), k and v at one power-of-two scale per 128-key tile, P (at most 1 here: the exact row max)
-    rounded to e4m3 for P V, the row sums from P in fp32 -> (B, Sq, H, D) in q's dtype. The kernel's online softmax
-    rescales by a running max, so its P is rounded at other magnitudes: tests compare both to fp32 attention."""
+    rounded to e4m3 for P V and for its row sums -> (B, Sq, H, D) in q's dtype. The kernel's online softmax rescales
+    by a running max, so its P is rounded at other magnitudes: tests compare both to fp32 attention."""
     b, _, sq, _ = q.shape
     skv = k.shape[2]
     allowed = allowed_mask(key_mask, q_start, b, sq, skv, q.device)  # (B, 1, Sq, Skv)
@@ -110,9 +110,9 @@ def attention_fp8_ref(q, k, v, key_mask, q_start, scale: float) -> torch.Tensor:
     scores = torch.matmul(q8, k8.transpose(-1, -2)) * scale  # (B, H, Sq, Skv)
     has_key = allowed.any(-1, keepdim=True)  # (B, 1, Sq, 1)
     scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0)
-    p = torch.exp(scores - scores.amax(-1, keepdim=True)).masked_fill(~allowed, 0.0)  # (B, H, Sq, Skv), <= 1
+    p = _e4m3(torch.exp(scores - scores.amax(-1, keepdim=True)).masked_fill(~allowed, 0.0))  # (B, H, Sq, Skv)
     total = p.sum(-1, keepdim=True)
-    out = torch.matmul(_e4m3(p), v8) / total.clamp_min(torch.finfo(torch.float32).tiny)  # (B, H, Sq, D)
+    out = torch.matmul(p, v8) / total.clamp_min(torch.finfo(torch.float32).tiny)  # (B, H, Sq, D)
     out = out.masked_fill(~has_key, 0.0)
     return out.transpose(1, 2).contiguous().to(q.dtype)
 

@@ -393,12 +393,16 @@ ATTN_CASES = {
 
 
 @pytest.mark.gpu
-def test_wgmma_prefill_is_built_for_sm90():
-    """On an H100/H200 the default build (FUSEINFER_CUDA_ARCH=9.0a) must carry the wgmma prefill and pick it."""
+def test_wgmma_prefill_is_built_for_sm90(set_knob):
+    """On an H100/H200 the default build (FUSEINFER_CUDA_ARCH=9.0a) must carry the wgmma prefill and pick it, and its
+    FP8 form with FUSEINFER_ATTN_FP8=1."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma prefill is for sm_90 GPUs")
     from fuseinfer.core.extension import extension
+    set_knob("FUSEINFER_ATTN_FP8", "0")
     assert extension().attention_prefill_kernel() == "wgmma"
+    set_knob("FUSEINFER_ATTN_FP8", "1")
+    assert extension().attention_prefill_kernel() == "wgmma_fp8"
 
 
 def _attention_paths():
@@ -522,19 +526,23 @@ def test_attention_kernel_fp8(case, d, dtype, set_knob):
 
 
 @pytest.mark.gpu
-def test_attention_kernel_fp8_large_and_small_magnitudes(set_knob):
-    """Keys and values far from 1 (x 1000 in one tile, x 1e-3 in another) and a zero query row: the per-tile powers of
-    two and the per-row query scales keep the FP8 prefill within the rule; a zero query attends uniformly."""
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", LOWP)
+def test_attention_kernel_fp8_scales_change_between_tiles(d, dtype, set_knob):
+    """Key and value tiles at different scales, every tile carrying weight: one key element of 100 in tile 0 (in a
+    head dim the queries do not use, so the scores keep their spread while the tile's key scale grows 16x), values x
+    1e-3 in tile 1 and x 30 in tile 2 (O moves between value scales), a zero query row: within the rule."""
     if not wgmma_available():
         pytest.skip("the FP8 prefill needs an sm_90 GPU")
     set_knob("FUSEINFER_ATTN_FP8", "1")
-    q, k, v, key_mask, q_start = _attn_case(b=2, h=4, sq=400, skv=400, d=64, dtype=torch.float16)
-    k[:, :, :128] *= 1000.0 / 16
+    q, k, v, key_mask, q_start = _attn_case(b=2, h=4, sq=400, skv=400, d=d, dtype=dtype)
+    q[..., 0] = 0.0
+    k[:, :, 7, 0] = 100.0
     v[:, :, 128:256] *= 1e-3
-    v[:, :, 256:] *= 30.0
+    v[:, :, 256:384] *= 30.0
     q[:, :, 5] = 0.0
-    ours = ops.attention(q, k, v, key_mask, q_start, 0.125)
-    _check_fp8_attention(ours, q, k, v, key_mask, q_start, 0.125, "magnitudes")
+    ours = ops.attention(q, k, v, key_mask, q_start, d ** -0.5)
+    _check_fp8_attention(ours, q, k, v, key_mask, q_start, d ** -0.5, f"scales d{d} {dtype}")
 
 
 @pytest.mark.gpu
