@@ -227,8 +227,8 @@ def get_int(name: str, minimum: int = 1) -> int:
 def changed_switches() -> dict[str, str]:
     """The extension's switches set to other than their defaults (e.g. ``{"FUSEINFER_ATTN_FP8": "1"}``): what a
     measurement's record names, since they change which kernels run."""
-    return {k.name: get(k.name) for k in KNOBS.values()
-            if k.extension and k.default is not None and get(k.name) != k.default}
+    values = {k.name: get(k.name) for k in KNOBS.values() if k.extension and k.default is not None}
+    return {name: value for name, value in values.items() if value != KNOBS[name].default}
 
 
 def extension_values() -> dict[str, int]:

@@ -96,10 +96,9 @@ def attention_fp8_ref(q, k, v, key_mask, q_start, scale: float) -> torch.Tensor:
     b, _, sq, _ = q.shape
     skv = k.shape[2]
     allowed = allowed_mask(key_mask, q_start, b, sq, skv, q.device)  # (B, 1, Sq, Skv)
-    # keys before the row's causal end, min(q_start + Sq, Skv), go into the tiles' scales (padding too); the kernel
-    # zeroes the rest (unwritten cache slots may hold NaN)
-    start = q_start if q_start is not None else torch.full((b,), skv - sq, dtype=torch.int32, device=q.device)
-    inside = (torch.arange(skv, device=q.device)[None] < (start.view(b, 1) + sq)).view(b, 1, skv, 1)
+    # keys up to the row's causal end (those its last query may see, padding too) go into the tiles' scales; the
+    # kernel zeroes the rest (unwritten cache slots may hold NaN)
+    inside = allowed_mask(None, q_start, b, sq, skv, q.device)[:, :, -1:].transpose(-1, -2)  # (B, 1, Skv, 1)
     k32, v32 = k.float().masked_fill(~inside, 0.0), v.float().masked_fill(~inside, 0.0)
     ks, vs = _tile_pow2_scales(k32), _tile_pow2_scales(v32)  # (B, Hkv, Skv, 1)
     k8, v8 = _e4m3(k32 / ks) * ks, _e4m3(v32 / vs) * vs

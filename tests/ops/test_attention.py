@@ -19,6 +19,7 @@ from helpers import (
     paths_taken,
     record_kernel_calls,
     ref_dtype,
+    sqnr_db,
     st,
     wgmma_available,
 )
@@ -484,7 +485,6 @@ def _check_fp8_attention(ours, q, k, v, key_mask, q_start, scale, what: str) -> 
 def test_fp8_reference_keeps_its_accuracy_and_masks():
     """attention_fp8_ref on the CPU: within 22 dB of fp32 attention on unit-normal inputs (e4m3 keeps 3 mantissa
     bits; measured ~26-27 dB), 0 for queries without keys, and unwritten slots (NaN past the causal end) unread."""
-    from helpers import sqnr_db
     for b, h, kv, sq, skv, d, qs, pads in [(2, 4, 4, 300, 300, 64, None, None), (1, 8, 2, 200, 700, 128, 400, None),
                                            (2, 4, 1, 130, 130, 64, None, [0, 129])]:
         q, k, v = torch.randn(b, h, sq, d), torch.randn(b, kv, skv, d), torch.randn(b, kv, skv, d)
